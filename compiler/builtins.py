@@ -1,0 +1,399 @@
+"""The language's primitive functions: argument checking and the IR they emit.
+
+Each builtin receives its arguments as (value, position) pairs, already
+matched to its parameter list, so an error can point at the exact argument.
+Builtins that own parameters (linear, embedding, the norms, conv2d) open a
+name scope: ``linear(x, 64, name="q")`` inside ``layers.0.attn`` creates
+``layers.0.attn.q.weight`` and ``layers.0.attn.q.bias``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import sympy
+
+from . import dims
+from .ir import DTYPES
+from .values import REQUIRED, Builtin, Tensor, describe
+
+BUILTINS: dict[str, Builtin] = {}
+
+
+def builtin(name: str, *params: tuple[str, object], doc: str = ""):
+    def deco(fn):
+        BUILTINS[name] = Builtin(name, tuple(params), fn, doc or (fn.__doc__ or "").strip())
+        return fn
+    return deco
+
+
+R = REQUIRED
+
+
+# ------------------------------------------------------------------ argument helpers
+def _tensor(call, arg, what="x") -> Tensor:
+    value, pos = arg
+    if isinstance(value, Tensor):
+        return value
+    if isinstance(value, list):
+        return call.tensor(value, pos)
+    raise call.error(f"'{what}' must be a tensor, got {describe(value)}", pos)
+
+
+def _int(call, arg, what, minimum=None) -> int:
+    value, pos = arg
+    if isinstance(value, sympy.Expr) and dims.is_static(value):
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise call.error(f"'{what}' must be an int, got {describe(value)}", pos)
+    if minimum is not None and value < minimum:
+        raise call.error(f"'{what}' must be at least {minimum}, got {value}", pos)
+    return value
+
+
+def _dim(call, arg, what):
+    value, pos = arg
+    if isinstance(value, bool) or not isinstance(value, (int, sympy.Expr)):
+        raise call.error(f"'{what}' must be a dimension (int or symbol), got {describe(value)}", pos)
+    return dims.dim(value)
+
+
+def _float(call, arg, what) -> float:
+    value, pos = arg
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise call.error(f"'{what}' must be a number, got {describe(value)}", pos)
+    return float(value)
+
+
+def _bool(call, arg, what) -> bool:
+    value, pos = arg
+    if not isinstance(value, bool):
+        raise call.error(f"'{what}' must be true or false, got {describe(value)}", pos)
+    return value
+
+
+def _choice(call, arg, what, choices) -> str:
+    value, pos = arg
+    if value not in choices:
+        raise call.error(f"'{what}' must be one of {', '.join(repr(c) for c in choices)}, got {describe(value)}", pos)
+    return value
+
+
+def _shape(call, arg, what):
+    value, pos = arg
+    if not isinstance(value, list):
+        raise call.error(f"'{what}' must be a list of dimensions, got {describe(value)}", pos)
+    return tuple(_dim(call, (v, pos), what) for v in value)
+
+
+def _scalar_math(fn, tensor_op):
+    def impl(call, x):
+        value, pos = x
+        if isinstance(value, Tensor):
+            return call.emit(tensor_op, [value])
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise call.error(f"expected a number or tensor, got {describe(value)}", pos)
+        return fn(value)
+    return impl
+
+
+# ------------------------------------------------------------------ layers with parameters
+@builtin("linear", ("x", R), ("out", R), ("bias", True), ("weight", None))
+def _linear(call, x, out, bias, weight):
+    """y = x W^T + b, with W stored [out, in] (PyTorch's layout). weight= reuses a tensor (tying, literals)."""
+    x = _tensor(call, x)
+    n_out = _int(call, out, "out", 1)
+    n_in = x.type.shape[-1] if x.type.rank else None
+    if weight[0] is None:
+        if n_in is None or not dims.is_static(n_in):
+            raise call.error(f"input width must be a fixed size, got {x.type}")
+        w = call.param("weight", (n_out, int(n_in)), "normal")
+    else:
+        w = _tensor(call, weight, "weight")
+        if w.type.rank != 2 or not dims.equal(w.type.shape[0], n_out):
+            raise call.error(f"weight must be [{n_out}, in], got {w.type}", weight[1])
+    inputs = [x, w]
+    if _bool(call, bias, "bias"):
+        inputs.append(call.param("bias", (n_out,), "zeros"))
+    return call.emit("linear", inputs)
+
+
+@builtin("embedding", ("ids", R), ("vocab", R), ("d", R))
+def _embedding(call, ids, vocab, d):
+    """Look up rows of a [vocab, d] table by integer ids."""
+    ids = _tensor(call, ids, "ids")
+    w = call.param("weight", (_int(call, vocab, "vocab", 1), _int(call, d, "d", 1)), "normal")
+    return call.emit("embedding", [ids, w])
+
+
+@builtin("layernorm", ("x", R), ("eps", 1e-5), ("bias", True))
+def _layernorm(call, x, eps, bias):
+    """Layer normalisation over the last axis, with a learned scale (and shift)."""
+    x = _tensor(call, x)
+    d = _static_last(call, x)
+    inputs = [x, call.param("weight", (d,), "ones")]
+    if _bool(call, bias, "bias"):
+        inputs.append(call.param("bias", (d,), "zeros"))
+    return call.emit("layernorm", inputs, {"eps": _float(call, eps, "eps")})
+
+
+@builtin("rmsnorm", ("x", R), ("eps", 1e-6))
+def _rmsnorm(call, x, eps):
+    """Root-mean-square normalisation over the last axis, with a learned scale."""
+    x = _tensor(call, x)
+    d = _static_last(call, x)
+    return call.emit("rmsnorm", [x, call.param("weight", (d,), "ones")], {"eps": _float(call, eps, "eps")})
+
+
+@builtin("conv2d", ("x", R), ("out", R), ("kernel", R), ("stride", 1), ("bias", True))
+def _conv2d(call, x, out, kernel, stride, bias):
+    """2-D convolution without padding (patch embedding): x [B, C, H, W]."""
+    x = _tensor(call, x)
+    if x.type.rank != 4:
+        raise call.error(f"expects [B, C, H, W], got {x.type}")
+    k = _int(call, kernel, "kernel", 1)
+    c = x.type.shape[1]
+    if not dims.is_static(c):
+        raise call.error(f"input channels must be a fixed size, got {x.type}")
+    n_out = _int(call, out, "out", 1)
+    inputs = [x, call.param("weight", (n_out, int(c), k, k), "normal")]
+    if _bool(call, bias, "bias"):
+        inputs.append(call.param("bias", (n_out,), "zeros"))
+    return call.emit("conv2d", inputs, {"kernel": k, "stride": _int(call, stride, "stride", 1)})
+
+
+@builtin("parameter", ("shape", R), ("init", "normal"), ("std", 0.02))
+def _parameter(call, shape, init, std):
+    """A free-standing learned tensor (class token, position table); its path is the name= given."""
+    shp = _shape(call, shape, "shape")
+    init_kind = _choice(call, init, "init", ("normal", "zeros", "ones"))
+    return call.raw_param("param", shp, init_kind, _float(call, std, "std"))
+
+
+@builtin("weight", ("path", R))
+def _weight(call, path):
+    """An existing parameter by its full path, e.g. weight("wte.weight") to tie an output head."""
+    value, pos = path
+    if not isinstance(value, str):
+        raise call.error(f"'path' must be a string, got {describe(value)}", pos)
+    return call.lookup_param(value, pos)
+
+
+@builtin("tensor", ("values", R), ("dtype", "f32"))
+def _tensor_lit(call, values, dtype):
+    """A literal tensor from nested lists of numbers."""
+    dt = _choice(call, dtype, "dtype", tuple(k for k, v in DTYPES.items() if v is not None))
+    if not isinstance(values[0], (list, int, float)) or isinstance(values[0], bool):
+        raise call.error(f"'values' must be a list of numbers, got {describe(values[0])}", values[1])
+    return call.tensor(values[0], values[1], dt)
+
+
+# ------------------------------------------------------------------ linear algebra and layout
+@builtin("matmul", ("a", R), ("b", R))
+def _matmul(call, a, b):
+    """Batched matrix product over the last two axes."""
+    return call.emit("matmul", [_tensor(call, a, "a"), _tensor(call, b, "b")])
+
+
+@builtin("transpose", ("x", R), ("perm", None))
+def _transpose(call, x, perm):
+    """Permute axes; without perm, swap the last two."""
+    x = _tensor(call, x)
+    if perm[0] is None:
+        if x.type.rank < 2:
+            raise call.error(f"needs rank >= 2, got {x.type}")
+        p = list(range(x.type.rank))
+        p[-1], p[-2] = p[-2], p[-1]
+    else:
+        p = [_int(call, (v, perm[1]), "perm") for v in (perm[0] if isinstance(perm[0], list) else [perm[0]])]
+        p = [i % x.type.rank if -x.type.rank <= i < x.type.rank else i for i in p]
+    return call.emit("transpose", [x], {"perm": p})
+
+
+@builtin("reshape", ("x", R), ("shape", R))
+def _reshape(call, x, shape):
+    """Reshape to the given dimensions (which may be symbolic)."""
+    return call.emit("reshape", [_tensor(call, x)], {"shape": list(_shape(call, shape, "shape"))})
+
+
+@builtin("split_heads", ("x", R), ("heads", R))
+def _split_heads(call, x, heads):
+    """[..., T, H*hd] -> [..., H, T, hd]."""
+    return call.emit("split_heads", [_tensor(call, x)], {"heads": _int(call, heads, "heads", 1)})
+
+
+@builtin("merge_heads", ("x", R))
+def _merge_heads(call, x):
+    """[..., H, T, hd] -> [..., T, H*hd]."""
+    return call.emit("merge_heads", [_tensor(call, x)])
+
+
+@builtin("repeat_kv", ("x", R), ("times", R))
+def _repeat_kv(call, x, times):
+    """Repeat each key/value head `times` times (grouped-query attention): [B, G, T, hd] -> [B, G*times, T, hd]."""
+    x = _tensor(call, x)
+    n = _int(call, times, "times", 1)
+    return x if n == 1 else call.emit("repeat_kv", [x], {"times": n})
+
+
+@builtin("concat", ("xs", R), ("axis", R))
+def _concat(call, xs, axis):
+    """Join a list of tensors along an axis."""
+    value, pos = xs
+    if not isinstance(value, list) or not value:
+        raise call.error(f"'xs' must be a non-empty list of tensors, got {describe(value)}", pos)
+    ts = [_tensor(call, (v, pos), "xs") for v in value]
+    return call.emit("concat", ts, {"axis": _int(call, axis, "axis")})
+
+
+@builtin("slice", ("x", R), ("axis", R), ("start", R), ("end", R))
+def _slice(call, x, axis, start, end):
+    """x[start:end] along one axis (start and end may be symbolic)."""
+    return call.emit("slice", [_tensor(call, x)], {"axis": _int(call, axis, "axis"),
+                                                   "start": _dim(call, start, "start"), "end": _dim(call, end, "end")})
+
+
+@builtin("select", ("x", R), ("axis", R), ("index", R))
+def _select(call, x, axis, index):
+    """Take one position along an axis, removing it (e.g. the class token)."""
+    return call.emit("select", [_tensor(call, x)], {"axis": _int(call, axis, "axis"),
+                                                    "index": _int(call, index, "index")})
+
+
+@builtin("expand", ("x", R), ("shape", R))
+def _expand(call, x, shape):
+    """Broadcast to a larger shape (e.g. a [1, 1, d] class token to [B, 1, d])."""
+    return call.emit("expand", [_tensor(call, x)], {"shape": list(_shape(call, shape, "shape"))})
+
+
+@builtin("mean", ("x", R), ("axis", R), ("keepdims", False))
+def _mean(call, x, axis, keepdims):
+    """Mean over one axis or a list of axes."""
+    return _reduce(call, "mean", x, axis, keepdims)
+
+
+@builtin("sum", ("x", R), ("axis", R), ("keepdims", False))
+def _sum(call, x, axis, keepdims):
+    """Sum over one axis or a list of axes."""
+    return _reduce(call, "sum", x, axis, keepdims)
+
+
+def _reduce(call, op, x, axis, keepdims):
+    axes = axis[0] if isinstance(axis[0], list) else [axis[0]]
+    return call.emit(op, [_tensor(call, x)], {"axes": [_int(call, (a, axis[1]), "axis") for a in axes],
+                                              "keepdims": _bool(call, keepdims, "keepdims")})
+
+
+@builtin("cast", ("x", R), ("dtype", R))
+def _cast(call, x, dtype):
+    """Convert a tensor's element type."""
+    dt = _choice(call, dtype, "dtype", tuple(k for k, v in DTYPES.items() if v is not None))
+    x = _tensor(call, x)
+    return x if x.type.dtype == dt else call.emit("cast", [x], {"dtype": dt})
+
+
+# ------------------------------------------------------------------ activations and elementwise math
+@builtin("softmax", ("x", R), ("axis", -1))
+def _softmax(call, x, axis):
+    """Softmax over one axis (the key axis, -1, for attention scores)."""
+    return call.emit("softmax", [_tensor(call, x)], {"axis": _int(call, axis, "axis")})
+
+
+@builtin("gelu", ("x", R), ("approx", "none"))
+def _gelu(call, x, approx):
+    """GELU, exact (erf) or with the tanh approximation (approx="tanh", GPT-2's)."""
+    return call.emit("gelu", [_tensor(call, x)], {"approx": _choice(call, approx, "approx", ("none", "tanh"))})
+
+
+def _unary_builtin(name, doc):
+    def impl(call, x):
+        return call.emit(name, [_tensor(call, x)])
+    impl.__doc__ = doc
+    builtin(name, ("x", R))(impl)
+
+
+_unary_builtin("relu", "max(x, 0).")
+_unary_builtin("silu", "x * sigmoid(x) (also called swish).")
+_unary_builtin("sigmoid", "1 / (1 + exp(-x)).")
+_unary_builtin("tanh", "Hyperbolic tangent.")
+
+builtin("sqrt", ("x", R), doc="Square root of a number or, elementwise, of a tensor.")(
+    _scalar_math(math.sqrt, "sqrt"))
+builtin("exp", ("x", R), doc="Exponential of a number or, elementwise, of a tensor.")(
+    _scalar_math(math.exp, "exp"))
+
+
+@builtin("min", ("a", R), ("b", R))
+def _min(call, a, b):
+    """The smaller of two numbers."""
+    return min(_float_or_int(call, a), _float_or_int(call, b))
+
+
+@builtin("max", ("a", R), ("b", R))
+def _max(call, a, b):
+    """The larger of two numbers."""
+    return max(_float_or_int(call, a), _float_or_int(call, b))
+
+
+def _float_or_int(call, arg):
+    value, pos = arg
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise call.error(f"expected a number, got {describe(value)}", pos)
+    return value
+
+
+# ------------------------------------------------------------------ attention pieces
+@builtin("causal_mask", ("scores", R), ("window", 0))
+def _causal_mask(call, scores, window):
+    """Hide keys after each query (and, with window=W, keys W or more positions before it)."""
+    return call.emit("causal_mask", [_tensor(call, scores, "scores")], {"window": _int(call, window, "window", 0)})
+
+
+@builtin("sliding_window_mask", ("scores", R), ("window", R))
+def _sliding_window(call, scores, window):
+    """Causal mask limited to the last `window` positions (each query sees itself and window-1 before)."""
+    return call.emit("causal_mask", [_tensor(call, scores, "scores")], {"window": _int(call, window, "window", 1)})
+
+
+@builtin("padding_mask", ("scores", R), ("mask", R))
+def _padding_mask(call, scores, mask):
+    """Hide padded keys: mask [B, Tk] holds 1 for real tokens and 0 for padding."""
+    return call.emit("padding_mask", [_tensor(call, scores, "scores"), _tensor(call, mask, "mask")])
+
+
+@builtin("rope", ("x", R), ("theta", 10000.0))
+def _rope(call, x, theta):
+    """Rotary position embedding on [..., T, hd] (rotate-half pairing, as in Llama)."""
+    return call.emit("rope", [_tensor(call, x)], {"theta": _float(call, theta, "theta")})
+
+
+@builtin("topk_gates", ("logits", R), ("k", R))
+def _topk_gates(call, logits, k):
+    """Mixture-of-experts routing: softmax over the top-k logits, zero elsewhere, shape kept [..., E]."""
+    return call.emit("topk_gates", [_tensor(call, logits, "logits")], {"k": _int(call, k, "k", 1)})
+
+
+# ------------------------------------------------------------------ positions
+@builtin("arange", ("n", R))
+def _arange(call, n):
+    """Positions 0..n-1 as i64 (n may be the symbolic sequence length)."""
+    return call.emit("arange", [], {"n": _dim(call, n, "n")})
+
+
+@builtin("sinusoidal", ("n", R), ("d", R))
+def _sinusoidal(call, n, d):
+    """Fixed sinusoidal position table [n, d]: sin and cos interleaved, as in the original transformer."""
+    dd = _int(call, d, "d", 2)
+    if dd % 2:
+        raise call.error(f"'d' must be even, got {dd}", d[1])
+    return call.emit("sinusoidal", [], {"n": _dim(call, n, "n"), "d": dd})
+
+
+def _static_last(call, x: Tensor) -> int:
+    if x.type.rank == 0 or not dims.is_static(x.type.shape[-1]):
+        raise call.error(f"the last axis must be a fixed size, got {x.type}")
+    return int(x.type.shape[-1])
+
+
+__all__ = ["BUILTINS", "np"]

@@ -1,0 +1,209 @@
+"""The ``tessera`` command: compile, run, report, ir.
+
+Every user error (a spec error, a bad --set, a weights file that does not
+fit, a run input of the wrong shape) prints a clear message and exits with
+status 2; a traceback means a bug in Tessera.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from tessera.compiler.signature import InputError, specs_from_graph
+from tessera.spec import SpecError
+
+from . import pipeline
+from .weights import WeightsError
+
+EPILOG = """examples:
+  tessera report models/gpt2.tsr --variant small
+  tessera compile models/gpt2.tsr --set layers=2 -o out/gpt2-tiny.onnx
+  tessera run out/gpt2-tiny.onnx --input 'tokens=[[464, 2068, 7586]]'
+  tessera run models/worked_example.tsr --input 'x=[[1,0],[0,1],[1,1]]'
+"""
+
+
+def _model_args(p: argparse.ArgumentParser, spec_help: str) -> None:
+    p.add_argument("spec", metavar="SPEC" if "spec" in spec_help else "MODEL", help=spec_help)
+    p.add_argument("--variant", "-V", help="a variant defined in the spec file (e.g. small, medium)")
+    p.add_argument("--set", dest="sets", action="append", default=[], metavar="NAME=VALUE",
+                   help="override a hyperparameter (repeatable), checked like the spec's own values")
+
+
+def _weights_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--seed", type=int, default=0, help="seed of the weight initialiser (default 0)")
+    p.add_argument("--weights", metavar="FILE",
+                   help="a .safetensors file or folder of shards; Hugging Face names are mapped by the "
+                        "<spec>.hf.toml file beside the spec")
+
+
+def make_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="tessera", formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EPILOG,
+        description="Compile transformer specs (.tsr) to ONNX, run them in onnxruntime, and report their cost.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    c = sub.add_parser("compile", help="compile a spec to an ONNX file",
+                       description="Elaborate a spec, fill its weights (seeded or from a checkpoint) and write "
+                                   "ONNX (opset 21, IR version 10) with batch and sequence as dynamic dims.")
+    _model_args(c, "spec file (.tsr)")
+    _weights_args(c)
+    c.add_argument("-o", "--output", required=True, metavar="OUT.onnx", help="where to write the model")
+    c.add_argument("--no-check", action="store_true", help="skip onnx.checker's full check of the result")
+
+    r = sub.add_parser("run", help="run a spec or an ONNX file in onnxruntime",
+                       description="Run a .tsr spec (compiled on the fly) or an .onnx file and print its outputs.")
+    _model_args(r, "a .tsr spec or a compiled .onnx file")
+    _weights_args(r)
+    r.add_argument("--input", "-i", dest="inputs", action="append", default=[], metavar="NAME=VALUE",
+                   help="an input: a JSON array (e.g. 'tokens=[[1,2,3]]') or a .npy file (repeatable)")
+    r.add_argument("--provider", choices=["auto", "cpu", "cuda"], default="auto",
+                   help="execution provider; auto takes CUDA when usable, else CPU (default auto)")
+    r.add_argument("--format", choices=["table", "json"], default="table", help="output format (default table)")
+
+    rep = sub.add_parser("report", help="print the static cost report of a spec",
+                         description="Parameter counts of a spec, without allocating any weights.")
+    _model_args(rep, "spec file (.tsr)")
+    rep.add_argument("--format", choices=["table", "json"], default="table", help="output format (default table)")
+
+    ir = sub.add_parser("ir", help="print the elaborated IR graph of a spec")
+    _model_args(ir, "spec file (.tsr)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = make_parser().parse_args(argv)
+    try:
+        return {"compile": cmd_compile, "run": cmd_run, "report": cmd_report, "ir": cmd_ir}[args.command](args)
+    except SpecError as e:
+        print(e.render(), file=sys.stderr)
+    except (pipeline.UsageError, WeightsError, InputError) as e:
+        print(f"error: {e}", file=sys.stderr)
+    except Exception as e:
+        from .session import ProviderError
+
+        if isinstance(e, ProviderError):
+            print(f"error: {e}", file=sys.stderr)
+        else:
+            raise
+    return 2
+
+
+def cmd_compile(args) -> int:
+    t0 = time.perf_counter()
+    built = pipeline.build(args.spec, args.variant, args.sets)
+    weights = pipeline.weights_for(built, args.weights, args.seed)
+    files = pipeline.export(built, weights, args.output, check=not args.no_check)
+    size = sum(f.stat().st_size for f in files)
+    print(f"wrote {', '.join(map(str, files))}: {built.graph.name}"
+          f"{' (' + built.info.variant + ')' if built.info.variant else ''}, "
+          f"{built.graph.param_count():,} parameters, {size / 1e6:.1f} MB, {time.perf_counter() - t0:.1f} s")
+    return 0
+
+
+def cmd_run(args) -> int:
+    from .inputs import parse_inputs
+    from .session import onnx_input_specs, open_session, run_session
+
+    path = Path(args.spec)
+    if path.suffix == ".onnx":
+        if args.variant or args.sets or args.weights:
+            raise pipeline.UsageError("--variant, --set and --weights apply to .tsr specs; an .onnx file is "
+                                      "already compiled")
+        if not path.exists():
+            raise pipeline.UsageError(f"model file not found: {path}")
+        specs = onnx_input_specs(path)
+        source: str | bytes = str(path)
+    else:
+        built = pipeline.build(args.spec, args.variant, args.sets)
+        specs = specs_from_graph(built.graph)
+        from tessera.compiler import onnx_export
+
+        weights = pipeline.weights_for(built, args.weights, args.seed)
+        source = onnx_export.to_onnx(built.graph, weights).SerializeToString()
+    feeds = parse_inputs(args.inputs, specs)
+    from tessera.compiler.signature import bind_inputs
+
+    bind_inputs(specs, feeds)
+    sess = open_session(source, args.provider)
+    outputs = run_session(sess, feeds)
+    provider = sess.get_providers()[0]
+    if args.format == "json":
+        print(json.dumps({"provider": provider,
+                          "outputs": {k: {"shape": list(v.shape), "dtype": str(v.dtype), "values": v.tolist()}
+                                      for k, v in outputs.items()}}))
+    else:
+        _print_outputs(outputs, provider)
+    return 0
+
+
+def _print_outputs(outputs: dict[str, np.ndarray], provider: str) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    table = Table(title=f"outputs (onnxruntime, {provider})")
+    for col in ("name", "shape", "dtype", "min", "max", "mean"):
+        table.add_column(col)
+    for name, v in outputs.items():
+        flat = v.reshape(-1)
+        stats = ([f"{flat.min():.4g}", f"{flat.max():.4g}", f"{flat.astype(np.float64).mean():.4g}"]
+                 if flat.size else ["", "", ""])
+        table.add_row(name, str(list(v.shape)), str(v.dtype), *stats)
+    console.print(table)
+    for name, v in outputs.items():
+        with np.printoptions(precision=4, suppress=True, threshold=200, edgeitems=3, linewidth=100):
+            console.print(f"{name} =", np.array2string(v), markup=False, highlight=False)
+
+
+def cmd_report(args) -> int:
+    from tessera.compiler.analysis import parameter_report
+
+    built = pipeline.build(args.spec, args.variant, args.sets)
+    params = parameter_report(built.graph)
+    report = {"model": built.info.model, "variant": built.info.variant,
+              "hyperparams": {k: pipeline._jsonable(v) for k, v in built.info.hyperparams.items()},
+              "params": params}
+    if args.format == "json":
+        print(json.dumps(report, indent=2))
+        return 0
+    from rich.console import Console
+    from rich.table import Table
+
+    title = f"{built.info.model}{' (' + built.info.variant + ')' if built.info.variant else ''}: parameters"
+    table = Table(title=title)
+    table.add_column("component")
+    table.add_column("parameters", justify="right")
+    table.add_column("share", justify="right")
+    total = params["total"]
+    for comp, n in params["by_component"].items():
+        table.add_row(comp, f"{n:,}", f"{100 * n / total:.1f}%")
+    layers = params["per_layer"]
+    if layers:
+        first = next(iter(layers))
+        for part, n in layers[first].items():
+            if part != "total":
+                table.add_row(f"  {first}.{part}", f"{n:,}", "")
+        table.add_row(f"  one layer ({first})", f"{layers[first]['total']:,}", "")
+    table.add_row("total", f"{total:,}", "100.0%", style="bold")
+    console = Console()
+    console.print(table)
+    for p, users in params["tied"].items():
+        console.print(f"tied: {p} is shared by {', '.join(users)} (counted once)")
+    return 0
+
+
+def cmd_ir(args) -> int:
+    built = pipeline.build(args.spec, args.variant, args.sets)
+    print(built.graph.dump())
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

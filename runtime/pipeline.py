@@ -1,0 +1,87 @@
+"""The steps every command shares: load a spec, elaborate it, get weights, export."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from tessera.compiler import onnx_export
+from tessera.compiler.elaborate import ModelInfo, elaborate
+from tessera.compiler.ir import Graph
+from tessera.compiler.values import BlockRef
+from tessera.spec import Program, SpecError, load_program
+
+from .weights import init_weights, load_weights, name_map_for
+
+
+class UsageError(Exception):
+    """A bad command-line value (not a spec error)."""
+
+
+@dataclass
+class Built:
+    program: Program
+    graph: Graph
+    info: ModelInfo
+    spec_path: Path
+
+
+def parse_set(items: list[str], program: Program) -> dict:
+    """--set k=v values: ints, floats, true/false, block names, else strings."""
+    out = {}
+    for item in items:
+        m = re.fullmatch(r"([A-Za-z_]\w*)=(.*)", item)
+        if not m:
+            raise UsageError(f"--set '{item}' must be NAME=VALUE, e.g. --set layers=2")
+        key, text = m.groups()
+        if key in out:
+            raise UsageError(f"--set {key} is given twice")
+        out[key] = _parse_value(text, program)
+    return out
+
+
+def _parse_value(text: str, program: Program):
+    if re.fullmatch(r"[+-]?\d+", text):
+        return int(text)
+    if re.fullmatch(r"[+-]?(\d+\.\d*|\.\d+|\d+)([eE][+-]?\d+)?", text):
+        return float(text)
+    if text in ("true", "false"):
+        return text == "true"
+    if text in program.blocks:
+        return BlockRef(program.blocks[text])
+    return text
+
+
+def build(spec: str | Path, variant: str | None = None, sets: list[str] | None = None) -> Built:
+    program = load_program(spec)
+    overrides = parse_set(sets or [], program)
+    graph, info = elaborate(program, variant, overrides)
+    return Built(program, graph, info, Path(spec))
+
+
+def weights_for(built: Built, weights: str | None, seed: int) -> dict[str, np.ndarray]:
+    if weights:
+        return load_weights(built.graph, Path(weights), name_map_for(built.spec_path))
+    return init_weights(built.graph, seed)
+
+
+def export(built: Built, weights: dict[str, np.ndarray], out: str | Path, check: bool = True) -> list[Path]:
+    meta = {"tessera.model": built.info.model, "tessera.variant": built.info.variant or "",
+            "tessera.hyperparams": {k: _jsonable(v) for k, v in built.info.hyperparams.items()}}
+    model = onnx_export.to_onnx(built.graph, weights, meta)
+    files = onnx_export.save(model, out)
+    if check:
+        onnx_export.check(out)
+    return files
+
+
+def _jsonable(v):
+    if isinstance(v, BlockRef):
+        return v.block.name
+    return v
+
+
+__all__ = ["Built", "build", "weights_for", "export", "parse_set", "UsageError", "SpecError"]

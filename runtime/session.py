@@ -1,0 +1,73 @@
+"""onnxruntime sessions: provider choice and input signatures of ONNX files."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnx
+
+from tessera.compiler.onnx_export import ONNX_DTYPES
+from tessera.compiler.signature import InputSpec
+
+_FROM_ONNX = {v: k for k, v in ONNX_DTYPES.items()}
+
+
+class ProviderError(Exception):
+    pass
+
+
+def _ort():
+    import onnxruntime as ort
+
+    ort.set_default_logger_severity(3)  # onnxruntime-gpu warns loudly on machines without CUDA
+    return ort
+
+
+def cuda_usable() -> bool:
+    ort = _ort()
+    return "CUDAExecutionProvider" in ort.get_available_providers()
+
+
+def open_session(model: str | Path | bytes, provider: str = "auto"):
+    """An InferenceSession on the chosen provider. 'auto' takes CUDA when it really starts, else CPU."""
+    ort = _ort()
+    opts = ort.SessionOptions()
+    opts.log_severity_level = 3
+    src = model if isinstance(model, bytes) else str(model)
+    if provider == "cpu":
+        return ort.InferenceSession(src, opts, providers=["CPUExecutionProvider"])
+    if provider not in ("auto", "cuda"):
+        raise ProviderError(f"unknown provider '{provider}' (use auto, cpu or cuda)")
+    if "CUDAExecutionProvider" in ort.get_available_providers():
+        ort.set_default_logger_severity(4)  # a failed CUDA load is expected on CPU machines; we fall back
+        try:
+            sess = ort.InferenceSession(src, opts, providers=["CUDAExecutionProvider", "CPUExecutionProvider"])
+            if sess.get_providers()[0] == "CUDAExecutionProvider":
+                return sess
+        except Exception:  # CUDA libraries missing or no device: fall through
+            pass
+        finally:
+            ort.set_default_logger_severity(3)
+    if provider == "cuda":
+        raise ProviderError("the CUDA provider is not usable on this machine (no GPU or CUDA libraries); "
+                            "use --provider cpu or auto")
+    return ort.InferenceSession(src, opts, providers=["CPUExecutionProvider"])
+
+
+def onnx_input_specs(path: str | Path) -> list[InputSpec]:
+    model = onnx.load(str(path), load_external_data=False)
+    init = {i.name for i in model.graph.initializer}
+    specs = []
+    for vi in model.graph.input:
+        if vi.name in init:
+            continue
+        t = vi.type.tensor_type
+        dims = tuple(d.dim_value if d.HasField("dim_value") else (d.dim_param or "?") for d in t.shape.dim)
+        specs.append(InputSpec(vi.name, _FROM_ONNX.get(t.elem_type, "f32"), dims))
+    return specs
+
+
+def run_session(sess, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    names = [o.name for o in sess.get_outputs()]
+    return dict(zip(names, sess.run(names, feeds)))
