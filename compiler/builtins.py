@@ -119,11 +119,17 @@ def _linear(call, x, out, bias, weight):
     return call.emit("linear", inputs)
 
 
-@builtin("embedding", ("ids", R), ("vocab", R), ("d", R))
-def _embedding(call, ids, vocab, d):
-    """Look up rows of a [vocab, d] table by integer ids."""
+@builtin("embedding", ("ids", R), ("vocab", R), ("d", R), ("weight", None))
+def _embedding(call, ids, vocab, d, weight):
+    """Look up rows of a [vocab, d] table by integer ids; weight= shares an existing table."""
     ids = _tensor(call, ids, "ids")
-    w = call.param("weight", (_int(call, vocab, "vocab", 1), _int(call, d, "d", 1)), "normal")
+    shape = (_int(call, vocab, "vocab", 1), _int(call, d, "d", 1))
+    if weight[0] is None:
+        w = call.param("weight", shape, "normal")
+    else:
+        w = _tensor(call, weight, "weight")
+        if not dims.shapes_equal(w.type.shape, dims.shape(shape)):
+            raise call.error(f"weight must be [{shape[0]}, {shape[1]}], got {w.type}", weight[1])
     return call.emit("embedding", [ids, w])
 
 
