@@ -578,7 +578,8 @@ class Elaborator:
                 raise SpecError("a literal tensor must be a rectangular list of numbers", pos) from None
             if arr.dtype == object:
                 raise SpecError("a literal tensor must be a rectangular list of numbers", pos)
-            base = self.scope_path("const") if self.scope else "const"
+            # constants carry a "/" in their names, parameters never do: an ONNX reader can tell them apart
+            base = f"{self.scope_path()}/const" if self.scope else "/const"
             v = self.graph.add_const(base, arr, dtype if dtype in DTYPES else "f32")
             return Tensor(v.name, v.type)
         if isinstance(value, sympy.Expr):

@@ -65,7 +65,7 @@ class _Builder:
         key = (array.dtype.str, array.shape, array.tobytes())
         if key in self._consts:
             return self._consts[key]
-        name = self.fresh(hint) if not self.current else self._const_name(hint)
+        name = self._const_name(hint)  # every constant's name has a '/'; parameter paths never do
         self.initializers.append(numpy_helper.from_array(array, name))
         self._consts[key] = name
         return name
