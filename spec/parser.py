@@ -188,7 +188,7 @@ class _ToAst(Transformer):
         return ast.BinOp(self._pos(meta), str(c[1]), c[0], c[2])
 
     def pow_op(self, meta, c):
-        return ast.BinOp(self._pos(meta), "**", c[0], c[1])
+        return ast.BinOp(self._pos(meta), "**", c[0], c[2])
 
     def neg(self, meta, c):
         return ast.UnaryOp(self._pos(meta), "-", c[0])

@@ -1,0 +1,124 @@
+"""Every primitive: onnxruntime agrees with the numpy interpreter, and the numpy
+interpreter agrees with PyTorch's definitions of the same functions."""
+
+import numpy as np
+import pytest
+
+from conftest import build, ort_run
+from tessera.compiler import interpret
+from tessera.runtime.weights import init_weights
+
+ALL_OPS = """
+block widen(x: [B, T, d], factor = 2) -> [B, T, d * factor] {
+  return concat([x, x * 0.5], axis=-1)
+}
+
+model Everything(d = 8, heads = 2, window = 2) {
+  in x: f32[B, T, d]
+  in ids: i64[B, T]
+  in mask: i64[B, T]
+  in image: f32[B, 3, 8, 8]
+  out y: f32[B, T, d]
+  out pooled: f32[B, d]
+  out patches: f32[B, 4, d]
+  out gates: f32[B, T, 4]
+
+  e = embedding(ids, 11, d, name="emb") + sinusoidal(T, d) + embedding(arange(T), 16, d, name="pos")
+  h = layernorm(x + e, name="ln") - rmsnorm(x, name="rms") / 2.0
+  q = rope(split_heads(linear(h, d, name="q"), heads), 500.0)
+  k = split_heads(linear(h, d, bias=false, name="k"), heads)
+  v = split_heads(linear(h, d, name="v"), heads)
+  s = sliding_window_mask(matmul(q, transpose(k)) * 0.25, window)
+  s = padding_mask(s, mask)
+  a = merge_heads(matmul(softmax(s, axis=-1), v))
+  w = linear(widen(a), d, name="down")
+  act = gelu(w) + gelu(w, approx="tanh") + relu(w) + silu(w) + sigmoid(w) + tanh(w) + exp(w * 0.1) + sqrt(w * w + 1.0)
+  y = reshape(transpose(reshape(act, [B, T, 2, d / 2]), [0, 1, 3, 2]), [B, T, d]) ** 2.0
+  pooled = mean(y, 1) + select(y, 1, 0) + sum(slice(y, 1, 0, 1), 1)
+  c = conv2d(image, d, 4, stride=4, name="patch")
+  patches = transpose(reshape(c, [B, d, 4]))
+  gates = topk_gates(linear(h, 4, name="router"), 2)
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def everything(tmp_path_factory):
+    spec = tmp_path_factory.mktemp("spec") / "everything.tsr"
+    spec.write_text(ALL_OPS)
+    return build(str(spec))
+
+
+def _feeds(rng, b=2, t=6):
+    mask = np.ones((b, t), np.int64)
+    mask[1, -3:] = 0
+    return {"x": rng.standard_normal((b, t, 8)).astype(np.float32),
+            "ids": rng.integers(0, 11, (b, t)).astype(np.int64),
+            "mask": mask,
+            "image": rng.standard_normal((b, 3, 8, 8)).astype(np.float32)}
+
+
+def test_every_op_agrees_between_numpy_and_onnxruntime(everything, rng):
+    used = {n.op for n in everything.nodes.values()}
+    assert {"rope", "causal_mask", "padding_mask", "conv2d", "topk_gates", "sinusoidal", "concat", "slice",
+            "select", "mean", "sum", "rmsnorm", "layernorm", "gelu", "reshape", "transpose", "pow"} <= used
+    weights = init_weights(everything, seed=5)
+    feeds = _feeds(rng)
+    ref = interpret.run(everything, weights, feeds)
+    got = ort_run(everything, weights, feeds)
+    for name in ref:
+        np.testing.assert_allclose(got[name], ref[name], rtol=2e-4, atol=2e-4, err_msg=name)
+    gates = got["gates"]
+    assert np.allclose(gates.sum(-1), 1.0, atol=1e-6) and ((gates > 0).sum(-1) == 2).all()
+
+
+torch = pytest.importorskip("torch")
+F = torch.nn.functional
+
+
+def test_numpy_ops_match_pytorch(rng):
+    x = rng.standard_normal((2, 5, 8)).astype(np.float32)
+    t = torch.from_numpy(x)
+    close = dict(rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(interpret.erf(x), torch.erf(t).numpy(), **close)
+    v = x
+    gelu_exact = 0.5 * v * (1 + interpret.erf(v / np.sqrt(2)))
+    np.testing.assert_allclose(gelu_exact, F.gelu(t).numpy(), **close)
+    w = rng.standard_normal(8).astype(np.float32)
+    b = rng.standard_normal(8).astype(np.float32)
+    np.testing.assert_allclose(interpret._layernorm(x, w, b, 1e-5),
+                               F.layer_norm(t, (8,), torch.from_numpy(w), torch.from_numpy(b), 1e-5).numpy(), **close)
+    np.testing.assert_allclose(interpret._softmax(x, -1), torch.softmax(t, -1).numpy(), **close)
+    pe = interpret.sinusoidal_table(3, 4)
+    np.testing.assert_allclose(pe[1], [0.841, 0.540, 0.010, 1.000], atol=1e-3)  # the seed's D=4, position 1
+
+
+def test_causal_and_sliding_window_attention_match_pytorch(rng):
+    q, k, v = (rng.standard_normal((1, 2, 6, 4)).astype(np.float32) for _ in range(3))
+    for window in (0, 3):
+        s = interpret._causal(q @ np.swapaxes(k, -1, -2) / 2.0, window)
+        ours = interpret._softmax(s, -1) @ v
+        i, j = np.arange(6)[:, None], np.arange(6)[None, :]
+        allowed = (j <= i) & ((j > i - window) if window else True)
+        ref = F.scaled_dot_product_attention(torch.from_numpy(q), torch.from_numpy(k), torch.from_numpy(v),
+                                             attn_mask=torch.from_numpy(allowed)).numpy()
+        np.testing.assert_allclose(ours, ref, rtol=1e-5, atol=1e-6)
+
+
+def test_use_shares_blocks_between_files(tmp_path):
+    (tmp_path / "blocks.tsr").write_text("""
+block double(x: [B, T, d]) -> [B, T, d] {
+  return x * 2.0
+}
+""")
+    (tmp_path / "main.tsr").write_text("""
+use "blocks.tsr"
+model M(d = 4) {
+  in x: f32[B, T, d]
+  out y: f32[B, T, d]
+  y = double(x)
+}
+""")
+    g = build(str(tmp_path / "main.tsr"))
+    x = np.ones((1, 2, 4), np.float32)
+    assert (interpret.run(g, {}, {"x": x})["y"] == 2.0).all()
