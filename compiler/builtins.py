@@ -37,7 +37,7 @@ def _tensor(call, arg, what="x") -> Tensor:
     if isinstance(value, Tensor):
         return value
     if isinstance(value, list):
-        return call.tensor(value, pos)
+        return call.tensor(value, pos, what=what)
     raise call.error(f"'{what}' must be a tensor, got {describe(value)}", pos)
 
 

@@ -564,7 +564,7 @@ class Elaborator:
         v = self.graph.add_param(Param(path, tuple(int_shape), dtype, init, std, pos))
         return Tensor(v.name, v.type)
 
-    def as_tensor(self, value, pos: Pos, dtype: str = "f32") -> Tensor:
+    def as_tensor(self, value, pos: Pos, dtype: str = "f32", hint: str = "const", scope: str | None = None) -> Tensor:
         """Turn a tensor, number or literal (nested list) into a graph tensor."""
         if isinstance(value, Tensor):
             return value
@@ -579,7 +579,8 @@ class Elaborator:
             if arr.dtype == object:
                 raise SpecError("a literal tensor must be a rectangular list of numbers", pos)
             # constants carry a "/" in their names, parameters never do: an ONNX reader can tell them apart
-            base = f"{self.scope_path()}/const" if self.scope else "/const"
+            scope = self.scope_path() if scope is None else scope
+            base = f"{scope}/{hint}" if scope else f"const/{hint}"
             v = self.graph.add_const(base, arr, dtype if dtype in DTYPES else "f32")
             return Tensor(v.name, v.type)
         if isinstance(value, sympy.Expr):
@@ -627,8 +628,9 @@ class BuiltinCall:
             name = None
         return self.elab.emit(op, inputs, attrs or {}, self.pos, n_out, name)
 
-    def tensor(self, value, pos: Pos | None = None, dtype: str = "f32") -> Tensor:
-        return self.elab.as_tensor(value, pos or self.pos, dtype)
+    def tensor(self, value, pos: Pos | None = None, dtype: str = "f32", what: str = "const") -> Tensor:
+        scope = self.elab.scope_path(self.segment()) if self.explicit_name else None
+        return self.elab.as_tensor(value, pos or self.pos, dtype, what, scope)
 
     def lookup_param(self, path: str, pos: Pos) -> Tensor:
         g = self.graph

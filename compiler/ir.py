@@ -167,6 +167,9 @@ class Graph:
             lines.append(f"  in  {name}: {self.values[name].type}")
         for p in self.params.values():
             lines.append(f"  param {p.path}: {p.dtype}{list(p.shape)}")
+        for name, arr in self.consts.items():
+            shown = np.array2string(arr, separator=", ") if arr.size <= 16 else f"<{arr.size} values>"
+            lines.append(f"  const {name}: {self.values[name].type} = {' '.join(shown.split())}")
         for n in self.nodes.values():
             attrs = ", ".join(f"{k}={_fmt_attr(v)}" for k, v in sorted(n.attrs.items()))
             outs = ", ".join(f"{o}: {self.values[o].type}" for o in n.outputs)
