@@ -201,8 +201,9 @@ class Elaborator:
             if not isinstance(cond, bool):
                 raise SpecError(f"assert needs a true/false condition, got {describe(cond)}", s.cond.pos)
             if not cond:
-                msg = self._interpolate(s.message, env, s.pos) if s.message else "assertion failed"
-                raise SpecError(f"assertion failed: {msg}", s.pos)
+                if s.message:
+                    raise SpecError(f"assertion failed: {self._interpolate(s.message, env, s.pos)}", s.pos)
+                raise SpecError("assertion failed", s.pos)
         elif isinstance(s, ast.InDecl):
             if not in_model:
                 raise SpecError("'in' declarations belong to a model, not a block", s.pos)
@@ -480,6 +481,9 @@ class Elaborator:
                 self.exec_body(block.body, env)
             except _Return as r:
                 result = r.value
+            except SpecError as err:
+                err.notes.append(f"in block {block.name}, called at {pos}")
+                raise
             else:
                 raise SpecError(f"block {block.name} ends without 'return'", block.pos)
         if block.result is not None:
@@ -544,7 +548,8 @@ class Elaborator:
         try:
             out_types = ops.infer(op, types, attrs)
         except ops.ShapeError as err:
-            raise SpecError(f"{op}: {err}", pos) from None
+            msg = str(err)
+            raise SpecError(msg if msg.startswith(op) else f"{op}: {msg}", pos) from None
         node = self.graph.add_node(op, [t.name for t in inputs], out_types, attrs, self.scope_path(), pos, name)
         outs = [Tensor(v, t) for v, t in zip(node.outputs, out_types)]
         return outs[0] if n_out == 1 else outs

@@ -86,9 +86,9 @@ def main(argv: list[str] | None = None) -> int:
     except (pipeline.UsageError, WeightsError, InputError) as e:
         print(f"error: {e}", file=sys.stderr)
     except Exception as e:
-        from .session import ProviderError
+        from .session import ProviderError, RunError
 
-        if isinstance(e, ProviderError):
+        if isinstance(e, (ProviderError, RunError)):
             print(f"error: {e}", file=sys.stderr)
         else:
             raise

@@ -52,6 +52,8 @@ def _value(name: str, text: str, spec: InputSpec) -> np.ndarray:
             raise InputError(f"input '{name}': expected numbers in a rectangular array of shape {spec}")
     if arr.dtype == want:
         return arr
+    if arr.size == 0:
+        return arr.astype(want)  # empty: reported as an empty axis by the shape check
     if want.kind in "iu" and arr.dtype.kind == "f":
         raise InputError(f"input '{name}' holds floating-point values but expects {spec.dtype} (shape {spec})")
     if not np.can_cast(arr.dtype, want, "same_kind") and not (arr.dtype.kind in "iub" and want.kind in "iuf"):

@@ -33,7 +33,7 @@ def open_session(model: str | Path | bytes, provider: str = "auto"):
     """An InferenceSession on the chosen provider. 'auto' takes CUDA when it really starts, else CPU."""
     ort = _ort()
     opts = ort.SessionOptions()
-    opts.log_severity_level = 3
+    opts.log_severity_level = 4  # run-time failures are reported by run_session, not by onnxruntime's log
     src = model if isinstance(model, bytes) else str(model)
     if provider == "cpu":
         return ort.InferenceSession(src, opts, providers=["CPUExecutionProvider"])
@@ -68,6 +68,17 @@ def onnx_input_specs(path: str | Path) -> list[InputSpec]:
     return specs
 
 
+class RunError(Exception):
+    """onnxruntime rejected the inputs at run time (e.g. a token id past the vocabulary)."""
+
+
 def run_session(sess, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     names = [o.name for o in sess.get_outputs()]
-    return dict(zip(names, sess.run(names, feeds)))
+    try:
+        return dict(zip(names, sess.run(names, feeds)))
+    except Exception as e:  # onnxruntime raises its own exception types (InvalidArgument, Fail, ...)
+        msg = str(e).split("] : ", 1)[-1].strip()
+        shapes = ", ".join(f"{k}{list(v.shape)}" for k, v in feeds.items())
+        raise RunError(f"onnxruntime could not run the model on the inputs given ({shapes}): {msg}. "
+                       f"Check that token ids are below the vocabulary size and the sequence fits the "
+                       f"model's context.") from None

@@ -82,17 +82,26 @@ class NameMap:
         m.ignore = [_compile(p) for p in data.get("ignore", [])]
         return m
 
-    def apply(self, tensors: dict[str, np.ndarray]) -> tuple[dict[str, np.ndarray], list[str]]:
+    def apply(self, tensors: dict[str, np.ndarray], native=frozenset()) -> tuple[dict[str, np.ndarray], list[str]]:
         """Translate names; returns (translated tensors, names no rule matched)."""
         out, unmatched = {}, []
         for name, arr in tensors.items():
             if any(p.fullmatch(name) for p in self.ignore):
+                continue
+            if name in native:  # already a Tessera path
+                out[name] = arr
                 continue
             for rule in self.rules:
                 m = rule.pattern.fullmatch(name)
                 if not m:
                     continue
                 value = arr
+                if rule.split_axis is not None:
+                    size = value.shape[rule.split_axis] if value.ndim > rule.split_axis else 0
+                    if size % len(rule.targets):
+                        raise WeightsError(f"{name} has shape {list(value.shape)}: axis {rule.split_axis} "
+                                           f"({size}) does not split into {len(rule.targets)} equal parts "
+                                           f"for {', '.join(t.format(**m.groupdict()) for t in rule.targets)}")
                 pieces = [value] if rule.split_axis is None else np.split(value, len(rule.targets), axis=rule.split_axis)
                 for target, piece in zip(rule.targets, pieces):
                     piece = piece.T if rule.transpose else piece
@@ -137,7 +146,7 @@ def load_weights(graph: Graph, path: Path, name_map: NameMap | None = None) -> d
     tensors = read_safetensors(path)
     unexpected: list[str] = []
     if name_map is not None and not set(tensors) <= set(graph.params):
-        tensors, unexpected = name_map.apply(tensors)
+        tensors, unexpected = name_map.apply(tensors, frozenset(graph.params))
     else:
         unexpected = [n for n in tensors if n not in graph.params]
         tensors = {k: v for k, v in tensors.items() if k in graph.params}

@@ -43,6 +43,8 @@ def load_program(path: str | Path) -> Program:
     path = Path(path)
     if not path.exists():
         raise SpecError(f"spec file not found: {path}")
+    if not path.is_file():
+        raise SpecError(f"spec path is not a file: {path}")
     display = str(path)
     prog = Program(display)
     for name, text in _stdlib_files():
@@ -59,7 +61,12 @@ def load_program(path: str | Path) -> Program:
 
 def _load_file(real: Path, display: str, prog: Program, stdlib: set[str],
                stack: list[Path], seen: dict[Path, str]) -> ast.SpecFile:
-    text = real.read_text()
+    try:
+        text = real.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise SpecError(f"{display} is not UTF-8 text (byte {e.start}: {e.reason})") from None
+    except OSError as e:
+        raise SpecError(f"cannot read {display}: {e.strerror}") from None
     spec = parse_text(text, display)
     stack = stack + [real]
     for use in spec.uses:

@@ -7,7 +7,7 @@ from functools import lru_cache
 from importlib import resources
 
 from lark import Lark, Token, Transformer, v_args
-from lark.exceptions import UnexpectedCharacters, UnexpectedEOF, UnexpectedInput, UnexpectedToken
+from lark.exceptions import UnexpectedCharacters, UnexpectedEOF, UnexpectedInput, UnexpectedToken, VisitError
 
 from . import ast
 from .diagnostics import Pos, SpecError, register_source
@@ -17,7 +17,7 @@ _TERMINAL_NAMES = {
     "NAME": "a name", "NUMBER": "a number", "STRING": "a string", "LPAR": "'('", "RPAR": "')'",
     "LSQB": "'['", "RSQB": "']'", "LBRACE": "'{'", "RBRACE": "'}'", "COMMA": "','", "COLON": "':'",
     "EQUAL": "'='", "DOT": "'.'", "AUGOP": "'+='", "ADDOP": "'+' or '-'", "MULOP": "'*' or '/'",
-    "COMPOP": "a comparison", "MINUS": "'-'", "__ANON_0": "'->'", "$END": "end of file",
+    "COMPOP": "a comparison", "VARIANT_NAME": "a variant name", "POW": "'**'", "MINUS": "'-'", "__ANON_0": "'->'", "$END": "end of file",
 }
 
 _KEYWORDS = {"use", "block", "model", "variant", "let", "assert", "in", "out", "repeat", "as",
@@ -52,7 +52,12 @@ def parse_text(text: str, filename: str = "<spec>") -> ast.SpecFile:
         tree = _lark().parse(text)
     except UnexpectedInput as e:
         raise _syntax_error(e, filename) from None
-    return _ToAst(filename).transform(tree)
+    try:
+        return _ToAst(filename).transform(tree)
+    except VisitError as e:  # a SpecError raised while building the AST (e.g. an argument given twice)
+        if isinstance(e.orig_exc, SpecError):
+            raise e.orig_exc from None
+        raise
 
 
 def _syntax_error(e: UnexpectedInput, filename: str) -> SpecError:
@@ -66,8 +71,10 @@ def _syntax_error(e: UnexpectedInput, filename: str) -> SpecError:
     if isinstance(e, UnexpectedToken):
         tok = e.token
         if tok.type == "$END":
+            end_line = getattr(tok, "end_line", None) or line
+            end_col = getattr(tok, "end_column", None) or col
             return SpecError(f"unexpected end of file; expected {_expected(set(e.expected))}",
-                             Pos(filename, line, col))
+                             Pos(filename, end_line, end_col))
         shown = tok.value if tok.value else tok.type
         width = len(str(tok.value)) if tok.value else 1
         return SpecError(f"unexpected {shown!r}; expected {_expected(set(e.expected))}",
