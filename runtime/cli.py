@@ -18,7 +18,7 @@ import numpy as np
 from tessera.compiler.signature import InputError, specs_from_graph
 from tessera.spec import SpecError
 
-from . import pipeline
+from . import pipeline, report
 from .weights import WeightsError
 
 EPILOG = """examples:
@@ -70,7 +70,7 @@ def make_parser() -> argparse.ArgumentParser:
     rep = sub.add_parser("report", help="print the static cost report of a spec",
                          description="Parameter counts of a spec, without allocating any weights.")
     _model_args(rep, "spec file (.tsr)")
-    rep.add_argument("--format", choices=["table", "json"], default="table", help="output format (default table)")
+    report.add_arguments(rep)
 
     ir = sub.add_parser("ir", help="print the elaborated IR graph of a spec")
     _model_args(ir, "spec file (.tsr)")
@@ -80,11 +80,14 @@ def make_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = make_parser().parse_args(argv)
     try:
-        return {"compile": cmd_compile, "run": cmd_run, "report": cmd_report, "ir": cmd_ir}[args.command](args)
+        return {"compile": cmd_compile, "run": cmd_run, "report": report.cmd_report, "ir": cmd_ir}[args.command](args)
     except SpecError as e:
         print(e.render(), file=sys.stderr)
     except (pipeline.UsageError, WeightsError, InputError) as e:
         print(f"error: {e}", file=sys.stderr)
+    except BrokenPipeError:  # output piped into head and closed early
+        sys.stderr.close()
+        return 0
     except Exception as e:
         from .session import ProviderError, RunError
 
@@ -160,43 +163,6 @@ def _print_outputs(outputs: dict[str, np.ndarray], provider: str) -> None:
     for name, v in outputs.items():
         with np.printoptions(precision=4, suppress=True, threshold=200, edgeitems=3, linewidth=100):
             console.print(f"{name} =", np.array2string(v), markup=False, highlight=False)
-
-
-def cmd_report(args) -> int:
-    from tessera.compiler.analysis import parameter_report
-
-    built = pipeline.build(args.spec, args.variant, args.sets)
-    params = parameter_report(built.graph)
-    report = {"model": built.info.model, "variant": built.info.variant,
-              "hyperparams": {k: pipeline._jsonable(v) for k, v in built.info.hyperparams.items()},
-              "params": params}
-    if args.format == "json":
-        print(json.dumps(report, indent=2))
-        return 0
-    from rich.console import Console
-    from rich.table import Table
-
-    title = f"{built.info.model}{' (' + built.info.variant + ')' if built.info.variant else ''}: parameters"
-    table = Table(title=title)
-    table.add_column("component")
-    table.add_column("parameters", justify="right")
-    table.add_column("share", justify="right")
-    total = params["total"]
-    for comp, n in params["by_component"].items():
-        table.add_row(comp, f"{n:,}", f"{100 * n / total:.1f}%")
-    layers = params["per_layer"]
-    if layers:
-        first = next(iter(layers))
-        for part, n in layers[first].items():
-            if part != "total":
-                table.add_row(f"  {first}.{part}", f"{n:,}", "")
-        table.add_row(f"  one layer ({first})", f"{layers[first]['total']:,}", "")
-    table.add_row("total", f"{total:,}", "100.0%", style="bold")
-    console = Console()
-    console.print(table)
-    for p, users in params["tied"].items():
-        console.print(f"tied: {p} is shared by {', '.join(users)} (counted once)")
-    return 0
 
 
 def cmd_ir(args) -> int:
