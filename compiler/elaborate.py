@@ -72,6 +72,7 @@ class Elaborator:
         self.program = program
         self.graph: Graph | None = None
         self.scope: list[str] = []
+        self.call_stack: list[Pos] = []  # positions of the block calls being elaborated
         self._used: dict[str, set[str]] = {}
         self.globals = Env()
         for name, b in BUILTINS.items():
@@ -477,6 +478,7 @@ class Elaborator:
         segment = self._claim(called_as or block.name, explicit_name, pos)
         with self._scoped(segment):
             self.graph.block_scopes[".".join(self.scope)] = block.name
+            self.call_stack.append(pos)
             try:
                 self.exec_body(block.body, env)
             except _Return as r:
@@ -486,6 +488,8 @@ class Elaborator:
                 raise
             else:
                 raise SpecError(f"block {block.name} ends without 'return'", block.pos)
+            finally:
+                self.call_stack.pop()
         if block.result is not None:
             if isinstance(block.result, ast.TensorType):
                 if not isinstance(result, Tensor):
@@ -550,7 +554,9 @@ class Elaborator:
         except ops.ShapeError as err:
             msg = str(err)
             raise SpecError(msg if msg.startswith(op) else f"{op}: {msg}", pos) from None
-        node = self.graph.add_node(op, [t.name for t in inputs], out_types, attrs, self.scope_path(), pos, name)
+        origin = next((p for p in reversed([*self.call_stack, pos]) if p and not p.file.startswith("<stdlib>")), pos)
+        node = self.graph.add_node(op, [t.name for t in inputs], out_types, attrs, self.scope_path(), pos, name,
+                                   origin)
         outs = [Tensor(v, t) for v, t in zip(node.outputs, out_types)]
         return outs[0] if n_out == 1 else outs
 

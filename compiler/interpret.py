@@ -200,6 +200,15 @@ def run(graph: Graph, weights: dict[str, np.ndarray], feeds: dict[str, np.ndarra
             y = np.arange(ev(a["n"]), dtype=np.int64)
         elif op == "sinusoidal":
             y = sinusoidal_table(ev(a["n"]), a["d"])
+        elif op == "fused_attention":
+            from .flash import attention_reference
+
+            rep = a["heads"] // a["kv_heads"]
+            k_, v_ = np.repeat(x[1], rep, axis=1), np.repeat(x[2], rep, axis=1)
+            extra = x[3:]
+            mask = extra.pop(0) if a["padding"] else None
+            bias = extra.pop(0) if a["bias"] else None
+            y = attention_reference(x[0], k_, v_, a["scale"], a["causal"], a["window"], mask, bias)
         elif op == "conv2d":
             y = _conv2d(x[0], x[1], x[2] if len(x) == 3 else None, a["stride"])
         else:

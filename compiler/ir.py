@@ -75,6 +75,9 @@ class Node:
     attrs: dict[str, Any] = field(default_factory=dict)
     scope: str = ""
     pos: Pos | None = None
+    # The innermost position in the user's own files that led here (the call of a stdlib block),
+    # so messages about stdlib internals can point at the user's line.
+    origin: Pos | None = None
 
 
 @dataclass
@@ -129,7 +132,7 @@ class Graph:
         return v
 
     def add_node(self, op: str, inputs: list[str], out_types: list[TensorType], attrs: dict,
-                 scope: str, pos: Pos | None, name: str | None = None) -> Node:
+                 scope: str, pos: Pos | None, name: str | None = None, origin: Pos | None = None) -> Node:
         base = name or (f"{scope}/{op}" if scope else op)
         node_name = self.unique_name(base)
         outs = []
@@ -138,7 +141,7 @@ class Graph:
             vname = self.unique_name(vname) if vname != node_name else vname
             self.values[vname] = Value(vname, t, "node", node_name)
             outs.append(vname)
-        node = Node(node_name, op, list(inputs), outs, dict(attrs), scope, pos)
+        node = Node(node_name, op, list(inputs), outs, dict(attrs), scope, pos, origin or pos)
         self.nodes[node_name] = node
         self.nx.add_node(node_name)
         for inp in inputs:
@@ -146,6 +149,54 @@ class Graph:
             if prod is not None:
                 self.nx.add_edge(prod, node_name, value=inp)
         return node
+
+    # ---------------------------------------------------------------- rewriting (used by passes)
+    def replace_node(self, old: str, op: str, inputs: list[str], attrs: dict, keep_outputs: bool = True) -> Node:
+        """Put a new node where ``old`` was (same position, same output values), e.g. a fused kernel."""
+        prev = self.nodes[old]
+        node = Node(prev.name, op, list(inputs), list(prev.outputs), dict(attrs), prev.scope, prev.pos, prev.origin)
+        self.nodes = {k: (node if k == old else v) for k, v in self.nodes.items()}
+        self._rebuild_nx()
+        return node
+
+    def remove_nodes(self, names) -> None:
+        """Drop nodes whose outputs nobody uses any more."""
+        names = set(names)
+        for n in names:
+            for o in self.nodes[n].outputs:
+                users = [u.name for u in self.nodes.values() if o in u.inputs and u.name not in names]
+                if users or o in self.outputs:
+                    raise ValueError(f"cannot remove {n}: {o} is still used by {users or 'the outputs'}")
+        for n in names:
+            for o in self.nodes[n].outputs:
+                del self.values[o]
+            del self.nodes[n]
+        self._rebuild_nx()
+
+    def prune_constants(self) -> None:
+        """Drop constants that no node reads any more (after a rewrite)."""
+        used = {v for n in self.nodes.values() for v in n.inputs}
+        for name in [c for c in self.consts if c not in used]:
+            del self.consts[name]
+            del self.values[name]
+
+    def _rebuild_nx(self) -> None:
+        self.nx = nx.DiGraph()
+        for node in self.nodes.values():
+            self.nx.add_node(node.name)
+            for inp in node.inputs:
+                prod = self.values[inp].producer
+                if prod is not None:
+                    self.nx.add_edge(prod, node.name, value=inp)
+
+    def producer(self, value: str) -> Node | None:
+        p = self.values[value].producer
+        return self.nodes.get(p) if p is not None else None
+
+    def users(self, value: str) -> list[Node]:
+        """Nodes that read ``value`` (in graph order)."""
+        return [self.nodes[n] for n in self.nx.successors(self.values[value].producer)
+                if value in self.nodes[n].inputs] if self.values[value].producer else self.consumers(value)
 
     # ---------------------------------------------------------------- queries
     def type_of(self, value: str) -> TensorType:

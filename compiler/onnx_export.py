@@ -280,11 +280,26 @@ def _lower(b: _Builder, node, out: str) -> None:
         c = b.node("Unsqueeze", [b.node("Cos", [ang])[0], b.i64([2])])[0]
         both = b.node("Concat", [s, c], axis=2)[0]
         emit("Reshape", [both, b.i64([-1, d])])
+    elif op == "fused_attention":
+        from .attention_onnx import lower_fused_attention
+
+        lower_fused_attention(b, node, out)
     elif op == "conv2d":
         k = a["kernel"]
         emit("Conv", x, kernel_shape=[k, k], strides=[a["stride"], a["stride"]])
     else:
         raise NotImplementedError(f"no ONNX lowering for op '{op}'")
+
+
+def _names_read(nodes) -> set[str]:
+    """Every value name read by these nodes or by nodes of their subgraphs (Loop bodies)."""
+    used: set[str] = set()
+    for n in nodes:
+        used.update(n.input)
+        for attr in n.attribute:
+            if attr.type == onnx.AttributeProto.GRAPH:
+                used |= _names_read(attr.g.node)
+    return used
 
 
 def _value_info(name: str, t) -> onnx.ValueInfoProto:
@@ -305,14 +320,18 @@ def to_onnx(graph: Graph, weights: dict[str, np.ndarray], metadata: dict | None 
         inits.append(numpy_helper.from_array(arr, path))
     for name, arr in graph.consts.items():
         inits.append(numpy_helper.from_array(np.ascontiguousarray(arr), name))
-    inits.extend(b.initializers)
+    used = _names_read(b.nodes)
+    inits.extend(i for i in b.initializers if i.name in used)  # helper constants a lowering did not need
     onnx_graph = helper.make_graph(
         b.nodes, graph.name,
         inputs=[_value_info(n, graph.type_of(n)) for n in graph.inputs],
         outputs=[_value_info(n, graph.type_of(n)) for n in graph.outputs],
         initializer=inits,
     )
-    model = helper.make_model(onnx_graph, opset_imports=[helper.make_opsetid("", OPSET)],
+    opsets = [helper.make_opsetid("", OPSET)]
+    if any(n.domain == "com.microsoft" for n in b.nodes):
+        opsets.append(helper.make_opsetid("com.microsoft", 1))
+    model = helper.make_model(onnx_graph, opset_imports=opsets,
                               producer_name="tessera", producer_version="0.1.0")
     model.ir_version = IR_VERSION
     for k, v in sorted((metadata or {}).items()):

@@ -316,3 +316,16 @@ def check_graph(graph: Graph) -> None:
             have = graph.type_of(o)
             if have.dtype != t.dtype or not dims.shapes_equal(have.shape, t.shape):
                 raise ShapeError(f"node {node.name}: output {o} is {have}, rules give {t}")
+
+
+@rule("fused_attention")
+def _fused_attention(t, a):
+    q, k, v = t[0], t[1], t[2]
+    if q.rank != 4 or k.rank != 4 or v.rank != 4:
+        raise ShapeError("fused_attention takes q, k, v as [B, H, T, hd]")
+    if not dims.equal(q.shape[-1], k.shape[-1]) or not dims.equal(k.shape[-2], v.shape[-2]):
+        raise ShapeError(f"fused_attention: q {dims.fmt_shape(q.shape)}, k {dims.fmt_shape(k.shape)}, "
+                         f"v {dims.fmt_shape(v.shape)} do not fit")
+    if a["heads"] % a["kv_heads"] or int(k.shape[1]) != a["kv_heads"]:
+        raise ShapeError(f"fused_attention: {a['heads']} query heads over {dims.fmt(k.shape[1])} key/value heads")
+    return [TensorType(q.dtype, q.shape[:-1] + (v.shape[-1],))]

@@ -18,6 +18,8 @@ import numpy as np
 from tessera.compiler.signature import InputError, specs_from_graph
 from tessera.spec import SpecError
 
+from tessera.compiler.optimize import ATTENTION_CHOICES
+
 from . import pipeline, report
 from .weights import WeightsError
 
@@ -34,6 +36,18 @@ def _model_args(p: argparse.ArgumentParser, spec_help: str) -> None:
     p.add_argument("--variant", "-V", help="a variant defined in the spec file (e.g. small, medium)")
     p.add_argument("--set", dest="sets", action="append", default=[], metavar="NAME=VALUE",
                    help="override a hyperparameter (repeatable), checked like the spec's own values")
+
+
+def _optimise_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--target", choices=["cpu", "cuda"], default="cpu",
+                   help="where the model will run: picks the attention kernels and tile sizes (default cpu)")
+    p.add_argument("--attention", choices=list(ATTENTION_CHOICES), default="auto",
+                   help="attention lowering: auto picks a tiled kernel per site and target; gqa/mha force "
+                        "onnxruntime's contrib kernels, portable Tessera's tiled Loop kernel, unfused the "
+                        "primitive graph (default auto)")
+    p.add_argument("--no-fuse", action="store_true", help="do not fuse attention (same as --attention unfused)")
+    p.add_argument("--explain", action="store_true",
+                   help="list every attention site: fused or not and why, and the kernel chosen")
 
 
 def _weights_args(p: argparse.ArgumentParser) -> None:
@@ -54,6 +68,7 @@ def make_parser() -> argparse.ArgumentParser:
                                    "ONNX (opset 21, IR version 10) with batch and sequence as dynamic dims.")
     _model_args(c, "spec file (.tsr)")
     _weights_args(c)
+    _optimise_args(c)
     c.add_argument("-o", "--output", required=True, metavar="OUT.onnx", help="where to write the model")
     c.add_argument("--no-check", action="store_true", help="skip onnx.checker's full check of the result")
 
@@ -61,8 +76,20 @@ def make_parser() -> argparse.ArgumentParser:
                        description="Run a .tsr spec (compiled on the fly) or an .onnx file and print its outputs.")
     _model_args(r, "a .tsr spec or a compiled .onnx file")
     _weights_args(r)
+    _optimise_args(r)
     r.add_argument("--input", "-i", dest="inputs", action="append", default=[], metavar="NAME=VALUE",
                    help="an input: a JSON array (e.g. 'tokens=[[1,2,3]]') or a .npy file (repeatable)")
+    r.add_argument("--tokenizer", metavar="tokenizer.json",
+                   help="a Hugging Face tokenizer.json to turn --text into the inputs tokens, mask and "
+                        "token_types (those the model has); needs the 'text' extra (tokenizers)")
+    r.add_argument("--text", dest="texts", action="append", default=[], metavar="TEXT",
+                   help="a text to tokenize with --tokenizer (repeatable: a batch, right-padded to the longest)")
+    r.add_argument("--image", dest="images", action="append", default=[], metavar="FILE",
+                   help="an image for the input pixels, resized and normalised as Hugging Face's "
+                        "ViTImageProcessor does (repeatable: a batch); needs the 'image' extra (Pillow)")
+    r.add_argument("--pool", choices=["mean"],
+                   help="print sentence embeddings instead of the raw outputs: the mean of the hidden states "
+                        "over the mask, L2-normalised, and their cosine similarities")
     r.add_argument("--provider", choices=["auto", "cpu", "cuda"], default="auto",
                    help="execution provider; auto takes CUDA when usable, else CPU (default auto)")
     r.add_argument("--format", choices=["table", "json"], default="table", help="output format (default table)")
@@ -102,6 +129,7 @@ def cmd_compile(args) -> int:
     t0 = time.perf_counter()
     built = pipeline.build(args.spec, args.variant, args.sets)
     weights = pipeline.weights_for(built, args.weights, args.seed)
+    pipeline.optimise(built, args)
     files = pipeline.export(built, weights, args.output, check=not args.no_check)
     size = sum(f.stat().st_size for f in files)
     print(f"wrote {', '.join(map(str, files))}: {built.graph.name}"
@@ -129,14 +157,18 @@ def cmd_run(args) -> int:
         from tessera.compiler import onnx_export
 
         weights = pipeline.weights_for(built, args.weights, args.seed)
+        pipeline.optimise(built, args)
         source = onnx_export.to_onnx(built.graph, weights).SerializeToString()
     feeds = parse_inputs(args.inputs, specs)
+    text_mask = _add_text_and_image_inputs(args, specs, feeds)
     from tessera.compiler.signature import bind_inputs
 
     bind_inputs(specs, feeds)
     sess = open_session(source, args.provider)
     outputs = run_session(sess, feeds)
     provider = sess.get_providers()[0]
+    if args.pool:
+        outputs = _pool(outputs, feeds.get("mask", text_mask))
     if args.format == "json":
         print(json.dumps({"provider": provider,
                           "outputs": {k: {"shape": list(v.shape), "dtype": str(v.dtype), "values": v.tolist()}
@@ -144,6 +176,45 @@ def cmd_run(args) -> int:
     else:
         _print_outputs(outputs, provider)
     return 0
+
+
+def _add_text_and_image_inputs(args, specs, feeds: dict[str, np.ndarray]) -> np.ndarray | None:
+    """Fill inputs from --tokenizer/--text and --image; returns the text batch's mask (None without text)."""
+    if args.texts and not args.tokenizer:
+        raise pipeline.UsageError("--text needs --tokenizer tokenizer.json to turn the text into token ids")
+    if args.tokenizer and not args.texts:
+        raise pipeline.UsageError("--tokenizer is given but no --text to tokenize")
+    if args.pool and not args.texts and "mask" not in {s.name for s in specs}:
+        print("note: --pool mean without --text or a mask input averages over every position", file=sys.stderr)
+    new: dict[str, np.ndarray] = {}
+    mask = None
+    if args.texts:
+        from . import text
+
+        enc = text.encode(text.load_tokenizer(args.tokenizer), args.texts)
+        new.update(text.text_feeds(enc, specs))
+        mask = enc.mask
+        if "mask" not in new and len(set(enc.lengths)) > 1:
+            print(f"note: the texts have {', '.join(map(str, enc.lengths))} tokens and are right-padded to "
+                  f"{max(enc.lengths)}; the model has no mask input, so outputs past each text's length are "
+                  f"padding", file=sys.stderr)
+    if args.images:
+        from . import image
+
+        new.update(image.image_feeds(args.images, specs))
+    for name, value in new.items():
+        if name in feeds:
+            source = "--image" if args.images and value.ndim == 4 else "--text"
+            raise pipeline.UsageError(f"input '{name}' is given both by --input and by {source}")
+        feeds[name] = value
+    return mask
+
+
+def _pool(outputs: dict[str, np.ndarray], mask: np.ndarray | None) -> dict[str, np.ndarray]:
+    from . import text
+
+    emb = text.mean_pool(outputs[text.hidden_output(outputs)], mask)
+    return {"embedding": emb, "similarity": (emb @ emb.T).astype(np.float32)}
 
 
 def _print_outputs(outputs: dict[str, np.ndarray], provider: str) -> None:

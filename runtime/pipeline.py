@@ -27,6 +27,7 @@ class Built:
     graph: Graph
     info: ModelInfo
     spec_path: Path
+    attention_sites: list | None = None
 
 
 def parse_set(items: list[str], program: Program) -> dict:
@@ -66,6 +67,26 @@ def weights_for(built: Built, weights: str | None, seed: int) -> dict[str, np.nd
     if weights:
         return load_weights(built.graph, Path(weights), name_map_for(built.spec_path))
     return init_weights(built.graph, seed)
+
+
+def optimise(built: Built, args) -> None:
+    """Fuse attention and choose kernels as the command-line flags say; print --explain's listing."""
+    from tessera.compiler.optimize import explain, optimize
+    from tessera.compiler.passes import PassError
+    from tessera.compiler.passes.attention_kernels import Target
+
+    attention = "unfused" if getattr(args, "no_fuse", False) else getattr(args, "attention", "auto")
+    if getattr(args, "no_fuse", False) and getattr(args, "attention", "auto") not in ("auto", "unfused"):
+        raise UsageError(f"--no-fuse contradicts --attention {args.attention}")
+    try:
+        sites = optimize(built.graph, Target(getattr(args, "target", "cpu")), attention)
+    except PassError as e:
+        raise UsageError(str(e)) from None
+    built.attention_sites = sites
+    if getattr(args, "explain", False):
+        import sys
+
+        print(explain(sites), file=sys.stderr)
 
 
 def export(built: Built, weights: dict[str, np.ndarray], out: str | Path, check: bool = True) -> list[Path]:

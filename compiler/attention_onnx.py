@@ -1,0 +1,180 @@
+"""ONNX lowerings of fused_attention: onnxruntime's contrib kernels, or Tessera's portable tiled kernel.
+
+The node's ``impl`` attribute (set by passes.attention_kernels) picks one:
+
+- ``gqa`` / ``mha``: com.microsoft.GroupQueryAttention / MultiHeadAttention,
+  which take [B, T, H·hd] tensors, so heads are merged before and split after.
+- ``portable``: a Loop over query tiles in standard ONNX ops. Each iteration
+  takes ``q_tile`` query rows, the keys they can see (a causal tile stops at
+  its last row's position; a sliding window starts at its first row's window),
+  computes that block's scores, masks, softmax and product with V. The scan
+  output stacks the tiles. Only a q_tile × N block of scores exists at once.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from onnx import TensorProto, helper
+
+from . import dims
+
+
+def _to_bsd(b, x: str) -> str:
+    """[B, H, T, hd] -> [B, T, H*hd]."""
+    t = b.node("Transpose", [x], perm=[0, 2, 1, 3])[0]
+    return b.node("Reshape", [t, b.i64([0, 0, -1])])[0]
+
+
+def _from_bsd(b, x: str, heads: int, hv: int, out: str) -> None:
+    r = b.node("Reshape", [x, b.i64([0, 0, heads, hv])])[0]
+    b.node("Transpose", [r], [out], perm=[0, 2, 1, 3])
+
+
+def _scalar(b, value, dtype=np.int64) -> str:
+    return b.const(np.array(value, dtype=dtype), "scalar")
+
+
+def lower_fused_attention(b, node, out: str) -> None:
+    impl = node.attrs.get("impl", "portable")
+    {"gqa": _gqa, "mha": _mha, "portable": _portable}[impl](b, node, out)
+
+
+def _gqa(b, node, out: str) -> None:
+    g, a = b.graph, node.attrs
+    q, k, v = node.inputs[:3]
+    q_t = g.type_of(q)
+    hv = int(g.type_of(v).shape[-1])
+    t = b.dim_scalar(q_t.shape[-2])
+    t32 = b.node("Cast", [t], to=TensorProto.INT32)[0]
+    last = b.node("Sub", [t32, _scalar(b, 1, np.int32)])[0]
+    seqlens = b.node("Expand", [b.node("Unsqueeze", [last, b.i64([0])])[0], b.dim(q_t.shape[0])])[0]
+    res = b.node("GroupQueryAttention", [_to_bsd(b, q), _to_bsd(b, k), _to_bsd(b, v), "", "", seqlens, t32],
+                 1, domain="com.microsoft", num_heads=a["heads"], kv_num_heads=a["kv_heads"],
+                 scale=float(a["scale"]), local_window_size=a["window"] if a["window"] else -1)[0]
+    _from_bsd(b, res, a["heads"], hv, out)
+
+
+def _mha(b, node, out: str) -> None:
+    g, a = b.graph, node.attrs
+    q, k, v = node.inputs[:3]
+    hv = int(g.type_of(v).shape[-1])
+    res = b.node("MultiHeadAttention", [_to_bsd(b, q), _to_bsd(b, k), _to_bsd(b, v)], 1, domain="com.microsoft",
+                 num_heads=a["heads"], scale=float(a["scale"]))[0]
+    _from_bsd(b, res, a["heads"], hv, out)
+
+
+def _expand_heads(b, x: str, x_type, heads: int) -> str:
+    """[B, G, T, d] -> [B, G*r, T, d], each key/value head repeated r times (grouped-query)."""
+    groups = int(x_type.shape[1])
+    if groups == heads:
+        return x
+    un = b.node("Unsqueeze", [x, b.i64([2])])[0]
+    ex = b.node("Expand", [un, b.i64([1, 1, heads // groups, 1, 1])])[0]
+    d = x_type.shape[-1]
+    return b.node("Reshape", [ex, b.i64([0, heads, -1, int(d)])])[0]
+
+
+def _portable(b, node, out: str) -> None:
+    g, a = b.graph, node.attrs
+    q, k, v = node.inputs[:3]
+    extra = list(node.inputs[3:])
+    mask = extra.pop(0) if a["padding"] else None
+    bias = extra.pop(0) if a["bias"] else None
+    q_t, k_t, v_t = g.type_of(q), g.type_of(k), g.type_of(v)
+    dtype = q_t.dtype
+    np_dtype = np.float16 if dtype == "f16" else np.float32
+    tile = int(a["q_tile"])
+    hv = int(v_t.shape[-1])
+    k = _expand_heads(b, k, k_t, a["heads"])
+    v = _expand_heads(b, v, v_t, a["heads"])
+
+    tq, tk = b.dim_scalar(q_t.shape[-2]), b.dim_scalar(k_t.shape[-2])
+    tile_c = _scalar(b, tile)
+    one = _scalar(b, 1)
+    zero = _scalar(b, 0)
+    n_tiles = b.node("Div", [b.node("Add", [tq, _scalar(b, tile - 1)])[0], tile_c])[0]
+    pad = b.node("Sub", [b.node("Mul", [n_tiles, tile_c])[0], tq])[0]
+    pad1 = b.node("Unsqueeze", [pad, b.i64([0])])[0]
+    row_pads = b.node("Concat", [b.i64([0, 0, 0, 0, 0, 0]), pad1, b.i64([0])], axis=0)[0]
+    q_padded = b.node("Pad", [q, row_pads])[0]
+    offset = b.node("Sub", [tk, tq])[0]  # keys before the first query (0 for self-attention)
+    keep = None
+    if mask is not None:
+        m_dtype = g.type_of(mask).dtype
+        if m_dtype == "bool":
+            keep = mask
+        else:
+            zero_m = b.const(np.array(0, dtype=np.int64 if m_dtype == "i64" else np.int32), "zero")
+            keep = b.node("Not", [b.node("Equal", [mask, zero_m])[0]])[0]
+        keep = b.node("Unsqueeze", [keep, b.i64([1, 2])])[0]
+    bias4 = None
+    bias_rows = bias_cols = False
+    if bias is not None:
+        bt = g.type_of(bias)
+        bias4 = bias
+        if bt.rank < 4:
+            bias4 = b.node("Unsqueeze", [bias, b.i64(list(range(4 - bt.rank)))])[0]
+        shape4 = (1,) * (4 - bt.rank) + tuple(bt.shape)
+        bias_rows = not (dims.is_static(dims.dim(shape4[-2])) and int(shape4[-2]) == 1)
+        bias_cols = not (dims.is_static(dims.dim(shape4[-1])) and int(shape4[-1]) == 1)
+        if bias_rows:
+            bias4 = b.node("Pad", [bias4, row_pads])[0]
+    min_value = b.const(np.array(np.finfo(np_dtype).min, dtype=np_dtype), "min")
+    scale = b.const(np.array(a["scale"], dtype=np_dtype), "scale")
+
+    # ---- loop body: one query tile
+    outer_nodes = b.nodes
+    b.nodes = []
+    i = b.fresh("tile_index")
+    cond_in, cond_out = b.fresh("cond_in"), b.fresh("cond_out")
+    start = b.node("Mul", [i, tile_c])[0]
+    end = b.node("Add", [start, tile_c])[0]
+    start1, end1 = (b.node("Unsqueeze", [x, b.i64([0])])[0] for x in (start, end))
+    q_tile = b.node("Slice", [q_padded, start1, end1, b.i64([2])])[0]
+    k_start = zero
+    if a["causal"]:
+        k_end = b.node("Min", [b.node("Add", [end, offset])[0], tk])[0]
+        if a["window"]:
+            first = b.node("Sub", [b.node("Add", [start, offset])[0], _scalar(b, a["window"] - 1)])[0]
+            k_start = b.node("Max", [first, zero])[0]
+    else:
+        k_end = tk
+    ks1, ke1 = (b.node("Unsqueeze", [x, b.i64([0])])[0] for x in (k_start, k_end))
+    k_tile = b.node("Slice", [k, ks1, ke1, b.i64([2])])[0]
+    v_tile = b.node("Slice", [v, ks1, ke1, b.i64([2])])[0]
+    s = b.node("MatMul", [q_tile, b.node("Transpose", [k_tile], perm=[0, 1, 3, 2])[0]])[0]
+    s = b.node("Mul", [s, scale])[0]
+    if bias4 is not None:
+        bt = bias4
+        if bias_rows:
+            bt = b.node("Slice", [bt, start1, end1, b.i64([2])])[0]
+        if bias_cols:
+            bt = b.node("Slice", [bt, ks1, ke1, b.i64([3])])[0]
+        s = b.node("Add", [s, bt])[0]
+    if a["causal"]:
+        rows = b.node("Add", [b.node("Range", [start, end, one])[0], offset])[0]
+        rows = b.node("Unsqueeze", [rows, b.i64([1])])[0]
+        cols = b.node("Unsqueeze", [b.node("Range", [k_start, k_end, one])[0], b.i64([0])])[0]
+        hide = b.node("Greater", [cols, rows])[0]
+        if a["window"]:
+            far = b.node("LessOrEqual", [cols, b.node("Sub", [rows, _scalar(b, a["window"])])[0]])[0]
+            hide = b.node("Or", [hide, far])[0]
+        s = b.node("Where", [hide, min_value, s])[0]
+    if keep is not None:
+        s = b.node("Where", [b.node("Slice", [keep, ks1, ke1, b.i64([3])])[0], s, min_value])[0]
+    p = b.node("Softmax", [s], axis=-1)[0]
+    tile_out = b.node("MatMul", [p, v_tile])[0]
+    b.node("Identity", [cond_in], [cond_out])
+    body = helper.make_graph(
+        b.nodes, b.fresh("tile_body"),
+        inputs=[helper.make_tensor_value_info(i, TensorProto.INT64, []),
+                helper.make_tensor_value_info(cond_in, TensorProto.BOOL, [])],
+        outputs=[helper.make_tensor_value_info(cond_out, TensorProto.BOOL, []),
+                 helper.make_tensor_value_info(tile_out, TensorProto.FLOAT16 if dtype == "f16" else TensorProto.FLOAT,
+                                               None)])
+    b.nodes = outer_nodes
+    # ---- the loop and reassembly
+    tiles = b.node("Loop", [n_tiles, ""], 1, body=body)[0]  # [n_tiles, B, H, tile, hv]
+    stacked = b.node("Transpose", [tiles], perm=[1, 2, 0, 3, 4])[0]
+    rows_all = b.node("Reshape", [stacked, b.i64([0, 0, -1, hv])])[0]
+    b.node("Slice", [rows_all, b.i64([0]), b.dim(q_t.shape[-2]), b.i64([2])], [out])

@@ -1,0 +1,127 @@
+"""Choose how each fused_attention node is lowered, per target, and its tile sizes.
+
+Lowerings (``--attention NAME`` forces one):
+
+- ``gqa``: onnxruntime's com.microsoft.GroupQueryAttention. On CPU it takes a
+  tiled causal prefill path (it never forms the N×N scores); on CUDA it has
+  flash kernels for fp16/bf16 with head size a multiple of 8, at most 256.
+  It is causal only (optionally with a local window), without padding mask or
+  bias, and needs queries and keys of the same length.
+- ``mha``: com.microsoft.MultiHeadAttention. Tiled on CPU only without mask,
+  bias or past (non-causal self- or cross-attention); flash on CUDA fp16/bf16.
+- ``portable``: Tessera's own tiled kernel in standard ONNX ops (a Loop over
+  query tiles; causal tiles skip the keys they cannot see). Exact, runs on any
+  ONNX runtime, memory O(N·tile) instead of O(N²). Handles every case.
+
+Tile sizes follow the FlashAttention paper's rule: with M bytes of on-chip
+memory and head size d, key tiles hold Bc = ceil(M / (4·d·bytes)) columns and
+query tiles Br = min(Bc, d) rows. On CPU, M is the per-core L2 cache; on CUDA,
+the shared memory of one streaming multiprocessor.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from .. import dims
+from ..ir import Graph, Node
+from .base import Pass, PassError, PassResult
+from .fuse_attention import AttentionSite
+
+KERNELS = ("gqa", "mha", "portable")
+
+# On-chip memory per target, bytes (CPU: a typical per-core L2; CUDA: H100/H200 SM shared memory).
+ON_CHIP_BYTES = {"cpu": 2 * 1024 * 1024, "cuda": 228 * 1024}
+DTYPE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
+
+
+@dataclass(frozen=True)
+class Target:
+    device: str = "cpu"  # cpu | cuda
+    dtype: str = "fp32"  # fp32 | fp16 | bf16
+
+
+def tile_sizes(target: Target, head_size: int) -> tuple[int, int]:
+    """(query tile Br, key tile Bc) from the FlashAttention rule, rounded down to powers of two."""
+    m = ON_CHIP_BYTES[target.device]
+    bc = math.ceil(m / (4 * head_size * DTYPE_BYTES[target.dtype]))
+    br = min(bc, head_size)
+    pow2 = lambda n: 1 << max(4, int(math.floor(math.log2(max(n, 16)))))  # noqa: E731
+    return pow2(br), pow2(bc)
+
+
+def why_not(kernel: str, node: Node, graph: Graph, target: Target) -> str | None:
+    """Why ``kernel`` cannot lower this fused attention (None: it can)."""
+    a = node.attrs
+    q_t, k_t = graph.type_of(node.inputs[0]), graph.type_of(node.inputs[1])
+    hd = q_t.shape[-1]
+    same_len = dims.equal(q_t.shape[-2], k_t.shape[-2])
+    if kernel == "portable":
+        return None
+    if a["padding"] or a["bias"]:
+        return "it takes no padding mask or additive bias on a tiled path"
+    if not dims.is_static(hd):
+        return "the head size is not fixed"
+    if not dims.equal(graph.type_of(node.inputs[2]).shape[-1], hd):
+        return "values have a different head size from queries and keys"
+    if target.device == "cuda" and (int(hd) % 8 or int(hd) > 256):
+        return f"CUDA flash kernels need a head size that is a multiple of 8 and at most 256 (got {int(hd)})"
+    if kernel == "gqa":
+        if not a["causal"]:
+            return "GroupQueryAttention is used here for causal attention only"
+        if not same_len:
+            return "queries and keys have different lengths (GroupQueryAttention without a cache needs equal ones)"
+        return None
+    if kernel == "mha":
+        if a["causal"]:
+            return "MultiHeadAttention materialises the N×N scores when causal (unidirectional)"
+        if a["kv_heads"] != a["heads"]:
+            return "MultiHeadAttention has no grouped key/value heads"
+        return None
+    return f"unknown kernel '{kernel}'"
+
+
+def choose(node: Node, graph: Graph, target: Target) -> tuple[str, str]:
+    """The kernel for one fused attention on a target, and the reason."""
+    if target.device == "cuda" and target.dtype == "fp32":
+        return "portable", "onnxruntime's flash kernels need fp16/bf16 on CUDA; the portable kernel is tiled in fp32"
+    for kernel, good in (("gqa", "onnxruntime's GroupQueryAttention is tiled for causal prefill"),
+                         ("mha", "onnxruntime's MultiHeadAttention is tiled without mask, bias or past")):
+        if why_not(kernel, node, graph, target) is None:
+            return kernel, good + (" (flash kernel on CUDA)" if target.device == "cuda" else " on CPU")
+    reason = why_not("gqa", node, graph, target) if node.attrs["causal"] else why_not("mha", node, graph, target)
+    return "portable", f"Tessera's tiled kernel: onnxruntime's contrib kernels would not be tiled here ({reason})"
+
+
+class ChooseAttentionKernels(Pass):
+    """Set impl, q_tile and k_tile on every fused_attention node."""
+
+    name = "choose-attention-kernels"
+
+    def __init__(self, target: Target = Target(), force: str | None = None, sites: list[AttentionSite] | None = None):
+        if force is not None and force not in KERNELS:
+            raise PassError(f"unknown attention kernel '{force}' (choose from {', '.join(KERNELS)}, or unfused)")
+        self.target, self.force, self.sites = target, force, sites or []
+
+    def run(self, graph: Graph) -> PassResult:
+        by_node = {s.node: s for s in self.sites if s.fused}
+        changed = False
+        for node in graph.nodes.values():
+            if node.op != "fused_attention":
+                continue
+            if self.force:
+                problem = why_not(self.force, node, graph, self.target)
+                if problem:
+                    raise PassError(f"--attention {self.force} cannot lower the attention at {node.scope} "
+                                    f"({node.origin}): {problem}")
+                impl, reason = self.force, "forced by --attention"
+            else:
+                impl, reason = choose(node, graph, self.target)
+            hd = graph.type_of(node.inputs[0]).shape[-1]
+            br, bc = tile_sizes(self.target, int(hd) if dims.is_static(hd) else 64)
+            node.attrs.update(impl=impl, q_tile=br, k_tile=bc)
+            changed = True
+            if node.name in by_node:
+                by_node[node.name].impl, by_node[node.name].impl_reason = impl, reason
+        return PassResult(graph, changed, self.sites)

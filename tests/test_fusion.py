@@ -1,0 +1,196 @@
+"""Attention fusion: the pattern pass, its reasons, the kernels, and the tiled reference."""
+
+import numpy as np
+import pytest
+
+from conftest import build, ort_run
+from tessera.compiler import interpret
+from tessera.compiler.flash import attention_reference, tiled_attention
+from tessera.compiler.optimize import optimize
+from tessera.compiler.passes.attention_kernels import Target
+from tessera.compiler.passes.fuse_attention import FuseAttention
+from tessera.runtime.weights import init_weights
+
+SMALL = [
+    ("gpt2", dict(layers=2, d=32, heads=4, vocab=50, ctx=64)),
+    ("bert", dict(layers=2, d=32, heads=4, vocab=50, ctx=64, d_ff=64)),
+    ("vit", dict(layers=2, d=32, heads=4, d_ff=64, image=32, patch=8)),
+    ("llama", dict(layers=2, d=32, heads=4, kv_heads=2, vocab=50, d_ff=48)),
+    ("mixtral", dict(layers=2, d=32, heads=4, kv_heads=2, vocab=50, d_ff=48, experts=4, top=2)),
+    ("transformer", dict(layers=2, d=32, heads=4, vocab=50, d_ff=64)),
+]
+
+
+def feeds_for(graph, rng, b=2, t=37):
+    feeds = {}
+    for name in graph.inputs:
+        typ = graph.type_of(name)
+        shape = [int(d) if not d.free_symbols else (b if str(d) == "B" else t + 3 * (str(d) == "S"))
+                 for d in typ.shape]
+        if typ.dtype == "i64":
+            if "mask" in name:
+                arr = np.ones(shape, np.int64)
+                arr[1, -5:] = 0
+            else:
+                arr = rng.integers(0, 2 if "type" in name else 50, shape)
+            feeds[name] = arr.astype(np.int64)
+        else:
+            feeds[name] = rng.standard_normal(shape).astype(np.float32)
+    return feeds
+
+
+@pytest.mark.parametrize("spec,sets", SMALL, ids=[s for s, _ in SMALL])
+@pytest.mark.parametrize("attention", ["auto", "portable"])
+def test_fused_and_unfused_exports_agree(spec, sets, attention, rng):
+    unfused = build(spec, **sets)
+    weights = init_weights(unfused, seed=2)
+    feeds = feeds_for(unfused, rng)
+    want = ort_run(unfused, weights, feeds)
+    fused = build(spec, **sets)
+    sites = optimize(fused, Target("cpu"), attention)
+    assert sites and all(s.fused for s in sites), [s.describe() for s in sites]
+    assert not any(n.op == "softmax" for n in fused.nodes.values())
+    got = ort_run(fused, weights, feeds)
+    for name in want:
+        np.testing.assert_allclose(got[name], want[name], atol=1e-5, rtol=1e-5, err_msg=name)
+
+
+def test_gpt2_small_has_twelve_fused_sites():
+    g = build("gpt2", "small")
+    sites = optimize(g)
+    assert len(sites) == 12 and all(s.fused and s.impl == "gqa" for s in sites)
+    assert sum(n.op == "fused_attention" for n in g.nodes.values()) == 12
+    assert g.param_count() == 124_439_808  # fusion removes no parameter
+
+
+HAND_WRITTEN = """
+model Hand(d = 16, heads = 2) {
+  in x: f32[B, T, d]
+  in bias: f32[T, T]
+  out y: f32[B, T, d]
+  q = split_heads(linear(x, d, name="q"), heads)
+  k = split_heads(linear(x, d, name="k"), heads)
+  v = split_heads(linear(x, d, name="v"), heads)
+  s = matmul(q, transpose(k)) / sqrt(d / heads)
+  y = merge_heads(matmul(softmax(s + bias, axis=-1), v))
+}
+"""
+
+
+def test_hand_written_attention_with_a_bias_is_fused(tmp_path, rng):
+    spec = tmp_path / "hand.tsr"
+    spec.write_text(HAND_WRITTEN)
+    unfused = build(str(spec))
+    fused = build(str(spec))
+    sites = optimize(fused)
+    assert [s.fused for s in sites] == [True]
+    node = next(n for n in fused.nodes.values() if n.op == "fused_attention")
+    assert node.attrs["bias"] and node.attrs["scale"] == pytest.approx(1 / np.sqrt(8))
+    assert node.attrs["impl"] == "portable"
+    w = init_weights(unfused, 1)
+    feeds = {"x": rng.standard_normal((2, 9, 16)).astype(np.float32),
+             "bias": rng.standard_normal((9, 9)).astype(np.float32)}
+    np.testing.assert_allclose(ort_run(fused, w, feeds)["y"], ort_run(unfused, w, feeds)["y"], atol=1e-5)
+
+
+def test_near_miss_keeps_its_reason(tmp_path):
+    spec = tmp_path / "near.tsr"
+    spec.write_text(HAND_WRITTEN.replace("softmax(s + bias, axis=-1)", "softmax(s + bias, axis=-2)"))
+    g = build(str(spec))
+    (site,) = optimize(g)
+    assert not site.fused
+    assert "softmax over the query axis" in site.reason
+    assert "near.tsr:10:" in site.describe()  # points at the user's line
+
+
+def test_explain_through_the_cli(tmp_path, capsys):
+    from conftest import MODELS
+    from tessera.runtime.cli import main
+
+    out = tmp_path / "m.onnx"
+    assert main(["compile", str(MODELS / "worked_example.tsr"), "--explain", "-o", str(out)]) == 0
+    err = capsys.readouterr().err
+    assert "attention sites: 1 (0 fused, 1 not fused)" in err
+    assert "model output (weights)" in err
+
+
+def test_forcing_a_kernel_that_cannot_express_the_site_is_an_error(capsys, tmp_path):
+    from conftest import MODELS
+    from tessera.runtime.cli import main
+
+    code = main(["compile", str(MODELS / "bert.tsr"), "--set", "layers=1", "--attention", "gqa",
+                 "-o", str(tmp_path / "b.onnx")])
+    assert code == 2
+    assert "no padding mask" in capsys.readouterr().err
+
+
+def test_pass_contract_reports_change_once():
+    g = build("gpt2", layers=1, d=16, heads=2, vocab=10, ctx=8)
+    assert FuseAttention()(g).changed is True
+    assert FuseAttention()(g).changed is False
+
+
+GOLDEN_FUSED = """\
+graph Hand
+  in  x: f32[B, T, 16]
+  in  bias: f32[T, T]
+  param q.weight: f32[16, 16]
+  param q.bias: f32[16]
+  param k.weight: f32[16, 16]
+  param k.bias: f32[16]
+  param v.weight: f32[16, 16]
+  param v.bias: f32[16]
+  q: f32[B, T, 16] = linear(x, q.weight, q.bias)
+  split_heads: f32[B, 2, T, 8] = split_heads(q) {heads=2}
+  k: f32[B, T, 16] = linear(x, k.weight, k.bias)
+  split_heads_1: f32[B, 2, T, 8] = split_heads(k) {heads=2}
+  v: f32[B, T, 16] = linear(x, v.weight, v.bias)
+  split_heads_2: f32[B, 2, T, 8] = split_heads(v) {heads=2}
+  matmul_1: f32[B, 2, T, 8] = fused_attention(split_heads, split_heads_1, split_heads_2, bias) \
+{bias=True, causal=False, heads=2, impl=portable, k_tile=16384, kv_heads=2, padding=False, q_tile=16, \
+scale=0.353553, window=0}
+  merge_heads: f32[B, T, 16] = merge_heads(matmul_1)
+  y: f32[B, T, 16] = identity(merge_heads)
+  out y: f32[B, T, 16]"""
+
+
+def test_golden_ir_after_fusion(tmp_path):
+    """Spec in, printed IR out: Q·Kᵀ, the 1/sqrt(8) scale, the bias, softmax and ·V became one node."""
+    spec = tmp_path / "hand.tsr"
+    spec.write_text(HAND_WRITTEN)
+    g = build(str(spec))
+    optimize(g)
+    assert g.dump() == GOLDEN_FUSED
+
+
+@pytest.mark.parametrize("causal,window", [(False, 0), (True, 0), (True, 5)])
+@pytest.mark.parametrize("tq,tk", [(37, 37), (13, 29)])
+def test_tiled_online_softmax_equals_plain_attention(causal, window, tq, tk, rng):
+    q = rng.standard_normal((2, 3, tq, 8)).astype(np.float32)
+    k = rng.standard_normal((2, 3, tk, 8)).astype(np.float32)
+    v = rng.standard_normal((2, 3, tk, 5)).astype(np.float32)
+    mask = np.ones((2, tk), np.int64)
+    mask[1, -4:] = 0
+    want = attention_reference(q, k, v, 0.3, causal, window, mask)
+    for qt, kt in [(8, 8), (16, 5), (64, 64)]:
+        got = tiled_attention(q, k, v, 0.3, causal, window, mask, q_tile=qt, k_tile=kt)
+        np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_tiled_reference_handles_fully_masked_rows(rng):
+    """A sequence whose keys are all padding: every weight is equal, as in the unfused graph."""
+    q, k, v = (rng.standard_normal((2, 2, 10, 4)).astype(np.float32) for _ in range(3))
+    mask = np.ones((2, 10), np.int64)
+    mask[1] = 0
+    want = attention_reference(q, k, v, 0.5, key_mask=mask)
+    np.testing.assert_allclose(want[1], np.broadcast_to(v[1].mean(-2, keepdims=True), want[1].shape), atol=1e-6)
+    np.testing.assert_allclose(tiled_attention(q, k, v, 0.5, key_mask=mask, q_tile=4, k_tile=3), want, atol=1e-6)
+
+
+def test_numpy_interpreter_runs_fused_graphs(rng):
+    g = build("llama", layers=1, d=32, heads=4, kv_heads=2, vocab=50, d_ff=48)
+    w = init_weights(g, 0)
+    feeds = {"tokens": rng.integers(0, 50, (2, 11)).astype(np.int64)}
+    want = interpret.run(g, w, feeds)["logits"]
+    optimize(g)
+    np.testing.assert_allclose(interpret.run(g, w, feeds)["logits"], want, atol=1e-5)
