@@ -24,6 +24,7 @@ from .builtins import BUILTINS
 from .ir import DTYPES, FLOAT_DTYPES, Graph, Param, SymbolSource, TensorType
 from .values import REQUIRED, BlockRef, Builtin, Tensor, describe
 
+_UNSET = _UNSET_ARG = object()
 _SCALAR_TYPES = {"int": int, "float": float, "bool": bool, "str": str, "block": BlockRef}
 
 
@@ -38,6 +39,9 @@ class Env:
     def __init__(self, parent: "Env | None" = None):
         self.vars: dict[str, Any] = {}
         self.parent = parent
+        # a `let` in a repeat body binds afresh on each iteration: names let-bound by the last one
+        self.loop_lets: set[str] = set()
+        self.lets_this_iteration: set[str] = set()
 
     def lookup(self, name: str):
         env = self
@@ -133,18 +137,21 @@ class Elaborator:
                                 f"(it has: {', '.join(names)})", pos)
         hyper = {}
         for p in model.params:
+            default = self.eval(p.default, env) if p.default is not None else _UNSET
             if p.name in given:
                 value, pos = given[p.name]
             elif p.default is not None:
-                value, pos = self.eval(p.default, env), p.default.pos
+                value, pos = default, p.default.pos
             else:
                 raise SpecError(f"hyperparameter '{p.name}' has no default and no value was given", p.pos)
-            value = self._check_scalar_type(p, value, pos, model.name)
+            value = self._check_scalar_type(p, value, pos, model.name, default)
+            if _kind_of_value(value) == "int" and value < 0 and not (isinstance(default, int) and default < 0):
+                raise SpecError(f"'{p.name}' of {model.name} must not be negative, got {value}", pos or p.pos)
             env.vars[p.name] = value
             hyper[p.name] = value
         return hyper
 
-    def _check_scalar_type(self, p: ast.Param, value, pos, owner: str):
+    def _check_scalar_type(self, p: ast.Param, value, pos, owner: str, default_value=_UNSET_ARG):
         """Check a hyperparameter's value against its declared type (or its default's type)."""
         if isinstance(p.type, ast.TensorType):
             return value
@@ -154,10 +161,14 @@ class Elaborator:
             want = p.type.name
         elif p.default is not None:
             want = _kind_of_default(p.default)
+            if want is None and default_value is not _UNSET:
+                want = _kind_of_value(default_value)
         else:
             return value
         if want is None:
             return value
+        if want == "block" and isinstance(value, str) and value in self.program.blocks:
+            value = BlockRef(self.program.blocks[value])  # --set ffn=swiglu
         ok = {
             "int": isinstance(value, int) and not isinstance(value, bool),
             "float": isinstance(value, (int, float)) and not isinstance(value, bool),
@@ -169,8 +180,6 @@ class Elaborator:
             raise SpecError(f"'{p.name}' of {owner} must be {want}, got {describe(value)}", pos or p.pos)
         if want == "float":
             value = float(value)
-        if want == "int" and value < 0:
-            raise SpecError(f"'{p.name}' of {owner} must not be negative, got {value}", pos or p.pos)
         return value
 
     # ================================================================ statements
@@ -180,13 +189,15 @@ class Elaborator:
 
     def exec_stmt(self, s: ast.Stmt, env: Env, in_model: bool) -> None:
         if isinstance(s, ast.Let):
-            if env.has_local(s.name):
+            if env.has_local(s.name) and s.name not in env.loop_lets:
                 raise SpecError(f"'{s.name}' is already defined", s.pos)
             value = self.eval(s.value, env)
             if isinstance(value, Tensor):
                 raise SpecError(f"'let' binds compile-time values; '{s.name}' would be a tensor "
                                 f"(write '{s.name} = ...' instead)", s.pos)
             env.vars[s.name] = value
+            env.loop_lets.discard(s.name)
+            env.lets_this_iteration.add(s.name)
         elif isinstance(s, ast.Assign):
             value = self.eval(s.value, env)
             env.vars[s.name] = value
@@ -235,10 +246,14 @@ class Elaborator:
             raise SpecError(f"repeat needs a non-negative int count, got {describe(count)}", s.count.pos)
         segment = s.count.id if isinstance(s.count, ast.Name) else "repeat"
         segment = self._claim(segment, None, s.pos)
+        outer_lets = env.lets_this_iteration
         for i in range(count):
             env.vars[s.var] = i
+            env.lets_this_iteration = set()
             with self._scoped(segment, str(i)):
                 self.exec_body(s.body, env, in_model)
+            env.loop_lets |= env.lets_this_iteration
+        env.lets_this_iteration = outer_lets | env.loop_lets
 
     def _declare_input(self, s: ast.InDecl, env: Env) -> None:
         g = self.graph
@@ -626,8 +641,7 @@ class BuiltinCall:
         return self.elab.new_param(self.elab.scope_path(self.segment(), local), tuple(shape), init, self.pos, std)
 
     def raw_param(self, default_name: str, shape, init: str, std: float) -> Tensor:
-        name = self.explicit_name[0] if self.explicit_name else default_name
-        self.elab._claim(name, None, self.pos) if not self.explicit_name else self.segment()
+        name = self.segment() if self.explicit_name else self.elab._claim(default_name, None, self.pos)
         return self.elab.new_param(self.elab.scope_path(name), tuple(shape), init, self.pos, std)
 
     def emit(self, op: str, inputs: list[Tensor], attrs: dict | None = None, n_out: int = 1):
@@ -675,6 +689,20 @@ def _values_equal(a, b) -> bool:
             return False
     return type(a) is type(b) and a == b or (isinstance(a, (int, float)) and isinstance(b, (int, float))
                                               and not isinstance(a, bool) and not isinstance(b, bool) and a == b)
+
+
+def _kind_of_value(v) -> str | None:
+    if isinstance(v, bool):
+        return "bool"
+    if isinstance(v, int):
+        return "int"
+    if isinstance(v, float):
+        return "float"
+    if isinstance(v, str):
+        return "str"
+    if isinstance(v, BlockRef):
+        return "block"
+    return None
 
 
 def _kind_of_default(e: ast.Expr) -> str | None:

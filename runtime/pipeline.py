@@ -51,9 +51,7 @@ def _parse_value(text: str, program: Program):
         return float(text)
     if text in ("true", "false"):
         return text == "true"
-    if text in program.blocks:
-        return BlockRef(program.blocks[text])
-    return text
+    return text  # a string; the elaborator turns it into a block where the hyperparameter is a block
 
 
 def build(spec: str | Path, variant: str | None = None, sets: list[str] | None = None) -> Built:

@@ -62,7 +62,10 @@ class NameMap:
 
     @classmethod
     def load(cls, path: Path) -> "NameMap":
-        data = tomllib.loads(path.read_text())
+        try:
+            data = tomllib.loads(path.read_text())
+        except tomllib.TOMLDecodeError as e:
+            raise WeightsError(f"{path}: not valid TOML: {e}") from None
         unknown = set(data) - {"names", "ignore"}
         if unknown:
             raise WeightsError(f"{path}: unknown section(s) {sorted(unknown)}; expected [names] and ignore = [...]")
@@ -74,11 +77,20 @@ class NameMap:
                 bad = set(spec) - {"split", "axis", "transpose", "to"}
                 if bad:
                     raise WeightsError(f"{path}: rule for '{src}' has unknown key(s) {sorted(bad)}")
+                if ("split" in spec) == ("to" in spec):
+                    raise WeightsError(f"{path}: rule for '{src}' needs exactly one of 'to' or 'split'")
                 targets = spec.get("split") or [spec["to"]]
                 m.rules.append(_Rule(_compile(src), list(targets), spec.get("axis", 0) if "split" in spec else None,
                                      bool(spec.get("transpose", False))))
             else:
                 raise WeightsError(f"{path}: rule for '{src}' must be a string or a table")
+        for rule in m.rules:
+            captured = set(rule.pattern.groupindex)
+            for target in rule.targets:
+                missing = set(re.findall(r"\{([a-z_]+)\}", target)) - captured
+                if missing:
+                    raise WeightsError(f"{path}: target '{target}' uses {{{', '.join(sorted(missing))}}}, which its "
+                                       f"source pattern does not capture")
         m.ignore = [_compile(p) for p in data.get("ignore", [])]
         return m
 
@@ -95,6 +107,9 @@ class NameMap:
                 m = rule.pattern.fullmatch(name)
                 if not m:
                     continue
+                if native and not all(t.format(**m.groupdict()) in native for t in rule.targets):
+                    unmatched.append(name)  # maps to no parameter of this model (e.g. a layer it does not have)
+                    break
                 value = arr
                 if rule.split_axis is not None:
                     size = value.shape[rule.split_axis] if value.ndim > rule.split_axis else 0

@@ -1,0 +1,156 @@
+"""Benchmark causal attention lowerings: time and peak extra memory, each case in its own process.
+
+    python bench/attention.py                      # all cases, N = 512 2048 8192 16384
+    python bench/attention.py --n 2048 --repeat 5  # one length
+
+Cases (B=1, 12 heads of 64, causal, fp32, CPU provider):
+  unfused     the primitive graph: Q·Kᵀ, scale, causal mask, softmax, ·V (forms the N×N scores)
+  gqa         Tessera's fused node lowered to com.microsoft.GroupQueryAttention
+  portable    Tessera's fused node lowered to its own tiled Loop kernel (standard ONNX ops)
+  gqa-direct  onnxruntime's GroupQueryAttention alone, built by hand (the reference point)
+
+Each case runs in a fresh Python process: build the model, open the session, run once to warm up,
+record the resident set size, reset the peak counter, then time --repeat runs. "Extra" memory is
+the peak resident set during the timed runs minus the resident set before them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+SPEC = """
+model Attention(heads = 12, hd = 64) {
+  in q: f32[B, heads, T, hd]
+  in k: f32[B, heads, T, hd]
+  in v: f32[B, heads, T, hd]
+  out y: f32[B, heads, T, hd]
+  y = sdpa(q, k, v, causal=true)
+}
+"""
+CASES = ("unfused", "gqa", "portable", "gqa-direct")
+HEADS, HD = 12, 64
+
+
+def _rss_kib(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    return 0
+
+
+def _reset_peak() -> bool:
+    try:
+        Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current RSS
+        return True
+    except OSError:
+        return False
+
+
+def _model_bytes(case: str) -> bytes:
+    if case == "gqa-direct":
+        from onnx import TensorProto as TP
+        from onnx import helper
+
+        node = helper.make_node("GroupQueryAttention", ["q", "k", "v", "", "", "seqlens_k", "total"], ["y"],
+                                domain="com.microsoft", num_heads=HEADS, kv_num_heads=HEADS)
+        ins = [helper.make_tensor_value_info(n, TP.FLOAT, ["B", "T", HEADS * HD]) for n in "qkv"]
+        ins += [helper.make_tensor_value_info("seqlens_k", TP.INT32, ["B"]),
+                helper.make_tensor_value_info("total", TP.INT32, [])]
+        graph = helper.make_graph([node], "gqa", ins, [helper.make_tensor_value_info("y", TP.FLOAT, None)])
+        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21),
+                                                        helper.make_opsetid("com.microsoft", 1)])
+        model.ir_version = 10
+        return model.SerializeToString()
+    from tessera.compiler import onnx_export
+    from tessera.compiler.elaborate import elaborate
+    from tessera.compiler.optimize import optimize
+    from tessera.spec import load_program
+
+    with tempfile.TemporaryDirectory() as tmp:
+        spec = Path(tmp) / "attention.tsr"
+        spec.write_text(SPEC)
+        graph, _ = elaborate(load_program(spec))
+    optimize(graph, attention="unfused" if case == "unfused" else case)
+    return onnx_export.to_onnx(graph, {}).SerializeToString()
+
+
+def run_case(case: str, n: int, repeat: int) -> dict:
+    import onnxruntime as ort
+
+    rng = np.random.default_rng(0)
+    opts = ort.SessionOptions()
+    opts.log_severity_level = 3
+    sess = ort.InferenceSession(_model_bytes(case), opts, providers=["CPUExecutionProvider"])
+    if case == "gqa-direct":
+        feeds = {x: rng.standard_normal((1, n, HEADS * HD), dtype=np.float32) for x in "qkv"}
+        feeds["seqlens_k"] = np.array([n - 1], np.int32)
+        feeds["total"] = np.array(n, np.int32)
+    else:
+        feeds = {x: rng.standard_normal((1, HEADS, n, HD), dtype=np.float32) for x in "qkv"}
+    sess.run(None, feeds)  # warm-up
+    base = _rss_kib("VmRSS")
+    reset = _reset_peak()
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        sess.run(None, feeds)
+        times.append(time.perf_counter() - t0)
+    peak = _rss_kib("VmHWM")
+    return {"case": case, "n": n, "min_s": min(times), "median_s": statistics.median(times),
+            "runs": repeat, "extra_mib": max(0, peak - base) / 1024 if reset else None}
+
+
+def _unfused_too_big(n: int) -> bool:
+    score_bytes = HEADS * n * n * 4
+    return score_bytes * 3 > 16 * 1024**3  # three live N×N tensors past 16 GiB would not fit this machine
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--n", type=int, nargs="*", default=[512, 2048, 8192, 16384], help="sequence lengths")
+    p.add_argument("--cases", nargs="*", default=list(CASES), choices=CASES)
+    p.add_argument("--repeat", type=int, default=None, help="timed runs per case (default: 5, or 3 at N>=8192)")
+    p.add_argument("--json", metavar="FILE", help="also write the results as JSON")
+    p.add_argument("--_child", nargs=3, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args._child:
+        case, n, repeat = args._child
+        print(json.dumps(run_case(case, int(n), int(repeat))))
+        return
+    results = []
+    print(f"machine: {platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}")
+    print(f"{'N':>6} {'case':<11} {'min ms':>9} {'median ms':>10} {'extra MiB':>10}")
+    for n in args.n:
+        for case in args.cases:
+            if case == "unfused" and _unfused_too_big(n):
+                print(f"{n:>6} {case:<11} skipped: one N×N score tensor is {HEADS * n * n * 4 / 2**30:.1f} GiB")
+                results.append({"case": case, "n": n, "skipped": True})
+                continue
+            repeat = args.repeat or (3 if n >= 8192 else 5)
+            proc = subprocess.run([sys.executable, __file__, "--_child", case, str(n), str(repeat)],
+                                  capture_output=True, text=True)
+            if proc.returncode != 0:
+                print(f"{n:>6} {case:<11} failed: {proc.stderr.strip().splitlines()[-1:]}")
+                results.append({"case": case, "n": n, "failed": proc.stderr[-500:]})
+                continue
+            r = json.loads(proc.stdout.strip().splitlines()[-1])
+            results.append(r)
+            extra = f"{r['extra_mib']:.0f}" if r["extra_mib"] is not None else "?"
+            print(f"{n:>6} {case:<11} {r['min_s'] * 1e3:>9.1f} {r['median_s'] * 1e3:>10.1f} {extra:>10}", flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()
