@@ -5,7 +5,8 @@ The node's ``impl`` attribute (set by passes.attention_kernels) picks one:
 - ``gqa`` / ``mha``: com.microsoft.GroupQueryAttention / MultiHeadAttention,
   which take [B, T, H·hd] tensors, so heads are merged before and split after.
 - ``portable``: a Loop over query tiles in standard ONNX ops. Each iteration
-  takes ``q_tile`` query rows, the keys they can see (a causal tile stops at
+  takes a tile of query rows (at least ``q_tile``; more, up to MAX_TILE, while the
+  tile's scores fit SCORE_BLOCK_BUDGET at the run's length), the keys they can see (a causal tile stops at
   its last row's position; a sliding window starts at its first row's window),
   computes that block's scores, masks, softmax and product with V. The scan
   output stacks the tiles. Only a q_tile × N block of scores exists at once.
@@ -17,6 +18,10 @@ import numpy as np
 from onnx import TensorProto, helper
 
 from . import dims
+
+
+SCORE_BLOCK_BUDGET = 96 * 1024 * 1024  # bytes of scores one tile may hold
+MAX_TILE = 512
 
 
 def _to_bsd(b, x: str) -> str:
@@ -89,10 +94,16 @@ def _portable(b, node, out: str) -> None:
     v = _expand_heads(b, v, v_t, a["heads"])
 
     tq, tk = b.dim_scalar(q_t.shape[-2]), b.dim_scalar(k_t.shape[-2])
-    tile_c = _scalar(b, tile)
     one = _scalar(b, 1)
     zero = _scalar(b, 0)
-    n_tiles = b.node("Div", [b.node("Add", [tq, _scalar(b, tile - 1)])[0], tile_c])[0]
+    # Rows per tile: at least the cost model's q_tile, more while one tile's scores stay within
+    # SCORE_BLOCK_BUDGET (bigger tiles make bigger, faster matrix products), at most MAX_TILE.
+    bytes_per = 2 if dtype == "f16" else 4
+    row_bytes = b.node("Mul", [b.node("Mul", [b.dim_scalar(q_t.shape[0]), _scalar(b, a["heads"] * bytes_per)])[0],
+                               tk])[0]
+    fit = b.node("Div", [_scalar(b, SCORE_BLOCK_BUDGET), row_bytes])[0]
+    tile_c = b.node("Min", [b.node("Max", [fit, _scalar(b, tile)])[0], _scalar(b, max(tile, MAX_TILE))])[0]
+    n_tiles = b.node("Div", [b.node("Add", [tq, b.node("Sub", [tile_c, one])[0]])[0], tile_c])[0]
     pad = b.node("Sub", [b.node("Mul", [n_tiles, tile_c])[0], tq])[0]
     pad1 = b.node("Unsqueeze", [pad, b.i64([0])])[0]
     row_pads = b.node("Concat", [b.i64([0, 0, 0, 0, 0, 0]), pad1, b.i64([0])], axis=0)[0]

@@ -28,6 +28,9 @@ EPILOG = """examples:
   tessera compile models/gpt2.tsr --set layers=2 -o out/gpt2-tiny.onnx
   tessera run out/gpt2-tiny.onnx --input 'tokens=[[464, 2068, 7586]]'
   tessera run models/worked_example.tsr --input 'x=[[1,0],[0,1],[1,1]]'
+  tessera run models/bert.tsr -V minilm_l6 --weights model.safetensors --tokenizer tokenizer.json \\
+      --text "A man is eating food." --text "A man is eating a meal." --pool mean
+  tessera run models/vit.tsr -V b16 --weights vit-b16.safetensors --image cat.png
 """
 
 
@@ -95,7 +98,9 @@ def make_parser() -> argparse.ArgumentParser:
     r.add_argument("--format", choices=["table", "json"], default="table", help="output format (default table)")
 
     rep = sub.add_parser("report", help="print the static cost report of a spec",
-                         description="Parameter counts of a spec, without allocating any weights.")
+                         description="Parameters, multiply-adds, FLOPs, memory and roofline times of a spec, "
+                                     "exact and symbolic in B and N, from the graph alone (no weights are "
+                                     "allocated). JSON keys: docs/report.md.")
     _model_args(rep, "spec file (.tsr)")
     report.add_arguments(rep)
 
@@ -142,6 +147,7 @@ def cmd_run(args) -> int:
     from .inputs import parse_inputs
     from .session import onnx_input_specs, open_session, run_session
 
+    _check_text_args(args)
     path = Path(args.spec)
     if path.suffix == ".onnx":
         if args.variant or args.sets or args.weights:
@@ -178,14 +184,15 @@ def cmd_run(args) -> int:
     return 0
 
 
-def _add_text_and_image_inputs(args, specs, feeds: dict[str, np.ndarray]) -> np.ndarray | None:
-    """Fill inputs from --tokenizer/--text and --image; returns the text batch's mask (None without text)."""
+def _check_text_args(args) -> None:
     if args.texts and not args.tokenizer:
         raise pipeline.UsageError("--text needs --tokenizer tokenizer.json to turn the text into token ids")
     if args.tokenizer and not args.texts:
         raise pipeline.UsageError("--tokenizer is given but no --text to tokenize")
-    if args.pool and not args.texts and "mask" not in {s.name for s in specs}:
-        print("note: --pool mean without --text or a mask input averages over every position", file=sys.stderr)
+
+
+def _add_text_and_image_inputs(args, specs, feeds: dict[str, np.ndarray]) -> np.ndarray | None:
+    """Fill inputs from --tokenizer/--text and --image; returns the text batch's mask (None without text)."""
     new: dict[str, np.ndarray] = {}
     mask = None
     if args.texts:
@@ -213,7 +220,10 @@ def _add_text_and_image_inputs(args, specs, feeds: dict[str, np.ndarray]) -> np.
 def _pool(outputs: dict[str, np.ndarray], mask: np.ndarray | None) -> dict[str, np.ndarray]:
     from . import text
 
-    emb = text.mean_pool(outputs[text.hidden_output(outputs)], mask)
+    hidden = outputs[text.hidden_output(outputs)]
+    if mask is None:
+        print("note: --pool mean without --text or a mask input averages over every position", file=sys.stderr)
+    emb = text.mean_pool(hidden, mask)
     return {"embedding": emb, "similarity": (emb @ emb.T).astype(np.float32)}
 
 

@@ -67,6 +67,8 @@ def why_not(kernel: str, node: Node, graph: Graph, target: Target) -> str | None
         return "values have a different head size from queries and keys"
     if target.device == "cuda" and (int(hd) % 8 or int(hd) > 256):
         return f"CUDA flash kernels need a head size that is a multiple of 8 and at most 256 (got {int(hd)})"
+    if int(hd) % 8:
+        return f"onnxruntime's contrib attention kernels need a head size that is a multiple of 8 (got {int(hd)})"
     if kernel == "gqa":
         if not a["causal"]:
             return "GroupQueryAttention is used here for causal attention only"
