@@ -21,7 +21,7 @@ SUPERSCRIPT = str.maketrans("0123456789", "⁰¹²³⁴⁵⁶⁷⁸⁹")
 
 
 def _norm(c):
-    if isinstance(c, Fraction) and c.denominator == 1:
+    if type(c) is Fraction and c.denominator == 1:
         return int(c)
     return c
 
@@ -44,7 +44,9 @@ class Poly:
     __slots__ = ("terms",)
 
     def __init__(self, terms: dict[Monomial, int | Fraction] | None = None):
-        self.terms = {m: c for m, c in (terms or {}).items() if c != 0}
+        if terms and 0 in terms.values():
+            terms = {m: c for m, c in terms.items() if c != 0}
+        self.terms = terms if terms is not None else {}
 
     # ------------------------------------------------------------ construction
     @staticmethod
@@ -61,6 +63,15 @@ class Poly:
         if isinstance(d, int):
             return Poly({(): d})
         return _from_sympy(d)
+
+    @staticmethod
+    def sum(polys) -> "Poly":
+        """Sum of many polynomials, accumulated in one dict (much faster than repeated +)."""
+        out: dict[Monomial, int | Fraction] = {}
+        for p in polys:
+            for m, c in p.terms.items():
+                out[m] = out.get(m, 0) + c
+        return Poly({m: _norm(c) for m, c in out.items()})
 
     # ------------------------------------------------------------ arithmetic
     def __add__(self, other) -> "Poly":
@@ -82,7 +93,9 @@ class Poly:
         return _coerce(other) - self
 
     def __mul__(self, other) -> "Poly":
-        if isinstance(other, (int, Fraction)):
+        if type(other) is int:
+            return Poly({m: c * other for m, c in self.terms.items()})
+        if isinstance(other, Fraction):
             return Poly({m: _norm(c * other) for m, c in self.terms.items()})
         out: dict[Monomial, int | Fraction] = {}
         for m1, c1 in self.terms.items():
@@ -220,8 +233,10 @@ def _from_sympy(expr) -> Poly:
     return Poly(out)
 
 
-def numel(shape) -> Poly:
-    """Number of elements of a symbolic shape."""
+@lru_cache(maxsize=8192)
+def numel(shape: tuple) -> Poly:
+    """Number of elements of a symbolic shape (cached: graphs repeat a few shapes many times).
+    The result is shared; Poly operations never modify their operands."""
     n = Poly({(): 1})
     for d in shape:
         n = n * Poly.from_dim(d)

@@ -1,51 +1,93 @@
-"""The ``tessera report`` command: the static cost report of a spec, rendered."""
+"""The ``tessera report`` command: the static cost report of a spec, rendered.
+
+The numbers come from compiler/costreport.py (symbolic, from the graph alone);
+this module only reads the command line, picks the device and chooses a format
+(runtime/report_format.py, runtime/report_plot.py).
+"""
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
+import sys
+from contextlib import contextmanager
 
 from . import pipeline
 
+FORMATS = ["table", "json", "md", "csv"]
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--format", choices=["table", "json"], default="table", help="output format (default table)")
+    from tessera.compiler.roofline import device_names
+
+    p.add_argument("--batch", "-B", type=int, default=1, metavar="B", help="batch size B (default 1)")
+    p.add_argument("--seq", "-N", type=int, default=1024, metavar="N",
+                   help="sequence length N; binds every sequence symbol of the spec (T, S, ...) (default 1024)")
+    p.add_argument("--dtype", choices=["fp32", "fp16", "bf16"], default="fp32",
+                   help="element type of weights and activations for memory and roofline (default fp32)")
+    p.add_argument("--device", default="h200", metavar="NAME",
+                   help=f"device for the roofline estimates: {', '.join(device_names())} "
+                        f"(cpu is measured on the spot; default h200)")
+    p.add_argument("--format", choices=FORMATS, default="table", help="output format (default table)")
+    p.add_argument("--plot", metavar="FILE.png",
+                   help="also draw MACs and memory against N, fused and unfused (needs matplotlib: "
+                        "pip install 'tessera[plot]')")
+
+
+@contextmanager
+def _no_gc():
+    """Elaboration and the report build many long-lived objects and free almost none; the cyclic
+    garbage collector would rescan them over and over (half the run time for GPT-3)."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
+def build(args) -> dict:
+    """Elaborate the spec and compute its report (a JSON-able dict)."""
+    from tessera.compiler import costreport, roofline
+
+    if args.batch < 1:
+        raise pipeline.UsageError(f"--batch must be at least 1, got {args.batch}")
+    if args.seq < 1:
+        raise pipeline.UsageError(f"--seq must be at least 1, got {args.seq}")
+    try:
+        device = roofline.get_device(args.device)
+    except roofline.DeviceError as e:
+        raise pipeline.UsageError(str(e)) from None
+    with _no_gc():
+        built = pipeline.build(args.spec, args.variant, args.sets)
+        rep = costreport.build_report(
+            built.graph, built.info.model, built.info.variant,
+            {k: pipeline._jsonable(v) for k, v in built.info.hyperparams.items()},
+            batch=args.batch, seq=args.seq, dtype=args.dtype, device=device)
+    if getattr(args, "plot", None):
+        from .report_plot import plot
+
+        with _no_gc():
+            plot(built.graph, rep, args.plot)
+    return rep
 
 
 def cmd_report(args) -> int:
-    from tessera.compiler.analysis import parameter_report
+    from . import report_format
 
-    built = pipeline.build(args.spec, args.variant, args.sets)
-    params = parameter_report(built.graph)
-    report = {"model": built.info.model, "variant": built.info.variant,
-              "hyperparams": {k: pipeline._jsonable(v) for k, v in built.info.hyperparams.items()},
-              "params": params}
+    rep = build(args)
     if args.format == "json":
-        print(json.dumps(report, indent=2))
-        return 0
-    from rich.console import Console
-    from rich.table import Table
+        print(json.dumps(rep, indent=2))
+    elif args.format == "md":
+        sys.stdout.write(report_format.markdown(rep))
+    elif args.format == "csv":
+        sys.stdout.write(report_format.csv_text(rep))
+    else:
+        from rich.console import Console
 
-    title = f"{built.info.model}{' (' + built.info.variant + ')' if built.info.variant else ''}: parameters"
-    table = Table(title=title)
-    table.add_column("component")
-    table.add_column("parameters", justify="right")
-    table.add_column("share", justify="right")
-    total = params["total"]
-    for comp, n in params["by_component"].items():
-        table.add_row(comp, f"{n:,}", f"{100 * n / total:.1f}%")
-    layers = params["per_layer"]
-    if layers:
-        first = next(iter(layers))
-        for part, n in layers[first].items():
-            if part != "total":
-                table.add_row(f"  {first}.{part}", f"{n:,}", "")
-        table.add_row(f"  one layer ({first})", f"{layers[first]['total']:,}", "")
-    table.add_row("total", f"{total:,}", "100.0%", style="bold")
-    console = Console()
-    console.print(table)
-    for p, users in params["tied"].items():
-        console.print(f"tied: {p} is shared by {', '.join(users)} (counted once)")
+        report_format.print_table(rep, Console())
+    if args.plot:
+        print(f"wrote {args.plot}", file=sys.stderr)
     return 0
-
-

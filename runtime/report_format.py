@@ -1,0 +1,242 @@
+"""Render a cost report (the dict of compiler/costreport.py) as a terminal table, Markdown or CSV.
+
+All three show the same rows, built once by ``sections``: exact values with
+thousands separators, a short SI form, and the formula in B and N where the
+figure depends on them. Sizes use decimal units (1 MB = 10^6 bytes).
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+
+SI = [(1e15, "P"), (1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")]
+
+
+def si(x, unit: str = "") -> str:
+    """145824153600 -> '145.82 G'; bytes get their unit: '75.50 MB'."""
+    if x is None:
+        return ""
+    ax = abs(x)
+    for scale, prefix in SI:
+        if ax >= scale:
+            return f"{x / scale:.2f} {prefix}{unit}"
+    return f"{x:.4g} {unit}".rstrip() if isinstance(x, float) else f"{x} {unit}".rstrip()
+
+
+def exact(x) -> str:
+    if x is None:
+        return "n/a"
+    if isinstance(x, float):
+        return f"{x:,.2f}"
+    return f"{x:,}"
+
+
+def seconds(t: float | None) -> str:
+    if t is None:
+        return "n/a"
+    if t >= 1:
+        return f"{t:.3f} s"
+    if t >= 1e-3:
+        return f"{t * 1e3:.3f} ms"
+    if t >= 1e-6:
+        return f"{t * 1e6:.2f} µs"
+    return f"{t * 1e9:.2f} ns"
+
+
+def title(rep: dict) -> str:
+    s = rep["settings"]
+    name = f"{rep['model']}{' (' + rep['variant'] + ')' if rep['variant'] else ''}"
+    dev = rep["roofline"]["device"]["name"] if rep.get("roofline") else "none"
+    return f"{name}: B={s['batch']}, N={s['seq']}, {s['dtype']}, device {dev}"
+
+
+# ------------------------------------------------------------------ the rows, shared by every format
+def sections(rep: dict) -> list[tuple[str, list[str], list[list[str]]]]:
+    """[(section title, column names, rows)]; every cell a string."""
+    out = []
+    p, m, f, mem = rep["params"], rep["macs"], rep["flops"], rep["memory"]
+    total = p["total"] or 1
+
+    rows = []
+    for r in p["table"]:
+        share = f"{100 * r['params'] / total:.1f}%" if r["kind"] in ("stack", "component", "total") else ""
+        rows.append([r["label"], exact(r["params"]), share])
+    if p["moe"]:
+        moe = p["moe"]
+        rows.append([f"active per token (top {moe['top']} of {moe['experts']} experts)",
+                     exact(p["active_per_token"]), f"{100 * p['active_per_token'] / total:.1f}%"])
+    for path, users in p["tied"].items():
+        rows.append([f"tied: {path} shared by {', '.join(users)} (counted once)", "", ""])
+    out.append(("Parameters", ["component", "parameters", "share"], rows))
+
+    fm = m["formulas"]
+    rows = [
+        ["total (full attention, head included)", exact(m["total"]), si(m["total"]), fm["total"]],
+        ["  weights: projections, MLP (N·D²)", exact(m["weights"]), si(m["weights"]), fm["weights"]],
+        ["  attention: scores, weighting (N²·D)", exact(m["attention"]), si(m["attention"]), fm["attention"]],
+        ["  output head", exact(m["head"]), si(m["head"]), fm["head"]],
+        ["causal mask exploited (N(N+1)/2 pairs)", exact(m["causal"]), si(m["causal"]), fm["causal"]],
+        ["  attention, causal", exact(m["attention_causal"]), si(m["attention_causal"]), fm["attention_causal"]],
+        ["without the head", exact(m["without_head"]), si(m["without_head"]), fm["without_head"]],
+        ["per token", exact(m["per_token"]), si(m["per_token"]), fm["per_token"]],
+        ["per token, causal", exact(m["causal_per_token"]), si(m["causal_per_token"]), fm["causal_per_token"]],
+    ]
+    if m["per_layer"]:
+        first = next(iter(m["per_layer"]))
+        v = m["per_layer"][first]["total"]
+        rows.append([f"one layer ({first})", exact(v), si(v), fm.get("one_layer", "")])
+    if p["moe"]:
+        rows.append([f"active per token (sparse top {p['moe']['top']})", exact(m["active_per_token"]),
+                     si(m["active_per_token"]), fm["active_per_token"]])
+    if m["crossover_seq"] is not None:
+        rows.append(["N² part overtakes the rest at N ≈", f"{m['crossover_seq']:,.0f}", "", ""])
+    if m["crossover_seq_causal"] is not None:
+        rows.append(["  with the causal mask exploited", f"{m['crossover_seq_causal']:,.0f}", "", ""])
+    for u in m["uncounted_ops"]:
+        rows.append([f"uncounted op {u['op']} (×{len(u['nodes'])})", "0", "", ""])
+    out.append(("Multiply-adds (MACs), one forward pass", ["figure", "MACs", "≈", "formula"], rows))
+
+    ff = f["formulas"]
+    rows = [["total = 2 × MACs + the rest", exact(f["total"]), si(f["total"]), ff["total"]],
+            ["  matmul (2 × MACs)", exact(f["matmul"]), si(f["matmul"]), ff["matmul"]]]
+    for k, v in f["itemised"].items():
+        rows.append([f"  {k} (estimate)", exact(v), si(v), ff[f"itemised.{k}"]])
+    rows.append(["causal mask exploited", exact(f["causal"]), si(f["causal"]), ff["causal"]])
+    rows.append(["per token", exact(f["per_token"]), si(f["per_token"]), ff["per_token"]])
+    out.append(("FLOPs", ["figure", "FLOPs", "≈", "formula"], rows))
+
+    mf = mem["formulas"]
+    t = mem["training"]
+    dt = rep["settings"]["dtype"]
+    by_size: dict[int, list[str]] = {}
+    for k, v in mem["weights_bytes_by_dtype"].items():
+        by_size.setdefault(v, []).append(k)
+    rows = [[f"weights ({' / '.join(names)})", exact(v), si(v, "B"), ""]
+            for v, names in sorted(by_size.items(), key=lambda kv: dt not in kv[1])]
+    rows += [
+        [f"KV cache at N ({mem['kv_cache_attentions']} attention{'' if mem['kv_cache_attentions'] == 1 else 's'})",
+         exact(mem["kv_cache_bytes"]),
+         si(mem["kv_cache_bytes"], "B"), mf["kv_cache_bytes"]],
+        ["KV cache per token", exact(mem["kv_cache_bytes_per_token"]), si(mem["kv_cache_bytes_per_token"], "B"),
+         mf["kv_cache_bytes_per_token"]],
+        ["peak activations, inference, unfused (N×N scores held)", exact(mem["activations_peak_bytes"]["unfused"]),
+         si(mem["activations_peak_bytes"]["unfused"], "B"), mf["activations_peak_bytes.unfused"]],
+        ["peak activations, inference, fused attention", exact(mem["activations_peak_bytes"]["fused"]),
+         si(mem["activations_peak_bytes"]["fused"], "B"), mf["activations_peak_bytes.fused"]],
+        ["training: weights + gradients", exact(t["weights"] + t["gradients"]),
+         si(t["weights"] + t["gradients"], "B"), ""],
+        ["training: Adam moments (fp32)" + (" + fp32 master weights" if t["master_weights"] else ""),
+         exact(t["optimizer"] + t["master_weights"]), si(t["optimizer"] + t["master_weights"], "B"), ""],
+        ["training: activations kept for backward, unfused", exact(t["activations"]), si(t["activations"], "B"),
+         mf["training.activations"]],
+        ["training: activations kept for backward, fused", exact(t["activations_fused"]),
+         si(t["activations_fused"], "B"), mf["training.activations_fused"]],
+        ["training total, unfused", exact(t["total"]), si(t["total"], "B"), mf["training.total"]],
+        ["training total, fused attention", exact(t["total_fused"]), si(t["total_fused"], "B"),
+         mf["training.total_fused"]],
+    ]
+    out.append((f"Memory ({dt}, bytes)", ["figure", "bytes", "≈", "formula"], rows))
+
+    r = rep.get("roofline")
+    if r:
+        d = r["device"]
+        head = (f"Roofline on {d['name']}: {d['label']}; {si(d['peak_flops'], 'FLOP/s')} {dt} matmul, "
+                f"{si(d['bandwidth'], 'B/s')}; ridge {r['ridge_intensity']:.1f} FLOP/B")
+        rows = [["prefill, graph as written (N×N scores in memory)", seconds(r["prefill_seconds"]["unfused"]),
+                 "", "", "", ""],
+                ["prefill, attention fused", seconds(r["prefill_seconds"]["fused"]), "", "", "", ""]]
+        if r["decode_seconds_per_token"] is not None:
+            rows.append([f"decode step at N (one token per sequence; {r['decode_tokens_per_second']:,.0f} tokens/s)",
+                         seconds(r["decode_seconds_per_token"]), "", "", "", ""])
+        ops = sorted(r["ops"], key=lambda o: -o["seconds"])[:10]
+        total_t = r["prefill_seconds"]["unfused"] or 1
+        for o in ops:
+            rows.append([f"  {o['name']} ({o['op']}) ×{o['count']}", seconds(o["seconds"]),
+                         f"{100 * o['seconds'] / total_t:.1f}%", si(o["flops"]), f"{o['intensity']:.1f}", o["bound"]])
+        fa = r["fused_attention"]
+        if fa:
+            rows.append([f"  fused attention ×{fa['count']} (if fused)", seconds(fa["seconds"]), "",
+                         si(fa["flops"]), f"{fa['intensity']:.1f}", fa["bound"]])
+        out.append((head, ["estimate (ideal kernels)", "time", "share", "FLOPs", "FLOP/B", "bound"], rows))
+    return out
+
+
+# ------------------------------------------------------------------ formats
+def print_table(rep: dict, console) -> None:
+    from rich.table import Table
+
+    console.print(title(rep), style="bold")
+    for name, cols, rows in sections(rep):
+        table = Table(title=name, title_justify="left", show_edge=True)
+        for i, c in enumerate(cols):
+            table.add_column(c, justify="left" if i == 0 or c in ("formula", "bound") else "right")
+        for row in rows:
+            style = "bold" if row[0] in ("total", "total (full attention, head included)") else None
+            table.add_row(*row, style=style)
+        console.print(table)
+    for note in _notes(rep):
+        console.print(f"note: {note}", markup=False, highlight=False)
+
+
+def _notes(rep: dict) -> list[str]:
+    """Notes not already shown as a row (ties are listed under the parameter table)."""
+    return [n for n in rep["notes"] if not n.startswith("tied: ")]
+
+
+def _md_cell(s: str) -> str:
+    return s.replace("|", "\\|").replace("*", "\\*")
+
+
+def _md_first(s: str) -> str:
+    """First column: keep the indent of sub-rows visible (Markdown drops leading spaces)."""
+    body = s.lstrip(" ")
+    return "&nbsp;&nbsp;" * ((len(s) - len(body)) // 2) + _md_cell(body)
+
+
+def markdown(rep: dict) -> str:
+    lines = [f"# {title(rep)}", ""]
+    for name, cols, rows in sections(rep):
+        lines += [f"## {name}", "", "| " + " | ".join(cols) + " |",
+                  "| " + " | ".join("---" if i == 0 or c in ("formula", "bound") else "---:"
+                                    for i, c in enumerate(cols)) + " |"]
+        lines += ["| " + " | ".join(_md_first(c) if j == 0 else _md_cell(c) for j, c in enumerate(row))
+                  + " |" for row in rows]
+        lines.append("")
+    if _notes(rep):
+        lines += ["## Notes", ""] + [f"- {n}" for n in _notes(rep)] + [""]
+    return "\n".join(lines)
+
+
+def flatten(rep: dict) -> list[tuple[str, object, str]]:
+    """(dotted key, value, formula) for every scalar of the report; list items get [i]."""
+    out: list[tuple[str, object, str]] = []
+
+    def walk(prefix: str, node, formulas: dict):
+        if isinstance(node, dict):
+            here = {k: v for k, v in formulas.items() if k}
+            if isinstance(node.get("formulas"), dict):
+                here.update(node["formulas"])
+            for k, v in node.items():
+                if k == "formulas":
+                    continue
+                walk(f"{prefix}.{k}" if prefix else k, v, {**{kk[len(k) + 1:]: vv for kk, vv in here.items()
+                                                           if kk.startswith(k + ".")},
+                                                        **({"": here[k]} if k in here else {})})
+        elif isinstance(node, list):
+            for i, v in enumerate(node):
+                walk(f"{prefix}[{i}]", v, {})
+        else:
+            out.append((prefix, node, formulas.get("", "")))
+
+    walk("", rep, {})
+    return out
+
+
+def csv_text(rep: dict) -> str:
+    buf = io.StringIO()
+    w = csv.writer(buf, lineterminator="\n")
+    w.writerow(["key", "value", "formula"])
+    for key, value, formula in flatten(rep):
+        w.writerow([key, "" if value is None else value, formula])
+    return buf.getvalue()

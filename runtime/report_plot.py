@@ -1,0 +1,70 @@
+"""``tessera report --plot``: MACs and memory against sequence length, fused and unfused attention.
+
+matplotlib is an optional extra (``pip install 'tessera[plot]'``); without it
+the command says how to get it instead of failing with an import error.
+"""
+
+from __future__ import annotations
+
+from tessera.compiler.ir import Graph
+
+from .pipeline import UsageError
+
+
+def _lengths(seq: int, crossover: float | None) -> list[int]:
+    """Powers of two from 64 to well past N, and past the crossover where it is within 2^17."""
+    top = max(8 * seq, 8192, min(2 * (crossover or 0), 2**17))
+    n, out = 64, [64]
+    while n < top:
+        n *= 2
+        out.append(n)
+    if seq not in out:
+        out = sorted(set(out) | {seq})
+    return out
+
+
+def plot(graph: Graph, rep: dict, path: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise UsageError("--plot needs matplotlib: pip install 'tessera[plot]' (or pip install matplotlib)") from None
+    from tessera.compiler.costreport import sweep
+
+    s = rep["settings"]
+    if not s["sequence_symbols"]:
+        raise UsageError("--plot draws costs against N, but this spec has no sequence symbol")
+    data = sweep(graph, _lengths(s["seq"], rep["macs"]["crossover_seq"]), s["batch"], s["dtype"])
+    n = data["seq"]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.8), constrained_layout=True)
+    name = f"{rep['model']}{' (' + rep['variant'] + ')' if rep['variant'] else ''}"
+    fig.suptitle(f"{name}, B={s['batch']}, {s['dtype']}: static cost against sequence length N")
+
+    ax1.loglog(n, data["macs_unfused"], "o-", label="unfused: full N×N attention")
+    ax1.loglog(n, data["macs_fused"], "s--", label="fused: causal mask exploited (N(N+1)/2 pairs)")
+    if any(data["attention_unfused"]):
+        ax1.loglog(n, data["attention_unfused"], ":", color="C0", label="  of which attention (N²·D part), unfused")
+        ax1.loglog(n, data["attention_fused"], ":", color="C1", label="  of which attention, fused")
+    ax1.set_xlabel("sequence length N")
+    ax1.set_ylabel("multiply-adds (MACs), one forward pass")
+    cross = rep["macs"]["crossover_seq"]
+    if cross and n[0] <= cross <= n[-1]:
+        ax1.axvline(cross, color="gray", linestyle=":", label=f"N² part overtakes the rest (N ≈ {cross:,.0f})")
+    ax1.axvline(s["seq"], color="black", linewidth=0.8, alpha=0.5)
+    ax1.legend(fontsize=8)
+    ax1.grid(True, which="both", alpha=0.3)
+
+    ax2.loglog(n, data["peak_unfused"], "o-", label="peak activations, unfused (N×N scores held)")
+    ax2.loglog(n, data["peak_fused"], "s--", label="peak activations, fused attention")
+    if any(data["kv_cache"]):
+        ax2.loglog(n, data["kv_cache"], "^-", label="KV cache")
+    ax2.axhline(rep["memory"]["weights_bytes"], color="gray", linestyle=":", label=f"weights ({s['dtype']})")
+    ax2.axvline(s["seq"], color="black", linewidth=0.8, alpha=0.5)
+    ax2.set_xlabel("sequence length N")
+    ax2.set_ylabel("bytes")
+    ax2.legend(fontsize=8)
+    ax2.grid(True, which="both", alpha=0.3)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
