@@ -71,6 +71,11 @@ def build(args) -> dict:
 
         with _no_gc():
             plot(built.graph, rep, args.plot)
+    from tessera.compiler.attention_report import attention_section
+
+    with _no_gc():  # last: it fuses the graph in place
+        rep["attention"] = attention_section(built.graph, rep["settings"]["bindings"],
+                                             rep["settings"]["bytes_per_element"], device.name, args.dtype)
     return rep
 
 

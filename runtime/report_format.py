@@ -159,6 +159,27 @@ def sections(rep: dict) -> list[tuple[str, list[str], list[list[str]]]]:
             rows.append([f"  fused attention ×{fa['count']} (if fused)", seconds(fa["seconds"]), "",
                          si(fa["flops"]), f"{fa['intensity']:.1f}", fa["bound"]])
         out.append((head, ["estimate (ideal kernels)", "time", "share", "FLOPs", "FLOP/B", "bound"], rows))
+    att = rep.get("attention")
+    if att and att["sites"]:
+        from tessera.compiler.attention_report import group_sites
+
+        rows = []
+        for count, first, names in group_sites(att):
+            where = names[0] if count == 1 else f"{names[0]} … {names[-1]} ({count} sites)"
+            if first["fused"]:
+                t = first["traffic_bytes"]
+                rows.append([where, f"fused: {first['kernel']}", si(t["unfused"] * count) + "B",
+                             si(t["fused"] * count) + "B"])
+                rows.append([f"  why {first['kernel']}: {first['why']}", "", "", ""])
+            else:
+                rows.append([where, "not fused", "", ""])
+                rows.append([f"  why: {first['reason']}", "", "", ""])
+        t = att["traffic_bytes"]
+        if t["fused"]:
+            rows.append(["total memory traffic of attention", f"{att['traffic_ratio']:.1f}× less fused",
+                         si(t["unfused"]) + "B", si(t["fused"]) + "B"])
+        out.append((f"Attention sites ({att['fused']} fused, {att['not_fused']} not; target {att['target']})",
+                    ["site", "kernel", "traffic unfused", "traffic fused"], rows))
     return out
 
 

@@ -312,7 +312,7 @@ def test_cli_json_has_the_documented_top_level_keys(capsys):
     assert rc == 0
     rep = json.loads(out)
     assert list(rep) == ["schema", "model", "variant", "hyperparams", "settings", "params", "macs", "flops",
-                         "memory", "roofline", "notes"]
+                         "memory", "roofline", "notes", "attention"]
     assert rep["settings"]["bindings"] == {"B": 2, "T": 32}
     d, n, b = 64, 32, 2
     assert rep["macs"]["attention"] == b * 2 * 2 * n * n * d

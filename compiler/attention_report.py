@@ -1,0 +1,83 @@
+"""The report's attention section: every attention site, what the optimiser does with it, and the
+memory traffic of the site with and without fusion.
+
+Traffic is counted as bytes moved to and from main memory by ideal kernels at the report's B and N:
+
+- unfused: read Q and K, write the N×N scores, read and write them once per elementwise step
+  (scale, each mask, bias, softmax), read the weights and V, write the output;
+- fused (FlashAttention's accounting): read Q once, write the output once, and read K and V once
+  per query tile, only up to the last key a causal tile can see.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+from . import dims
+from .ir import Graph
+from .optimize import optimize
+from .passes.attention_kernels import Target
+
+
+def _traffic(graph: Graph, node, bindings: dict, e: int) -> tuple[int, int]:
+    a = node.attrs
+    q, k, v = (graph.type_of(x).shape for x in node.inputs[:3])
+    ev = lambda d: dims.evaluate(dims.dim(d), bindings)  # noqa: E731
+    b, h, tq, d = ev(q[0]), a["heads"], ev(q[2]), ev(q[3])
+    g, tk, dv = a["kv_heads"], ev(k[2]), ev(v[3])
+    passes = (a["scale"] != 1.0) + a["causal"] + a["padding"] + a["bias"] + 1
+    scores = tq * tk
+    unfused = e * b * h * (tq * d + tk * d + scores + 2 * scores * passes + scores + tk * dv + tq * dv)
+    br = a.get("q_tile", 64)
+    keys_read = 0
+    for start in range(0, tq, br):
+        end = min(start + br, tq)
+        keys_read += min(tk, end + (tk - tq)) if a["causal"] else tk
+    fused = e * b * (h * tq * d + h * tq * dv + g * keys_read * (d + dv))
+    return unfused, fused
+
+
+def _where(pos) -> str | None:
+    """file:line:col, with the file relative to the working directory when it lies below it."""
+    if pos is None:
+        return None
+    path = pos.file
+    if os.path.isabs(path):
+        rel = os.path.relpath(path)
+        path = rel if not rel.startswith("..") else path
+    return f"{path}:{pos.line}:{pos.col}"
+
+
+def attention_section(graph: Graph, bindings: dict, bytes_per_element: int, device: str, dtype: str) -> dict:
+    """Fuse attention on ``graph`` (in place) for the device's target and describe every site."""
+    target = Target("cpu" if device == "cpu" else "cuda", dtype)
+    sites = optimize(graph, target)
+    rows, total_u, total_f = [], 0, 0
+    for s in sites:
+        row = {"site": s.scope or "<model>", "at": _where(s.pos), "fused": s.fused}
+        if s.fused:
+            node = graph.nodes[s.node]
+            u, f = _traffic(graph, node, bindings, bytes_per_element)
+            row.update(kernel=s.impl, why=s.impl_reason, traffic_bytes={"unfused": u, "fused": f},
+                       q_tile=node.attrs["q_tile"], k_tile=node.attrs["k_tile"])
+            total_u, total_f = total_u + u, total_f + f
+        else:
+            row.update(reason=s.reason)
+        rows.append(row)
+    return {"target": f"{target.device} {target.dtype}", "sites": rows,
+            "fused": sum(r["fused"] for r in rows), "not_fused": sum(not r["fused"] for r in rows),
+            "traffic_bytes": {"unfused": total_u, "fused": total_f},
+            "traffic_ratio": (total_u / total_f) if total_f else None}
+
+
+def group_sites(section: dict) -> list[tuple[int, dict, list[str]]]:
+    """Sites that share kernel and reason, with their names (96 identical layers read as one line)."""
+    groups: dict[tuple, list] = {}
+    for r in section["sites"]:
+        key = (r["fused"], r.get("kernel"), r.get("why") or r.get("reason"))
+        groups.setdefault(key, []).append(r)
+    return [(len(v), v[0], [r["site"] for r in v]) for v in groups.values()]
+
+
+__all__ = ["attention_section", "group_sites", "math"]
