@@ -9,9 +9,9 @@ Cases (B=1, 12 heads of 64, causal, fp32, CPU provider):
   portable    Tessera's fused node lowered to its own tiled Loop kernel (standard ONNX ops)
   gqa-direct  onnxruntime's GroupQueryAttention alone, built by hand (the reference point)
 
-Each case runs in a fresh Python process: build the model, open the session, run once to warm up,
-record the resident set size, reset the peak counter, then time --repeat runs. "Extra" memory is
-the peak resident set during the timed runs minus the resident set before them.
+Each case runs in a fresh Python process: build the model, open the session, make the inputs,
+record the resident set size and reset the peak counter, run once to warm up, then time --repeat
+runs. "Extra" memory is the peak resident set over all runs minus the resident set before them.
 """
 
 from __future__ import annotations
@@ -98,9 +98,9 @@ def run_case(case: str, n: int, repeat: int) -> dict:
         feeds["total"] = np.array(n, np.int32)
     else:
         feeds = {x: rng.standard_normal((1, HEADS, n, HD), dtype=np.float32) for x in "qkv"}
-    sess.run(None, feeds)  # warm-up
-    base = _rss_kib("VmRSS")
+    base = _rss_kib("VmRSS")  # session and inputs ready; nothing run yet
     reset = _reset_peak()
+    sess.run(None, feeds)  # warm-up (counted in the peak: onnxruntime's arena grows here)
     times = []
     for _ in range(repeat):
         t0 = time.perf_counter()

@@ -25,7 +25,10 @@ MAX_TILE = 512
 
 
 def _to_bsd(b, x: str) -> str:
-    """[B, H, T, hd] -> [B, T, H*hd]."""
+    """[B, H, T, hd] -> [B, T, H*hd]; when x is split_heads(y), y already is that tensor."""
+    producer = b.graph.producer(x)
+    if producer is not None and producer.op == "split_heads" and b.graph.type_of(producer.inputs[0]).rank == 3:
+        return producer.inputs[0]
     t = b.node("Transpose", [x], perm=[0, 2, 1, 3])[0]
     return b.node("Reshape", [t, b.i64([0, 0, -1])])[0]
 
