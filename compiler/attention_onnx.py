@@ -20,7 +20,7 @@ from onnx import TensorProto, helper
 from . import dims
 
 
-SCORE_BLOCK_BUDGET = 96 * 1024 * 1024  # bytes of scores one tile may hold
+SCORE_BLOCK_BUDGET = 32 * 1024 * 1024  # bytes of scores one tile may hold
 MAX_TILE = 512
 
 
@@ -110,7 +110,9 @@ def _portable(b, node, out: str) -> None:
     pad = b.node("Sub", [b.node("Mul", [n_tiles, tile_c])[0], tq])[0]
     pad1 = b.node("Unsqueeze", [pad, b.i64([0])])[0]
     row_pads = b.node("Concat", [b.i64([0, 0, 0, 0, 0, 0]), pad1, b.i64([0])], axis=0)[0]
-    q_padded = b.node("Pad", [q, row_pads])[0]
+    scale = b.const(np.array(a["scale"], dtype=np_dtype), "scale")
+    # scale Q once (N·d work) instead of every score block (N² work, and one block less alive)
+    q_padded = b.node("Pad", [b.node("Mul", [q, scale])[0], row_pads])[0]
     offset = b.node("Sub", [tk, tq])[0]  # keys before the first query (0 for self-attention)
     keep = None
     if mask is not None:
@@ -134,7 +136,6 @@ def _portable(b, node, out: str) -> None:
         if bias_rows:
             bias4 = b.node("Pad", [bias4, row_pads])[0]
     min_value = b.const(np.array(np.finfo(np_dtype).min, dtype=np_dtype), "min")
-    scale = b.const(np.array(a["scale"], dtype=np_dtype), "scale")
 
     # ---- loop body: one query tile
     outer_nodes = b.nodes
@@ -157,7 +158,6 @@ def _portable(b, node, out: str) -> None:
     k_tile = b.node("Slice", [k, ks1, ke1, b.i64([2])])[0]
     v_tile = b.node("Slice", [v, ks1, ke1, b.i64([2])])[0]
     s = b.node("MatMul", [q_tile, b.node("Transpose", [k_tile], perm=[0, 1, 3, 2])[0]])[0]
-    s = b.node("Mul", [s, scale])[0]
     if bias4 is not None:
         bt = bias4
         if bias_rows:

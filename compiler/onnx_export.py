@@ -130,6 +130,10 @@ class _Builder:
         return self.node("Concat", [self.dim(s) for s in shape], axis=0)[0]
 
 
+def _np_float(dtype: str):
+    return np.float16 if dtype == "f16" else np.float32
+
+
 def _min_const(b: _Builder, dtype: str) -> str:
     np_dtype = np.float16 if dtype == "f16" else np.float32
     return b.const(np.array(np.finfo(np_dtype).min, dtype=np_dtype), "min")
@@ -177,7 +181,7 @@ def _lower(b: _Builder, node, out: str) -> None:
     elif op == "rmsnorm":
         sq = b.node("Mul", [x[0], x[0]])[0]
         ms = b.node("ReduceMean", [sq, b.i64([-1])], keepdims=1)[0]
-        eps = b.const(np.array(a["eps"], dtype=np.float32), "eps")
+        eps = b.const(np.array(a["eps"], dtype=_np_float(t_in[0].dtype)), "eps")
         rms = b.node("Sqrt", [b.node("Add", [ms, eps])[0]])[0]
         normed = b.node("Div", [x[0], rms])[0]
         emit("Mul", [normed, x[1]])
@@ -249,6 +253,9 @@ def _lower(b: _Builder, node, out: str) -> None:
         freqs = b.node("Mul", [pos, b.const(inv_freq[None, :], "inv_freq")])[0]
         emb = b.node("Concat", [freqs, freqs], axis=-1)[0]
         cos, sin = b.node("Cos", [emb])[0], b.node("Sin", [emb])[0]
+        if t_in[0].dtype != "f32":  # tables in fp32, applied at the tensor's precision
+            cos = b.node("Cast", [cos], to=ONNX_DTYPES[t_in[0].dtype])[0]
+            sin = b.node("Cast", [sin], to=ONNX_DTYPES[t_in[0].dtype])[0]
         half = b.i64([hd // 2])
         x1 = b.node("Slice", [x[0], b.i64([0]), half, b.i64([-1])])[0]
         x2 = b.node("Slice", [x[0], half, b.i64([hd]), b.i64([-1])])[0]
@@ -258,7 +265,7 @@ def _lower(b: _Builder, node, out: str) -> None:
         vals, idx = b.node("TopK", [x[0], b.i64([a["k"]])], 2, axis=-1, largest=1, sorted=1)
         w = b.node("Softmax", [vals], axis=-1)[0]
         zeros = b.node("ConstantOfShape", [b.node("Shape", [x[0]])[0]],
-                       value=numpy_helper.from_array(np.zeros(1, dtype=np.float32)))[0]
+                       value=numpy_helper.from_array(np.zeros(1, dtype=_np_float(t_in[0].dtype))))[0]
         emit("ScatterElements", [zeros, idx, w], axis=-1)
     elif op == "arange":
         zero = b.const(np.array(0, dtype=np.int64), "zero")
@@ -268,7 +275,7 @@ def _lower(b: _Builder, node, out: str) -> None:
         d = a["d"]
         n = a["n"]
         if dims.is_static(dims.dim(n)):
-            emit("Identity", [b.const(sinusoidal_table(int(n), d), "sinusoidal")])
+            emit("Identity", [b.const(sinusoidal_table(int(n), d).astype(_np_float(t_out.dtype)), "sinusoidal")])
             return
         div = np.power(np.float32(10000.0), np.arange(0, d, 2, dtype=np.float32) / np.float32(d)).astype(np.float32)
         zero = b.const(np.array(0, dtype=np.int64), "zero")
@@ -279,6 +286,8 @@ def _lower(b: _Builder, node, out: str) -> None:
         s = b.node("Unsqueeze", [b.node("Sin", [ang])[0], b.i64([2])])[0]
         c = b.node("Unsqueeze", [b.node("Cos", [ang])[0], b.i64([2])])[0]
         both = b.node("Concat", [s, c], axis=2)[0]
+        if t_out.dtype != "f32":
+            both = b.node("Cast", [both], to=ONNX_DTYPES[t_out.dtype])[0]
         emit("Reshape", [both, b.i64([-1, d])])
     elif op == "fused_attention":
         from .attention_onnx import lower_fused_attention
@@ -317,6 +326,8 @@ def to_onnx(graph: Graph, weights: dict[str, np.ndarray], metadata: dict | None 
     inits = []
     for path, p in graph.params.items():
         arr = np.ascontiguousarray(weights[path])
+        if p.dtype == "f16" and arr.dtype != np.float16:
+            arr = arr.astype(np.float16)
         inits.append(numpy_helper.from_array(arr, path))
     for name, arr in graph.consts.items():
         inits.append(numpy_helper.from_array(np.ascontiguousarray(arr), name))

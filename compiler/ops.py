@@ -301,7 +301,7 @@ def _arange(t, a):
 
 @rule("sinusoidal")
 def _sinusoidal(t, a):
-    return [TensorType("f32", (dims.dim(a["n"]), sympy.Integer(a["d"])))]
+    return [TensorType(a.get("dtype", "f32"), (dims.dim(a["n"]), sympy.Integer(a["d"])))]
 
 
 def check_graph(graph: Graph) -> None:

@@ -48,6 +48,9 @@ def _optimise_args(p: argparse.ArgumentParser) -> None:
                    help="attention lowering: auto picks a tiled kernel per site and target; gqa/mha force "
                         "onnxruntime's contrib kernels, portable Tessera's tiled Loop kernel, unfused the "
                         "primitive graph (default auto)")
+    p.add_argument("--dtype", choices=["fp32", "fp16", "bf16"], default="fp32",
+                   help="precision of weights and computation (the model's inputs and outputs stay fp32); "
+                        "also picks the attention kernels (default fp32; bf16 is not exported yet)")
     p.add_argument("--no-fuse", action="store_true", help="do not fuse attention (same as --attention unfused)")
     p.add_argument("--explain", action="store_true",
                    help="list every attention site: fused or not and why, and the kernel chosen")

@@ -76,8 +76,13 @@ def optimise(built: Built, args) -> None:
     attention = "unfused" if getattr(args, "no_fuse", False) else getattr(args, "attention", "auto")
     if getattr(args, "no_fuse", False) and getattr(args, "attention", "auto") not in ("auto", "unfused"):
         raise UsageError(f"--no-fuse contradicts --attention {args.attention}")
+    dtype = getattr(args, "dtype", "fp32")
     try:
-        sites = optimize(built.graph, Target(getattr(args, "target", "cpu")), attention)
+        sites = optimize(built.graph, Target(getattr(args, "target", "cpu"), dtype), attention)
+        if dtype != "fp32":
+            from tessera.compiler.passes.precision import LowerPrecision
+
+            LowerPrecision(dtype)(built.graph)
     except PassError as e:
         raise UsageError(str(e)) from None
     built.attention_sites = sites

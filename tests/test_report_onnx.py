@@ -85,9 +85,9 @@ def test_counter_sizes_fused_attention_nodes():
 
 
 def test_counter_agrees_on_a_fused_export():
-    """`tessera compile` fuses attention by default; on the CPU target causal attention becomes
-    onnxruntime's GroupQueryAttention (here with 4 query heads over 2 key/value heads), which the
-    counter sizes as two products per query-key pair."""
+    """A fused export with onnxruntime's GroupQueryAttention (the CUDA target's choice for causal
+    attention; here 4 query heads over 2 key/value heads): the counter sizes it as two products
+    per query-key pair."""
     from tessera.compiler.optimize import optimize
     from tessera.compiler.passes.attention_kernels import Target
 
@@ -95,7 +95,7 @@ def test_counter_agrees_on_a_fused_export():
     graph = build("llama", None, **overrides)
     costs, _ = cost.node_costs(graph)
     total, attention = cost.total(costs), cost.total(costs, kinds={"attention"})
-    assert all(s.impl == "gqa" for s in optimize(graph, Target("cpu")))
+    assert all(s.impl == "gqa" for s in optimize(graph, Target("cpu"), attention="gqa"))
     model = onnx_export.to_onnx(graph, init_weights(graph, 0))
     counted = onnx_counter.count(model, {"B": 2, "T": 7})
     assert counted.nodes.get("GroupQueryAttention") == overrides["layers"]

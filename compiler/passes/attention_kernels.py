@@ -2,9 +2,11 @@
 
 Lowerings (``--attention NAME`` forces one):
 
-- ``gqa``: onnxruntime's com.microsoft.GroupQueryAttention. On CPU it takes a
-  tiled causal prefill path (it never forms the N×N scores); on CUDA it has
-  flash kernels for fp16/bf16 with head size a multiple of 8, at most 256.
+- ``gqa``: onnxruntime's com.microsoft.GroupQueryAttention. On CUDA it has
+  flash kernels for fp16/bf16 with head size a multiple of 8, at most 256. On
+  CPU, onnxruntime 1.31 allocates the N×N attention probabilities (measured:
+  3.3 GB extra at N=8192 with 12 heads, docs/BENCHMARKS.md), so auto does not
+  pick it there; --attention gqa still can.
   It is causal only (optionally with a local window), without padding mask or
   bias, and needs queries and keys of the same length.
 - ``mha``: com.microsoft.MultiHeadAttention. Tiled on CPU only without mask,
@@ -88,10 +90,15 @@ def choose(node: Node, graph: Graph, target: Target) -> tuple[str, str]:
     """The kernel for one fused attention on a target, and the reason."""
     if target.device == "cuda" and target.dtype == "fp32":
         return "portable", "onnxruntime's flash kernels need fp16/bf16 on CUDA; the portable kernel is tiled in fp32"
-    for kernel, good in (("gqa", "onnxruntime's GroupQueryAttention is tiled for causal prefill"),
-                         ("mha", "onnxruntime's MultiHeadAttention is tiled without mask, bias or past")):
+    candidates = [("mha", "onnxruntime's MultiHeadAttention is tiled without mask, bias or past")]
+    if target.device == "cuda":
+        candidates.insert(0, ("gqa", "onnxruntime's GroupQueryAttention has a flash kernel for causal prefill"))
+    for kernel, good in candidates:
         if why_not(kernel, node, graph, target) is None:
             return kernel, good + (" (flash kernel on CUDA)" if target.device == "cuda" else " on CPU")
+    if node.attrs["causal"] and target.device == "cpu" and why_not("gqa", node, graph, target) is None:
+        return "portable", ("Tessera's tiled kernel: onnxruntime 1.31's GroupQueryAttention on CPU holds the "
+                            "N×N probabilities (3.3 GB extra at N=8192, 12 heads; docs/BENCHMARKS.md)")
     reason = why_not("gqa", node, graph, target) if node.attrs["causal"] else why_not("mha", node, graph, target)
     return "portable", f"Tessera's tiled kernel: onnxruntime's contrib kernels would not be tiled here ({reason})"
 

@@ -1,0 +1,67 @@
+"""Lower the graph's floating-point precision (fp32 -> fp16) for export.
+
+Every f32 value becomes f16: parameters (converted when weights are written),
+constants, and every node's result. The model's interface stays fp32: float
+inputs are cast to fp16 where they enter and outputs are cast back to fp32 where
+they leave, so callers feed and read the same arrays at either precision.
+Integer tensors (token ids, masks, positions) are untouched.
+"""
+
+from __future__ import annotations
+
+from ..ir import Graph, TensorType, Value
+from .base import Pass, PassError, PassResult
+
+SUPPORTED = {"fp16": "f16"}
+
+
+class LowerPrecision(Pass):
+    name = "lower-precision"
+
+    def __init__(self, dtype: str):
+        if dtype not in SUPPORTED:
+            raise PassError(f"--dtype {dtype}: export supports fp32 and {', '.join(SUPPORTED)}")
+        self.dtype = SUPPORTED[dtype]
+
+    def run(self, graph: Graph) -> PassResult:
+        low = self.dtype
+        changed = False
+
+        def lower(t: TensorType) -> TensorType:
+            return TensorType(low, t.shape) if t.dtype == "f32" else t
+
+        # interface: float inputs enter through a cast
+        for name in list(graph.inputs):
+            if graph.type_of(name).dtype != "f32":
+                continue
+            users = graph.consumers(name)
+            cast = graph.add_node("cast", [name], [lower(graph.type_of(name))], {"dtype": low}, "", None,
+                                  name=f"{name}/to_{low}")
+            for u in users:
+                u.inputs = [cast.outputs[0] if i == name else i for i in u.inputs]
+            # keep creation order topological: move the cast to the front
+            graph.nodes = {cast.name: cast, **{k: v for k, v in graph.nodes.items() if k != cast.name}}
+            changed = True
+        for p in graph.params.values():
+            if p.dtype == "f32":
+                p.dtype = low
+                graph.values[p.path] = Value(p.path, lower(graph.values[p.path].type), "param")
+                changed = True
+        for name, arr in graph.consts.items():
+            if graph.type_of(name).dtype == "f32":
+                graph.consts[name] = arr.astype("float16")
+                graph.values[name] = Value(name, lower(graph.type_of(name)), "const")
+        outputs = set(graph.outputs)
+        for node in graph.nodes.values():
+            if node.op == "cast" and node.attrs["dtype"] == "f32":
+                node.attrs["dtype"] = low
+            if node.op == "sinusoidal":
+                node.attrs["dtype"] = low
+            for o in node.outputs:
+                v = graph.values[o]
+                if o in outputs and v.type.dtype == "f32":
+                    node.op, node.attrs = "cast", {"dtype": "f32"}  # the output identity casts back
+                    continue
+                v.type = lower(v.type)
+        graph._rebuild_nx()
+        return PassResult(graph, changed)
