@@ -4,9 +4,9 @@ The node's ``impl`` attribute (set by passes.attention_kernels) picks one:
 
 - ``gqa`` / ``mha``: com.microsoft.GroupQueryAttention / MultiHeadAttention,
   which take [B, T, H·hd] tensors, so heads are merged before and split after.
-- ``portable``: a Loop over query tiles in standard ONNX ops. Each iteration
-  takes a tile of query rows (at least ``q_tile``; more, up to MAX_TILE, while the
-  tile's scores fit SCORE_BLOCK_BUDGET at the run's length), the keys they can see (a causal tile stops at
+- ``portable``: a Loop over (head, query tile) pairs in standard ONNX ops. Each
+  iteration takes one head's tile of query rows (at least ``q_tile``; more, up to
+  MAX_TILE, while the tile's scores fit SCORE_BLOCK_BUDGET at the run's length), the keys they can see (a causal tile stops at
   its last row's position; a sliding window starts at its first row's window),
   computes that block's scores, masks, softmax and product with V. The scan
   output stacks the tiles. Only a q_tile × N block of scores exists at once.
@@ -20,7 +20,7 @@ from onnx import TensorProto, helper
 from . import dims
 
 
-SCORE_BLOCK_BUDGET = 32 * 1024 * 1024  # bytes of scores one tile may hold
+SCORE_BLOCK_BUDGET = 16 * 1024 * 1024  # bytes of scores one head's tile may hold
 MAX_TILE = 512
 
 
@@ -71,18 +71,8 @@ def _mha(b, node, out: str) -> None:
     _from_bsd(b, res, a["heads"], hv, out)
 
 
-def _expand_heads(b, x: str, x_type, heads: int) -> str:
-    """[B, G, T, d] -> [B, G*r, T, d], each key/value head repeated r times (grouped-query)."""
-    groups = int(x_type.shape[1])
-    if groups == heads:
-        return x
-    un = b.node("Unsqueeze", [x, b.i64([2])])[0]
-    ex = b.node("Expand", [un, b.i64([1, 1, heads // groups, 1, 1])])[0]
-    d = x_type.shape[-1]
-    return b.node("Reshape", [ex, b.i64([0, heads, -1, int(d)])])[0]
-
-
 def _portable(b, node, out: str) -> None:
+    """One Loop iteration per (head, query tile): small slices, large matrix products."""
     g, a = b.graph, node.attrs
     q, k, v = node.inputs[:3]
     extra = list(node.inputs[3:])
@@ -91,28 +81,23 @@ def _portable(b, node, out: str) -> None:
     q_t, k_t, v_t = g.type_of(q), g.type_of(k), g.type_of(v)
     dtype = q_t.dtype
     np_dtype = np.float16 if dtype == "f16" else np.float32
-    tile = int(a["q_tile"])
+    heads, rep = a["heads"], a["heads"] // a["kv_heads"]
     hv = int(v_t.shape[-1])
-    k = _expand_heads(b, k, k_t, a["heads"])
-    v = _expand_heads(b, v, v_t, a["heads"])
 
     tq, tk = b.dim_scalar(q_t.shape[-2]), b.dim_scalar(k_t.shape[-2])
     one = _scalar(b, 1)
     zero = _scalar(b, 0)
-    # Rows per tile: at least the cost model's q_tile, more while one tile's scores stay within
-    # SCORE_BLOCK_BUDGET (bigger tiles make bigger, faster matrix products), at most MAX_TILE.
+    # Rows per tile: at least the cost model's q_tile, more while one head's tile of scores stays
+    # within SCORE_BLOCK_BUDGET (bigger tiles make bigger, faster matrix products), at most MAX_TILE.
     bytes_per = 2 if dtype == "f16" else 4
-    row_bytes = b.node("Mul", [b.node("Mul", [b.dim_scalar(q_t.shape[0]), _scalar(b, a["heads"] * bytes_per)])[0],
-                               tk])[0]
+    row_bytes = b.node("Mul", [b.dim_scalar(q_t.shape[0]), b.node("Mul", [tk, _scalar(b, bytes_per)])[0]])[0]
     fit = b.node("Div", [_scalar(b, SCORE_BLOCK_BUDGET), row_bytes])[0]
-    tile_c = b.node("Min", [b.node("Max", [fit, _scalar(b, tile)])[0], _scalar(b, max(tile, MAX_TILE))])[0]
+    min_tile = int(a["q_tile"])
+    tile_c = b.node("Min", [b.node("Max", [fit, _scalar(b, min_tile)])[0], _scalar(b, max(min_tile, MAX_TILE))])[0]
+    tile_c = b.node("Min", [tile_c, tq])[0]
     n_tiles = b.node("Div", [b.node("Add", [tq, b.node("Sub", [tile_c, one])[0]])[0], tile_c])[0]
-    pad = b.node("Sub", [b.node("Mul", [n_tiles, tile_c])[0], tq])[0]
-    pad1 = b.node("Unsqueeze", [pad, b.i64([0])])[0]
-    row_pads = b.node("Concat", [b.i64([0, 0, 0, 0, 0, 0]), pad1, b.i64([0])], axis=0)[0]
+    last_start = b.node("Sub", [tq, tile_c])[0]  # the last tile ends at Tq (it may overlap the one before)
     scale = b.const(np.array(a["scale"], dtype=np_dtype), "scale")
-    # scale Q once (N·d work) instead of every score block (N² work, and one block less alive)
-    q_padded = b.node("Pad", [b.node("Mul", [q, scale])[0], row_pads])[0]
     offset = b.node("Sub", [tk, tq])[0]  # keys before the first query (0 for self-attention)
     keep = None
     if mask is not None:
@@ -124,28 +109,35 @@ def _portable(b, node, out: str) -> None:
             keep = b.node("Not", [b.node("Equal", [mask, zero_m])[0]])[0]
         keep = b.node("Unsqueeze", [keep, b.i64([1, 2])])[0]
     bias4 = None
-    bias_rows = bias_cols = False
+    bias_heads = bias_rows = bias_cols = False
     if bias is not None:
         bt = g.type_of(bias)
         bias4 = bias
         if bt.rank < 4:
             bias4 = b.node("Unsqueeze", [bias, b.i64(list(range(4 - bt.rank)))])[0]
         shape4 = (1,) * (4 - bt.rank) + tuple(bt.shape)
-        bias_rows = not (dims.is_static(dims.dim(shape4[-2])) and int(shape4[-2]) == 1)
-        bias_cols = not (dims.is_static(dims.dim(shape4[-1])) and int(shape4[-1]) == 1)
-        if bias_rows:
-            bias4 = b.node("Pad", [bias4, row_pads])[0]
+        not_one = lambda d: not (dims.is_static(dims.dim(d)) and int(d) == 1)  # noqa: E731
+        bias_heads, bias_rows, bias_cols = not_one(shape4[1]), not_one(shape4[2]), not_one(shape4[3])
     min_value = b.const(np.array(np.finfo(np_dtype).min, dtype=np_dtype), "min")
 
-    # ---- loop body: one query tile
+    # ---- loop body: head h, query tile j (iteration i = h * n_tiles + j)
     outer_nodes = b.nodes
     b.nodes = []
-    i = b.fresh("tile_index")
+    i = b.fresh("iteration")
     cond_in, cond_out = b.fresh("cond_in"), b.fresh("cond_out")
-    start = b.node("Mul", [i, tile_c])[0]
+    h = b.node("Div", [i, n_tiles])[0]
+    j = b.node("Mod", [i, n_tiles])[0]
+    kv_h = b.node("Div", [h, _scalar(b, rep)])[0] if rep > 1 else h
+    start = b.node("Min", [b.node("Mul", [j, tile_c])[0], last_start])[0]
     end = b.node("Add", [start, tile_c])[0]
-    start1, end1 = (b.node("Unsqueeze", [x, b.i64([0])])[0] for x in (start, end))
-    q_tile = b.node("Slice", [q_padded, start1, end1, b.i64([2])])[0]
+    u = lambda x: b.node("Unsqueeze", [x, b.i64([0])])[0]  # noqa: E731
+    pair = lambda x, y: b.node("Concat", [u(x), u(y)], axis=0)[0]  # noqa: E731
+    h1 = b.node("Add", [h, one])[0]
+    kv_h1 = b.node("Add", [kv_h, one])[0]
+    axes_hr = b.i64([1, 2])
+    # the tile's queries, scaled (tile·d work rather than tile·N on the scores)
+    q_tile = b.node("Slice", [q, pair(h, start), pair(h1, end), axes_hr])[0]
+    q_tile = b.node("Mul", [q_tile, scale])[0]
     k_start = zero
     if a["causal"]:
         k_end = b.node("Min", [b.node("Add", [end, offset])[0], tk])[0]
@@ -154,16 +146,17 @@ def _portable(b, node, out: str) -> None:
             k_start = b.node("Max", [first, zero])[0]
     else:
         k_end = tk
-    ks1, ke1 = (b.node("Unsqueeze", [x, b.i64([0])])[0] for x in (k_start, k_end))
-    k_tile = b.node("Slice", [k, ks1, ke1, b.i64([2])])[0]
-    v_tile = b.node("Slice", [v, ks1, ke1, b.i64([2])])[0]
+    k_tile = b.node("Slice", [k, pair(kv_h, k_start), pair(kv_h1, k_end), axes_hr])[0]
+    v_tile = b.node("Slice", [v, pair(kv_h, k_start), pair(kv_h1, k_end), axes_hr])[0]
     s = b.node("MatMul", [q_tile, b.node("Transpose", [k_tile], perm=[0, 1, 3, 2])[0]])[0]
     if bias4 is not None:
         bt = bias4
+        if bias_heads:
+            bt = b.node("Slice", [bt, u(h), u(h1), b.i64([1])])[0]
         if bias_rows:
-            bt = b.node("Slice", [bt, start1, end1, b.i64([2])])[0]
+            bt = b.node("Slice", [bt, u(start), u(end), b.i64([2])])[0]
         if bias_cols:
-            bt = b.node("Slice", [bt, ks1, ke1, b.i64([3])])[0]
+            bt = b.node("Slice", [bt, u(k_start), u(k_end), b.i64([3])])[0]
         s = b.node("Add", [s, bt])[0]
     if a["causal"]:
         rows = b.node("Add", [b.node("Range", [start, end, one])[0], offset])[0]
@@ -175,9 +168,9 @@ def _portable(b, node, out: str) -> None:
             hide = b.node("Or", [hide, far])[0]
         s = b.node("Where", [hide, min_value, s])[0]
     if keep is not None:
-        s = b.node("Where", [b.node("Slice", [keep, ks1, ke1, b.i64([3])])[0], s, min_value])[0]
+        s = b.node("Where", [b.node("Slice", [keep, u(k_start), u(k_end), b.i64([3])])[0], s, min_value])[0]
     p = b.node("Softmax", [s], axis=-1)[0]
-    tile_out = b.node("MatMul", [p, v_tile])[0]
+    tile_out = b.node("MatMul", [p, v_tile])[0]  # [B, 1, tile, hv]
     b.node("Identity", [cond_in], [cond_out])
     body = helper.make_graph(
         b.nodes, b.fresh("tile_body"),
@@ -187,8 +180,17 @@ def _portable(b, node, out: str) -> None:
                  helper.make_tensor_value_info(tile_out, TensorProto.FLOAT16 if dtype == "f16" else TensorProto.FLOAT,
                                                None)])
     b.nodes = outer_nodes
-    # ---- the loop and reassembly
-    tiles = b.node("Loop", [n_tiles, ""], 1, body=body)[0]  # [n_tiles, B, H, tile, hv]
-    stacked = b.node("Transpose", [tiles], perm=[1, 2, 0, 3, 4])[0]
+    # ---- the loop and reassembly: [H·n, B, 1, tile, hv] -> [B, H, n·tile, hv] -> Tq rows, taking from
+    # the last tile only the rows the tile before it did not cover
+    iterations = b.node("Mul", [_scalar(b, heads), n_tiles])[0]
+    tiles = b.node("Loop", [iterations, ""], 1, body=body)[0]
+    by_head = b.node("Reshape", [tiles, b.node("Concat", [b.i64([heads]), u(n_tiles), b.dim(q_t.shape[0]),
+                                                          b.i64([-1, hv])], axis=0)[0]])[0]  # [H, n, B, tile, hv]
+    stacked = b.node("Transpose", [by_head], perm=[2, 0, 1, 3, 4])[0]
     rows_all = b.node("Reshape", [stacked, b.i64([0, 0, -1, hv])])[0]
-    b.node("Slice", [rows_all, b.i64([0]), b.dim(q_t.shape[-2]), b.i64([2])], [out])
+    full = b.node("Mul", [b.node("Sub", [n_tiles, one])[0], tile_c])[0]  # rows of the tiles before the last
+    n_rows = b.node("Mul", [n_tiles, tile_c])[0]
+    tail_from = b.node("Sub", [b.node("Add", [full, n_rows])[0], tq])[0]
+    index = b.node("Concat", [b.node("Range", [zero, full, one])[0], b.node("Range", [tail_from, n_rows, one])[0]],
+                   axis=0)[0]
+    b.node("Gather", [rows_all, index], [out], axis=2)

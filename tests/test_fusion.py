@@ -196,3 +196,38 @@ def test_numpy_interpreter_runs_fused_graphs(rng):
     want = interpret.run(g, w, feeds)["logits"]
     optimize(g)
     np.testing.assert_allclose(interpret.run(g, w, feeds)["logits"], want, atol=1e-5)
+
+
+@pytest.mark.parametrize("spec,sets", [SMALL[0], SMALL[1], SMALL[3], SMALL[5]],
+                         ids=["gpt2", "bert", "llama", "transformer"])
+def test_portable_kernel_with_many_tiles_and_an_overlapping_last_tile(spec, sets, rng, monkeypatch):
+    """Tiles of 16 rows over 37 queries: three tiles, the last one overlapping the second."""
+    from tessera.compiler import attention_onnx
+
+    monkeypatch.setattr(attention_onnx, "SCORE_BLOCK_BUDGET", 1)
+    monkeypatch.setattr(attention_onnx, "MAX_TILE", 16)
+    unfused = build(spec, **sets)
+    weights = init_weights(unfused, seed=5)
+    feeds = feeds_for(unfused, rng)
+    want = ort_run(unfused, weights, feeds)
+    fused = build(spec, **sets)
+    optimize(fused, Target("cpu"), "portable")
+    assert {n.attrs["q_tile"] for n in fused.nodes.values() if n.op == "fused_attention"} == {16}
+    got = ort_run(fused, weights, feeds)
+    for name in want:
+        np.testing.assert_allclose(got[name], want[name], atol=1e-5, rtol=1e-5, err_msg=name)
+
+
+def test_portable_kernel_many_tiles_with_a_bias(tmp_path, rng, monkeypatch):
+    from tessera.compiler import attention_onnx
+
+    monkeypatch.setattr(attention_onnx, "SCORE_BLOCK_BUDGET", 1)
+    monkeypatch.setattr(attention_onnx, "MAX_TILE", 16)
+    spec = tmp_path / "hand.tsr"
+    spec.write_text(HAND_WRITTEN)
+    unfused, fused = build(str(spec)), build(str(spec))
+    optimize(fused)
+    w = init_weights(unfused, 1)
+    feeds = {"x": rng.standard_normal((2, 37, 16)).astype(np.float32),
+             "bias": rng.standard_normal((37, 37)).astype(np.float32)}
+    np.testing.assert_allclose(ort_run(fused, w, feeds)["y"], ort_run(unfused, w, feeds)["y"], atol=1e-5)
