@@ -193,11 +193,6 @@ class Graph:
         p = self.values[value].producer
         return self.nodes.get(p) if p is not None else None
 
-    def users(self, value: str) -> list[Node]:
-        """Nodes that read ``value`` (in graph order)."""
-        return [self.nodes[n] for n in self.nx.successors(self.values[value].producer)
-                if value in self.nodes[n].inputs] if self.values[value].producer else self.consumers(value)
-
     # ---------------------------------------------------------------- queries
     def type_of(self, value: str) -> TensorType:
         return self.values[value].type
@@ -207,9 +202,6 @@ class Graph:
 
     def param_count(self) -> int:
         return sum(p.numel for p in self.params.values())
-
-    def topo_nodes(self) -> list[Node]:
-        return list(self.nodes.values())
 
     def dump(self) -> str:
         """A readable listing of the graph, one node a line (used by golden tests)."""

@@ -35,3 +35,34 @@ def ort_run(graph, weights, feeds, tmp_path=None):
 @pytest.fixture
 def rng():
     return np.random.default_rng(1234)
+
+
+# Small versions of every family, for tests that run whole models (names are each spec's hyperparameters).
+SMALL_MODELS = [
+    ("gpt2", dict(layers=2, d=32, heads=4, vocab=50, ctx=64)),
+    ("bert", dict(layers=2, d=32, heads=4, vocab=50, ctx=64, d_ff=64)),
+    ("vit", dict(layers=2, d=32, heads=4, d_ff=64, image=32, patch=8)),
+    ("llama", dict(layers=2, d=32, heads=4, kv_heads=2, vocab=50, d_ff=48)),
+    ("mixtral", dict(layers=2, d=32, heads=4, kv_heads=2, vocab=50, d_ff=48, experts=4, top=2)),
+    ("transformer", dict(layers=2, d=32, heads=4, vocab=50, d_ff=64)),
+]
+
+
+def feeds_for(graph, rng, b=2, t=37):
+    """Random inputs by name: ids below 50, token types 0/1, masks with the second sequence padded
+    by five positions, floats from N(0, 1); S (the encoder's length) is three longer than T."""
+    feeds = {}
+    for name in graph.inputs:
+        typ = graph.type_of(name)
+        shape = [int(d) if not d.free_symbols else (b if str(d) == "B" else t + 3 * (str(d) == "S"))
+                 for d in typ.shape]
+        if typ.dtype == "i64":
+            if "mask" in name:
+                arr = np.ones(shape, np.int64)
+                arr[1, -5:] = 0
+            else:
+                arr = rng.integers(0, 2 if "type" in name else 50, shape)
+            feeds[name] = arr.astype(np.int64)
+        else:
+            feeds[name] = rng.standard_normal(shape).astype(np.float32)
+    return feeds

@@ -6,7 +6,7 @@ import numpy as np
 import onnx
 import pytest
 
-from conftest import MODELS, build, ort_run
+from conftest import MODELS, SMALL_MODELS, build, feeds_for, ort_run
 from tessera.compiler import interpret, onnx_export
 from tessera.runtime.cli import main
 from tessera.runtime.weights import init_weights
@@ -61,35 +61,6 @@ def test_gpt2_small_params_from_onnx_equal_the_report(tmp_path):
     assert len(uses) == 2
 
 
-SMALL_MODELS = [
-    ("gpt2", dict(layers=2, d=32, heads=4, vocab=50, ctx=16)),
-    ("bert", dict(layers=2, d=32, heads=4, vocab=50, ctx=16, d_ff=64)),
-    ("vit", dict(layers=2, d=32, heads=4, d_ff=64, image=32, patch=8)),
-    ("llama", dict(layers=2, d=32, heads=4, kv_heads=2, vocab=50, d_ff=48)),
-    ("mixtral", dict(layers=2, d=32, heads=4, kv_heads=2, vocab=50, d_ff=48, experts=4, top=2)),
-    ("transformer", dict(layers=2, d=32, heads=4, vocab=50, d_ff=64)),
-]
-
-
-def _feeds(graph, rng, b=2, t=7):
-    feeds = {}
-    for name in graph.inputs:
-        typ = graph.type_of(name)
-        shape = [int(d) if not d.free_symbols else (b if str(d) == "B" else t + (str(d) == "S")) for d in typ.shape]
-        if typ.dtype == "i64":
-            if "mask" in name:
-                arr = np.ones(shape, np.int64)
-                arr[1, -2:] = 0  # second sequence padded by two positions
-            elif "type" in name:
-                arr = rng.integers(0, 2, shape)
-            else:
-                arr = rng.integers(0, 50, shape)
-            feeds[name] = arr.astype(np.int64)
-        else:
-            feeds[name] = rng.standard_normal(shape).astype(np.float32)
-    return feeds
-
-
 @pytest.mark.parametrize("spec,sets", SMALL_MODELS, ids=[s for s, _ in SMALL_MODELS])
 def test_onnxruntime_agrees_with_the_numpy_interpreter(spec, sets, rng):
     graph = build(spec, **sets)
@@ -98,7 +69,7 @@ def test_onnxruntime_agrees_with_the_numpy_interpreter(spec, sets, rng):
     for p, w in weights.items():
         if not p.endswith("weight") or w.ndim == 1:
             weights[p] = w + rng.standard_normal(w.shape).astype(np.float32) * 0.1
-    feeds = _feeds(graph, rng)
+    feeds = feeds_for(graph, rng, t=7)
     ref = interpret.run(graph, weights, feeds)
     got = ort_run(graph, weights, feeds)
     for name in ref:

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from conftest import build, ort_run
+from conftest import SMALL_MODELS, build, feeds_for, ort_run
 from tessera.compiler import interpret
 from tessera.compiler.flash import attention_reference, tiled_attention
 from tessera.compiler.optimize import optimize
@@ -11,32 +11,7 @@ from tessera.compiler.passes.attention_kernels import Target
 from tessera.compiler.passes.fuse_attention import FuseAttention
 from tessera.runtime.weights import init_weights
 
-SMALL = [
-    ("gpt2", dict(layers=2, d=32, heads=4, vocab=50, ctx=64)),
-    ("bert", dict(layers=2, d=32, heads=4, vocab=50, ctx=64, d_ff=64)),
-    ("vit", dict(layers=2, d=32, heads=4, d_ff=64, image=32, patch=8)),
-    ("llama", dict(layers=2, d=32, heads=4, kv_heads=2, vocab=50, d_ff=48)),
-    ("mixtral", dict(layers=2, d=32, heads=4, kv_heads=2, vocab=50, d_ff=48, experts=4, top=2)),
-    ("transformer", dict(layers=2, d=32, heads=4, vocab=50, d_ff=64)),
-]
-
-
-def feeds_for(graph, rng, b=2, t=37):
-    feeds = {}
-    for name in graph.inputs:
-        typ = graph.type_of(name)
-        shape = [int(d) if not d.free_symbols else (b if str(d) == "B" else t + 3 * (str(d) == "S"))
-                 for d in typ.shape]
-        if typ.dtype == "i64":
-            if "mask" in name:
-                arr = np.ones(shape, np.int64)
-                arr[1, -5:] = 0
-            else:
-                arr = rng.integers(0, 2 if "type" in name else 50, shape)
-            feeds[name] = arr.astype(np.int64)
-        else:
-            feeds[name] = rng.standard_normal(shape).astype(np.float32)
-    return feeds
+SMALL = SMALL_MODELS
 
 
 @pytest.mark.parametrize("spec,sets", SMALL, ids=[s for s, _ in SMALL])

@@ -10,7 +10,7 @@ from tessera.compiler.optimize import optimize
 from tessera.compiler.passes.attention_kernels import Target
 from tessera.compiler.passes.precision import LowerPrecision
 from tessera.runtime.weights import init_weights
-from test_fusion import SMALL, feeds_for
+from conftest import SMALL_MODELS as SMALL, feeds_for
 
 
 @pytest.mark.parametrize("spec,sets", SMALL, ids=[s for s, _ in SMALL])
