@@ -98,6 +98,7 @@ def _portable(b, node, out: str) -> None:
     n_tiles = b.node("Div", [b.node("Add", [tq, b.node("Sub", [tile_c, one])[0]])[0], tile_c])[0]
     last_start = b.node("Sub", [tq, tile_c])[0]  # the last tile ends at Tq (it may overlap the one before)
     scale = b.const(np.array(a["scale"], dtype=np_dtype), "scale")
+    k_t_all = b.node("Transpose", [k], perm=[0, 1, 3, 2])[0]  # Kᵀ once: [B, G, d, Tk]
     offset = b.node("Sub", [tk, tq])[0]  # keys before the first query (0 for self-attention)
     keep = None
     if mask is not None:
@@ -146,9 +147,9 @@ def _portable(b, node, out: str) -> None:
             k_start = b.node("Max", [first, zero])[0]
     else:
         k_end = tk
-    k_tile = b.node("Slice", [k, pair(kv_h, k_start), pair(kv_h1, k_end), axes_hr])[0]
+    k_tile_t = b.node("Slice", [k_t_all, pair(kv_h, k_start), pair(kv_h1, k_end), b.i64([1, 3])])[0]
     v_tile = b.node("Slice", [v, pair(kv_h, k_start), pair(kv_h1, k_end), axes_hr])[0]
-    s = b.node("MatMul", [q_tile, b.node("Transpose", [k_tile], perm=[0, 1, 3, 2])[0]])[0]
+    s = b.node("MatMul", [q_tile, k_tile_t])[0]
     if bias4 is not None:
         bt = bias4
         if bias_heads:
