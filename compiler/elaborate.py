@@ -21,7 +21,7 @@ from tessera.spec import Pos, Program, SpecError, ast, did_you_mean
 
 from . import dims, ops
 from .builtins import BUILTINS
-from .ir import DTYPES, FLOAT_DTYPES, Graph, Param, SymbolSource, TensorType
+from .ir import DTYPES, Graph, Param, SymbolSource, TensorType
 from .values import REQUIRED, BlockRef, Builtin, Tensor, describe
 
 _UNSET = _UNSET_ARG = object()
@@ -115,7 +115,7 @@ class Elaborator:
         self._model_outs = outs
         try:
             self.exec_body(model.body, env, in_model=True)
-        except _Return as r:  # pragma: no cover - grammar allows it, semantics do not
+        except _Return:  # pragma: no cover - grammar allows it, semantics do not
             raise SpecError("'return' is only allowed in a block") from None
         for name, decl in outs.items():
             if not env.has_local(name):

@@ -13,6 +13,7 @@ keeps creation order, which is a topological order.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -63,7 +64,7 @@ class Param:
 
     @property
     def numel(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64)) if self.shape else 1
+        return math.prod(self.shape)  # Python ints: exact, and fast for GPT-3's thousands of parameters
 
 
 @dataclass

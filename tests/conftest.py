@@ -66,3 +66,24 @@ def feeds_for(graph, rng, b=2, t=37):
         else:
             feeds[name] = rng.standard_normal(shape).astype(np.float32)
     return feeds
+
+
+def cli(capsys, *args) -> tuple[int, str, str]:
+    """Run the tessera command in-process; return (status, stdout, stderr)."""
+    from tessera.runtime.cli import main
+
+    rc = main([str(a) for a in args])
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def cli_error(capsys, *args, spec_error_ok: bool = True) -> str:
+    """Run a command that must fail as a user error (status 2, no traceback); return its stderr, stripped."""
+    rc, _, err = cli(capsys, *args)
+    assert rc == 2, err
+    assert "Traceback" not in err
+    if spec_error_ok:
+        assert err.startswith("error: ") or ": error: " in err.splitlines()[0], err
+    else:
+        assert err.startswith("error: "), err
+    return err.strip()

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import cli, cli_error
 from safetensors.numpy import save_file
 
 from tessera.runtime import pipeline
-from tessera.runtime.cli import main
 from tessera.runtime.weights import init_weights
 
 MODELS = Path(__file__).resolve().parents[1] / "models"
@@ -23,21 +23,6 @@ WORKED = MODELS / "worked_example.tsr"
 TINY_SETS = ["layers=1", "d=8", "heads=2", "vocab=16", "ctx=8"]
 TINY = [arg for s in TINY_SETS for arg in ("--set", s)]
 RUN_TINY = ["run", GPT2, *TINY, "--provider", "cpu"]
-
-
-def cli(capsys, *args) -> tuple[int, str, str]:
-    rc = main([str(a) for a in args])
-    out, err = capsys.readouterr()
-    return rc, out, err
-
-
-def cli_error(capsys, *args) -> str:
-    """Run a command that must fail as a user error; return its stderr (stripped)."""
-    rc, _, err = cli(capsys, *args)
-    assert rc == 2, err
-    assert "Traceback" not in err
-    assert err.startswith("error: ") or ": error: " in err.splitlines()[0], err
-    return err.strip()
 
 
 # ---------------------------------------------------------------- --set, --variant, the spec file

@@ -15,10 +15,10 @@ import sys
 import numpy as np
 import pytest
 
-from conftest import MODELS
+from conftest import MODELS, cli
+from conftest import cli_error as shared_cli_error
 from tessera.compiler.signature import InputError, InputSpec
 from tessera.runtime import image, text
-from tessera.runtime.cli import main
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -48,17 +48,8 @@ def tokenizer_file(tmp_path_factory):
     return path
 
 
-def cli(capsys, *args):
-    rc = main([str(a) for a in args])
-    out, err = capsys.readouterr()
-    return rc, out, err
-
-
 def cli_error(capsys, *args) -> str:
-    rc, _, err = cli(capsys, *args)
-    assert rc == 2, err
-    assert "Traceback" not in err and err.startswith("error: "), err
-    return err.strip()
+    return shared_cli_error(capsys, *args, spec_error_ok=False)
 
 
 # ------------------------------------------------------------------ text

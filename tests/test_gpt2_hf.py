@@ -4,8 +4,6 @@ The checkpoint is a randomly initialised GPT2LMHeadModel saved as safetensors
 with Hugging Face's own names; models/gpt2.hf.toml maps them to Tessera's.
 """
 
-from pathlib import Path
-
 import numpy as np
 import pytest
 

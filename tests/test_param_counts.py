@@ -1,10 +1,14 @@
 """Every bundled spec elaborates, shape-checks, and has its published parameter count."""
 
+from pathlib import Path
+
 import pytest
 
 from conftest import build
 from tessera.compiler import ops
 from tessera.compiler.analysis import parameter_report
+
+SPECS = Path(__file__).resolve().parent / "specs"
 
 PUBLISHED = [
     ("gpt2", "small", 124_439_808),
@@ -60,34 +64,10 @@ def test_parameter_paths_follow_the_spec():
     assert "head.weight" not in g.params  # tied to wte
 
 
-def test_problem_12_2_single_head_attention(tmp_path):
+def test_problem_12_2_single_head_attention():
     """Single head, D=512, D_q=64, with biases: 328,320 parameters, independent of N."""
-    spec = tmp_path / "single_head.tsr"
-    spec.write_text("""
-model SingleHead(d = 512, dq = 64) {
-  in x: f32[B, N, d]
-  out y: f32[B, N, d]
-  q = linear(x, dq, name="q")
-  k = linear(x, dq, name="k")
-  v = linear(x, d, name="v")
-  y = matmul(softmax(matmul(q, transpose(k)) / sqrt(dq)), v)
-}
-""")
-    assert build(str(spec)).param_count() == 328_320
+    assert build(str(SPECS / "problem_12_2_single_head.tsr")).param_count() == 328_320
 
 
-def test_problem_12_6_24_layers_of_width_1024(tmp_path):
-    spec = tmp_path / "stack.tsr"
-    spec.write_text("""
-model Stack(d = 1024, layers = 24, heads = 16) {
-  in x: f32[B, T, d]
-  out y: f32[B, T, d]
-  h = x
-  repeat layers as i {
-    h += attention(layernorm(h, name="ln_1"), heads, name="attn")
-    h += mlp(layernorm(h, name="ln_2"), 4 * d, name="mlp")
-  }
-  y = h
-}
-""")
-    assert build(str(spec)).param_count() == 302_309_376
+def test_problem_12_6_24_layers_of_width_1024():
+    assert build(str(SPECS / "problem_12_6_stack.tsr")).param_count() == 302_309_376

@@ -122,29 +122,10 @@ def test_mixtral_total_and_active_parameters():
 
 
 # ---------------------------------------------------------------- the seed's problems as small specs
-SINGLE_HEAD = """
-model SingleHead(d = 512, dq = 64) {
-  in x: f32[B, N, d]
-  out y: f32[B, N, d]
-  q = linear(x, dq, name="q")
-  k = linear(x, dq, name="k")
-  v = linear(x, d, name="v")
-  y = matmul(softmax(matmul(q, transpose(k)) / sqrt(dq)), v)
-}
-"""
+SPECS = Path(__file__).resolve().parent / "specs"
+SINGLE_HEAD = (SPECS / "problem_12_2_single_head.tsr").read_text()
 
-STACK = """
-model Stack(d = 1024, layers = 24, heads = 16) {
-  in x: f32[B, T, d]
-  out y: f32[B, T, d]
-  h = x
-  repeat layers as i {
-    h += attention(layernorm(h, name="ln_1"), heads, name="attn")
-    h += mlp(layernorm(h, name="ln_2"), 4 * d, name="mlp")
-  }
-  y = h
-}
-"""
+STACK = (SPECS / "problem_12_6_stack.tsr").read_text()
 
 PATCHES = """
 model Patches(image = 224, patch = 16, d = 768, heads = 12) {
