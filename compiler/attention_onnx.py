@@ -120,6 +120,13 @@ def _portable(b, node, out: str) -> None:
         not_one = lambda d: not (dims.is_static(dims.dim(d)) and int(d) == 1)  # noqa: E731
         bias_heads, bias_rows, bias_cols = not_one(shape4[1]), not_one(shape4[2]), not_one(shape4[3])
     min_value = b.const(np.array(np.finfo(np_dtype).min, dtype=np_dtype), "min")
+    triangle = None
+    if a["causal"] and not a["window"]:
+        # [tile, tile]: 0 on and below the diagonal, the dtype's minimum above it (added, so a
+        # score there becomes the minimum exactly: |score| is far below that float's spacing)
+        r = b.node("Range", [zero, tile_c, one])[0]
+        above = b.node("Greater", [b.node("Unsqueeze", [r, b.i64([0])])[0], b.node("Unsqueeze", [r, b.i64([1])])[0]])[0]
+        triangle = b.node("Where", [above, min_value, b.const(np.array(0, dtype=np_dtype), "zero")])[0]
 
     # ---- loop body: head h, query tile j (iteration i = h * n_tiles + j)
     outer_nodes = b.nodes
@@ -147,9 +154,17 @@ def _portable(b, node, out: str) -> None:
             k_start = b.node("Max", [first, zero])[0]
     else:
         k_end = tk
-    k_tile_t = b.node("Slice", [k_t_all, pair(kv_h, k_start), pair(kv_h1, k_end), b.i64([1, 3])])[0]
     v_tile = b.node("Slice", [v, pair(kv_h, k_start), pair(kv_h1, k_end), axes_hr])[0]
-    s = b.node("MatMul", [q_tile, k_tile_t])[0]
+    keys_t = lambda lo, hi: b.node("Slice", [k_t_all, pair(kv_h, lo), pair(kv_h1, hi), b.i64([1, 3])])[0]  # noqa: E731
+    if triangle is not None:
+        # Keys before the tile's first row are visible to every row of the tile; only the last
+        # tile × tile block (the diagonal) needs the causal mask, a constant added to that block.
+        d_start = b.node("Sub", [k_end, tile_c])[0]
+        s_past = b.node("MatMul", [q_tile, keys_t(zero, d_start)])[0]
+        s_diag = b.node("Add", [b.node("MatMul", [q_tile, keys_t(d_start, k_end)])[0], triangle])[0]
+        s = b.node("Concat", [s_past, s_diag], axis=-1)[0]
+    else:
+        s = b.node("MatMul", [q_tile, keys_t(k_start, k_end)])[0]
     if bias4 is not None:
         bt = bias4
         if bias_heads:
@@ -159,15 +174,13 @@ def _portable(b, node, out: str) -> None:
         if bias_cols:
             bt = b.node("Slice", [bt, u(k_start), u(k_end), b.i64([3])])[0]
         s = b.node("Add", [s, bt])[0]
-    if a["causal"]:
+    if a["causal"] and a["window"]:
         rows = b.node("Add", [b.node("Range", [start, end, one])[0], offset])[0]
         rows = b.node("Unsqueeze", [rows, b.i64([1])])[0]
         cols = b.node("Unsqueeze", [b.node("Range", [k_start, k_end, one])[0], b.i64([0])])[0]
         hide = b.node("Greater", [cols, rows])[0]
-        if a["window"]:
-            far = b.node("LessOrEqual", [cols, b.node("Sub", [rows, _scalar(b, a["window"])])[0]])[0]
-            hide = b.node("Or", [hide, far])[0]
-        s = b.node("Where", [hide, min_value, s])[0]
+        far = b.node("LessOrEqual", [cols, b.node("Sub", [rows, _scalar(b, a["window"])])[0]])[0]
+        s = b.node("Where", [b.node("Or", [hide, far])[0], min_value, s])[0]
     if keep is not None:
         s = b.node("Where", [b.node("Slice", [keep, u(k_start), u(k_end), b.i64([3])])[0], s, min_value])[0]
     p = b.node("Softmax", [s], axis=-1)[0]

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from conftest import SMALL_MODELS, build, feeds_for, ort_run
-from tessera.compiler import interpret
+from tessera.compiler import interpret, onnx_export
 from tessera.compiler.flash import attention_reference, tiled_attention
 from tessera.compiler.optimize import optimize
 from tessera.compiler.passes.attention_kernels import Target
@@ -206,3 +206,73 @@ def test_portable_kernel_many_tiles_with_a_bias(tmp_path, rng, monkeypatch):
     feeds = {"x": rng.standard_normal((2, 37, 16)).astype(np.float32),
              "bias": rng.standard_normal((37, 37)).astype(np.float32)}
     np.testing.assert_allclose(ort_run(fused, w, feeds)["y"], ort_run(unfused, w, feeds)["y"], atol=1e-5)
+
+
+CAUSAL_VARIANTS = """
+model Causal(heads = 2, hd = 8, window = 0, past = false, masked = false, biased = false) {
+  in q: f32[B, heads, T, hd]
+  in k: f32[B, heads, T, hd]
+  in v: f32[B, heads, T, hd]
+  in kp: f32[B, heads, P, hd]
+  in vp: f32[B, heads, P, hd]
+  in mask: i64[B, P + T]
+  in bias: f32[T, P + T]
+  out y: f32[B, heads, T, hd]
+  if past {
+    k = concat([kp, k], axis=2)
+    v = concat([vp, v], axis=2)
+  }
+  s = matmul(q, transpose(k)) * 0.3
+  if biased { s = s + bias }
+  s = causal_mask(s, window=window)
+  if masked { s = padding_mask(s, mask) }
+  y = matmul(softmax(s, axis=-1), v)
+}
+"""
+
+
+@pytest.mark.parametrize("sets", [dict(), dict(window=5), dict(past=True), dict(past=True, window=7),
+                                  dict(masked=True, past=True), dict(biased=True, past=True)],
+                         ids=["causal", "window", "past", "past-window", "past-padding", "past-bias"])
+def test_portable_causal_kernel_with_many_tiles(tmp_path, rng, monkeypatch, sets):
+    """Causal tiles mask only their diagonal block; with cached keys (P of them) the diagonal moves right."""
+    from tessera.compiler import attention_onnx
+
+    monkeypatch.setattr(attention_onnx, "SCORE_BLOCK_BUDGET", 1)
+    monkeypatch.setattr(attention_onnx, "MAX_TILE", 16)
+    spec = tmp_path / "causal.tsr"
+    spec.write_text(CAUSAL_VARIANTS)
+    unfused, fused = build(str(spec), **sets), build(str(spec), **sets)
+    sites = optimize(fused, Target("cpu"), "portable")
+    assert [s.fused for s in sites] == [True], [s.describe() for s in sites]
+    b, t, p = 2, 37, 11
+    feeds = {name: rng.standard_normal((b, 2, n, 8)).astype(np.float32)
+             for name, n in (("q", t), ("k", t), ("v", t), ("kp", p), ("vp", p))}
+    feeds["mask"] = np.ones((b, p + t), np.int64)
+    feeds["mask"][1, :14] = 0  # left padding in the second sequence: its first three query rows see no key
+    feeds["bias"] = rng.standard_normal((t, p + t)).astype(np.float32)
+    used = {i.name for i in onnx_export.to_onnx(fused, {}).graph.input}
+    feeds = {k: v for k, v in feeds.items() if k in used}
+    got, want = ort_run(fused, {}, feeds)["y"], ort_run(unfused, {}, feeds)["y"]
+    if sets.get("masked"):
+        # rows that see no key are meaningless: both give equal weights, the unfused graph over all
+        # keys, the tiled kernel over the keys it scans; they must only be finite
+        assert np.isfinite(got[1, :, :3]).all()
+        got[1, :, :3] = want[1, :, :3]
+    np.testing.assert_allclose(got, want, atol=1e-5)
+
+
+def test_causal_mask_with_fewer_keys_than_queries_is_not_fused(tmp_path):
+    spec = tmp_path / "short.tsr"
+    spec.write_text("""
+model Short(heads = 2, hd = 8) {
+  in q: f32[B, heads, T, hd]
+  in k: f32[B, heads, S, hd]
+  in v: f32[B, heads, S, hd]
+  out y: f32[B, heads, T, hd]
+  y = matmul(softmax(causal_mask(matmul(q, transpose(k))), axis=-1), v)
+}
+""")
+    sites = optimize(build(str(spec)))
+    assert [s.fused for s in sites] == [False]
+    assert "keys (S) may be fewer than the queries (T)" in sites[0].reason

@@ -205,6 +205,9 @@ def match_attention(g: Graph, softmax: Node) -> _Match:
     q_t, k_t, v_t = g.type_of(m.q), g.type_of(m.k), g.type_of(m.v)
     if not dims.equal(k_t.shape[-2], v_t.shape[-2]):
         raise NoMatch("K and V have different lengths")
+    if m.causal and not (dims.dim(k_t.shape[-2]) - dims.dim(q_t.shape[-2])).is_nonnegative:
+        raise NoMatch(f"a causal mask where the keys ({dims.fmt(k_t.shape[-2])}) may be fewer than the queries "
+                      f"({dims.fmt(q_t.shape[-2])}): leading rows would see no key")
     if m.mask is not None and g.type_of(m.mask).rank != 2:
         raise NoMatch("the padding mask is not [B, Tk]")
     # grouped-query attention: K and V both repeated from fewer heads
