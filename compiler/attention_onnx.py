@@ -6,10 +6,12 @@ The node's ``impl`` attribute (set by passes.attention_kernels) picks one:
   which take [B, T, H·hd] tensors, so heads are merged before and split after.
 - ``portable``: a Loop over (head, query tile) pairs in standard ONNX ops. Each
   iteration takes one head's tile of query rows (at least ``q_tile``; more, up to
-  MAX_TILE, while the tile's scores fit SCORE_BLOCK_BUDGET at the run's length), the keys they can see (a causal tile stops at
-  its last row's position; a sliding window starts at its first row's window),
-  computes that block's scores, masks, softmax and product with V. The scan
-  output stacks the tiles. Only a q_tile × N block of scores exists at once.
+  MAX_TILE, while the tile's scores fit SCORE_BLOCK_BUDGET at the run's length;
+  a causal tile at most a quarter of the queries), the keys they can see (a
+  causal tile stops at its last row's position; a sliding window starts at its
+  first row's window), computes that block's scores, masks (a causal tile only
+  its diagonal block), softmax and product with V. The scan output stacks the
+  tiles. Only one tile × Tk block of scores exists at once.
 """
 
 from __future__ import annotations
@@ -21,7 +23,8 @@ from . import dims
 
 
 SCORE_BLOCK_BUDGET = 16 * 1024 * 1024  # bytes of scores one head's tile may hold
-MAX_TILE = 512
+MAX_TILE = 256
+MIN_CAUSAL_TILES = 4  # per head: a causal tile holds at most this fraction of the queries
 
 
 def _to_bsd(b, x: str) -> str:
@@ -88,10 +91,15 @@ def _portable(b, node, out: str) -> None:
     one = _scalar(b, 1)
     zero = _scalar(b, 0)
     # Rows per tile: at least the cost model's q_tile, more while one head's tile of scores stays
-    # within SCORE_BLOCK_BUDGET (bigger tiles make bigger, faster matrix products), at most MAX_TILE.
+    # within SCORE_BLOCK_BUDGET (bigger tiles make bigger, faster matrix products), at most MAX_TILE,
+    # and for causal attention at most a quarter of the queries (a causal tile computes its whole
+    # diagonal block, half of it hidden: four or more tiles per head keep that waste at an eighth or
+    # less). Measured best on CPU at N = 512 to 8192 (docs/BENCHMARKS.md).
     bytes_per = 2 if dtype == "f16" else 4
     row_bytes = b.node("Mul", [b.dim_scalar(q_t.shape[0]), b.node("Mul", [tk, _scalar(b, bytes_per)])[0]])[0]
     fit = b.node("Div", [_scalar(b, SCORE_BLOCK_BUDGET), row_bytes])[0]
+    if a["causal"]:
+        fit = b.node("Min", [fit, b.node("Div", [tq, _scalar(b, MIN_CAUSAL_TILES)])[0]])[0]
     min_tile = int(a["q_tile"])
     tile_c = b.node("Min", [b.node("Max", [fit, _scalar(b, min_tile)])[0], _scalar(b, max(min_tile, MAX_TILE))])[0]
     tile_c = b.node("Min", [tile_c, tq])[0]
