@@ -22,6 +22,7 @@ from onnx import TensorProto, helper, numpy_helper
 from . import dims
 from .interpret import sinusoidal_table
 from .ir import Graph
+from .signature import InputLimits, input_limits
 
 OPSET = 21
 IR_VERSION = 10  # onnxruntime 1.31 loads IR versions up to 13; onnx 1.23 writes 14 unless told
@@ -345,7 +346,11 @@ def to_onnx(graph: Graph, weights: dict[str, np.ndarray], metadata: dict | None 
     model = helper.make_model(onnx_graph, opset_imports=opsets,
                               producer_name="tessera", producer_version="0.1.0")
     model.ir_version = IR_VERSION
-    for k, v in sorted((metadata or {}).items()):
+    meta = dict(metadata or {})
+    limits = input_limits(graph)
+    if limits.ids or limits.dims:
+        meta[InputLimits.METADATA_KEY] = limits.to_json()
+    for k, v in sorted(meta.items()):
         entry = model.metadata_props.add()
         entry.key, entry.value = k, v if isinstance(v, str) else json.dumps(v, sort_keys=True)
     return model

@@ -5,11 +5,20 @@ IR graph or from an ONNX file. ``bind_inputs`` binds the symbolic dimensions
 (B, T, ...) from the arrays given and reports any mismatch by naming the
 input with its expected shape and dtype. The numpy interpreter and the
 runtime both check inputs this way before anything runs.
+
+``input_limits`` reads what the model's tables allow: an integer input that
+indexes an embedding table must hold ids in [0, rows), and a dimension used as
+positions into a table (``embedding(arange(T), ctx, d)``) must be at most the
+table's rows. ONNX would wrap a negative id to the table's end and fail deep
+inside onnxruntime on an id past it; checked here, the error names the input,
+the offending value and the table. The export stores the limits in the ONNX
+file's metadata so ``tessera run model.onnx`` checks them too.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -39,9 +48,73 @@ def specs_from_graph(graph: Graph) -> list[InputSpec]:
     return out
 
 
-def bind_inputs(specs: list[InputSpec] | Graph, feeds: dict[str, np.ndarray]) -> dict[str, int]:
-    """Check feeds against the inputs; return the symbol bindings, e.g. {'B': 2, 'T': 5}."""
+@dataclass
+class InputLimits:
+    """Id ranges of inputs that index a table, and upper bounds of dimensions used as positions."""
+
+    ids: dict[str, tuple[int, str]] = field(default_factory=dict)  # input -> (table rows, table)
+    dims: dict[str, tuple[int, str]] = field(default_factory=dict)  # symbol -> (table rows, table)
+
+    METADATA_KEY = "tessera.input_limits"
+
+    def to_json(self) -> dict:
+        return {"ids": {k: list(v) for k, v in sorted(self.ids.items())},
+                "dims": {k: list(v) for k, v in sorted(self.dims.items())}}
+
+    @classmethod
+    def from_json(cls, text: str) -> "InputLimits":
+        data = json.loads(text)
+        return cls({k: (int(r), t) for k, (r, t) in data.get("ids", {}).items()},
+                   {k: (int(r), t) for k, (r, t) in data.get("dims", {}).items()})
+
+
+def input_limits(graph: Graph) -> InputLimits:
+    limits = InputLimits()
+    for n in graph.nodes.values():
+        if n.op != "embedding":
+            continue
+        ids, table = n.inputs[0], n.inputs[1]
+        rows = dims.static_int(graph.type_of(table).shape[0])
+        if rows is None:
+            continue
+        producer = graph.producer(ids)
+        if ids in graph.inputs:
+            prev = limits.ids.get(ids)
+            if prev is None or rows < prev[0]:
+                limits.ids[ids] = (rows, table)
+        elif producer is not None and producer.op == "arange":
+            n_dim = dims.dim(producer.attrs["n"])
+            if not dims.is_static(n_dim) and n_dim.is_Symbol:
+                prev = limits.dims.get(str(n_dim))
+                if prev is None or rows < prev[0]:
+                    limits.dims[str(n_dim)] = (rows, table)
+    return limits
+
+
+def check_limits(limits: InputLimits, feeds: dict[str, np.ndarray], bindings: dict[str, int]) -> None:
+    for name, (rows, table) in limits.ids.items():
+        arr = feeds.get(name)
+        if arr is None or arr.size == 0:
+            continue
+        bad = np.argwhere((arr < 0) | (arr >= rows))
+        if len(bad):
+            at = tuple(int(i) for i in bad[0])
+            raise InputError(f"input '{name}' holds {int(arr[at])} at {list(at)}, but its values index the "
+                             f"{rows} rows of '{table}': they must be in [0, {rows})"
+                             + (f" ({len(bad)} values are out of range)" if len(bad) > 1 else ""))
+    for sym, (rows, table) in limits.dims.items():
+        if sym in bindings and bindings[sym] > rows:
+            raise InputError(f"{sym}={bindings[sym]} is longer than the {rows} positions of '{table}'; "
+                             f"the model takes at most {sym}={rows}")
+
+
+def bind_inputs(specs: list[InputSpec] | Graph, feeds: dict[str, np.ndarray],
+                limits: InputLimits | None = None) -> dict[str, int]:
+    """Check feeds against the inputs (and the limits, if given); return the symbol bindings, e.g. {'B': 2, 'T': 5}.
+
+    Given a Graph, its own limits are checked."""
     if isinstance(specs, Graph):
+        limits = input_limits(specs) if limits is None else limits
         specs = specs_from_graph(specs)
     by_name = {s.name: s for s in specs}
     missing = [s for s in specs if s.name not in feeds]
@@ -74,4 +147,6 @@ def bind_inputs(specs: list[InputSpec] | Graph, feeds: dict[str, np.ndarray]) ->
                 if n == 0:
                     raise InputError(f"input '{s.name}' has an empty axis {axis} ({d}=0); expected {s}")
                 bindings[d] = n
+    if limits is not None:
+        check_limits(limits, feeds, bindings)
     return bindings

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from tessera.compiler.signature import InputError, specs_from_graph
+from tessera.compiler.signature import InputError, input_limits, specs_from_graph
 from tessera.spec import SpecError
 
 from tessera.compiler.optimize import ATTENTION_CHOICES
@@ -148,7 +148,7 @@ def cmd_compile(args) -> int:
 
 def cmd_run(args) -> int:
     from .inputs import parse_inputs
-    from .session import onnx_input_specs, open_session, run_session
+    from .session import onnx_input_limits, onnx_input_specs, open_session, run_session
 
     _check_text_args(args)
     path = Path(args.spec)
@@ -158,11 +158,11 @@ def cmd_run(args) -> int:
                                       "already compiled")
         if not path.exists():
             raise pipeline.UsageError(f"model file not found: {path}")
-        specs = onnx_input_specs(path)
+        specs, limits = onnx_input_specs(path), onnx_input_limits(path)
         source: str | bytes = str(path)
     else:
         built = pipeline.build(args.spec, args.variant, args.sets)
-        specs = specs_from_graph(built.graph)
+        specs, limits = specs_from_graph(built.graph), input_limits(built.graph)
         from tessera.compiler import onnx_export
 
         weights = pipeline.weights_for(built, args.weights, args.seed)
@@ -172,7 +172,7 @@ def cmd_run(args) -> int:
     text_mask = _add_text_and_image_inputs(args, specs, feeds)
     from tessera.compiler.signature import bind_inputs
 
-    bind_inputs(specs, feeds)
+    bind_inputs(specs, feeds, limits)
     sess = open_session(source, args.provider)
     outputs = run_session(sess, feeds)
     provider = sess.get_providers()[0]

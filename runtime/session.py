@@ -8,7 +8,7 @@ import numpy as np
 import onnx
 
 from tessera.compiler.onnx_export import ONNX_DTYPES
-from tessera.compiler.signature import InputSpec
+from tessera.compiler.signature import InputLimits, InputSpec
 
 _FROM_ONNX = {v: k for k, v in ONNX_DTYPES.items()}
 
@@ -66,6 +66,15 @@ def onnx_input_specs(path: str | Path) -> list[InputSpec]:
         dims = tuple(d.dim_value if d.HasField("dim_value") else (d.dim_param or "?") for d in t.shape.dim)
         specs.append(InputSpec(vi.name, _FROM_ONNX.get(t.elem_type, "f32"), dims))
     return specs
+
+
+def onnx_input_limits(path: str | Path) -> InputLimits | None:
+    """The id ranges and position limits Tessera stored in the file (None for other ONNX files)."""
+    model = onnx.load(str(path), load_external_data=False)
+    for entry in model.metadata_props:
+        if entry.key == InputLimits.METADATA_KEY:
+            return InputLimits.from_json(entry.value)
+    return None
 
 
 class RunError(Exception):

@@ -139,13 +139,42 @@ def test_run_empty_input_is_not_reported_as_floating_point(capsys):
 
 
 def test_run_token_id_out_of_vocabulary(capsys):
-    err = cli_error(capsys, *RUN_TINY, "--input", "tokens=[[100]]")
-    assert "tokens" in err and "16" in err
+    err = cli_error(capsys, *RUN_TINY, "--input", "tokens=[[3, 100, 16]]")
+    assert err == ("error: input 'tokens' holds 100 at [0, 1], but its values index the 16 rows of "
+                   "'wte.weight': they must be in [0, 16) (2 values are out of range)")
+
+
+def test_run_negative_token_id(capsys):
+    """ONNX Gather would wrap -1 to the table's last row; Tessera refuses it."""
+    err = cli_error(capsys, *RUN_TINY, "--input", "tokens=[[3, -1]]")
+    assert err == ("error: input 'tokens' holds -1 at [0, 1], but its values index the 16 rows of "
+                   "'wte.weight': they must be in [0, 16)")
 
 
 def test_run_sequence_longer_than_context(capsys):
     err = cli_error(capsys, *RUN_TINY, "--input", f"tokens={[list(range(10))]}")
-    assert "tokens" in err
+    assert err == "error: T=10 is longer than the 8 positions of 'wpe.weight'; the model takes at most T=8"
+
+
+def test_compiled_onnx_file_keeps_the_limits(capsys, tmp_path):
+    out = tmp_path / "tiny.onnx"
+    rc, _, err = cli(capsys, "compile", GPT2, *TINY, "-o", out)
+    assert rc == 0, err
+    err = cli_error(capsys, "run", out, "--provider", "cpu", "--input", "tokens=[[1, 2, 3, 4, 5, 6, 7, 8, 9]]")
+    assert err == "error: T=9 is longer than the 8 positions of 'wpe.weight'; the model takes at most T=8"
+    err = cli_error(capsys, "run", out, "--provider", "cpu", "--input", "tokens=[[16]]")
+    assert "input 'tokens' holds 16 at [0, 0]" in err and "[0, 16)" in err
+    rc, _, err = cli(capsys, "run", out, "--provider", "cpu", "--input", "tokens=[[0, 15, 1, 2, 3, 4, 5, 6]]")
+    assert rc == 0, err
+
+
+def test_run_token_type_out_of_range(capsys):
+    bert = ["run", MODELS / "bert.tsr", "--set", "layers=1", "--set", "d=8", "--set", "heads=2", "--set", "vocab=16",
+            "--set", "ctx=8", "--set", "d_ff=16", "--provider", "cpu"]
+    err = cli_error(capsys, *bert, "--input", "tokens=[[1, 2]]", "--input", "token_types=[[0, 2]]",
+                    "--input", "mask=[[1, 1]]")
+    assert err == ("error: input 'token_types' holds 2 at [0, 1], but its values index the 2 rows of "
+                   "'token_type.weight': they must be in [0, 2)")
 
 
 def test_run_onnx_file_that_does_not_exist(capsys, tmp_path):

@@ -122,3 +122,17 @@ model M(d = 4) {
     g = build(str(tmp_path / "main.tsr"))
     x = np.ones((1, 2, 4), np.float32)
     assert (interpret.run(g, {}, {"x": x})["y"] == 2.0).all()
+
+
+def test_interpreter_checks_ids_and_positions_like_the_runtime():
+    from tessera.compiler.signature import InputError, input_limits
+
+    g = build("gpt2", layers=1, d=8, heads=2, vocab=16, ctx=8)
+    assert input_limits(g).ids == {"tokens": (16, "wte.weight")}
+    assert input_limits(g).dims == {"T": (8, "wpe.weight")}
+    w = init_weights(g, 0)
+    with pytest.raises(InputError, match=r"holds 16 at \[1, 0\].*must be in \[0, 16\)"):
+        interpret.run(g, w, {"tokens": np.array([[1], [16]], np.int64)})
+    with pytest.raises(InputError, match="T=9 is longer than the 8 positions of 'wpe.weight'"):
+        interpret.run(g, w, {"tokens": np.zeros((1, 9), np.int64)})
+    assert interpret.run(g, w, {"tokens": np.full((1, 8), 15, np.int64)})["logits"].shape == (1, 8, 16)
