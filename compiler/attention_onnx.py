@@ -130,8 +130,10 @@ def _portable(b, node, out: str) -> None:
     min_value = b.const(np.array(np.finfo(np_dtype).min, dtype=np_dtype), "min")
     triangle = None
     if a["causal"] and not a["window"]:
-        # [tile, tile]: 0 on and below the diagonal, the dtype's minimum above it (added, so a
-        # score there becomes the minimum exactly: |score| is far below that float's spacing)
+        # [tile, tile]: 0 on and below the diagonal, the dtype's minimum above it. Added to a score,
+        # it gives the minimum (fp32: |score| is far below the float spacing there) or -inf (fp16,
+        # for scores below -16); either way the weight is exactly 0, and the diagonal itself stays
+        # visible, so no row's maximum is -inf.
         r = b.node("Range", [zero, tile_c, one])[0]
         above = b.node("Greater", [b.node("Unsqueeze", [r, b.i64([0])])[0], b.node("Unsqueeze", [r, b.i64([1])])[0]])[0]
         triangle = b.node("Where", [above, min_value, b.const(np.array(0, dtype=np_dtype), "zero")])[0]
