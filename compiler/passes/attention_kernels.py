@@ -5,8 +5,8 @@ Lowerings (``--attention NAME`` forces one):
 - ``gqa``: onnxruntime's com.microsoft.GroupQueryAttention. On CUDA it has
   flash kernels for fp16/bf16 with head size a multiple of 8, at most 256. On
   CPU, onnxruntime 1.31 allocates the N×N attention probabilities (measured:
-  3.3 GB extra at N=8192 with 12 heads, docs/BENCHMARKS.md), so auto does not
-  pick it there; --attention gqa still can.
+  3.3 GB extra at N=8192 with 12 heads, docs/BENCHMARKS.md) and is slower than
+  the portable kernel, so auto does not pick it there; --attention gqa still can.
   It is causal only (optionally with a local window), without padding mask or
   bias, and needs queries and keys of the same length.
 - ``mha``: com.microsoft.MultiHeadAttention. Tiled on CPU only without mask,
@@ -98,7 +98,8 @@ def choose(node: Node, graph: Graph, target: Target) -> tuple[str, str]:
             return kernel, good + (" (flash kernel on CUDA)" if target.device == "cuda" else " on CPU")
     if node.attrs["causal"] and target.device == "cpu" and why_not("gqa", node, graph, target) is None:
         return "portable", ("Tessera's tiled kernel: onnxruntime 1.31's GroupQueryAttention on CPU holds the "
-                            "N×N probabilities (3.3 GB extra at N=8192, 12 heads; docs/BENCHMARKS.md)")
+                            "N×N probabilities and is slower (3.3 GB extra, 1.6–1.8× the time at N=8192, 12 heads; "
+                            "docs/BENCHMARKS.md)")
     reason = why_not("gqa", node, graph, target) if node.attrs["causal"] else why_not("mha", node, graph, target)
     return "portable", f"Tessera's tiled kernel: onnxruntime's contrib kernels would not be tiled here ({reason})"
 
