@@ -24,7 +24,7 @@ from . import dims
 
 SCORE_BLOCK_BUDGET = 16 * 1024 * 1024  # bytes of scores one head's tile may hold
 MAX_TILE = 256
-MIN_CAUSAL_TILES = 4  # per head: a causal tile holds at most this fraction of the queries
+MIN_CAUSAL_TILES = 4  # a causal tile holds at most 1/MIN_CAUSAL_TILES of the queries (unless q_tile is more)
 
 
 def _to_bsd(b, x: str) -> str:
