@@ -148,7 +148,7 @@ def cmd_compile(args) -> int:
 
 def cmd_run(args) -> int:
     from .inputs import parse_inputs
-    from .session import onnx_input_limits, onnx_input_specs, open_session, run_session
+    from .session import onnx_signature, open_session, run_session
 
     _check_text_args(args)
     path = Path(args.spec)
@@ -158,7 +158,7 @@ def cmd_run(args) -> int:
                                       "already compiled")
         if not path.exists():
             raise pipeline.UsageError(f"model file not found: {path}")
-        specs, limits = onnx_input_specs(path), onnx_input_limits(path)
+        specs, limits = onnx_signature(path)
         source: str | bytes = str(path)
     else:
         built = pipeline.build(args.spec, args.variant, args.sets)

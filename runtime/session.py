@@ -55,7 +55,9 @@ def open_session(model: str | Path | bytes, provider: str = "auto"):
     return ort.InferenceSession(src, opts, providers=["CPUExecutionProvider"])
 
 
-def onnx_input_specs(path: str | Path) -> list[InputSpec]:
+def onnx_signature(path: str | Path) -> tuple[list[InputSpec], InputLimits | None]:
+    """The inputs of an ONNX file, and the id ranges and position limits Tessera stored in its
+    metadata (None for files Tessera did not write). Reads the file once, without external data."""
     model = onnx.load(str(path), load_external_data=False)
     init = {i.name for i in model.graph.initializer}
     specs = []
@@ -65,16 +67,9 @@ def onnx_input_specs(path: str | Path) -> list[InputSpec]:
         t = vi.type.tensor_type
         dims = tuple(d.dim_value if d.HasField("dim_value") else (d.dim_param or "?") for d in t.shape.dim)
         specs.append(InputSpec(vi.name, _FROM_ONNX.get(t.elem_type, "f32"), dims))
-    return specs
-
-
-def onnx_input_limits(path: str | Path) -> InputLimits | None:
-    """The id ranges and position limits Tessera stored in the file (None for other ONNX files)."""
-    model = onnx.load(str(path), load_external_data=False)
-    for entry in model.metadata_props:
-        if entry.key == InputLimits.METADATA_KEY:
-            return InputLimits.from_json(entry.value)
-    return None
+    limits = next((InputLimits.from_json(e.value) for e in model.metadata_props
+                   if e.key == InputLimits.METADATA_KEY), None)
+    return specs, limits
 
 
 class RunError(Exception):
