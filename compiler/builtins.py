@@ -368,10 +368,25 @@ def _padding_mask(call, scores, mask):
     return call.emit("padding_mask", [_tensor(call, scores, "scores"), _tensor(call, mask, "mask")])
 
 
-@builtin("rope", ("x", R), ("theta", 10000.0))
-def _rope(call, x, theta):
-    """Rotary position embedding on [..., T, hd] (rotate-half pairing, as in Llama)."""
-    return call.emit("rope", [_tensor(call, x)], {"theta": _float(call, theta, "theta")})
+@builtin("rope", ("x", R), ("theta", 10000.0), ("factor", 1.0), ("low_freq", 1.0), ("high_freq", 4.0),
+         ("original_ctx", 8192))
+def _rope(call, x, theta, factor, low_freq, high_freq, original_ctx):
+    """Rotary position embedding on [..., T, hd] (rotate-half pairing, as in Llama).
+
+    factor > 1 turns on Llama 3.1's frequency scaling ("llama3" rope_type) with low_freq,
+    high_freq and original_ctx as in a checkpoint's rope_scaling; factor = 1 (the default) is
+    plain RoPE and ignores the other three."""
+    attrs = {"theta": _float(call, theta, "theta")}
+    f = _float(call, factor, "factor")
+    if f < 1.0:
+        raise call.error(f"'factor' must be at least 1.0 (1.0 is no scaling), got {f}", factor[1])
+    if f > 1.0:
+        low, high = _float(call, low_freq, "low_freq"), _float(call, high_freq, "high_freq")
+        if not 0.0 < low < high:
+            raise call.error(f"rope scaling needs 0 < low_freq < high_freq, got low_freq={low}, high_freq={high}",
+                             high_freq[1] or low_freq[1])
+        attrs["scaling"] = (f, low, high, _int(call, original_ctx, "original_ctx", 1))
+    return call.emit("rope", [_tensor(call, x)], attrs)
 
 
 @builtin("topk_gates", ("logits", R), ("k", R))

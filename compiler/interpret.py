@@ -50,17 +50,36 @@ def _causal(s, window):
     return np.where(hide, _min_value(s.dtype), s).astype(s.dtype)
 
 
-def rope_tables(n: int, hd: int, theta: float, dtype=np.float32):
+def rope_inv_freq(hd: int, theta: float, scaling: tuple | None = None) -> np.ndarray:
+    """RoPE's hd/2 inverse frequencies theta^(-2i/hd), in fp32 as Hugging Face computes them.
+
+    ``scaling`` = (factor, low_freq, high_freq, original_ctx) applies Llama 3.1's frequency
+    scaling ("llama3" rope_type): wavelengths longer than original_ctx / low_freq are divided by
+    factor, those shorter than original_ctx / high_freq are kept, and those between are
+    interpolated smoothly."""
+    inv_freq = (1.0 / (theta ** (np.arange(0, hd, 2, dtype=np.int64).astype(np.float32) / hd))).astype(np.float32)
+    if scaling is None:
+        return inv_freq
+    factor, low, high, ctx = (np.float32(v) for v in scaling)
+    wavelen = np.float32(2 * np.pi) / inv_freq
+    scaled = np.where(wavelen > ctx / low, inv_freq / factor, inv_freq)
+    smooth = (ctx / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < ctx / high) & ~(wavelen > ctx / low)
+    return np.where(medium, smoothed, scaled).astype(np.float32)
+
+
+def rope_tables(n: int, hd: int, theta: float, dtype=np.float32, scaling: tuple | None = None):
     """cos and sin tables [n, hd] for rotate-half rotary embedding (Hugging Face Llama's layout)."""
-    inv_freq = 1.0 / (theta ** (np.arange(0, hd, 2, dtype=np.int64).astype(np.float32) / hd))
+    inv_freq = rope_inv_freq(hd, theta, scaling)
     freqs = np.arange(n, dtype=np.float32)[:, None] * inv_freq[None, :]
     emb = np.concatenate([freqs, freqs], axis=-1)
     return np.cos(emb).astype(dtype), np.sin(emb).astype(dtype)
 
 
-def _rope(x, theta):
+def _rope(x, theta, scaling=None):
     n, hd = x.shape[-2], x.shape[-1]
-    cos, sin = rope_tables(n, hd, theta, x.dtype)
+    cos, sin = rope_tables(n, hd, theta, x.dtype, scaling)
     x1, x2 = x[..., : hd // 2], x[..., hd // 2:]
     rotated = np.concatenate([-x2, x1], axis=-1)
     return x * cos + rotated * sin
@@ -193,7 +212,7 @@ def run(graph: Graph, weights: dict[str, np.ndarray], feeds: dict[str, np.ndarra
             keep = (x[1] != 0)[:, None, None, :]
             y = np.where(keep, x[0], _min_value(x[0].dtype)).astype(x[0].dtype)
         elif op == "rope":
-            y = _rope(x[0], a["theta"])
+            y = _rope(x[0], a["theta"], a.get("scaling"))
         elif op == "topk_gates":
             y = _topk_gates(x[0], a["k"])
         elif op == "arange":

@@ -20,7 +20,7 @@ import sympy
 from onnx import TensorProto, helper, numpy_helper
 
 from . import dims
-from .interpret import sinusoidal_table
+from .interpret import rope_inv_freq, sinusoidal_table
 from .ir import Graph
 from .signature import InputLimits, input_limits
 
@@ -246,7 +246,7 @@ def _lower(b: _Builder, node, out: str) -> None:
     elif op == "rope":
         hd = int(t_in[0].shape[-1])
         n = t_in[0].shape[-2]
-        inv_freq = (1.0 / (a["theta"] ** (np.arange(0, hd, 2, dtype=np.int64).astype(np.float32) / hd))).astype(np.float32)
+        inv_freq = rope_inv_freq(hd, a["theta"], a.get("scaling"))
         zero = b.const(np.array(0, dtype=np.int64), "zero")
         one = b.const(np.array(1, dtype=np.int64), "one")
         pos = b.node("Cast", [b.node("Range", [zero, b.dim_scalar(n), one])[0]], to=TensorProto.FLOAT)[0]

@@ -186,6 +186,19 @@ def test_wrong_argument_type_string_for_int(tmp_path):
     expect_at(err, file, src, 4, 17, "linear: 'out' must be an int, got string 'four'", '"four"')
 
 
+def test_rope_scaling_factor_below_one(tmp_path):
+    src = MODEL.format(body='  y = merge_heads(rope(split_heads(x, heads), 500000.0, factor=0.5))')
+    file, err = spec_error(tmp_path, src)
+    expect_at(err, file, src, 4, 57, "rope: 'factor' must be at least 1.0 (1.0 is no scaling), got 0.5", "factor")
+
+
+def test_rope_scaling_with_bands_in_the_wrong_order(tmp_path):
+    src = MODEL.format(body='  y = merge_heads(rope(split_heads(x, heads), factor=8.0, low_freq=4.0, high_freq=1.0))')
+    file, err = spec_error(tmp_path, src)
+    expect_at(err, file, src, 4, 73, "rope: rope scaling needs 0 < low_freq < high_freq, got low_freq=4.0, "
+              "high_freq=1.0", "high_freq")
+
+
 def test_wrong_argument_type_for_typed_block_parameter(tmp_path):
     src = SCALE_BLOCK + MODEL.format(body='  y = scale(x, "big")')
     file, err = spec_error(tmp_path, src)

@@ -31,7 +31,7 @@ transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors:UserWarning")
 
 TOL = 1e-4
-FAMILIES = ["bert", "vit", "llama", "mixtral", "transformer"]
+FAMILIES = ["bert", "vit", "llama", "llama31", "mixtral", "transformer"]
 
 
 @dataclass
@@ -139,6 +139,28 @@ def llama_case(folder) -> Case:
                 _save(model, folder), {"tokens": tokens}, {"logits": ref}, {"logits": mask.astype(bool)}, model)
 
 
+# Llama 3.1's rope scaling with a short original context, so that the head size of 16 has
+# frequencies in all three bands: kept (wavelength < 64 / 4), divided by 8 (> 64 / 1), and between
+LLAMA31_SCALING = dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=64)
+
+
+def llama31_case(folder) -> Case:
+    """Llama-3.1: LlamaForCausalLM with rope_scaling of type "llama3" (frequency-dependent scaling)."""
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, intermediate_size=96, rope_theta=500000.0,
+                                   rope_scaling={"rope_type": "llama3", **LLAMA31_SCALING},
+                                   rms_norm_eps=1e-5, max_position_embeddings=128, attention_bias=False,
+                                   mlp_bias=False, tie_word_embeddings=False, hidden_act="silu")
+    model = _perturb(transformers.LlamaForCausalLM(cfg).eval())
+    tokens, mask = _padded_batch(np.random.default_rng(0), 256, 40, 30)
+    with torch.no_grad():
+        ref = model(input_ids=torch.from_numpy(tokens), attention_mask=torch.from_numpy(mask)).logits.numpy()
+    return Case("llama", "llama3_1_8b",
+                dict(vocab=256, d=64, layers=2, heads=4, kv_heads=2, d_ff=96, eps=1e-5, rope_original_ctx=64),
+                _save(model, folder), {"tokens": tokens}, {"logits": ref}, {"logits": mask.astype(bool)}, model)
+
+
 def mixtral_case(folder) -> Case:
     """Mixtral: Hugging Face MixtralForCausalLM (router softmax, top-2 of 8 experts, renormalised)."""
     torch.manual_seed(0)
@@ -197,8 +219,8 @@ def transformer_case(folder) -> Case:
                 {"logits": tgt_mask.astype(bool)}, (core, embed))
 
 
-BUILDERS = {"bert": bert_case, "vit": vit_case, "llama": llama_case, "mixtral": mixtral_case,
-            "transformer": transformer_case}
+BUILDERS = {"bert": bert_case, "vit": vit_case, "llama": llama_case, "llama31": llama31_case,
+            "mixtral": mixtral_case, "transformer": transformer_case}
 
 
 @pytest.fixture(scope="module")
@@ -269,6 +291,26 @@ def test_mismatch_through_the_cli_exits_2(cases, tmp_path, capsys):
     err = capsys.readouterr().err
     assert rc == 2 and "Traceback" not in err
     assert "mis-shaped: layers.0.attn.k.weight is [32, 64], expected [64, 64]" in err
+
+
+def test_llama31_rope_scaling_matters(cases):
+    """The Llama 3.1 comparison tests the scaling only if plain RoPE would not pass it, and its
+    inverse frequencies are those of transformers' own llama3 rope function."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from tessera.compiler.interpret import rope_inv_freq
+
+    case = cases("llama31")
+    want, _ = ROPE_INIT_FUNCTIONS["llama3"](case.model.config, "cpu")
+    scaling = tuple(LLAMA31_SCALING.values())
+    got = rope_inv_freq(16, 500000.0, scaling)
+    np.testing.assert_allclose(got, want.numpy(), rtol=1e-6)
+    plain = rope_inv_freq(16, 500000.0)
+    assert (got == plain).any() and (np.isclose(got, plain / 8)).any() and \
+        ((got != plain) & ~np.isclose(got, plain / 8)).any(), "not all three bands are exercised"
+    graph = build("llama", "llama3_1_8b", **{**case.sets, "rope_factor": 1.0})
+    weights = load_weights(graph, case.ckpt, name_map_for(MODELS / "llama.tsr"))
+    assert max_diff(case, interpret.run(graph, weights, case.feeds)) > 100 * TOL
 
 
 def test_mixtral_routes_tokens_to_different_experts(cases):

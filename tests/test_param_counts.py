@@ -20,6 +20,7 @@ PUBLISHED = [
     ("vit", "b16", 86_389_248),
     ("llama", "llama2_7b", 6_738_415_616),
     ("llama", "llama3_8b", 8_030_261_248),
+    ("llama", "llama3_1_8b", 8_030_261_248),  # Meta-Llama-3.1-8B: the same tensors, rope scaling only
     ("mixtral", "8x7b", 46_702_792_704),
 ]
 
