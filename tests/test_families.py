@@ -122,21 +122,25 @@ def vit_case(folder) -> Case:
                 {"hidden": out.last_hidden_state.numpy(), "pooled": out.pooler_output.numpy()}, model=model)
 
 
-def llama_case(folder) -> Case:
-    """Llama-3: Hugging Face LlamaForCausalLM (RMSNorm, SwiGLU, RoPE theta 500000, grouped-query attention)."""
+def _llama_case(folder, variant: str, sets: dict, t: int, short: int, **config) -> Case:
+    """A small LlamaForCausalLM (RMSNorm, SwiGLU, RoPE theta 500000, grouped-query attention) and its logits."""
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                                    num_key_value_heads=2, intermediate_size=96, rope_theta=500000.0,
                                    rms_norm_eps=1e-5, max_position_embeddings=128, attention_bias=False,
-                                   mlp_bias=False, tie_word_embeddings=False, hidden_act="silu")
+                                   mlp_bias=False, tie_word_embeddings=False, hidden_act="silu", **config)
     model = _perturb(transformers.LlamaForCausalLM(cfg).eval())
-    tokens, mask = _padded_batch(np.random.default_rng(0), 256, 12, 7)
+    tokens, mask = _padded_batch(np.random.default_rng(0), 256, t, short)
     with torch.no_grad():
         ref = model(input_ids=torch.from_numpy(tokens), attention_mask=torch.from_numpy(mask)).logits.numpy()
     # causal: right padding cannot reach the real tokens before it, so the spec needs no mask input
-    return Case("llama", "llama3_8b",
-                dict(vocab=256, d=64, layers=2, heads=4, kv_heads=2, d_ff=96, theta=500000.0, eps=1e-5),
+    return Case("llama", variant, dict(vocab=256, d=64, layers=2, heads=4, kv_heads=2, d_ff=96, eps=1e-5, **sets),
                 _save(model, folder), {"tokens": tokens}, {"logits": ref}, {"logits": mask.astype(bool)}, model)
+
+
+def llama_case(folder) -> Case:
+    """Llama-3."""
+    return _llama_case(folder, "llama3_8b", dict(theta=500000.0), 12, 7)
 
 
 # Llama 3.1's rope scaling with a short original context, so that the head size of 16 has
@@ -145,20 +149,9 @@ LLAMA31_SCALING = dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, or
 
 
 def llama31_case(folder) -> Case:
-    """Llama-3.1: LlamaForCausalLM with rope_scaling of type "llama3" (frequency-dependent scaling)."""
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                                   num_key_value_heads=2, intermediate_size=96, rope_theta=500000.0,
-                                   rope_scaling={"rope_type": "llama3", **LLAMA31_SCALING},
-                                   rms_norm_eps=1e-5, max_position_embeddings=128, attention_bias=False,
-                                   mlp_bias=False, tie_word_embeddings=False, hidden_act="silu")
-    model = _perturb(transformers.LlamaForCausalLM(cfg).eval())
-    tokens, mask = _padded_batch(np.random.default_rng(0), 256, 40, 30)
-    with torch.no_grad():
-        ref = model(input_ids=torch.from_numpy(tokens), attention_mask=torch.from_numpy(mask)).logits.numpy()
-    return Case("llama", "llama3_1_8b",
-                dict(vocab=256, d=64, layers=2, heads=4, kv_heads=2, d_ff=96, eps=1e-5, rope_original_ctx=64),
-                _save(model, folder), {"tokens": tokens}, {"logits": ref}, {"logits": mask.astype(bool)}, model)
+    """Llama-3.1: rope_scaling of type "llama3" (frequency-dependent scaling)."""
+    return _llama_case(folder, "llama3_1_8b", dict(rope_original_ctx=64), 40, 30,
+                       rope_scaling={"rope_type": "llama3", **LLAMA31_SCALING})
 
 
 def mixtral_case(folder) -> Case:
