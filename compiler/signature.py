@@ -69,25 +69,27 @@ class InputLimits:
 
 
 def input_limits(graph: Graph) -> InputLimits:
+    """The limits the graph's embedding tables set (the smallest table wins where several share an input)."""
     limits = InputLimits()
+
+    def tighten(where: dict, key: str, rows: int, table: str) -> None:
+        if key not in where or rows < where[key][0]:
+            where[key] = (rows, table)
+
     for n in graph.nodes.values():
         if n.op != "embedding":
             continue
         ids, table = n.inputs[0], n.inputs[1]
         rows = dims.static_int(graph.type_of(table).shape[0])
+        producer = graph.producer(ids)
         if rows is None:
             continue
-        producer = graph.producer(ids)
         if ids in graph.inputs:
-            prev = limits.ids.get(ids)
-            if prev is None or rows < prev[0]:
-                limits.ids[ids] = (rows, table)
+            tighten(limits.ids, ids, rows, table)
         elif producer is not None and producer.op == "arange":
             n_dim = dims.dim(producer.attrs["n"])
             if not dims.is_static(n_dim) and n_dim.is_Symbol:
-                prev = limits.dims.get(str(n_dim))
-                if prev is None or rows < prev[0]:
-                    limits.dims[str(n_dim)] = (rows, table)
+                tighten(limits.dims, str(n_dim), rows, table)
     return limits
 
 
