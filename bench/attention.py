@@ -72,9 +72,9 @@ def _model_bytes(case: str) -> bytes:
                                                         helper.make_opsetid("com.microsoft", 1)])
         model.ir_version = 10
         return model.SerializeToString()
-    from tessera.compiler import onnx_export
-    from tessera.compiler.elaborate import elaborate
-    from tessera.compiler.optimize import optimize
+    from tessera.compiler.backends.onnx import export as onnx_export
+    from tessera.compiler.frontend.elaborate import elaborate
+    from tessera.compiler.passes.pipeline import optimize
     from tessera.spec import load_program
 
     with tempfile.TemporaryDirectory() as tmp:

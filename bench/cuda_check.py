@@ -24,9 +24,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def compiled(target: str, dtype: str) -> tuple[bytes, list]:
-    from tessera.compiler import onnx_export
-    from tessera.compiler.elaborate import elaborate
-    from tessera.compiler.optimize import optimize
+    from tessera.compiler.backends.onnx import export as onnx_export
+    from tessera.compiler.frontend.elaborate import elaborate
+    from tessera.compiler.passes.pipeline import optimize
     from tessera.compiler.passes.attention_kernels import Target
     from tessera.compiler.passes.precision import LowerPrecision
     from tessera.runtime.weights import init_weights

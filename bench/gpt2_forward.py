@@ -28,9 +28,9 @@ CASES = ("unfused", "auto", "portable")
 def run_case(attention: str, n: int, repeat: int) -> dict:
     import onnxruntime as ort
 
-    from tessera.compiler import onnx_export
-    from tessera.compiler.elaborate import elaborate
-    from tessera.compiler.optimize import optimize
+    from tessera.compiler.backends.onnx import export as onnx_export
+    from tessera.compiler.frontend.elaborate import elaborate
+    from tessera.compiler.passes.pipeline import optimize
     from tessera.runtime.weights import init_weights
     from tessera.spec import load_program
 

@@ -15,10 +15,10 @@ from pathlib import Path
 
 import numpy as np
 
-from tessera.compiler.signature import InputError, input_limits, specs_from_graph
+from tessera.compiler.ir.signature import InputError, input_limits, specs_from_graph
 from tessera.spec import SpecError
 
-from tessera.compiler.optimize import ATTENTION_CHOICES
+from tessera.compiler.passes.pipeline import ATTENTION_CHOICES
 
 from . import pipeline, report
 from .weights import WeightsError
@@ -163,14 +163,14 @@ def cmd_run(args) -> int:
     else:
         built = pipeline.build(args.spec, args.variant, args.sets)
         specs, limits = specs_from_graph(built.graph), input_limits(built.graph)
-        from tessera.compiler import onnx_export
+        from tessera.compiler.backends.onnx import export as onnx_export
 
         weights = pipeline.weights_for(built, args.weights, args.seed)
         pipeline.optimise(built, args)
         source = onnx_export.to_onnx(built.graph, weights).SerializeToString()
     feeds = parse_inputs(args.inputs, specs)
     text_mask = _add_text_and_image_inputs(args, specs, feeds)
-    from tessera.compiler.signature import bind_inputs
+    from tessera.compiler.ir.signature import bind_inputs
 
     bind_inputs(specs, feeds, limits)
     sess = open_session(source, args.provider)

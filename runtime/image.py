@@ -14,8 +14,8 @@ from pathlib import Path
 
 import numpy as np
 
-from tessera.compiler.ir import DTYPES
-from tessera.compiler.signature import InputError, InputSpec
+from tessera.compiler.ir.graph import DTYPES
+from tessera.compiler.ir.signature import InputError, InputSpec
 
 MEAN = 0.5
 STD = 0.5

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import numpy as np
 
-from tessera.compiler.ir import DTYPES
-from tessera.compiler.signature import InputError, InputSpec
+from tessera.compiler.ir.graph import DTYPES
+from tessera.compiler.ir.signature import InputError, InputSpec
 
 
 def parse_inputs(items: list[str], specs: list[InputSpec]) -> dict[str, np.ndarray]:

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import numpy as np
 
-from tessera.compiler import onnx_export
-from tessera.compiler.elaborate import ModelInfo, elaborate
-from tessera.compiler.ir import Graph
-from tessera.compiler.values import BlockRef
+from tessera.compiler.backends.onnx import export as onnx_export
+from tessera.compiler.frontend.elaborate import ModelInfo, elaborate
+from tessera.compiler.ir.graph import Graph
+from tessera.compiler.frontend.values import BlockRef
 from tessera.spec import Program, SpecError, load_program
 
 from .weights import init_weights, load_weights, name_map_for
@@ -69,7 +69,7 @@ def weights_for(built: Built, weights: str | None, seed: int) -> dict[str, np.nd
 
 def optimise(built: Built, args) -> None:
     """Fuse attention and choose kernels as the command-line flags say; print --explain's listing."""
-    from tessera.compiler.optimize import explain, optimize
+    from tessera.compiler.passes.pipeline import explain, optimize
     from tessera.compiler.passes import PassError
     from tessera.compiler.passes.attention_kernels import Target
 

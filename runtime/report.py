@@ -19,7 +19,7 @@ FORMATS = ["table", "json", "md", "csv"]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from tessera.compiler.roofline import device_names
+    from tessera.compiler.analysis.roofline import device_names
 
     p.add_argument("--batch", "-B", type=int, default=1, metavar="B", help="batch size B (default 1)")
     p.add_argument("--seq", "-N", type=int, default=1024, metavar="N",
@@ -50,7 +50,7 @@ def _no_gc():
 
 def build(args) -> dict:
     """Elaborate the spec and compute its report (a JSON-able dict)."""
-    from tessera.compiler import costreport, roofline
+    from tessera.compiler.analysis import costreport, roofline
 
     if args.batch < 1:
         raise pipeline.UsageError(f"--batch must be at least 1, got {args.batch}")
@@ -71,7 +71,7 @@ def build(args) -> dict:
 
         with _no_gc():
             plot(built.graph, rep, args.plot)
-    from tessera.compiler.attention_report import attention_section
+    from tessera.compiler.analysis.attention_report import attention_section
 
     with _no_gc():  # last: it fuses the graph in place
         rep["attention"] = attention_section(built.graph, rep["settings"]["bindings"],

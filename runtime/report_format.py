@@ -161,7 +161,7 @@ def sections(rep: dict) -> list[tuple[str, list[str], list[list[str]]]]:
         out.append((head, ["estimate (ideal kernels)", "time", "share", "FLOPs", "FLOP/B", "bound"], rows))
     att = rep.get("attention")
     if att and att["sites"]:
-        from tessera.compiler.attention_report import group_sites
+        from tessera.compiler.analysis.attention_report import group_sites
 
         rows = []
         for count, first, names in group_sites(att):

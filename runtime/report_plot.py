@@ -6,7 +6,7 @@ the command says how to get it instead of failing with an import error.
 
 from __future__ import annotations
 
-from tessera.compiler.ir import Graph
+from tessera.compiler.ir.graph import Graph
 
 from .pipeline import UsageError
 
@@ -31,7 +31,7 @@ def plot(graph: Graph, rep: dict, path: str) -> None:
         import matplotlib.pyplot as plt
     except ImportError:
         raise UsageError("--plot needs matplotlib: pip install 'tessera[plot]' (or pip install matplotlib)") from None
-    from tessera.compiler.costreport import sweep
+    from tessera.compiler.analysis.costreport import sweep
 
     s = rep["settings"]
     if not s["sequence_symbols"]:

@@ -7,8 +7,8 @@ from pathlib import Path
 import numpy as np
 import onnx
 
-from tessera.compiler.onnx_export import ONNX_DTYPES
-from tessera.compiler.signature import InputLimits, InputSpec
+from tessera.compiler.backends.onnx.export import ONNX_DTYPES
+from tessera.compiler.ir.signature import InputLimits, InputSpec
 
 _FROM_ONNX = {v: k for k, v in ONNX_DTYPES.items()}
 

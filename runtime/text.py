@@ -21,7 +21,7 @@ returns those embeddings::
 
     from tessera.runtime import pipeline, text
     from tessera.runtime.session import open_session
-    from tessera.compiler import onnx_export
+    from tessera.compiler.backends.onnx import export as onnx_export
 
     built = pipeline.build("models/bert.tsr", "minilm_l6")
     weights = pipeline.weights_for(built, "model.safetensors", seed=0)
@@ -38,8 +38,8 @@ from pathlib import Path
 
 import numpy as np
 
-from tessera.compiler.ir import DTYPES
-from tessera.compiler.signature import InputError, InputSpec
+from tessera.compiler.ir.graph import DTYPES
+from tessera.compiler.ir.signature import InputError, InputSpec
 
 TEXT_INPUTS = ("tokens", "mask", "token_types")
 

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from tessera.compiler.ir import DTYPES, Graph
+from tessera.compiler.ir.graph import DTYPES, Graph
 
 
 class WeightsError(Exception):

@@ -7,8 +7,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tessera.compiler import onnx_export
-from tessera.compiler.elaborate import elaborate
+from tessera.compiler.backends.onnx import export as onnx_export
+from tessera.compiler.frontend.elaborate import elaborate
 from tessera.spec import load_program
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from tessera.compiler.elaborate import elaborate
+from tessera.compiler.frontend.elaborate import elaborate
 from tessera.runtime.cli import main
 from tessera.spec import SpecError, load_program
 

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 from conftest import MODELS, build, ort_run
-from tessera.compiler import interpret
+from tessera.compiler.reference import interpret
 from tessera.runtime.weights import WeightsError, load_weights, name_map_for
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -291,7 +291,7 @@ def test_llama31_rope_scaling_matters(cases):
     inverse frequencies are those of transformers' own llama3 rope function."""
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    from tessera.compiler.interpret import rope_inv_freq
+    from tessera.compiler.reference.interpret import rope_inv_freq
 
     case = cases("llama31")
     want, _ = ROPE_INIT_FUNCTIONS["llama3"](case.model.config, "cpu")

@@ -17,7 +17,7 @@ import pytest
 
 from conftest import MODELS, cli
 from conftest import cli_error as shared_cli_error
-from tessera.compiler.signature import InputError, InputSpec
+from tessera.compiler.ir.signature import InputError, InputSpec
 from tessera.runtime import image, text
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

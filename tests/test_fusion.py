@@ -4,9 +4,10 @@ import numpy as np
 import pytest
 
 from conftest import SMALL_MODELS, build, feeds_for, ort_run
-from tessera.compiler import interpret, onnx_export
-from tessera.compiler.flash import attention_reference, tiled_attention
-from tessera.compiler.optimize import optimize
+from tessera.compiler.reference import interpret
+from tessera.compiler.backends.onnx import export as onnx_export
+from tessera.compiler.reference.flash import attention_reference, tiled_attention
+from tessera.compiler.passes.pipeline import optimize
 from tessera.compiler.passes.attention_kernels import Target
 from tessera.compiler.passes.fuse_attention import FuseAttention
 from tessera.runtime.weights import init_weights
@@ -177,7 +178,7 @@ def test_numpy_interpreter_runs_fused_graphs(rng):
                          ids=["gpt2", "bert", "llama", "transformer"])
 def test_portable_kernel_with_many_tiles_and_an_overlapping_last_tile(spec, sets, rng, monkeypatch):
     """Tiles of 16 rows over 37 queries: three tiles, the last one overlapping the second."""
-    from tessera.compiler import attention_onnx
+    from tessera.compiler.backends.onnx import attention as attention_onnx
 
     monkeypatch.setattr(attention_onnx, "SCORE_BLOCK_BUDGET", 1)
     monkeypatch.setattr(attention_onnx, "MAX_TILE", 16)
@@ -194,7 +195,7 @@ def test_portable_kernel_with_many_tiles_and_an_overlapping_last_tile(spec, sets
 
 
 def test_portable_kernel_many_tiles_with_a_bias(tmp_path, rng, monkeypatch):
-    from tessera.compiler import attention_onnx
+    from tessera.compiler.backends.onnx import attention as attention_onnx
 
     monkeypatch.setattr(attention_onnx, "SCORE_BLOCK_BUDGET", 1)
     monkeypatch.setattr(attention_onnx, "MAX_TILE", 16)
@@ -236,7 +237,7 @@ model Causal(heads = 2, hd = 8, window = 0, past = false, masked = false, biased
                          ids=["causal", "window", "past", "past-window", "past-padding", "past-bias"])
 def test_portable_causal_kernel_with_many_tiles(tmp_path, rng, monkeypatch, sets):
     """Causal tiles mask only their diagonal block; with cached keys (P of them) the diagonal moves right."""
-    from tessera.compiler import attention_onnx
+    from tessera.compiler.backends.onnx import attention as attention_onnx
 
     monkeypatch.setattr(attention_onnx, "SCORE_BLOCK_BUDGET", 1)
     monkeypatch.setattr(attention_onnx, "MAX_TILE", 16)

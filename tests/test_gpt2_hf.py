@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from conftest import MODELS, build, ort_run
-from tessera.compiler import interpret
+from tessera.compiler.reference import interpret
 from tessera.runtime.weights import load_weights, name_map_for
 
 torch = pytest.importorskip("torch")

@@ -20,8 +20,8 @@ import numpy as np
 import pytest
 
 from conftest import MODELS, build
-from tessera.compiler import onnx_export
-from tessera.compiler.signature import InputSpec
+from tessera.compiler.backends.onnx import export as onnx_export
+from tessera.compiler.ir.signature import InputSpec
 from tessera.runtime import text
 from tessera.runtime.weights import load_weights, name_map_for
 

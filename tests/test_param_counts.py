@@ -5,8 +5,8 @@ from pathlib import Path
 import pytest
 
 from conftest import build
-from tessera.compiler import ops
-from tessera.compiler.analysis import parameter_report
+from tessera.compiler.ops import rules as ops
+from tessera.compiler.analysis.params import parameter_report
 
 SPECS = Path(__file__).resolve().parent / "specs"
 

@@ -5,8 +5,8 @@ import onnx
 import pytest
 
 from conftest import build, ort_run
-from tessera.compiler import onnx_export
-from tessera.compiler.optimize import optimize
+from tessera.compiler.backends.onnx import export as onnx_export
+from tessera.compiler.passes.pipeline import optimize
 from tessera.compiler.passes.attention_kernels import Target
 from tessera.compiler.passes.precision import LowerPrecision
 from tessera.runtime.weights import init_weights

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from conftest import build, ort_run
-from tessera.compiler import interpret
+from tessera.compiler.reference import interpret
 from tessera.runtime.weights import init_weights
 
 ALL_OPS = """
@@ -125,7 +125,7 @@ model M(d = 4) {
 
 
 def test_interpreter_checks_ids_and_positions_like_the_runtime():
-    from tessera.compiler.signature import InputError, input_limits
+    from tessera.compiler.ir.signature import InputError, input_limits
 
     g = build("gpt2", layers=1, d=8, heads=2, vocab=16, ctx=8)
     assert input_limits(g).ids == {"tokens": (16, "wte.weight")}

@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 
 from conftest import MODELS, build
-from tessera.compiler import cost, costreport, dims, roofline
+from tessera.compiler.analysis import cost, costreport, roofline
+from tessera.compiler.ir import dims
 from tessera.runtime.cli import main
 
 GPT2 = MODELS / "gpt2.tsr"
@@ -213,7 +214,7 @@ def test_an_unknown_op_is_listed_as_uncounted_not_fatal():
 def test_fusing_attention_changes_no_count(spec, overrides):
     """After the fusion pass (fused_attention nodes) the work is the same; the graph as written now
     holds no N x N scores, so its peak is the unfused graph's fused figure."""
-    from tessera.compiler.optimize import optimize
+    from tessera.compiler.passes.pipeline import optimize
 
     g = build(spec, None, **overrides)
     before = costreport.build_report(g, spec, None, {}, seq=64)
@@ -241,7 +242,7 @@ def test_costs_stay_symbolic():
 
 
 def test_a_non_polynomial_dimension_is_a_clear_error():
-    from tessera.compiler.poly import Poly
+    from tessera.compiler.analysis.poly import Poly
 
     with pytest.raises(ValueError, match="not a polynomial"):
         Poly.from_dim(dims.symbol("T") ** -1)

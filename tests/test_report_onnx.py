@@ -16,7 +16,8 @@ import pytest
 
 import onnx_counter
 from conftest import MODELS, build
-from tessera.compiler import cost, costreport, onnx_export
+from tessera.compiler.analysis import cost, costreport
+from tessera.compiler.backends.onnx import export as onnx_export
 from tessera.runtime.weights import init_weights
 from tessera.spec import load_program
 
@@ -88,7 +89,7 @@ def test_counter_agrees_on_a_fused_export():
     """A fused export with onnxruntime's GroupQueryAttention (the CUDA target's choice for causal
     attention; here 4 query heads over 2 key/value heads): the counter sizes it as two products
     per query-key pair."""
-    from tessera.compiler.optimize import optimize
+    from tessera.compiler.passes.pipeline import optimize
     from tessera.compiler.passes.attention_kernels import Target
 
     overrides = dict(layers=2, d=64, heads=4, kv_heads=2, vocab=100, d_ff=96)

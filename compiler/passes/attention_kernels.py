@@ -26,10 +26,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from .. import dims
-from ..ir import Graph, Node
-from .base import Pass, PassError, PassResult
-from .fuse_attention import AttentionSite
+from tessera.compiler.ir import dims
+from tessera.compiler.ir.graph import Graph, Node
+from tessera.compiler.passes.base import Pass, PassError, PassResult
+from tessera.compiler.passes.fuse_attention import AttentionSite
 
 KERNELS = ("gqa", "mha", "portable")
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .. import ops
-from ..ir import Graph
+from tessera.compiler.ops import rules as ops
+from tessera.compiler.ir.graph import Graph
 
 
 class PassError(Exception):

@@ -20,9 +20,9 @@ from typing import Callable
 
 import numpy as np
 
-from .. import dims
-from ..ir import Graph, Node
-from .base import Pass, PassResult
+from tessera.compiler.ir import dims
+from tessera.compiler.ir.graph import Graph, Node
+from tessera.compiler.passes.base import Pass, PassResult
 
 
 @dataclass

@@ -9,8 +9,8 @@ Integer tensors (token ids, masks, positions) are untouched.
 
 from __future__ import annotations
 
-from ..ir import Graph, TensorType, Value
-from .base import Pass, PassError, PassResult
+from tessera.compiler.ir.graph import Graph, TensorType, Value
+from tessera.compiler.passes.base import Pass, PassError, PassResult
 
 SUPPORTED = {"fp16": "f16"}
 

@@ -22,8 +22,8 @@ import numpy as np
 
 from tessera.spec import Pos
 
-from . import dims
-from .dims import Shape
+from tessera.compiler.ir import dims
+from tessera.compiler.ir.dims import Shape
 
 DTYPES = {"f32": np.float32, "f16": np.float16, "bf16": None, "i64": np.int64, "i32": np.int32,
           "bool": np.bool_}

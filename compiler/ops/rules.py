@@ -14,8 +14,8 @@ from typing import Callable
 
 import sympy
 
-from . import dims
-from .ir import FLOAT_DTYPES, Graph, TensorType
+from tessera.compiler.ir import dims
+from tessera.compiler.ir.graph import FLOAT_DTYPES, Graph, TensorType
 
 
 class ShapeError(Exception):

@@ -20,9 +20,9 @@ from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Callable
 
-from .ir import Graph, Node
-from .poly import Poly, numel
-from .structure import Attention, Structure, analyse, node_layer
+from tessera.compiler.ir.graph import Graph, Node
+from tessera.compiler.analysis.poly import Poly, numel
+from tessera.compiler.analysis.structure import Attention, Structure, analyse, node_layer
 
 # ------------------------------------------------------------------ FLOPs per output element
 # A transcendental (exp, tanh, erf, sqrt) counts as one FLOP. The numbers are the

@@ -12,9 +12,9 @@ import math
 
 import numpy as np
 
-from . import dims
-from .ir import DTYPES, Graph
-from .signature import bind_inputs
+from tessera.compiler.ir import dims
+from tessera.compiler.ir.graph import DTYPES, Graph
+from tessera.compiler.ir.signature import bind_inputs
 
 _erf = np.frompyfunc(math.erf, 1, 1)
 
@@ -220,7 +220,7 @@ def run(graph: Graph, weights: dict[str, np.ndarray], feeds: dict[str, np.ndarra
         elif op == "sinusoidal":
             y = sinusoidal_table(ev(a["n"]), a["d"])
         elif op == "fused_attention":
-            from .flash import attention_reference
+            from tessera.compiler.reference.flash import attention_reference
 
             rep = a["heads"] // a["kv_heads"]
             k_, v_ = np.repeat(x[1], rep, axis=1), np.repeat(x[2], rep, axis=1)

@@ -14,10 +14,10 @@ from __future__ import annotations
 import math
 import os
 
-from . import dims
-from .ir import Graph
-from .optimize import optimize
-from .passes.attention_kernels import Target
+from tessera.compiler.ir import dims
+from tessera.compiler.ir.graph import Graph
+from tessera.compiler.passes.pipeline import optimize
+from tessera.compiler.passes.attention_kernels import Target
 
 
 def _traffic(graph: Graph, node, bindings: dict, e: int) -> tuple[int, int]:

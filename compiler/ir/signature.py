@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from . import dims
-from .ir import DTYPES, Graph
+from tessera.compiler.ir import dims
+from tessera.compiler.ir.graph import DTYPES, Graph
 
 
 class InputError(Exception):

@@ -12,8 +12,8 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 
-from .ir import Graph
-from .structure import Structure, analyse, layer_key
+from tessera.compiler.ir.graph import Graph
+from tessera.compiler.analysis.structure import Structure, analyse, layer_key
 
 _NORMS = {"layernorm", "rmsnorm"}
 

@@ -188,7 +188,7 @@ class Poly:
         return {p: Poly(t) for p, t in sorted(out.items())}
 
     def to_sympy(self) -> sympy.Expr:
-        from .dims import symbol
+        from tessera.compiler.ir.dims import symbol
 
         expr = sympy.Integer(0)
         for m, c in self.terms.items():

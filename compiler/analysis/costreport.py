@@ -14,11 +14,11 @@ from fractions import Fraction
 
 import numpy as np
 
-from . import cost, memory, roofline
-from .analysis import parameter_report
-from .ir import Graph
-from .poly import Poly, format_poly
-from .structure import Structure
+from tessera.compiler.analysis import cost, memory, roofline
+from tessera.compiler.analysis.params import parameter_report
+from tessera.compiler.ir.graph import Graph
+from tessera.compiler.analysis.poly import Poly, format_poly
+from tessera.compiler.analysis.structure import Structure
 
 SCHEMA = 1
 DTYPES = memory.DTYPE_BYTES

@@ -14,9 +14,9 @@ import math
 import numpy as np
 import sympy
 
-from . import dims
-from .ir import DTYPES
-from .values import REQUIRED, Builtin, Tensor, describe
+from tessera.compiler.ir import dims
+from tessera.compiler.ir.graph import DTYPES
+from tessera.compiler.frontend.values import REQUIRED, Builtin, Tensor, describe
 
 BUILTINS: dict[str, Builtin] = {}
 

@@ -15,7 +15,7 @@ import heapq
 import re
 from dataclasses import dataclass, field
 
-from .ir import Graph, Node
+from tessera.compiler.ir.graph import Graph, Node
 
 # Ops that only move or relabel data: followed when tracing keys and values back.
 _LAYOUT = {"transpose", "repeat_kv", "reshape", "identity", "cast"}

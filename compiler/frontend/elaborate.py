@@ -19,10 +19,12 @@ import sympy
 
 from tessera.spec import Pos, Program, SpecError, ast, did_you_mean
 
-from . import dims, ops
-from .builtins import BUILTINS
-from .ir import DTYPES, Graph, Param, SymbolSource, TensorType
-from .values import REQUIRED, BlockRef, Builtin, Tensor, describe
+from tessera.compiler.ir import dims
+
+from tessera.compiler.ops import rules as ops
+from tessera.compiler.frontend.builtins import BUILTINS
+from tessera.compiler.ir.graph import DTYPES, Graph, Param, SymbolSource, TensorType
+from tessera.compiler.frontend.values import REQUIRED, BlockRef, Builtin, Tensor, describe
 
 _UNSET = _UNSET_ARG = object()
 _SCALAR_TYPES = {"int": int, "float": float, "bool": bool, "str": str, "block": BlockRef}

@@ -14,9 +14,9 @@ import math
 from dataclasses import dataclass
 from functools import lru_cache
 
-from .ir import Graph
-from .poly import Poly, numel
-from .structure import Structure
+from tessera.compiler.ir.graph import Graph
+from tessera.compiler.analysis.poly import Poly, numel
+from tessera.compiler.analysis.structure import Structure
 
 # Ops whose output is a view of their input (no new memory): ONNX Reshape, Identity, Expand.
 ALIAS_OPS = {"reshape", "identity", "expand"}

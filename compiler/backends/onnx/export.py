@@ -19,10 +19,10 @@ import onnx
 import sympy
 from onnx import TensorProto, helper, numpy_helper
 
-from . import dims
-from .interpret import rope_inv_freq, sinusoidal_table
-from .ir import Graph
-from .signature import InputLimits, input_limits
+from tessera.compiler.ir import dims
+from tessera.compiler.reference.interpret import rope_inv_freq, sinusoidal_table
+from tessera.compiler.ir.graph import Graph
+from tessera.compiler.ir.signature import InputLimits, input_limits
 
 OPSET = 21
 IR_VERSION = 10  # onnxruntime 1.31 loads IR versions up to 13; onnx 1.23 writes 14 unless told
@@ -291,7 +291,7 @@ def _lower(b: _Builder, node, out: str) -> None:
             both = b.node("Cast", [both], to=ONNX_DTYPES[t_out.dtype])[0]
         emit("Reshape", [both, b.i64([-1, d])])
     elif op == "fused_attention":
-        from .attention_onnx import lower_fused_attention
+        from tessera.compiler.backends.onnx.attention import lower_fused_attention
 
         lower_fused_attention(b, node, out)
     elif op == "conv2d":

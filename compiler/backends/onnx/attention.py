@@ -19,7 +19,7 @@ from __future__ import annotations
 import numpy as np
 from onnx import TensorProto, helper
 
-from . import dims
+from tessera.compiler.ir import dims
 
 
 SCORE_BLOCK_BUDGET = 16 * 1024 * 1024  # bytes of scores one head's tile may hold

@@ -7,7 +7,7 @@ from typing import Any, Callable
 
 from tessera.spec import ast
 
-from .ir import TensorType
+from tessera.compiler.ir.graph import TensorType
 
 REQUIRED = object()
 

@@ -22,11 +22,11 @@ import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
-from .cost import MATMUL_OPS, NodeCost, score_pairs
-from .ir import Graph
-from .memory import ALIAS_OPS, Sizer
-from .poly import Poly, numel
-from .structure import Structure
+from tessera.compiler.analysis.cost import MATMUL_OPS, NodeCost, score_pairs
+from tessera.compiler.ir.graph import Graph
+from tessera.compiler.analysis.memory import ALIAS_OPS, Sizer
+from tessera.compiler.analysis.poly import Poly, numel
+from tessera.compiler.analysis.structure import Structure
 
 DEVICES_FILE = Path(__file__).with_name("devices.toml")
 

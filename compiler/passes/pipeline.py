@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from .ir import Graph
-from .passes.attention_kernels import ChooseAttentionKernels, Target
-from .passes.fuse_attention import AttentionSite, FuseAttention, find_sites
+from tessera.compiler.ir.graph import Graph
+from tessera.compiler.passes.attention_kernels import ChooseAttentionKernels, Target
+from tessera.compiler.passes.fuse_attention import AttentionSite, FuseAttention, find_sites
 
 ATTENTION_CHOICES = ("auto", "gqa", "mha", "portable", "unfused")
 

@@ -1,0 +1,3 @@
+"""Static analyses of a graph that allocate no weights: parameters (params.py), model structure
+(structure.py), exact symbolic costs (cost.py over poly.py), memory (memory.py), roofline
+estimates (roofline.py) and the report that gathers them (costreport.py, attention_report.py)."""

@@ -1,0 +1,1 @@
+"""Code generators: the IR lowered to an executable format."""
