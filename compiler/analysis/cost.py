@@ -1,6 +1,7 @@
 """Multiply-adds and FLOPs of every node, as exact polynomials in the graph's symbols.
 
-MACs count matmul-class work only (linear, matmul, conv2d); a gather is 0 MACs.
+MACs count matmul-class work only (linear, matmul, convolutions, fused attention); a
+gather is 0 MACs.
 FLOPs are 2 per MAC plus an itemised per-element estimate for everything else
 (softmax, norms, activations, elementwise arithmetic), kept apart so the two
 are never confused. Each node is classified as ``dense`` (a product with
@@ -9,44 +10,48 @@ product of two data-dependent tensors: scores and weighting; the N²·D part) or
 ``head`` (the output layer), so the report can show every split without
 re-walking the graph.
 
-An op this module does not know (e.g. one added by a later pass) costs 0 and
-is listed under ``uncounted``, so the report stays honest instead of failing.
-Add a rule to ``MACS``/``FLOPS`` to count it.
+Each op's counts come from its ``cost`` facet in ``tessera.compiler.ops``, which every
+registered op must have. A node whose op is not registered at all (e.g. one a later
+pass made up without defining it) costs 0 and is listed under ``uncounted``, so the
+report says so instead of failing.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from fractions import Fraction
-from typing import Callable
 
+from tessera.compiler import ops
 from tessera.compiler.ir.graph import Graph, Node
 from tessera.compiler.analysis.poly import Poly, numel
 from tessera.compiler.analysis.structure import Attention, Structure, analyse, node_layer
 
-# ------------------------------------------------------------------ FLOPs per output element
-# A transcendental (exp, tanh, erf, sqrt) counts as one FLOP. The numbers are the
-# arithmetic of a straightforward implementation; docs/report.md lists the reasoning.
-ELEMENTWISE: dict[str, tuple[str, int]] = {
-    "add": ("elementwise", 1), "sub": ("elementwise", 1), "mul": ("elementwise", 1),
-    "div": ("elementwise", 1), "pow": ("elementwise", 1), "neg": ("elementwise", 1),
-    "sqrt": ("elementwise", 1), "exp": ("elementwise", 1), "sin": ("elementwise", 1),
-    "cos": ("elementwise", 1),
-    "relu": ("activation", 1), "tanh": ("activation", 1), "sigmoid": ("activation", 3),
-    "silu": ("activation", 4),                     # sigmoid (exp, add, divide) and a multiply
-    "softmax": ("softmax", 5),                     # max, subtract, exp, sum, divide
-    "rmsnorm": ("norm", 4),                        # square, sum, scale by 1/rms, weight
-    "causal_mask": ("mask", 1), "padding_mask": ("mask", 1),  # one select per score
-    "rope": ("position", 3),                       # x·cos + rotate(x)·sin
-    "sinusoidal": ("position", 2),                 # divide, sin or cos
-}
-# Ops that only move data (or read a table): no arithmetic.
-NO_FLOPS = {"identity", "cast", "reshape", "transpose", "split_heads", "merge_heads", "repeat_kv", "concat",
-            "slice", "select", "expand", "arange", "embedding"}
-MATMUL_OPS = {"linear", "matmul", "conv2d", "fused_attention"}
+# Ops counted as multiply-adds and run at matmul peak (roofline.py reads this too).
+MATMUL_OPS = ops.with_trait("matmul_class")
 
-MacRule = Callable[[Graph, Node], Poly]
-FlopRule = Callable[[Graph, Node], dict[str, Poly]]
+
+class CostContext:
+    """What an op's cost facet reads: the node, its attributes and input types, the number of
+    output elements, polynomials of dimensions, and, for ``per_pair`` costs, the query-key
+    pairs counted (``pairs``; None for all) and the MACs at that count (``macs``)."""
+
+    def __init__(self, graph: Graph, node: Node, pairs: Poly | None = None, macs: Poly | None = None):
+        self.graph, self.node, self.attrs = graph, node, node.attrs
+        self.pairs, self.macs = pairs, macs
+
+    def type(self, i: int):
+        return self.graph.type_of(self.node.inputs[i])
+
+    def out(self) -> Poly:
+        return _out(self.graph, self.node)
+
+    @staticmethod
+    def dim(d) -> Poly:
+        return _dim(d)
+
+    @staticmethod
+    def numel(shape) -> Poly:
+        return numel(shape)
 
 
 def _out(graph: Graph, node: Node) -> Poly:
@@ -57,71 +62,13 @@ def _dim(d) -> Poly:
     return Poly.from_dim(d)
 
 
-MACS: dict[str, MacRule] = {
-    # y[..., out] = x[..., in] W^T: one multiply-add per output element and input feature
-    "linear": lambda g, n: _out(g, n) * _dim(g.type_of(n.inputs[1]).shape[1]),
-    # [..., m, k] @ [..., k, n]: one per output element and inner index
-    "matmul": lambda g, n: _out(g, n) * _dim(g.type_of(n.inputs[0]).shape[-1]),
-    # one per output element, input channel and kernel tap
-    "conv2d": lambda g, n: _out(g, n) * _dim(g.type_of(n.inputs[1]).shape[1])
-    * (n.attrs["kernel"] * n.attrs["kernel"]),
-}
-
-
-def _layernorm_flops(g, n):
-    # mean, subtract, square, sum, normalise, scale (+ shift): 7 or 8 per element
-    return {"norm": _out(g, n) * (8 if len(n.inputs) == 3 else 7)}
-
-
-def _gelu_flops(g, n):
-    # tanh form: x³ (2), ·0.044715, +x, ·sqrt(2/π), tanh, +1, ·x, ·0.5 = 9; erf form: /√2, erf, +1, ·x, ·0.5 = 5
-    return {"activation": _out(g, n) * (9 if n.attrs.get("approx") == "tanh" else 5)}
-
-
-def _reduce_flops(g, n):
-    return {"elementwise": numel(g.type_of(n.inputs[0]).shape)}
-
-
-def _topk_flops(g, n):
-    # top-k selection (k compares per logit) and a softmax over the k chosen (5 each)
-    x = numel(g.type_of(n.inputs[0]).shape)
-    e = int(g.type_of(n.inputs[0]).shape[-1])
-    k = int(n.attrs["k"])
-    return {"routing": x * k + x * Fraction(5 * k, e)}
-
-
-FLOPS: dict[str, FlopRule] = {
-    "layernorm": _layernorm_flops, "gelu": _gelu_flops, "mean": _reduce_flops, "sum": _reduce_flops,
-    "topk_gates": _topk_flops,
-}
-
-
-def _fused_attention_macs(g: Graph, n: Node, pairs: Poly | None = None) -> Poly:
-    """q·kᵀ and p·v of a fused_attention node over `pairs` query-key pairs per head (all Tq·Tk
-    by default): (hd + hd_v) per pair, for each batch row and query head."""
-    q, k, v = (g.type_of(x) for x in n.inputs[:3])
-    if pairs is None:
-        pairs = _dim(q.shape[-2]) * _dim(k.shape[-2])
-    return numel(q.shape[:-2]) * pairs * (_dim(q.shape[-1]) + _dim(v.shape[-1]))
-
-
-def _fused_attention_flops(g: Graph, n: Node, macs: Poly, pairs: Poly) -> dict[str, Poly]:
-    """The products, and per score: scale, masks, bias, softmax (as the unfused ops would count)."""
-    rows = numel(g.type_of(n.inputs[0]).shape[:-2])
-    scores = rows * pairs
-    masks = int(bool(n.attrs.get("causal"))) + int(bool(n.attrs.get("padding")))
-    f = {"matmul": macs * 2, "softmax": scores * 5,
-         "elementwise": scores * (1 + int(bool(n.attrs.get("bias"))))}
-    if masks:
-        f["mask"] = scores * masks
-    return f
-
-
-MACS["fused_attention"] = _fused_attention_macs
+def _macs(graph: Graph, n: Node, pairs: Poly | None = None) -> Poly:
+    rule = ops.get(n.op).cost.macs
+    return rule(CostContext(graph, n, pairs)) if rule is not None else Poly()
 
 
 def known_ops() -> set[str]:
-    return set(MACS) | set(FLOPS) | set(ELEMENTWISE) | NO_FLOPS
+    return set(ops.all_ops())
 
 
 @dataclass
@@ -185,16 +132,15 @@ def node_costs(graph: Graph, st: Structure | None = None) -> tuple[list[NodeCost
 
 
 def _node_polys(graph: Graph, n: Node, a: Attention | None):
-    macs = MACS[n.op](graph, n) if n.op in MACS else Poly()
-    if n.op == "fused_attention":
-        q, k = graph.type_of(n.inputs[0]), graph.type_of(n.inputs[1])
-        full = _dim(q.shape[-2]) * _dim(k.shape[-2])
-        flops = _fused_attention_flops(graph, n, macs, full)
+    cost = ops.get(n.op).cost
+    macs = _macs(graph, n)
+    if cost.per_pair:  # fused attention: its work scales with the pairs the mask lets through
+        flops = cost.flops(CostContext(graph, n, None, macs))
         if a is None or not a.causal:
             return macs, macs, flops, flops
         pairs = score_pairs(a)
-        macs_c = _fused_attention_macs(graph, n, pairs)
-        return macs, macs_c, flops, _fused_attention_flops(graph, n, macs_c, pairs)
+        macs_c = _macs(graph, n, pairs)
+        return macs, macs_c, flops, cost.flops(CostContext(graph, n, pairs, macs_c))
     flops = _flops(graph, n, macs)
     if a is None or not a.causal:
         return macs, macs, flops, flops
@@ -202,7 +148,7 @@ def _node_polys(graph: Graph, n: Node, a: Attention | None):
     rows = numel(graph.type_of(score.outputs[0]).shape[:-2])
     pairs = score_pairs(a)
     macs_c, flops_c = macs, flops
-    if n.op == "matmul":
+    if n.op == "matmul":  # the attention's score or weighting product
         inner = graph.type_of(n.inputs[0]).shape[-1] if n.name == a.score else graph.type_of(n.outputs[0]).shape[-1]
         macs_c = rows * pairs * _dim(inner)
         flops_c = _flops(graph, n, macs_c)
@@ -212,16 +158,18 @@ def _node_polys(graph: Graph, n: Node, a: Attention | None):
 
 
 def _flops(graph: Graph, n: Node, macs: Poly, elems: Poly | None = None) -> dict[str, Poly]:
+    """FLOPs by category; ``elems`` replaces the output's element count (masked-in scores)."""
+    d = ops.get(n.op)
+    cost = d.cost
     f: dict[str, Poly] = {}
-    if n.op in MATMUL_OPS:
+    if cost.kind == "product":
         f["matmul"] = macs * 2
-        if (n.op == "linear" and len(n.inputs) == 3) or (n.op == "conv2d" and len(n.inputs) == 3):
+        if "dense" in d.traits and len(n.inputs) == 3:
             f["bias"] = elems if elems is not None else _out(graph, n)
-    elif n.op in ELEMENTWISE:
-        cat, per = ELEMENTWISE[n.op]
-        f[cat] = (elems if elems is not None else _out(graph, n)) * per
-    elif n.op in FLOPS:
-        f = FLOPS[n.op](graph, n)
+    elif cost.kind == "per_element":
+        f[cost.category] = (elems if elems is not None else _out(graph, n)) * cost.per
+    elif cost.kind == "custom":
+        f = cost.flops(CostContext(graph, n, None, macs))
     return {k: v for k, v in f.items() if not v.is_zero()}
 
 

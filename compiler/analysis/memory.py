@@ -14,39 +14,28 @@ import math
 from dataclasses import dataclass
 from functools import lru_cache
 
+from tessera.compiler import ops
 from tessera.compiler.ir.graph import Graph
 from tessera.compiler.analysis.poly import Poly, numel
 from tessera.compiler.analysis.structure import Structure
 
 # Ops whose output is a view of their input (no new memory): ONNX Reshape, Identity, Expand.
-ALIAS_OPS = {"reshape", "identity", "expand"}
+ALIAS_OPS = ops.with_trait("alias")
 INT_BYTES = {"i64": 8, "i32": 4, "bool": 1}
 DTYPE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
 
-# What the backward pass of each op needs kept: input positions, and "out" for the output.
-# Ops not listed keep nothing (sums, layout changes, masks with static patterns, rope).
-# Products are handled by _saved_inputs: an operand is kept only if the other one needs a gradient.
-SAVED: dict[str, tuple] = {
-    "embedding": (0,), "layernorm": (0,), "rmsnorm": (0,), "pow": (0,),
-    "gelu": (0,), "silu": (0,), "sin": (0,), "cos": (0,),
-    "softmax": ("out",), "sigmoid": ("out",), "tanh": ("out",), "exp": ("out",), "sqrt": ("out",),
-    "relu": ("out",), "topk_gates": ("out",),
-}
-_PRODUCTS = {"linear", "conv2d", "matmul", "mul", "div"}
 
-
-def _saved_inputs(graph: Graph, node, needs_grad) -> list:
-    """Operands of a product kept for backward: d(a·b)/da needs b, so a is kept when b needs a
-    gradient (a parameter or an activation), and vice versa. A division also keeps its divisor."""
-    if node.op in ("linear", "conv2d"):
-        return [node.inputs[0]] if needs_grad(node.inputs[1]) else []
-    a, b = node.inputs[0], node.inputs[1]
-    kept = []
-    if needs_grad(b):
-        kept.append(a)
-    if needs_grad(a) or (node.op == "div" and needs_grad(b)):
-        kept.append(b)
-    return kept
+def saved_values(node, needs_grad) -> list[str]:
+    """The values the backward pass of ``node`` keeps, from its op's ``saved`` facet: input
+    positions and "out", or (products) a function of which operands need a gradient.
+    A node whose op is not registered keeps nothing (the cost report lists it as uncounted)."""
+    if not ops.is_registered(node.op):
+        return []
+    saved = ops.get(node.op).saved
+    if callable(saved):
+        return saved(node, needs_grad)
+    return [node.outputs[0] if pos == "out" else node.inputs[pos] for pos in saved
+            if pos == "out" or pos < len(node.inputs)]
 
 
 def elem_bytes(graph: Graph, value: str, act_bytes: int) -> int:
@@ -216,12 +205,7 @@ def saved_for_backward(graph: Graph, st: Structure, act_bytes: int, fused: bool,
     for n in graph.nodes.values():
         if n.name in in_core:
             continue
-        if n.op in _PRODUCTS:
-            values = _saved_inputs(graph, n, needs_grad)
-        else:
-            values = [n.outputs[0] if pos == "out" else n.inputs[pos] for pos in SAVED.get(n.op, ())
-                      if pos == "out" or pos < len(n.inputs)]
-        for v in values:
+        for v in saved_values(n, needs_grad):
             if v not in keep_from:
                 continue
             r = root.get(v, v)

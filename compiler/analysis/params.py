@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 
+from tessera.compiler import ops
 from tessera.compiler.ir.graph import Graph
 from tessera.compiler.analysis.structure import Structure, analyse, layer_key
 
@@ -136,7 +137,7 @@ def role(graph: Graph, st: Structure, prefix: str, index: dict | None = None) ->
         return "norm"
     if users == {"embedding"}:
         return "embedding"
-    if users == {"conv2d"}:
+    if users <= ops.with_trait("conv"):
         return "convolution"
     if users <= {"linear"}:
         return "MLP" if len({n.name for n in nodes if n.op == "linear"}) > 1 else "linear"

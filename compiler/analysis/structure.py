@@ -15,13 +15,14 @@ import heapq
 import re
 from dataclasses import dataclass, field
 
+from tessera.compiler import ops
 from tessera.compiler.ir.graph import Graph, Node
 
 # Ops that only move or relabel data: followed when tracing keys and values back.
 _LAYOUT = {"transpose", "repeat_kv", "reshape", "identity", "cast"}
 # Ops allowed between the score matmul and the softmax (scale, masks, biases).
 _SCORE_PATH = {"mul", "div", "add", "sub", "causal_mask", "padding_mask", "cast", "identity"}
-DENSE_OPS = {"linear", "conv2d"}
+DENSE_OPS = ops.with_trait("dense")  # products with weights: linear, convolutions
 
 _LAYER_RE = re.compile(r"^(.*?[A-Za-z_]\w*\.\d+)(?=[./]|$)")
 

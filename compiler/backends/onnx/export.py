@@ -6,6 +6,9 @@ Names follow the spec: an initializer is named by its parameter path
 Symbolic dimensions become named dynamic dims (``B``, ``T``); where a lowering
 needs a size at run time it reads it from the input it came from (Shape ->
 arithmetic), so one file serves every batch and sequence length.
+
+Each op's ONNX nodes come from its ``lower`` facet (``tessera.compiler.ops``); this module
+holds the builder those facets write through and assembles the model.
 """
 
 from __future__ import annotations
@@ -19,8 +22,8 @@ import onnx
 import sympy
 from onnx import TensorProto, helper, numpy_helper
 
+from tessera.compiler import ops
 from tessera.compiler.ir import dims
-from tessera.compiler.reference.interpret import rope_inv_freq, sinusoidal_table
 from tessera.compiler.ir.graph import Graph
 from tessera.compiler.ir.signature import InputLimits, input_limits
 
@@ -81,6 +84,16 @@ class _Builder:
     def i64(self, values) -> str:
         return self.const(np.array(values, dtype=np.int64), "i64")
 
+    @staticmethod
+    def onnx_type(dtype: str) -> int:
+        """The ONNX element type of an IR dtype (for Cast's ``to``)."""
+        return ONNX_DTYPES[dtype]
+
+    @staticmethod
+    def tensor_value(array: np.ndarray) -> onnx.TensorProto:
+        """A tensor for a node attribute (e.g. ConstantOfShape's ``value``)."""
+        return numpy_helper.from_array(np.asarray(array))
+
     # ---------------------------------------------------------------- symbolic dims at run time
     def dim(self, d) -> str:
         """A 1-element int64 tensor holding the dimension's value at run time."""
@@ -131,174 +144,24 @@ class _Builder:
         return self.node("Concat", [self.dim(s) for s in shape], axis=0)[0]
 
 
-def _np_float(dtype: str):
-    return np.float16 if dtype == "f16" else np.float32
+class Lowering:
+    """What an op's ``lower`` facet gets: the builder ``b``, the IR node, its inputs ``x``,
+    attributes ``a``, input and output types, and ``emit`` to write the node's result."""
 
+    def __init__(self, b: _Builder, node, out: str):
+        self.b, self.node, self.out = b, node, out
+        self.x = node.inputs
+        self.a = node.attrs
+        self.t_in = [b.graph.type_of(v) for v in node.inputs]
+        self.t_out = b.graph.type_of(out)
 
-def _min_const(b: _Builder, dtype: str) -> str:
-    np_dtype = np.float16 if dtype == "f16" else np.float32
-    return b.const(np.array(np.finfo(np_dtype).min, dtype=np_dtype), "min")
+    def emit(self, op_type: str, inputs: list[str], **attrs) -> list[str]:
+        return self.b.node(op_type, inputs, [self.out], **attrs)
 
 
 def _lower(b: _Builder, node, out: str) -> None:
-    """Emit the ONNX nodes for one IR node, writing its result to ``out``."""
-    g = b.graph
-    x = node.inputs
-    a = node.attrs
-    op = node.op
-    t_in = [g.type_of(v) for v in x]
-    t_out = g.type_of(out)
-
-    def emit(op_type, inputs, **attrs):
-        return b.node(op_type, inputs, [out], **attrs)
-
-    if op == "linear":
-        wt = b.node("Transpose", [x[1]], perm=[1, 0])[0]
-        if len(x) == 3:
-            mm = b.node("MatMul", [x[0], wt])[0]
-            emit("Add", [mm, x[2]])
-        else:
-            emit("MatMul", [x[0], wt])
-    elif op == "embedding":
-        emit("Gather", [x[1], x[0]], axis=0)
-    elif op == "matmul":
-        emit("MatMul", x)
-    elif op in ("add", "sub", "mul", "div", "pow"):
-        emit(op.capitalize(), x)
-    elif op in ("neg", "sqrt", "exp", "relu", "sigmoid", "tanh", "identity", "sin", "cos"):
-        emit({"neg": "Neg", "sqrt": "Sqrt", "exp": "Exp", "relu": "Relu", "sigmoid": "Sigmoid",
-              "tanh": "Tanh", "identity": "Identity", "sin": "Sin", "cos": "Cos"}[op], x)
-    elif op == "gelu":
-        emit("Gelu", x, approximate=a["approx"])
-    elif op == "silu":
-        s = b.node("Sigmoid", x)[0]
-        emit("Mul", [x[0], s])
-    elif op == "cast":
-        emit("Cast", x, to=ONNX_DTYPES[a["dtype"]])
-    elif op == "softmax":
-        emit("Softmax", x, axis=a["axis"])
-    elif op == "layernorm":
-        emit("LayerNormalization", x, axis=-1, epsilon=a["eps"])
-    elif op == "rmsnorm":
-        sq = b.node("Mul", [x[0], x[0]])[0]
-        ms = b.node("ReduceMean", [sq, b.i64([-1])], keepdims=1)[0]
-        eps = b.const(np.array(a["eps"], dtype=_np_float(t_in[0].dtype)), "eps")
-        rms = b.node("Sqrt", [b.node("Add", [ms, eps])[0]])[0]
-        normed = b.node("Div", [x[0], rms])[0]
-        emit("Mul", [normed, x[1]])
-    elif op == "reshape":
-        emit("Reshape", [x[0], b.shape_vec(a["shape"])])
-    elif op == "transpose":
-        emit("Transpose", x, perm=list(a["perm"]))
-    elif op == "split_heads":
-        r = t_in[0].rank
-        hd = t_out.shape[-1]
-        tail = [a["heads"], int(hd)] if dims.is_static(hd) else [a["heads"], -1]
-        rs = b.node("Reshape", [x[0], b.i64([0] * (r - 1) + tail)])[0]
-        perm = list(range(r + 1))
-        perm[-3], perm[-2] = perm[-2], perm[-3]
-        emit("Transpose", [rs], perm=perm)
-    elif op == "merge_heads":
-        r = t_in[0].rank
-        perm = list(range(r))
-        perm[-3], perm[-2] = perm[-2], perm[-3]
-        tr = b.node("Transpose", x, perm=perm)[0]
-        emit("Reshape", [tr, b.i64([0] * (r - 2) + [-1])])
-    elif op == "repeat_kv":
-        r = t_in[0].rank
-        n = a["times"]
-        un = b.node("Unsqueeze", [x[0], b.i64([r - 2])])[0]
-        ex = b.node("Expand", [un, b.i64([1] * (r - 2) + [n, 1, 1])])[0]
-        g_heads, hd = t_in[0].shape[-3], t_in[0].shape[-1]
-        emit("Reshape", [ex, b.shape_vec(list(t_in[0].shape[:-3]) + [g_heads * n, t_in[0].shape[-2], hd])])
-    elif op == "concat":
-        emit("Concat", x, axis=a["axis"])
-    elif op == "slice":
-        emit("Slice", [x[0], b.dim(a["start"]), b.dim(a["end"]), b.i64([a["axis"]])])
-    elif op == "select":
-        emit("Gather", [x[0], b.const(np.array(a["index"], dtype=np.int64), "index")], axis=a["axis"])
-    elif op == "expand":
-        emit("Expand", [x[0], b.shape_vec(a["shape"])])
-    elif op in ("mean", "sum"):
-        emit("ReduceMean" if op == "mean" else "ReduceSum", [x[0], b.i64(a["axes"])],
-             keepdims=int(a["keepdims"]))
-    elif op == "causal_mask":
-        tq, tk = t_in[0].shape[-2], t_in[0].shape[-1]
-        zero = b.const(np.array(0, dtype=np.int64), "zero")
-        one = b.const(np.array(1, dtype=np.int64), "one")
-        rows = b.node("Range", [zero, b.dim_scalar(tq), one])[0]
-        offset = tk - tq
-        if not (dims.is_static(offset) and int(offset) == 0):
-            rows = b.node("Add", [rows, b.dim_scalar(offset)])[0]
-        rows = b.node("Unsqueeze", [rows, b.i64([1])])[0]
-        cols = b.node("Range", [zero, b.dim_scalar(tk), one])[0]
-        hide = b.node("Greater", [cols, rows])[0]
-        if a["window"]:
-            lim = b.node("Sub", [rows, b.const(np.array(a["window"], dtype=np.int64), "window")])[0]
-            far = b.node("LessOrEqual", [cols, lim])[0]
-            hide = b.node("Or", [hide, far])[0]
-        emit("Where", [hide, _min_const(b, t_in[0].dtype), x[0]])
-    elif op == "padding_mask":
-        zero = b.const(np.array(0, dtype=np.int64 if t_in[1].dtype == "i64" else np.int32), "zero")
-        keep = b.node("Not", [b.node("Equal", [x[1], zero])[0]])[0] if t_in[1].dtype != "bool" else x[1]
-        keep = b.node("Unsqueeze", [keep, b.i64([1, 2])])[0]
-        emit("Where", [keep, x[0], _min_const(b, t_in[0].dtype)])
-    elif op == "rope":
-        hd = int(t_in[0].shape[-1])
-        n = t_in[0].shape[-2]
-        inv_freq = rope_inv_freq(hd, a["theta"], a.get("scaling"))
-        zero = b.const(np.array(0, dtype=np.int64), "zero")
-        one = b.const(np.array(1, dtype=np.int64), "one")
-        pos = b.node("Cast", [b.node("Range", [zero, b.dim_scalar(n), one])[0]], to=TensorProto.FLOAT)[0]
-        pos = b.node("Unsqueeze", [pos, b.i64([1])])[0]
-        freqs = b.node("Mul", [pos, b.const(inv_freq[None, :], "inv_freq")])[0]
-        emb = b.node("Concat", [freqs, freqs], axis=-1)[0]
-        cos, sin = b.node("Cos", [emb])[0], b.node("Sin", [emb])[0]
-        if t_in[0].dtype != "f32":  # tables in fp32, applied at the tensor's precision
-            cos = b.node("Cast", [cos], to=ONNX_DTYPES[t_in[0].dtype])[0]
-            sin = b.node("Cast", [sin], to=ONNX_DTYPES[t_in[0].dtype])[0]
-        half = b.i64([hd // 2])
-        x1 = b.node("Slice", [x[0], b.i64([0]), half, b.i64([-1])])[0]
-        x2 = b.node("Slice", [x[0], half, b.i64([hd]), b.i64([-1])])[0]
-        rot = b.node("Concat", [b.node("Neg", [x2])[0], x1], axis=-1)[0]
-        emit("Add", [b.node("Mul", [x[0], cos])[0], b.node("Mul", [rot, sin])[0]])
-    elif op == "topk_gates":
-        vals, idx = b.node("TopK", [x[0], b.i64([a["k"]])], 2, axis=-1, largest=1, sorted=1)
-        w = b.node("Softmax", [vals], axis=-1)[0]
-        zeros = b.node("ConstantOfShape", [b.node("Shape", [x[0]])[0]],
-                       value=numpy_helper.from_array(np.zeros(1, dtype=_np_float(t_in[0].dtype))))[0]
-        emit("ScatterElements", [zeros, idx, w], axis=-1)
-    elif op == "arange":
-        zero = b.const(np.array(0, dtype=np.int64), "zero")
-        one = b.const(np.array(1, dtype=np.int64), "one")
-        emit("Range", [zero, b.dim_scalar(a["n"]), one])
-    elif op == "sinusoidal":
-        d = a["d"]
-        n = a["n"]
-        if dims.is_static(dims.dim(n)):
-            emit("Identity", [b.const(sinusoidal_table(int(n), d).astype(_np_float(t_out.dtype)), "sinusoidal")])
-            return
-        div = np.power(np.float32(10000.0), np.arange(0, d, 2, dtype=np.float32) / np.float32(d)).astype(np.float32)
-        zero = b.const(np.array(0, dtype=np.int64), "zero")
-        one = b.const(np.array(1, dtype=np.int64), "one")
-        pos = b.node("Cast", [b.node("Range", [zero, b.dim_scalar(n), one])[0]], to=TensorProto.FLOAT)[0]
-        pos = b.node("Unsqueeze", [pos, b.i64([1])])[0]
-        ang = b.node("Div", [pos, b.const(div[None, :], "div_term")])[0]
-        s = b.node("Unsqueeze", [b.node("Sin", [ang])[0], b.i64([2])])[0]
-        c = b.node("Unsqueeze", [b.node("Cos", [ang])[0], b.i64([2])])[0]
-        both = b.node("Concat", [s, c], axis=2)[0]
-        if t_out.dtype != "f32":
-            both = b.node("Cast", [both], to=ONNX_DTYPES[t_out.dtype])[0]
-        emit("Reshape", [both, b.i64([-1, d])])
-    elif op == "fused_attention":
-        from tessera.compiler.backends.onnx.attention import lower_fused_attention
-
-        lower_fused_attention(b, node, out)
-    elif op == "conv2d":
-        k = a["kernel"]
-        emit("Conv", x, kernel_shape=[k, k], strides=[a["stride"], a["stride"]])
-    else:
-        raise NotImplementedError(f"no ONNX lowering for op '{op}'")
+    """Emit the ONNX nodes for one IR node, writing its result to ``out`` (the op's lowering facet)."""
+    ops.get(node.op).lower(Lowering(b, node, out))
 
 
 def _names_read(nodes) -> set[str]:

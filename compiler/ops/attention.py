@@ -1,0 +1,229 @@
+"""Attention pieces: the masks, rotary embedding, mixture-of-experts gating, and
+fused_attention, the node the fusion pass (passes/fuse_attention.py) puts in place of a
+recognised attention core. Its ONNX lowering lives in backends/onnx/attention.py."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from tessera.compiler.ir import dims
+from tessera.compiler.ir.graph import TensorType
+from tessera.compiler.ops import common
+from tessera.compiler.ops.registry import ShapeError, custom, op, per_element
+from tessera.compiler.reference.flash import attention_reference
+from tessera.compiler.reference.numerics import min_value, rope_inv_freq, rope_tables, softmax
+
+
+# ------------------------------------------------------------------ masks
+def causal(s, window):
+    """Hide keys after each query (queries are the last Tq of Tk positions) and, with a window,
+    keys `window` or more positions before it, by filling them with the dtype's minimum."""
+    tq, tk = s.shape[-2], s.shape[-1]
+    i = np.arange(tq)[:, None] + (tk - tq)
+    j = np.arange(tk)[None, :]
+    hide = j > i
+    if window:
+        hide |= j <= i - window
+    return np.where(hide, min_value(s.dtype), s).astype(s.dtype)
+
+
+def _causal_lower(L):
+    b, a, t = L.b, L.a, L.t_in[0]
+    tq, tk = t.shape[-2], t.shape[-1]
+    zero = b.const(np.array(0, dtype=np.int64), "zero")
+    one = b.const(np.array(1, dtype=np.int64), "one")
+    rows = b.node("Range", [zero, b.dim_scalar(tq), one])[0]
+    offset = tk - tq
+    if not (dims.is_static(offset) and int(offset) == 0):
+        rows = b.node("Add", [rows, b.dim_scalar(offset)])[0]
+    rows = b.node("Unsqueeze", [rows, b.i64([1])])[0]
+    cols = b.node("Range", [zero, b.dim_scalar(tk), one])[0]
+    hide = b.node("Greater", [cols, rows])[0]
+    if a["window"]:
+        lim = b.node("Sub", [rows, b.const(np.array(a["window"], dtype=np.int64), "window")])[0]
+        far = b.node("LessOrEqual", [cols, lim])[0]
+        hide = b.node("Or", [hide, far])[0]
+    L.emit("Where", [hide, common.min_const(b, t.dtype), L.x[0]])
+
+
+@op("causal_mask", reference=lambda x, a, ev: causal(x[0], a["window"]), lower=_causal_lower,
+    cost=per_element("mask", 1),     # one select per score
+    saved=())                        # a static pattern: nothing to keep
+def _causal_mask(t, a):
+    """Causal mask on scores [..., Tq, Tk]; attrs["window"] > 0 also hides keys that far back."""
+    s = t[0]
+    if s.rank < 2:
+        raise ShapeError(f"a mask applies to scores [..., Tq, Tk], got {dims.fmt_shape(s.shape)}")
+    common.need_float(s, "causal_mask")
+    return [s]
+
+
+def _padding_ref(x, a, ev):
+    keep = (x[1] != 0)[:, None, None, :]
+    return np.where(keep, x[0], min_value(x[0].dtype)).astype(x[0].dtype)
+
+
+def _padding_lower(L):
+    b, x, t_in = L.b, L.x, L.t_in
+    zero = b.const(np.array(0, dtype=np.int64 if t_in[1].dtype == "i64" else np.int32), "zero")
+    keep = b.node("Not", [b.node("Equal", [x[1], zero])[0]])[0] if t_in[1].dtype != "bool" else x[1]
+    keep = b.node("Unsqueeze", [keep, b.i64([1, 2])])[0]
+    L.emit("Where", [keep, x[0], common.min_const(b, t_in[0].dtype)])
+
+
+@op("padding_mask", reference=_padding_ref, lower=_padding_lower,
+    cost=per_element("mask", 1), saved=())   # the mask is an input: nothing to keep
+def _padding_mask(t, a):
+    """Hide padded keys: scores [B, H, Tq, Tk], mask [B, Tk] (0 = padding)."""
+    s, m = t
+    common.need_float(s, "padding_mask")
+    if m.rank != 2 or s.rank != 4:
+        raise ShapeError(f"padding_mask expects scores [B, H, Tq, Tk] and mask [B, Tk], got "
+                         f"{dims.fmt_shape(s.shape)} and {dims.fmt_shape(m.shape)}")
+    if not (dims.equal(m.shape[0], s.shape[0]) and dims.equal(m.shape[1], s.shape[3])):
+        raise ShapeError(f"padding mask {dims.fmt_shape(m.shape)} does not match scores {dims.fmt_shape(s.shape)} "
+                         f"(expected [{dims.fmt(s.shape[0])}, {dims.fmt(s.shape[3])}])")
+    return [s]
+
+
+# ------------------------------------------------------------------ rotary embedding
+def rope(x, theta, scaling=None):
+    n, hd = x.shape[-2], x.shape[-1]
+    cos, sin = rope_tables(n, hd, theta, x.dtype, scaling)
+    x1, x2 = x[..., : hd // 2], x[..., hd // 2:]
+    rotated = np.concatenate([-x2, x1], axis=-1)
+    return x * cos + rotated * sin
+
+
+def _rope_lower(L):
+    b, a, t, x = L.b, L.a, L.t_in[0], L.x
+    hd = int(t.shape[-1])
+    n = t.shape[-2]
+    inv_freq = rope_inv_freq(hd, a["theta"], a.get("scaling"))
+    zero = b.const(np.array(0, dtype=np.int64), "zero")
+    one = b.const(np.array(1, dtype=np.int64), "one")
+    pos = b.node("Cast", [b.node("Range", [zero, b.dim_scalar(n), one])[0]], to=b.onnx_type("f32"))[0]
+    pos = b.node("Unsqueeze", [pos, b.i64([1])])[0]
+    freqs = b.node("Mul", [pos, b.const(inv_freq[None, :], "inv_freq")])[0]
+    emb = b.node("Concat", [freqs, freqs], axis=-1)[0]
+    cos, sin = b.node("Cos", [emb])[0], b.node("Sin", [emb])[0]
+    if t.dtype != "f32":  # tables in fp32, applied at the tensor's precision
+        cos = b.node("Cast", [cos], to=b.onnx_type(t.dtype))[0]
+        sin = b.node("Cast", [sin], to=b.onnx_type(t.dtype))[0]
+    half = b.i64([hd // 2])
+    x1 = b.node("Slice", [x[0], b.i64([0]), half, b.i64([-1])])[0]
+    x2 = b.node("Slice", [x[0], half, b.i64([hd]), b.i64([-1])])[0]
+    rot = b.node("Concat", [b.node("Neg", [x2])[0], x1], axis=-1)[0]
+    L.emit("Add", [b.node("Mul", [x[0], cos])[0], b.node("Mul", [rot, sin])[0]])
+
+
+@op("rope", reference=lambda x, a, ev: rope(x[0], a["theta"], a.get("scaling")), lower=_rope_lower,
+    cost=per_element("position", 3),   # x·cos + rotate(x)·sin
+    saved=())                          # a fixed rotation: its backward needs no activation
+def _rope(t, a):
+    """Rotary embedding on [..., T, hd] (rotate-half pairing), attrs theta and optional scaling."""
+    x = t[0]
+    if x.rank < 2:
+        raise ShapeError(f"rope expects [..., T, hd], got {dims.fmt_shape(x.shape)}")
+    hd = x.shape[-1]
+    if dims.is_static(hd) and int(hd) % 2:
+        raise ShapeError(f"rope needs an even head size, got {dims.fmt(hd)}")
+    return [x]
+
+
+# ------------------------------------------------------------------ mixture-of-experts gates
+def topk_gates(x, k):
+    idx = np.argsort(-x, axis=-1, kind="stable")[..., :k]
+    top = np.take_along_axis(x, idx, axis=-1)
+    w = softmax(top, -1)
+    out = np.zeros_like(x)
+    np.put_along_axis(out, idx, w, axis=-1)
+    return out
+
+
+def _topk_lower(L):
+    b, x = L.b, L.x
+    vals, idx = b.node("TopK", [x[0], b.i64([L.a["k"]])], 2, axis=-1, largest=1, sorted=1)
+    w = b.node("Softmax", [vals], axis=-1)[0]
+    zeros = b.node("ConstantOfShape", [b.node("Shape", [x[0]])[0]],
+                   value=b.tensor_value(np.zeros(1, dtype=common.np_float(L.t_in[0].dtype))))[0]
+    L.emit("ScatterElements", [zeros, idx, w], axis=-1)
+
+
+def _topk_flops(c):
+    # top-k selection (k compares per logit) and a softmax over the k chosen (5 each)
+    from fractions import Fraction
+
+    x = c.numel(c.type(0).shape)
+    e = int(c.type(0).shape[-1])
+    k = int(c.attrs["k"])
+    return {"routing": x * k + x * Fraction(5 * k, e)}
+
+
+@op("topk_gates", reference=lambda x, a, ev: topk_gates(x[0], a["k"]), lower=_topk_lower,
+    cost=custom(_topk_flops), saved=("out",))
+def _topk_gates(t, a):
+    """Softmax over the top attrs["k"] logits of the last axis, zero elsewhere (shape kept)."""
+    x = t[0]
+    common.need_float(x, "topk_gates")
+    e = x.shape[-1]
+    if dims.is_static(e) and a["k"] > int(e):
+        raise ShapeError(f"top-{a['k']} of {dims.fmt(e)} experts")
+    return [x]
+
+
+# ------------------------------------------------------------------ fused attention
+def _fused_ref(x, a, ev):
+    rep = a["heads"] // a["kv_heads"]
+    k_, v_ = np.repeat(x[1], rep, axis=1), np.repeat(x[2], rep, axis=1)
+    extra = x[3:]
+    mask = extra.pop(0) if a["padding"] else None
+    bias = extra.pop(0) if a["bias"] else None
+    return attention_reference(x[0], k_, v_, a["scale"], a["causal"], a["window"], mask, bias)
+
+
+def _fused_lower(L):
+    from tessera.compiler.backends.onnx.attention import lower_fused_attention
+
+    lower_fused_attention(L.b, L.node, L.out)
+
+
+def _pairs(c):
+    q, k = c.type(0), c.type(1)
+    return c.pairs if c.pairs is not None else c.dim(q.shape[-2]) * c.dim(k.shape[-2])
+
+
+def _fused_macs(c):
+    """q·kᵀ and p·v over the query-key pairs per head (all Tq·Tk unless c.pairs says fewer):
+    (hd + hd_v) per pair, for each batch row and query head."""
+    q, v = c.type(0), c.type(2)
+    return c.numel(q.shape[:-2]) * _pairs(c) * (c.dim(q.shape[-1]) + c.dim(v.shape[-1]))
+
+
+def _fused_flops(c):
+    """The products, and per score: scale, masks, bias, softmax (as the unfused ops would count)."""
+    scores = c.numel(c.type(0).shape[:-2]) * _pairs(c)
+    masks = int(bool(c.attrs.get("causal"))) + int(bool(c.attrs.get("padding")))
+    f = {"matmul": c.macs * 2, "softmax": scores * 5,
+         "elementwise": scores * (1 + int(bool(c.attrs.get("bias"))))}
+    if masks:
+        f["mask"] = scores * masks
+    return f
+
+
+@op("fused_attention", reference=_fused_ref, lower=_fused_lower,
+    cost=custom(_fused_flops, macs=_fused_macs, per_pair=True),
+    # What a fused kernel keeps (q, k, v, its output, one log-sum-exp per row) is counted by
+    # analysis/memory.py from the attention structure, which recognises fused_attention nodes.
+    saved=(), traits=("matmul_class",))
+def _fused_attention(t, a):
+    """softmax(q·kᵀ·scale + masks + bias)·v on [B, H, T, hd] with kv_heads key/value heads."""
+    q, k, v = t[0], t[1], t[2]
+    if q.rank != 4 or k.rank != 4 or v.rank != 4:
+        raise ShapeError("fused_attention takes q, k, v as [B, H, T, hd]")
+    if not dims.equal(q.shape[-1], k.shape[-1]) or not dims.equal(k.shape[-2], v.shape[-2]):
+        raise ShapeError(f"fused_attention: q {dims.fmt_shape(q.shape)}, k {dims.fmt_shape(k.shape)}, "
+                         f"v {dims.fmt_shape(v.shape)} do not fit")
+    if a["heads"] % a["kv_heads"] or int(k.shape[1]) != a["kv_heads"]:
+        raise ShapeError(f"fused_attention: {a['heads']} query heads over {dims.fmt(k.shape[1])} key/value heads")
+    return [TensorType(q.dtype, q.shape[:-1] + (v.shape[-1],))]

@@ -1,0 +1,174 @@
+"""Products: linear, matmul, embedding (a gather from a weight table) and the convolutions.
+
+``dense`` ops are products with weights (input 1 is the weight [out, in, ...]); the cost report
+counts them as the N·D² part, and memory keeps only their input for backward. Note that GPT-2's
+``Conv1D`` module is a linear layer with its weight stored [in, out]: specs write it as ``linear``
+(checkpoints are transposed on load), not as ``conv1d``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import sympy
+
+from tessera.compiler.ir import dims
+from tessera.compiler.ir.graph import TensorType
+from tessera.compiler.ops import common
+from tessera.compiler.ops.registry import ShapeError, free, op, product
+
+
+# ------------------------------------------------------------------ linear
+def _linear_ref(x, a, ev):
+    y = x[0] @ x[1].T
+    return y + x[2] if len(x) == 3 else y
+
+
+def _linear_lower(L):
+    wt = L.b.node("Transpose", [L.x[1]], perm=[1, 0])[0]
+    if len(L.x) == 3:
+        mm = L.b.node("MatMul", [L.x[0], wt])[0]
+        L.emit("Add", [mm, L.x[2]])
+    else:
+        L.emit("MatMul", [L.x[0], wt])
+
+
+@op("linear", reference=_linear_ref, lower=_linear_lower,
+    # y[..., out] = x[..., in] W^T: one multiply-add per output element and input feature
+    cost=product(lambda c: c.out() * c.dim(c.type(1).shape[1])),
+    saved=common.saved_weight_product, traits=("dense", "matmul_class"))
+def _linear(t, a):
+    """y = x W^T (+ b), W stored [out, in]."""
+    x, w = t[0], t[1]
+    common.need_float(x, "linear")
+    if w.rank != 2:
+        raise ShapeError(f"linear weight must be [out, in], got {dims.fmt_shape(w.shape)}")
+    if x.rank < 1 or not dims.equal(x.shape[-1], w.shape[1]):
+        raise ShapeError(f"linear expects input [..., {dims.fmt(w.shape[1])}], got {dims.fmt_shape(x.shape)}")
+    if len(t) == 3 and not dims.shapes_equal(t[2].shape, (w.shape[0],)):
+        raise ShapeError(f"linear bias must be [{dims.fmt(w.shape[0])}], got {dims.fmt_shape(t[2].shape)}")
+    return [TensorType(x.dtype, x.shape[:-1] + (w.shape[0],))]
+
+
+# ------------------------------------------------------------------ matmul
+@op("matmul", reference=lambda x, a, ev: np.matmul(x[0], x[1]), lower=lambda L: L.emit("MatMul", L.x),
+    # [..., m, k] @ [..., k, n]: one per output element and inner index
+    cost=product(lambda c: c.out() * c.dim(c.type(0).shape[-1])),
+    saved=common.saved_product, traits=("matmul_class",))
+def _matmul(t, a):
+    """Batched matrix product over the last two axes."""
+    x, y = t
+    common.same_dtype(x, y, "matmul")
+    if x.rank < 2 or y.rank < 2:
+        raise ShapeError(f"matmul needs tensors of rank >= 2, got {dims.fmt_shape(x.shape)} and {dims.fmt_shape(y.shape)}")
+    if not dims.equal(x.shape[-1], y.shape[-2]):
+        raise ShapeError(f"matmul inner dimensions differ: {dims.fmt_shape(x.shape)} @ {dims.fmt_shape(y.shape)}")
+    batch = dims.broadcast(x.shape[:-2], y.shape[:-2])
+    if batch is None:
+        raise ShapeError(f"matmul batch dimensions do not broadcast: {dims.fmt_shape(x.shape)} @ {dims.fmt_shape(y.shape)}")
+    return [TensorType(x.dtype, batch + (x.shape[-2], y.shape[-1]))]
+
+
+# ------------------------------------------------------------------ embedding
+@op("embedding", reference=lambda x, a, ev: x[1][x[0]], lower=lambda L: L.emit("Gather", [L.x[1], L.x[0]], axis=0),
+    cost=free(),          # a gather: no arithmetic
+    saved=(0,))           # the ids, to scatter the gradient into the table
+def _embedding(t, a):
+    """Rows of a [vocab, d] table (input 1) picked by integer ids (input 0)."""
+    ids, w = t
+    if ids.dtype not in ("i64", "i32"):
+        raise ShapeError(f"embedding ids must be integers, got {ids}")
+    return [TensorType(w.dtype, ids.shape + (w.shape[1],))]
+
+
+# ------------------------------------------------------------------ convolutions
+def _conv_len(what: str, size, k: int, stride: int, pad: int, exact: bool):
+    """Output length of a convolution along one axis: (size + 2·pad - k) / stride + 1, rounded
+    down as PyTorch and ONNX do (``exact`` demands no remainder, as conv2d's patches do)."""
+    span = size + 2 * pad - k
+    if dims.is_static(span):
+        if int(span) < 0:
+            raise ShapeError(f"{what}: input length {dims.fmt(size)}"
+                             f"{f' plus padding 2·{pad}' if pad else ''} is shorter than the kernel {k}")
+        if exact and int(span) % stride:
+            raise ShapeError(f"{what}: size {dims.fmt(size)} minus kernel {k} is not a multiple of stride {stride}")
+        return sympy.Integer(int(span) // stride + 1)
+    q = sympy.cancel(span / stride)
+    if not q.is_integer:
+        if exact:
+            raise ShapeError(f"{what}: size {dims.fmt(size)} minus kernel {k} is not a multiple of stride {stride}")
+        raise ShapeError(f"{what}: length {dims.fmt(size)}{f' + 2·{pad}' if pad else ''} - kernel {k} is not a "
+                         f"multiple of stride {stride} for every value of it; use a fixed length")
+    return q + 1
+
+
+def _conv_bias(what, t, w):
+    if len(t) == 3 and not dims.shapes_equal(t[2].shape, (w.shape[0],)):
+        raise ShapeError(f"{what} bias must be [{dims.fmt(w.shape[0])}], got {dims.fmt_shape(t[2].shape)}")
+
+
+def _conv2d_ref(x, a, ev):
+    x_, w = x[0], x[1]
+    k, s = w.shape[-1], a["stride"]
+    win = np.lib.stride_tricks.sliding_window_view(x_, (k, k), axis=(2, 3))[:, :, ::s, ::s]
+    y = np.einsum("bchwij,ocij->bohw", win, w, optimize=True)
+    return y + x[2][None, :, None, None] if len(x) == 3 else y
+
+
+def _conv2d_lower(L):
+    k = L.a["kernel"]
+    L.emit("Conv", L.x, kernel_shape=[k, k], strides=[L.a["stride"], L.a["stride"]])
+
+
+@op("conv2d", reference=_conv2d_ref, lower=_conv2d_lower,
+    # one per output element, input channel and kernel tap
+    cost=product(lambda c: c.out() * c.dim(c.type(1).shape[1]) * (c.attrs["kernel"] * c.attrs["kernel"])),
+    saved=common.saved_weight_product, traits=("dense", "matmul_class", "conv"))
+def _conv2d(t, a):
+    """2-D convolution without padding: x [B, C, H, W], weight [out, C, k, k] -> [B, out, H', W']."""
+    x, w = t[0], t[1]
+    if x.rank != 4:
+        raise ShapeError(f"conv2d expects [B, C, H, W], got {dims.fmt_shape(x.shape)}")
+    if not dims.equal(x.shape[1], w.shape[1]):
+        raise ShapeError(f"conv2d expects {dims.fmt(w.shape[1])} input channels, got {dims.fmt(x.shape[1])}")
+    k, s = a["kernel"], a["stride"]
+    out = [_conv_len("conv2d", d, k, s, 0, exact=True) for d in x.shape[2:]]
+    return [TensorType(x.dtype, (x.shape[0], w.shape[0], *out))]
+
+
+def _conv1d_ref(x, a, ev):
+    x_, w = x[0], x[1]
+    k, s, p = w.shape[-1], a["stride"], a["padding"]
+    if p:
+        x_ = np.pad(x_, ((0, 0), (0, 0), (p, p)))
+    win = np.lib.stride_tricks.sliding_window_view(x_, k, axis=2)[:, :, ::s]  # [B, C, L', k]
+    y = np.einsum("bclk,ock->bol", win, w, optimize=True)
+    return y + x[2][None, :, None] if len(x) == 3 else y
+
+
+def _conv1d_lower(L):
+    p = L.a["padding"]
+    L.emit("Conv", L.x, kernel_shape=[L.a["kernel"]], strides=[L.a["stride"]], pads=[p, p])
+
+
+@op("conv1d", reference=_conv1d_ref, lower=_conv1d_lower,
+    # one per output element, input channel and kernel tap
+    cost=product(lambda c: c.out() * c.dim(c.type(1).shape[1]) * c.attrs["kernel"]),
+    saved=common.saved_weight_product, traits=("dense", "matmul_class", "conv"))
+def _conv1d(t, a):
+    """1-D convolution with zero padding (Whisper's audio front end): x [B, C, L], weight [out, C, k]
+    -> [B, out, (L + 2·padding - k) // stride + 1]."""
+    x, w = t[0], t[1]
+    k, s, p = a["kernel"], a["stride"], a["padding"]
+    if x.rank != 3:
+        raise ShapeError(f"conv1d expects [B, C, L], got {dims.fmt_shape(x.shape)}")
+    if w.rank != 3 or not (dims.is_static(w.shape[2]) and int(w.shape[2]) == k):
+        raise ShapeError(f"conv1d weight must be [out, in, {k}], got {dims.fmt_shape(w.shape)}")
+    if not dims.equal(x.shape[1], w.shape[1]):
+        raise ShapeError(f"conv1d expects {dims.fmt(w.shape[1])} input channels, got {dims.fmt(x.shape[1])} "
+                         f"(input {dims.fmt_shape(x.shape)})")
+    if s < 1 or p < 0:
+        raise ShapeError(f"conv1d needs stride >= 1 and padding >= 0, got stride {s}, padding {p}")
+    common.need_float(x, "conv1d")
+    common.same_dtype(x, w, "conv1d")
+    _conv_bias("conv1d", t, w)
+    return [TensorType(x.dtype, (x.shape[0], w.shape[0], _conv_len("conv1d", x.shape[2], k, s, p, exact=False)))]
