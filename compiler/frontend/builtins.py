@@ -2,7 +2,7 @@
 
 Each builtin receives its arguments as (value, position) pairs, already
 matched to its parameter list, so an error can point at the exact argument.
-Builtins that own parameters (linear, embedding, the norms, conv2d) open a
+Builtins that own parameters (linear, embedding, the norms, conv1d, conv2d) open a
 name scope: ``linear(x, 64, name="q")`` inside ``layers.0.attn`` creates
 ``layers.0.attn.q.weight`` and ``layers.0.attn.q.bias``.
 """
@@ -167,6 +167,24 @@ def _conv2d(call, x, out, kernel, stride, bias):
     if _bool(call, bias, "bias"):
         inputs.append(call.param("bias", (n_out,), "zeros"))
     return call.emit("conv2d", inputs, {"kernel": k, "stride": _int(call, stride, "stride", 1)})
+
+
+@builtin("conv1d", ("x", R), ("out", R), ("kernel", R), ("stride", 1), ("padding", 0), ("bias", True))
+def _conv1d(call, x, out, kernel, stride, padding, bias):
+    """1-D convolution over x [B, C, L] with zero padding on both ends -> [B, out, (L + 2*padding - kernel) // stride + 1]; weight [out, C, kernel] as PyTorch's Conv1d (Whisper's audio front end: kernel=3, padding=1, then stride=2). GPT-2's "Conv1D" is a linear layer: write linear."""
+    x = _tensor(call, x)
+    if x.type.rank != 3:
+        raise call.error(f"expects [B, C, L], got {x.type}")
+    k = _int(call, kernel, "kernel", 1)
+    c = x.type.shape[1]
+    if not dims.is_static(c):
+        raise call.error(f"input channels must be a fixed size, got {x.type}")
+    n_out = _int(call, out, "out", 1)
+    attrs = {"kernel": k, "stride": _int(call, stride, "stride", 1), "padding": _int(call, padding, "padding", 0)}
+    inputs = [x, call.param("weight", (n_out, int(c), k), "normal")]
+    if _bool(call, bias, "bias"):
+        inputs.append(call.param("bias", (n_out,), "zeros"))
+    return call.emit("conv1d", inputs, attrs)
 
 
 @builtin("parameter", ("shape", R), ("init", "normal"), ("std", 0.02))
