@@ -26,7 +26,7 @@ from tessera.compiler.ir.graph import Graph, Node
 from tessera.compiler.analysis.poly import Poly, numel
 from tessera.compiler.analysis.structure import Attention, Structure, analyse, node_layer
 
-# Ops counted as multiply-adds and run at matmul peak (roofline.py reads this too).
+# Ops counted as multiply-adds and run at matmul peak (for roofline.py; this module asks the registry).
 MATMUL_OPS = ops.with_trait("matmul_class")
 
 
@@ -123,7 +123,7 @@ def node_costs(graph: Graph, st: Structure | None = None) -> tuple[list[NodeCost
         got = memo.get(key)
         if got is None:
             got = memo[key] = _node_polys(graph, n, a)
-        if n.op in MATMUL_OPS:
+        if ops.has_trait(n.op, "matmul_class"):
             kind = "head" if n.name in st.head else ("attention" if n.name in st.mixing else "dense")
         else:
             kind = "other"

@@ -84,7 +84,7 @@ def storage_roots(graph: Graph, views: set[str] = frozenset()) -> dict[str, str]
     (or by one of the nodes in `views`, treated as views)."""
     root: dict[str, str] = {}
     for n in graph.nodes.values():
-        view = (n.op in ALIAS_OPS or n.name in views) and n.inputs
+        view = (ops.has_trait(n.op, "alias") or n.name in views) and n.inputs
         for o in n.outputs:
             root[o] = root.get(n.inputs[0], n.inputs[0]) if view else o
     return root
