@@ -169,9 +169,11 @@ def _conv2d(call, x, out, kernel, stride, bias):
     return call.emit("conv2d", inputs, {"kernel": k, "stride": _int(call, stride, "stride", 1)})
 
 
-@builtin("conv1d", ("x", R), ("out", R), ("kernel", R), ("stride", 1), ("padding", 0), ("bias", True))
+@builtin("conv1d", ("x", R), ("out", R), ("kernel", R), ("stride", 1), ("padding", 0), ("bias", True),
+         doc="1-D convolution over x [B, C, L], zero-padded at both ends: weight [out, C, kernel] (PyTorch's "
+             "Conv1d), output [B, out, (L + 2*padding - kernel) // stride + 1]. Whisper's audio front end: "
+             "kernel=3, padding=1, then stride=2. (GPT-2's \"Conv1D\" is a linear layer: write linear.)")
 def _conv1d(call, x, out, kernel, stride, padding, bias):
-    """1-D convolution over x [B, C, L] with zero padding on both ends -> [B, out, (L + 2*padding - kernel) // stride + 1]; weight [out, C, kernel] as PyTorch's Conv1d (Whisper's audio front end: kernel=3, padding=1, then stride=2). GPT-2's "Conv1D" is a linear layer: write linear."""
     x = _tensor(call, x)
     if x.type.rank != 3:
         raise call.error(f"expects [B, C, L], got {x.type}")
