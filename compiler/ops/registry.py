@@ -29,8 +29,10 @@ How to add an op (say ``conv1d``)
    given; a new family module must be imported in ``ops/__init__.py``.
 2. If the language should expose it, add a builtin in ``frontend/builtins.py`` that
    checks the arguments, creates parameters and calls ``call.emit("name", ...)``.
-3. Test it (tests/test_op_registry.py checks every op has every facet and that every
-   op the builtins and passes emit is registered).
+3. Test it against an independent reference (tests/test_op_registry.py already checks
+   that every op has every facet and that every op the builtins and passes emit is
+   registered), and document it: docs/language.md for a builtin, docs/report.md's
+   cost tables for its MACs/FLOPs.
 Nothing else: the interpreter, the ONNX exporter, the cost and memory analyses and the
 structure/parameter reports dispatch through ``get(name)`` and trait queries.
 """
