@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -63,7 +64,11 @@ def build(spec: str | Path, variant: str | None = None, sets: list[str] | None =
 
 def weights_for(built: Built, weights: str | None, seed: int) -> dict[str, np.ndarray]:
     if weights:
-        return load_weights(built.graph, Path(weights), name_map_for(built.spec_path))
+        notes: list[str] = []
+        loaded = load_weights(built.graph, Path(weights), name_map_for(built.spec_path), notes)
+        for note in notes:
+            print(f"note: {note}", file=sys.stderr)
+        return loaded
     return init_weights(built.graph, seed)
 
 

@@ -14,7 +14,9 @@ one error listing the missing, unexpected and mis-shaped tensors.
 
 from __future__ import annotations
 
+import os
 import re
+import stat
 import tomllib
 import zlib
 from dataclasses import dataclass, field
@@ -62,28 +64,52 @@ class NameMap:
 
     @classmethod
     def load(cls, path: Path) -> "NameMap":
+        """Read and validate a mapping file; every problem is a WeightsError naming the key."""
         try:
-            data = tomllib.loads(path.read_text())
+            text = _read_regular(Path(path), "mapping file", limit=4 * 1024 * 1024).decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise WeightsError(f"{path}: not UTF-8 text (byte {e.start}: {e.reason})") from None
+        try:
+            data = tomllib.loads(text)
         except tomllib.TOMLDecodeError as e:
             raise WeightsError(f"{path}: not valid TOML: {e}") from None
         unknown = set(data) - {"names", "ignore"}
         if unknown:
             raise WeightsError(f"{path}: unknown section(s) {sorted(unknown)}; expected [names] and ignore = [...]")
+        names = data.get("names", {})
+        if not isinstance(names, dict):
+            raise WeightsError(f"{path}: 'names' must be a table of checkpoint name = Tessera path")
+        ignore = data.get("ignore", [])
+        if not isinstance(ignore, list) or not all(isinstance(x, str) for x in ignore):
+            raise WeightsError(f"{path}: 'ignore' must be a list of name patterns (strings)")
         m = cls(source=str(path))
-        for src, spec in data.get("names", {}).items():
+        for src, spec in names.items():
+            where = f"{path}: rule for '{src}'"
             if isinstance(spec, str):
-                m.rules.append(_Rule(_compile(src), [spec]))
+                m.rules.append(_Rule(_compile(src, where), [spec]))
             elif isinstance(spec, dict):
                 bad = set(spec) - {"split", "axis", "transpose", "to"}
                 if bad:
-                    raise WeightsError(f"{path}: rule for '{src}' has unknown key(s) {sorted(bad)}")
+                    raise WeightsError(f"{where} has unknown key(s) {sorted(bad)}; expected to, split, axis, transpose")
                 if ("split" in spec) == ("to" in spec):
-                    raise WeightsError(f"{path}: rule for '{src}' needs exactly one of 'to' or 'split'")
-                targets = spec.get("split") or [spec["to"]]
-                m.rules.append(_Rule(_compile(src), list(targets), spec.get("axis", 0) if "split" in spec else None,
-                                     bool(spec.get("transpose", False))))
+                    raise WeightsError(f"{where} needs exactly one of 'to' or 'split'")
+                split, to = spec.get("split"), spec.get("to")
+                if split is not None and (not isinstance(split, list) or len(split) < 2
+                                          or not all(isinstance(t, str) for t in split)):
+                    raise WeightsError(f"{where}: 'split' must be a list of two or more Tessera paths")
+                if to is not None and not isinstance(to, str):
+                    raise WeightsError(f"{where}: 'to' must be a Tessera path (a string)")
+                axis = spec.get("axis", 0)
+                if isinstance(axis, bool) or not isinstance(axis, int) or axis < 0:
+                    raise WeightsError(f"{where}: 'axis' must be a non-negative integer, got {axis!r}")
+                if "axis" in spec and split is None:
+                    raise WeightsError(f"{where}: 'axis' only applies to 'split'")
+                transpose = spec.get("transpose", False)
+                if not isinstance(transpose, bool):
+                    raise WeightsError(f"{where}: 'transpose' must be true or false, got {transpose!r}")
+                m.rules.append(_Rule(_compile(src, where), list(split or [to]), axis if split else None, transpose))
             else:
-                raise WeightsError(f"{path}: rule for '{src}' must be a string or a table")
+                raise WeightsError(f"{where} must be a string or a table")
         for rule in m.rules:
             captured = set(rule.pattern.groupindex)
             for target in rule.targets:
@@ -91,7 +117,7 @@ class NameMap:
                 if missing:
                     raise WeightsError(f"{path}: target '{target}' uses {{{', '.join(sorted(missing))}}}, which its "
                                        f"source pattern does not capture")
-        m.ignore = [_compile(p) for p in data.get("ignore", [])]
+        m.ignore = [_compile(x, f"{path}: ignore pattern '{x}'") for x in ignore]
         return m
 
     def apply(self, tensors: dict[str, np.ndarray], native=frozenset()) -> tuple[dict[str, np.ndarray], list[str]]:
@@ -127,37 +153,74 @@ class NameMap:
         return out, unmatched
 
 
-def _compile(pattern: str) -> re.Pattern:
+def _compile(pattern: str, where: str = "") -> re.Pattern:
     parts = re.split(r"(\{[a-z_]+\})", pattern)
+    seen = [p for p in parts if p.startswith("{")]
+    if len(seen) != len(set(seen)):
+        raise WeightsError(f"{where}: a placeholder appears twice in '{pattern}'")
     rx = "".join(f"(?P<{p[1:-1]}>\\d+)" if p.startswith("{") else re.escape(p).replace(r"\*", ".*")
                  for p in parts)
     return re.compile(rx)
 
 
+def _read_regular(path: Path, what: str, limit: int) -> bytes:
+    """The bytes of a regular file of at most ``limit`` bytes (a FIFO or device would hang)."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        raise WeightsError(f"{what} not found: {path}") from None
+    except (OSError, ValueError) as e:
+        raise WeightsError(f"cannot read {what} {path}: {getattr(e, 'strerror', None) or e}") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise WeightsError(f"{what} {path} is not a regular file")
+    if st.st_size > limit:
+        raise WeightsError(f"{what} {path} is {st.st_size:,} bytes; at most {limit:,} expected")
+    with open(path, "rb") as f:
+        return f.read(limit + 1)
+
+
 def read_safetensors(path: Path) -> dict[str, np.ndarray]:
-    """Read a .safetensors file or a folder of shards (never pickle)."""
+    """Read a .safetensors file or a folder of shards (never pickle). Only regular files are
+    opened, and a tensor name found in two shards is an error rather than last-one-wins."""
     from safetensors.numpy import load_file
 
     path = Path(path)
-    if path.is_dir():
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        raise WeightsError(f"weights file not found: {path}") from None
+    except (OSError, ValueError) as e:
+        raise WeightsError(f"cannot read weights {path}: {getattr(e, 'strerror', None) or e}") from None
+    if stat.S_ISDIR(st.st_mode):
         files = sorted(path.glob("*.safetensors"))
         if not files:
             raise WeightsError(f"no .safetensors files in {path}")
-    elif path.exists():
-        files = [path]
     else:
-        raise WeightsError(f"weights file not found: {path}")
-    tensors = {}
+        files = [path]
+    tensors: dict[str, np.ndarray] = {}
+    origin: dict[str, Path] = {}
+    duplicates = []
     for f in files:
+        if not stat.S_ISREG(os.stat(f).st_mode):
+            raise WeightsError(f"weights {f} is not a regular file")
         try:
-            tensors.update(load_file(str(f)))
+            shard = load_file(str(f))
         except Exception as e:  # safetensors raises its own error types for corrupt headers
             raise WeightsError(f"cannot read {f} as safetensors: {e}") from None
+        for name, arr in shard.items():
+            if name in tensors:
+                duplicates.append(f"{name} (in {origin[name].name} and {f.name})")
+            tensors[name], origin[name] = arr, f
+    if duplicates:
+        raise WeightsError(f"tensors found in more than one shard of {path}: " + _listing(duplicates))
     return tensors
 
 
-def load_weights(graph: Graph, path: Path, name_map: NameMap | None = None) -> dict[str, np.ndarray]:
-    """Load and check a checkpoint against the graph's parameters."""
+def load_weights(graph: Graph, path: Path, name_map: NameMap | None = None,
+                 notes: list[str] | None = None) -> dict[str, np.ndarray]:
+    """Load and check a checkpoint against the graph's parameters: names, shapes, and values
+    (integer or bool tensors for float parameters, NaN or infinity, are errors; f64 is cast,
+    with a line appended to ``notes``)."""
     tensors = read_safetensors(path)
     unexpected: list[str] = []
     if name_map is not None and not set(tensors) <= set(graph.params):
@@ -180,6 +243,15 @@ def load_weights(graph: Graph, path: Path, name_map: NameMap | None = None) -> d
         if len(misshaped) > 20:
             lines.append(f"  ... and {len(misshaped) - 20} more mis-shaped")
         raise WeightsError("\n".join(lines))
+    bad_dtype = [f"{p} is {tensors[p].dtype}" for p in graph.params if tensors[p].dtype.kind not in "f"]
+    if bad_dtype:
+        raise WeightsError(f"weights in {path}: float parameters given non-float tensors: " + _listing(bad_dtype))
+    not_finite = [p for p in graph.params if not np.isfinite(tensors[p]).all()]
+    if not_finite:
+        raise WeightsError(f"weights in {path}: tensors holding NaN or infinity: " + _listing(not_finite))
+    wide = [p for p in graph.params if tensors[p].dtype == np.float64]
+    if wide and notes is not None:
+        notes.append(f"{len(wide)} f64 tensor(s) in {path} cast to the model's precision: " + _listing(wide))
     out = {}
     for p, param in graph.params.items():
         want = DTYPES[param.dtype] or np.float32

@@ -49,26 +49,51 @@ class SpecError(Exception):
 
     def render(self) -> str:
         if self.pos is None:
-            head = f"error: {self.message}"
-            return "\n".join([head, *(f"note: {n}" for n in self.notes)])
-        lines = [f"{self.pos}: error: {self.message}"]
+            head = f"error: {printable(self.message)}"
+            return "\n".join([head, *(f"note: {printable(n)}" for n in self.notes)])
+        lines = [f"{printable(str(self.pos))}: error: {printable(self.message)}"]
         source = _SOURCES.get(self.pos.file)
         if source is not None:
             src_lines = source.splitlines()
             if 1 <= self.pos.line <= len(src_lines):
                 text = src_lines[self.pos.line - 1].expandtabs(1)
-                gutter = f"{self.pos.line:>5} | "
-                lines.append(gutter + text)
                 width = 1
                 if self.pos.end_line == self.pos.line and self.pos.end_col:
                     width = max(1, self.pos.end_col - self.pos.col)
                 width = min(width, max(1, len(text) - self.pos.col + 1))
-                lines.append(" " * (len(gutter) - 2) + "| " + " " * (self.pos.col - 1) + "^" * width)
-        lines.extend(f"note: {n}" for n in self.notes)
+                shown, col, width = _window(text, self.pos.col, width)
+                gutter = f"{self.pos.line:>5} | "
+                lines.append(gutter + shown)
+                lines.append(" " * (len(gutter) - 2) + "| " + " " * (col - 1) + "^" * width)
+        lines.extend(f"note: {printable(n)}" for n in self.notes)
         return "\n".join(lines)
 
     def __str__(self) -> str:  # pragma: no cover - convenience
         return self.render()
+
+
+# Quoted source lines are cut to this many characters around the caret.
+MAX_SHOWN = 100
+
+
+def printable(text: str) -> str:
+    """``text`` with control characters escaped, so a spec cannot send escape sequences to the
+    terminal through an error message."""
+    return "".join(ch if ch.isprintable() or ch in "\n\t" else repr(ch)[1:-1] for ch in text)
+
+
+def _window(text: str, col: int, width: int) -> tuple[str, int, int]:
+    """The part of a source line to quote: control characters shown as U+FFFD (one column each, so
+    the caret stays aligned), and at most MAX_SHOWN characters around ``col``."""
+    text = "".join(ch if ch.isprintable() else "\ufffd" for ch in text)
+    width = min(width, MAX_SHOWN // 2)
+    if len(text) <= MAX_SHOWN:
+        return text, col, width
+    start = max(0, min(col - 1 - MAX_SHOWN // 4, len(text) - MAX_SHOWN))
+    shown = text[start:start + MAX_SHOWN]
+    prefix = "..." if start > 0 else ""
+    suffix = "..." if start + MAX_SHOWN < len(text) else ""
+    return prefix + shown + suffix, col - start + len(prefix), width
 
 
 def did_you_mean(name: str, candidates: Iterable[str]) -> str:

@@ -8,6 +8,8 @@ own blocks may shadow it.
 
 from __future__ import annotations
 
+import os
+import stat
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -38,13 +40,45 @@ def _stdlib_files() -> list[tuple[str, str]]:
     return out
 
 
+# A spec is a page or two of text; a bigger file is a mistake (and slow to parse).
+MAX_SPEC_BYTES = 1024 * 1024
+
+
+def read_spec_text(path: Path, display: str, pos=None, need_suffix: bool = False) -> str:
+    """The text of a spec file, refusing anything that is not a regular UTF-8 file of at most
+    MAX_SPEC_BYTES (a FIFO or device would hang or never end), before reading any of it, so
+    nothing of another file's contents is ever echoed back."""
+    if need_suffix and not str(path).endswith(".tsr"):
+        raise SpecError(f"'use' takes spec files ending in .tsr, not '{display}'", pos)
+    try:
+        st = os.stat(path)
+    except ValueError:  # a NUL byte in the name
+        raise SpecError(f"invalid file name {display!r}", pos) from None
+    except FileNotFoundError:
+        raise SpecError(f"spec file not found: {display}", pos) from None
+    except OSError as e:
+        raise SpecError(f"cannot read {display}: {e.strerror}", pos) from None
+    if not stat.S_ISREG(st.st_mode):
+        kind = "a folder" if stat.S_ISDIR(st.st_mode) else "not a regular file"
+        raise SpecError(f"spec path {display} is {kind}", pos)
+    if st.st_size > MAX_SPEC_BYTES:
+        raise SpecError(f"{display} is {st.st_size:,} bytes; spec files are at most {MAX_SPEC_BYTES:,}", pos)
+    try:
+        with open(path, "rb") as f:
+            data = f.read(MAX_SPEC_BYTES + 1)
+    except OSError as e:
+        raise SpecError(f"cannot read {display}: {e.strerror}", pos) from None
+    if len(data) > MAX_SPEC_BYTES:
+        raise SpecError(f"{display} is over {MAX_SPEC_BYTES:,} bytes; spec files are at most that", pos)
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise SpecError(f"{display} is not UTF-8 text (byte {e.start}: {e.reason})", pos) from None
+
+
 def load_program(path: str | Path) -> Program:
     """Parse ``path`` and its uses into a Program. Raises SpecError."""
     path = Path(path)
-    if not path.exists():
-        raise SpecError(f"spec file not found: {path}")
-    if not path.is_file():
-        raise SpecError(f"spec path is not a file: {path}")
     display = str(path)
     prog = Program(display)
     for name, text in _stdlib_files():
@@ -53,34 +87,39 @@ def load_program(path: str | Path) -> Program:
             prog.blocks[b.name] = b
     stdlib_names = set(prog.blocks)
     seen_files: dict[Path, str] = {}
-    main = _load_file(path.resolve(), display, prog, stdlib_names, [], seen_files)
+    text = read_spec_text(path, display)
+    main = _load_file(path.resolve(), display, prog, stdlib_names, [], seen_files, text)
     if main.models:
         prog.main_model = main.models[0]
     return prog
 
 
 def _load_file(real: Path, display: str, prog: Program, stdlib: set[str],
-               stack: list[Path], seen: dict[Path, str]) -> ast.SpecFile:
-    try:
-        text = real.read_text(encoding="utf-8")
-    except UnicodeDecodeError as e:
-        raise SpecError(f"{display} is not UTF-8 text (byte {e.start}: {e.reason})") from None
-    except OSError as e:
-        raise SpecError(f"cannot read {display}: {e.strerror}") from None
+               stack: list[Path], seen: dict[Path, str], text: str) -> ast.SpecFile:
     spec = parse_text(text, display)
     stack = stack + [real]
     for use in spec.uses:
-        target = (real.parent / use.path).resolve()
+        shown = str(Path(display).parent / use.path)
+        if "\0" in use.path:
+            raise SpecError(f"invalid file name {use.path!r}", use.pos)
+        try:
+            target = (real.parent / use.path).resolve()
+        except (OSError, RuntimeError) as e:  # a symlink loop, a name too long
+            raise SpecError(f"cannot read '{use.path[:60]}': {getattr(e, 'strerror', None) or e}", use.pos) from None
         if target in stack:
             chain = " -> ".join(p.name for p in stack[stack.index(target):] + [target])
             raise SpecError(f"cyclic use: {chain}", use.pos)
-        if not target.exists():
-            raise SpecError(f"used file not found: '{use.path}' (looked in {real.parent})", use.pos)
         if target in seen:
             continue
+        try:
+            exists = target.exists()
+        except OSError as e:
+            raise SpecError(f"cannot read '{use.path}': {e.strerror}", use.pos) from None
+        if not exists and str(target).endswith(".tsr"):
+            raise SpecError(f"used file not found: '{use.path}' (looked in {real.parent})", use.pos)
+        used_text = read_spec_text(target, shown, use.pos, need_suffix=True)
         seen[target] = use.path
-        shown = str(Path(display).parent / use.path)
-        _load_file(target, shown, prog, stdlib, stack, seen)
+        _load_file(target, shown, prog, stdlib, stack, seen, used_text)
     if len(spec.models) > 1:
         raise SpecError(f"a spec file holds one model; '{spec.models[1].name}' is a second "
                         f"(write it as a variant or in its own file)", spec.models[1].pos)

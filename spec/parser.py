@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import ast as pyast
+import math
 from functools import lru_cache
 from importlib import resources
 
-from lark import Lark, Token, Transformer, v_args
+from lark import Lark, Token, Transformer, Tree, v_args
 from lark.exceptions import UnexpectedCharacters, UnexpectedEOF, UnexpectedInput, UnexpectedToken, VisitError
 
 from . import ast
@@ -45,6 +46,12 @@ def _expected(names: set[str]) -> str:
     return ", ".join(words)
 
 
+# Deeper parse trees are refused: the AST builder and the elaborator recurse once per level.
+MAX_NESTING = 200
+# Integer literals are sizes and counts; longer ones are typos (and Python refuses 4,300+ digits).
+MAX_INT_DIGITS = 19
+
+
 def parse_text(text: str, filename: str = "<spec>") -> ast.SpecFile:
     """Parse one spec file's text. Raises SpecError with the position of any syntax error."""
     register_source(filename, text)
@@ -52,12 +59,27 @@ def parse_text(text: str, filename: str = "<spec>") -> ast.SpecFile:
         tree = _lark().parse(text)
     except UnexpectedInput as e:
         raise _syntax_error(e, filename) from None
+    _check_nesting(tree, filename)
     try:
         return _ToAst(filename).transform(tree)
     except VisitError as e:  # a SpecError raised while building the AST (e.g. an argument given twice)
         if isinstance(e.orig_exc, SpecError):
             raise e.orig_exc from None
         raise
+
+
+def _check_nesting(tree: Tree, filename: str) -> None:
+    """Refuse trees deeper than MAX_NESTING (walked with an explicit stack, so this check itself
+    cannot overflow Python's recursion limit) at the position where the limit is crossed."""
+    stack = [(tree, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if depth > MAX_NESTING:
+            meta = node.meta
+            pos = Pos(filename, meta.line, meta.column) if not getattr(meta, "empty", True) else Pos(filename, 1, 1)
+            raise SpecError(f"nesting too deep (limit {MAX_NESTING} levels): split the expression with 'let' "
+                            f"or intermediate assignments", pos)
+        stack.extend((c, depth + 1) for c in node.children if isinstance(c, Tree))
 
 
 def _syntax_error(e: UnexpectedInput, filename: str) -> SpecError:
@@ -108,7 +130,7 @@ class _ToAst(Transformer):
         return ast.SpecFile(self.file, uses, blocks, models, variants)
 
     def use_item(self, meta, c):
-        return ast.Use(_unquote(c[0]), self._pos(meta))
+        return ast.Use(_unquote(c[0], self._tok(c[0])), self._pos(meta))
 
     def block_def(self, meta, c):
         name, params, result, body = c
@@ -155,7 +177,7 @@ class _ToAst(Transformer):
 
     def assert_stmt(self, meta, c):
         cond, msg = c
-        return ast.Assert(cond.pos, cond, _unquote(msg) if msg is not None else None)
+        return ast.Assert(cond.pos, cond, _unquote(msg, self._tok(msg)) if msg is not None else None)
 
     def in_stmt(self, meta, c):
         return ast.InDecl(self._tok(c[0]), str(c[0]), c[1])
@@ -234,11 +256,20 @@ class _ToAst(Transformer):
 
     def number(self, meta, c):
         text = str(c[0])
-        value = float(text) if any(ch in text for ch in ".eE") else int(text)
-        return ast.Number(self._tok(c[0]), value)
+        pos = self._tok(c[0])
+        if any(ch in text for ch in ".eE"):
+            value = float(text)
+            if not math.isfinite(value):
+                raise SpecError(f"number {_clip(text)} is too large for a float", pos)
+        else:
+            if len(text.lstrip("0")) > MAX_INT_DIGITS:
+                raise SpecError(f"integer {_clip(text)} is too large ({len(text)} digits; at most "
+                                f"{MAX_INT_DIGITS})", pos)
+            value = int(text)
+        return ast.Number(pos, value)
 
     def string(self, meta, c):
-        return ast.String(self._tok(c[0]), _unquote(c[0]))
+        return ast.String(self._tok(c[0]), _unquote(c[0], self._tok(c[0])))
 
     def true(self, meta, c):
         return ast.Bool(self._pos(meta), True)
@@ -256,5 +287,14 @@ class _ToAst(Transformer):
         return ast.ListLit(self._pos(meta), tuple(x for x in c if x is not None))
 
 
-def _unquote(tok) -> str:
-    return pyast.literal_eval(str(tok))
+def _unquote(tok, pos: Pos) -> str:
+    """A string literal's value, with Python's escapes; a bad escape is a positioned error."""
+    try:
+        return pyast.literal_eval(str(tok))
+    except (SyntaxError, ValueError) as e:
+        reason = (getattr(e, "msg", None) or str(e)).removeprefix("(unicode error) ")
+        raise SpecError(f"bad string literal: {reason.split(' (')[0]}", pos) from None
+
+
+def _clip(text: str, n: int = 24) -> str:
+    return text if len(text) <= n else f"{text[:n]}..."

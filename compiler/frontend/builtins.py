@@ -94,7 +94,15 @@ def _scalar_math(fn, tensor_op):
             return call.emit(tensor_op, [value])
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise call.error(f"expected a number or tensor, got {describe(value)}", pos)
-        return fn(value)
+        try:
+            result = fn(value)
+        except OverflowError:
+            raise call.error(f"the result for {value} is too large for a float", pos) from None
+        except ValueError:  # math domain error: sqrt(-1), log(0)
+            raise call.error(f"undefined for {value} (outside the function's domain)", pos) from None
+        if isinstance(result, float) and not math.isfinite(result):
+            raise call.error(f"the result for {value} is not a finite number", pos)
+        return result
     return impl
 
 

@@ -9,6 +9,8 @@ the spec. Every error is a SpecError at the position that caused it.
 
 from __future__ import annotations
 
+import math
+import operator
 import re
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -25,6 +27,10 @@ from tessera.compiler.ops import rules as ops
 from tessera.compiler.frontend.builtins import BUILTINS
 from tessera.compiler.ir.graph import DTYPES, Graph, Param, SymbolSource, TensorType
 from tessera.compiler.frontend.values import REQUIRED, BlockRef, Builtin, Tensor, describe
+
+# Budgets that turn a runaway spec (a typo'd layer count, a huge power) into an error at once.
+NODE_BUDGET = 1_000_000  # IR nodes; GPT-3 175B elaborates to about 4,000
+INT_BITS = 63            # compile-time integers are sizes and counts: they fit an int64
 
 _UNSET = _UNSET_ARG = object()
 _SCALAR_TYPES = {"int": int, "float": float, "bool": bool, "str": str, "block": BlockRef}
@@ -79,6 +85,8 @@ class Elaborator:
         self.graph: Graph | None = None
         self.scope: list[str] = []
         self.call_stack: list[Pos] = []  # positions of the block calls being elaborated
+        self.block_stack: list[str] = []  # names of the blocks being elaborated, to refuse recursion
+        self.node_budget = NODE_BUDGET
         self._used: dict[str, set[str]] = {}
         self.globals = Env()
         for name, b in BUILTINS.items():
@@ -246,15 +254,23 @@ class Elaborator:
         count = self.eval(s.count, env)
         if not isinstance(count, int) or isinstance(count, bool) or count < 0:
             raise SpecError(f"repeat needs a non-negative int count, got {describe(count)}", s.count.pos)
+        if count > self.node_budget:
+            raise SpecError(f"repeat {count:,} times is past the elaboration budget of {self.node_budget:,} "
+                            f"IR nodes", s.count.pos)
         segment = s.count.id if isinstance(s.count, ast.Name) else "repeat"
         segment = self._claim(segment, None, s.pos)
         outer_lets = env.lets_this_iteration
         for i in range(count):
             env.vars[s.var] = i
             env.lets_this_iteration = set()
+            before = len(self.graph.nodes)
             with self._scoped(segment, str(i)):
                 self.exec_body(s.body, env, in_model)
             env.loop_lets |= env.lets_this_iteration
+            projected = len(self.graph.nodes) + (len(self.graph.nodes) - before) * (count - 1 - i)
+            if projected > self.node_budget:  # refuse now rather than after unrolling every iteration
+                raise SpecError(f"repeat {count:,} times would make about {projected:,} IR nodes, past the "
+                                f"elaboration budget of {self.node_budget:,}", s.count.pos)
         env.lets_this_iteration = outer_lets | env.loop_lets
 
     def _declare_input(self, s: ast.InDecl, env: Env) -> None:
@@ -378,19 +394,13 @@ class Elaborator:
             if isinstance(r, (bool, sympy.logic.boolalg.BooleanAtom)):
                 return bool(r)
             raise SpecError(f"cannot decide {a} {op} {b}: it depends on symbolic dimensions", pos)
-        if op == "+":
-            return a + b
-        if op == "-":
-            return a - b
-        if op == "*":
-            return a * b
-        if op == "**":
-            return a ** b
+        if op in ("+", "-", "*", "**"):
+            return _checked(op, a, b, pos)
         if op in ("/", "//", "%") and _is_zero(b):
             raise SpecError(f"division by zero: {a} {op} {b}", pos)
         if op == "/":
             if isinstance(a, float) or isinstance(b, float):
-                return a / b
+                return _checked(op, a, b, pos)
             if isinstance(a, int) and isinstance(b, int):
                 if a % b:
                     raise SpecError(f"inexact division: {a} / {b} leaves remainder {a % b} "
@@ -474,6 +484,10 @@ class Elaborator:
         return fn.fn(call, **values)
 
     def call_block(self, block: ast.BlockDef, args, kwargs, pos: Pos, explicit_name, called_as):
+        if block.name in self.block_stack:
+            chain = " -> ".join(self.block_stack[self.block_stack.index(block.name):] + [block.name])
+            raise SpecError(f"block {block.name} calls itself ({chain}): blocks cannot be recursive; "
+                            f"use 'repeat' to stack layers", pos)
         params = [(p.name, REQUIRED if p.default is None else p.default) for p in block.params]
         what = f"block {block.name}"
         bound = self._bind_args(what, params, args, kwargs, pos)
@@ -496,6 +510,7 @@ class Elaborator:
         with self._scoped(segment):
             self.graph.block_scopes[".".join(self.scope)] = block.name
             self.call_stack.append(pos)
+            self.block_stack.append(block.name)
             try:
                 self.exec_body(block.body, env)
             except _Return as r:
@@ -507,6 +522,7 @@ class Elaborator:
                 raise SpecError(f"block {block.name} ends without 'return'", block.pos)
             finally:
                 self.call_stack.pop()
+                self.block_stack.pop()
         if block.result is not None:
             if isinstance(block.result, ast.TensorType):
                 if not isinstance(result, Tensor):
@@ -565,6 +581,9 @@ class Elaborator:
 
     def emit(self, op: str, inputs: list[Tensor], attrs: dict, pos: Pos, n_out: int = 1,
              name: str | None = None):
+        if len(self.graph.nodes) >= self.node_budget:
+            raise SpecError(f"the model needs more than {self.node_budget:,} IR nodes (the elaboration budget); "
+                            f"check the layer counts and 'repeat' counts", pos)
         types = [t.type for t in inputs]
         try:
             out_types = ops.infer(op, types, attrs)
@@ -665,6 +684,28 @@ class BuiltinCall:
             raise SpecError(f"no parameter '{path}'{did_you_mean(path, g.params)}", pos)
         v = g.values[path]
         return Tensor(v.name, v.type)
+
+
+def _checked(op: str, a, b, pos: Pos):
+    """Compile-time arithmetic that fails with a positioned error instead of hanging on a huge
+    integer power or raising Python's ZeroDivisionError / OverflowError."""
+    if op == "**" and isinstance(a, int) and isinstance(b, int) and b > 0 and abs(a) > 1 \
+            and b * math.log2(abs(a)) > INT_BITS:
+        raise SpecError(f"{a} ** {b} is too large: compile-time integers stay below 2**{INT_BITS}", pos)
+    try:
+        r = {"+": operator.add, "-": operator.sub, "*": operator.mul, "/": operator.truediv,
+             "**": operator.pow}[op](a, b)
+    except OverflowError:
+        raise SpecError(f"{a} {op} {b} overflows (the result is too large for a float)", pos) from None
+    except (ArithmeticError, ValueError) as e:
+        raise SpecError(f"compile-time arithmetic failed: {a} {op} {b} ({e})", pos) from None
+    if isinstance(r, complex):
+        raise SpecError(f"{a} {op} {b} is not a real number", pos)
+    if isinstance(r, float) and not math.isfinite(r):
+        raise SpecError(f"{a} {op} {b} overflows (the result is not a finite number)", pos)
+    if isinstance(r, int) and r.bit_length() > INT_BITS:
+        raise SpecError(f"{a} {op} {b} is too large: compile-time integers stay below 2**{INT_BITS}", pos)
+    return r
 
 
 def _bound(env: Env, name: str) -> bool:
