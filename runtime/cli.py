@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -22,6 +24,7 @@ from tessera.compiler.passes.pipeline import ATTENTION_CHOICES
 
 from . import pipeline, report
 from .weights import WeightsError
+from tessera.compiler.backends.onnx.export import OutputError
 
 EPILOG = """examples:
   tessera report models/gpt2.tsr --variant small
@@ -112,13 +115,30 @@ def make_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class _Terminated(BaseException):
+    """SIGTERM, raised where the program is so that cleanup (temporary output files) runs."""
+
+
+def _on_sigterm(signum, frame):
+    raise _Terminated()
+
+
 def main(argv: list[str] | None = None) -> int:
     args = make_parser().parse_args(argv)
+    previous = signal.getsignal(signal.SIGTERM)
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _on_sigterm)
     try:
         return {"compile": cmd_compile, "run": cmd_run, "report": report.cmd_report, "ir": cmd_ir}[args.command](args)
+    except KeyboardInterrupt:
+        print("interrupted; no output was changed", file=sys.stderr)
+        return 130
+    except _Terminated:
+        print("terminated; no output was changed", file=sys.stderr)
+        return 143
     except SpecError as e:
         print(e.render(), file=sys.stderr)
-    except (pipeline.UsageError, WeightsError, InputError) as e:
+    except (pipeline.UsageError, WeightsError, InputError, OutputError) as e:
         print(f"error: {e}", file=sys.stderr)
     except BrokenPipeError:  # output piped into head and closed early
         sys.stderr.close()
@@ -130,6 +150,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {e}", file=sys.stderr)
         else:
             raise
+    finally:
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, previous)
     return 2
 
 

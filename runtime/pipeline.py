@@ -101,10 +101,7 @@ def export(built: Built, weights: dict[str, np.ndarray], out: str | Path, check:
     meta = {"tessera.model": built.info.model, "tessera.variant": built.info.variant or "",
             "tessera.hyperparams": {k: _jsonable(v) for k, v in built.info.hyperparams.items()}}
     model = onnx_export.to_onnx(built.graph, weights, meta)
-    files = onnx_export.save(model, out)
-    if check:
-        onnx_export.check(out)
-    return files
+    return onnx_export.save(model, out, verify=onnx_export.check if check else None)
 
 
 def _jsonable(v):

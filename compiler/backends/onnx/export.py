@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -219,20 +221,79 @@ def to_onnx(graph: Graph, weights: dict[str, np.ndarray], metadata: dict | None 
     return model
 
 
-def save(model: onnx.ModelProto, path: str | Path) -> list[Path]:
-    """Write the model (with external data past 2 GiB); returns the files written."""
+class OutputError(Exception):
+    """The output path cannot be written; nothing at that path was changed."""
+
+
+def save(model: onnx.ModelProto, path: str | Path, verify=None) -> list[Path]:
+    """Write the model (with external data past 2 GiB) atomically; returns the files written.
+
+    Everything is written into a hidden folder beside the target, fsynced, checked by
+    ``verify(tmp_model_path)`` if given, and only then renamed into place: the data file first,
+    then the model. A failure, Ctrl-C or SIGTERM before that leaves any previous output as it was
+    and removes the partial files; a symlink at ``path`` is replaced, its target never written.
+    A stale ``.data`` file from an earlier, larger export is removed once the new model is in place."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    if not path.name or path.name in (".", ".."):
+        raise OutputError(f"output path {str(path)!r} names no file")
+    try:
+        _check_target(path)
+    except OSError as e:  # a name too long, a folder we may not look into
+        raise OutputError(f"cannot write {path}: {e.strerror or e}") from None
     data_path = path.with_name(path.name + ".data")
-    if data_path.exists():
-        data_path.unlink()
-    size = sum(t.ByteSize() for t in model.graph.initializer)
-    if size > EXTERNAL_DATA_THRESHOLD:
-        onnx.save_model(model, os.fspath(path), save_as_external_data=True, all_tensors_to_one_file=True,
-                        location=data_path.name, size_threshold=1024)
-        return [path, data_path]
-    onnx.save_model(model, os.fspath(path))
-    return [path]
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{path.name[:64]}.", suffix=".tmp", dir=path.parent))
+    except OSError as e:
+        raise OutputError(f"cannot write {path}: {e.strerror or e}") from None
+    try:
+        tmp_model, tmp_data = tmp / path.name, tmp / data_path.name
+        external = sum(t.ByteSize() for t in model.graph.initializer) > EXTERNAL_DATA_THRESHOLD
+        try:
+            if external:
+                onnx.save_model(model, os.fspath(tmp_model), save_as_external_data=True,
+                                all_tensors_to_one_file=True, location=data_path.name, size_threshold=1024)
+            else:
+                onnx.save_model(model, os.fspath(tmp_model))
+            for f in (tmp_model, tmp_data) if external else (tmp_model,):
+                with open(f, "rb+") as handle:
+                    os.fsync(handle.fileno())
+        except OSError as e:
+            raise OutputError(f"cannot write {path}: {e.strerror or e}") from None
+        if verify is not None:
+            verify(tmp_model)
+        if external:
+            os.replace(tmp_data, data_path)
+        os.replace(tmp_model, path)
+        if not external and data_path.is_file():
+            data_path.unlink()  # belonged to the model just replaced
+        _fsync_dir(path.parent)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return [path, data_path] if external else [path]
+
+
+def _check_target(path: Path) -> None:
+    if path.is_dir():
+        raise OutputError(f"output path {path} is a folder; give a file name such as {path / 'model.onnx'}")
+    if path.exists() and not path.is_file():  # a device, FIFO or socket is never replaced
+        raise OutputError(f"output path {path} exists and is not a regular file")
+    existing = next((a for a in path.parents if a.exists()), None)
+    if existing is not None and not existing.is_dir():
+        raise OutputError(f"cannot write {path}: {existing} is a file, not a folder")
+
+
+def _fsync_dir(folder: Path) -> None:
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
 
 
 def check(path: str | Path) -> None:
