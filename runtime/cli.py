@@ -51,16 +51,17 @@ def _model_args(p: argparse.ArgumentParser, spec_help: str, metavar: str = "SPEC
                    help="override a hyperparameter (repeatable), checked like the spec's own values")
 
 
-def _optimise_args(p: argparse.ArgumentParser) -> None:
+def _optimize_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", choices=["cpu", "cuda"], default="cpu",
                    help="where the model will run: picks the attention kernels and tile sizes (default cpu)")
     p.add_argument("--attention", choices=list(ATTENTION_CHOICES), default="auto",
                    help="attention lowering: auto picks a tiled kernel per site and target; gqa/mha force "
                         "onnxruntime's contrib kernels, portable Tessera's tiled Loop kernel, unfused the "
                         "primitive graph (default auto)")
-    p.add_argument("--dtype", choices=["fp32", "fp16", "bf16"], default="fp32",
+    p.add_argument("--dtype", type=report.dtype_arg, choices=report.DTYPES, default="fp32",
                    help="precision of weights and computation (the model's inputs and outputs stay fp32); "
-                        "also picks the attention kernels (default fp32; bf16 is not exported yet)")
+                        "also picks the attention kernels; the spec spellings f32 and f16 are accepted too "
+                        "(default fp32; bf16 is not exported yet)")
     p.add_argument("--no-fuse", action="store_true", help="do not fuse attention (same as --attention unfused)")
     p.add_argument("--explain", action="store_true",
                    help="list every attention site: fused or not and why, and the kernel chosen")
@@ -85,7 +86,7 @@ def make_parser() -> argparse.ArgumentParser:
                                    "ONNX (opset 21, IR version 10) with batch and sequence as dynamic dims.")
     _model_args(c, f"a spec file (.tsr) or a bundled spec's name ({_bundled()})")
     _weights_args(c)
-    _optimise_args(c)
+    _optimize_args(c)
     c.add_argument("-o", "--output", required=True, metavar="OUT.onnx", help="where to write the model")
     c.add_argument("--no-check", action="store_true", help="skip onnx.checker's full check of the result")
 
@@ -93,7 +94,7 @@ def make_parser() -> argparse.ArgumentParser:
                        description="Run a .tsr spec (compiled on the fly) or an .onnx file and print its outputs.")
     _model_args(r, f"a .tsr spec, a bundled spec's name ({_bundled()}) or a compiled .onnx file", "MODEL")
     _weights_args(r)
-    _optimise_args(r)
+    _optimize_args(r)
     r.add_argument("--input", "-i", dest="inputs", action="append", default=[], metavar="NAME=VALUE",
                    help="an input: a JSON array (e.g. 'tokens=[[1,2,3]]') or a .npy file (repeatable)")
     r.add_argument("--tokenizer", metavar="tokenizer.json",
@@ -148,7 +149,7 @@ def cmd_compile(args) -> int:
     t0 = time.perf_counter()
     built = pipeline.build(args.spec, args.variant, args.sets)
     weights = pipeline.weights_for(built, args.weights, args.seed)
-    pipeline.optimise(built, args)
+    pipeline.optimize(built, args)
     files = pipeline.export(built, weights, args.output, check=not args.no_check)
     size = sum(f.stat().st_size for f in files)
     print(f"wrote {', '.join(map(str, files))}: {built.graph.name}"
@@ -177,7 +178,7 @@ def cmd_run(args) -> int:
         from tessera.compiler.backends.onnx import export as onnx_export
 
         weights = pipeline.weights_for(built, args.weights, args.seed)
-        pipeline.optimise(built, args)
+        pipeline.optimize(built, args)
         source = onnx_export.to_onnx(built.graph, weights).SerializeToString()
     feeds = parse_inputs(args.inputs, specs)
     text_mask = _add_text_and_image_inputs(args, specs, feeds)

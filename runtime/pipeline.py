@@ -88,9 +88,9 @@ def weights_for(built: Built, weights: str | None, seed: int) -> dict[str, np.nd
     return init_weights(built.graph, seed)
 
 
-def optimise(built: Built, args) -> None:
+def optimize(built: Built, args) -> None:
     """Fuse attention and choose kernels as the command-line flags say; print --explain's listing."""
-    from tessera.compiler.passes.pipeline import explain, optimize
+    from tessera.compiler.passes.pipeline import explain, optimize as optimize_graph
     from tessera.compiler.passes import PassError
     from tessera.compiler.passes.attention_kernels import Target
 
@@ -99,7 +99,7 @@ def optimise(built: Built, args) -> None:
         raise UsageError(f"--no-fuse contradicts --attention {args.attention}")
     dtype = getattr(args, "dtype", "fp32")
     try:
-        sites = optimize(built.graph, Target(getattr(args, "target", "cpu"), dtype), attention)
+        sites = optimize_graph(built.graph, Target(getattr(args, "target", "cpu"), dtype), attention)
         if dtype != "fp32":
             from tessera.compiler.passes.precision import LowerPrecision
 
@@ -129,4 +129,4 @@ def _jsonable(v):
     return v
 
 
-__all__ = ["Built", "resolve_spec", "build", "weights_for", "export", "parse_set", "UsageError", "SpecError"]
+__all__ = ["Built", "resolve_spec", "build", "weights_for", "optimize", "export", "parse_set", "UsageError"]

@@ -95,3 +95,22 @@ def test_help_says_a_bundled_name_is_accepted(capsys, command):
     assert "bundled spec" in text
     for name in bundled_names():
         assert name in text, (command, name)
+
+
+# ---------------------------------------------------------------- --dtype spellings
+@pytest.mark.parametrize("spec_spelling,cli_spelling", [("f16", "fp16"), ("f32", "fp32")])
+def test_dtype_accepts_the_spec_spelling(capsys, tmp_path, spec_spelling, cli_spelling):
+    """The language spells element types f16/f32, --dtype fp16/fp32: both mean the same."""
+    outs = []
+    for dtype in (spec_spelling, cli_spelling):
+        rc, out, err = cli(capsys, "report", "gpt2", *TINY, "--seq", "8", "--dtype", dtype, "--format", "json")
+        assert rc == 0, err
+        outs.append(out)
+    assert outs[0] == outs[1]
+    files = []
+    for dtype in (spec_spelling, cli_spelling):
+        out = tmp_path / f"{dtype}.onnx"
+        rc, _, err = cli(capsys, "compile", "gpt2", *TINY, "--dtype", dtype, "-o", out)
+        assert rc == 0, err
+        files.append(out.read_bytes())
+    assert files[0] == files[1]
