@@ -1,6 +1,6 @@
 """The ``tessera report`` command: the static cost report of a spec, rendered.
 
-The numbers come from compiler/costreport.py (symbolic, from the graph alone);
+The numbers come from compiler/analysis/costreport.py (symbolic, from the graph alone);
 this module only reads the command line, picks the device and chooses a format
 (runtime/report_format.py, runtime/report_plot.py).
 """
