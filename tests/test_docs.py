@@ -259,3 +259,74 @@ def test_language_reference_block(block, workdir, monkeypatch):
     elif same is None:
         pytest.fail(f"docs/language.md:{block.line}: a block that is neither checked nor marked "
                     f"'<!-- not checked: REASON -->'")
+
+
+# ---------------------------------------------------------------- every documented command line
+# cli.md defines $TINY in its prose; other shell variables are set in the blocks themselves ($ G="...").
+SHELL_VARS = {"TINY": "--set layers=2 --set d=64 --set heads=4 --set vocab=1000 --set ctx=128"}
+COMMAND_DOCS = sorted(p for p in (ROOT / "docs").rglob("*.md") if p.name != "architecture.md") + [ROOT / "README.md"]
+
+
+def documented_commands() -> list[tuple[str, str, str]]:
+    """(where, command, what the document shows next) for every ``tessera`` command in a fenced
+    block of the docs and the README (``&&`` chains split, pipes and ``;`` tails cut, shell
+    variables expanded). Synopses (``SPEC``, ``[--variant V]``) are left out."""
+    found = []
+    for path in COMMAND_DOCS:
+        blocks = parse_blocks(path.read_text(encoding="utf-8"))
+        variables = dict(SHELL_VARS)
+        for block in blocks:  # NAME="..." sets a value; NAME=$(...) a path computed at run time
+            for line in block.text.splitlines():
+                m = re.fullmatch(r'([A-Z_]+)=(".*"|\$\(.*\)|\S+)', line.strip().removeprefix("$ "))
+                if m:
+                    value = m.group(2)
+                    variables[m.group(1)] = value[1:-1] if value.startswith('"') else f"/{m.group(1).lower()}"
+        for block in blocks:
+            lines = block.text.splitlines()
+            for i, line in enumerate(lines):
+                text = line.strip().removeprefix("$ ")
+                for part in text.split(" && "):
+                    part = re.split(r" \| |; ", part.strip())[0]
+                    words = part.split()
+                    if not words or words[0] != "tessera" or (len(words) > 1 and words[1].endswith(":")):
+                        continue  # not a command, or argparse's own error line
+                    if any(w in ("SPEC", "MODEL") or w.startswith("[") for w in words):
+                        continue  # a synopsis
+                    part = re.sub(r"\$([A-Z_]+)", lambda v: variables.get(v.group(1), v.group(0)), part)
+                    after = lines[i + 1] if i + 1 < len(lines) else ""
+                    found.append((f"{path.relative_to(ROOT)}:{block.line + 1 + i}", part, after))
+    return found
+
+
+COMMANDS = documented_commands()
+
+
+def test_documented_commands_were_found():
+    assert len(COMMANDS) > 60
+    assert any(c.startswith("tessera report gtp2") for _, c, _ in COMMANDS)  # an error example
+
+
+@pytest.mark.parametrize("where,command,after", COMMANDS, ids=[w for w, _, _ in COMMANDS])
+def test_documented_command_parses(where, command, after, capsys):
+    """Every option and choice a document shows exists (or the document shows argparse's usage
+    error); a spec it names is a file of the repository or a bundled spec, unless the document
+    shows the command failing or the file is one the document writes elsewhere."""
+    from tessera.models import bundled_names
+    from tessera.runtime.cli import make_parser
+
+    argv = shlex.split(command)[1:]
+    assert not [w for w in argv if w.startswith("$")], f"{where}: unknown shell variable in `{command}`"
+    usage_error = after.startswith("usage: tessera")
+    try:
+        args = make_parser().parse_args(argv)
+    except SystemExit as e:
+        assert usage_error and e.code == 2, f"{where}: `{command}` is refused: {capsys.readouterr().err}"
+        return
+    assert not usage_error, f"{where}: the document shows a usage error, but `{command}` parses"
+    if after.startswith("error:") or ": error:" in after:
+        return  # an example of a failing command
+    spec = getattr(args, "spec", "")
+    if spec.startswith("models/"):
+        assert (ROOT / spec).exists(), f"{where}: {spec} is not in the repository"
+    elif "/" not in spec and not spec.endswith((".tsr", ".onnx")):
+        assert spec in bundled_names(), f"{where}: '{spec}' is neither a file nor a bundled spec"
