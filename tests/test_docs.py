@@ -22,6 +22,10 @@ block; the rendered page does not show them):
   files the document does not show).
 
 A block with none of these fails the test, so a new example cannot go unchecked.
+
+Beyond language.md, every ``tessera`` command shown in a fenced block of docs/ (but
+docs/architecture.md) and the README must parse with the command's own parser, and a spec it
+names must exist (a file of the repository or a bundled spec).
 """
 
 from __future__ import annotations
