@@ -26,34 +26,45 @@ from . import pipeline, report
 from .weights import WeightsError
 from tessera.compiler.backends.onnx.export import OutputError
 
-EPILOG = """examples:
-  tessera report models/gpt2.tsr --variant small
-  tessera compile models/gpt2.tsr --set layers=2 -o out/gpt2-tiny.onnx
+EPILOG = """SPEC is a spec file (.tsr) or the name of a bundled spec ({bundled});
+a path wins when that file exists.
+
+examples:
+  tessera report gpt2 --variant small
+  tessera compile gpt2 --set layers=2 -o out/gpt2-tiny.onnx
   tessera run out/gpt2-tiny.onnx --input 'tokens=[[464, 2068, 7586]]'
-  tessera run models/worked_example.tsr --input 'x=[[1,0],[0,1],[1,1]]'
-  tessera run models/bert.tsr -V minilm_l6 --weights model.safetensors --tokenizer tokenizer.json \\
+  tessera run worked_example --input 'x=[[1,0],[0,1],[1,1]]'
+  tessera report models/gpt2.tsr --variant small      (a spec file of your own)
+  tessera run bert -V minilm_l6 --weights model.safetensors --tokenizer tokenizer.json \\
       --text "A man is eating food." --text "A man is eating a meal." --pool mean
-  tessera run models/vit.tsr -V b16 --weights vit-b16.safetensors --image cat.png
+  tessera run vit -V b16 --weights vit-b16.safetensors --image cat.png
 """
 
 
-def _model_args(p: argparse.ArgumentParser, spec_help: str) -> None:
-    p.add_argument("spec", metavar="SPEC" if "spec" in spec_help else "MODEL", help=spec_help)
+def _bundled() -> str:
+    from tessera.models import bundled_names
+
+    return ", ".join(bundled_names())
+
+
+def _model_args(p: argparse.ArgumentParser, spec_help: str, metavar: str = "SPEC") -> None:
+    p.add_argument("spec", metavar=metavar, help=spec_help)
     p.add_argument("--variant", "-V", help="a variant defined in the spec file (e.g. small, medium)")
     p.add_argument("--set", dest="sets", action="append", default=[], metavar="NAME=VALUE",
                    help="override a hyperparameter (repeatable), checked like the spec's own values")
 
 
-def _optimise_args(p: argparse.ArgumentParser) -> None:
+def _optimize_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", choices=["cpu", "cuda"], default="cpu",
                    help="where the model will run: picks the attention kernels and tile sizes (default cpu)")
     p.add_argument("--attention", choices=list(ATTENTION_CHOICES), default="auto",
                    help="attention lowering: auto picks a tiled kernel per site and target; gqa/mha force "
                         "onnxruntime's contrib kernels, portable Tessera's tiled Loop kernel, unfused the "
                         "primitive graph (default auto)")
-    p.add_argument("--dtype", choices=["fp32", "fp16", "bf16"], default="fp32",
+    p.add_argument("--dtype", type=report.dtype_arg, choices=report.DTYPES, default="fp32",
                    help="precision of weights and computation (the model's inputs and outputs stay fp32); "
-                        "also picks the attention kernels (default fp32; bf16 is not exported yet)")
+                        "also picks the attention kernels; the spec spellings f32 and f16 are accepted too "
+                        "(default fp32; bf16 is not exported yet)")
     p.add_argument("--no-fuse", action="store_true", help="do not fuse attention (same as --attention unfused)")
     p.add_argument("--explain", action="store_true",
                    help="list every attention site: fused or not and why, and the kernel chosen")
@@ -68,24 +79,25 @@ def _weights_args(p: argparse.ArgumentParser) -> None:
 
 def make_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="tessera", formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EPILOG,
+        prog="tessera", formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=EPILOG.format(bundled=_bundled()),
         description="Compile transformer specs (.tsr) to ONNX, run them in onnxruntime, and report their cost.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     c = sub.add_parser("compile", help="compile a spec to an ONNX file",
                        description="Elaborate a spec, fill its weights (seeded or from a checkpoint) and write "
                                    "ONNX (opset 21, IR version 10) with batch and sequence as dynamic dims.")
-    _model_args(c, "spec file (.tsr)")
+    _model_args(c, f"a spec file (.tsr) or a bundled spec's name ({_bundled()})")
     _weights_args(c)
-    _optimise_args(c)
+    _optimize_args(c)
     c.add_argument("-o", "--output", required=True, metavar="OUT.onnx", help="where to write the model")
     c.add_argument("--no-check", action="store_true", help="skip onnx.checker's full check of the result")
 
     r = sub.add_parser("run", help="run a spec or an ONNX file in onnxruntime",
                        description="Run a .tsr spec (compiled on the fly) or an .onnx file and print its outputs.")
-    _model_args(r, "a .tsr spec or a compiled .onnx file")
+    _model_args(r, f"a .tsr spec, a bundled spec's name ({_bundled()}) or a compiled .onnx file", "MODEL")
     _weights_args(r)
-    _optimise_args(r)
+    _optimize_args(r)
     r.add_argument("--input", "-i", dest="inputs", action="append", default=[], metavar="NAME=VALUE",
                    help="an input: a JSON array (e.g. 'tokens=[[1,2,3]]') or a .npy file (repeatable)")
     r.add_argument("--tokenizer", metavar="tokenizer.json",
@@ -107,11 +119,11 @@ def make_parser() -> argparse.ArgumentParser:
                          description="Parameters, multiply-adds, FLOPs, memory and roofline times of a spec, "
                                      "exact and symbolic in B and N, from the graph alone (no weights are "
                                      "allocated). JSON keys: docs/report.md.")
-    _model_args(rep, "spec file (.tsr)")
+    _model_args(rep, f"a spec file (.tsr) or a bundled spec's name ({_bundled()})")
     report.add_arguments(rep)
 
     ir = sub.add_parser("ir", help="print the elaborated IR graph of a spec")
-    _model_args(ir, "spec file (.tsr)")
+    _model_args(ir, f"a spec file (.tsr) or a bundled spec's name ({_bundled()})")
     return parser
 
 
@@ -160,7 +172,7 @@ def cmd_compile(args) -> int:
     t0 = time.perf_counter()
     built = pipeline.build(args.spec, args.variant, args.sets)
     weights = pipeline.weights_for(built, args.weights, args.seed)
-    pipeline.optimise(built, args)
+    pipeline.optimize(built, args)
     files = pipeline.export(built, weights, args.output, check=not args.no_check)
     size = sum(f.stat().st_size for f in files)
     print(f"wrote {', '.join(map(str, files))}: {built.graph.name}"
@@ -189,7 +201,7 @@ def cmd_run(args) -> int:
         from tessera.compiler.backends.onnx import export as onnx_export
 
         weights = pipeline.weights_for(built, args.weights, args.seed)
-        pipeline.optimise(built, args)
+        pipeline.optimize(built, args)
         source = onnx_export.to_onnx(built.graph, weights).SerializeToString()
     feeds = parse_inputs(args.inputs, specs)
     text_mask = _add_text_and_image_inputs(args, specs, feeds)

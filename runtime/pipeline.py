@@ -13,7 +13,7 @@ from tessera.compiler.backends.onnx import export as onnx_export
 from tessera.compiler.frontend.elaborate import ModelInfo, elaborate
 from tessera.compiler.ir.graph import Graph
 from tessera.compiler.frontend.values import BlockRef
-from tessera.spec import Program, SpecError, load_program
+from tessera.spec import Program, SpecError, did_you_mean, load_program
 
 from .weights import init_weights, load_weights, name_map_for
 
@@ -55,11 +55,32 @@ def _parse_value(text: str, program: Program):
     return text  # a string; the elaborator turns it into a block where the hyperparameter is a block
 
 
+def resolve_spec(spec: str | Path) -> Path:
+    """The spec file a command names: a path when that file exists, else a bundled spec by name
+    (``gpt2`` or ``gpt2.tsr``, shipped in ``tessera.models``). Raises SpecError for neither."""
+    from tessera.models import bundled_names, bundled_spec
+
+    path = Path(spec)
+    if path.exists():
+        return path  # a path wins (load_program reports a folder or an unreadable file)
+    text = str(spec)
+    if "/" in text or "\\" in text:  # meant as a path: keep the plain message
+        raise SpecError(f"spec file not found: {text}")
+    bundled = bundled_spec(text)
+    if bundled is not None:
+        return bundled
+    names = bundled_names()
+    stem = text[:-4] if text.endswith(".tsr") else text
+    raise SpecError(f"no spec file or bundled spec named '{text}'{did_you_mean(stem, names)} "
+                    f"(bundled specs: {', '.join(names)})")
+
+
 def build(spec: str | Path, variant: str | None = None, sets: list[str] | None = None) -> Built:
-    program = load_program(spec)
+    path = resolve_spec(spec)
+    program = load_program(path)
     overrides = parse_set(sets or [], program)
     graph, info = elaborate(program, variant, overrides)
-    return Built(program, graph, info, Path(spec))
+    return Built(program, graph, info, path)
 
 
 def weights_for(built: Built, weights: str | None, seed: int) -> dict[str, np.ndarray]:
@@ -72,9 +93,9 @@ def weights_for(built: Built, weights: str | None, seed: int) -> dict[str, np.nd
     return init_weights(built.graph, seed)
 
 
-def optimise(built: Built, args) -> None:
+def optimize(built: Built, args) -> None:
     """Fuse attention and choose kernels as the command-line flags say; print --explain's listing."""
-    from tessera.compiler.passes.pipeline import explain, optimize
+    from tessera.compiler.passes.pipeline import explain, optimize as optimize_graph
     from tessera.compiler.passes import PassError
     from tessera.compiler.passes.attention_kernels import Target
 
@@ -83,7 +104,7 @@ def optimise(built: Built, args) -> None:
         raise UsageError(f"--no-fuse contradicts --attention {args.attention}")
     dtype = getattr(args, "dtype", "fp32")
     try:
-        sites = optimize(built.graph, Target(getattr(args, "target", "cpu"), dtype), attention)
+        sites = optimize_graph(built.graph, Target(getattr(args, "target", "cpu"), dtype), attention)
         if dtype != "fp32":
             from tessera.compiler.passes.precision import LowerPrecision
 
@@ -110,4 +131,4 @@ def _jsonable(v):
     return v
 
 
-__all__ = ["Built", "build", "weights_for", "export", "parse_set", "UsageError", "SpecError"]
+__all__ = ["Built", "resolve_spec", "build", "weights_for", "optimize", "export", "parse_set", "UsageError"]

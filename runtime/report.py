@@ -1,6 +1,6 @@
 """The ``tessera report`` command: the static cost report of a spec, rendered.
 
-The numbers come from compiler/costreport.py (symbolic, from the graph alone);
+The numbers come from compiler/analysis/costreport.py (symbolic, from the graph alone);
 this module only reads the command line, picks the device and chooses a format
 (runtime/report_format.py, runtime/report_plot.py).
 """
@@ -16,6 +16,15 @@ from contextlib import contextmanager
 from . import pipeline
 
 FORMATS = ["table", "json", "md", "csv"]
+# --dtype names the precision as fp32/fp16/bf16; the spec language spells element types f32/f16/bf16,
+# so those spellings are accepted and mean the same.
+DTYPES = ["fp32", "fp16", "bf16"]
+_DTYPE_ALIASES = {"f32": "fp32", "f16": "fp16"}
+
+
+def dtype_arg(text: str) -> str:
+    """--dtype's value in the command's spelling (f16 -> fp16); argparse checks it against DTYPES."""
+    return _DTYPE_ALIASES.get(text, text)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -24,8 +33,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch", "-B", type=int, default=1, metavar="B", help="batch size B (default 1)")
     p.add_argument("--seq", "-N", type=int, default=1024, metavar="N",
                    help="sequence length N; binds every sequence symbol of the spec (T, S, ...) (default 1024)")
-    p.add_argument("--dtype", choices=["fp32", "fp16", "bf16"], default="fp32",
-                   help="element type of weights and activations for memory and roofline (default fp32)")
+    p.add_argument("--dtype", type=dtype_arg, choices=DTYPES, default="fp32",
+                   help="element type of weights and activations for memory and roofline; the spec "
+                        "spellings f32 and f16 are accepted too (default fp32)")
     p.add_argument("--device", default="h200", metavar="NAME",
                    help=f"device for the roofline estimates: {', '.join(device_names())} "
                         f"(cpu is measured on the spot; default h200)")

@@ -1,4 +1,4 @@
-"""Render a cost report (the dict of compiler/costreport.py) as a terminal table, Markdown or CSV.
+"""Render a cost report (the dict of compiler/analysis/costreport.py) as a terminal table, Markdown or CSV.
 
 All three show the same rows, built once by ``sections``: exact values with
 thousands separators, a short SI form, and the formula in B and N where the

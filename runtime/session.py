@@ -24,11 +24,6 @@ def _ort():
     return ort
 
 
-def cuda_usable() -> bool:
-    ort = _ort()
-    return "CUDAExecutionProvider" in ort.get_available_providers()
-
-
 def open_session(model: str | Path | bytes, provider: str = "auto"):
     """An InferenceSession on the chosen provider. 'auto' takes CUDA when it really starts, else CPU."""
     ort = _ort()

@@ -1,6 +1,6 @@
 """An independent counter of parameters and multiply-adds, reading only an exported ONNX model.
 
-It shares no code with the report (compiler/cost.py): it binds the model's
+It shares no code with the report (compiler/analysis/cost.py): it binds the model's
 dynamic dimensions to numbers, lets onnx's own shape inference (with data
 propagation) give every tensor a concrete shape, and counts
 

@@ -39,7 +39,6 @@ class Builtin:
     params: tuple[tuple[str, Any], ...]  # (name, default or REQUIRED)
     fn: Callable
     doc: str = ""
-    variadic: bool = False  # takes any number of leading positional tensors (concat)
 
     def __str__(self) -> str:
         return f"builtin {self.name}"
