@@ -156,9 +156,9 @@ def main(argv: list[str] | None = None) -> int:
         sys.stderr.close()
         return 0
     except Exception as e:
-        from .session import ProviderError, RunError
+        from .session import ModelFileError, ProviderError, RunError
 
-        if isinstance(e, (ProviderError, RunError)):
+        if isinstance(e, (ProviderError, RunError, ModelFileError)):
             print(f"error: {e}", file=sys.stderr)
         else:
             raise

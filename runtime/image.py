@@ -39,6 +39,10 @@ def pixels_spec(specs: list[InputSpec]) -> InputSpec:
     return spec
 
 
+# A decompression bomb guard: a photo for a classifier is far below this (8K is 33 megapixels).
+MAX_PIXELS = 64 * 1024 * 1024
+
+
 def load_image(path: str | Path, height: int, width: int, channels: int = 3) -> np.ndarray:
     """One image as f32 [C, H, W], resized and normalised as ViTImageProcessor does."""
     try:
@@ -49,11 +53,14 @@ def load_image(path: str | Path, height: int, width: int, channels: int = 3) -> 
     if not path.is_file():
         raise InputError(f"image file not found: {path}")
     try:
-        with Image.open(path) as im:
+        with Image.open(path) as im:  # reads the header only: the size is known before decoding
+            if im.width * im.height > MAX_PIXELS:
+                raise InputError(f"{path} is {im.width}×{im.height} pixels; images are at most "
+                                 f"{MAX_PIXELS:,} pixels (it is resized to {width}×{height} anyway)")
             im = im.convert("RGB" if channels == 3 else "L")
             im = im.resize((width, height), resample=Image.Resampling.BILINEAR)
             arr = np.asarray(im, dtype=np.uint8)
-    except (UnidentifiedImageError, OSError) as e:
+    except (UnidentifiedImageError, OSError, Image.DecompressionBombError) as e:
         raise InputError(f"cannot read {path} as an image: {e}") from None
     x = (arr.astype(np.float64) * (1 / 255)).astype(np.float32)
     x = (x - np.float32(MEAN)) / np.float32(STD)

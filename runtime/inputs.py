@@ -34,10 +34,14 @@ def _value(name: str, text: str, spec: InputSpec) -> np.ndarray:
         path = Path(text)
         if not path.exists():
             raise InputError(f"input '{name}': file not found: {path}")
+        if not path.is_file():
+            raise InputError(f"input '{name}': {path} is not a regular file")
         try:
             arr = np.load(path, allow_pickle=False)
-        except ValueError as e:
+        except (ValueError, OSError, EOFError) as e:
             raise InputError(f"input '{name}': cannot read {path} as .npy: {e}") from None
+        if not isinstance(arr, np.ndarray):
+            raise InputError(f"input '{name}': {path} holds an archive, not one array")
     else:
         try:
             data = json.loads(text)
@@ -56,6 +60,8 @@ def _value(name: str, text: str, spec: InputSpec) -> np.ndarray:
         return arr.astype(want)  # empty: reported as an empty axis by the shape check
     if want.kind in "iu" and arr.dtype.kind == "f":
         raise InputError(f"input '{name}' holds floating-point values but expects {spec.dtype} (shape {spec})")
+    if arr.dtype.kind == "b" and want.kind != "b":
+        raise InputError(f"input '{name}' holds true/false values but expects {spec.dtype} (shape {spec})")
     if not np.can_cast(arr.dtype, want, "same_kind") and not (arr.dtype.kind in "iub" and want.kind in "iuf"):
         raise InputError(f"input '{name}' has dtype {arr.dtype}, expected {spec.dtype} (shape {spec})")
     return arr.astype(want)

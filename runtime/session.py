@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import stat
 from pathlib import Path
 
 import numpy as np
@@ -24,8 +26,29 @@ def _ort():
     return ort
 
 
+class ModelFileError(Exception):
+    """An ONNX file that cannot be read, or that onnxruntime refuses to load."""
+
+
+def _refused(src, e: Exception) -> ModelFileError:
+    what = "the model" if isinstance(src, bytes) else src
+    msg = str(e).split("] : ", 1)[-1].strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    return ModelFileError(f"onnxruntime cannot load {what}: {msg}")
+
+
 def open_session(model: str | Path | bytes, provider: str = "auto"):
-    """An InferenceSession on the chosen provider. 'auto' takes CUDA when it really starts, else CPU."""
+    """An InferenceSession on the chosen provider. 'auto' takes CUDA when it really starts, else CPU.
+    A model onnxruntime refuses (corrupt, unsupported, external data outside its folder) is a
+    ModelFileError with onnxruntime's reason."""
+    try:
+        return _open_session(model, provider)
+    except (ProviderError, ModelFileError):
+        raise
+    except Exception as e:  # onnxruntime raises its own types (Fail, InvalidGraph, NotImplemented, ...)
+        raise _refused(model if isinstance(model, bytes) else str(model), e) from None
+
+
+def _open_session(model: str | Path | bytes, provider: str):
     ort = _ort()
     opts = ort.SessionOptions()
     opts.log_severity_level = 4  # run-time failures are reported by run_session, not by onnxruntime's log
@@ -52,8 +75,9 @@ def open_session(model: str | Path | bytes, provider: str = "auto"):
 
 def onnx_signature(path: str | Path) -> tuple[list[InputSpec], InputLimits | None]:
     """The inputs of an ONNX file, and the id ranges and position limits Tessera stored in its
-    metadata (None for files Tessera did not write). Reads the file once, without external data."""
-    model = onnx.load(str(path), load_external_data=False)
+    metadata (None for files Tessera did not write). Reads the file once, without external data;
+    a file that is not a readable ONNX model is a ModelFileError saying why."""
+    model = _load_model_proto(Path(path))
     init = {i.name for i in model.graph.initializer}
     specs = []
     for vi in model.graph.input:
@@ -62,9 +86,36 @@ def onnx_signature(path: str | Path) -> tuple[list[InputSpec], InputLimits | Non
         t = vi.type.tensor_type
         dims = tuple(d.dim_value if d.HasField("dim_value") else (d.dim_param or "?") for d in t.shape.dim)
         specs.append(InputSpec(vi.name, _FROM_ONNX.get(t.elem_type, "f32"), dims))
-    limits = next((InputLimits.from_json(e.value) for e in model.metadata_props
-                   if e.key == InputLimits.METADATA_KEY), None)
+    limits = None
+    for e in model.metadata_props:
+        if e.key == InputLimits.METADATA_KEY:
+            try:
+                limits = InputLimits.from_json(e.value)
+            except (ValueError, TypeError, AttributeError, KeyError) as err:
+                raise ModelFileError(f"{path}: its '{InputLimits.METADATA_KEY}' metadata is malformed ({err}); "
+                                     f"recompile the model") from None
     return specs, limits
+
+
+def _load_model_proto(path: Path) -> onnx.ModelProto:
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        raise ModelFileError(f"model file not found: {path}") from None
+    except (OSError, ValueError) as e:
+        raise ModelFileError(f"cannot read {path}: {getattr(e, 'strerror', None) or e}") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise ModelFileError(f"{path} is {'a folder' if stat.S_ISDIR(st.st_mode) else 'not a regular file'}, "
+                             f"not an ONNX model")
+    if st.st_size == 0:
+        raise ModelFileError(f"{path} is empty, not an ONNX model")
+    try:
+        model = onnx.load(str(path), load_external_data=False)
+    except Exception as e:  # protobuf's DecodeError and friends
+        raise ModelFileError(f"{path} is not an ONNX model (corrupt or truncated: {type(e).__name__})") from None
+    if not model.HasField("graph") or not model.opset_import:
+        raise ModelFileError(f"{path} is not an ONNX model (no graph or opset)")
+    return model
 
 
 class RunError(Exception):

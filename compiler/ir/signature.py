@@ -63,9 +63,11 @@ class InputLimits:
 
     @classmethod
     def from_json(cls, text: str) -> "InputLimits":
-        data = json.loads(text)
-        return cls({k: (int(r), t) for k, (r, t) in data.get("ids", {}).items()},
-                   {k: (int(r), t) for k, (r, t) in data.get("dims", {}).items()})
+        data = json.loads(text)  # a malformed value raises ValueError/TypeError for the caller to report
+        if not isinstance(data, dict):
+            raise ValueError("expected a JSON object")
+        return cls({str(k): (int(r), str(t)) for k, (r, t) in data.get("ids", {}).items()},
+                   {str(k): (int(r), str(t)) for k, (r, t) in data.get("dims", {}).items()})
 
 
 def input_limits(graph: Graph) -> InputLimits:
