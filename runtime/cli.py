@@ -75,6 +75,9 @@ def _weights_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--weights", metavar="FILE",
                    help="a .safetensors file or folder of shards; Hugging Face names are mapped by the "
                         "<spec>.hf.toml file beside the spec")
+    p.add_argument("--allow-large", action="store_true",
+                   help="go ahead even when the weights look too large for the memory available "
+                        "(by default such a model is refused before anything is allocated)")
 
 
 def make_parser() -> argparse.ArgumentParser:
@@ -171,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
 def cmd_compile(args) -> int:
     t0 = time.perf_counter()
     built = pipeline.build(args.spec, args.variant, args.sets)
-    weights = pipeline.weights_for(built, args.weights, args.seed)
+    weights = pipeline.weights_for(built, args.weights, args.seed, args.allow_large)
     pipeline.optimize(built, args)
     files = pipeline.export(built, weights, args.output, check=not args.no_check)
     size = sum(f.stat().st_size for f in files)
@@ -200,7 +203,7 @@ def cmd_run(args) -> int:
         specs, limits = specs_from_graph(built.graph), input_limits(built.graph)
         from tessera.compiler.backends.onnx import export as onnx_export
 
-        weights = pipeline.weights_for(built, args.weights, args.seed)
+        weights = pipeline.weights_for(built, args.weights, args.seed, args.allow_large)
         pipeline.optimize(built, args)
         source = onnx_export.to_onnx(built.graph, weights).SerializeToString()
     feeds = parse_inputs(args.inputs, specs)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import sys
 from dataclasses import dataclass
@@ -11,7 +12,7 @@ import numpy as np
 
 from tessera.compiler.backends.onnx import export as onnx_export
 from tessera.compiler.frontend.elaborate import ModelInfo, elaborate
-from tessera.compiler.ir.graph import Graph
+from tessera.compiler.ir.graph import DTYPES, Graph
 from tessera.compiler.frontend.values import BlockRef
 from tessera.spec import Program, SpecError, did_you_mean, load_program
 
@@ -83,7 +84,39 @@ def build(spec: str | Path, variant: str | None = None, sets: list[str] | None =
     return Built(program, graph, info, path)
 
 
-def weights_for(built: Built, weights: str | None, seed: int) -> dict[str, np.ndarray]:
+# Compiling holds the weights about three times over (the arrays, the ONNX protobuf, its
+# serialisation); running holds them twice (the protobuf and onnxruntime's copy).
+PEAK_WEIGHT_COPIES = 3
+
+
+def available_memory() -> int | None:
+    """Bytes of memory available to a new allocation (Linux MemAvailable), or None if unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def check_memory(built: Built, allow_large: bool = False) -> None:
+    """Refuse, before allocating anything, weights that would not fit in memory."""
+    need = sum(p.numel * np.dtype(DTYPES[p.dtype] or np.float32).itemsize for p in built.graph.params.values())
+    avail = available_memory()
+    if allow_large or avail is None or need * PEAK_WEIGHT_COPIES <= avail:
+        return
+    raise UsageError(f"{built.graph.name}'s weights are {need / 2**30:,.1f} GiB; holding them about "
+                     f"{PEAK_WEIGHT_COPIES} times over needs more than the {avail / 2**30:,.1f} GiB of memory "
+                     f"available. 'tessera report' gives its cost without weights; --allow-large tries anyway")
+
+
+def weights_for(built: Built, weights: str | None, seed: int, allow_large: bool = False) -> dict[str, np.ndarray]:
+    check_memory(built, allow_large)
     if weights:
         notes: list[str] = []
         loaded = load_weights(built.graph, Path(weights), name_map_for(built.spec_path), notes)

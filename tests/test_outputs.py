@@ -106,3 +106,19 @@ def test_sigterm_mid_compile_never_leaves_a_partial_file(tmp_path):
     else:
         onnx.load(str(out))
     assert _leftovers(tmp_path) == []
+
+
+def test_weights_too_large_for_memory_are_refused_before_allocating(capsys, tmp_path, monkeypatch):
+    from tessera.runtime import pipeline
+
+    monkeypatch.setattr(pipeline, "available_memory", lambda: 1_000_000)  # 1 MB free
+    out = tmp_path / "m.onnx"
+    err = cli_error(capsys, "compile", *SMALL, "-o", out)
+    assert "--allow-large" in err and "tessera report" in err and not out.exists()
+    rc, _, err = cli(capsys, "compile", *SMALL, "--allow-large", "-o", out)
+    assert rc == 0, err
+
+
+def test_gpt3_is_refused_on_this_machine_not_attempted(capsys, tmp_path):
+    err = cli_error(capsys, "compile", MODELS / "gpt2.tsr", "--variant", "gpt3", "-o", tmp_path / "m.onnx")
+    assert "weights are 650.5 GiB" in err  # 174.6e9 parameters x 4 bytes
