@@ -36,11 +36,8 @@ class LowerPrecision(Pass):
                 continue
             users = graph.consumers(name)
             cast = graph.add_node("cast", [name], [lower(graph.type_of(name))], {"dtype": low}, "", None,
-                                  name=f"{name}/to_{low}")
-            for u in users:
-                u.inputs = [cast.outputs[0] if i == name else i for i in u.inputs]
-            # keep creation order topological: move the cast to the front
-            graph.nodes = {cast.name: cast, **{k: v for k, v in graph.nodes.items() if k != cast.name}}
+                                  name=f"{name}/to_{low}", first=True)  # at the front: the order stays topological
+            graph.replace_uses(name, cast.outputs[0], users)
             changed = True
         for p in graph.params.values():
             if p.dtype == "f32":
@@ -63,5 +60,4 @@ class LowerPrecision(Pass):
                     node.op, node.attrs = "cast", {"dtype": "f32"}  # the output identity casts back
                     continue
                 v.type = lower(v.type)
-        graph._rebuild_nx()
         return PassResult(graph, changed)
