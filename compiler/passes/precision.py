@@ -23,6 +23,10 @@ class LowerPrecision(Pass):
             raise PassError(f"--dtype {dtype}: export supports fp32 and {', '.join(SUPPORTED)}")
         self.dtype = SUPPORTED[dtype]
 
+    def requires(self, graph: Graph) -> None:
+        if any(n.op == "cast" and n.name == f"{i}/to_{self.dtype}" for i in graph.inputs for n in graph.consumers(i)):
+            raise PassError(f"the graph is already lowered to {self.dtype}")
+
     def run(self, graph: Graph) -> PassResult:
         low = self.dtype
         changed = False
