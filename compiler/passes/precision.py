@@ -24,8 +24,10 @@ class LowerPrecision(Pass):
         self.dtype = SUPPORTED[dtype]
 
     def requires(self, graph: Graph) -> None:
-        if any(n.op == "cast" and n.name == f"{i}/to_{self.dtype}" for i in graph.inputs for n in graph.consumers(i)):
-            raise PassError(f"the graph is already lowered to {self.dtype}")
+        # the frontend makes every parameter f32: one at the lower precision means this pass ran already
+        lowered = next((p.path for p in graph.params.values() if p.dtype == self.dtype), None)
+        if lowered:
+            raise PassError(f"the graph is already lowered to {self.dtype} (parameter {lowered})")
 
     def run(self, graph: Graph) -> PassResult:
         low = self.dtype
