@@ -222,14 +222,19 @@ class Graph:
 
     def live_nodes(self) -> set[str]:
         """Nodes some graph output depends on."""
-        live: set = set()
-        for o in self.outputs:
-            live |= nx.ancestors(self.nx, ("v", o))
-        return {name for kind, name in live if kind == "n"}
+        seen = {("v", o) for o in self.outputs}
+        stack = list(seen)
+        while stack:  # one backwards search from all outputs at once
+            for p in self.nx.predecessors(stack.pop()):
+                if p not in seen:
+                    seen.add(p)
+                    stack.append(p)
+        return {name for kind, name in seen if kind == "n"}
 
     def eliminate_dead_nodes(self) -> list[str]:
         """Remove nodes no graph output depends on (and constants left unread); return their names."""
-        dead = [n for n in self.nodes if n not in self.live_nodes()] if self.nodes else []
+        live = self.live_nodes()
+        dead = [n for n in self.nodes if n not in live]
         if dead:
             self.remove_nodes(dead)
             self.prune_constants()
@@ -259,10 +264,9 @@ class Graph:
 
     def cycle(self) -> list[str] | None:
         """Node names on a dataflow cycle, or None (a rewrite must never make one)."""
-        try:
-            edges = nx.find_cycle(self.nx)
-        except nx.NetworkXNoCycle:
+        if nx.is_directed_acyclic_graph(self.nx):  # linear time; find_cycle only to name one
             return None
+        edges = nx.find_cycle(self.nx)
         return [v[1] for v, _ in edges if v[0] == "n"]
 
     def copy(self) -> "Graph":
