@@ -120,5 +120,7 @@ def test_already_fused_sites_are_recognised_by_the_kernel_pass():
     first = attention_sites(build_pipeline(Target("cpu"))(g))
     again = ChooseAttentionKernels(Target("cpu"))(g).notes
     assert [(c.node, c.impl) for c in again] == [(s.node, s.impl) for s in first]
+    assert ChooseAttentionKernels(Target("cpu")).run(g).changed is False  # same choices again: no change
+    assert ChooseAttentionKernels(Target("cuda", "fp16")).run(g).changed is True
     assert FuseAttention()(g).changed is False
     np.testing.assert_equal(sum(n.op == "fused_attention" for n in g.nodes.values()), 2)

@@ -124,7 +124,7 @@ class ChooseAttentionKernels(Pass):
         self.target, self.force = target, force
 
     def run(self, graph: Graph) -> PassResult:
-        choices = []
+        choices, changed = [], False
         for cand in recognise(graph):
             if cand.match is None or not cand.match.fused:
                 continue
@@ -139,6 +139,8 @@ class ChooseAttentionKernels(Pass):
                 impl, reason = choose(node, graph, self.target)
             hd = graph.type_of(cand.match.q).shape[-1]
             br, bc = tile_sizes(self.target, int(hd) if dims.is_static(hd) else 64)
-            node.attrs.update(impl=impl, q_tile=br, k_tile=bc)
+            chosen = {"impl": impl, "q_tile": br, "k_tile": bc}
+            changed = changed or any(node.attrs.get(k) != v for k, v in chosen.items())
+            node.attrs.update(chosen)
             choices.append(KernelChoice(node.name, impl, reason))
-        return PassResult(graph, bool(choices), choices)
+        return PassResult(graph, changed, choices)

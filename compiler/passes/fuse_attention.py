@@ -79,4 +79,5 @@ class FuseAttention(Pass):
             sites.append(AttentionSite(n.name, n.scope, n.origin, True, node=fused.name))
         if changed:
             graph.prune_constants()
+            graph.sort()  # the fused node sits where ·V was, after all its inputs: a no-op kept as a guarantee
         return PassResult(graph, changed, sites)
