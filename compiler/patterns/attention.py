@@ -348,7 +348,11 @@ def match(g: Graph, softmax: Node) -> AttentionMatch:
                f"({dims.fmt(q_t.shape[-2])}): leading rows would see no key")
     if m.mask is not None and g.type_of(m.mask).rank != 2:
         m.fail("the padding mask is not [B, Tk]")
-    if rank == 4 and q_t.rank == 4 and dims.is_static(q_t.shape[1]):
+    if rank == 4 and q_t.rank != 4:
+        m.fail("the queries are not [B, H, Tq, hd]")
+    elif rank == 4 and not dims.is_static(q_t.shape[1]):
+        m.fail("the number of heads is not fixed")
+    elif rank == 4:
         m.heads = m.kv_heads = int(q_t.shape[1])
         # grouped-query attention: K and V both repeated from fewer heads
         rk, rv = g.producer(m.k), g.producer(m.v)
