@@ -124,3 +124,14 @@ def test_already_fused_sites_are_recognised_by_the_kernel_pass():
     assert ChooseAttentionKernels(Target("cuda", "fp16")).run(g).changed is True
     assert FuseAttention()(g).changed is False
     np.testing.assert_equal(sum(n.op == "fused_attention" for n in g.nodes.values()), 2)
+
+
+def test_pipeline_drops_what_no_output_reads():
+    """A value the spec computes and never uses does not reach the exported graph."""
+    from conftest import ort_run
+
+    g = _chain()
+    result = build_pipeline()(g)
+    assert result.notes("eliminate-dead-nodes") == ["c"]
+    out = ort_run(g, {}, {"x": np.array([-1.0, 0.0, 2.0], np.float32)})
+    np.testing.assert_allclose(out["b"], np.exp([0.0, 0.0, 2.0]), rtol=1e-6)

@@ -22,9 +22,13 @@ An op missing from the table ends the walk: that softmax is not attention
 attention (the report counts its N² work and its KV cache) but the match keeps
 the first reason no fused kernel can replace it, which ``--explain`` prints.
 
-``s - c`` with a scalar constant c is an additive bias of -c (IEEE subtraction
-of c equals addition of -c, so the fused kernel computes exactly what the
-unfused graph does); the fusion rewrite makes -c a constant input.
+``s - c`` with a scalar constant c is fused as an additive bias of -c: IEEE
+subtraction of c equals addition of -c, so the bias step is exact and the fused
+site differs from the unfused graph only as every fused site does (the order the
+scale is applied in). Refusing it instead would be wrong in the other direction:
+softmax is shift-invariant, so the site is attention either way. A tensor
+subtracted from the scores is refused (the kernel adds its bias), by fusion and
+report alike.
 """
 
 from __future__ import annotations
