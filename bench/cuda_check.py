@@ -28,15 +28,12 @@ def compiled(target: str, dtype: str) -> tuple[bytes, list]:
     from tessera.compiler.frontend.elaborate import elaborate
     from tessera.compiler.passes.pipeline import optimize
     from tessera.compiler.passes.attention_kernels import Target
-    from tessera.compiler.passes.precision import LowerPrecision
     from tessera.runtime.weights import init_weights
     from tessera.spec import load_program
 
     graph, _ = elaborate(load_program(ROOT / "models" / "gpt2.tsr"), "small")
     weights = init_weights(graph, 0)
-    sites = optimize(graph, Target(target, dtype))
-    if dtype != "fp32":
-        LowerPrecision(dtype)(graph)
+    sites = optimize(graph, Target(target, dtype), lower_precision=True)
     return onnx_export.to_onnx(graph, weights).SerializeToString(), sites
 
 

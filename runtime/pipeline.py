@@ -137,11 +137,7 @@ def optimize(built: Built, args) -> None:
         raise UsageError(f"--no-fuse contradicts --attention {args.attention}")
     dtype = getattr(args, "dtype", "fp32")
     try:
-        sites = optimize_graph(built.graph, Target(getattr(args, "target", "cpu"), dtype), attention)
-        if dtype != "fp32":
-            from tessera.compiler.passes.precision import LowerPrecision
-
-            LowerPrecision(dtype)(built.graph)
+        sites = optimize_graph(built.graph, Target(getattr(args, "target", "cpu"), dtype), attention, lower_precision=True)
     except PassError as e:
         raise UsageError(str(e)) from None
     built.attention_sites = sites

@@ -83,7 +83,7 @@ def build(args) -> dict:
             plot(built.graph, rep, args.plot)
     from tessera.compiler.analysis.attention_report import attention_section
 
-    with _no_gc():  # last: it fuses the graph in place
+    with _no_gc():  # fuses a copy: built.graph is left as written
         rep["attention"] = attention_section(built.graph, rep["settings"]["bindings"],
                                              rep["settings"]["bytes_per_element"], device.name, args.dtype)
     return rep

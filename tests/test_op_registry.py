@@ -80,6 +80,8 @@ def _op_literals(path: Path) -> set[str]:
                 for tt, v in zip(targets, values):
                     if isinstance(tt, ast.Attribute) and tt.attr == "op" and lit(v):
                         found.add(lit(v))
+                    if isinstance(tt, ast.Name) and tt.id.endswith("_OP") and lit(v):  # FUSED_OP = "..."
+                        found.add(lit(v))
         elif isinstance(n, ast.FunctionDef) and n.name == "_tensor_binop":
             for d in ast.walk(n):
                 if isinstance(d, ast.Dict):
@@ -89,7 +91,7 @@ def _op_literals(path: Path) -> set[str]:
 
 def test_every_op_the_frontend_and_passes_emit_is_registered():
     frontend = _op_literals(COMPILER / "frontend" / "builtins.py") | _op_literals(COMPILER / "frontend" / "elaborate.py")
-    passes = set().union(*(_op_literals(p) for p in (COMPILER / "passes").glob("*.py")))
+    passes = set().union(*(_op_literals(p) for d in ("passes", "patterns") for p in (COMPILER / d).glob("*.py")))
     # the scan itself must see the ops it is meant to see
     assert {"linear", "conv1d", "conv2d", "relu", "sqrt", "mean", "sum", "add", "pow", "neg", "identity"} <= frontend
     assert {"fused_attention", "cast"} <= passes

@@ -50,8 +50,10 @@ def _where(pos) -> str | None:
 
 
 def attention_section(graph: Graph, bindings: dict, bytes_per_element: int, device: str, dtype: str) -> dict:
-    """Fuse attention on ``graph`` (in place) for the device's target and describe every site."""
+    """Fuse attention on a copy of ``graph`` for the device's target and describe every site
+    (the caller's graph is left as it was)."""
     target = Target("cpu" if device == "cpu" else "cuda", dtype)
+    graph = graph.copy()
     sites = optimize(graph, target)
     rows, total_u, total_f = [], 0, 0
     for s in sites:

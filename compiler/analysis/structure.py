@@ -1,10 +1,10 @@
 """Recognise the parts of a graph that the cost report reasons about.
 
 The report must not trust names or hyperparameters (a spec may call its heads
-anything), so it reads structure from the dataflow: attention is a matmul of
-two data-dependent tensors whose result goes through a softmax into a second
-such matmul; its keys and values are what feeds those matmuls before any
-transpose or grouped-query repeat; a mixture of experts is a ``topk_gates``
+anything), so it reads structure from the dataflow: attention is what the one
+recogniser (compiler/patterns/attention.py) matches, the same sites the fusion
+pass fuses or gives a reason for; its keys and values are what feeds the two
+matmuls before any transpose or grouped-query repeat; a mixture of experts is a ``topk_gates``
 node whose slices weigh the outputs of expert branches; the output head is a
 dense layer outside the repeated layers that follows all attention.
 """
@@ -17,11 +17,10 @@ from dataclasses import dataclass, field
 
 from tessera.compiler import ops
 from tessera.compiler.ir.graph import Graph, Node
+from tessera.compiler.patterns.attention import AttentionMatch, recognise
 
 # Ops that only move or relabel data: followed when tracing keys and values back.
 _LAYOUT = {"transpose", "repeat_kv", "reshape", "identity", "cast"}
-# Ops allowed between the score matmul and the softmax (scale, masks, biases).
-_SCORE_PATH = {"mul", "div", "add", "sub", "causal_mask", "padding_mask", "cast", "identity"}
 DENSE_OPS = ops.with_trait("dense")  # products with weights: linear, convolutions
 
 _LAYER_RE = re.compile(r"^(.*?[A-Za-z_]\w*\.\d+)(?=[./]|$)")
@@ -54,6 +53,8 @@ class Attention:
     window: int
     tq: object                 # sympy dims of the score matrix
     tk: object
+    fusable: bool = False      # a fused kernel can replace it (False once fused: nothing left to fuse)
+    reason: str = ""           # why not, as --explain says it ("" when fusable or already fused)
 
     @property
     def fused(self) -> bool:
@@ -130,65 +131,28 @@ def _fused(n: Node, graph: Graph) -> Attention:
                      tk=graph.type_of(n.inputs[1]).shape[-2])
 
 
-def find_attention(graph: Graph, data: set[str], consumers) -> list[Attention]:
+def _from_match(graph: Graph, m: AttentionMatch) -> Attention:
+    """The report's view of one match: keys and values traced back to what a cache would hold."""
+    score, weigh = graph.nodes[m.score], graph.nodes[m.value]
+    t = graph.type_of(score.outputs[0])
+    k, k_path = _trace_back(graph, score.inputs[1], _LAYOUT)
+    v, v_path = _trace_back(graph, weigh.inputs[1], _LAYOUT)
+    return Attention(score=m.score, value=m.value, internal=list(dict.fromkeys(m.internal)),
+                     core_nodes=m.core_nodes, q=score.inputs[0], k=k, v=v, layout=k_path + v_path,
+                     causal=m.causal, window=m.window, tq=t.shape[-2], tk=t.shape[-1],
+                     fusable=m.fusable, reason=m.reason)
+
+
+def find_attention(graph: Graph, data: set[str] | None = None, consumers=None) -> list[Attention]:
+    """Every attention the recogniser (compiler/patterns/attention.py) matches, fused or not, in graph
+    order: the same sites the fusion pass sees. ``data`` and ``consumers`` are accepted for callers of
+    the old signature and not needed."""
     found = []
-    for sm in graph.nodes.values():
-        if sm.op == "fused_attention":
-            found.append(_fused(sm, graph))
+    for cand in recognise(graph):
+        if cand.match is None:
             continue
-        if sm.op != "softmax":
-            continue
-        internal = [sm.outputs[0]]
-        path = [sm.name]
-        value = sm.inputs[0]
-        score = None
-        causal, window = False, 0
-        while True:
-            n = _producer(graph, value)
-            if n is None:
-                break
-            if n.op == "matmul" and all(v in data for v in n.inputs):
-                score = n
-                break
-            if n.op not in _SCORE_PATH:
-                break
-            if n.op == "causal_mask":
-                causal, window = True, int(n.attrs.get("window", 0) or 0)
-            internal.append(value)
-            path.append(n.name)
-            nxt = [v for v in n.inputs if v in data]
-            if n.op in ("causal_mask", "padding_mask"):
-                nxt = [n.inputs[0]]
-            if len(nxt) != 1:
-                break
-            value = nxt[0]
-        if score is None:
-            continue
-        internal.append(score.outputs[0])
-        # forward: softmax -> (cast/identity) -> matmul(probabilities, v)
-        weigh, probs = None, sm.outputs[0]
-        for _ in range(4):
-            users = consumers.get(probs, [])
-            mm = [u for u in users if u.op == "matmul" and u.inputs[0] == probs and u.inputs[1] in data]
-            if mm:
-                weigh = mm[0]
-                break
-            passthru = [u for u in users if u.op in ("cast", "identity")]
-            if len(passthru) != 1:
-                break
-            probs = passthru[0].outputs[0]
-            internal.append(probs)
-            path.append(passthru[0].name)
-        t = graph.type_of(score.outputs[0])
-        k, k_path = _trace_back(graph, score.inputs[1], _LAYOUT)
-        v, v_path = _trace_back(graph, weigh.inputs[1], _LAYOUT) if weigh else (None, [])
-        found.append(Attention(
-            score=score.name, value=weigh.name if weigh else None,
-            internal=list(dict.fromkeys(internal)),
-            core_nodes=[score.name, *reversed(path), *([weigh.name] if weigh else [])],
-            q=score.inputs[0], k=k, v=v, layout=k_path + v_path,
-            causal=causal, window=window, tq=t.shape[-2], tk=t.shape[-1]))
-    return found  # in graph order: softmax nodes were visited in creation order
+        found.append(_fused(cand.node, graph) if cand.match.fused else _from_match(graph, cand.match))
+    return found
 
 
 def _exclusive_upstream(graph: Graph, pos: dict[str, int], reference: str, sources: list[str]) -> list[set[str]]:

@@ -120,7 +120,6 @@ class Elaborator:
         self.graph = Graph(model.name)
         env = Env(self.globals)
         hyper = self._bind_hyperparams(model, vargs, env)
-        self.graph.hyperparams = dict(hyper)
         outs: dict[str, ast.OutDecl] = {}
         self._model_outs = outs
         try:
@@ -508,7 +507,6 @@ class Elaborator:
                 raise SpecError(f"{what} is missing argument '{p.name}'", pos)
         segment = self._claim(called_as or block.name, explicit_name, pos)
         with self._scoped(segment):
-            self.graph.block_scopes[".".join(self.scope)] = block.name
             self.call_stack.append(pos)
             self.block_stack.append(block.name)
             try:

@@ -6,13 +6,15 @@ constant (a literal or a derived table), or the output of a node. Nodes carry
 the scope they were created in (for names and per-block roll-ups) and the spec
 position that created them (for errors raised later, e.g. by passes).
 
-The networkx ``DiGraph`` ``graph.nx`` has one vertex per node and an edge
-producer -> consumer for every value passed between them; ``graph.nodes``
-keeps creation order, which is a topological order.
+The networkx ``DiGraph`` ``graph.nx`` holds the dataflow (values and nodes as
+vertices, see ``Graph``) and answers the graph questions; ``graph.nodes`` keeps
+a topological order.
 """
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -90,6 +92,17 @@ class SymbolSource:
 
 
 class Graph:
+    """The model as a dataflow graph.
+
+    ``nx`` is a networkx ``DiGraph`` with one vertex per value (``("v", name)``) and one per
+    node (``("n", name)``): an edge value -> node for every input a node reads and node -> value
+    for every output it writes. It is kept up to date by every mutation below (never rebuilt), and
+    the graph queries are networkx queries on it: consumers (successors of a value), topological
+    order, what reaches the outputs (dead-node elimination), cycles. ``nodes`` keeps the nodes in a
+    topological order (creation order, and after a rewrite the stable topological sort), which is
+    the order the interpreter runs and the exporter writes them in.
+    """
+
     def __init__(self, name: str):
         self.name = name
         self.values: dict[str, Value] = {}
@@ -100,9 +113,8 @@ class Graph:
         self.outputs: list[str] = []
         self.symbols: dict[str, SymbolSource] = {}
         self.nx = nx.DiGraph()
-        self.hyperparams: dict[str, Any] = {}
-        # Scope path of every block instance -> the block's name (for per-block roll-ups).
-        self.block_scopes: dict[str, str] = {}
+        self._pos: dict[str, int] = {}  # node -> a number increasing along ``nodes`` (orders consumers)
+        self._ends = [0, 0]  # the next free numbers before the first and after the last node
 
     # ------------------------------------------------------------ construction
     def unique_name(self, base: str) -> str:
@@ -113,82 +125,163 @@ class Graph:
             i += 1
         return f"{base}_{i}"
 
+    def _add_value(self, v: Value) -> Value:
+        self.values[v.name] = v
+        self.nx.add_node(("v", v.name))
+        return v
+
     def add_input(self, name: str, type: TensorType) -> Value:
-        v = Value(name, type, "input")
-        self.values[name] = v
+        v = self._add_value(Value(name, type, "input"))
         self.inputs.append(name)
         return v
 
     def add_param(self, param: Param) -> Value:
         self.params[param.path] = param
-        v = Value(param.path, TensorType(param.dtype, dims.shape(param.shape)), "param")
-        self.values[param.path] = v
-        return v
+        return self._add_value(Value(param.path, TensorType(param.dtype, dims.shape(param.shape)), "param"))
 
     def add_const(self, base: str, array: np.ndarray, dtype: str) -> Value:
         name = self.unique_name(base)
         self.consts[name] = array
-        v = Value(name, TensorType(dtype, dims.shape(array.shape)), "const")
-        self.values[name] = v
-        return v
+        return self._add_value(Value(name, TensorType(dtype, dims.shape(array.shape)), "const"))
 
     def add_node(self, op: str, inputs: list[str], out_types: list[TensorType], attrs: dict,
-                 scope: str, pos: Pos | None, name: str | None = None, origin: Pos | None = None) -> Node:
+                 scope: str, pos: Pos | None, name: str | None = None, origin: Pos | None = None,
+                 first: bool = False) -> Node:
+        """Append a node (``first``: put it at the front of the order, e.g. a cast of an input)."""
         base = name or (f"{scope}/{op}" if scope else op)
         node_name = self.unique_name(base)
         outs = []
         for i, t in enumerate(out_types):
             vname = node_name if len(out_types) == 1 else f"{node_name}:{i}"
             vname = self.unique_name(vname) if vname != node_name else vname
-            self.values[vname] = Value(vname, t, "node", node_name)
+            self._add_value(Value(vname, t, "node", node_name))
             outs.append(vname)
         node = Node(node_name, op, list(inputs), outs, dict(attrs), scope, pos, origin or pos)
-        self.nodes[node_name] = node
-        self.nx.add_node(node_name)
-        for inp in inputs:
-            prod = self.values[inp].producer
-            if prod is not None:
-                self.nx.add_edge(prod, node_name, value=inp)
+        if first:
+            self.nodes = {node_name: node, **self.nodes}
+            self._ends[0] -= 1
+            self._pos[node_name] = self._ends[0]
+        else:
+            self.nodes[node_name] = node
+            self._pos[node_name] = self._ends[1]
+            self._ends[1] += 1
+        self._link(node)
         return node
 
+    def _link(self, node: Node) -> None:
+        vertex = ("n", node.name)
+        self.nx.add_node(vertex)
+        for inp in node.inputs:
+            self.nx.add_edge(("v", inp), vertex)
+        for out in node.outputs:
+            self.nx.add_edge(vertex, ("v", out))
+
+    def _unlink_inputs(self, node: Node) -> None:
+        vertex = ("n", node.name)
+        self.nx.remove_edges_from([(u, vertex) for u in list(self.nx.predecessors(vertex))])
+
     # ---------------------------------------------------------------- rewriting (used by passes)
-    def replace_node(self, old: str, op: str, inputs: list[str], attrs: dict, keep_outputs: bool = True) -> Node:
+    def replace_node(self, old: str, op: str, inputs: list[str], attrs: dict) -> Node:
         """Put a new node where ``old`` was (same position, same output values), e.g. a fused kernel."""
         prev = self.nodes[old]
         node = Node(prev.name, op, list(inputs), list(prev.outputs), dict(attrs), prev.scope, prev.pos, prev.origin)
-        self.nodes = {k: (node if k == old else v) for k, v in self.nodes.items()}
-        self._rebuild_nx()
+        self._unlink_inputs(prev)
+        self.nodes[old] = node  # same key: the position in the order is kept
+        self._link(node)
         return node
+
+    def replace_uses(self, value: str, new: str, users: list[Node]) -> None:
+        """Make ``users`` read ``new`` where they read ``value``."""
+        for u in users:
+            u.inputs = [new if i == value else i for i in u.inputs]
+            self.nx.remove_edge(("v", value), ("n", u.name))
+            self.nx.add_edge(("v", new), ("n", u.name))
 
     def remove_nodes(self, names) -> None:
         """Drop nodes whose outputs nobody uses any more."""
         names = set(names)
         for n in names:
             for o in self.nodes[n].outputs:
-                users = [u.name for u in self.nodes.values() if o in u.inputs and u.name not in names]
+                users = [u.name for u in self.consumers(o) if u.name not in names]
                 if users or o in self.outputs:
                     raise ValueError(f"cannot remove {n}: {o} is still used by {users or 'the outputs'}")
         for n in names:
             for o in self.nodes[n].outputs:
                 del self.values[o]
+                self.nx.remove_node(("v", o))
             del self.nodes[n]
-        self._rebuild_nx()
+            del self._pos[n]
+            self.nx.remove_node(("n", n))
 
     def prune_constants(self) -> None:
         """Drop constants that no node reads any more (after a rewrite)."""
-        used = {v for n in self.nodes.values() for v in n.inputs}
-        for name in [c for c in self.consts if c not in used]:
+        for name in [c for c in self.consts if self.nx.out_degree(("v", c)) == 0]:
             del self.consts[name]
             del self.values[name]
+            self.nx.remove_node(("v", name))
 
-    def _rebuild_nx(self) -> None:
-        self.nx = nx.DiGraph()
-        for node in self.nodes.values():
-            self.nx.add_node(node.name)
-            for inp in node.inputs:
-                prod = self.values[inp].producer
-                if prod is not None:
-                    self.nx.add_edge(prod, node.name, value=inp)
+    def live_nodes(self) -> set[str]:
+        """Nodes some graph output depends on."""
+        seen = {("v", o) for o in self.outputs}
+        stack = list(seen)
+        while stack:  # one backwards search from all outputs at once
+            for p in self.nx.predecessors(stack.pop()):
+                if p not in seen:
+                    seen.add(p)
+                    stack.append(p)
+        return {name for kind, name in seen if kind == "n"}
+
+    def eliminate_dead_nodes(self) -> list[str]:
+        """Remove nodes no graph output depends on (and constants left unread); return their names."""
+        live = self.live_nodes()
+        dead = [n for n in self.nodes if n not in live]
+        if dead:
+            self.remove_nodes(dead)
+            self.prune_constants()
+        return dead
+
+    def topological_order(self) -> list[str]:
+        """Node names in a topological order; ties go to the current order of ``nodes``, so a graph
+        already in topological order keeps it exactly (and its export stays byte-identical)."""
+        pos = self._pos
+        first = float("-inf")  # graph inputs, parameters and constants come before every node
+        vpos = {v: (pos[p], i) if (p := self.values[v].producer) is not None else (first, i)
+                for i, v in enumerate(self.values)}
+
+        def key(vertex):
+            kind, name = vertex
+            return (pos[name], -1) if kind == "n" else vpos[name]
+
+        return [name for kind, name in nx.lexicographical_topological_sort(self.nx, key=key) if kind == "n"]
+
+    def sort(self) -> None:
+        """Reorder ``nodes`` topologically (a no-op on a graph already in order)."""
+        order = self.topological_order()
+        if order != list(self.nodes):
+            self.nodes = {name: self.nodes[name] for name in order}
+            self._pos = {name: i for i, name in enumerate(order)}
+            self._ends = [0, len(order)]
+
+    def cycle(self) -> list[str] | None:
+        """Node names on a dataflow cycle, or None (a rewrite must never make one)."""
+        if nx.is_directed_acyclic_graph(self.nx):  # linear time; find_cycle only to name one
+            return None
+        edges = nx.find_cycle(self.nx)
+        return [v[1] for v, _ in edges if v[0] == "n"]
+
+    def copy(self) -> "Graph":
+        """An independent copy: rewriting it leaves this graph as it was (constant arrays are shared,
+        never written in place)."""
+        g = Graph(self.name)
+        g.values = {k: Value(v.name, v.type, v.kind, v.producer) for k, v in self.values.items()}
+        g.nodes = {k: Node(n.name, n.op, list(n.inputs), list(n.outputs), copy.deepcopy(n.attrs), n.scope,
+                           n.pos, n.origin) for k, n in self.nodes.items()}
+        g.params = {k: dataclasses.replace(p) for k, p in self.params.items()}
+        g.consts = dict(self.consts)
+        g.inputs, g.outputs, g.symbols = list(self.inputs), list(self.outputs), dict(self.symbols)
+        g.nx = self.nx.copy()
+        g._pos, g._ends = dict(self._pos), list(self._ends)
+        return g
 
     def producer(self, value: str) -> Node | None:
         p = self.values[value].producer
@@ -199,7 +292,11 @@ class Graph:
         return self.values[value].type
 
     def consumers(self, value: str) -> list[Node]:
-        return [n for n in self.nodes.values() if value in n.inputs]
+        """The nodes reading ``value``, in graph order (an adjacency lookup in ``nx``)."""
+        users = [self.nodes[name] for _, name in self.nx.successors(("v", value))]
+        if len(users) > 1:
+            users.sort(key=lambda n: self._pos[n.name])
+        return users
 
     def param_count(self) -> int:
         return sum(p.numel for p in self.params.values())

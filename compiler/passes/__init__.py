@@ -1,5 +1,6 @@
-"""Graph passes. Each pass follows one contract (see base.Pass): requires, run, ensures."""
+"""Graph passes. Each pass follows one contract (see base.Pass): requires, run, ensures; a
+PassManager runs a declared list of them (pipeline.build_pipeline) and returns every result."""
 
-from .base import Pass, PassError, PassResult, run_passes
+from .base import Pass, PassError, PassManager, PassResult, PipelineResult, run_passes
 
-__all__ = ["Pass", "PassError", "PassResult", "run_passes"]
+__all__ = ["Pass", "PassError", "PassManager", "PassResult", "PipelineResult", "run_passes"]

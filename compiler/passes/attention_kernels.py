@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from tessera.compiler.ir import dims
 from tessera.compiler.ir.graph import Graph, Node
 from tessera.compiler.passes.base import Pass, PassError, PassResult
-from tessera.compiler.passes.fuse_attention import AttentionSite
+from tessera.compiler.patterns.attention import recognise
 
 KERNELS = ("gqa", "mha", "portable")
 
@@ -104,22 +104,31 @@ def choose(node: Node, graph: Graph, target: Target) -> tuple[str, str]:
     return "portable", f"Tessera's tiled kernel: onnxruntime's contrib kernels would not be tiled here ({reason})"
 
 
+@dataclass(frozen=True)
+class KernelChoice:
+    """The kernel-selection pass's note for one fused_attention node."""
+
+    node: str
+    impl: str
+    reason: str
+
+
 class ChooseAttentionKernels(Pass):
-    """Set impl, q_tile and k_tile on every fused_attention node."""
+    """Set impl, q_tile and k_tile on every fused attention the recogniser finds; notes: a KernelChoice each."""
 
     name = "choose-attention-kernels"
 
-    def __init__(self, target: Target = Target(), force: str | None = None, sites: list[AttentionSite] | None = None):
+    def __init__(self, target: Target = Target(), force: str | None = None):
         if force is not None and force not in KERNELS:
             raise PassError(f"unknown attention kernel '{force}' (choose from {', '.join(KERNELS)}, or unfused)")
-        self.target, self.force, self.sites = target, force, sites or []
+        self.target, self.force = target, force
 
     def run(self, graph: Graph) -> PassResult:
-        by_node = {s.node: s for s in self.sites if s.fused}
-        changed = False
-        for node in graph.nodes.values():
-            if node.op != "fused_attention":
+        choices, changed = [], False
+        for cand in recognise(graph):
+            if cand.match is None or not cand.match.fused:
                 continue
+            node = cand.node
             if self.force:
                 problem = why_not(self.force, node, graph, self.target)
                 if problem:
@@ -128,10 +137,10 @@ class ChooseAttentionKernels(Pass):
                 impl, reason = self.force, "forced by --attention"
             else:
                 impl, reason = choose(node, graph, self.target)
-            hd = graph.type_of(node.inputs[0]).shape[-1]
+            hd = graph.type_of(cand.match.q).shape[-1]
             br, bc = tile_sizes(self.target, int(hd) if dims.is_static(hd) else 64)
-            node.attrs.update(impl=impl, q_tile=br, k_tile=bc)
-            changed = True
-            if node.name in by_node:
-                by_node[node.name].impl, by_node[node.name].impl_reason = impl, reason
-        return PassResult(graph, changed, self.sites)
+            chosen = {"impl": impl, "q_tile": br, "k_tile": bc}
+            changed = changed or any(node.attrs.get(k) != v for k, v in chosen.items())
+            node.attrs.update(chosen)
+            choices.append(KernelChoice(node.name, impl, reason))
+        return PassResult(graph, changed, choices)

@@ -23,6 +23,12 @@ class LowerPrecision(Pass):
             raise PassError(f"--dtype {dtype}: export supports fp32 and {', '.join(SUPPORTED)}")
         self.dtype = SUPPORTED[dtype]
 
+    def requires(self, graph: Graph) -> None:
+        # the frontend makes every parameter f32: one at the lower precision means this pass ran already
+        lowered = next((p.path for p in graph.params.values() if p.dtype == self.dtype), None)
+        if lowered:
+            raise PassError(f"the graph is already lowered to {self.dtype} (parameter {lowered})")
+
     def run(self, graph: Graph) -> PassResult:
         low = self.dtype
         changed = False
@@ -36,11 +42,8 @@ class LowerPrecision(Pass):
                 continue
             users = graph.consumers(name)
             cast = graph.add_node("cast", [name], [lower(graph.type_of(name))], {"dtype": low}, "", None,
-                                  name=f"{name}/to_{low}")
-            for u in users:
-                u.inputs = [cast.outputs[0] if i == name else i for i in u.inputs]
-            # keep creation order topological: move the cast to the front
-            graph.nodes = {cast.name: cast, **{k: v for k, v in graph.nodes.items() if k != cast.name}}
+                                  name=f"{name}/to_{low}", first=True)  # at the front: the order stays topological
+            graph.replace_uses(name, cast.outputs[0], users)
             changed = True
         for p in graph.params.values():
             if p.dtype == "f32":
@@ -63,5 +66,4 @@ class LowerPrecision(Pass):
                     node.op, node.attrs = "cast", {"dtype": "f32"}  # the output identity casts back
                     continue
                 v.type = lower(v.type)
-        graph._rebuild_nx()
         return PassResult(graph, changed)

@@ -1,0 +1,414 @@
+"""The one attention recogniser: what is scaled-dot-product attention, and can one kernel replace it.
+
+Used by the fusion pass (passes/fuse_attention.py), the kernel choice
+(passes/attention_kernels.py) and the report's structure analysis
+(analysis/structure.py), so ``--explain`` and the report always agree on which
+softmax is attention and what it covers. It lives in patterns/, below both
+passes/ and analysis/, because neither may import the other.
+
+A match starts at a softmax. Forward, the weights must reach a matmul as its
+left operand (the ·V matmul), optionally through pass-through ops. Backward,
+the walk follows the scores through ``SCORE_RULES`` to the Q·Kᵀ matmul. The
+table is tinygrad-pattern-matcher style, one row per op that may sit on the
+score path: (op, check, absorb, scores), where
+
+- ``check`` says why the fused kernel cannot absorb that node (None: it can),
+- ``absorb`` records what the node contributes to the fused node (the
+  rewrite description: scale, causal window, padding mask, additive bias),
+- ``scores`` names the operand that carries the scores, so the walk goes on.
+
+An op missing from the table ends the walk: that softmax is not attention
+(``NoMatch`` with the reason). A failed ``check`` does not: the site is still
+attention (the report counts its N² work and its KV cache) but the match keeps
+the first reason no fused kernel can replace it, which ``--explain`` prints.
+
+``s - c`` with a scalar constant c is fused as an additive bias of -c: IEEE
+subtraction of c equals addition of -c, so the bias step is exact and the fused
+site differs from the unfused graph only as every fused site does (the order the
+scale is applied in). Refusing it instead would be wrong in the other direction:
+softmax is shift-invariant, so the site is attention either way. A tensor
+subtracted from the scores is refused (the kernel adds its bias), by fusion and
+report alike.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import networkx as nx
+import numpy as np
+
+from tessera.compiler.ir import dims
+from tessera.compiler.ir.graph import Graph, Node
+
+# Local op traits (kept here until ops/ has a registry). Ops that only convert or relabel a tensor:
+# the weights may pass through them on the way to ·V (the site is still attention, not fusable).
+PASS_THROUGH = {"cast", "identity"}
+# The op a fused kernel is made into, and the one a fused site is read back from.
+FUSED_OP = "fused_attention"
+
+
+@dataclass
+class AttentionMatch:
+    """One attention: scores = Q·Kᵀ, then the score path, softmax, then ·V."""
+
+    anchor: str                  # the softmax (the fused_attention node itself once fused)
+    score: str = ""              # the Q·Kᵀ matmul (the fused node once fused)
+    value: str = ""              # the ·V matmul (the fused node once fused)
+    q: str = ""
+    k: str = ""                  # keys as the fused kernel takes them (no transpose, no absorbed repeat_kv)
+    v: str = ""
+    k_operand: str = ""          # what the Q·Kᵀ matmul reads as Kᵀ (before fusion), for tracing the cache
+    scale: float = 1.0
+    causal: bool = False
+    window: int = 0
+    mask: str | None = None      # padding mask [B, Tk]
+    bias: str | None = None      # additive bias tensor
+    bias_const: float | None = None  # a scalar added to the scores (``s - c``: -c); rewrite makes a constant
+    heads: int | None = None
+    kv_heads: int | None = None
+    path: list[str] = field(default_factory=list)      # score-path nodes, Q·Kᵀ side first
+    forward: list[str] = field(default_factory=list)   # pass-through nodes between softmax and ·V
+    internal: list[str] = field(default_factory=list)  # the score-shaped values (scores ... weights)
+    covered: list[str] = field(default_factory=list)   # nodes a fused node replaces (besides ·V, whose place it takes)
+    fused: bool = False          # already one fused_attention node
+    reason: str = ""             # the first reason no fused kernel can replace it ("" when one can)
+    scaled: bool = False         # walking back, a scale was passed (a bias before it is not absorbable)
+
+    @property
+    def fusable(self) -> bool:
+        return not self.fused and not self.reason
+
+    @property
+    def core_nodes(self) -> list[str]:
+        """Q·Kᵀ, the score path, softmax, pass-throughs and ·V, in graph order."""
+        if self.fused:
+            return [self.anchor]
+        return [self.score, *self.path, self.anchor, *self.forward, self.value]
+
+    def fail(self, reason: str | None) -> None:
+        if reason and not self.reason:
+            self.reason = reason
+
+
+class NoMatch(Exception):
+    """The softmax is not attention; the message says why."""
+
+
+@dataclass
+class Candidate:
+    """A softmax (or fused_attention node) the recogniser looked at, and its verdict."""
+
+    node: Node
+    match: AttentionMatch | None
+    reason: str = ""  # why it is not attention, or why it cannot be fused
+
+    @property
+    def fusable(self) -> bool:
+        return self.match is not None and self.match.fusable
+
+
+# ------------------------------------------------------------------ score rules: (op, check, absorb, scores)
+def _scalar_const(g: Graph, value: str) -> float | None:
+    arr = g.consts.get(value)
+    if arr is None or arr.size != 1:
+        return None
+    return float(np.asarray(arr).reshape(()))
+
+
+def _looks_like_scores(g: Graph, n: Node, value: str) -> bool:
+    p = g.producer(value)
+    return dims.shapes_equal(g.type_of(value).shape, g.type_of(n.outputs[0]).shape) and p is not None \
+        and (p.op in SCORE_RULES or p.op == "matmul")
+
+
+def _scores_of_binary(g: Graph, n: Node) -> str:
+    """The operand of an elementwise op that carries the scores (the left one when both could)."""
+    if _scalar_const(g, n.inputs[1]) is not None:
+        return n.inputs[0]
+    if _scalar_const(g, n.inputs[0]) is not None:
+        return n.inputs[1]
+    if _looks_like_scores(g, n, n.inputs[0]) or not _looks_like_scores(g, n, n.inputs[1]):
+        return n.inputs[0]
+    return n.inputs[1]
+
+
+def _first(g: Graph, n: Node) -> str:
+    return n.inputs[0]
+
+
+def _check_scale(g: Graph, n: Node, m: AttentionMatch) -> str | None:
+    if _scalar_const(g, n.inputs[1]) is None and _scalar_const(g, n.inputs[0]) is None:
+        return f"scores are {'multiplied' if n.op == 'mul' else 'divided'} by a tensor, not a constant " \
+               f"(a multiplicative mask is not additive)"
+    if n.op == "div" and _scalar_const(g, n.inputs[1]) is None:
+        return "scores divide a constant (not a scale)"
+    return None
+
+
+def _absorb_scale(g: Graph, n: Node, m: AttentionMatch) -> None:
+    c = _scalar_const(g, n.inputs[1])
+    c = _scalar_const(g, n.inputs[0]) if c is None else c
+    m.scale *= (1.0 / c) if n.op == "div" else c
+    m.scaled = True
+
+
+def _check_causal(g: Graph, n: Node, m: AttentionMatch) -> str | None:
+    return "two causal masks on one score matrix" if m.causal else None
+
+
+def _absorb_causal(g: Graph, n: Node, m: AttentionMatch) -> None:
+    m.causal, m.window = True, int(n.attrs.get("window") or 0)
+
+
+def _check_padding(g: Graph, n: Node, m: AttentionMatch) -> str | None:
+    return "two padding masks on one score matrix" if m.mask else None
+
+
+def _absorb_padding(g: Graph, n: Node, m: AttentionMatch) -> None:
+    m.mask = n.inputs[1]
+
+
+def _check_one_bias(m: AttentionMatch) -> str | None:
+    if m.bias is not None or m.bias_const is not None:
+        return "two additive biases on one score matrix"
+    if m.scaled:  # walking backwards: a scale seen already comes after this bias in the graph
+        return "a bias is added before the scores are scaled"
+    return None
+
+
+def _check_bias(g: Graph, n: Node, m: AttentionMatch) -> str | None:
+    reason = _check_one_bias(m)
+    if reason:
+        return reason
+    scores = _scores_of_binary(g, n)
+    other = n.inputs[1] if scores == n.inputs[0] else n.inputs[0]
+    if g.type_of(other).rank > g.type_of(n.outputs[0]).rank:
+        return "the added tensor is larger than the scores"
+    return None
+
+
+def _absorb_bias(g: Graph, n: Node, m: AttentionMatch) -> None:
+    scores = _scores_of_binary(g, n)
+    m.bias = n.inputs[1] if scores == n.inputs[0] else n.inputs[0]
+
+
+def _check_sub(g: Graph, n: Node, m: AttentionMatch) -> str | None:
+    if _scores_of_binary(g, n) != n.inputs[0]:
+        return "the scores are subtracted from a tensor (negated), which the fused kernel cannot express"
+    if _scalar_const(g, n.inputs[1]) is None:
+        return f"a tensor ({n.inputs[1]}) is subtracted from the scores; the fused kernel adds a bias, " \
+               f"it does not subtract one"
+    return _check_one_bias(m)
+
+
+def _absorb_sub(g: Graph, n: Node, m: AttentionMatch) -> None:
+    m.bias_const = -_scalar_const(g, n.inputs[1])  # s - c == s + (-c), bit for bit
+
+
+def _check_pass_through(g: Graph, n: Node, m: AttentionMatch) -> str | None:
+    return f"the scores pass through {n.op} ({n.name}), which the fused kernel cannot express"
+
+
+def _absorb_nothing(g: Graph, n: Node, m: AttentionMatch) -> None:
+    return None
+
+
+Check = Callable[[Graph, Node, AttentionMatch], "str | None"]
+Absorb = Callable[[Graph, Node, AttentionMatch], None]
+Scores = Callable[[Graph, Node], str]
+
+
+@dataclass(frozen=True)
+class ScoreRule:
+    check: Check    # why the fused kernel cannot absorb this node (None: it can)
+    absorb: Absorb  # what the node contributes to the fused node
+    scores: Scores  # the operand carrying the scores: where the walk goes next
+
+
+SCORE_RULES: dict[str, ScoreRule] = {
+    "mul": ScoreRule(_check_scale, _absorb_scale, _scores_of_binary),
+    "div": ScoreRule(_check_scale, _absorb_scale, _scores_of_binary),
+    "causal_mask": ScoreRule(_check_causal, _absorb_causal, _first),
+    "padding_mask": ScoreRule(_check_padding, _absorb_padding, _first),
+    "add": ScoreRule(_check_bias, _absorb_bias, _scores_of_binary),
+    "sub": ScoreRule(_check_sub, _absorb_sub, _scores_of_binary),
+    # attention all the same, but no fused kernel converts or renames its scores
+    "cast": ScoreRule(_check_pass_through, _absorb_nothing, _first),
+    "identity": ScoreRule(_check_pass_through, _absorb_nothing, _first),
+}
+
+
+# ------------------------------------------------------------------ checks on the whole match
+def _exposed(g: Graph, value: str, what: str) -> str | None:
+    """Why ``value`` cannot stay inside a fused kernel: a model output, or read by more than one node."""
+    users = g.consumers(value)
+    outputs = [u.outputs[0] for u in users if u.op == "identity" and u.outputs[0] in g.outputs]
+    if value in g.outputs or outputs:
+        return f"{what}: also a model output ({', '.join(outputs) or value}), which a fused kernel never forms"
+    if len(users) != 1:
+        return f"{what}: read by {len(users)} nodes ({', '.join(u.name for u in users)}), not only by " \
+               f"the next step of attention"
+    return None
+
+
+def _only_user(g: Graph, value: str) -> bool:
+    return len(g.consumers(value)) == 1 and value not in g.outputs
+
+
+def _escapes(g: Graph, m: AttentionMatch) -> str | None:
+    """Reachability on the graph's networkx view: the covered nodes must be read only inside the match,
+    and the mask and bias must not depend on them (the fused node would feed itself)."""
+    inside = set(m.covered) | {m.value}
+    for name in m.covered:
+        for out in g.nodes[name].outputs:
+            for _, user in g.nx.successors(("v", out)):
+                if user not in inside:
+                    return f"{out} is read by {user}, outside the attention"
+    for extra in (m.mask, m.bias):
+        if extra is not None and any(kind == "n" and name in inside
+                                     for kind, name in nx.ancestors(g.nx, ("v", extra))):
+            return f"{extra} is computed from the attention's own scores"
+    return None
+
+
+# ------------------------------------------------------------------ the matcher
+def match(g: Graph, softmax: Node) -> AttentionMatch:
+    """The attention around one softmax (its ``reason`` set when no fused kernel can replace it),
+    or raise NoMatch(reason) when it is not attention."""
+    m = AttentionMatch(anchor=softmax.name)
+    s_type = g.type_of(softmax.inputs[0])
+    rank = s_type.rank
+    # forward: the weights reach a matmul, as its left operand
+    probs = softmax.outputs[0]
+    m.internal.append(probs)
+    what = "the attention weights"
+    for _ in range(4):
+        m.fail(_exposed(g, probs, what))
+        users = g.consumers(probs)
+        pv = next((u for u in users if u.op == "matmul" and u.inputs[0] == probs), None)
+        if pv is not None:
+            break
+        through = [u for u in users if u.op in PASS_THROUGH and u.outputs[0] not in g.outputs]
+        if len(through) != 1:
+            raise NoMatch(f"{what} feed {users[0].op if users else 'nothing'}, not a matmul with V")
+        m.fail(f"the attention weights pass through {through[0].op} ({through[0].name}) before the matmul with V")
+        m.forward.append(through[0].name)
+        probs = through[0].outputs[0]
+        m.internal.append(probs)
+        what = f"the attention weights ({probs})"
+    else:
+        raise NoMatch("the attention weights reach no matmul with V")
+    m.value, m.v = pv.name, pv.inputs[1]
+    if rank < 2:
+        raise NoMatch("softmax over a vector, not a score matrix")
+    axis = softmax.attrs["axis"] % rank
+    if axis == rank - 2:
+        m.fail("softmax over the query axis (attention normalises over the key axis, -1)")
+    elif axis != rank - 1:
+        m.fail(f"softmax over axis {softmax.attrs['axis']}, not the key axis (-1)")
+    if rank != 4:
+        m.fail(f"scores of rank {rank}; the fused kernel takes heads: [B, H, Tq, Tk]")
+    # backward: through the score rules to the Q·Kᵀ matmul
+    cur = softmax.inputs[0]
+    path = []
+    while True:
+        node = g.producer(cur)
+        if node is None:
+            raise NoMatch(f"the scores are a graph input or constant ({cur}), not computed from Q and K")
+        m.internal.append(cur)
+        m.fail(_exposed(g, cur, f"the scores ({cur})"))
+        if node.op == "matmul":
+            break
+        rule = SCORE_RULES.get(node.op)
+        if rule is None:
+            raise NoMatch(f"the scores pass through {node.op} ({node.name}), which the fused kernel cannot express")
+        reason = rule.check(g, node, m)
+        if reason:
+            m.fail(reason)
+        else:
+            rule.absorb(g, node, m)
+        path.append(node.name)
+        cur = rule.scores(g, node)
+    qk = node
+    m.score, m.path = qk.name, path[::-1]
+    m.q, m.k_operand = qk.inputs[0], qk.inputs[1]
+    m.covered = [qk.name, *m.path, softmax.name, *m.forward]
+    kt = g.producer(qk.inputs[1])
+    if kt is None or kt.op != "transpose" or list(kt.attrs["perm"][-2:]) != [rank - 1, rank - 2] \
+            or list(kt.attrs["perm"][:-2]) != list(range(rank - 2)):
+        m.fail("the scores are not Q·Kᵀ: the right operand is not K with its last two axes swapped")
+        m.k = qk.inputs[1]
+    else:
+        m.k = kt.inputs[0]
+        if _only_user(g, kt.outputs[0]):
+            m.covered.append(kt.name)
+    q_t, k_t, v_t = g.type_of(m.q), g.type_of(m.k), g.type_of(m.v)
+    if not dims.equal(k_t.shape[-2], v_t.shape[-2]):
+        m.fail("K and V have different lengths")
+    if m.causal and not (dims.dim(k_t.shape[-2]) - dims.dim(q_t.shape[-2])).is_nonnegative:
+        m.fail(f"a causal mask where the keys ({dims.fmt(k_t.shape[-2])}) may be fewer than the queries "
+               f"({dims.fmt(q_t.shape[-2])}): leading rows would see no key")
+    if m.mask is not None and g.type_of(m.mask).rank != 2:
+        m.fail("the padding mask is not [B, Tk]")
+    if rank == 4 and q_t.rank != 4:
+        m.fail("the queries are not [B, H, Tq, hd]")
+    elif rank == 4 and not dims.is_static(q_t.shape[1]):
+        m.fail("the number of heads is not fixed")
+    elif rank == 4:
+        m.heads = m.kv_heads = int(q_t.shape[1])
+        # grouped-query attention: K and V both repeated from fewer heads
+        rk, rv = g.producer(m.k), g.producer(m.v)
+        if rk is not None and rv is not None and rk.op == rv.op == "repeat_kv" and \
+                rk.attrs["times"] == rv.attrs["times"] and _only_user(g, rk.outputs[0]) and \
+                _only_user(g, rv.outputs[0]):
+            m.k, m.v = rk.inputs[0], rv.inputs[0]
+            m.kv_heads = m.heads // rk.attrs["times"]
+            m.covered += [rk.name, rv.name]
+    if not m.reason:
+        m.fail(_escapes(g, m))
+    return m
+
+
+def from_fused(g: Graph, n: Node) -> AttentionMatch:
+    """A fused_attention node read back as a match (its attributes are the match's fields)."""
+    a = n.attrs
+    extra = list(n.inputs[3:])
+    mask = extra.pop(0) if a.get("padding") else None
+    bias = extra.pop(0) if a.get("bias") else None
+    return AttentionMatch(
+        anchor=n.name, score=n.name, value=n.name, q=n.inputs[0], k=n.inputs[1], v=n.inputs[2],
+        k_operand=n.inputs[1], scale=float(a.get("scale", 1.0)), causal=bool(a.get("causal")),
+        window=int(a.get("window") or 0), mask=mask, bias=bias, heads=a.get("heads"),
+        kv_heads=a.get("kv_heads"), covered=[n.name], fused=True)
+
+
+def recognise(g: Graph) -> list[Candidate]:
+    """Every softmax and fused_attention node in graph order, with its verdict."""
+    out = []
+    for n in list(g.nodes.values()):
+        if n.op == FUSED_OP:
+            out.append(Candidate(n, from_fused(g, n)))
+        elif n.op == "softmax":
+            try:
+                m = match(g, n)
+                out.append(Candidate(n, m, m.reason))
+            except NoMatch as e:
+                out.append(Candidate(n, None, str(e)))
+    return out
+
+
+def rewrite(m: AttentionMatch) -> tuple[str, list[str], dict]:
+    """The fused node that replaces a fusable match: (op, inputs, attrs). A scalar bias
+    (``bias_const``) must first be made a constant by the caller and passed as ``m.bias``."""
+    if m.bias_const is not None and m.bias is None:
+        raise ValueError("make the scalar bias a constant first")
+    inputs = [m.q, m.k, m.v] + ([m.mask] if m.mask else []) + ([m.bias] if m.bias else [])
+    attrs = {"scale": m.scale, "causal": m.causal, "window": m.window, "padding": m.mask is not None,
+             "bias": m.bias is not None, "heads": m.heads, "kv_heads": m.kv_heads}
+    return FUSED_OP, inputs, attrs
+
+
+__all__ = ["AttentionMatch", "Candidate", "NoMatch", "SCORE_RULES", "ScoreRule", "match", "from_fused",
+           "recognise", "rewrite"]
