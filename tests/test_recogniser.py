@@ -77,6 +77,19 @@ def test_report_fused_peak_is_what_fusion_makes_of_a_shifted_site():
     assert after["memory"][peak]["unfused"] == before["memory"][peak]["fused"]
 
 
+def test_report_fused_peak_of_a_refused_site_is_its_unfused_peak():
+    """The seed's worked example returns its attention weights, so fusion refuses it: the report's
+    fused figures must then be the unfused ones (the graph fusion returns is unchanged)."""
+    spec = Path(__file__).resolve().parents[1] / "models" / "worked_example.tsr"
+    g = build(spec)
+    assert not any(s.fused for s in optimize(g))
+    report = costreport.build_report(build(spec), "WorkedExample", None, {}, seq=512)
+    peak = report["memory"]["activations_peak_bytes"]
+    assert peak["fused"] == peak["unfused"]
+    after = costreport.build_report(g, "WorkedExample", None, {}, seq=512)
+    assert after["memory"]["activations_peak_bytes"]["unfused"] == peak["fused"]
+
+
 def test_tensor_shift_is_refused_by_both_with_one_reason():
     explain, report = verdicts(build(SHIFT, shift=False, tensor_shift=True))
     reason = "a tensor (t) is subtracted from the scores; the fused kernel adds a bias, it does not subtract one"

@@ -127,12 +127,12 @@ def kv_cache(graph: Graph, st: Structure, act_bytes: int) -> KVCache:
 
 def _internal_values(st: Structure) -> set[str]:
     """What a fused attention kernel never writes out: the N x N scores and probabilities."""
-    return {v for a in st.attention if a.value is not None for v in a.internal}
+    return {v for a in st.attention if a.value is not None and (a.fused or a.fusable) for v in a.internal}
 
 
 def _fused_layout(st: Structure) -> set[str]:
     """Transposes and head repeats of k and v that a fused kernel reads through in place."""
-    return {n for a in st.attention if a.value is not None for n in a.layout}
+    return {n for a in st.attention if a.value is not None and (a.fused or a.fusable) for n in a.layout}
 
 
 @dataclass
@@ -195,7 +195,7 @@ def saved_for_backward(graph: Graph, st: Structure, act_bytes: int, fused: bool,
     root = storage_roots(graph, _fused_layout(st) if fused else set())
     keep_from = set(graph.inputs) | st.data
     skip = _internal_values(st) if fused else set()
-    fused_cores = {a.score: a for a in st.attention if a.value is not None and (fused or a.fused)}
+    fused_cores = {a.score: a for a in st.attention if a.value is not None and (a.fused or a.fusable) and (fused or a.fused)}
     in_core = {n for a in fused_cores.values() for n in a.core_nodes}
     saved: set[str] = set()
     extra = Poly()

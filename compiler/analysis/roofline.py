@@ -212,7 +212,7 @@ def roofline(graph: Graph, st: Structure, costs: list[NodeCost], bindings: dict[
     prefill_unfused = sum(t for _, _, t in per_node.values())
 
     # ---------------------------------------------------------- prefill, attention fused
-    cores = [a for a in st.attention if a.value is not None]
+    cores = [a for a in st.attention if a.value is not None and (a.fused or a.fusable)]
     absorbed = {n for a in cores for n in (*a.core_nodes, *a.layout)}
     prefill_fused = sum(t for name, (_, _, t) in per_node.items() if name not in absorbed)
     fused_row = None
