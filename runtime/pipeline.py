@@ -29,7 +29,6 @@ class Built:
     graph: Graph
     info: ModelInfo
     spec_path: Path
-    attention_sites: list | None = None
 
 
 def parse_set(items: list[str], program: Program) -> dict:
@@ -140,7 +139,6 @@ def optimize(built: Built, args) -> None:
         sites = optimize_graph(built.graph, Target(getattr(args, "target", "cpu"), dtype), attention, lower_precision=True)
     except PassError as e:
         raise UsageError(str(e)) from None
-    built.attention_sites = sites
     if getattr(args, "explain", False):
         import sys
 

@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 
 from conftest import build
-from tessera.compiler.ops import rules as ops
+from tessera.compiler import ops
 from tessera.compiler.analysis.params import parameter_report
 
 SPECS = Path(__file__).resolve().parent / "specs"

@@ -11,7 +11,6 @@ Traffic is counted as bytes moved to and from main memory by ideal kernels at th
 
 from __future__ import annotations
 
-import math
 import os
 
 from tessera.compiler.ir import dims
@@ -82,4 +81,4 @@ def group_sites(section: dict) -> list[tuple[int, dict, list[str]]]:
     return [(len(v), v[0], [r["site"] for r in v]) for v in groups.values()]
 
 
-__all__ = ["attention_section", "group_sites", "math"]
+__all__ = ["attention_section", "group_sites"]

@@ -15,14 +15,14 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from tessera.compiler import ops
-from tessera.compiler.ir.graph import Graph
+from tessera.compiler.ir.graph import PRECISION_BYTES, Graph
 from tessera.compiler.analysis.poly import Poly, numel
 from tessera.compiler.analysis.structure import Structure
 
 # Ops whose output is a view of their input (no new memory): ONNX Reshape, Identity, Expand.
 ALIAS_OPS = ops.with_trait("alias")
 INT_BYTES = {"i64": 8, "i32": 4, "bool": 1}
-DTYPE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
+DTYPE_BYTES = PRECISION_BYTES
 
 
 def saved_values(node, needs_grad) -> list[str]:
@@ -36,11 +36,6 @@ def saved_values(node, needs_grad) -> list[str]:
         return saved(node, needs_grad)
     return [node.outputs[0] if pos == "out" else node.inputs[pos] for pos in saved
             if pos == "out" or pos < len(node.inputs)]
-
-
-def elem_bytes(graph: Graph, value: str, act_bytes: int) -> int:
-    dt = graph.type_of(value).dtype
-    return INT_BYTES.get(dt, act_bytes)
 
 
 def value_bytes(graph: Graph, value: str, act_bytes: int) -> Poly:
@@ -102,7 +97,6 @@ def constants_bytes(graph: Graph) -> int:
 class KVCache:
     bytes: Poly          # K and V of every cached attention at the graph's symbols
     attentions: int      # how many attentions keep a cache
-    per_attention: list[tuple[str, str | None]]  # (k value, v value)
 
 
 def kv_cache(graph: Graph, st: Structure, act_bytes: int) -> KVCache:
@@ -110,7 +104,7 @@ def kv_cache(graph: Graph, st: Structure, act_bytes: int) -> KVCache:
     (computed once from the encoder's output). Bidirectional self-attention is never decoded."""
     seen: set[str] = set()
     total = Poly()
-    used = []
+    attentions = 0
     for a in st.attention:
         if not (a.causal or a.cross):
             continue
@@ -121,8 +115,8 @@ def kv_cache(graph: Graph, st: Structure, act_bytes: int) -> KVCache:
                 total = total + value_bytes(graph, v, act_bytes)
                 pair.append(v)
         if pair:
-            used.append((a.k, a.v))
-    return KVCache(total, len(used), used)
+            attentions += 1
+    return KVCache(total, attentions)
 
 
 def _internal_values(st: Structure) -> set[str]:

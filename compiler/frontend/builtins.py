@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import math
 
-import numpy as np
 import sympy
 
 from tessera.compiler.ir import dims
@@ -445,4 +444,4 @@ def _static_last(call, x: Tensor) -> int:
     return int(x.type.shape[-1])
 
 
-__all__ = ["BUILTINS", "np"]
+__all__ = ["BUILTINS"]

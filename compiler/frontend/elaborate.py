@@ -23,7 +23,7 @@ from tessera.spec import Pos, Program, SpecError, ast, did_you_mean
 
 from tessera.compiler.ir import dims
 
-from tessera.compiler.ops import rules as ops
+from tessera.compiler import ops
 from tessera.compiler.frontend.builtins import BUILTINS
 from tessera.compiler.ir.graph import DTYPES, Graph, Param, SymbolSource, TensorType
 from tessera.compiler.frontend.values import REQUIRED, BlockRef, Builtin, Tensor, describe

@@ -30,6 +30,9 @@ from tessera.compiler.ir.dims import Shape
 DTYPES = {"f32": np.float32, "f16": np.float16, "bf16": None, "i64": np.int64, "i32": np.int32,
           "bool": np.bool_}
 FLOAT_DTYPES = {"f32", "f16", "bf16"}
+# Precisions as the command line, kernel choice and the report name them (--dtype fp32|fp16|bf16),
+# and their element sizes; IR tensor types spell them f32, f16, bf16.
+PRECISION_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
 
 
 @dataclass(frozen=True)

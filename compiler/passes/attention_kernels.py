@@ -27,7 +27,7 @@ import math
 from dataclasses import dataclass
 
 from tessera.compiler.ir import dims
-from tessera.compiler.ir.graph import Graph, Node
+from tessera.compiler.ir.graph import PRECISION_BYTES, Graph, Node
 from tessera.compiler.passes.base import Pass, PassError, PassResult
 from tessera.compiler.patterns.attention import recognise
 
@@ -35,7 +35,6 @@ KERNELS = ("gqa", "mha", "portable")
 
 # On-chip memory per target, bytes (CPU: a typical per-core L2; CUDA: H100/H200 SM shared memory).
 ON_CHIP_BYTES = {"cpu": 2 * 1024 * 1024, "cuda": 228 * 1024}
-DTYPE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
 
 
 @dataclass(frozen=True)
@@ -47,7 +46,7 @@ class Target:
 def tile_sizes(target: Target, head_size: int) -> tuple[int, int]:
     """(query tile Br, key tile Bc) from the FlashAttention rule, rounded down to powers of two."""
     m = ON_CHIP_BYTES[target.device]
-    bc = math.ceil(m / (4 * head_size * DTYPE_BYTES[target.dtype]))
+    bc = math.ceil(m / (4 * head_size * PRECISION_BYTES[target.dtype]))
     br = min(bc, head_size)
     pow2 = lambda n: 1 << max(4, int(math.floor(math.log2(max(n, 16)))))  # noqa: E731
     return pow2(br), pow2(bc)

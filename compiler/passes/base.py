@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from tessera.compiler.ops import rules as ops
+from tessera.compiler import ops
 from tessera.compiler.ir.graph import Graph
 
 

@@ -46,7 +46,6 @@ class _Builder:
         self._consts: dict[tuple, str] = {}
         self._dims: dict[sympy.Expr, str] = {}
         self.current = ""  # IR node being lowered, for node names
-        self._counter = 0
 
     def fresh(self, hint: str) -> str:
         base = f"{self.current}/{hint}" if self.current else hint
