@@ -77,9 +77,14 @@ def rope_tables(n: int, hd: int, theta: float, dtype=np.float32, scaling: tuple 
     return np.cos(emb).astype(dtype), np.sin(emb).astype(dtype)
 
 
-def _rope(x, theta, scaling=None):
+def _rope(x, theta, scaling=None, positions=None):
     n, hd = x.shape[-2], x.shape[-1]
-    cos, sin = rope_tables(n, hd, theta, x.dtype, scaling)
+    if positions is None:
+        cos, sin = rope_tables(n, hd, theta, x.dtype, scaling)
+    else:  # explicit positions [B, T] (a KV-cached graph: past length P > 0, left padding)
+        freqs = positions.astype(np.float32)[..., None] * rope_inv_freq(hd, theta, scaling)
+        emb = np.concatenate([freqs, freqs], axis=-1)[:, None]  # [B, 1, T, hd]
+        cos, sin = np.cos(emb).astype(x.dtype), np.sin(emb).astype(x.dtype)
     x1, x2 = x[..., : hd // 2], x[..., hd // 2:]
     rotated = np.concatenate([-x2, x1], axis=-1)
     return x * cos + rotated * sin
@@ -212,7 +217,7 @@ def run(graph: Graph, weights: dict[str, np.ndarray], feeds: dict[str, np.ndarra
             keep = (x[1] != 0)[:, None, None, :]
             y = np.where(keep, x[0], _min_value(x[0].dtype)).astype(x[0].dtype)
         elif op == "rope":
-            y = _rope(x[0], a["theta"], a.get("scaling"))
+            y = _rope(x[0], a["theta"], a.get("scaling"), x[1] if len(x) > 1 else None)
         elif op == "topk_gates":
             y = _topk_gates(x[0], a["k"])
         elif op == "arange":

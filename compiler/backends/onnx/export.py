@@ -249,8 +249,11 @@ def _lower(b: _Builder, node, out: str) -> None:
         inv_freq = rope_inv_freq(hd, a["theta"], a.get("scaling"))
         zero = b.const(np.array(0, dtype=np.int64), "zero")
         one = b.const(np.array(1, dtype=np.int64), "one")
-        pos = b.node("Cast", [b.node("Range", [zero, b.dim_scalar(n), one])[0]], to=TensorProto.FLOAT)[0]
-        pos = b.node("Unsqueeze", [pos, b.i64([1])])[0]
+        if len(x) > 1:  # explicit positions [B, T] (a KV-cached graph): tables [B, 1, T, hd]
+            pos = b.node("Unsqueeze", [b.node("Cast", [x[1]], to=TensorProto.FLOAT)[0], b.i64([1, 3])])[0]
+        else:
+            pos = b.node("Cast", [b.node("Range", [zero, b.dim_scalar(n), one])[0]], to=TensorProto.FLOAT)[0]
+            pos = b.node("Unsqueeze", [pos, b.i64([1])])[0]
         freqs = b.node("Mul", [pos, b.const(inv_freq[None, :], "inv_freq")])[0]
         emb = b.node("Concat", [freqs, freqs], axis=-1)[0]
         cos, sin = b.node("Cos", [emb])[0], b.node("Sin", [emb])[0]
