@@ -75,15 +75,18 @@ class CacheInfo:
     layers: list[CacheLayer] = field(default_factory=list)
     context: int | None = None  # rows of the learned position table, if any
     last_only: bool = False
+    mode: str = "buffer"
+    dtype: str = "f32"
 
     def to_json(self) -> dict:
         return {"tokens": self.tokens, "logits": self.logits, "context": self.context, "last_only": self.last_only,
-                "layers": [vars(layer) for layer in self.layers]}
+                "mode": self.mode, "dtype": self.dtype, "layers": [vars(layer) for layer in self.layers]}
 
     @classmethod
     def from_json(cls, data: dict) -> "CacheInfo":
         return cls(data["tokens"], data["logits"], [CacheLayer(**layer) for layer in data["layers"]],
-                   data.get("context"), data.get("last_only", False))
+                   data.get("context"), data.get("last_only", False), data.get("mode", "buffer"),
+                   data.get("dtype", "f32"))
 
     METADATA_KEY = "tessera.kv_cache"
 
@@ -111,8 +114,21 @@ def _propagate(g: Graph) -> None:
             _retype(g, o, t)
 
 
-def add_kv_cache(g: Graph, last_only: bool = False, impl: str = "cached") -> CacheInfo:
-    """Rewrite a fused decoder-only graph in place into its cached form; returns what the runtime needs."""
+CACHE_MODES = ("buffer", "concat")
+
+
+def add_kv_cache(g: Graph, last_only: bool = False, mode: str = "buffer", impl: str = "cached") -> CacheInfo:
+    """Rewrite a fused decoder-only graph in place into its cached form; returns what the runtime needs.
+
+    ``mode`` says what the graph gives back per layer. ``concat``: the present keys and values
+    [B, kv_heads, P+T, hd] (past and new concatenated), to be fed back as the next past -- simple,
+    but every step copies the whole cache. ``buffer``: only the new keys and values [B, kv_heads,
+    T, hd]; the past inputs are then a preallocated buffer of the maximum length (P = its
+    capacity), the runtime writes each step's new columns into it in place and the mask hides
+    the slots not filled yet. The attention kernel reads the past and the new columns separately,
+    so the cache is never copied."""
+    if mode not in CACHE_MODES:
+        raise CacheError(f"unknown cache mode '{mode}' (choose from {', '.join(CACHE_MODES)})")
     sites = [n for n in g.nodes.values() if n.op == "fused_attention"]
     if not sites:
         raise CacheError(f"model {g.name} has no fused attention to cache (is attention fused? --no-fuse "
@@ -140,7 +156,7 @@ def add_kv_cache(g: Graph, last_only: bool = False, impl: str = "cached") -> Cac
 
     g.add_input(MASK, TensorType("i64", (b_dim, p_dim + t_dim)))
     g.add_input(POSITIONS, TensorType("i64", (b_dim, t_dim)))
-    info = CacheInfo(tokens, logits, last_only=last_only)
+    info = CacheInfo(tokens, logits, last_only=last_only, mode=mode)
 
     # ---- positions: learned tables and rotary embeddings read position_ids
     for node in list(g.nodes.values()):
@@ -163,6 +179,7 @@ def add_kv_cache(g: Graph, last_only: bool = False, impl: str = "cached") -> Cac
     # ---- one additive mask for all layers: causal (offset P), window, padding
     windows = sorted({n.attrs["window"] for n in sites})
     dtype = g.type_of(sites[0].inputs[0]).dtype
+    info.dtype = dtype
     zero = g.add_const("cache/zero", np.zeros((), dtype=np.float16 if dtype == "f16" else np.float32), dtype)
     first = sites[0].name
     score_shape = (b_dim, dims.dim(1), t_dim, p_dim + t_dim)
@@ -184,16 +201,23 @@ def add_kv_cache(g: Graph, last_only: bool = False, impl: str = "cached") -> Cac
         q, k, v = node.inputs[:3]
         k_t, v_t = g.type_of(k), g.type_of(v)
         kv_heads, hd, hv = node.attrs["kv_heads"], int(k_t.shape[-1]), int(v_t.shape[-1])
-        layer = CacheLayer(node.name, f"past_key.{i}", f"past_value.{i}", f"present_key.{i}", f"present_value.{i}",
-                           kv_heads, hd, hv, node.attrs["window"])
-        for past, new, present, size in ((layer.past_key, k, layer.present_key, hd),
-                                         (layer.past_value, v, layer.present_value, hv)):
+        out_k, out_v = (f"present_key.{i}", f"present_value.{i}") if mode == "concat" else (f"key.{i}", f"value.{i}")
+        layer = CacheLayer(node.name, f"past_key.{i}", f"past_value.{i}", out_k, out_v, kv_heads, hd, hv,
+                           node.attrs["window"])
+        full = []
+        for past, new, out, size in ((layer.past_key, k, out_k, hd), (layer.past_value, v, out_v, hv)):
             g.add_input(past, TensorType(dtype, (b_dim, dims.dim(kv_heads), p_dim, dims.dim(size))))
             cat = g.add_node("concat", [past, new],
                              [TensorType(dtype, (b_dim, dims.dim(kv_heads), p_dim + t_dim, dims.dim(size)))],
-                             {"axis": 2}, node.scope, node.pos, name=present, origin=node.origin)
+                             {"axis": 2}, node.scope, node.pos, name=out if mode == "concat" else f"{out}/all",
+                             origin=node.origin)
             _insert_before(g, cat, node.name)
-        node.inputs = [q, layer.present_key, layer.present_value, masks[node.attrs["window"]]]
+            full.append(cat.outputs[0])
+            if mode == "buffer":  # the new columns only; the runtime writes them into its buffer
+                ident = g.add_node("identity", [new], [g.type_of(new)], {}, node.scope, node.pos, name=out,
+                                   origin=node.origin)
+                _insert_before(g, ident, node.name)
+        node.inputs = [q, full[0], full[1], masks[node.attrs["window"]]]
         node.attrs.update(causal=False, window=0, padding=False, bias=True, impl=impl)
         info.layers.append(layer)
     g.symbols["P"] = SymbolSource(info.layers[0].past_key, 2)
