@@ -109,13 +109,19 @@ def make_parser() -> argparse.ArgumentParser:
 
     ir = sub.add_parser("ir", help="print the elaborated IR graph of a spec")
     _model_args(ir, "spec file (.tsr)")
+    from . import generate_cli
+
+    generate_cli.add_parser(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = make_parser().parse_args(argv)
     try:
-        return {"compile": cmd_compile, "run": cmd_run, "report": report.cmd_report, "ir": cmd_ir}[args.command](args)
+        from .generate_cli import cmd_generate
+
+        return {"compile": cmd_compile, "run": cmd_run, "report": report.cmd_report, "ir": cmd_ir,
+                "generate": cmd_generate}[args.command](args)
     except SpecError as e:
         print(e.render(), file=sys.stderr)
     except (pipeline.UsageError, WeightsError, InputError) as e:
