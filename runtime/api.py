@@ -72,7 +72,7 @@ class Model:
 
     # ---------------------------------------------------------------- compile and run
     def _onnx(self, kv_cache: bool, attention: str = "auto", target: str = "cpu", dtype: str = "fp32",
-              last_only: bool = True, cache: str = "buffer"):
+              last_only: bool = True, cache: str = "auto"):
         from tessera.compiler.backends.onnx import export as onnx_export
         from tessera.compiler.passes.attention_kernels import Target
 
@@ -112,7 +112,7 @@ class Model:
         return run_session(self._session, feeds)
 
     # ---------------------------------------------------------------- generation
-    def cached(self, threads: int | None = None, cache: str = "buffer") -> gen.CachedModel:
+    def cached(self, threads: int | None = None, cache: str = "auto") -> gen.CachedModel:
         """The KV-cached decoder in an onnxruntime session (compiled once per thread count and cache mode)."""
         key = (threads, cache)
         if key not in self._cached:

@@ -178,7 +178,7 @@ class CachedModel:
         return run_session(self.session, feeds)
 
 
-def compile_cached(built, weights: dict[str, np.ndarray], last_only: bool = True, mode: str = "buffer",
+def compile_cached(built, weights: dict[str, np.ndarray], last_only: bool = True, mode: str = "auto",
                    target=None, dtype: str = "fp32"):
     """Fuse attention, add the KV cache and export: returns (onnx.ModelProto, CacheInfo). Rewrites built.graph."""
     from tessera.compiler.backends.onnx import export as onnx_export

@@ -57,8 +57,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="end a prompt's generation at this token id (repeatable)")
     g.add_argument("--format", choices=["text", "json"], default="text", help="output format (default text)")
     g.add_argument("--threads", type=int, default=None, help="onnxruntime intra-op threads (default: all cores)")
-    g.add_argument("--cache", choices=["buffer", "concat"], default="buffer",
-                   help="buffer: preallocated cache, written in place (default); concat: present = past + new")
+    g.add_argument("--cache", choices=["auto", "buffer", "concat"], default="auto",
+                   help="buffer: preallocated cache, written in place; concat: present = past + new, fed back; "
+                        "auto: buffer, or concat for sliding-window models (default)")
     g.add_argument("--quiet", "-q", action="store_true", help="no progress line on stderr")
     return g
 

@@ -16,7 +16,9 @@ import os
 import numpy as np
 import pytest
 
-from conftest import MODELS
+from conftest import MODELS, ROOT
+
+SPECS = ROOT / "tests" / "specs"
 from tessera.runtime import pipeline
 from tessera.runtime.generate import CachedModel, Sampling, compile_cached, generate, process_logits
 
@@ -60,7 +62,32 @@ def _llama(folder, scaled: bool):
     return model, "llama", "llama3_8b", sets
 
 
-FAMILIES = {"gpt2": lambda f: _gpt2(f), "llama3": lambda f: _llama(f, False), "llama31": lambda f: _llama(f, True)}
+def _mixtral(folder):
+    torch.manual_seed(0)
+    cfg = transformers.MixtralConfig(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                     num_key_value_heads=2, intermediate_size=48, num_local_experts=8,
+                                     num_experts_per_tok=2, rope_theta=1e6, rms_norm_eps=1e-5,
+                                     max_position_embeddings=128, sliding_window=None, router_jitter_noise=0.0,
+                                     tie_word_embeddings=False)
+    model = _perturb(transformers.MixtralForCausalLM(cfg).eval(), 0.05)
+    return model, "mixtral", "8x7b", ["vocab=256", "d=64", "layers=2", "heads=4", "kv_heads=2", "d_ff=48",
+                                      "experts=8", "top=2", "theta=1000000.0", "eps=1e-5"]
+
+
+def _mistral_window(folder):
+    """A sliding window of 8 positions, shorter than prompt + new tokens, so it hides keys while decoding."""
+    torch.manual_seed(0)
+    cfg = transformers.MistralConfig(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                     num_key_value_heads=2, intermediate_size=96, rope_theta=10000.0,
+                                     rms_norm_eps=1e-5, max_position_embeddings=128, sliding_window=8,
+                                     tie_word_embeddings=False)
+    model = _perturb(transformers.MistralForCausalLM(cfg).eval(), 0.05)
+    return model, SPECS / "mistral_window.tsr", None, ["vocab=256", "d=64", "layers=2", "heads=4", "kv_heads=2",
+                                                      "d_ff=96", "window=8", "eps=1e-5"]
+
+
+FAMILIES = {"gpt2": lambda f: _gpt2(f), "llama3": lambda f: _llama(f, False), "llama31": lambda f: _llama(f, True),
+            "mixtral": _mixtral, "mistral_window": _mistral_window}
 
 
 class Case:
@@ -71,7 +98,8 @@ class Case:
         self.vocab = self.hf.config.vocab_size
 
     def built(self):
-        return pipeline.build(MODELS / f"{self.spec}.tsr", self.variant, self.sets)
+        spec = self.spec if str(self.spec).endswith(".tsr") else MODELS / f"{self.spec}.tsr"
+        return pipeline.build(spec, self.variant, self.sets)
 
     def cached(self, **kw) -> CachedModel:
         built = self.built()
@@ -269,3 +297,19 @@ def test_process_logits_matches_transformers_warpers():
     assert (np.isinf(want) == np.isinf(got)).all()
     fin = np.isfinite(want)
     assert np.abs(want[fin] - got[fin]).max() < 1e-5
+
+
+def test_sliding_window_matters_and_uses_the_concat_cache(cases):
+    """The window test means something only if a longer window changes the tokens; and the buffer cache,
+    whose mask offset is its capacity, is not used for windowed models."""
+    case = cases("mistral_window")
+    model = case.cached()
+    assert model.info.mode == "concat"
+    prompts = case.prompts()
+    windowed = generate(model, prompts, 32).tokens
+    case.sets = [s if not s.startswith("window=") else "window=1000" for s in case.sets]
+    try:
+        wide = generate(case.cached(), prompts, 32).tokens
+    finally:
+        case.sets = [s if not s.startswith("window=") else "window=8" for s in case.sets]
+    assert windowed != wide

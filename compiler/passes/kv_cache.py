@@ -114,10 +114,10 @@ def _propagate(g: Graph) -> None:
             _retype(g, o, t)
 
 
-CACHE_MODES = ("buffer", "concat")
+CACHE_MODES = ("auto", "buffer", "concat")
 
 
-def add_kv_cache(g: Graph, last_only: bool = False, mode: str = "buffer", impl: str = "cached") -> CacheInfo:
+def add_kv_cache(g: Graph, last_only: bool = False, mode: str = "auto", impl: str = "cached") -> CacheInfo:
     """Rewrite a fused decoder-only graph in place into its cached form; returns what the runtime needs.
 
     ``mode`` says what the graph gives back per layer. ``concat``: the present keys and values
@@ -126,7 +126,10 @@ def add_kv_cache(g: Graph, last_only: bool = False, mode: str = "buffer", impl: 
     T, hd]; the past inputs are then a preallocated buffer of the maximum length (P = its
     capacity), the runtime writes each step's new columns into it in place and the mask hides
     the slots not filled yet. The attention kernel reads the past and the new columns separately,
-    so the cache is never copied."""
+    so the cache is never copied. ``auto`` (the default) is buffer, except for models with a
+    sliding window: the mask's causal offset is the past's length, which in buffer mode is the
+    buffer's capacity rather than the filled slots, so a window would be measured from the wrong
+    place; they take concat, where the past is exactly the filled positions."""
     if mode not in CACHE_MODES:
         raise CacheError(f"unknown cache mode '{mode}' (choose from {', '.join(CACHE_MODES)})")
     sites = [n for n in g.nodes.values() if n.op == "fused_attention"]
@@ -150,6 +153,11 @@ def add_kv_cache(g: Graph, last_only: bool = False, mode: str = "buffer", impl: 
         raise CacheError(f"generation needs one output of logits [B, T, vocab]; {g.name} gives "
                          + ", ".join(f"{o}: {g.type_of(o)}" for o in g.outputs))
     logits = g.outputs[0]
+    if mode == "auto":
+        mode = "concat" if any(n.attrs["window"] for n in sites) else "buffer"
+    elif mode == "buffer" and any(n.attrs["window"] for n in sites):
+        raise CacheError("a sliding-window model cannot use the buffer cache (the window would be measured from "
+                         "the buffer's end); use the concat cache")
     p_dim = dims.symbol("P")
     if "P" in g.symbols:
         raise CacheError("the model already uses a dimension named P, which the cache needs for past positions")
