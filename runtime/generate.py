@@ -207,6 +207,51 @@ def compile_cached(built, weights: dict[str, np.ndarray], last_only: bool = True
     return model, info
 
 
+class Seq2Seq:
+    """An encoder-decoder for generation: the encoder part (run once per source batch: the encoder and
+    every layer's cross-attention keys and values) and the cached decoder (compiler/passes/encdec.py)."""
+
+    def __init__(self, encoder_source: str | bytes, decoder: CachedModel, boundary: list[str],
+                 provider: str = "cpu"):
+        from .session import open_session
+
+        self.encoder = open_session(encoder_source, provider)
+        self.decoder = decoder
+        self.boundary = boundary
+
+    def encode(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """The decoder's fixed inputs for a source batch: the encoder's outputs and the inputs both read."""
+        from .session import run_session
+
+        enc_inputs = {i.name for i in self.encoder.get_inputs()}
+        out = run_session(self.encoder, {k: v for k, v in feeds.items() if k in enc_inputs})
+        return {b: out[b] if b in out else feeds[b] for b in self.boundary}
+
+
+def compile_seq2seq(built, weights: dict[str, np.ndarray], decoder_input: str, last_only: bool = True,
+                    max_positions: int = 4096):
+    """Fuse attention, split off the encoder part, add the KV cache to the decoder, export both:
+    returns (encoder ModelProto, decoder ModelProto, CacheInfo, boundary value names)."""
+    from tessera.compiler.backends.onnx import export as onnx_export
+    from tessera.compiler.backends.onnx.cached_attention import prune_dead_nodes
+    from tessera.compiler.passes.encdec import split_encoder
+    from tessera.compiler.passes.kv_cache import add_kv_cache
+    from tessera.compiler.passes.pipeline import optimize
+
+    built.attention_sites = optimize(built.graph)
+    if decoder_input not in built.graph.inputs:
+        raise UsageError(f"the model has no input '{decoder_input}' (its inputs: {', '.join(built.graph.inputs)})")
+    enc, dec, boundary = split_encoder(built.graph, [decoder_input])
+    try:
+        info = add_kv_cache(dec, last_only=last_only, tokens=decoder_input, max_positions=max_positions)
+    except CacheError as e:
+        raise UsageError(str(e)) from None
+    enc_model = onnx_export.to_onnx(enc, {k: v for k, v in weights.items() if k in enc.params})
+    dec_model = onnx_export.to_onnx(dec, {k: v for k, v in weights.items() if k in dec.params})
+    prune_dead_nodes(dec_model)
+    return enc_model, dec_model, info, boundary
+
+
 # ------------------------------------------------------------------ the loop
 def _check_prompts(prompts, vocab: int | None) -> list[list[int]]:
     if isinstance(prompts, np.ndarray):
@@ -253,11 +298,13 @@ def check_request(model: CachedModel, prompts, max_new_tokens: int, sampling: Sa
 def stream(model: CachedModel, prompts, max_new_tokens: int, sampling: Sampling | None = None,
            stop_tokens=(), pad_id: int = 0, stats: Stats | None = None,
            should_stop: Callable[[int, list[int]], bool] | None = None,
-           on_logits: Callable[[int, np.ndarray], None] | None = None) -> Iterator[list[int | None]]:
+           on_logits: Callable[[int, np.ndarray], None] | None = None,
+           extra_feeds: dict[str, np.ndarray] | None = None) -> Iterator[list[int | None]]:
     """Yield, step by step, the new token of every prompt (None for prompts already finished).
 
     ``should_stop(row, tokens so far)`` may end a row (e.g. on a stop text); ``on_logits(step, logits
-    [B, V])`` sees the scores each token was chosen from (tests compare them with a full recomputation)."""
+    [B, V])`` sees the scores each token was chosen from (tests compare them with a full recomputation);
+    ``extra_feeds`` go to every step unchanged (an encoder-decoder's encoder outputs, see Seq2Seq)."""
     sampling = sampling or Sampling()
     prompts = check_request(model, prompts, max_new_tokens, sampling, stop_tokens)
     info, stats = model.info, stats if stats is not None else Stats()
@@ -293,7 +340,7 @@ def stream(model: CachedModel, prompts, max_new_tokens: int, sampling: Sampling 
     for step in range(max_new_tokens):
         t = tokens.shape[1]
         feeds = {info.tokens: tokens, "attention_mask": np.concatenate([slots, mask], axis=1),
-                 "position_ids": positions, **cache}
+                 "position_ids": positions, **cache, **(extra_feeds or {})}
         start = time.perf_counter()
         out = model.run(feeds)
         for layer in info.layers:

@@ -313,3 +313,51 @@ def test_sliding_window_matters_and_uses_the_concat_cache(cases):
     finally:
         case.sets = [s if not s.startswith("window=") else "window=8" for s in case.sets]
     assert windowed != wide
+
+
+def test_encoder_decoder_greedy_equals_torch(tmp_path):
+    """models/transformer.tsr: the encoder (and every layer's cross-attention K and V) runs once, the
+    decoder is cached. Greedy tokens equal a greedy loop over torch.nn.Transformer recomputing the
+    whole target each step, and the logits match it within 1e-4, for left-padded target prompts of
+    different lengths and a padded source."""
+    import math
+
+    from test_families import _sinusoidal, transformer_case
+    from tessera.runtime.generate import Seq2Seq, compile_seq2seq
+
+    case = transformer_case(tmp_path)
+    core, embed = case.model
+    d = case.sets["d"]
+    sets = [f"{k}={v}" for k, v in case.sets.items()]
+    built = pipeline.build(MODELS / "transformer.tsr", "base", sets)
+    weights = pipeline.weights_for(built, str(case.ckpt), 0)
+    enc, dec, info, boundary = compile_seq2seq(built, weights, "tgt", max_positions=128)
+    s2s = Seq2Seq(enc.SerializeToString(), CachedModel(dec.SerializeToString(), info), boundary)
+    src, src_mask = case.feeds["src"], case.feeds["src_mask"]
+    prompts = [[1, 17, 42], [1]]
+
+    def torch_logits(r, tgt):
+        with torch.no_grad():
+            s, t = torch.from_numpy(src[r:r + 1]), torch.tensor([tgt])
+            x = embed(s) * math.sqrt(d) + _sinusoidal(s.shape[1], d)
+            y = embed(t) * math.sqrt(d) + _sinusoidal(t.shape[1], d)
+            pad = torch.from_numpy(src_mask[r:r + 1] == 0)
+            h = core(x, y, tgt_mask=core.generate_square_subsequent_mask(t.shape[1]), src_key_padding_mask=pad,
+                     memory_key_padding_mask=pad, tgt_is_causal=True)
+            return (h @ embed.weight.T).numpy()[0, -1]
+
+    so_far = [list(p) for p in prompts]
+    worst = [0.0]
+
+    def check(step, logits):
+        for r in range(2):
+            ref = torch_logits(r, so_far[r])
+            worst[0] = max(worst[0], float(np.abs(ref - logits[r]).max()))
+            so_far[r].append(int(np.argmax(ref)))
+
+    fixed = s2s.encode({"src": src, "src_mask": src_mask})
+    ours = generate(s2s.decoder, prompts, 24, extra_feeds=fixed, on_logits=check).tokens
+    print(f"encoder-decoder: max |cached - torch| logits over 24 steps: {worst[0]:.2e}")
+    assert worst[0] <= TOL
+    assert ours == [row[len(p):] for row, p in zip(so_far, prompts)]
+    assert len({t for row in ours for t in row}) > 1  # post-norm with random weights settles fast; logits checked

@@ -117,7 +117,8 @@ def _propagate(g: Graph) -> None:
 CACHE_MODES = ("auto", "buffer", "concat")
 
 
-def add_kv_cache(g: Graph, last_only: bool = False, mode: str = "auto", impl: str = "cached") -> CacheInfo:
+def add_kv_cache(g: Graph, last_only: bool = False, mode: str = "auto", impl: str = "cached",
+                 tokens: str | None = None, max_positions: int = 4096) -> CacheInfo:
     """Rewrite a fused decoder-only graph in place into its cached form; returns what the runtime needs.
 
     ``mode`` says what the graph gives back per layer. ``concat``: the present keys and values
@@ -132,7 +133,20 @@ def add_kv_cache(g: Graph, last_only: bool = False, mode: str = "auto", impl: st
     place; they take concat, where the past is exactly the filled positions."""
     if mode not in CACHE_MODES:
         raise CacheError(f"unknown cache mode '{mode}' (choose from {', '.join(CACHE_MODES)})")
-    sites = [n for n in g.nodes.values() if n.op == "fused_attention"]
+    if tokens is None:  # a decoder-only model: its one input is the token ids
+        int_inputs = [i for i in g.inputs if g.type_of(i).dtype in ("i64", "i32") and g.type_of(i).rank == 2]
+        if len(g.inputs) != 1 or len(int_inputs) != 1:
+            raise CacheError(f"generation needs a decoder-only model whose only input is token ids [B, T]; "
+                             f"{g.name} takes " + ", ".join(f"{i}: {g.type_of(i)}" for i in g.inputs))
+        tokens = int_inputs[0]
+    b_dim, t_dim = g.type_of(tokens).shape
+    t_sym = {str(s) for s in dims.dim(t_dim).free_symbols}
+    fused = [n for n in g.nodes.values() if n.op == "fused_attention"]
+    # cache sites: causal self-attention. Attention over keys that do not grow with the tokens (an
+    # encoder-decoder's cross-attention, whose K and V are inputs here) is left as it is.
+    fixed = [n for n in fused if not ({str(x) for x in dims.dim(g.type_of(n.inputs[1]).shape[-2]).free_symbols}
+                                      & t_sym) and n.inputs[1] in g.inputs and n.inputs[2] in g.inputs]
+    sites = [n for n in fused if n not in fixed]
     if not sites:
         raise CacheError(f"model {g.name} has no fused attention to cache (is attention fused? --no-fuse "
                          f"leaves nothing to cache)")
@@ -143,12 +157,6 @@ def add_kv_cache(g: Graph, last_only: bool = False, mode: str = "auto", impl: st
             "already masked or biased by the spec"
         raise CacheError(f"the attention at {n.scope} is {why}; generation with a KV cache supports decoder-only "
                          f"models whose attention is causal")
-    int_inputs = [i for i in g.inputs if g.type_of(i).dtype in ("i64", "i32") and g.type_of(i).rank == 2]
-    if len(g.inputs) != 1 or len(int_inputs) != 1:
-        raise CacheError(f"generation needs a model whose only input is token ids [B, T]; {g.name} takes "
-                         + ", ".join(f"{i}: {g.type_of(i)}" for i in g.inputs))
-    tokens = int_inputs[0]
-    b_dim, t_dim = g.type_of(tokens).shape
     if len(g.outputs) != 1 or g.type_of(g.outputs[0]).rank != 3:
         raise CacheError(f"generation needs one output of logits [B, T, vocab]; {g.name} gives "
                          + ", ".join(f"{o}: {g.type_of(o)}" for o in g.outputs))
@@ -180,7 +188,22 @@ def add_kv_cache(g: Graph, last_only: bool = False, mode: str = "auto", impl: st
                 info.context = dims.static_int(g.type_of(u.inputs[1]).shape[0])
             g.remove_nodes([node.name])
         elif node.op == "sinusoidal":
-            raise CacheError("sinusoidal position tables are not cached yet (encoder-decoder models)")
+            if not dims.equal(dims.dim(node.attrs["n"]), t_dim):
+                continue
+            from tessera.compiler.reference.interpret import sinusoidal_table
+
+            # sinusoidal(T, d) -> rows position_ids of the fixed table, up to max_positions
+            out_t = g.type_of(node.outputs[0])
+            table = g.add_const("cache/sinusoidal", sinusoidal_table(max_positions, node.attrs["d"]).astype(
+                np.float16 if out_t.dtype == "f16" else np.float32), out_t.dtype)
+            emb = g.add_node("embedding", [POSITIONS, table.name], [TensorType(out_t.dtype, (b_dim, t_dim) +
+                                                                              out_t.shape[1:])],
+                             {}, node.scope, node.pos, name=f"{node.name}/positions", origin=node.origin)
+            _insert_before(g, emb, node.name)
+            for u in g.consumers(node.outputs[0]):
+                u.inputs = [emb.outputs[0] if i == node.outputs[0] else i for i in u.inputs]
+            g.remove_nodes([node.name])
+            info.context = max_positions
         elif node.op == "rope":
             node.inputs = [node.inputs[0], POSITIONS]
 
