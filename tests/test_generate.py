@@ -315,6 +315,7 @@ def test_sliding_window_matters_and_uses_the_concat_cache(cases):
     assert windowed != wide
 
 
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors:UserWarning")
 def test_encoder_decoder_greedy_equals_torch(tmp_path):
     """models/transformer.tsr: the encoder (and every layer's cross-attention K and V) runs once, the
     decoder is cached. Greedy tokens equal a greedy loop over torch.nn.Transformer recomputing the
