@@ -15,9 +15,11 @@ the number of new ones (the prompt at prefill, 1 when decoding):
   prompts of uneven length are left-padded), ``position_ids`` i64 [B, T], and per
   attention layer ``past_key.{i}`` / ``past_value.{i}`` [B, kv_heads, P, hd]
   (grouped-query attention caches its kv_heads, not the query heads);
-- new outputs ``present_key.{i}`` / ``present_value.{i}`` [B, kv_heads, P+T, hd]
-  = concat(past, new) along the sequence, which the runtime feeds back as the
-  next step's past (see runtime/generate.py for how the copies are kept down);
+- new outputs per layer: in ``buffer`` mode (the default) ``key.{i}`` / ``value.{i}``
+  [B, kv_heads, T, hd], the new columns only, which the runtime writes into a
+  preallocated cache (the past inputs are then the whole buffer, unfilled slots
+  masked); in ``concat`` mode ``present_key.{i}`` / ``present_value.{i}``
+  [B, kv_heads, P+T, hd] = concat(past, new), fed back as the next past;
 - positions: ``embedding(arange(T), ...)`` (GPT-2's learned table) reads
   ``position_ids`` instead, and every ``rope`` node takes them as a second input
   (with and without Llama 3.1's frequency scaling) -- so positions stay right
