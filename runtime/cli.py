@@ -127,6 +127,9 @@ def make_parser() -> argparse.ArgumentParser:
 
     ir = sub.add_parser("ir", help="print the elaborated IR graph of a spec")
     _model_args(ir, f"a spec file (.tsr) or a bundled spec's name ({_bundled()})")
+    from . import generate_cli
+
+    generate_cli.add_parser(sub)
     return parser
 
 
@@ -144,7 +147,10 @@ def main(argv: list[str] | None = None) -> int:
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _on_sigterm)
     try:
-        return {"compile": cmd_compile, "run": cmd_run, "report": report.cmd_report, "ir": cmd_ir}[args.command](args)
+        from .generate_cli import cmd_generate
+
+        return {"compile": cmd_compile, "run": cmd_run, "report": report.cmd_report, "ir": cmd_ir,
+                "generate": cmd_generate}[args.command](args)
     except KeyboardInterrupt:
         print("interrupted; no output was changed", file=sys.stderr)
         return 130

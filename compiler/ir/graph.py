@@ -193,6 +193,25 @@ class Graph:
         self._link(node)
         return node
 
+    def set_inputs(self, node: Node, inputs: list[str]) -> None:
+        """Make ``node`` read ``inputs`` (its edges in ``nx`` follow)."""
+        self._unlink_inputs(node)
+        node.inputs = list(inputs)
+        vertex = ("n", node.name)
+        for inp in node.inputs:
+            self.nx.add_edge(("v", inp), vertex)
+
+    def reindex(self) -> None:
+        """Rebuild ``nx`` and the order numbers from ``values`` and ``nodes``: for a graph assembled in
+        bulk (a subgraph cut out of another) or whose ``nodes`` were reordered as a whole."""
+        self.nx = nx.DiGraph()
+        for name in self.values:
+            self.nx.add_node(("v", name))
+        for node in self.nodes.values():
+            self._link(node)
+        self._pos = {name: i for i, name in enumerate(self.nodes)}
+        self._ends = [0, len(self.nodes)]
+
     def replace_uses(self, value: str, new: str, users: list[Node]) -> None:
         """Make ``users`` read ``new`` where they read ``value``."""
         for u in users:

@@ -87,9 +87,14 @@ def _padding_mask(t, a):
 
 
 # ------------------------------------------------------------------ rotary embedding
-def rope(x, theta, scaling=None):
+def rope(x, theta, scaling=None, positions=None):
     n, hd = x.shape[-2], x.shape[-1]
-    cos, sin = rope_tables(n, hd, theta, x.dtype, scaling)
+    if positions is None:
+        cos, sin = rope_tables(n, hd, theta, x.dtype, scaling)
+    else:  # explicit positions [B, T] (a KV-cached graph: past length P > 0, left padding)
+        freqs = positions.astype(np.float32)[..., None] * rope_inv_freq(hd, theta, scaling)
+        emb = np.concatenate([freqs, freqs], axis=-1)[:, None]  # [B, 1, T, hd]
+        cos, sin = np.cos(emb).astype(x.dtype), np.sin(emb).astype(x.dtype)
     x1, x2 = x[..., : hd // 2], x[..., hd // 2:]
     rotated = np.concatenate([-x2, x1], axis=-1)
     return x * cos + rotated * sin
@@ -102,8 +107,11 @@ def _rope_lower(L):
     inv_freq = rope_inv_freq(hd, a["theta"], a.get("scaling"))
     zero = b.const(np.array(0, dtype=np.int64), "zero")
     one = b.const(np.array(1, dtype=np.int64), "one")
-    pos = b.node("Cast", [b.node("Range", [zero, b.dim_scalar(n), one])[0]], to=b.onnx_type("f32"))[0]
-    pos = b.node("Unsqueeze", [pos, b.i64([1])])[0]
+    if len(x) > 1:  # explicit positions [B, T] (a KV-cached graph): tables [B, 1, T, hd]
+        pos = b.node("Unsqueeze", [b.node("Cast", [x[1]], to=b.onnx_type("f32"))[0], b.i64([1, 3])])[0]
+    else:
+        pos = b.node("Cast", [b.node("Range", [zero, b.dim_scalar(n), one])[0]], to=b.onnx_type("f32"))[0]
+        pos = b.node("Unsqueeze", [pos, b.i64([1])])[0]
     freqs = b.node("Mul", [pos, b.const(inv_freq[None, :], "inv_freq")])[0]
     emb = b.node("Concat", [freqs, freqs], axis=-1)[0]
     cos, sin = b.node("Cos", [emb])[0], b.node("Sin", [emb])[0]
@@ -117,11 +125,13 @@ def _rope_lower(L):
     L.emit("Add", [b.node("Mul", [x[0], cos])[0], b.node("Mul", [rot, sin])[0]])
 
 
-@op("rope", reference=lambda x, a, ev: rope(x[0], a["theta"], a.get("scaling")), lower=_rope_lower,
+@op("rope", reference=lambda x, a, ev: rope(x[0], a["theta"], a.get("scaling"), x[1] if len(x) > 1 else None),
+    lower=_rope_lower,
     cost=per_element("position", 3),   # x·cos + rotate(x)·sin
     saved=())                          # a fixed rotation: its backward needs no activation
 def _rope(t, a):
-    """Rotary embedding on [..., T, hd] (rotate-half pairing), attrs theta and optional scaling."""
+    """Rotary embedding on [..., T, hd] (rotate-half pairing), attrs theta and optional scaling; an
+    optional second input gives the positions [B, T] (the KV-cached graph: past length, left padding)."""
     x = t[0]
     if x.rank < 2:
         raise ShapeError(f"rope expects [..., T, hd], got {dims.fmt_shape(x.shape)}")

@@ -47,6 +47,10 @@ def _scalar(b, value, dtype=np.int64) -> str:
 
 def lower_fused_attention(b, node, out: str) -> None:
     impl = node.attrs.get("impl", "portable")
+    if impl == "cached":  # attention over a KV cache (compiler/passes/kv_cache.py)
+        from tessera.compiler.backends.onnx.cached_attention import lower_cached_attention
+
+        return lower_cached_attention(b, node, out)
     {"gqa": _gqa, "mha": _mha, "portable": _portable}[impl](b, node, out)
 
 

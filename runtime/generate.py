@@ -1,0 +1,447 @@
+"""Autoregressive generation with a KV cache: prefill once, then one token per step.
+
+Why a loop of its own: running the whole sequence again for every new token
+costs O(N²) work per token. The cached graph (compiler/passes/kv_cache.py) takes
+the keys and values of the positions seen so far and returns those of the new
+ones, so a decoding step costs one column of queries, keys and values plus
+attention over the stored positions. One onnxruntime session serves prefill
+(T = the padded prompt length) and decoding (T = 1).
+
+The cache (buffer mode, the default) is preallocated per generation call at its
+final length, prompt + max_new_tokens, as one numpy array per layer and
+key/value, [B, kv_heads, capacity, hd]. onnxruntime reads contiguous numpy
+inputs in place, so the buffers go in without a copy; each step's new columns
+come back as small outputs and are written into their slots, and the attention
+mask hides the slots not filled yet. Nothing is concatenated or copied per step
+except the new columns (the ``concat`` mode, kept for comparison, feeds back the
+growing present tensors instead).
+
+A batch of prompts of different lengths is left-padded: the mask marks the
+padding, and each row's positions count only its real tokens (Hugging Face's
+``position_ids = cumsum(mask) - 1``), so every row is decoded as if alone.
+
+Token choice follows transformers' logits processors, in their order:
+repetition penalty (over the row's prompt and generated tokens: a positive score
+is divided by the penalty, a negative one multiplied), then temperature, top-k
+(every token scoring at least the k-th best is kept) and top-p (the smallest set
+of most likely tokens whose probability reaches p; the most likely token always
+stays). Temperature 0 is greedy (argmax). Sampling draws from a numpy Generator
+seeded once per call, so the same seed gives the same tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterator
+
+import numpy as np
+
+from tessera.compiler.passes.kv_cache import CacheError, CacheInfo
+
+from .pipeline import UsageError
+
+
+# ------------------------------------------------------------------ options
+@dataclass
+class Sampling:
+    """How each next token is chosen; temperature 0 means greedy."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    repetition_penalty: float = 1.0
+    seed: int | None = 0
+
+    def check(self) -> None:
+        t, k, p, r = self.temperature, self.top_k, self.top_p, self.repetition_penalty
+        if not (isinstance(t, (int, float)) and np.isfinite(t) and t >= 0):
+            raise UsageError(f"temperature must be a number >= 0 (0 is greedy), got {t}")
+        if not (isinstance(k, (int, np.integer)) and not isinstance(k, bool) and k >= 0):
+            raise UsageError(f"top_k must be an integer >= 0 (0 keeps every token), got {k}")
+        if not (isinstance(p, (int, float)) and 0 < p <= 1):
+            raise UsageError(f"top_p must be in (0, 1] (1 keeps every token), got {p}")
+        if not (isinstance(r, (int, float)) and np.isfinite(r) and r > 0):
+            raise UsageError(f"repetition_penalty must be a number > 0 (1 is none), got {r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def process_logits(logits: np.ndarray, seen: np.ndarray | None, s: Sampling) -> np.ndarray:
+    """Scores [B, V] after repetition penalty, temperature, top-k and top-p (filtered entries -inf)."""
+    x = np.array(logits, dtype=np.float32, copy=True)
+    if seen is not None and s.repetition_penalty != 1.0:
+        pen = np.float32(s.repetition_penalty)
+        x = np.where(seen, np.where(x < 0, x * pen, x / pen), x)
+    if s.greedy:
+        return x
+    x = x / np.float32(s.temperature)
+    if s.top_k and s.top_k < x.shape[-1]:
+        kth = np.partition(x, -s.top_k, axis=-1)[:, -s.top_k][:, None]
+        x = np.where(x < kth, -np.inf, x)
+    if s.top_p < 1.0:
+        order = np.argsort(-x, axis=-1, kind="stable")
+        sorted_x = np.take_along_axis(x, order, axis=-1).astype(np.float64)
+        probs = np.exp(sorted_x - sorted_x[:, :1])
+        probs /= probs.sum(-1, keepdims=True)
+        before = np.cumsum(probs, axis=-1) - probs  # probability of the more likely tokens
+        drop_sorted = before >= s.top_p
+        drop_sorted[:, 0] = False
+        drop = np.zeros_like(drop_sorted)
+        np.put_along_axis(drop, order, drop_sorted, axis=-1)
+        x = np.where(drop, -np.inf, x)
+    return x
+
+
+def choose(logits: np.ndarray, seen: np.ndarray | None, s: Sampling, rng: np.random.Generator) -> np.ndarray:
+    """The next token of every row [B]."""
+    x = process_logits(logits, seen, s)
+    if s.greedy:
+        return np.argmax(x, axis=-1).astype(np.int64)
+    x = x.astype(np.float64)
+    p = np.exp(x - x.max(-1, keepdims=True))
+    cdf = np.cumsum(p, axis=-1)
+    u = rng.random(len(x)) * cdf[:, -1]
+    picked = np.array([np.searchsorted(cdf[i], u[i], side="right") for i in range(len(x))], dtype=np.int64)
+    return np.minimum(picked, x.shape[-1] - 1)
+
+
+# ------------------------------------------------------------------ the compiled model
+@dataclass
+class Stats:
+    prompt_tokens: int = 0
+    new_tokens: int = 0
+    prefill_s: float = 0.0
+    decode_s: list[float] = field(default_factory=list)
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        total = sum(self.decode_s)
+        return len(self.decode_s) / total if total else 0.0
+
+
+@dataclass
+class Result:
+    tokens: list[list[int]]  # new tokens per prompt (a stop token, when hit, is the last)
+    stats: Stats
+    texts: list[str] | None = None
+
+
+class CachedModel:
+    """An onnxruntime session over a cached graph, with what the loop needs to feed it."""
+
+    def __init__(self, source: str | bytes, info: CacheInfo, provider: str = "cpu", threads: int | None = None):
+        from .session import _ort, open_session
+
+        self.info = info
+        if threads:
+            ort = _ort()
+            opts = ort.SessionOptions()
+            opts.intra_op_num_threads = threads
+            opts.inter_op_num_threads = 1
+            opts.log_severity_level = 4
+            self.session = ort.InferenceSession(source, opts, providers=["CPUExecutionProvider"])
+        else:
+            self.session = open_session(source, provider)
+        self.output_names = [o.name for o in self.session.get_outputs()]
+        vocab = self.session.get_outputs()[0].shape[-1]
+        self.vocab = int(vocab) if isinstance(vocab, int) else None
+        self.np_dtype = np.float16 if info.dtype == "f16" else np.float32
+
+    @classmethod
+    def from_onnx(cls, path: str | Path, provider: str = "cpu", threads: int | None = None) -> "CachedModel":
+        import onnx
+
+        path = Path(path)
+        if path.is_dir():
+            found = sorted(path.glob("*.onnx"))
+            if len(found) != 1:
+                raise UsageError(f"{path} holds {len(found)} .onnx files; name the one to generate with")
+            path = found[0]
+        if not path.exists():
+            raise UsageError(f"model file not found: {path}")
+        model = onnx.load(str(path), load_external_data=False)
+        meta = {e.key: e.value for e in model.metadata_props}
+        if CacheInfo.METADATA_KEY not in meta:
+            raise UsageError(f"{path} was compiled without a KV cache; generate from the .tsr spec, or compile "
+                             f"one with tessera.load(...).compile(out, kv_cache=True)")
+        return cls(str(path), CacheInfo.from_json(json.loads(meta[CacheInfo.METADATA_KEY])), provider, threads)
+
+    def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        from .session import run_session
+
+        return run_session(self.session, feeds)
+
+
+def compile_cached(built, weights: dict[str, np.ndarray], last_only: bool = True, mode: str = "auto",
+                   target=None, dtype: str = "fp32"):
+    """Fuse attention, add the KV cache and export: returns (onnx.ModelProto, CacheInfo). Rewrites built.graph."""
+    from tessera.compiler.backends.onnx import export as onnx_export
+    from tessera.compiler.backends.onnx.cached_attention import prune_dead_nodes
+    from tessera.compiler.passes.attention_kernels import Target
+    from tessera.compiler.passes.kv_cache import add_kv_cache
+    from tessera.compiler.passes.pipeline import optimize
+
+    built.attention_sites = optimize(built.graph, target or Target("cpu", dtype))
+    try:
+        info = add_kv_cache(built.graph, last_only=last_only, mode=mode)
+    except CacheError as e:
+        raise UsageError(str(e)) from None
+    if dtype != "fp32":
+        from tessera.compiler.passes.precision import LowerPrecision
+
+        LowerPrecision(dtype)(built.graph)
+        info.dtype = built.graph.type_of(info.layers[0].past_key).dtype
+    from .pipeline import _jsonable
+
+    meta = {"tessera.model": built.info.model, "tessera.variant": built.info.variant or "",
+            "tessera.hyperparams": {k: _jsonable(v) for k, v in built.info.hyperparams.items()},
+            CacheInfo.METADATA_KEY: info.to_json()}
+    model = onnx_export.to_onnx(built.graph, weights, meta)
+    prune_dead_nodes(model)
+    return model, info
+
+
+class Seq2Seq:
+    """An encoder-decoder for generation: the encoder part (run once per source batch: the encoder and
+    every layer's cross-attention keys and values) and the cached decoder (compiler/passes/encdec.py)."""
+
+    def __init__(self, encoder_source: str | bytes, decoder: CachedModel, boundary: list[str],
+                 provider: str = "cpu"):
+        from .session import open_session
+
+        self.encoder = open_session(encoder_source, provider)
+        self.decoder = decoder
+        self.boundary = boundary
+
+    def encode(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """The decoder's fixed inputs for a source batch: the encoder's outputs and the inputs both read."""
+        from .session import run_session
+
+        enc_inputs = {i.name for i in self.encoder.get_inputs()}
+        out = run_session(self.encoder, {k: v for k, v in feeds.items() if k in enc_inputs})
+        return {b: out[b] if b in out else feeds[b] for b in self.boundary}
+
+
+def compile_seq2seq(built, weights: dict[str, np.ndarray], decoder_input: str, last_only: bool = True,
+                    max_positions: int = 4096):
+    """Fuse attention, split off the encoder part, add the KV cache to the decoder, export both:
+    returns (encoder ModelProto, decoder ModelProto, CacheInfo, boundary value names)."""
+    from tessera.compiler.backends.onnx import export as onnx_export
+    from tessera.compiler.backends.onnx.cached_attention import prune_dead_nodes
+    from tessera.compiler.passes.encdec import split_encoder
+    from tessera.compiler.passes.kv_cache import add_kv_cache
+    from tessera.compiler.passes.pipeline import optimize
+
+    built.attention_sites = optimize(built.graph)
+    if decoder_input not in built.graph.inputs:
+        raise UsageError(f"the model has no input '{decoder_input}' (its inputs: {', '.join(built.graph.inputs)})")
+    enc, dec, boundary = split_encoder(built.graph, [decoder_input])
+    try:
+        info = add_kv_cache(dec, last_only=last_only, tokens=decoder_input, max_positions=max_positions)
+    except CacheError as e:
+        raise UsageError(str(e)) from None
+    enc_model = onnx_export.to_onnx(enc, {k: v for k, v in weights.items() if k in enc.params})
+    dec_model = onnx_export.to_onnx(dec, {k: v for k, v in weights.items() if k in dec.params})
+    prune_dead_nodes(dec_model)
+    return enc_model, dec_model, info, boundary
+
+
+# ------------------------------------------------------------------ the loop
+def _check_prompts(prompts, vocab: int | None) -> list[list[int]]:
+    if isinstance(prompts, np.ndarray):
+        prompts = prompts.tolist()
+    if not isinstance(prompts, (list, tuple)) or not prompts:
+        raise UsageError("no prompt given")
+    if all(isinstance(t, (int, np.integer)) for t in prompts):
+        prompts = [prompts]
+    out = []
+    for i, p in enumerate(prompts):
+        p = list(p.tolist() if isinstance(p, np.ndarray) else p)
+        if not p:
+            raise UsageError(f"prompt {i} is empty: generation needs at least one token to start from")
+        if not all(isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in p):
+            raise UsageError(f"prompt {i} must be a list of integer token ids")
+        bad = [t for t in p if t < 0 or (vocab is not None and t >= vocab)]
+        if bad:
+            raise UsageError(f"prompt {i} holds token id {bad[0]}, outside the vocabulary [0, {vocab})")
+        out.append([int(t) for t in p])
+    return out
+
+
+def check_request(model: CachedModel, prompts, max_new_tokens: int, sampling: Sampling,
+                  stop_tokens=()) -> list[list[int]]:
+    """Every user error before anything runs; returns the prompts as lists of ids."""
+    prompts = _check_prompts(prompts, model.vocab)
+    sampling.check()
+    if not isinstance(max_new_tokens, (int, np.integer)) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
+        raise UsageError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens}")
+    longest = max(len(p) for p in prompts)
+    ctx = model.info.context
+    if ctx is not None:
+        if longest > ctx:
+            raise UsageError(f"the prompt has {longest} tokens, longer than the model's context of {ctx} positions")
+        if longest + max_new_tokens > ctx:
+            raise UsageError(f"max_new_tokens={max_new_tokens} goes past the context: the prompt has {longest} "
+                             f"tokens and the model has {ctx} positions, so at most {ctx - longest} new tokens")
+    for t in stop_tokens:
+        if not isinstance(t, (int, np.integer)) or t < 0 or (model.vocab is not None and t >= model.vocab):
+            raise UsageError(f"unknown stop token {t}: ids are in [0, {model.vocab})")
+    return prompts
+
+
+def stream(model: CachedModel, prompts, max_new_tokens: int, sampling: Sampling | None = None,
+           stop_tokens=(), pad_id: int = 0, stats: Stats | None = None,
+           should_stop: Callable[[int, list[int]], bool] | None = None,
+           on_logits: Callable[[int, np.ndarray], None] | None = None,
+           extra_feeds: dict[str, np.ndarray] | None = None) -> Iterator[list[int | None]]:
+    """Yield, step by step, the new token of every prompt (None for prompts already finished).
+
+    ``should_stop(row, tokens so far)`` may end a row (e.g. on a stop text); ``on_logits(step, logits
+    [B, V])`` sees the scores each token was chosen from (tests compare them with a full recomputation);
+    ``extra_feeds`` go to every step unchanged (an encoder-decoder's encoder outputs, see Seq2Seq)."""
+    sampling = sampling or Sampling()
+    prompts = check_request(model, prompts, max_new_tokens, sampling, stop_tokens)
+    info, stats = model.info, stats if stats is not None else Stats()
+    rng = np.random.default_rng(sampling.seed)
+    stop = set(int(t) for t in stop_tokens)
+    b, t0 = len(prompts), max(len(p) for p in prompts)
+    ids = np.full((b, t0), pad_id, dtype=np.int64)
+    mask = np.zeros((b, t0), dtype=np.int64)
+    for r, p in enumerate(prompts):
+        ids[r, t0 - len(p):] = p
+        mask[r, t0 - len(p):] = 1
+    vocab = model.vocab
+    seen = None
+    if sampling.repetition_penalty != 1.0:
+        seen = np.zeros((b, vocab), dtype=bool)
+        for r, p in enumerate(prompts):
+            seen[r, p] = True
+    stats.prompt_tokens = sum(len(p) for p in prompts)
+    lengths = np.array([len(p) for p in prompts], dtype=np.int64)  # real tokens per row so far
+
+    buffer = info.mode == "buffer"
+    capacity = t0 + max_new_tokens
+    cache: dict[str, np.ndarray] = {}
+    for layer in info.layers:
+        for name, size in ((layer.past_key, layer.head_size), (layer.past_value, layer.value_size)):
+            cache[name] = np.zeros((b, layer.kv_heads, capacity if buffer else 0, size), dtype=model.np_dtype)
+    slots = np.zeros((b, capacity if buffer else 0), dtype=np.int64)  # mask of the cache's slots
+    filled = 0
+    positions = np.maximum(np.cumsum(mask, axis=1) - 1, 0)
+    generated: list[list[int]] = [[] for _ in prompts]
+    done = np.zeros(b, dtype=bool)
+    tokens = ids
+    for step in range(max_new_tokens):
+        t = tokens.shape[1]
+        feeds = {info.tokens: tokens, "attention_mask": np.concatenate([slots, mask], axis=1),
+                 "position_ids": positions, **cache, **(extra_feeds or {})}
+        start = time.perf_counter()
+        out = model.run(feeds)
+        for layer in info.layers:
+            if buffer:
+                cache[layer.past_key][:, :, filled:filled + t] = out[layer.present_key]
+                cache[layer.past_value][:, :, filled:filled + t] = out[layer.present_value]
+            else:
+                cache[layer.past_key], cache[layer.past_value] = out[layer.present_key], out[layer.present_value]
+        if buffer:
+            slots[:, filled:filled + t] = mask
+        else:
+            slots = np.concatenate([slots, mask], axis=1)
+        filled += t
+        logits = out[info.logits][:, -1, :]
+        if on_logits is not None:
+            on_logits(step, logits)
+        nxt = choose(logits, seen, sampling, rng)
+        elapsed = time.perf_counter() - start
+        if step == 0:
+            stats.prefill_s = elapsed
+        else:
+            stats.decode_s.append(elapsed)
+        emitted: list[int | None] = []
+        for r in range(b):
+            if done[r]:
+                emitted.append(None)
+                continue
+            tok = int(nxt[r])
+            generated[r].append(tok)
+            emitted.append(tok)
+            if seen is not None:
+                seen[r, tok] = True
+            if tok in stop or (should_stop is not None and should_stop(r, generated[r])):
+                done[r] = True
+        stats.new_tokens += sum(e is not None for e in emitted)
+        yield emitted
+        if done.all() or step == max_new_tokens - 1:
+            return
+        tokens = np.where(done, pad_id, nxt)[:, None].astype(np.int64)
+        mask = np.ones((b, 1), dtype=np.int64)
+        positions = lengths[:, None].copy()
+        lengths += 1
+
+
+def generate(model: CachedModel, prompts, max_new_tokens: int, sampling: Sampling | None = None,
+             stop_tokens=(), **kw) -> Result:
+    """Run the loop to the end; returns the new tokens of every prompt and the timings."""
+    stats = Stats()
+    out: list[list[int]] | None = None
+    for emitted in stream(model, prompts, max_new_tokens, sampling, stop_tokens, stats=stats, **kw):
+        if out is None:
+            out = [[] for _ in emitted]
+        for r, tok in enumerate(emitted):
+            if tok is not None:
+                out[r].append(tok)
+    return Result(out or [], stats)
+
+
+# ------------------------------------------------------------------ text in, text out
+class TextStopper:
+    """Ends a row when its decoded text contains one of the stop strings (checked after each token)."""
+
+    def __init__(self, tokenizer, stops: list[str]):
+        self.tokenizer, self.stops = tokenizer, [s for s in stops if s]
+
+    def __call__(self, row: int, tokens: list[int]) -> bool:
+        if not self.stops:
+            return False
+        text = self.tokenizer.decode(tokens[-64:], skip_special_tokens=True)
+        return any(s in text for s in self.stops)
+
+    def trim(self, text: str) -> str:
+        cut = min((text.find(s) for s in self.stops if s in text), default=-1)
+        return text[:cut] if cut >= 0 else text
+
+
+def encode_prompts(tokenizer, texts: list[str]) -> list[list[int]]:
+    if not texts:
+        raise UsageError("no prompt given")
+    for i, t in enumerate(texts):
+        if not t:
+            raise UsageError(f"prompt {i} is empty: generation needs at least one token to start from")
+    tokenizer.no_padding()
+    ids = [e.ids for e in tokenizer.encode_batch(list(texts))]
+    for i, p in enumerate(ids):
+        if not p:
+            raise UsageError(f"the tokenizer produced no tokens for prompt {i}")
+    return ids
+
+
+def stop_token_ids(tokenizer, texts: list[str]) -> list[int]:
+    """Stop strings that are single tokens of the vocabulary (e.g. <|endoftext|>) as ids; the rest stay text."""
+    out = []
+    for t in texts:
+        tid = tokenizer.token_to_id(t) if tokenizer is not None else None
+        if tid is not None:
+            out.append(int(tid))
+    return out
+
+
+def progress(stats: Stats, file=sys.stderr) -> None:
+    total = sum(stats.decode_s)
+    print(f"\r{stats.new_tokens} tokens, prefill {stats.prefill_s * 1e3:.0f} ms, decode "
+          f"{(len(stats.decode_s) / total) if total else 0:.1f} tok/s", end="", file=file, flush=True)

@@ -1,0 +1,181 @@
+"""``tessera generate``: text or token ids in, generated tokens out, with a KV cache.
+
+Kept apart from cli.py (which only registers the subcommand and dispatches to
+``cmd_generate``) so the decoding options live with the decoding loop. Every
+bad value is a UsageError: a clear message and exit status 2, no traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from . import generate as gen
+from .pipeline import UsageError
+
+EXAMPLES = """examples:
+  tessera generate models/gpt2.tsr -V small --weights gpt2/model.safetensors \\
+      --tokenizer gpt2/tokenizer.json --prompt "The quick brown fox" --max-new-tokens 40
+  tessera generate models/gpt2.tsr --set layers=2 --input 'tokens=[[464, 2068], [7586]]' --max-new-tokens 8
+  tessera generate models/llama.tsr -V llama3_8b --weights llama3/ --tokenizer llama3/tokenizer.json \\
+      --prompt "Hello" --max-new-tokens 64 --temperature 0.7 --top-p 0.9 --seed 1 --stop "<|eot_id|>"
+"""
+
+
+def add_parser(sub) -> argparse.ArgumentParser:
+    g = sub.add_parser("generate", help="generate text or tokens with a KV cache",
+                       formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EXAMPLES,
+                       description="Compile a decoder-only spec with a KV cache (or load one compiled so) and "
+                                   "generate: prefill the prompts once, then one token per step. Prompts of "
+                                   "different lengths are left-padded and masked.")
+    g.add_argument("spec", metavar="MODEL", help="a .tsr spec, or an .onnx file (or folder) compiled with a KV cache")
+    g.add_argument("--variant", "-V", help="a variant defined in the spec file (e.g. small)")
+    g.add_argument("--set", dest="sets", action="append", default=[], metavar="NAME=VALUE",
+                   help="override a hyperparameter (repeatable)")
+    g.add_argument("--weights", metavar="FILE", help="a .safetensors file or folder of shards (else seeded weights)")
+    g.add_argument("--seed", type=int, default=0,
+                   help="seed of the sampler, and of the weight initialiser without --weights (default 0)")
+    g.add_argument("--tokenizer", metavar="tokenizer.json", help="a Hugging Face tokenizer.json for --prompt and "
+                   "for printing text")
+    g.add_argument("--prompt", dest="prompts", action="append", default=[], metavar="TEXT",
+                   help="a prompt (repeatable: a batch); needs --tokenizer")
+    g.add_argument("--input", "-i", dest="inputs", action="append", default=[], metavar="tokens=JSON",
+                   help="prompt token ids as JSON: a list of lists, one per prompt, of any lengths")
+    g.add_argument("--max-new-tokens", type=int, required=True, metavar="N", help="tokens to generate per prompt")
+    g.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default); > 0 samples")
+    g.add_argument("--top-k", type=int, default=0, metavar="K", help="sample from the K most likely tokens (0: all)")
+    g.add_argument("--top-p", type=float, default=1.0, metavar="P",
+                   help="sample from the smallest set of tokens whose probability reaches P, in (0, 1] (default 1)")
+    g.add_argument("--repetition-penalty", type=float, default=1.0, metavar="R",
+                   help="divide the scores of tokens already present by R (> 0; 1 is none)")
+    g.add_argument("--stop", dest="stops", action="append", default=[], metavar="TEXT",
+                   help="end a prompt's generation at this text (repeatable; needs --tokenizer)")
+    g.add_argument("--stop-token", dest="stop_tokens", action="append", default=[], type=int, metavar="ID",
+                   help="end a prompt's generation at this token id (repeatable)")
+    g.add_argument("--format", choices=["text", "json"], default="text", help="output format (default text)")
+    g.add_argument("--threads", type=int, default=None, help="onnxruntime intra-op threads (default: all cores)")
+    g.add_argument("--cache", choices=["auto", "buffer", "concat"], default="auto",
+                   help="buffer: preallocated cache, written in place; concat: present = past + new, fed back; "
+                        "auto: buffer, or concat for sliding-window models (default)")
+    g.add_argument("--quiet", "-q", action="store_true", help="no progress line on stderr")
+    return g
+
+
+def _token_inputs(items: list[str]) -> list[list[int]]:
+    if len(items) > 1:
+        raise UsageError("--input is given more than once; give every prompt in one list: 'tokens=[[...], [...]]'")
+    name, sep, text = items[0].partition("=")
+    if not sep or name != "tokens":
+        raise UsageError(f"--input '{items[0]}' must be tokens=JSON, e.g. 'tokens=[[464, 2068], [7586]]'")
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise UsageError(f"--input tokens: not a JSON list ({e.msg} at character {e.pos})") from None
+    if isinstance(data, list) and data and all(isinstance(t, int) for t in data):
+        data = [data]
+    if not isinstance(data, list) or not data or not all(isinstance(p, list) for p in data):
+        raise UsageError("--input tokens must be a list of prompts, each a list of token ids, e.g. [[464, 2068]]")
+    for i, p in enumerate(data):
+        if not all(isinstance(t, int) and not isinstance(t, bool) for t in p):
+            raise UsageError(f"--input tokens: prompt {i} holds something other than integer token ids")
+    return data
+
+
+def load_model(args) -> gen.CachedModel:
+    path = Path(args.spec)
+    if path.suffix == ".onnx" or path.is_dir():
+        if args.variant or args.sets or args.weights:
+            raise UsageError("--variant, --set and --weights apply to .tsr specs; an .onnx file is already compiled")
+        return gen.CachedModel.from_onnx(path, threads=args.threads)
+    from . import pipeline
+
+    built = pipeline.build(args.spec, args.variant, args.sets)
+    weights = pipeline.weights_for(built, args.weights, args.seed)
+    model, info = gen.compile_cached(built, weights, mode=args.cache)
+    return gen.CachedModel(model.SerializeToString(), info, threads=args.threads)
+
+
+def cmd_generate(args) -> int:
+    if args.prompts and args.inputs:
+        raise UsageError("give the prompts either as --prompt text or as --input tokens, not both")
+    if not args.prompts and not args.inputs:
+        raise UsageError("no prompt: give --prompt TEXT (with --tokenizer) or --input 'tokens=[[...]]'")
+    if args.prompts and not args.tokenizer:
+        raise UsageError("--prompt needs --tokenizer tokenizer.json to turn the text into token ids")
+    if args.stops and not args.tokenizer:
+        raise UsageError("--stop TEXT needs --tokenizer; use --stop-token ID for token ids")
+    sampling = gen.Sampling(args.temperature, args.top_k, args.top_p, args.repetition_penalty, args.seed)
+    sampling.check()
+    if args.max_new_tokens < 1:
+        raise UsageError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
+    tokenizer = None
+    if args.tokenizer:
+        from . import text
+
+        tokenizer = text.load_tokenizer(args.tokenizer)
+    prompts = gen.encode_prompts(tokenizer, args.prompts) if args.prompts else _token_inputs(args.inputs)
+    for i, p in enumerate(prompts):
+        if not p:
+            raise UsageError(f"prompt {i} is empty: generation needs at least one token to start from")
+    stop_tokens = list(args.stop_tokens) + gen.stop_token_ids(tokenizer, args.stops)
+    stopper = gen.TextStopper(tokenizer, args.stops) if tokenizer is not None and args.stops else None
+
+    model = load_model(args)
+    gen.check_request(model, prompts, args.max_new_tokens, sampling, stop_tokens)
+    stats = gen.Stats()
+    out: list[list[int]] = [[] for _ in prompts]
+    live = args.format == "text" and tokenizer is not None and len(prompts) == 1
+    shown = ""
+    if live:
+        print(tokenizer.decode(prompts[0], skip_special_tokens=False), end="", flush=True)
+    started, last_note = time.perf_counter(), 0.0
+    show_progress = not args.quiet
+    for emitted in gen.stream(model, prompts, args.max_new_tokens, sampling, stop_tokens, stats=stats,
+                              should_stop=stopper):
+        for r, tok in enumerate(emitted):
+            if tok is not None:
+                out[r].append(tok)
+        if live:
+            now = _completion(tokenizer, out[0], stopper, args.stops)
+            if now.startswith(shown):
+                print(now[len(shown):], end="", flush=True)
+                shown = now
+        elapsed = time.perf_counter() - started
+        if show_progress and elapsed > 2.0 and elapsed - last_note > 0.5 and not live:
+            gen.progress(stats)
+            last_note = elapsed
+    if show_progress and last_note:
+        print(file=sys.stderr)
+    texts = [_completion(tokenizer, row, stopper, args.stops) for row in out] if tokenizer is not None else None
+    if args.format == "json":
+        rows = []
+        for r, p in enumerate(prompts):
+            row = {"prompt_tokens": p, "tokens": out[r]}
+            if texts is not None:
+                row["text"] = texts[r]
+            rows.append(row)
+        print(json.dumps({"outputs": rows, "stats": {
+            "prompt_tokens": stats.prompt_tokens, "new_tokens": stats.new_tokens,
+            "prefill_ms": round(stats.prefill_s * 1e3, 3),
+            "decode_tokens_per_s": round(stats.decode_tokens_per_s, 2)}}))
+    elif live:
+        print()
+    else:
+        for r, p in enumerate(prompts):
+            if texts is not None:
+                print(tokenizer.decode(p, skip_special_tokens=False) + texts[r])
+            else:
+                print(" ".join(map(str, out[r])))
+    if show_progress:
+        print(f"{stats.new_tokens} new tokens; prefill {stats.prefill_s * 1e3:.1f} ms "
+              f"({stats.prompt_tokens} prompt tokens), decode {stats.decode_tokens_per_s:.1f} steps/s",
+              file=sys.stderr)
+    return 0
+
+
+def _completion(tokenizer, tokens: list[int], stopper, stops: list[str]) -> str:
+    text = tokenizer.decode(tokens, skip_special_tokens=True)
+    return stopper.trim(text) if stopper is not None else text

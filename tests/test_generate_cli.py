@@ -1,0 +1,158 @@
+"""``tessera generate`` and ``tessera.load(...).generate``: results, text in and out, and bad input.
+
+The token results are checked against the decoding loop's reference behaviour
+elsewhere (test_generate.py compares with transformers); here the command and
+the Python API must give the same tokens as each other and as a full
+recomputation with the uncached model, and every bad value must be a clear
+error with exit status 2 and no traceback.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+import tessera
+from conftest import MODELS, cli, cli_error
+from tessera.runtime.pipeline import UsageError
+
+SMALL = dict(layers=2, d=32, heads=4, vocab=50, ctx=64)
+SETS = [a for k, v in SMALL.items() for a in ("--set", f"{k}={v}")]
+GPT2 = str(MODELS / "gpt2.tsr")
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tessera.load(GPT2, **SMALL)
+
+
+def _greedy_by_recomputation(m, prompt, n):
+    """Greedy decoding the slow way: the uncached model over the whole sequence at every step."""
+    seq = list(prompt)
+    for _ in range(n):
+        logits = m.run(tokens=[seq])["logits"]
+        seq.append(int(np.argmax(logits[0, -1])))
+    return seq[len(prompt):]
+
+
+def test_api_equals_recomputation_and_streams(model):
+    prompts = [[1, 2, 3, 4, 5, 6], [7, 8]]
+    out = model.generate(prompts, max_new_tokens=12)
+    assert out == [_greedy_by_recomputation(model, p, 12) for p in prompts]
+    assert model.generate(prompts[0], max_new_tokens=12) == out[0]
+    steps = list(model.generate(prompts, max_new_tokens=12, stream=True))
+    assert [[s[r] for s in steps] for r in range(2)] == out
+
+
+def test_cli_tokens_json_equals_api(model, capsys):
+    rc, out, err = cli(capsys, "generate", GPT2, *SETS, "--input", "tokens=[[1, 2, 3, 4, 5, 6], [7, 8]]",
+                       "--max-new-tokens", 12, "--format", "json")
+    assert rc == 0, err
+    data = json.loads(out)
+    assert [row["tokens"] for row in data["outputs"]] == model.generate([[1, 2, 3, 4, 5, 6], [7, 8]], 12)
+    assert data["stats"]["new_tokens"] == 24
+
+
+def test_compiled_file_generates_the_same(model, tmp_path, capsys):
+    path = tmp_path / "cached.onnx"
+    model.compile(path, kv_cache=True)
+    rc, out, err = cli(capsys, "generate", path, "--input", "tokens=[[3, 1, 4, 1, 5]]", "--max-new-tokens", 9,
+                       "--format", "json", "--temperature", 0.8, "--top-k", 10, "--seed", 3)
+    assert rc == 0, err
+    want = model.generate([3, 1, 4, 1, 5], 9, temperature=0.8, top_k=10, seed=3)
+    assert json.loads(out)["outputs"][0]["tokens"] == want
+    rc, out2, _ = cli(capsys, "generate", path, "--input", "tokens=[[3, 1, 4, 1, 5]]", "--max-new-tokens", 9,
+                      "--format", "json", "--temperature", 0.8, "--top-k", 10, "--seed", 3)
+    assert json.loads(out2)["outputs"] == json.loads(out)["outputs"]  # same seed, same tokens
+
+
+@pytest.fixture(scope="module")
+def tokenizer_file(tmp_path_factory):
+    """A word-level tokenizer.json over 50 words (the small model's vocabulary)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, decoders
+
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="<|endoftext|>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    path = tmp_path_factory.mktemp("tok") / "tokenizer.json"
+    tok.save(str(path))
+    return path
+
+
+WORDS = ["<|endoftext|>"] + [f"w{i}" for i in range(49)]
+
+
+def test_text_in_text_out_and_stop_text(model, tokenizer_file, capsys):
+    prompt = "w1 w2 w3 w4"
+    ids = [WORDS.index(w) for w in prompt.split()]
+    want = model.generate(ids, 10)
+    rc, out, err = cli(capsys, "generate", GPT2, *SETS, "--tokenizer", tokenizer_file, "--prompt", prompt,
+                       "--max-new-tokens", 10, "--format", "json")
+    assert rc == 0, err
+    row = json.loads(out)["outputs"][0]
+    assert row["prompt_tokens"] == ids and row["tokens"] == want
+    assert row["text"] == " ".join(WORDS[t] for t in want)
+    assert model.generate(prompt, 10, tokenizer=tokenizer_file) == row["text"]
+    assert "".join(model.generate(prompt, 10, tokenizer=tokenizer_file, stream=True)) == row["text"]
+    # a stop text: generation of the row ends at the token that completes it, and the text is cut there
+    stop = WORDS[want[3]]
+    first = next(i for i in range(len(want)) if stop in " ".join(WORDS[t] for t in want[:i + 1]))
+    rc, out, err = cli(capsys, "generate", GPT2, *SETS, "--tokenizer", tokenizer_file, "--prompt", prompt,
+                       "--max-new-tokens", 10, "--format", "json", "--stop", stop)
+    assert rc == 0, err
+    row = json.loads(out)["outputs"][0]
+    assert row["tokens"] == want[:first + 1]
+    assert stop not in row["text"]
+    # plain text output, streamed for one prompt
+    rc, out, err = cli(capsys, "generate", GPT2, *SETS, "--tokenizer", tokenizer_file, "--prompt", prompt,
+                       "--max-new-tokens", 10)
+    assert rc == 0 and out.startswith(prompt)
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--input", "tokens=[[]]"], "prompt 0 is empty"),
+    (["--input", "tokens=[[1, 2], []]"], "prompt 1 is empty"),
+    (["--input", f"tokens=[{list(range(1, 50)) + list(range(1, 20))}]"], "longer than the model's context of 64"),
+    (["--max-new-tokens", "62"], "max_new_tokens=62 goes past the context"),
+    (["--max-new-tokens", "0"], "must be at least 1"),
+    (["--stop-token", "50"], "unknown stop token 50"),
+    (["--stop-token", "-1"], "unknown stop token -1"),
+    (["--top-p", "0"], "top_p must be in (0, 1]"),
+    (["--top-p", "1.5"], "top_p must be in (0, 1]"),
+    (["--temperature", "-0.5"], "temperature must be a number >= 0"),
+    (["--top-k", "-3"], "top_k must be an integer >= 0"),
+    (["--repetition-penalty", "0"], "repetition_penalty must be a number > 0"),
+    (["--input", "tokens=[[1, 99]]"], "outside the vocabulary [0, 50)"),
+    (["--input", "tokens=[[1, 2]]", "--prompt", "w1"], "either as --prompt text or as --input tokens"),
+    (["--prompt", "w1"], "--prompt needs --tokenizer"),
+    (["--stop", "w1"], "--stop TEXT needs --tokenizer"),
+    (["--input", "ids=[[1]]"], "must be tokens=JSON"),
+    (["--input", "tokens=[[1, 2"], "not a JSON list"),
+])
+def test_bad_input_is_a_clear_error(capsys, args, message):
+    base = ["--input", "tokens=[[1, 2, 3]]"] if not any(a in ("--input", "--prompt") for a in args) else []
+    if "--max-new-tokens" not in args:
+        args = [*args, "--max-new-tokens", "4"]
+    err = cli_error(capsys, "generate", GPT2, *SETS, *base, *args)
+    assert message in err, err
+
+
+def test_models_without_a_causal_decoder_are_refused(capsys, tmp_path):
+    err = cli_error(capsys, "generate", MODELS / "bert.tsr", "--set", "layers=1", "--input", "tokens=[[1, 2]]",
+                    "--max-new-tokens", 2)
+    assert "decoder-only" in err
+    plain = tmp_path / "plain.onnx"
+    tessera.load(GPT2, **SMALL).compile(plain)
+    err = cli_error(capsys, "generate", plain, "--input", "tokens=[[1, 2]]", "--max-new-tokens", 2)
+    assert "compiled without a KV cache" in err
+
+
+def test_api_bad_input_raises_usage_error(model):
+    with pytest.raises(UsageError, match="top_p"):
+        model.generate([1, 2], 4, top_p=0)
+    with pytest.raises(UsageError, match="empty"):
+        model.generate([[1], []], 4)
+    with pytest.raises(UsageError, match="tokenizer"):
+        model.generate("hello", 4)
