@@ -12,6 +12,8 @@ import onnx
 from tessera.compiler.backends.onnx.export import ONNX_DTYPES
 from tessera.compiler.ir.signature import InputLimits, InputSpec
 
+from .files import stat_or_raise
+
 _FROM_ONNX = {v: k for k, v in ONNX_DTYPES.items()}
 
 
@@ -98,12 +100,7 @@ def onnx_signature(path: str | Path) -> tuple[list[InputSpec], InputLimits | Non
 
 
 def _load_model_proto(path: Path) -> onnx.ModelProto:
-    try:
-        st = os.stat(path)
-    except FileNotFoundError:
-        raise ModelFileError(f"model file not found: {path}") from None
-    except (OSError, ValueError) as e:
-        raise ModelFileError(f"cannot read {path}: {getattr(e, 'strerror', None) or e}") from None
+    st = stat_or_raise(path, "model file", ModelFileError)
     if not stat.S_ISREG(st.st_mode):
         raise ModelFileError(f"{path} is {'a folder' if stat.S_ISDIR(st.st_mode) else 'not a regular file'}, "
                              f"not an ONNX model")

@@ -26,6 +26,8 @@ import numpy as np
 
 from tessera.compiler.ir.graph import DTYPES, Graph
 
+from .files import stat_or_raise
+
 
 class WeightsError(Exception):
     """A weights file that does not fit the model; the message lists every problem."""
@@ -165,12 +167,7 @@ def _compile(pattern: str, where: str = "") -> re.Pattern:
 
 def _read_regular(path: Path, what: str, limit: int) -> bytes:
     """The bytes of a regular file of at most ``limit`` bytes (a FIFO or device would hang)."""
-    try:
-        st = os.stat(path)
-    except FileNotFoundError:
-        raise WeightsError(f"{what} not found: {path}") from None
-    except (OSError, ValueError) as e:
-        raise WeightsError(f"cannot read {what} {path}: {getattr(e, 'strerror', None) or e}") from None
+    st = stat_or_raise(path, what, WeightsError)
     if not stat.S_ISREG(st.st_mode):
         raise WeightsError(f"{what} {path} is not a regular file")
     if st.st_size > limit:
@@ -185,12 +182,7 @@ def read_safetensors(path: Path) -> dict[str, np.ndarray]:
     from safetensors.numpy import load_file
 
     path = Path(path)
-    try:
-        st = os.stat(path)
-    except FileNotFoundError:
-        raise WeightsError(f"weights file not found: {path}") from None
-    except (OSError, ValueError) as e:
-        raise WeightsError(f"cannot read weights {path}: {getattr(e, 'strerror', None) or e}") from None
+    st = stat_or_raise(path, "weights file", WeightsError)
     if stat.S_ISDIR(st.st_mode):
         files = sorted(path.glob("*.safetensors"))
         if not files:

@@ -159,18 +159,23 @@ def _rmsnorm(call, x, eps):
     return call.emit("rmsnorm", [x, call.param("weight", (d,), "ones")], {"eps": _float(call, eps, "eps")})
 
 
-@builtin("conv2d", ("x", R), ("out", R), ("kernel", R), ("stride", 1), ("bias", True))
-def _conv2d(call, x, out, kernel, stride, bias):
-    """2-D convolution without padding (patch embedding): x [B, C, H, W]."""
+def _conv_operands(call, x, out, kernel, rank: int, layout: str):
+    """A convolution's input (of ``rank``, channels fixed), channels, output channels and kernel size."""
     x = _tensor(call, x)
-    if x.type.rank != 4:
-        raise call.error(f"expects [B, C, H, W], got {x.type}")
+    if x.type.rank != rank:
+        raise call.error(f"expects {layout}, got {x.type}")
     k = _int(call, kernel, "kernel", 1)
     c = x.type.shape[1]
     if not dims.is_static(c):
         raise call.error(f"input channels must be a fixed size, got {x.type}")
-    n_out = _int(call, out, "out", 1)
-    inputs = [x, call.param("weight", (n_out, int(c), k, k), "normal")]
+    return x, int(c), _int(call, out, "out", 1), k
+
+
+@builtin("conv2d", ("x", R), ("out", R), ("kernel", R), ("stride", 1), ("bias", True))
+def _conv2d(call, x, out, kernel, stride, bias):
+    """2-D convolution without padding (patch embedding): x [B, C, H, W]."""
+    x, c, n_out, k = _conv_operands(call, x, out, kernel, 4, "[B, C, H, W]")
+    inputs = [x, call.param("weight", (n_out, c, k, k), "normal")]
     if _bool(call, bias, "bias"):
         inputs.append(call.param("bias", (n_out,), "zeros"))
     return call.emit("conv2d", inputs, {"kernel": k, "stride": _int(call, stride, "stride", 1)})
@@ -181,16 +186,9 @@ def _conv2d(call, x, out, kernel, stride, bias):
              "Conv1d), output [B, out, (L + 2*padding - kernel) // stride + 1]. Whisper's audio front end: "
              "kernel=3, padding=1, then stride=2. (GPT-2's \"Conv1D\" is a linear layer: write linear.)")
 def _conv1d(call, x, out, kernel, stride, padding, bias):
-    x = _tensor(call, x)
-    if x.type.rank != 3:
-        raise call.error(f"expects [B, C, L], got {x.type}")
-    k = _int(call, kernel, "kernel", 1)
-    c = x.type.shape[1]
-    if not dims.is_static(c):
-        raise call.error(f"input channels must be a fixed size, got {x.type}")
-    n_out = _int(call, out, "out", 1)
+    x, c, n_out, k = _conv_operands(call, x, out, kernel, 3, "[B, C, L]")
     attrs = {"kernel": k, "stride": _int(call, stride, "stride", 1), "padding": _int(call, padding, "padding", 0)}
-    inputs = [x, call.param("weight", (n_out, int(c), k), "normal")]
+    inputs = [x, call.param("weight", (n_out, c, k), "normal")]
     if _bool(call, bias, "bias"):
         inputs.append(call.param("bias", (n_out,), "zeros"))
     return call.emit("conv1d", inputs, attrs)
