@@ -118,6 +118,7 @@ class Stats:
     new_tokens: int = 0
     prefill_s: float = 0.0
     decode_s: list[float] = field(default_factory=list)
+    cache_bytes: int = 0  # the KV cache the loop allocated (buffer mode: once, at its final length)
 
     @property
     def decode_tokens_per_s(self) -> float:
@@ -195,7 +196,9 @@ def compile_cached(built, weights: dict[str, np.ndarray], last_only: bool = True
     if dtype != "fp32":
         from tessera.compiler.passes.precision import LowerPrecision
 
-        LowerPrecision(dtype)(built.graph)
+        native = {n for layer in info.layers for n in (layer.past_key, layer.past_value, layer.present_key,
+                                                        layer.present_value)}
+        LowerPrecision(dtype, native)(built.graph)
         info.dtype = built.graph.type_of(info.layers[0].past_key).dtype
     from .pipeline import _jsonable
 
@@ -295,6 +298,15 @@ def check_request(model: CachedModel, prompts, max_new_tokens: int, sampling: Sa
     return prompts
 
 
+def cache_window(info: CacheInfo) -> int:
+    """How many past positions the cache must keep: every position (0), or the sliding window when
+    every cached layer has the same one (a query then sees at most the window's last keys, so older
+    columns can go; the mask's causal offset counts the kept columns, so it stays right). Models
+    mixing windowed and full layers keep everything: their layers share one attention mask."""
+    windows = {layer.window for layer in info.layers}
+    return windows.pop() if len(windows) == 1 and info.mode == "concat" else 0
+
+
 def stream(model: CachedModel, prompts, max_new_tokens: int, sampling: Sampling | None = None,
            stop_tokens=(), pad_id: int = 0, stats: Stats | None = None,
            should_stop: Callable[[int, list[int]], bool] | None = None,
@@ -326,21 +338,28 @@ def stream(model: CachedModel, prompts, max_new_tokens: int, sampling: Sampling 
     lengths = np.array([len(p) for p in prompts], dtype=np.int64)  # real tokens per row so far
 
     buffer = info.mode == "buffer"
+    window = cache_window(info)
     capacity = t0 + max_new_tokens
     cache: dict[str, np.ndarray] = {}
     for layer in info.layers:
         for name, size in ((layer.past_key, layer.head_size), (layer.past_value, layer.value_size)):
             cache[name] = np.zeros((b, layer.kv_heads, capacity if buffer else 0, size), dtype=model.np_dtype)
     slots = np.zeros((b, capacity if buffer else 0), dtype=np.int64)  # mask of the cache's slots
+    stats.cache_bytes = sum(c.nbytes for c in cache.values())
     filled = 0
     positions = np.maximum(np.cumsum(mask, axis=1) - 1, 0)
     generated: list[list[int]] = [[] for _ in prompts]
     done = np.zeros(b, dtype=bool)
     tokens = ids
+    # The prompt goes in against an empty past (P = 0): its attention is the tiled prefill kernel over
+    # the prompt alone, not over the whole (still empty) buffer; its keys and values then fill the
+    # buffer's first slots, and every later step reads the buffer in place.
+    empty = {name: np.zeros(c.shape[:2] + (0,) + c.shape[3:], dtype=c.dtype) for name, c in cache.items()}
     for step in range(max_new_tokens):
         t = tokens.shape[1]
-        feeds = {info.tokens: tokens, "attention_mask": np.concatenate([slots, mask], axis=1),
-                 "position_ids": positions, **cache, **(extra_feeds or {})}
+        prefill = step == 0 and buffer
+        feeds = {info.tokens: tokens, "attention_mask": mask if prefill else np.concatenate([slots, mask], axis=1),
+                 "position_ids": positions, **(empty if prefill else cache), **(extra_feeds or {})}
         start = time.perf_counter()
         out = model.run(feeds)
         for layer in info.layers:
@@ -353,6 +372,12 @@ def stream(model: CachedModel, prompts, max_new_tokens: int, sampling: Sampling 
             slots[:, filled:filled + t] = mask
         else:
             slots = np.concatenate([slots, mask], axis=1)
+            if window and slots.shape[1] > window:  # a sliding window keeps only its window
+                slots = slots[:, -window:]
+                for layer in info.layers:
+                    for name in (layer.past_key, layer.past_value):
+                        cache[name] = np.ascontiguousarray(cache[name][:, :, -window:])
+            stats.cache_bytes = max(stats.cache_bytes, sum(c.nbytes for c in cache.values()))
         filled += t
         logits = out[info.logits][:, -1, :]
         if on_logits is not None:

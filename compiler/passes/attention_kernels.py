@@ -103,6 +103,28 @@ def choose(node: Node, graph: Graph, target: Target) -> tuple[str, str]:
     return "portable", f"Tessera's tiled kernel: onnxruntime's contrib kernels would not be tiled here ({reason})"
 
 
+CACHED_KERNELS = ("phased", "cached")
+
+# bench/decode_attention.py, one decoding step (T = 1), 12 heads of 64, fp32, 2 threads, ms (min):
+# Tessera's cached lowering / GroupQueryAttention sharing the cache buffer / MultiHeadAttention with past.
+DECODE_MEASURED = "0.40 / 1.03 / 0.98 ms at P = 1024, 0.09 / 0.15 / 0.10 ms at P = 128"
+
+
+def choose_cached(node: Node, graph: Graph, target: Target) -> tuple[str, str]:
+    """The lowering of a KV-cached attention site (compiler/passes/kv_cache.py), both phases, and why.
+
+    ``phased`` is an If on T: the prompt (T > 1) goes through the portable tiled kernel, which never
+    forms the T x (P+T) scores, and each decoding step (T = 1) through plain MatMul/Softmax over the
+    cache buffer (backends/onnx/cached_attention.py), which is faster there than onnxruntime's
+    contrib kernels on CPU. On CUDA the same choice stands unmeasured (no GPU was lent to measure
+    GroupQueryAttention's flash decoding against it)."""
+    where = "CPU" if target.device == "cpu" else "CPU (not measured on CUDA)"
+    return "phased", (f"prefill (T > 1): portable tiled kernel, the T x (P+T) scores never formed; decode (T = 1): "
+                      f"cached, plain MatMul/Softmax over the cache buffer, read in place; faster on {where} than "
+                      f"GroupQueryAttention with a shared buffer and MultiHeadAttention with past "
+                      f"({DECODE_MEASURED}; bench/decode_attention.py)")
+
+
 @dataclass(frozen=True)
 class KernelChoice:
     """The kernel-selection pass's note for one fused_attention node."""

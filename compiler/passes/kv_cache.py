@@ -24,15 +24,17 @@ the number of new ones (the prompt at prefill, 1 when decoding):
   ``position_ids`` instead, and every ``rope`` node takes them as a second input
   (with and without Llama 3.1's frequency scaling) -- so positions stay right
   with P > 0 and with left padding;
-- masks: one additive mask [B, 1, T, P+T] (causal with offset P, the layer's
-  sliding window if any, and the padding mask) is built once and passed to every
-  attention as its bias; the causal/padding flags of the fused nodes are cleared;
+- masks: every attention keeps its causal flag and window (the queries are the
+  last T of the P+T keys) and takes ``attention_mask`` as its key padding, which
+  also hides a buffer's unfilled slots;
 - ``last_only``: the output head is applied to the last position only (logits
   [B, 1, vocab]), which is all a decoding step needs.
 
-The attention nodes are lowered with impl ``cached`` (plain matrix products over
-the cache: backends/onnx/cached_attention.py); the numpy interpreter runs the
-rewritten graph unchanged, which is what the tests compare against.
+The attention nodes are lowered per phase (backends/onnx/cached_attention.py,
+chosen by passes/attention_kernels.py ``choose_cached``): a prompt (T > 1) by the
+portable tiled kernel, a decoding step (T = 1) by plain matrix products over the
+cache; the numpy interpreter runs the rewritten graph unchanged, which is what
+the tests compare against.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ from tessera.compiler.ir import dims
 from tessera.compiler.ir.graph import Graph, Node, TensorType
 from tessera.compiler.ir.graph import SymbolSource
 from tessera.compiler import ops
+from tessera.compiler.passes.attention_kernels import Target, choose_cached
 
 MASK, POSITIONS = "attention_mask", "position_ids"
 
@@ -69,6 +72,15 @@ class CacheLayer:
 
 
 @dataclass
+class CacheKernel:
+    """The lowering chosen for one cached attention site (both phases), and why: for --explain."""
+
+    site: str
+    impl: str
+    reason: str
+
+
+@dataclass
 class CacheInfo:
     """What the cached graph takes and gives, for the runtime."""
 
@@ -79,16 +91,28 @@ class CacheInfo:
     last_only: bool = False
     mode: str = "buffer"
     dtype: str = "f32"
+    kernels: list[CacheKernel] = field(default_factory=list)
+
+    def explain(self) -> str:
+        """--explain's listing for a cached compile: every cached site's kernel per phase and why."""
+        lines = [f"KV cache ({self.mode} mode): {len(self.layers)} cached attention sites"]
+        groups: dict[tuple[str, str], list[str]] = {}
+        for k in self.kernels:
+            groups.setdefault((k.impl, k.reason), []).append(k.site)
+        for (impl, reason), sites in groups.items():
+            lines.append(f"  {len(sites)} site(s) ({sites[0]}{', ...' if len(sites) > 1 else ''}): {impl} -- {reason}")
+        return "\n".join(lines)
 
     def to_json(self) -> dict:
         return {"tokens": self.tokens, "logits": self.logits, "context": self.context, "last_only": self.last_only,
-                "mode": self.mode, "dtype": self.dtype, "layers": [vars(layer) for layer in self.layers]}
+                "mode": self.mode, "dtype": self.dtype, "layers": [vars(layer) for layer in self.layers],
+                "kernels": [vars(k) for k in self.kernels]}
 
     @classmethod
     def from_json(cls, data: dict) -> "CacheInfo":
         return cls(data["tokens"], data["logits"], [CacheLayer(**layer) for layer in data["layers"]],
                    data.get("context"), data.get("last_only", False), data.get("mode", "buffer"),
-                   data.get("dtype", "f32"))
+                   data.get("dtype", "f32"), [CacheKernel(**k) for k in data.get("kernels", [])])
 
     METADATA_KEY = "tessera.kv_cache"
 
@@ -120,8 +144,8 @@ def _propagate(g: Graph) -> None:
 CACHE_MODES = ("auto", "buffer", "concat")
 
 
-def add_kv_cache(g: Graph, last_only: bool = False, mode: str = "auto", impl: str = "cached",
-                 tokens: str | None = None, max_positions: int = 4096) -> CacheInfo:
+def add_kv_cache(g: Graph, last_only: bool = False, mode: str = "auto", impl: str | None = None,
+                 tokens: str | None = None, max_positions: int = 4096, target: Target = Target()) -> CacheInfo:
     """Rewrite a fused decoder-only graph in place into its cached form; returns what the runtime needs.
 
     ``mode`` says what the graph gives back per layer. ``concat``: the present keys and values
@@ -130,7 +154,8 @@ def add_kv_cache(g: Graph, last_only: bool = False, mode: str = "auto", impl: st
     T, hd]; the past inputs are then a preallocated buffer of the maximum length (P = its
     capacity), the runtime writes each step's new columns into it in place and the mask hides
     the slots not filled yet. The attention kernel reads the past and the new columns separately,
-    so the cache is never copied. ``auto`` (the default) is buffer, except for models with a
+    so the cache is never copied. ``impl`` forces the cached sites' lowering (``phased`` or
+    ``cached``); by default passes/attention_kernels.py ``choose_cached`` picks it for ``target``. ``auto`` (the default) is buffer, except for models with a
     sliding window: the mask's causal offset is the past's length, which in buffer mode is the
     buffer's capacity rather than the filled slots, so a window would be measured from the wrong
     place; they take concat, where the past is exactly the filled positions."""
@@ -210,25 +235,8 @@ def add_kv_cache(g: Graph, last_only: bool = False, mode: str = "auto", impl: st
         elif node.op == "rope":
             g.set_inputs(node, [node.inputs[0], POSITIONS])
 
-    # ---- one additive mask for all layers: causal (offset P), window, padding
-    windows = sorted({n.attrs["window"] for n in sites})
     dtype = g.type_of(sites[0].inputs[0]).dtype
     info.dtype = dtype
-    zero = g.add_const("cache/zero", np.zeros((), dtype=np.float16 if dtype == "f16" else np.float32), dtype)
-    first = sites[0].name
-    score_shape = (b_dim, dims.dim(1), t_dim, p_dim + t_dim)
-    masks = {}
-    for w in windows:
-        ex = g.add_node("expand", [zero.name], [TensorType(dtype, score_shape)], {"shape": score_shape}, "cache", None,
-                        name=f"cache/scores_w{w}" if w else "cache/scores")
-        _insert_before(g, ex, first)
-        cm = g.add_node("causal_mask", [ex.outputs[0]], [TensorType(dtype, score_shape)], {"window": w}, "cache", None,
-                        name=f"cache/causal_w{w}" if w else "cache/causal")
-        _insert_before(g, cm, first)
-        pm = g.add_node("padding_mask", [cm.outputs[0], MASK], [TensorType(dtype, score_shape)], {}, "cache", None,
-                        name=f"cache/mask_w{w}" if w else "cache/mask")
-        _insert_before(g, pm, first)
-        masks[w] = pm.outputs[0]
 
     # ---- per layer: past + new -> present, attention over present
     for i, node in enumerate(sites):
@@ -251,9 +259,12 @@ def add_kv_cache(g: Graph, last_only: bool = False, mode: str = "auto", impl: st
                 ident = g.add_node("identity", [new], [g.type_of(new)], {}, node.scope, node.pos, name=out,
                                    origin=node.origin)
                 _insert_before(g, ident, node.name)
-        g.set_inputs(node, [q, full[0], full[1], masks[node.attrs["window"]]])
-        node.attrs.update(causal=False, window=0, padding=False, bias=True, impl=impl)
+        # causal over P+T keys (the queries are the last T), the spec's window, the mask as key padding
+        g.set_inputs(node, [q, full[0], full[1], MASK])
+        node.attrs.update(padding=True, bias=False)
+        node.attrs["impl"], reason = (impl, "forced") if impl else choose_cached(node, g, target)
         info.layers.append(layer)
+        info.kernels.append(CacheKernel(node.scope or node.name, node.attrs["impl"], reason))
     g.symbols["P"] = SymbolSource(info.layers[0].past_key, 2)
 
     # ---- last position only: slice the head's input

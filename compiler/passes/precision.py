@@ -4,7 +4,10 @@ Every f32 value becomes f16: parameters (converted when weights are written),
 constants, and every node's result. The model's interface stays fp32: float
 inputs are cast to fp16 where they enter and outputs are cast back to fp32 where
 they leave, so callers feed and read the same arrays at either precision.
-Integer tensors (token ids, masks, positions) are untouched.
+Integer tensors (token ids, masks, positions) are untouched. Values named in
+``native`` cross the interface at the lower precision instead: a KV cache's past
+inputs and present outputs, which the runtime holds in fp16 (half the bytes, and
+no cast of the whole cache at every step).
 """
 
 from __future__ import annotations
@@ -18,10 +21,11 @@ SUPPORTED = {"fp16": "f16"}
 class LowerPrecision(Pass):
     name = "lower-precision"
 
-    def __init__(self, dtype: str):
+    def __init__(self, dtype: str, native: tuple[str, ...] | set[str] = ()):
         if dtype not in SUPPORTED:
             raise PassError(f"--dtype {dtype}: export supports fp32 and {', '.join(SUPPORTED)}")
         self.dtype = SUPPORTED[dtype]
+        self.native = set(native)
 
     def requires(self, graph: Graph) -> None:
         # the frontend makes every parameter f32: one at the lower precision means this pass ran already
@@ -39,6 +43,10 @@ class LowerPrecision(Pass):
         # interface: float inputs enter through a cast
         for name in list(graph.inputs):
             if graph.type_of(name).dtype != "f32":
+                continue
+            if name in self.native:
+                graph.values[name].type = lower(graph.type_of(name))
+                changed = True
                 continue
             users = graph.consumers(name)
             cast = graph.add_node("cast", [name], [lower(graph.type_of(name))], {"dtype": low}, "", None,
@@ -62,7 +70,7 @@ class LowerPrecision(Pass):
                 node.attrs["dtype"] = low
             for o in node.outputs:
                 v = graph.values[o]
-                if o in outputs and v.type.dtype == "f32":
+                if o in outputs and v.type.dtype == "f32" and o not in self.native:
                     node.op, node.attrs = "cast", {"dtype": "f32"}  # the output identity casts back
                     continue
                 v.type = lower(v.type)

@@ -47,10 +47,12 @@ def _scalar(b, value, dtype=np.int64) -> str:
 
 def lower_fused_attention(b, node, out: str) -> None:
     impl = node.attrs.get("impl", "portable")
-    if impl == "cached":  # attention over a KV cache (compiler/passes/kv_cache.py)
-        from tessera.compiler.backends.onnx.cached_attention import lower_cached_attention
+    if impl in ("cached", "phased"):  # attention over a KV cache (compiler/passes/kv_cache.py)
+        from tessera.compiler.backends.onnx import cached_attention
 
-        return lower_cached_attention(b, node, out)
+        lower = cached_attention.lower_cached_attention if impl == "cached" else \
+            cached_attention.lower_phased_attention
+        return lower(b, node, out)
     {"gqa": _gqa, "mha": _mha, "portable": _portable}[impl](b, node, out)
 
 
@@ -78,14 +80,16 @@ def _mha(b, node, out: str) -> None:
     _from_bsd(b, res, a["heads"], hv, out)
 
 
-def _portable(b, node, out: str) -> None:
-    """One Loop iteration per (head, query tile): small slices, large matrix products."""
+def _portable(b, node, out: str, names: list[str] | None = None) -> None:
+    """One Loop iteration per (head, query tile): small slices, large matrix products. ``names``
+    replaces the inputs' names (same types) when a caller made them itself (backends/onnx/cached_attention.py)."""
     g, a = b.graph, node.attrs
-    q, k, v = node.inputs[:3]
-    extra = list(node.inputs[3:])
+    names = list(names or node.inputs)
+    q, k, v = names[:3]
+    extra = names[3:]
     mask = extra.pop(0) if a["padding"] else None
     bias = extra.pop(0) if a["bias"] else None
-    q_t, k_t, v_t = g.type_of(q), g.type_of(k), g.type_of(v)
+    q_t, k_t, v_t = (g.type_of(x) for x in node.inputs[:3])  # types by the IR names
     dtype = q_t.dtype
     np_dtype = np.float16 if dtype == "f16" else np.float32
     heads, rep = a["heads"], a["heads"] // a["kv_heads"]

@@ -1,20 +1,29 @@
-"""ONNX lowering of attention over a KV cache (impl ``cached``, set by compiler/passes/kv_cache.py).
+"""ONNX lowerings of attention over a KV cache (impls ``cached`` and ``phased``, set by
+compiler/passes/kv_cache.py through passes/attention_kernels.py ``choose_cached``).
 
-Why not the other lowerings: a decoding step has one query row against P+1
-keys, so there is nothing to tile; the portable kernel's Loop would pay its
-per-iteration overhead (one iteration per head) for a handful of multiply-adds,
-and onnxruntime 1.31's CPU GroupQueryAttention expects right-padded caches
-addressed by seqlens_k, while Tessera's batches are left-padded with an explicit
-mask. So the step is lowered to a few plain ops: S = (Q·scale)·Kᵀ + mask,
-softmax, ·V. Grouped-query attention reads the cache's kv_heads directly: the
-query heads of one group are stacked as rows ([B, G, rep·T, hd]), so K and V
-are never repeated. The additive mask [B, 1, T, Tk] (causal with the cache's
-offset, sliding window, padding) is built once for all layers by the pass.
+The cached graph's attention takes q [B, H, T, hd], the keys and values concat(past, new)
+[B, kv_heads, P+T, hd] and the attention mask [B, P+T] (1 = a real token, 0 = padding or an
+unfilled cache slot); it is causal with the queries as the last T of the P+T positions, and a
+sliding window when the spec has one. Two phases run through the same graph:
+
+- decode (T = 1 against P cached keys): ``cached``, a few plain ops. S = (Q·scale)·Kᵀ + mask,
+  softmax, ·V, with the past (the cache buffer) and the new columns read where they lie, so the
+  cache is never copied. Grouped-query attention reads the cache's kv_heads directly: the query
+  heads of one group are stacked as rows ([B, G, rep·T, hd]), so K and V are never repeated.
+  Measured faster on CPU than onnxruntime's GroupQueryAttention with a shared buffer and
+  MultiHeadAttention with past (bench/decode_attention.py, docs/BENCHMARKS.md).
+- prefill (T > 1, the prompt): the portable tiled kernel (backends/onnx/attention.py), which never
+  forms the T×(P+T) scores; ``cached`` would, for the whole prompt at once.
+
+``phased`` is an ONNX If on T == 1 between the two, so one session serves both phases and the
+branch not taken costs nothing. The additive mask the decode branch needs is built inside it from
+the attention mask, so a prefill never builds a T×(P+T) mask either.
 """
 
 from __future__ import annotations
 
 import numpy as np
+from onnx import TensorProto, helper
 
 
 def _split(b, x: str) -> tuple[str, str | None]:
@@ -25,11 +34,41 @@ def _split(b, x: str) -> tuple[str, str | None]:
     return x, None
 
 
+def _mask_bias(b, node, np_dtype) -> str:
+    """The additive mask [B, 1, T, P+T] (0 visible, the dtype's minimum hidden) from the node's
+    attention mask [B, P+T]: padding and unfilled slots, causal with offset P, the sliding window."""
+    g, a = b.graph, node.attrs
+    q_t, k_t = g.type_of(node.inputs[0]), g.type_of(node.inputs[1])
+    mask = node.inputs[3]
+    zero_m = b.const(np.array(0, dtype=np.int64 if g.type_of(mask).dtype == "i64" else np.int32), "zero")
+    visible = b.node("Unsqueeze", [b.node("Not", [b.node("Equal", [mask, zero_m])[0]])[0], b.i64([1, 2])])[0]
+    if a["causal"]:
+        zero, one = b.const(np.array(0, np.int64), "zero"), b.const(np.array(1, np.int64), "one")
+        tq, tk = b.dim_scalar(q_t.shape[-2]), b.dim_scalar(k_t.shape[-2])
+        rows = b.node("Add", [b.node("Range", [zero, tq, one])[0], b.node("Sub", [tk, tq])[0]])[0]
+        rows = b.node("Unsqueeze", [rows, b.i64([1])])[0]  # [T, 1]: each query's position among the keys
+        cols = b.node("Unsqueeze", [b.node("Range", [zero, tk, one])[0], b.i64([0])])[0]  # [1, P+T]
+        hide = b.node("Greater", [cols, rows])[0]
+        if a["window"]:
+            far = b.node("LessOrEqual", [cols, b.node("Sub", [rows, b.const(np.array(a["window"], np.int64),
+                                                                            "window")])[0]])[0]
+            hide = b.node("Or", [hide, far])[0]
+        visible = b.node("And", [visible, b.node("Not", [hide])[0]])[0]
+    return b.node("Where", [visible, b.const(np.array(0, dtype=np_dtype), "zero"),
+                            b.const(np.array(np.finfo(np_dtype).min, dtype=np_dtype), "min")])[0]
+
+
 def lower_cached_attention(b, node, out: str) -> None:
     g, a = b.graph, node.attrs
-    q, k, v, bias = node.inputs[:4]
+    q, k, v = node.inputs[:3]
     q_t, v_t = g.type_of(q), g.type_of(v)
     np_dtype = np.float16 if q_t.dtype == "f16" else np.float32
+    if a["padding"]:  # the attention mask [B, P+T]: build the additive mask here (small when T = 1)
+        bias = _mask_bias(b, node, np_dtype)
+    elif a["bias"]:  # an additive mask [B, 1, T, P+T] built by the caller
+        bias = node.inputs[3]
+    else:
+        raise ValueError(f"cached attention at {node.scope} has neither an attention mask nor a bias")
     heads, groups = a["heads"], a["kv_heads"]
     rep = heads // groups
     hd, hv = int(q_t.shape[-1]), int(v_t.shape[-1])
@@ -63,6 +102,56 @@ def lower_cached_attention(b, node, out: str) -> None:
         b.node("Reshape", [o, b.i64([0, heads, -1, hv])], [out])
 
 
+def _lower_prefill(b, node, out: str) -> None:
+    """The prompt: the portable tiled kernel over concat(past, new) with the causal offset and the
+    attention mask as its key padding. The concatenation is made here, inside the branch, so a
+    decoding step (the other branch) never copies the cache."""
+    from tessera.compiler.backends.onnx.attention import _portable
+
+    names = list(node.inputs)
+    for i in (1, 2):
+        past, new = _split(b, names[i])
+        if new is not None:
+            names[i] = b.node("Concat", [past, new], axis=2)[0]
+    _portable(b, node, out, names=names)
+
+
+def _branch(b, lower, node, hint: str, elem: int):
+    """An If branch: ``lower`` emitted into a graph of its own. Run-time dimensions computed inside
+    stay inside (the builder's cache of them is restored), so nothing outside reads a branch value."""
+    saved_nodes, saved_dims = b.nodes, dict(b._dims)
+    b.nodes = []
+    out = b.fresh(hint)
+    try:
+        lower(b, node, out)
+        return helper.make_graph(b.nodes, b.fresh(f"{hint}_branch"), [],
+                                 [helper.make_tensor_value_info(out, elem, None)])
+    finally:
+        b.nodes, b._dims = saved_nodes, saved_dims
+
+
+def lower_phased_attention(b, node, out: str) -> None:
+    """If T == 1 (a decoding step) the cached lowering, else (a prompt) the tiled one."""
+    q_t = b.graph.type_of(node.inputs[0])
+    elem = TensorProto.FLOAT16 if q_t.dtype == "f16" else TensorProto.FLOAT
+    t = b.dim_scalar(q_t.shape[-2])
+    decoding = b.node("Equal", [t, b.const(np.array(1, np.int64), "one")])[0]
+    then_g = _branch(b, lower_cached_attention, node, "decode", elem)
+    else_g = _branch(b, _lower_prefill, node, "prefill", elem)
+    b.node("If", [decoding], [out], then_branch=then_g, else_branch=else_g)
+
+
+def _graph_reads(nodes) -> set[str]:
+    """Names read by these nodes and by the nodes of their subgraphs, at any depth (If, Loop)."""
+    read: set[str] = set()
+    for n in nodes:
+        read.update(n.input)
+        for attr in n.attribute:
+            if attr.type == attr.GRAPH:
+                read |= _graph_reads(attr.g.node)
+    return read
+
+
 def prune_dead_nodes(model) -> int:
     """Drop nodes none of whose outputs is read (a cached graph in buffer mode leaves the
     concatenated keys and values unread: its attention reads past and new apart). Returns how many."""
@@ -72,10 +161,7 @@ def prune_dead_nodes(model) -> int:
     for node in reversed(list(graph.node)):
         if any(o in live for o in node.output):
             keep.append(node)
-            live.update(node.input)
-            for attr in node.attribute:  # names a Loop body reads from the outer graph
-                if attr.type == attr.GRAPH:
-                    live.update(i for n in attr.g.node for i in n.input)
+            live |= _graph_reads([node])  # with the names its subgraphs (If, Loop) read from outside
     dropped = len(graph.node) - len(keep)
     if dropped:
         del graph.node[:]
