@@ -1,17 +1,35 @@
-"""Generation speed: Tessera's KV-cached decoder against transformers' generate, same weights.
+"""Generation speed: Tessera's KV-cached decoder against transformers' generate and onnxruntime-genai,
+same weights, same thread count.
 
-    python bench/generate.py                       # GPT-2 small, B=1, 128-token prompt, 128 new tokens
-    python bench/generate.py --rounds 3 --repeat 3 --threads 2 --json out/generate.json
+    python bench/generate.py                                  # GPT-2 small, B=1, 128-token prompt, 128 new
+    python bench/generate.py --model llama --genai-python /path/to/venv/bin/python
+    python bench/generate.py --cases tessera --positions 128 1000     # decode cost against the position
+    python bench/generate.py --cases tessera --new 512 --rounds 1     # peak memory over 512 new tokens
 
-Every case runs in its own process, the cases alternate (round 1: each case once, round 2: ...),
-and each process times ``--repeat`` generations after one warm-up. Reported per case: prefill
-(the prompt's forward pass up to the first new token) and decode (the mean time per later token),
-minimum and median over all runs, and CPU time / wall time of the whole generation (how many
-cores were busy). Greedy, fp32, the same thread count for onnxruntime and torch. The weights are
-a seeded GPT-2 small (transformers' initialisation) saved once as safetensors and read by both.
+Models (weights seeded with transformers' own initialisation, saved once as safetensors, read by
+every case): ``gpt2``, GPT-2 small (124 M); ``llama``, a Llama-shaped model (hidden 768, 12 layers,
+12 heads, intermediate 3072, vocab 32000: 162 M), the shape onnxruntime-genai's model builder
+takes (it has no GPT-2).
 
 Cases: ``tessera`` (buffer cache, the default), ``tessera-concat`` (present = past + new, fed back),
-``hf-eager`` and ``hf-sdpa`` (GPT2LMHeadModel.generate with that attention implementation).
+``hf-eager`` and ``hf-sdpa`` (transformers' generate with that attention), ``ort-genai``
+(onnxruntime-genai's Generator on its model builder's fp32 export of the same checkpoint; it needs
+its own environment, ``--genai-python``, because it brings its own onnxruntime; its session is given
+the same intra-op thread count through the config, which otherwise says 1).
+
+Every case runs in its own process and the cases alternate (round 1: each case once, round 2: ...);
+each process times ``--repeat`` generations after one warm-up. Per case: prefill (the prompt's forward
+pass up to the first new token) and decode (the mean time per later token), minimum and median over all
+runs; CPU time / wall time of the whole generation (how many cores were busy); RSS after loading and
+the peak RSS during the generations (the kernel's high-water mark, reset after loading)
+loading (the model is compiled beforehand in another process, as onnxruntime-genai's is built). Greedy,
+fp32.
+
+The memory-bound line: a decoding step must read every weight it multiplies by once (everything but
+the embedding rows it gathers) and the cache its attention reads (Tessera's buffer: the whole
+preallocated buffer), so at the machine's bandwidth that is a floor on the step time. The bandwidth is
+measured here with onnxruntime itself: a [1, K] x [K, N] fp32 MatMul over 400 MB of weights, at the
+same thread count (a GEMV streams its matrix once: the same access as a decoding step).
 """
 
 from __future__ import annotations
@@ -30,44 +48,88 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
-CASES = ("tessera", "tessera-concat", "hf-eager", "hf-sdpa")
+CASES = ("tessera", "tessera-concat", "hf-eager", "hf-sdpa", "ort-genai")
+MODELS = {
+    "gpt2": {"spec": "gpt2.tsr", "variant": "small", "sets": [], "vocab": 50257},
+    "llama": {"spec": "llama.tsr", "variant": None, "vocab": 32000,
+              "sets": ["vocab=32000", "d=768", "layers=12", "heads=12", "kv_heads=12", "d_ff=3072",
+                       "theta=10000.0", "eps=1e-5"]},
+}
 
 
 def _prompt(n: int, vocab: int) -> list[int]:
-    return np.random.default_rng(0).integers(0, vocab, n).tolist()
+    return np.random.default_rng(0).integers(3, vocab, n).tolist()
 
 
-def run_tessera(folder: Path, mode: str, n: int, new: int, repeat: int, threads: int) -> dict:
+def _rss_mib() -> float:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
+# ------------------------------------------------------------------ the cases (each in a child process)
+def compile_tessera(folder: Path, model: str, mode: str) -> dict:
+    """Compile the cached decoder to folder/tessera-{mode}.onnx (as tessera.load(...).compile(out,
+    kv_cache=True) does), so the timed process only loads a file, as onnxruntime-genai's does."""
+    from tessera.compiler.backends.onnx import export as onnx_export
     from tessera.runtime import generate as gen
     from tessera.runtime import pipeline
 
-    built = pipeline.build(ROOT / "models" / "gpt2.tsr", "small", [])
+    m = MODELS[model]
+    built = pipeline.build(ROOT / "models" / m["spec"], m["variant"], m["sets"])
     weights = pipeline.weights_for(built, str(folder / "model.safetensors"), 0)
-    model, info = gen.compile_cached(built, weights, mode=mode)
-    cm = gen.CachedModel(model.SerializeToString(), info, threads=threads)
-    del model, weights
-    prompt = _prompt(n, 50257)
+    gathered = {p for p in built.graph.params if p in ("wte.weight", "wpe.weight", "embed.weight")}
+    tied = model == "gpt2"  # GPT-2's head is the token table: it is read whole every step
+    read = sum(a.nbytes for k, a in weights.items() if k not in gathered or (tied and k == "wte.weight"))
+    onnx_model, _ = gen.compile_cached(built, weights, mode=mode)
+    onnx_export.save(onnx_model, folder / f"tessera-{mode}.onnx")
+    return {"weights_read_bytes": read}
+
+
+def _reset_peak() -> None:
+    """Start the kernel's peak-RSS counter (VmHWM) afresh, so the peak is that of the generation alone."""
+    Path("/proc/self/clear_refs").write_text("5")
+
+
+def _hwm_mib() -> float:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def run_tessera(folder: Path, model: str, mode: str, n: int, new: int, repeat: int, threads: int) -> dict:
+    from tessera.runtime import generate as gen
+
+    m = MODELS[model]
+    cm = gen.CachedModel.from_onnx(folder / f"tessera-{mode}.onnx", threads=threads)
+    rss_loaded = _rss_mib()
+    _reset_peak()
+    prompt = _prompt(n, m["vocab"])
     runs = []
     for i in range(repeat + 1):
         stats = gen.Stats()
         w0, c0 = time.perf_counter(), time.process_time()
-        out = []
-        for emitted in gen.stream(cm, [prompt], new, gen.Sampling(), stats=stats):
-            out.append(emitted[0])
+        out = [e[0] for e in gen.stream(cm, [prompt], new, gen.Sampling(), stats=stats)]
         wall, cpu = time.perf_counter() - w0, time.process_time() - c0
         if i:  # the first run warms up
             runs.append({"prefill_s": stats.prefill_s, "decode_s": statistics.mean(stats.decode_s),
-                         "wall_s": wall, "cpu_s": cpu})
-    return {"runs": runs, "tokens": out}
+                         "decode_median_step_s": statistics.median(stats.decode_s), "wall_s": wall, "cpu_s": cpu})
+    return {"runs": runs, "tokens": out, "cache_bytes": stats.cache_bytes,
+            "rss_loaded_mib": rss_loaded, "peak_rss_mib": _hwm_mib()}
 
 
-def run_hf(folder: Path, attn: str, n: int, new: int, repeat: int, threads: int) -> dict:
+def run_hf(folder: Path, model: str, attn: str, n: int, new: int, repeat: int, threads: int) -> dict:
     import torch
     import transformers
 
     torch.set_num_threads(threads)
-    model = transformers.GPT2LMHeadModel.from_pretrained(folder, attn_implementation=attn).eval()
-    ids = torch.tensor([_prompt(n, 50257)])
+    cls = transformers.GPT2LMHeadModel if model == "gpt2" else transformers.LlamaForCausalLM
+    hf = cls.from_pretrained(folder, attn_implementation=attn).eval()
+    rss_loaded = _rss_mib()
+    _reset_peak()
+    ids = torch.tensor([_prompt(n, MODELS[model]["vocab"])])
 
     class Clock:
         def __init__(self):
@@ -84,98 +146,251 @@ def run_hf(folder: Path, attn: str, n: int, new: int, repeat: int, threads: int)
         clock = Clock()
         w0, c0 = time.perf_counter(), time.process_time()
         with torch.inference_mode():
-            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
-                                 do_sample=False, pad_token_id=0, streamer=clock)
+            out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
+                              do_sample=False, pad_token_id=0, streamer=clock)
         wall, cpu = time.perf_counter() - w0, time.process_time() - c0
         t = clock.times  # put(prompt) before prefill, then one put per new token
         if i:
+            steps = np.diff(t[1:])
             runs.append({"prefill_s": t[1] - t[0], "decode_s": (t[-1] - t[1]) / (len(t) - 2),
-                         "wall_s": wall, "cpu_s": cpu})
-    return {"runs": runs, "tokens": out[0, n:].tolist()}
+                         "decode_median_step_s": float(np.median(steps)), "wall_s": wall, "cpu_s": cpu})
+    return {"runs": runs, "tokens": out[0, n:].tolist(), "rss_loaded_mib": rss_loaded, "peak_rss_mib": _hwm_mib()}
 
 
-def child(case: str, folder: str, n: int, new: int, repeat: int, threads: int) -> dict:
+def run_genai(folder: Path, model: str, n: int, new: int, repeat: int, threads: int) -> dict:
+    """onnxruntime-genai: append_tokens runs the prompt, each generate_next_token picks a token and runs
+    the model on it (the same work per token as one Tessera step)."""
+    import onnxruntime_genai as og
+
+    cfg = og.Config(str(folder / "genai"))
+    cfg.overlay(json.dumps({"model": {"decoder": {"session_options": {
+        "intra_op_num_threads": threads, "inter_op_num_threads": 1}}}}))
+    og_model = og.Model(cfg)
+    rss_loaded = _rss_mib()
+    _reset_peak()
+    prompt = _prompt(n, MODELS[model]["vocab"])
+    runs = []
+    for i in range(repeat + 1):
+        params = og.GeneratorParams(og_model)
+        params.set_search_options(max_length=n + new, min_length=n + new, do_sample=False)
+        w0, c0 = time.perf_counter(), time.process_time()
+        g = og.Generator(og_model, params)
+        g.append_tokens(prompt)
+        t = [time.perf_counter()]
+        out = []
+        while not g.is_done() and len(out) < new:
+            g.generate_next_token()
+            out.append(int(g.get_next_tokens()[0]))
+            t.append(time.perf_counter())
+        wall, cpu = time.perf_counter() - w0, time.process_time() - c0
+        if i:
+            steps = np.diff(t[1:])
+            runs.append({"prefill_s": t[1] - w0, "decode_s": float(np.mean(steps)),
+                         "decode_median_step_s": float(np.median(steps)), "wall_s": wall, "cpu_s": cpu})
+        del g
+    return {"runs": runs, "tokens": out, "rss_loaded_mib": rss_loaded, "peak_rss_mib": _hwm_mib()}
+
+
+def run_bandwidth(threads: int, repeat: int = 20) -> dict:
+    """GB/s of a [1, K] x [K, N] fp32 MatMul over 400 MB in onnxruntime (streams the matrix once)."""
+    import onnxruntime as ort
+    from onnx import TensorProto, helper, numpy_helper
+
+    k, n = 768, 131072
+    w = np.random.default_rng(0).standard_normal((k, n), dtype=np.float32)
+    g = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["y"])], "gemv",
+                          [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, k])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, n])],
+                          [numpy_helper.from_array(w, "w")])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 21)])
+    m.ir_version = 10
+    o = ort.SessionOptions()
+    o.intra_op_num_threads, o.inter_op_num_threads = threads, 1
+    s = ort.InferenceSession(m.SerializeToString(), o, providers=["CPUExecutionProvider"])
+    x = np.ones((1, k), np.float32)
+    s.run(None, {"x": x})
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        s.run(None, {"x": x})
+        times.append(time.perf_counter() - t0)
+    return {"gb_s_best": w.nbytes / min(times) / 1e9, "gb_s_median": w.nbytes / statistics.median(times) / 1e9}
+
+
+def child(case: str, folder: str, model: str, n: int, new: int, repeat: int, threads: int) -> dict:
     folder = Path(folder)
+    if case == "bandwidth":
+        return run_bandwidth(threads)
+    if case.startswith("compile-"):
+        return compile_tessera(folder, model, case.split("-", 1)[1])
     if case.startswith("tessera"):
-        res = run_tessera(folder, "concat" if case == "tessera-concat" else "buffer", n, new, repeat, threads)
+        res = run_tessera(folder, model, "concat" if case == "tessera-concat" else "buffer", n, new, repeat, threads)
+    elif case == "ort-genai":
+        res = run_genai(folder, model, n, new, repeat, threads)
     else:
-        res = run_hf(folder, case.split("-", 1)[1], n, new, repeat, threads)
+        res = run_hf(folder, model, case.split("-", 1)[1], n, new, repeat, threads)
     res["case"] = case
     return res
 
 
-def make_weights(folder: Path) -> None:
+# ------------------------------------------------------------------ the parent
+def make_weights(folder: Path, model: str) -> None:
     import torch
     import transformers
 
     torch.manual_seed(0)
-    transformers.GPT2LMHeadModel(transformers.GPT2Config()).eval().save_pretrained(folder, safe_serialization=True)
+    if model == "gpt2":
+        hf = transformers.GPT2LMHeadModel(transformers.GPT2Config())
+    else:
+        cfg = transformers.LlamaConfig(vocab_size=32000, hidden_size=768, num_hidden_layers=12, num_attention_heads=12,
+                                       num_key_value_heads=12, intermediate_size=3072, max_position_embeddings=2048,
+                                       rope_theta=10000.0, rms_norm_eps=1e-5, tie_word_embeddings=False,
+                                       bos_token_id=1, eos_token_id=2)
+        hf = transformers.LlamaForCausalLM(cfg)
+    hf.eval().save_pretrained(folder, safe_serialization=True)
+
+
+def make_genai_model(folder: Path, python: str) -> None:
+    """The model builder's fp32 CPU export of the checkpoint (it wants a tokenizer: a word-level one)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, 32000)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps(
+        {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}))
+    cmd = [python, "-m", "onnxruntime_genai.models.builder", "-m", str(folder), "-i", str(folder),
+           "-o", str(folder / "genai"), "-p", "fp32", "-e", "cpu", "-c", str(folder / "genai-cache")]
+    out = subprocess.run(cmd, capture_output=True, text=True)
+    if out.returncode:
+        sys.exit(f"onnxruntime-genai's model builder failed:\n{out.stderr[-3000:]}")
+
+
+def _spawn(args, case: str, folder: Path, prompt: int, new: int) -> dict:
+    python = args.genai_python if case == "ort-genai" else sys.executable
+    cmd = [python, __file__, "--_child", case, str(folder), "--model", args.model, "--prompt", str(prompt),
+           "--new", str(new), "--repeat", str(args.repeat), "--threads", str(args.threads)]
+    out = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    if out.returncode:
+        sys.exit(f"{case} failed:\n{out.stderr[-3000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def _row(case: str, runs: list[dict], extra: dict) -> dict:
+    dec = [x["decode_s"] for x in runs]
+    pre = [x["prefill_s"] for x in runs]
+    return {"case": case, "runs": len(runs), "prefill_ms_min": min(pre) * 1e3,
+            "prefill_ms_median": statistics.median(pre) * 1e3, "decode_ms_min": min(dec) * 1e3,
+            "decode_ms_median": statistics.median(dec) * 1e3, "decode_tok_s_median": 1 / statistics.median(dec),
+            "cpu_per_wall": statistics.median(x["cpu_s"] / x["wall_s"] for x in runs), **extra}
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", choices=list(MODELS), default="gpt2", help="gpt2 (small) or llama (Llama-shaped, 162 M)")
     p.add_argument("--prompt", type=int, default=128, help="prompt tokens (default 128)")
     p.add_argument("--new", type=int, default=128, help="new tokens (default 128)")
+    p.add_argument("--positions", type=int, nargs="*", metavar="P",
+                   help="instead of the comparison: Tessera's decode step at these prompt lengths (16 new tokens each)")
     p.add_argument("--repeat", type=int, default=2, help="timed generations per process (default 2)")
     p.add_argument("--rounds", type=int, default=2, help="processes per case, alternating (default 2)")
     p.add_argument("--threads", type=int, default=os.cpu_count(), help="threads for onnxruntime and torch")
-    p.add_argument("--cases", nargs="*", default=list(CASES), choices=CASES)
+    p.add_argument("--cases", nargs="*", choices=CASES, help="default: every case available")
+    p.add_argument("--genai-python", metavar="PYTHON", help="a Python with onnxruntime-genai installed (ort-genai case)")
     p.add_argument("--json", metavar="FILE")
     p.add_argument("--_child", nargs=2, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args._child:
         case, folder = args._child
-        print(json.dumps(child(case, folder, args.prompt, args.new, args.repeat, args.threads)))
+        print(json.dumps(child(case, folder, args.model, args.prompt, args.new, args.repeat, args.threads)))
         return
+    cases = args.cases or [c for c in CASES if c != "ort-genai" or args.genai_python]
+    if "ort-genai" in cases and (not args.genai_python or args.model != "llama"):
+        sys.exit("the ort-genai case needs --model llama (its builder has no GPT-2) and --genai-python")
+    machine = f"{platform.machine()}, {os.cpu_count()} cores, {platform.processor() or platform.platform()}"
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
-        make_weights(folder)
-        results: dict[str, list] = {c: [] for c in args.cases}
-        tokens = {}
+        make_weights(folder, args.model)
+        if "ort-genai" in cases:
+            make_genai_model(folder, args.genai_python)
+        compiled = {}
+        for mode in {"buffer"} | ({"concat"} if "tessera-concat" in cases else set()):
+            compiled = _spawn(args, f"compile-{mode}", folder, 1, 1)
+        if args.positions:
+            return positions(args, folder, machine)
+        results: dict[str, list] = {c: [] for c in cases}
+        info: dict[str, dict] = {}
+        bandwidth = []
         for r in range(args.rounds):
-            for case in args.cases:
-                cmd = [sys.executable, __file__, "--_child", case, str(folder), "--prompt", str(args.prompt),
-                       "--new", str(args.new), "--repeat", str(args.repeat), "--threads", str(args.threads)]
-                out = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
-                if out.returncode:
-                    sys.exit(f"{case} failed:\n{out.stderr[-3000:]}")
-                res = json.loads(out.stdout.strip().splitlines()[-1])
+            bandwidth.append(_spawn(args, "bandwidth", folder, 1, 1))
+            for case in cases:
+                res = _spawn(args, case, folder, args.prompt, args.new)
                 results[case] += res["runs"]
-                tokens[case] = res["tokens"]
+                info[case] = res
                 print(f"round {r + 1}: {case}: decode {statistics.median(x['decode_s'] for x in res['runs']) * 1e3:.1f} "
                       f"ms/token", file=sys.stderr)
-    rows = []
-    for case, runs in results.items():
-        dec = [x["decode_s"] for x in runs]
-        pre = [x["prefill_s"] for x in runs]
-        rows.append({"case": case, "runs": len(runs),
-                     "prefill_ms_min": min(pre) * 1e3, "prefill_ms_median": statistics.median(pre) * 1e3,
-                     "decode_ms_min": min(dec) * 1e3, "decode_ms_median": statistics.median(dec) * 1e3,
-                     "decode_tok_s_median": 1 / statistics.median(dec),
-                     "cpu_per_wall": statistics.median(x["cpu_s"] / x["wall_s"] for x in runs),
-                     "same_tokens_as_first_case": tokens[case] == tokens[args.cases[0]]})
-    machine = f"{platform.machine()}, {os.cpu_count()} cores, {platform.processor() or platform.platform()}"
-    print(f"GPT-2 small, B=1, prompt {args.prompt}, {args.new} new tokens, greedy, fp32, {args.threads} threads; "
+    first = cases[0]
+    rows = [_row(c, runs, {"same_tokens_as_first_case": info[c]["tokens"] == info[first]["tokens"],
+                           "rss_loaded_mib": info[c]["rss_loaded_mib"], "peak_rss_mib": info[c]["peak_rss_mib"]})
+            for c, runs in results.items()]
+    gb_s = max(b["gb_s_best"] for b in bandwidth)
+    print(f"{args.model}, B=1, prompt {args.prompt}, {args.new} new tokens, greedy, fp32, {args.threads} threads; "
           f"{machine}")
     print("| case | runs | prefill ms (min / median) | decode ms/token (min / median) | decode tok/s (median) "
-          "| CPU/wall | same tokens |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: | --- |")
+          "| CPU/wall | RSS loaded / peak MiB | same tokens |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
     for r in rows:
         print(f"| {r['case']} | {r['runs']} | {r['prefill_ms_min']:.1f} / {r['prefill_ms_median']:.1f} | "
               f"{r['decode_ms_min']:.2f} / {r['decode_ms_median']:.2f} | {r['decode_tok_s_median']:.1f} | "
-              f"{r['cpu_per_wall']:.2f} | {'yes' if r['same_tokens_as_first_case'] else 'no'} |")
+              f"{r['cpu_per_wall']:.2f} | {r['rss_loaded_mib']:.0f} / {r['peak_rss_mib']:.0f} | "
+              f"{'yes' if r['same_tokens_as_first_case'] else 'no'} |")
     base = {r["case"]: r for r in rows}
+    summary = {}
     if "tessera" in base:
-        for other in ("hf-eager", "hf-sdpa"):
+        t = base["tessera"]
+        for other in ("hf-eager", "hf-sdpa", "ort-genai", "tessera-concat"):
             if other in base:
-                print(f"decode speed-up tessera vs {other}: "
-                      f"{base[other]['decode_ms_median'] / base['tessera']['decode_ms_median']:.2f}x (median), "
-                      f"prefill {base[other]['prefill_ms_median'] / base['tessera']['prefill_ms_median']:.2f}x")
+                o = base[other]
+                print(f"tessera vs {other}: decode {o['decode_ms_median'] / t['decode_ms_median']:.2f}x (median), "
+                      f"{o['decode_ms_min'] / t['decode_ms_min']:.2f}x (min); prefill "
+                      f"{o['prefill_ms_median'] / t['prefill_ms_median']:.2f}x (median)")
+        ti = info["tessera"] | compiled
+        layers_bytes = ti["cache_bytes"]  # the buffer the attention reads each step (its whole capacity)
+        floor_ms = (ti["weights_read_bytes"] + layers_bytes) / (gb_s * 1e9) * 1e3
+        summary = {"bandwidth_gb_s": gb_s, "weights_read_bytes": ti["weights_read_bytes"],
+                   "cache_bytes": layers_bytes, "memory_bound_step_ms": floor_ms,
+                   "decode_over_bound_min": t["decode_ms_min"] / floor_ms,
+                   "decode_over_bound_median": t["decode_ms_median"] / floor_ms}
+        print(f"memory-bound step: ({ti['weights_read_bytes'] / 1e6:.0f} MB of weights + {layers_bytes / 1e6:.1f} MB "
+              f"of cache) / {gb_s:.1f} GB/s (onnxruntime GEMV, best) = {floor_ms:.2f} ms; Tessera's decode step is "
+              f"{summary['decode_over_bound_min']:.2f}x that (min), {summary['decode_over_bound_median']:.2f}x (median)")
+        growth = ti["peak_rss_mib"] - ti["rss_loaded_mib"]
+        print(f"memory: RSS after loading {ti['rss_loaded_mib']:.0f} MiB, peak {ti['peak_rss_mib']:.0f} MiB "
+              f"(+{growth:.0f} MiB during generation; the preallocated cache is {layers_bytes / 2**20:.1f} MiB)")
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(args.json).with_suffix(".tmp")
-        tmp.write_text(json.dumps({"rows": rows, "settings": vars(args) | {"machine": machine}}, indent=2))
+        tmp.write_text(json.dumps({"rows": rows, "summary": summary, "bandwidth": bandwidth,
+                                   "settings": vars(args) | {"machine": machine}}, indent=2))
         tmp.replace(args.json)
+
+
+def positions(args, folder: Path, machine: str) -> None:
+    """Tessera's decode step at several positions: prompt P, 16 new tokens, alternating over the rounds."""
+    steps: dict[int, list[float]] = {n: [] for n in args.positions}
+    for _ in range(args.rounds):
+        for n in args.positions:
+            res = _spawn(args, "tessera", folder, n, 16)
+            steps[n] += [x["decode_median_step_s"] for x in res["runs"]]
+    print(f"{args.model}: Tessera decode step by position (prompt P, 16 new tokens, buffer cache), fp32, "
+          f"{args.threads} threads; {machine}")
+    print("| prompt P | runs | ms/step (min / median) | ratio to the first (min / median) |")
+    print("| ---: | ---: | ---: | ---: |")
+    ref = args.positions[0]
+    for n, xs in steps.items():
+        print(f"| {n} | {len(xs)} | {min(xs) * 1e3:.2f} / {statistics.median(xs) * 1e3:.2f} | "
+              f"{min(xs) / min(steps[ref]):.2f} / {statistics.median(xs) / statistics.median(steps[ref]):.2f} |")
 
 
 if __name__ == "__main__":
