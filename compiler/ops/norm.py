@@ -22,8 +22,12 @@ def _rmsnorm_ref(x, a, ev):
 
 
 def _rmsnorm_lower(L):
+    """x / sqrt(mean(x^2) + eps) * w in standard ops, written as Pow(x, 2) -> ReduceMean -> Add -> Sqrt
+    -> Div -> Mul: the pattern onnxruntime fuses into one SimplifiedLayerNormalization kernel (with
+    Mul(x, x) it does not, and the six nodes cost more than the norm's arithmetic when decoding)."""
     b, x = L.b, L.x
-    sq = b.node("Mul", [x[0], x[0]])[0]
+    two = b.const(np.array(2.0, dtype=common.np_float(L.t_in[0].dtype)), "two")
+    sq = b.node("Pow", [x[0], two])[0]
     ms = b.node("ReduceMean", [sq, b.i64([-1])], keepdims=1)[0]
     eps = b.const(np.array(L.a["eps"], dtype=common.np_float(L.t_in[0].dtype)), "eps")
     rms = b.node("Sqrt", [b.node("Add", [ms, eps])[0]])[0]
