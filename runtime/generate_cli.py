@@ -42,8 +42,12 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    "for printing text")
     g.add_argument("--prompt", dest="prompts", action="append", default=[], metavar="TEXT",
                    help="a prompt (repeatable: a batch); needs --tokenizer")
-    g.add_argument("--input", "-i", dest="inputs", action="append", default=[], metavar="tokens=JSON",
-                   help="prompt token ids as JSON: a list of lists, one per prompt, of any lengths")
+    g.add_argument("--input", "-i", dest="inputs", action="append", default=[], metavar="NAME=JSON",
+                   help="token ids as JSON, a list of lists: the prompts (tokens=..., one list per prompt, of any "
+                        "lengths); for an encoder-decoder also its source inputs (e.g. src=... and src_mask=..., "
+                        "rows of one length) and optionally the target prompts (e.g. tgt=...)")
+    g.add_argument("--start-token", type=int, metavar="ID",
+                   help="an encoder-decoder's decoder start token, when no target prompt is given")
     g.add_argument("--max-new-tokens", type=int, required=True, metavar="N", help="tokens to generate per prompt")
     g.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default); > 0 samples")
     g.add_argument("--top-k", type=int, default=0, metavar="K", help="sample from the K most likely tokens (0: all)")
@@ -64,27 +68,94 @@ def add_parser(sub) -> argparse.ArgumentParser:
     return g
 
 
-def _token_inputs(items: list[str]) -> list[list[int]]:
-    if len(items) > 1:
-        raise UsageError("--input is given more than once; give every prompt in one list: 'tokens=[[...], [...]]'")
-    name, sep, text = items[0].partition("=")
-    if not sep or name != "tokens":
-        raise UsageError(f"--input '{items[0]}' must be tokens=JSON, e.g. 'tokens=[[464, 2068], [7586]]'")
+def _json_rows(name: str, text: str) -> list[list[int]]:
+    """--input NAME=JSON: one list of integer ids per row (a flat list is one row)."""
     try:
         data = json.loads(text)
     except json.JSONDecodeError as e:
-        raise UsageError(f"--input tokens: not a JSON list ({e.msg} at character {e.pos})") from None
-    if isinstance(data, list) and data and all(isinstance(t, int) for t in data):
+        raise UsageError(f"--input {name}: not a JSON list ({e.msg} at character {e.pos})") from None
+    if isinstance(data, list) and data and all(isinstance(t, int) and not isinstance(t, bool) for t in data):
         data = [data]
     if not isinstance(data, list) or not data or not all(isinstance(p, list) for p in data):
-        raise UsageError("--input tokens must be a list of prompts, each a list of token ids, e.g. [[464, 2068]]")
+        raise UsageError(f"--input {name} must be a list of rows, each a list of token ids, e.g. {name}=[[464, 2068]]")
     for i, p in enumerate(data):
         if not all(isinstance(t, int) and not isinstance(t, bool) for t in p):
-            raise UsageError(f"--input tokens: prompt {i} holds something other than integer token ids")
+            raise UsageError(f"--input {name}: row {i} holds something other than integer token ids")
     return data
 
 
-def load_model(args) -> gen.CachedModel:
+def _named_inputs(items: list[str], allowed: list[str]) -> dict[str, list[list[int]]]:
+    """Every --input NAME=JSON, each NAME one of the model's inputs and given once."""
+    from tessera.spec.diagnostics import did_you_mean
+
+    out: dict[str, list[list[int]]] = {}
+    for item in items:
+        name, sep, text = item.partition("=")
+        if not sep:
+            raise UsageError(f"--input '{item}' must be NAME=JSON, e.g. '{allowed[0]}=[[464, 2068], [7586]]'")
+        if name not in allowed:
+            raise UsageError(f"--input {name}: the model has no such input (its inputs: {', '.join(allowed)})"
+                             + did_you_mean(name, allowed))
+        if name in out:
+            raise UsageError(f"--input {name} is given more than once; give every row in one list: "
+                             f"'{name}=[[...], [...]]'")
+        out[name] = _json_rows(name, text)
+    return out
+
+
+def target_input(graph) -> str | None:
+    """An encoder-decoder's target input: the integer [B, T] input whose T is the logits' sequence
+    axis (the other inputs are the source). None for a decoder-only model (a single input)."""
+    from tessera.compiler.ir import dims
+
+    if len(graph.inputs) < 2 or len(graph.outputs) != 1 or graph.type_of(graph.outputs[0]).rank != 3:
+        return None
+    t = graph.type_of(graph.outputs[0]).shape[1]
+    hits = [i for i in graph.inputs if graph.type_of(i).dtype in ("i64", "i32") and graph.type_of(i).rank == 2
+            and dims.equal(graph.type_of(i).shape[1], t)]
+    return hits[0] if len(hits) == 1 else None
+
+
+class EncoderDecoder:
+    """An encoder-decoder spec compiled for generation: the encoder part (run once per source batch, with
+    every layer's cross-attention keys and values), the cached decoder, and the names of the target
+    input (the prompt the cache extends) and of the source inputs."""
+
+    def __init__(self, built, weights, target: str, threads: int | None):
+        from tessera.compiler.ir.signature import input_limits
+
+        self.target = target
+        self.sources = [i for i in built.graph.inputs if i != target]
+        self.limits = input_limits(built.graph)
+        enc, dec, info, boundary = gen.compile_seq2seq(built, weights, target)
+        decoder = gen.CachedModel(dec.SerializeToString(), info, threads=threads)
+        self.s2s = gen.Seq2Seq(enc.SerializeToString(), decoder, boundary)
+
+    def fixed_feeds(self, given: dict[str, list[list[int]]], rows: int) -> dict:
+        """The decoder's fixed inputs (the encoder's outputs) for the source rows given."""
+        import numpy as np
+
+        missing = [s for s in self.sources if s not in given]
+        if missing:
+            raise UsageError(f"an encoder-decoder needs its source inputs: give --input {missing[0]}=[[...]] "
+                             f"(the model's source inputs: {', '.join(self.sources)})")
+        feeds = {}
+        for name in self.sources:
+            data = given[name]
+            if len({len(r) for r in data}) != 1 or not data[0]:
+                raise UsageError(f"--input {name}: the rows must have one length, at least 1 (pad them, and mark "
+                                 f"the padding in the source mask)")
+            if len(data) != rows:
+                raise UsageError(f"--input {name} has {len(data)} rows but there are {rows} target prompts")
+            feeds[name] = np.array(data, dtype=np.int64)
+        from tessera.compiler.ir.signature import check_limits
+
+        check_limits(self.limits, feeds, {})  # ids within their tables (InputError: a clear message)
+        return self.s2s.encode(feeds)
+
+
+def load_model(args):
+    """A CachedModel (decoder-only) or an EncoderDecoder, from a .tsr spec or a compiled .onnx file."""
     path = Path(args.spec)
     if path.suffix == ".onnx" or path.is_dir():
         if args.variant or args.sets or args.weights:
@@ -94,12 +165,15 @@ def load_model(args) -> gen.CachedModel:
 
     built = pipeline.build(args.spec, args.variant, args.sets)
     weights = pipeline.weights_for(built, args.weights, args.seed)
+    target = target_input(built.graph)
+    if target is not None:
+        return EncoderDecoder(built, weights, target, args.threads)
     model, info = gen.compile_cached(built, weights, mode=args.cache)
     return gen.CachedModel(model.SerializeToString(), info, threads=args.threads)
 
 
 def cmd_generate(args) -> int:
-    if args.prompts and args.inputs:
+    if args.prompts and any(item.partition("=")[0] == "tokens" for item in args.inputs):
         raise UsageError("give the prompts either as --prompt text or as --input tokens, not both")
     if not args.prompts and not args.inputs:
         raise UsageError("no prompt: give --prompt TEXT (with --tokenizer) or --input 'tokens=[[...]]'")
@@ -116,14 +190,43 @@ def cmd_generate(args) -> int:
         from . import text
 
         tokenizer = text.load_tokenizer(args.tokenizer)
-    prompts = gen.encode_prompts(tokenizer, args.prompts) if args.prompts else _token_inputs(args.inputs)
-    for i, p in enumerate(prompts):
-        if not p:
-            raise UsageError(f"prompt {i} is empty: generation needs at least one token to start from")
     stop_tokens = list(args.stop_tokens) + gen.stop_token_ids(tokenizer, args.stops)
     stopper = gen.TextStopper(tokenizer, args.stops) if tokenizer is not None and args.stops else None
 
-    model = load_model(args)
+    loaded = load_model(args)
+    fixed = None
+    if isinstance(loaded, EncoderDecoder):
+        model, target = loaded.s2s.decoder, loaded.target
+        given = _named_inputs(args.inputs, [target] + loaded.sources)
+        if args.prompts and target in given:
+            raise UsageError(f"give the target prompts either as --prompt text or as --input {target}, not both")
+        if args.prompts:
+            prompts = gen.encode_prompts(tokenizer, args.prompts)
+        elif target in given:
+            prompts = given[target]
+        elif args.start_token is not None:
+            rows = len(next(iter(given.values()))) if given else 1
+            prompts = [[args.start_token] for _ in range(rows)]
+        else:
+            raise UsageError(f"an encoder-decoder needs the target's first tokens: --start-token ID (the decoder's "
+                             f"start token) or --input {target}=[[...]]")
+        if args.start_token is not None and (args.prompts or target in given):
+            raise UsageError(f"--start-token and a target prompt (--prompt or --input {target}) exclude each other")
+        gen.check_request(model, prompts, args.max_new_tokens, sampling, stop_tokens)
+        fixed = loaded.fixed_feeds(given, len(prompts))
+    else:
+        model = loaded
+        if args.start_token is not None:
+            raise UsageError("--start-token applies to encoder-decoders; a decoder-only model starts from its prompt")
+        if args.prompts and args.inputs:
+            raise UsageError("give the prompts either as --prompt text or as --input tokens, not both")
+        if args.prompts:
+            prompts = gen.encode_prompts(tokenizer, args.prompts)
+        else:
+            prompts = _named_inputs(args.inputs, [model.info.tokens])[model.info.tokens]
+    for i, p in enumerate(prompts):
+        if not p:
+            raise UsageError(f"prompt {i} is empty: generation needs at least one token to start from")
     gen.check_request(model, prompts, args.max_new_tokens, sampling, stop_tokens)
     stats = gen.Stats()
     out: list[list[int]] = [[] for _ in prompts]
@@ -134,7 +237,7 @@ def cmd_generate(args) -> int:
     started, last_note = time.perf_counter(), 0.0
     show_progress = not args.quiet
     for emitted in gen.stream(model, prompts, args.max_new_tokens, sampling, stop_tokens, stats=stats,
-                              should_stop=stopper):
+                              should_stop=stopper, extra_feeds=fixed):
         for r, tok in enumerate(emitted):
             if tok is not None:
                 out[r].append(tok)

@@ -128,7 +128,7 @@ def test_text_in_text_out_and_stop_text(model, tokenizer_file, capsys):
     (["--input", "tokens=[[1, 2]]", "--prompt", "w1"], "either as --prompt text or as --input tokens"),
     (["--prompt", "w1"], "--prompt needs --tokenizer"),
     (["--stop", "w1"], "--stop TEXT needs --tokenizer"),
-    (["--input", "ids=[[1]]"], "must be tokens=JSON"),
+    (["--input", "ids=[[1]]"], "--input ids: the model has no such input (its inputs: tokens)"),
     (["--input", "tokens=[[1, 2"], "not a JSON list"),
 ])
 def test_bad_input_is_a_clear_error(capsys, args, message):
@@ -156,3 +156,50 @@ def test_api_bad_input_raises_usage_error(model):
         model.generate([[1], []], 4)
     with pytest.raises(UsageError, match="tokenizer"):
         model.generate("hello", 4)
+
+
+TRANSFORMER = str(MODELS / "transformer.tsr")
+T_SMALL = dict(layers=2, d=32, heads=4, d_ff=64, vocab=50)
+T_SETS = [a for k, v in T_SMALL.items() for a in ("--set", f"{k}={v}")]
+
+
+def test_cli_encoder_decoder_equals_recomputation(capsys):
+    """`tessera generate` on the encoder-decoder (encoder once, cached decoder) gives the tokens of greedy
+    decoding with the uncached model over the whole target at every step, for a padded source batch."""
+    m = tessera.load(TRANSFORMER, seed=3, **T_SMALL)
+    src, mask = [[3, 4, 5, 6], [7, 8, 0, 0]], [[1, 1, 1, 1], [1, 1, 0, 0]]
+    rc, out, err = cli(capsys, "generate", TRANSFORMER, *T_SETS, "--seed", 3, "--input", f"src={src}",
+                       "--input", f"src_mask={mask}", "--start-token", 1, "--max-new-tokens", 8, "--format", "json")
+    assert rc == 0, err
+    ours = [row["tokens"] for row in json.loads(out)["outputs"]]
+    for r in range(2):
+        seq = [1]
+        for _ in range(8):
+            logits = m.run(src=[src[r]], src_mask=[mask[r]], tgt=[seq])["logits"]
+            seq.append(int(np.argmax(logits[0, -1])))
+        assert ours[r] == seq[1:], f"row {r}"
+    # a target prompt given as an input continues from it
+    rc, out, _ = cli(capsys, "generate", TRANSFORMER, *T_SETS, "--seed", 3, "--input", f"src={src[:1]}",
+                     "--input", f"src_mask={mask[:1]}", "--input", f"tgt=[[1, {ours[0][0]}]]", "--max-new-tokens", 3,
+                     "--format", "json")
+    assert rc == 0 and json.loads(out)["outputs"][0]["tokens"] == ours[0][1:4]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--input", "src=[[3, 4]]", "--input", "src_mask=[[1, 1]]"], "needs the target's first tokens"),
+    (["--input", "src=[[3, 4]]", "--start-token", "1"], "needs its source inputs: give --input src_mask"),
+    (["--input", "scr=[[3, 4]]", "--start-token", "1"], "did you mean 'src'"),
+    (["--input", "src=[[3, 4], [5]]", "--input", "src_mask=[[1, 1], [1]]", "--start-token", "1"], "one length"),
+    (["--input", "src=[[3, 99]]", "--input", "src_mask=[[1, 1]]", "--start-token", "1"], "must be in [0, 50)"),
+    (["--input", "src=[[3, 4]]", "--input", "src_mask=[[1, 1]]", "--input", "tgt=[[1]]", "--start-token", "1"],
+     "exclude each other"),
+])
+def test_cli_encoder_decoder_bad_input(capsys, args, message):
+    err = cli_error(capsys, "generate", TRANSFORMER, *T_SETS, *args, "--max-new-tokens", 2)
+    assert message in err
+
+
+def test_cli_start_token_needs_an_encoder_decoder(capsys):
+    err = cli_error(capsys, "generate", GPT2, *SETS, "--input", "tokens=[[1, 2]]", "--start-token", 1,
+                    "--max-new-tokens", 2)
+    assert "--start-token applies to encoder-decoders" in err
