@@ -95,6 +95,13 @@ def make_parser() -> argparse.ArgumentParser:
     _optimize_args(c)
     c.add_argument("-o", "--output", required=True, metavar="OUT.onnx", help="where to write the model")
     c.add_argument("--no-check", action="store_true", help="skip onnx.checker's full check of the result")
+    c.add_argument("--kv-cache", action="store_true",
+                   help="compile the KV-cached decoder that `tessera generate OUT.onnx` loads (decoder-only "
+                        "models; logits of the last position only); --explain then also lists the attention "
+                        "kernel chosen for prefill and decode")
+    c.add_argument("--cache", choices=["auto", "buffer", "concat"], default="auto",
+                   help="with --kv-cache: buffer (preallocated, written in place), concat (present = past + new), "
+                        "or auto: buffer, or concat for sliding-window models (default)")
 
     r = sub.add_parser("run", help="run a spec or an ONNX file in onnxruntime",
                        description="Run a .tsr spec (compiled on the fly) or an .onnx file and print its outputs.")
@@ -181,13 +188,36 @@ def cmd_compile(args) -> int:
     t0 = time.perf_counter()
     built = pipeline.build(args.spec, args.variant, args.sets)
     weights = pipeline.weights_for(built, args.weights, args.seed, args.allow_large)
-    pipeline.optimize(built, args)
-    files = pipeline.export(built, weights, args.output, check=not args.no_check)
+    if args.kv_cache:
+        files = _compile_cached(built, weights, args)
+    else:
+        if args.cache != "auto":
+            raise pipeline.UsageError("--cache applies with --kv-cache")
+        pipeline.optimize(built, args)
+        files = pipeline.export(built, weights, args.output, check=not args.no_check)
     size = sum(f.stat().st_size for f in files)
     print(f"wrote {', '.join(map(str, files))}: {built.graph.name}"
           f"{' (' + built.info.variant + ')' if built.info.variant else ''}, "
           f"{built.graph.param_count():,} parameters, {size / 1e6:.1f} MB, {time.perf_counter() - t0:.1f} s")
     return 0
+
+
+def _compile_cached(built, weights, args) -> list[Path]:
+    """--kv-cache: the cached decoder (compiler/passes/kv_cache.py), its kernels chosen per phase."""
+    from tessera.compiler.backends.onnx import export as onnx_export
+    from tessera.compiler.passes.attention_kernels import Target
+    from tessera.compiler.passes.pipeline import explain
+
+    from . import generate as gen
+
+    if args.no_fuse or args.attention != "auto":
+        raise pipeline.UsageError("--kv-cache chooses the attention kernels per phase itself: it takes neither "
+                                  "--no-fuse nor --attention")
+    model, info = gen.compile_cached(built, weights, mode=args.cache, target=Target(args.target, args.dtype),
+                                     dtype=args.dtype)
+    if args.explain:
+        print(explain(built.attention_sites) + "\n" + info.explain(), file=sys.stderr)
+    return onnx_export.save(model, args.output, verify=None if args.no_check else onnx_export.check)
 
 
 def cmd_run(args) -> int:

@@ -203,3 +203,20 @@ def test_cli_start_token_needs_an_encoder_decoder(capsys):
     err = cli_error(capsys, "generate", GPT2, *SETS, "--input", "tokens=[[1, 2]]", "--start-token", 1,
                     "--max-new-tokens", 2)
     assert "--start-token applies to encoder-decoders" in err
+
+
+def test_cli_compile_kv_cache_then_generate(model, tmp_path, capsys):
+    """`tessera compile --kv-cache` writes the cached decoder `tessera generate` loads (same tokens as the
+    API); --explain names the kernel chosen per phase; --cache without --kv-cache is refused."""
+    out_file = tmp_path / "cached.onnx"
+    rc, _, err = cli(capsys, "compile", GPT2, *SETS, "--kv-cache", "--explain", "-o", out_file)
+    assert rc == 0, err
+    assert "KV cache (buffer mode): 2 cached attention sites" in err and "prefill (T > 1): portable" in err
+    rc, out, err = cli(capsys, "generate", out_file, "--input", "tokens=[[1, 2, 3], [4]]", "--max-new-tokens", 6,
+                       "--format", "json", "-q")
+    assert rc == 0, err
+    assert [r["tokens"] for r in json.loads(out)["outputs"]] == model.generate([[1, 2, 3], [4]], 6)
+    assert "--cache applies with --kv-cache" in cli_error(capsys, "compile", GPT2, *SETS, "--cache", "concat",
+                                                          "-o", tmp_path / "x.onnx")
+    assert "takes neither --no-fuse nor --attention" in cli_error(capsys, "compile", GPT2, *SETS, "--kv-cache",
+                                                                  "--no-fuse", "-o", tmp_path / "x.onnx")
