@@ -13,8 +13,10 @@ key/value, [B, kv_heads, capacity, hd]. onnxruntime reads contiguous numpy
 inputs in place, so the buffers go in without a copy; each step's new columns
 come back as small outputs and are written into their slots, and the attention
 mask hides the slots not filled yet. Nothing is concatenated or copied per step
-except the new columns (the ``concat`` mode, kept for comparison, feeds back the
-growing present tensors instead).
+except the new columns (the ``concat`` mode, kept for comparison and used for
+sliding windows, feeds back the growing present tensors instead, trimmed to the
+window). The prompt itself runs against an empty past, so its attention is the
+tiled prefill kernel over the prompt alone (compiler/backends/onnx/cached_attention.py).
 
 A batch of prompts of different lengths is left-padded: the mask marks the
 padding, and each row's positions count only its real tokens (Hugging Face's
