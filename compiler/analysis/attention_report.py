@@ -76,7 +76,9 @@ def attention_section(graph: Graph, bindings: dict, bytes_per_element: int, devi
     rows, total_u, total_f = [], 0, 0
     for s in sites:
         row = {"site": s.scope or "<model>", "at": _where(s.pos), "fused": s.fused}
-        if s.fused:
+        if s.fused and s.node not in graph.nodes:  # fused, then removed: nothing reads its output
+            row.update(fused=False, reason="its output is never used: removed as dead code after fusion")
+        elif s.fused:
             node = graph.nodes[s.node]
             u, f = _traffic(graph, node, bindings, bytes_per_element)
             row.update(kernel=s.impl, why=s.impl_reason, traffic_bytes={"unfused": u, "fused": f},
