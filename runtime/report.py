@@ -66,6 +66,10 @@ def build(args) -> dict:
         raise pipeline.UsageError(f"--batch must be at least 1, got {args.batch}")
     if args.seq < 1:
         raise pipeline.UsageError(f"--seq must be at least 1, got {args.seq}")
+    if getattr(args, "plot", None) is not None:  # a bad path fails now, not after the report
+        from .report_plot import check_plot_path
+
+        check_plot_path(args.plot)
     try:
         device = roofline.get_device(args.device)
     except roofline.DeviceError as e:
@@ -76,7 +80,7 @@ def build(args) -> dict:
             built.graph, built.info.model, built.info.variant,
             {k: pipeline._jsonable(v) for k, v in built.info.hyperparams.items()},
             batch=args.batch, seq=args.seq, dtype=args.dtype, device=device)
-    if getattr(args, "plot", None):
+    if getattr(args, "plot", None) is not None:
         from .report_plot import plot
 
         with _no_gc():
@@ -103,6 +107,6 @@ def cmd_report(args) -> int:
         from rich.console import Console
 
         report_format.print_table(rep, Console())
-    if args.plot:
+    if args.plot is not None:
         print(f"wrote {args.plot}", file=sys.stderr)
     return 0

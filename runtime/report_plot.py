@@ -1,11 +1,15 @@
 """``tessera report --plot``: MACs and memory against sequence length, fused and unfused attention.
 
 matplotlib is an optional extra (``pip install 'tessera[plot]'``); without it
-the command says how to get it instead of failing with an import error.
+the command says how to get it instead of failing with an import error. The figure is written
+atomically (compiler/backends/atomic.py), and its path is checked before the report is computed.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
+
+from tessera.compiler.backends.atomic import OutputError, check_target, write_atomically
 from tessera.compiler.ir.graph import Graph
 
 from .pipeline import UsageError
@@ -23,7 +27,7 @@ def _lengths(seq: int, crossover: float | None) -> list[int]:
     return out
 
 
-def plot(graph: Graph, rep: dict, path: str) -> None:
+def _pyplot():
     try:
         import matplotlib
 
@@ -31,6 +35,28 @@ def plot(graph: Graph, rep: dict, path: str) -> None:
         import matplotlib.pyplot as plt
     except ImportError:
         raise UsageError("--plot needs matplotlib: pip install 'tessera[plot]' (or pip install matplotlib)") from None
+    return plt
+
+
+def check_plot_path(path: str) -> tuple[Path, str]:
+    """The --plot target and its image format (from the suffix), refused before any work is done
+    when matplotlib is missing, the path cannot be written or the suffix names no format."""
+    _pyplot()
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    target = check_target(path, "report.png")
+    formats = FigureCanvasBase.get_supported_filetypes()
+    fmt = target.suffix[1:].lower()
+    if fmt not in formats:
+        said = f"'{target.suffix}'" if target.suffix else "no suffix"
+        raise OutputError(f"--plot {target}: {said} names no image format; end the name in one of "
+                          f"{', '.join('.' + f for f in sorted(formats))} (e.g. report.png)")
+    return target, fmt
+
+
+def plot(graph: Graph, rep: dict, path: str) -> None:
+    target, fmt = check_plot_path(path)
+    plt = _pyplot()
     from tessera.compiler.analysis.costreport import sweep
 
     s = rep["settings"]
@@ -66,5 +92,7 @@ def plot(graph: Graph, rep: dict, path: str) -> None:
     ax2.set_ylabel("bytes")
     ax2.legend(fontsize=8)
     ax2.grid(True, which="both", alpha=0.3)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    try:
+        write_atomically(target, lambda tmp: fig.savefig(tmp, dpi=120, format=fmt), "report.png")
+    finally:
+        plt.close(fig)

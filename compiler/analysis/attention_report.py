@@ -19,6 +19,29 @@ from tessera.compiler.passes.pipeline import optimize
 from tessera.compiler.passes.attention_kernels import Target
 
 
+def keys_read_by_tiles(tq: int, tk: int, br: int, causal: bool) -> int:
+    """Keys a tiled kernel reads, summed over its query tiles of ``br`` rows, in closed form (the
+    report answers for N = 10**12 at once; a loop over the tiles would take hours).
+
+    Without a causal mask every tile reads all ``tk`` keys. With one, the query rows are the last
+    ``tq`` of the ``tk`` positions (offset ``tk - tq``, 0 for self-attention, the past length for
+    a cached decoder), and a tile whose last row is ``end`` reads keys up to ``end + tk - tq``,
+    none when that is not positive."""
+    tiles = -(-tq // br)
+    if not causal:
+        return tiles * tk
+    offset = tk - tq
+    full = tq // br  # tiles of br rows; their last rows are br, 2 br, ..., full * br
+    first = max(1, -offset // br + 1)  # the first full tile that sees a key: k * br + offset > 0
+    total = 0
+    if first <= full:
+        count = full - first + 1
+        total += br * (first + full) * count // 2 + offset * count
+    if tq % br:  # the last, partial tile ends at tq and sees tk > 0 keys
+        total += tq + offset
+    return total
+
+
 def _traffic(graph: Graph, node, bindings: dict, e: int) -> tuple[int, int]:
     a = node.attrs
     q, k, v = (graph.type_of(x).shape for x in node.inputs[:3])
@@ -28,11 +51,7 @@ def _traffic(graph: Graph, node, bindings: dict, e: int) -> tuple[int, int]:
     passes = (a["scale"] != 1.0) + a["causal"] + a["padding"] + a["bias"] + 1
     scores = tq * tk
     unfused = e * b * h * (tq * d + tk * d + scores + 2 * scores * passes + scores + tk * dv + tq * dv)
-    br = a.get("q_tile", 64)
-    keys_read = 0
-    for start in range(0, tq, br):
-        end = min(start + br, tq)
-        keys_read += min(tk, end + (tk - tq)) if a["causal"] else tk
+    keys_read = keys_read_by_tiles(tq, tk, a.get("q_tile", 64), a["causal"])
     fused = e * b * (h * tq * d + h * tq * dv + g * keys_read * (d + dv))
     return unfused, fused
 
@@ -57,7 +76,9 @@ def attention_section(graph: Graph, bindings: dict, bytes_per_element: int, devi
     rows, total_u, total_f = [], 0, 0
     for s in sites:
         row = {"site": s.scope or "<model>", "at": _where(s.pos), "fused": s.fused}
-        if s.fused:
+        if s.fused and s.node not in graph.nodes:  # fused, then removed: nothing reads its output
+            row.update(fused=False, reason="its output is never used: removed as dead code after fusion")
+        elif s.fused:
             node = graph.nodes[s.node]
             u, f = _traffic(graph, node, bindings, bytes_per_element)
             row.update(kernel=s.impl, why=s.impl_reason, traffic_bytes={"unfused": u, "fused": f},
@@ -81,4 +102,4 @@ def group_sites(section: dict) -> list[tuple[int, dict, list[str]]]:
     return [(len(v), v[0], [r["site"] for r in v]) for v in groups.values()]
 
 
-__all__ = ["attention_section", "group_sites"]
+__all__ = ["attention_section", "group_sites", "keys_read_by_tiles"]

@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -25,6 +23,7 @@ import sympy
 from onnx import TensorProto, helper, numpy_helper
 
 from tessera.compiler import ops
+from tessera.compiler.backends.atomic import OutputError, check_target, fsync_dir, fsync_file, staging
 from tessera.compiler.ir import dims
 from tessera.compiler.ir.graph import Graph
 from tessera.compiler.ir.signature import InputLimits, input_limits
@@ -220,32 +219,18 @@ def to_onnx(graph: Graph, weights: dict[str, np.ndarray], metadata: dict | None 
     return model
 
 
-class OutputError(Exception):
-    """The output path cannot be written; nothing at that path was changed."""
-
-
 def save(model: onnx.ModelProto, path: str | Path, verify=None) -> list[Path]:
     """Write the model (with external data past 2 GiB) atomically; returns the files written.
 
-    Everything is written into a hidden folder beside the target, fsynced, checked by
-    ``verify(tmp_model_path)`` if given, and only then renamed into place: the data file first,
-    then the model. A failure, Ctrl-C or SIGTERM before that leaves any previous output as it was
-    and removes the partial files; a symlink at ``path`` is replaced, its target never written.
-    A stale ``.data`` file from an earlier, larger export is removed once the new model is in place."""
-    path = Path(path)
-    if not path.name or path.name in (".", ".."):
-        raise OutputError(f"output path {str(path)!r} names no file")
-    try:
-        _check_target(path)
-    except OSError as e:  # a name too long, a folder we may not look into
-        raise OutputError(f"cannot write {path}: {e.strerror or e}") from None
+    Everything is written into a hidden folder beside the target (compiler/backends/atomic.py),
+    fsynced, checked by ``verify(tmp_model_path)`` if given, and only then renamed into place: the
+    data file first, then the model. A failure, Ctrl-C or SIGTERM before that leaves any previous
+    output as it was and removes the partial files; a symlink at ``path`` is replaced, its target
+    never written. A stale ``.data`` file from an earlier, larger export is removed once the new
+    model is in place."""
+    path = check_target(path)
     data_path = path.with_name(path.name + ".data")
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{path.name[:64]}.", suffix=".tmp", dir=path.parent))
-    except OSError as e:
-        raise OutputError(f"cannot write {path}: {e.strerror or e}") from None
-    try:
+    with staging(path) as tmp:
         tmp_model, tmp_data = tmp / path.name, tmp / data_path.name
         external = sum(t.ByteSize() for t in model.graph.initializer) > EXTERNAL_DATA_THRESHOLD
         try:
@@ -255,8 +240,7 @@ def save(model: onnx.ModelProto, path: str | Path, verify=None) -> list[Path]:
             else:
                 onnx.save_model(model, os.fspath(tmp_model))
             for f in (tmp_model, tmp_data) if external else (tmp_model,):
-                with open(f, "rb+") as handle:
-                    os.fsync(handle.fileno())
+                fsync_file(f)
         except OSError as e:
             raise OutputError(f"cannot write {path}: {e.strerror or e}") from None
         if verify is not None:
@@ -266,33 +250,8 @@ def save(model: onnx.ModelProto, path: str | Path, verify=None) -> list[Path]:
         os.replace(tmp_model, path)
         if not external and data_path.is_file():
             data_path.unlink()  # belonged to the model just replaced
-        _fsync_dir(path.parent)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        fsync_dir(path.parent)
     return [path, data_path] if external else [path]
-
-
-def _check_target(path: Path) -> None:
-    if path.is_dir():
-        raise OutputError(f"output path {path} is a folder; give a file name such as {path / 'model.onnx'}")
-    if path.exists() and not path.is_file():  # a device, FIFO or socket is never replaced
-        raise OutputError(f"output path {path} exists and is not a regular file")
-    existing = next((a for a in path.parents if a.exists()), None)
-    if existing is not None and not existing.is_dir():
-        raise OutputError(f"cannot write {path}: {existing} is a file, not a folder")
-
-
-def _fsync_dir(folder: Path) -> None:
-    try:
-        fd = os.open(folder, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 def check(path: str | Path) -> None:
