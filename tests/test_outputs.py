@@ -96,7 +96,12 @@ def test_sigterm_mid_compile_never_leaves_a_partial_file(tmp_path):
     big = [str(MODELS / "gpt2.tsr"), "--variant", "small"]
     proc = subprocess.Popen([sys.executable, "-m", "tessera.runtime.cli", "compile", *big, "-o", str(out)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    time.sleep(2.5)
+    # SIGTERM once the export has begun writing (its temporary folder appears beside the target): a fixed
+    # sleep could land before the handler is installed on a busy machine (killed at import, status -15),
+    # which would test nothing
+    deadline = time.monotonic() + 120
+    while proc.poll() is None and not _leftovers(tmp_path) and time.monotonic() < deadline:
+        time.sleep(0.01)
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=120)
     assert proc.returncode in (0, 143), err.decode()
