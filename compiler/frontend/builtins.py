@@ -503,14 +503,26 @@ def _padding_mask(call, scores, mask):
 
 
 @builtin("rope", ("x", R), ("theta", 10000.0), ("factor", 1.0), ("low_freq", 1.0), ("high_freq", 4.0),
-         ("original_ctx", 8192))
-def _rope(call, x, theta, factor, low_freq, high_freq, original_ctx):
-    """Rotary position embedding on [..., T, hd] (rotate-half pairing, as in Llama).
+         ("original_ctx", 8192), ("dims", 0), ("layout", "half"))
+def _rope(call, x, theta, factor, low_freq, high_freq, original_ctx, dims, layout):
+    """Rotary position embedding on [..., T, hd].
 
-    factor > 1 turns on Llama 3.1's frequency scaling ("llama3" rope_type) with low_freq,
-    high_freq and original_ctx as in a checkpoint's rope_scaling; factor = 1 (the default) is
-    plain RoPE and ignores the other three."""
+    layout="half" pairs feature i with i + r/2 (rotate-half: GPT-NeoX, Llama); "interleaved" pairs
+    2i with 2i+1 (GPT-J). dims=r > 0 rotates only the first r features (partial rotary; 0: all of
+    them) with frequencies theta^(-2i/r). factor > 1 turns on Llama 3.1's frequency scaling
+    ("llama3" rope_type) with low_freq, high_freq and original_ctx as in a checkpoint's
+    rope_scaling; factor = 1 (the default) is plain RoPE and ignores the other three."""
     attrs = {"theta": _float(call, theta, "theta")}
+    t = _tensor(call, x)
+    r = _int(call, dims, "dims", 0)
+    if r:
+        hd = _static_last(call, t)
+        if r % 2 or r > hd:
+            raise call.error(f"'dims' must be even and at most the head size {hd}, got {r}", dims[1])
+        if r < hd:
+            attrs["dims"] = r
+    if _choice(call, layout, "layout", ("half", "interleaved")) == "interleaved":
+        attrs["interleaved"] = True
     f = _float(call, factor, "factor")
     if f < 1.0:
         raise call.error(f"'factor' must be at least 1.0 (1.0 is no scaling), got {f}", factor[1])
@@ -520,7 +532,7 @@ def _rope(call, x, theta, factor, low_freq, high_freq, original_ctx):
             raise call.error(f"rope scaling needs 0 < low_freq < high_freq, got low_freq={low}, high_freq={high}",
                              high_freq[1] or low_freq[1])
         attrs["scaling"] = (f, low, high, _int(call, original_ctx, "original_ctx", 1))
-    return call.emit("rope", [_tensor(call, x)], attrs)
+    return call.emit("rope", [t], attrs)
 
 
 @builtin("topk_gates", ("logits", R), ("k", R))
