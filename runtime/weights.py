@@ -209,6 +209,9 @@ def _split(name: str, value: np.ndarray, rule: _Rule, targets: list[str], shapes
         sizes = [size // len(targets)] * len(targets)
     groups = rule.groups
     if isinstance(groups, str):
+        if not hyper:  # a programming error of the caller rather than of the mapping file
+            raise WeightsError(f"{name}: its split has groups = \"{groups}\"; load_weights needs the model's "
+                               f"hyperparameters (hyper=) to resolve it")
         if groups not in hyper:
             raise WeightsError(f"{name}: its split has groups = \"{groups}\", which is not a hyperparameter of "
                                f"the model (it has: {', '.join(sorted(hyper)) or 'none'})")
