@@ -1,6 +1,7 @@
 """The families issue 12 added to models/: BLOOM (ALiBi from the padding mask, qkv fused per head),
-T5 (encoder-decoder, relative-position buckets, unscaled scores) and Gemma 2 (soft-capped
-attention and logits, alternating sliding and global layers, head_dim of its own, (1 + w) norms).
+T5 (encoder-decoder, relative-position buckets, unscaled scores), Gemma 2 (soft-capped
+attention and logits, alternating sliding and global layers, head_dim of its own, (1 + w) norms)
+and GPT-J (partial interleaved rotary, parallel attention and MLP).
 
 As tests/test_families.py does for the older families: a small Hugging Face model, seeded and
 perturbed, saved by save_pretrained into a folder, compiled from that folder alone (its
@@ -101,7 +102,21 @@ def gemma2_case(folder) -> Case:
     return Case("gemma2", folder, {"tokens": tokens}, ref, None, model)
 
 
-BUILDERS = {"bloom": bloom_case, "t5": t5_case, "gemma2": gemma2_case}
+def gptj_case(folder) -> Case:
+    """Rotary on 4 of the 12 features of each head, interleaved; parallel attention and MLP."""
+    torch.manual_seed(0)
+    cfg = transformers.GPTJConfig(vocab_size=200, n_positions=128, n_embd=48, n_layer=2, n_head=4, rotary_dim=4,
+                                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, tie_word_embeddings=False,
+                                  bos_token_id=0, eos_token_id=0)
+    model = _perturb(transformers.GPTJForCausalLM(cfg).eval(), 0.05)
+    model.save_pretrained(folder)
+    tokens = np.random.default_rng(0).integers(1, 200, (2, 21)).astype(np.int64)
+    with torch.no_grad():
+        ref = model(input_ids=torch.from_numpy(tokens)).logits.numpy()
+    return Case("gptj", folder, {"tokens": tokens}, ref, None, model)
+
+
+BUILDERS = {"bloom": bloom_case, "t5": t5_case, "gemma2": gemma2_case, "gptj": gptj_case}
 
 
 @pytest.fixture(scope="module")
@@ -152,10 +167,11 @@ def test_compiled_from_the_checkpoint_folder_alone_every_site_fused(cases, famil
 
 
 def test_the_options_the_families_use_matter(cases):
-    """Each comparison tests its feature: without ALiBi, without soft-caps, or with the window
-    everywhere global, the outputs move far past the tolerance."""
+    """Each comparison tests its feature: without ALiBi, without soft-caps, with the window
+    everywhere global, or with GPT-J's rotary on the whole head, the outputs move far past the
+    tolerance."""
     for family, change in (("bloom", None), ("gemma2", dict(attn_softcap=1000.0)), ("gemma2", dict(window=0)),
-                           ("gemma2", dict(final_softcap=1000.0))):
+                           ("gemma2", dict(final_softcap=1000.0)), ("gptj", dict(rotary_dim=12))):
         case = cases(family)
         built = pipeline.build(MODELS / f"{family}.tsr", weights=str(case.folder))
         weights = pipeline.weights_for(built, str(case.folder), 0)
@@ -188,6 +204,13 @@ def test_published_parameter_counts(spec, variant, count):
     assert build(spec, variant).param_count() == count
 
 
+def test_gptj_6b_count_equals_transformers_on_the_meta_device():
+    # 6,050,882,784 (GPT-J-6B's model card says 6,053,381,344; transformers' own model has this many)
+    with torch.device("meta"):
+        model = transformers.GPTJForCausalLM(transformers.GPTJConfig())
+    assert sum(p.numel() for p in model.parameters()) == build("gptj", "6b").param_count() == 6_050_882_784
+
+
 def test_published_count_equals_transformers_on_the_meta_device():
     with torch.device("meta"):
         model = transformers.T5ForConditionalGeneration(transformers.T5Config(vocab_size=32128, d_model=512, d_kv=64,
@@ -210,23 +233,25 @@ def test_report_counts_blooms_kv_cache_and_labels_its_attention():
     assert not any("(parameter)" in lab for lab in gemma), gemma
 
 
-def test_gemma2_cached_generation_equals_transformers_and_recomputation(cases):
-    """Soft-capped attention over the KV cache (concat mode: sliding windows), partial windows
-    while decoding, and the final soft-cap after the head (the cache pass slices the head's input
-    through it): greedy tokens equal transformers' generate, each step's logits the uncached model's."""
+@pytest.mark.parametrize("family", ["gemma2", "gptj"])
+def test_cached_generation_equals_transformers_and_recomputation(cases, family):
+    """Gemma 2: soft-capped attention over the KV cache (concat mode: sliding windows), partial
+    windows while decoding, and the final soft-cap after the head (the cache pass slices the
+    head's input through it). GPT-J: partial interleaved rotary reading position_ids. Greedy
+    tokens equal transformers' generate, each step's logits the uncached model's."""
     import onnxruntime as ort
 
     from tessera.compiler.backends.onnx import export as onnx_export
     from tessera.runtime.generate import CachedModel, compile_cached, generate
 
-    case = cases("gemma2")
-    spec = MODELS / "gemma2.tsr"
+    case = cases(family)
+    spec = MODELS / f"{family}.tsr"
     built = pipeline.build(spec, weights=str(case.folder))
     weights = pipeline.weights_for(built, str(case.folder), 0)
     full = ort.InferenceSession(onnx_export.to_onnx(built.graph, weights).SerializeToString(),
                                 providers=["CPUExecutionProvider"])
     model, info = compile_cached(pipeline.build(spec, weights=str(case.folder)), weights)
-    assert info.mode == "concat" and info.last_only
+    assert info.mode == ("concat" if family == "gemma2" else "buffer") and info.last_only
     cached = CachedModel(model.SerializeToString(), info)
     rng = np.random.default_rng(3)
     prompts = [rng.integers(1, 200, 11).tolist(), rng.integers(1, 200, 5).tolist()]
