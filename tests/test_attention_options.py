@@ -385,3 +385,22 @@ def test_cached_generation_with_partial_interleaved_rope_and_softcap_equals_reco
     out = generate(cached, prompts, 24, on_logits=check).tokens
     assert worst[0] <= 1e-4
     assert len({t for row in out for t in row}) > 3, "degenerate: one token repeated"
+
+
+@pytest.mark.parametrize("sets", [dict(softcap=5.0, scale=0.4, causal=False, rope_theta=0.0),
+                                  dict(softcap=5.0, causal=True), dict(biased=True, causal=False)])
+def test_fused_cost_counts_what_the_unfused_ops_count(spec_path, sets):
+    """The fused node's FLOPs by category equal the ops it replaces (scale, divide, tanh, multiply,
+    bias, masks, softmax, the two products), so fusion changes no figure of the report."""
+    from tessera.compiler.analysis import cost
+
+    def totals(g):
+        out = {}
+        for c in cost.node_costs(g)[0]:
+            for cat, f in c.flops.items():
+                out[cat] = out.get(cat, 0) + f.evaluate({"B": 2, "T": 37})
+        return out
+
+    unfused, fused = build(spec_path, **sets), build(spec_path, **sets)
+    optimize(fused)
+    assert totals(fused) == totals(unfused)
