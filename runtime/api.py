@@ -44,7 +44,8 @@ class Model:
         self.spec, self.variant, self.seed = Path(spec), variant, seed
         self.weights_path = str(weights) if weights is not None else None
         self.sets = _set_args(overrides)
-        self._built = pipeline.build(self.spec, variant, self.sets)  # spec errors surface here, at load
+        # spec errors surface here, at load; a checkpoint folder's config.json may supply hyperparameters
+        self._built = pipeline.build(self.spec, variant, self.sets, self.weights_path)
         self._weights = pipeline.weights_for(self._built, self.weights_path, seed)
         self._session = None
         self._cached: dict[tuple, gen.CachedModel] = {}
@@ -60,7 +61,7 @@ class Model:
         return self._weights
 
     def _fresh(self):
-        return pipeline.build(self.spec, self.variant, self.sets)
+        return pipeline.build(self.spec, self.variant, self.sets, self.weights_path)
 
     def report(self, batch: int = 1, seq: int = 1024, dtype: str = "fp32", device: str = "h200") -> dict:
         """The static cost report (parameters, MACs, memory, roofline) as ``tessera report --format json`` gives it."""

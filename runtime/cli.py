@@ -74,7 +74,9 @@ def _weights_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed of the weight initialiser (default 0)")
     p.add_argument("--weights", metavar="FILE",
                    help="a .safetensors file or folder of shards; Hugging Face names are mapped by the "
-                        "<spec>.hf.toml file beside the spec")
+                        "<spec>.hf.toml file beside the spec, and a folder's config.json gives the "
+                        "hyperparameters its [config] table names (a value contradicting --set or the "
+                        "variant is an error)")
     p.add_argument("--allow-large", action="store_true",
                    help="go ahead even when the weights look too large for the memory available "
                         "(by default such a model is refused before anything is allocated)")
@@ -186,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def cmd_compile(args) -> int:
     t0 = time.perf_counter()
-    built = pipeline.build(args.spec, args.variant, args.sets)
+    built = pipeline.build(args.spec, args.variant, args.sets, args.weights)
     weights = pipeline.weights_for(built, args.weights, args.seed, args.allow_large)
     if args.kv_cache:
         files = _compile_cached(built, weights, args)
@@ -235,7 +237,7 @@ def cmd_run(args) -> int:
         specs, limits = onnx_signature(path)
         source: str | bytes = str(path)
     else:
-        built = pipeline.build(args.spec, args.variant, args.sets)
+        built = pipeline.build(args.spec, args.variant, args.sets, args.weights)
         specs, limits = specs_from_graph(built.graph), input_limits(built.graph)
         from tessera.compiler.backends.onnx import export as onnx_export
 

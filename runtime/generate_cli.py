@@ -35,7 +35,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
     g.add_argument("--variant", "-V", help="a variant defined in the spec file (e.g. small)")
     g.add_argument("--set", dest="sets", action="append", default=[], metavar="NAME=VALUE",
                    help="override a hyperparameter (repeatable)")
-    g.add_argument("--weights", metavar="FILE", help="a .safetensors file or folder of shards (else seeded weights)")
+    g.add_argument("--weights", metavar="FILE", help="a .safetensors file or folder of shards (else seeded weights); "
+                   "a folder's config.json gives the hyperparameters the mapping file's [config] table names")
     g.add_argument("--seed", type=int, default=0,
                    help="seed of the sampler, and of the weight initialiser without --weights (default 0)")
     g.add_argument("--tokenizer", metavar="tokenizer.json", help="a Hugging Face tokenizer.json for --prompt and "
@@ -163,7 +164,7 @@ def load_model(args):
         return gen.CachedModel.from_onnx(path, threads=args.threads)
     from . import pipeline
 
-    built = pipeline.build(args.spec, args.variant, args.sets)
+    built = pipeline.build(args.spec, args.variant, args.sets, args.weights)
     weights = pipeline.weights_for(built, args.weights, args.seed)
     target = target_input(built.graph)
     if target is not None:

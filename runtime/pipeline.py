@@ -75,10 +75,18 @@ def resolve_spec(spec: str | Path) -> Path:
                     f"(bundled specs: {', '.join(names)})")
 
 
-def build(spec: str | Path, variant: str | None = None, sets: list[str] | None = None) -> Built:
+def build(spec: str | Path, variant: str | None = None, sets: list[str] | None = None,
+          weights: str | Path | None = None) -> Built:
+    """Elaborate a spec. When ``weights`` is a checkpoint folder with a config.json and the
+    spec's mapping file has a [config] table, its hyperparameters are taken from there too
+    (checkpoint_config.py: a value contradicting ``sets`` or the variant is an error)."""
+    from .checkpoint_config import config_overrides
+
     path = resolve_spec(spec)
     program = load_program(path)
     overrides = parse_set(sets or [], program)
+    if weights:
+        overrides.update(config_overrides(program, name_map_for(path), weights, variant, overrides))
     graph, info = elaborate(program, variant, overrides)
     return Built(program, graph, info, path)
 
@@ -118,7 +126,8 @@ def weights_for(built: Built, weights: str | None, seed: int, allow_large: bool 
     check_memory(built, allow_large)
     if weights:
         notes: list[str] = []
-        loaded = load_weights(built.graph, Path(weights), name_map_for(built.spec_path), notes)
+        loaded = load_weights(built.graph, Path(weights), name_map_for(built.spec_path), notes,
+                              built.info.hyperparams)
         for note in notes:
             print(f"note: {note}", file=sys.stderr)
         return loaded

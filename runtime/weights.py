@@ -8,8 +8,10 @@ which other parameters exist or in what order they were created.
 A checkpoint's tensors are matched by name. If the names are not Tessera's
 own paths, a mapping file beside the spec (``<spec>.hf.toml``) translates
 them: plain renames with ``{i}`` placeholders, plus splits (a fused QKV
-matrix) and transposes (GPT-2's Conv1D layout). Any mismatch is reported as
-one error listing the missing, unexpected and mis-shaped tensors.
+matrix, side by side or laid out per head: ``groups``) and transposes (GPT-2's
+Conv1D layout). Its ``[config]`` table maps a checkpoint folder's config.json to
+hyperparameters (runtime/checkpoint_config.py). Any mismatch is reported as one
+error listing the missing, unexpected and mis-shaped tensors.
 """
 
 from __future__ import annotations
@@ -54,6 +56,7 @@ class _Rule:
     targets: list[str]
     split_axis: int | None = None
     transpose: bool = False
+    groups: int | str | None = None   # the split axis is [groups, parts...]: per head (or kv group)
 
 
 @dataclass
@@ -63,6 +66,8 @@ class NameMap:
     rules: list[_Rule] = field(default_factory=list)
     ignore: list[re.Pattern] = field(default_factory=list)
     source: str = ""
+    # config.json key (dotted for nested) -> hyperparameter name, or ("expect", allowed values)
+    config: dict = field(default_factory=dict)
 
     @classmethod
     def load(cls, path: Path) -> "NameMap":
@@ -75,9 +80,10 @@ class NameMap:
             data = tomllib.loads(text)
         except tomllib.TOMLDecodeError as e:
             raise WeightsError(f"{path}: not valid TOML: {e}") from None
-        unknown = set(data) - {"names", "ignore"}
+        unknown = set(data) - {"names", "ignore", "config"}
         if unknown:
-            raise WeightsError(f"{path}: unknown section(s) {sorted(unknown)}; expected [names] and ignore = [...]")
+            raise WeightsError(f"{path}: unknown section(s) {sorted(unknown)}; expected [names], [config] and "
+                               f"ignore = [...]")
         names = data.get("names", {})
         if not isinstance(names, dict):
             raise WeightsError(f"{path}: 'names' must be a table of checkpoint name = Tessera path")
@@ -90,9 +96,10 @@ class NameMap:
             if isinstance(spec, str):
                 m.rules.append(_Rule(_compile(src, where), [spec]))
             elif isinstance(spec, dict):
-                bad = set(spec) - {"split", "axis", "transpose", "to"}
+                bad = set(spec) - {"split", "axis", "transpose", "to", "groups"}
                 if bad:
-                    raise WeightsError(f"{where} has unknown key(s) {sorted(bad)}; expected to, split, axis, transpose")
+                    raise WeightsError(f"{where} has unknown key(s) {sorted(bad)}; expected to, split, axis, "
+                                       f"groups, transpose")
                 if ("split" in spec) == ("to" in spec):
                     raise WeightsError(f"{where} needs exactly one of 'to' or 'split'")
                 split, to = spec.get("split"), spec.get("to")
@@ -109,7 +116,16 @@ class NameMap:
                 transpose = spec.get("transpose", False)
                 if not isinstance(transpose, bool):
                     raise WeightsError(f"{where}: 'transpose' must be true or false, got {transpose!r}")
-                m.rules.append(_Rule(_compile(src, where), list(split or [to]), axis if split else None, transpose))
+                groups = spec.get("groups")
+                if groups is not None:
+                    if split is None:
+                        raise WeightsError(f"{where}: 'groups' only applies to 'split'")
+                    if not ((isinstance(groups, int) and not isinstance(groups, bool) and groups >= 1)
+                            or (isinstance(groups, str) and re.fullmatch(r"[A-Za-z_]\w*", groups))):
+                        raise WeightsError(f"{where}: 'groups' must be a positive integer or a hyperparameter "
+                                           f"name, got {groups!r}")
+                m.rules.append(_Rule(_compile(src, where), list(split or [to]), axis if split else None, transpose,
+                                     groups))
             else:
                 raise WeightsError(f"{where} must be a string or a table")
         for rule in m.rules:
@@ -120,10 +136,28 @@ class NameMap:
                     raise WeightsError(f"{path}: target '{target}' uses {{{', '.join(sorted(missing))}}}, which its "
                                        f"source pattern does not capture")
         m.ignore = [_compile(x, f"{path}: ignore pattern '{x}'") for x in ignore]
+        config = data.get("config", {})
+        if not isinstance(config, dict):
+            raise WeightsError(f"{path}: 'config' must be a table of config.json key = hyperparameter name")
+        for key, target in config.items():
+            where = f"{path}: [config] {key}"
+            if isinstance(target, str):
+                if not re.fullmatch(r"[A-Za-z_]\w*", target):
+                    raise WeightsError(f"{where}: '{target}' is not a hyperparameter name")
+                m.config[key] = target
+            elif isinstance(target, dict):
+                if set(target) != {"expect"} or not isinstance(target["expect"], list) or not target["expect"]:
+                    raise WeightsError(f"{where}: a table must be {{ expect = [allowed values] }}, got {target!r}")
+                m.config[key] = ("expect", list(target["expect"]))
+            else:
+                raise WeightsError(f"{where} must be a hyperparameter name or {{ expect = [...] }}, got {target!r}")
         return m
 
-    def apply(self, tensors: dict[str, np.ndarray], native=frozenset()) -> tuple[dict[str, np.ndarray], list[str]]:
-        """Translate names; returns (translated tensors, names no rule matched)."""
+    def apply(self, tensors: dict[str, np.ndarray], native=frozenset(), shapes: dict | None = None,
+              hyper: dict | None = None) -> tuple[dict[str, np.ndarray], list[str]]:
+        """Translate names; returns (translated tensors, names no rule matched). ``shapes`` (the
+        model's parameter shapes) sizes the pieces of a split, which may then differ (q, k and v of
+        grouped-query attention); ``hyper`` resolves a ``groups`` given as a hyperparameter name."""
         out, unmatched = {}, []
         for name, arr in tensors.items():
             if any(p.fullmatch(name) for p in self.ignore):
@@ -139,13 +173,9 @@ class NameMap:
                     unmatched.append(name)  # maps to no parameter of this model (e.g. a layer it does not have)
                     break
                 value = arr
-                if rule.split_axis is not None:
-                    size = value.shape[rule.split_axis] if value.ndim > rule.split_axis else 0
-                    if size % len(rule.targets):
-                        raise WeightsError(f"{name} has shape {list(value.shape)}: axis {rule.split_axis} "
-                                           f"({size}) does not split into {len(rule.targets)} equal parts "
-                                           f"for {', '.join(t.format(**m.groupdict()) for t in rule.targets)}")
-                pieces = [value] if rule.split_axis is None else np.split(value, len(rule.targets), axis=rule.split_axis)
+                targets = [t.format(**m.groupdict()) for t in rule.targets]
+                pieces = [value] if rule.split_axis is None else \
+                    _split(name, value, rule, targets, shapes or {}, hyper or {})
                 for target, piece in zip(rule.targets, pieces):
                     piece = piece.T if rule.transpose else piece
                     out[target.format(**m.groupdict())] = np.ascontiguousarray(piece)
@@ -153,6 +183,51 @@ class NameMap:
             else:
                 unmatched.append(name)
         return out, unmatched
+
+
+def _split(name: str, value: np.ndarray, rule: _Rule, targets: list[str], shapes: dict, hyper: dict) -> list:
+    """The pieces of a split. Sizes along the axis come from the targets' shapes when the model
+    is known (else equal parts). With ``groups = G`` the axis is laid out per group -- for each of
+    the G heads (or key/value groups), its slice of every target in turn, as BLOOM's and GPT-NeoX's
+    query_key_value [heads, 3, hd] -- and each target gathers its slice of every group."""
+    axis = rule.split_axis
+    size = value.shape[axis] if value.ndim > axis else 0
+    listed = ", ".join(targets)
+
+    def along(t):  # a target's size along the split axis, in the checkpoint's layout
+        shp = shapes.get(t)
+        if shp is None:
+            return None
+        shp = tuple(shp)[::-1] if rule.transpose else tuple(shp)
+        return shp[axis] if len(shp) > axis else None
+
+    sizes = [along(t) for t in targets]
+    if any(s_ is None for s_ in sizes) or sum(sizes) != size:
+        if size % len(targets):
+            raise WeightsError(f"{name} has shape {list(value.shape)}: axis {axis} ({size}) does not split "
+                               f"into {len(targets)} equal parts for {listed}")
+        sizes = [size // len(targets)] * len(targets)
+    groups = rule.groups
+    if isinstance(groups, str):
+        if not hyper:  # a programming error of the caller rather than of the mapping file
+            raise WeightsError(f"{name}: its split has groups = \"{groups}\"; load_weights needs the model's "
+                               f"hyperparameters (hyper=) to resolve it")
+        if groups not in hyper:
+            raise WeightsError(f"{name}: its split has groups = \"{groups}\", which is not a hyperparameter of "
+                               f"the model (it has: {', '.join(sorted(hyper)) or 'none'})")
+        groups = hyper[groups]
+        if isinstance(groups, bool) or not isinstance(groups, int) or groups < 1:
+            raise WeightsError(f"{name}: groups = hyperparameter {rule.groups} = {groups!r}, not a positive int")
+    if not groups or groups == 1:
+        return np.split(value, np.cumsum(sizes)[:-1], axis=axis)
+    if any(s_ % groups for s_ in sizes):
+        raise WeightsError(f"{name} has shape {list(value.shape)}: the parts {sizes} of axis {axis} for {listed} "
+                           f"do not divide into {groups} groups")
+    shape = value.shape
+    per = [s_ // groups for s_ in sizes]
+    grouped = value.reshape(shape[:axis] + (groups, sum(per)) + shape[axis + 1:])
+    cuts = np.split(grouped, np.cumsum(per)[:-1], axis=axis + 1)
+    return [c.reshape(shape[:axis] + (groups * p,) + shape[axis + 1:]) for c, p in zip(cuts, per)]
 
 
 def _compile(pattern: str, where: str = "") -> re.Pattern:
@@ -209,14 +284,15 @@ def read_safetensors(path: Path) -> dict[str, np.ndarray]:
 
 
 def load_weights(graph: Graph, path: Path, name_map: NameMap | None = None,
-                 notes: list[str] | None = None) -> dict[str, np.ndarray]:
+                 notes: list[str] | None = None, hyper: dict | None = None) -> dict[str, np.ndarray]:
     """Load and check a checkpoint against the graph's parameters: names, shapes, and values
     (integer or bool tensors for float parameters, NaN or infinity, are errors; f64 is cast,
     with a line appended to ``notes``)."""
     tensors = read_safetensors(path)
     unexpected: list[str] = []
     if name_map is not None and not set(tensors) <= set(graph.params):
-        tensors, unexpected = name_map.apply(tensors, frozenset(graph.params))
+        tensors, unexpected = name_map.apply(tensors, frozenset(graph.params),
+                                             {p: v.shape for p, v in graph.params.items()}, hyper)
     else:
         unexpected = [n for n in tensors if n not in graph.params]
         tensors = {k: v for k, v in tensors.items() if k in graph.params}

@@ -135,6 +135,9 @@ def role(graph: Graph, st: Structure, prefix: str, index: dict | None = None) ->
         return "parameter"
     if users <= _NORMS:
         return "norm"
+    mine = {v for v in graph.params if owned(v)}
+    if mine and mine <= st.norm_params:  # a norm written from primitives (patterns/norm.py)
+        return "norm"
     if users == {"embedding"}:
         return "embedding"
     if users <= ops.with_trait("conv"):

@@ -6,7 +6,8 @@ recogniser (compiler/patterns/attention.py) matches, the same sites the fusion
 pass fuses or gives a reason for; its keys and values are what feeds the two
 matmuls before any transpose or grouped-query repeat; a mixture of experts is a ``topk_gates``
 node whose slices weigh the outputs of expert branches; the output head is a
-dense layer outside the repeated layers that follows all attention.
+dense layer outside the repeated layers that follows all attention; a norm is a ``layernorm`` or
+``rmsnorm`` node or the same computation written from primitives (compiler/patterns/norm.py).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from dataclasses import dataclass, field
 from tessera.compiler import ops
 from tessera.compiler.ir.graph import Graph, Node
 from tessera.compiler.patterns.attention import AttentionMatch, recognise
+from tessera.compiler.patterns.norm import norm_parameters
 
 # Ops that only move or relabel data: followed when tracing keys and values back.
 _LAYOUT = {"transpose", "repeat_kv", "reshape", "identity", "cast"}
@@ -87,6 +89,7 @@ class Structure:
     head: set[str]                  # dense nodes of the output head
     consumers: dict[str, list[Node]]
     core_of: dict[str, Attention]   # node name -> the attention it belongs to
+    norm_params: set[str] = field(default_factory=set)  # parameters of norms written from primitives
 
 
 def _consumers(graph: Graph) -> dict[str, list[Node]]:
@@ -250,4 +253,4 @@ def analyse(graph: Graph) -> Structure:
     experts = find_experts(graph, consumers)
     head = find_head(graph, mixing, consumers)
     core_of = {name: a for a in attention for name in a.core_nodes}
-    return Structure(data, mixing, attention, experts, head, consumers, core_of)
+    return Structure(data, mixing, attention, experts, head, consumers, core_of, norm_parameters(graph))

@@ -355,20 +355,129 @@ builtin("exp", ("x", R), doc="Exponential of a number or, elementwise, of a tens
     _scalar_math(math.exp, "exp"))
 
 
+builtin("log", ("x", R), doc="Natural logarithm of a number or, elementwise, of a float tensor.")(
+    _scalar_math(math.log, "log"))
+builtin("abs", ("x", R), doc="Absolute value of a number or, elementwise, of a tensor.")(
+    _scalar_math(abs, "abs"))
+builtin("floor", ("x", R), doc="Round down: an int for a number; elementwise (same float dtype) for a tensor.")(
+    _scalar_math(math.floor, "floor"))
+builtin("ceil", ("x", R), doc="Round up: an int for a number; elementwise (same float dtype) for a tensor.")(
+    _scalar_math(math.ceil, "ceil"))
+builtin("round", ("x", R), doc="Round to the nearest integer, halves to even (2.5 -> 2, as ONNX Round and "
+                               "torch.round): an int for a number; elementwise for a float tensor.")(
+    _scalar_math(round, "round"))
+
+
+@builtin("int", ("x", R))
+def _int_of(call, x):
+    """A compile-time number as an int, truncated toward zero (int(2.9) = 2, int(-2.9) = -2), as Python's int()."""
+    value, pos = x
+    if isinstance(value, sympy.Expr) and dims.is_static(value):
+        return int(value)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise call.error(f"expected a compile-time number, got {describe(value)}"
+                         + (" (for a tensor write cast(x, \"i64\"))" if isinstance(value, Tensor) else ""), pos)
+    if isinstance(value, float) and not math.isfinite(value):
+        raise call.error(f"{value} has no integer value", pos)
+    return int(value)
+
+
+@builtin("float", ("x", R))
+def _float_of(call, x):
+    """A compile-time number as a float (int(7) / 2 is exact division; float(7) / 2 is 3.5)."""
+    value, pos = x
+    if isinstance(value, sympy.Expr) and dims.is_static(value):
+        return float(int(value))
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise call.error(f"expected a compile-time number, got {describe(value)}"
+                         + (" (for a tensor write cast(x, \"f32\"))" if isinstance(value, Tensor) else ""), pos)
+    return float(value)
+
+
+# ------------------------------------------------------------------ elementwise on tensors: selection, extrema
+def _operands(call, args, names, dtype_from=None):
+    """Tensors (or numbers, made constants of the tensors' dtype) for an elementwise op; at least one a tensor."""
+    values = [a[0] for a in args]
+    ref = next((v for v in values if isinstance(v, Tensor)), None)
+    if ref is None:
+        raise call.error(f"needs a tensor among {', '.join(names)} (for numbers use min/max)", args[0][1])
+    out = []
+    for (value, pos), name in zip(args, names):
+        if isinstance(value, Tensor):
+            out.append(value)
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise call.error(f"'{name}' must be a tensor or a number, got {describe(value)}", pos)
+        dt = ref.type.dtype
+        if isinstance(value, float) and dt not in ("f32", "f16", "bf16"):
+            raise call.error(f"'{name}' is the float {value} but the tensors are {dt}; cast them first", pos)
+        out.append(call.tensor(value, pos, dt, what=name))
+    return out
+
+
+@builtin("minimum", ("a", R), ("b", R))
+def _minimum(call, a, b):
+    """Elementwise smaller of two tensors (or a tensor and a number), broadcast."""
+    return call.emit("minimum", _operands(call, [a, b], ["a", "b"]))
+
+
+@builtin("maximum", ("a", R), ("b", R))
+def _maximum(call, a, b):
+    """Elementwise larger of two tensors (or a tensor and a number), broadcast."""
+    return call.emit("maximum", _operands(call, [a, b], ["a", "b"]))
+
+
+@builtin("clamp", ("x", R), ("lo", None), ("hi", None))
+def _clamp(call, x, lo, hi):
+    """Limit x to [lo, hi] elementwise (either bound may be none): minimum(maximum(x, lo), hi), as torch.clamp."""
+    y = _tensor(call, x)
+    if lo[0] is None and hi[0] is None:
+        raise call.error("give lo=, hi= or both", call.pos)
+    if lo[0] is not None and hi[0] is not None and not isinstance(lo[0], Tensor) and not isinstance(hi[0], Tensor) \
+            and _float_or_int(call, lo) > _float_or_int(call, hi):
+        raise call.error(f"lo={lo[0]} is above hi={hi[0]}", lo[1])
+    if lo[0] is not None:
+        y = call.emit("maximum", _operands(call, [(y, x[1]), lo], ["x", "lo"]))
+    if hi[0] is not None:
+        y = call.emit("minimum", _operands(call, [(y, x[1]), hi], ["x", "hi"]))
+    return y
+
+
+@builtin("where", ("cond", R), ("a", R), ("b", R))
+def _where(call, cond, a, b):
+    """a where the bool tensor cond holds, else b (tensors or numbers; all three broadcast)."""
+    c = _tensor(call, cond, "cond")
+    if isinstance(a[0], Tensor) or isinstance(b[0], Tensor):
+        x, y = _operands(call, [a, b], ["a", "b"])
+    else:
+        nums = [_float_or_int(call, a), _float_or_int(call, b)]
+        dt = "f32" if any(isinstance(v, float) for v in nums) else "i64"
+        x, y = (call.tensor(v, p, dt, what=n) for v, (_, p), n in zip(nums, (a, b), ("a", "b")))
+    return call.emit("where", [c, x, y])
+
+
+@builtin("cumsum", ("x", R), ("axis", R))
+def _cumsum(call, x, axis):
+    """Running (inclusive) sum along an axis: positions from a padding mask are cumsum(mask, 1) * mask - 1."""
+    return call.emit("cumsum", [_tensor(call, x)], {"axis": _int(call, axis, "axis")})
+
+
 @builtin("min", ("a", R), ("b", R))
 def _min(call, a, b):
-    """The smaller of two numbers."""
+    """The smaller of two numbers (for tensors: minimum)."""
     return min(_float_or_int(call, a), _float_or_int(call, b))
 
 
 @builtin("max", ("a", R), ("b", R))
 def _max(call, a, b):
-    """The larger of two numbers."""
+    """The larger of two numbers (for tensors: maximum)."""
     return max(_float_or_int(call, a), _float_or_int(call, b))
 
 
 def _float_or_int(call, arg):
     value, pos = arg
+    if isinstance(value, Tensor):
+        raise call.error(f"expected a number, got {describe(value)} (for tensors use minimum, maximum or clamp)", pos)
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise call.error(f"expected a number, got {describe(value)}", pos)
     return value
@@ -394,14 +503,26 @@ def _padding_mask(call, scores, mask):
 
 
 @builtin("rope", ("x", R), ("theta", 10000.0), ("factor", 1.0), ("low_freq", 1.0), ("high_freq", 4.0),
-         ("original_ctx", 8192))
-def _rope(call, x, theta, factor, low_freq, high_freq, original_ctx):
-    """Rotary position embedding on [..., T, hd] (rotate-half pairing, as in Llama).
+         ("original_ctx", 8192), ("dims", 0), ("layout", "half"))
+def _rope(call, x, theta, factor, low_freq, high_freq, original_ctx, dims, layout):
+    """Rotary position embedding on [..., T, hd].
 
-    factor > 1 turns on Llama 3.1's frequency scaling ("llama3" rope_type) with low_freq,
-    high_freq and original_ctx as in a checkpoint's rope_scaling; factor = 1 (the default) is
-    plain RoPE and ignores the other three."""
+    layout="half" pairs feature i with i + r/2 (rotate-half: GPT-NeoX, Llama); "interleaved" pairs
+    2i with 2i+1 (GPT-J). dims=r > 0 rotates only the first r features (partial rotary; 0: all of
+    them) with frequencies theta^(-2i/r). factor > 1 turns on Llama 3.1's frequency scaling
+    ("llama3" rope_type) with low_freq, high_freq and original_ctx as in a checkpoint's
+    rope_scaling; factor = 1 (the default) is plain RoPE and ignores the other three."""
     attrs = {"theta": _float(call, theta, "theta")}
+    t = _tensor(call, x)
+    r = _int(call, dims, "dims", 0)
+    if r:
+        hd = _static_last(call, t)
+        if r % 2 or r > hd:
+            raise call.error(f"'dims' must be even and at most the head size {hd}, got {r}", dims[1])
+        if r < hd:
+            attrs["dims"] = r
+    if _choice(call, layout, "layout", ("half", "interleaved")) == "interleaved":
+        attrs["interleaved"] = True
     f = _float(call, factor, "factor")
     if f < 1.0:
         raise call.error(f"'factor' must be at least 1.0 (1.0 is no scaling), got {f}", factor[1])
@@ -411,7 +532,7 @@ def _rope(call, x, theta, factor, low_freq, high_freq, original_ctx):
             raise call.error(f"rope scaling needs 0 < low_freq < high_freq, got low_freq={low}, high_freq={high}",
                              high_freq[1] or low_freq[1])
         attrs["scaling"] = (f, low, high, _int(call, original_ctx, "original_ctx", 1))
-    return call.emit("rope", [_tensor(call, x)], attrs)
+    return call.emit("rope", [t], attrs)
 
 
 @builtin("topk_gates", ("logits", R), ("k", R))

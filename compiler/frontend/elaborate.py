@@ -331,6 +331,8 @@ class Elaborator:
         if isinstance(e, ast.UnaryOp):
             v = self.eval(e.operand, env)
             if e.op == "not":
+                if isinstance(v, Tensor):  # elementwise on a bool tensor
+                    return self.emit("logical_not", [v], {}, e.pos)
                 if not isinstance(v, bool):
                     raise SpecError(f"'not' needs true/false, got {describe(v)}", e.pos)
                 return not v
@@ -342,6 +344,12 @@ class Elaborator:
         if isinstance(e, ast.BinOp):
             if e.op in ("and", "or"):
                 left = self.eval(e.left, env)
+                if isinstance(left, Tensor):  # elementwise on bool tensors: both sides are evaluated
+                    right = self.eval(e.right, env)
+                    if not isinstance(right, Tensor):
+                        raise SpecError(f"'{e.op}' of a tensor with {describe(right)}: both sides must be bool "
+                                        f"tensors", e.right.pos)
+                    return self.emit(f"logical_{e.op}", [left, right], {}, e.pos)
                 if not isinstance(left, bool):
                     raise SpecError(f"'{e.op}' needs true/false, got {describe(left)}", e.left.pos)
                 if (e.op == "and" and not left) or (e.op == "or" and left):
@@ -419,7 +427,9 @@ class Elaborator:
         raise SpecError(f"unsupported operator {op}", pos)  # pragma: no cover
 
     def _tensor_binop(self, op: str, a, b, pos: Pos):
-        opname = {"+": "add", "-": "sub", "*": "mul", "/": "div", "**": "pow"}.get(op)
+        opname = {"+": "add", "-": "sub", "*": "mul", "/": "div", "**": "pow", "//": "floordiv",
+                  "<": "less", "<=": "less_equal", ">": "greater", ">=": "greater_equal", "==": "equal",
+                  "!=": "not_equal"}.get(op)
         if opname is None:
             raise SpecError(f"operator '{op}' is not defined on tensors", pos)
         if op == "+" and _is_zero(a) and isinstance(b, Tensor):
@@ -427,6 +437,12 @@ class Elaborator:
         if op in ("+", "-") and _is_zero(b) and isinstance(a, Tensor):
             return a
         ref = a if isinstance(a, Tensor) else b
+        other = b if ref is a else a
+        if isinstance(other, float) and ref.type.dtype not in ("f32", "f16", "bf16"):
+            raise SpecError(f"{describe(a)} {op} {describe(b)}: a float with a {ref.type.dtype} tensor would be "
+                            f"truncated; cast the tensor first, e.g. cast(x, \"f32\")", pos)
+        if isinstance(other, bool):
+            raise SpecError(f"unsupported operation: {describe(a)} {op} {describe(b)}", pos)
         a = self.as_tensor(a, pos, ref.type.dtype)
         b = self.as_tensor(b, pos, ref.type.dtype)
         return self.emit(opname, [a, b], {}, pos)

@@ -4,6 +4,8 @@ recognised attention core. Its ONNX lowering lives in backends/onnx/attention.py
 
 from __future__ import annotations
 
+from fractions import Fraction
+
 import numpy as np
 
 from tessera.compiler.ir import dims
@@ -11,7 +13,7 @@ from tessera.compiler.ir.graph import TensorType
 from tessera.compiler.ops import common
 from tessera.compiler.ops.registry import ShapeError, custom, op, per_element
 from tessera.compiler.reference.flash import attention_reference
-from tessera.compiler.reference.numerics import min_value, rope_inv_freq, rope_tables, softmax
+from tessera.compiler.reference.numerics import min_value, rope_inv_freq, softmax
 
 
 # ------------------------------------------------------------------ masks
@@ -87,57 +89,114 @@ def _padding_mask(t, a):
 
 
 # ------------------------------------------------------------------ rotary embedding
-def rope(x, theta, scaling=None, positions=None):
+# attrs: theta, optional scaling (Llama 3.1), and -- only when not the default, so graphs of
+# existing specs keep their attributes -- dims (rotate the first `dims` features of the head,
+# pass the rest through: partial rotary as in GPT-NeoX, Phi, GPT-J) and interleaved (pair
+# features (0, 1), (2, 3), ... as GPT-J does, instead of the halves (i, i + dims/2) of NeoX
+# and Llama). The frequencies are theta^(-2i/dims) over the rotated features.
+def _rot_dims(a, hd: int) -> int:
+    return int(a.get("dims") or hd)
+
+
+def rope(x, theta, scaling=None, positions=None, dims_=None, interleaved=False):
     n, hd = x.shape[-2], x.shape[-1]
+    r = dims_ or hd
+    inv_freq = rope_inv_freq(r, theta, scaling)
     if positions is None:
-        cos, sin = rope_tables(n, hd, theta, x.dtype, scaling)
+        freqs = np.arange(n, dtype=np.float32)[:, None] * inv_freq[None, :]
     else:  # explicit positions [B, T] (a KV-cached graph: past length P > 0, left padding)
-        freqs = positions.astype(np.float32)[..., None] * rope_inv_freq(hd, theta, scaling)
-        emb = np.concatenate([freqs, freqs], axis=-1)[:, None]  # [B, 1, T, hd]
-        cos, sin = np.cos(emb).astype(x.dtype), np.sin(emb).astype(x.dtype)
-    x1, x2 = x[..., : hd // 2], x[..., hd // 2:]
-    rotated = np.concatenate([-x2, x1], axis=-1)
-    return x * cos + rotated * sin
+        freqs = (positions.astype(np.float32)[..., None] * inv_freq)[:, None]  # [B, 1, T, r/2]
+    if interleaved:
+        emb = np.repeat(freqs, 2, axis=-1)
+    else:
+        emb = np.concatenate([freqs, freqs], axis=-1)
+    cos, sin = np.cos(emb).astype(x.dtype), np.sin(emb).astype(x.dtype)
+    xr, rest = x[..., :r], x[..., r:]
+    if interleaved:
+        rotated = np.stack([-xr[..., 1::2], xr[..., 0::2]], axis=-1).reshape(xr.shape)
+    else:
+        rotated = np.concatenate([-xr[..., r // 2:], xr[..., : r // 2]], axis=-1)
+    out = xr * cos + rotated * sin
+    return out if r == hd else np.concatenate([out, rest], axis=-1)
 
 
 def _rope_lower(L):
     b, a, t, x = L.b, L.a, L.t_in[0], L.x
     hd = int(t.shape[-1])
+    r = _rot_dims(a, hd)
+    interleaved = bool(a.get("interleaved"))
     n = t.shape[-2]
-    inv_freq = rope_inv_freq(hd, a["theta"], a.get("scaling"))
+    inv_freq = rope_inv_freq(r, a["theta"], a.get("scaling"))
     zero = b.const(np.array(0, dtype=np.int64), "zero")
     one = b.const(np.array(1, dtype=np.int64), "one")
     if len(x) > 1:  # explicit positions [B, T] (a KV-cached graph): tables [B, 1, T, hd]
         pos = b.node("Unsqueeze", [b.node("Cast", [x[1]], to=b.onnx_type("f32"))[0], b.i64([1, 3])])[0]
+        lead = 3
     else:
         pos = b.node("Cast", [b.node("Range", [zero, b.dim_scalar(n), one])[0]], to=b.onnx_type("f32"))[0]
         pos = b.node("Unsqueeze", [pos, b.i64([1])])[0]
+        lead = 1
     freqs = b.node("Mul", [pos, b.const(inv_freq[None, :], "inv_freq")])[0]
-    emb = b.node("Concat", [freqs, freqs], axis=-1)[0]
+    if interleaved:  # f0 f0 f1 f1 ...
+        pair = b.node("Unsqueeze", [freqs, b.i64([-1])])[0]
+        emb = b.node("Reshape", [b.node("Concat", [pair, pair], axis=-1)[0], b.i64([0] * lead + [r])])[0]
+    else:
+        emb = b.node("Concat", [freqs, freqs], axis=-1)[0]
     cos, sin = b.node("Cos", [emb])[0], b.node("Sin", [emb])[0]
     if t.dtype != "f32":  # tables in fp32, applied at the tensor's precision
         cos = b.node("Cast", [cos], to=b.onnx_type(t.dtype))[0]
         sin = b.node("Cast", [sin], to=b.onnx_type(t.dtype))[0]
-    half = b.i64([hd // 2])
-    x1 = b.node("Slice", [x[0], b.i64([0]), half, b.i64([-1])])[0]
-    x2 = b.node("Slice", [x[0], half, b.i64([hd]), b.i64([-1])])[0]
-    rot = b.node("Concat", [b.node("Neg", [x2])[0], x1], axis=-1)[0]
-    L.emit("Add", [b.node("Mul", [x[0], cos])[0], b.node("Mul", [rot, sin])[0]])
+    xr = x[0] if r == hd else b.node("Slice", [x[0], b.i64([0]), b.i64([r]), b.i64([-1])])[0]
+    if interleaved:  # (x0, x1) -> (-x1, x0) per pair
+        keep = [0] * (t.rank - 1)
+        pairs = b.node("Reshape", [xr, b.i64(keep + [r // 2, 2])])[0]
+        even = b.node("Slice", [pairs, b.i64([0]), b.i64([1]), b.i64([-1])])[0]
+        odd = b.node("Slice", [pairs, b.i64([1]), b.i64([2]), b.i64([-1])])[0]
+        rot = b.node("Reshape", [b.node("Concat", [b.node("Neg", [odd])[0], even], axis=-1)[0],
+                                 b.i64(keep + [r])])[0]
+    else:
+        half = b.i64([r // 2])
+        x1 = b.node("Slice", [xr, b.i64([0]), half, b.i64([-1])])[0]
+        x2 = b.node("Slice", [xr, half, b.i64([r]), b.i64([-1])])[0]
+        rot = b.node("Concat", [b.node("Neg", [x2])[0], x1], axis=-1)[0]
+    if r == hd:
+        return L.emit("Add", [b.node("Mul", [x[0], cos])[0], b.node("Mul", [rot, sin])[0]])
+    out = b.node("Add", [b.node("Mul", [xr, cos])[0], b.node("Mul", [rot, sin])[0]])[0]
+    rest = b.node("Slice", [x[0], b.i64([r]), b.i64([hd]), b.i64([-1])])[0]
+    L.emit("Concat", [out, rest], axis=-1)
 
 
-@op("rope", reference=lambda x, a, ev: rope(x[0], a["theta"], a.get("scaling"), x[1] if len(x) > 1 else None),
+def _rope_flops(c):
+    # x·cos + rotate(x)·sin on the rotated features; the rest pass through
+    t = c.type(0)
+    hd = int(t.shape[-1]) if dims.is_static(t.shape[-1]) else None
+    numel = c.numel(t.shape)
+    if hd is None or _rot_dims(c.attrs, hd) == hd:
+        return {"position": numel * 3}
+    return {"position": numel * 3 * Fraction(_rot_dims(c.attrs, hd), hd)}
+
+
+@op("rope", reference=lambda x, a, ev: rope(x[0], a["theta"], a.get("scaling"), x[1] if len(x) > 1 else None,
+                                            a.get("dims"), bool(a.get("interleaved"))),
     lower=_rope_lower,
-    cost=per_element("position", 3),   # x·cos + rotate(x)·sin
+    cost=custom(_rope_flops),
     saved=())                          # a fixed rotation: its backward needs no activation
 def _rope(t, a):
-    """Rotary embedding on [..., T, hd] (rotate-half pairing), attrs theta and optional scaling; an
-    optional second input gives the positions [B, T] (the KV-cached graph: past length, left padding)."""
+    """Rotary embedding on [..., T, hd], attrs theta and optional scaling, dims (rotate only the first
+    dims features) and interleaved (GPT-J's pairs instead of halves); an optional second input gives
+    the positions [B, T] (the KV-cached graph: past length, left padding)."""
     x = t[0]
     if x.rank < 2:
         raise ShapeError(f"rope expects [..., T, hd], got {dims.fmt_shape(x.shape)}")
     hd = x.shape[-1]
     if dims.is_static(hd) and int(hd) % 2:
         raise ShapeError(f"rope needs an even head size, got {dims.fmt(hd)}")
+    r = a.get("dims")
+    if r is not None:
+        if not dims.is_static(hd):
+            raise ShapeError("partial rotary needs a fixed head size")
+        if r % 2 or not 0 < r <= int(hd):
+            raise ShapeError(f"rope dims must be even and between 2 and the head size {dims.fmt(hd)}, got {r}")
     return [x]
 
 
@@ -162,8 +221,6 @@ def _topk_lower(L):
 
 def _topk_flops(c):
     # top-k selection (k compares per logit) and a softmax over the k chosen (5 each)
-    from fractions import Fraction
-
     x = c.numel(c.type(0).shape)
     e = int(c.type(0).shape[-1])
     k = int(c.attrs["k"])
@@ -189,7 +246,8 @@ def _fused_ref(x, a, ev):
     extra = x[3:]
     mask = extra.pop(0) if a["padding"] else None
     bias = extra.pop(0) if a["bias"] else None
-    return attention_reference(x[0], k_, v_, a["scale"], a["causal"], a["window"], mask, bias)
+    return attention_reference(x[0], k_, v_, a["scale"], a["causal"], a["window"], mask, bias,
+                               a.get("softcap") or 0.0)
 
 
 def _fused_lower(L):
@@ -214,8 +272,11 @@ def _fused_flops(c):
     """The products, and per score: scale, masks, bias, softmax (as the unfused ops would count)."""
     scores = c.numel(c.type(0).shape[:-2]) * _pairs(c)
     masks = int(bool(c.attrs.get("causal"))) + int(bool(c.attrs.get("padding")))
+    cap = bool(c.attrs.get("softcap"))  # tanh(s / cap) * cap: a divide, a tanh and a multiply per score
     f = {"matmul": c.macs * 2, "softmax": scores * 5,
-         "elementwise": scores * (1 + int(bool(c.attrs.get("bias"))))}
+         "elementwise": scores * (1 + int(bool(c.attrs.get("bias"))) + 2 * int(cap))}
+    if cap:
+        f["activation"] = scores
     if masks:
         f["mask"] = scores * masks
     return f
@@ -227,7 +288,8 @@ def _fused_flops(c):
     # analysis/memory.py from the attention structure, which recognises fused_attention nodes.
     saved=(), traits=("matmul_class",))
 def _fused_attention(t, a):
-    """softmax(q·kᵀ·scale + masks + bias)·v on [B, H, T, hd] with kv_heads key/value heads."""
+    """softmax(cap(q·kᵀ·scale) + masks + bias)·v on [B, H, T, hd] with kv_heads key/value heads; with
+    attrs["softcap"] = c > 0, cap(s) = tanh(s)·c (logit soft-capping, the 1/c folded into the scale)."""
     q, k, v = t[0], t[1], t[2]
     if q.rank != 4 or k.rank != 4 or v.rank != 4:
         raise ShapeError("fused_attention takes q, k, v as [B, H, T, hd]")

@@ -9,29 +9,74 @@ import numpy as np
 import sympy
 
 from tessera.compiler.ir import dims
-from tessera.compiler.ir.graph import DTYPES, TensorType
+from tessera.compiler.ir.graph import DTYPES, FLOAT_DTYPES, TensorType
 from tessera.compiler.ops import common
 from tessera.compiler.ops.registry import ShapeError, custom, free, op, per_element
 from tessera.compiler.reference.numerics import erf, softmax
 
 # ------------------------------------------------------------------ binary arithmetic
-_BINARY = {"add": np.add, "sub": np.subtract, "mul": np.multiply, "div": np.divide, "pow": np.power}
+_BINARY = {"add": np.add, "sub": np.subtract, "mul": np.multiply, "pow": np.power,
+           "minimum": np.minimum, "maximum": np.maximum}
+_ONNX_BINARY = {"add": "Add", "sub": "Sub", "mul": "Mul", "pow": "Pow", "minimum": "Min",
+                "maximum": "Max"}
 
 
-@op("add", "sub", "mul", "div", "pow",
+@op(*_BINARY,
     reference={n: (lambda f: lambda x, a, ev: f(x[0], x[1]))(f) for n, f in _BINARY.items()},
-    lower={n: (lambda t: lambda L: L.emit(t, L.x))(n.capitalize()) for n in _BINARY},
+    lower={n: (lambda t: lambda L: L.emit(t, L.x))(t) for n, t in _ONNX_BINARY.items()},
     cost=per_element("elementwise", 1),
-    saved={"add": (), "sub": (), "mul": common.saved_product, "div": common.saved_quotient, "pow": (0,)},
+    saved={"add": (), "sub": (), "mul": common.saved_product, "pow": (0,),
+           "minimum": (0, 1), "maximum": (0, 1)},   # which operand won decides where the gradient goes
     traits=("elementwise",))
 def _binary(t, a):
-    """Elementwise arithmetic with numpy broadcasting; both operands have the same dtype."""
+    """Elementwise arithmetic (and minimum/maximum) with numpy broadcasting; both operands share a
+    numeric dtype (``div`` floats only: see ``_div``)."""
     x, y = t
     common.same_dtype(x, y, "elementwise op")
+    if x.dtype == "bool":
+        raise ShapeError(f"arithmetic on bool tensors ({x}): cast them first, e.g. cast(m, \"f32\")")
     out = dims.broadcast(x.shape, y.shape)
     if out is None:
         raise ShapeError(f"shapes {dims.fmt_shape(x.shape)} and {dims.fmt_shape(y.shape)} do not broadcast")
     return [TensorType(x.dtype, out)]
+
+
+@op("div", reference=lambda x, a, ev: np.divide(x[0], x[1]), lower=lambda L: L.emit("Div", L.x),
+    cost=per_element("elementwise", 1), saved=common.saved_quotient, traits=("elementwise",))
+def _div(t, a):
+    """a / b on floating-point tensors. Integer tensors are refused: ONNX's Div truncates them toward
+    zero while numpy's gives floats, so the language asks for ``//`` (floor division) or a cast."""
+    if t[0].dtype not in FLOAT_DTYPES and t[0].dtype == t[1].dtype:
+        raise ShapeError(f"'/' on {t[0].dtype} tensors: write // for floor division, or cast to f32 first")
+    return _binary(t, a)
+
+
+def _floordiv_ref(x, a, ev):
+    if np.issubdtype(x[0].dtype, np.integer):
+        return np.floor_divide(x[0], x[1])
+    return np.floor(x[0] / x[1])   # ONNX's Floor(Div), not numpy's fmod-based floor_divide
+
+
+def _floordiv_lower(L):
+    b, (p, q) = L.b, L.x
+    if L.t_in[0].dtype in FLOAT_DTYPES:
+        return L.emit("Floor", [b.node("Div", [p, q])[0]])
+    # ONNX's integer Div truncates toward zero; floor division is one less when the remainder is
+    # non-zero and its sign differs from the divisor's
+    t = b.node("Div", [p, q])[0]
+    r = b.node("Sub", [p, b.node("Mul", [t, q])[0]])[0]
+    zero = b.const(np.array(0, dtype=DTYPES[L.t_in[0].dtype]), "zero")
+    inexact = b.node("Not", [b.node("Equal", [r, zero])[0]])[0]
+    signs = b.node("Xor", [b.node("Less", [r, zero])[0], b.node("Less", [q, zero])[0]])[0]
+    fix = b.node("Cast", [b.node("And", [inexact, signs])[0]], to=b.onnx_type(L.t_in[0].dtype))[0]
+    L.emit("Sub", [t, fix])
+
+
+@op("floordiv", reference=_floordiv_ref, lower=_floordiv_lower,
+    cost=per_element("elementwise", 2), saved=(), traits=("elementwise",))   # divide, floor
+def _floordiv(t, a):
+    """a // b: floor(a / b) for floats, division rounding toward minus infinity for integers (Python's //)."""
+    return _binary(t, a)
 
 
 # ------------------------------------------------------------------ unary math and activations
@@ -64,9 +109,15 @@ _UNARY_REF = {
     "sigmoid": lambda x, a, ev: 1 / (1 + np.exp(-x[0])),
     "tanh": lambda x, a, ev: np.tanh(x[0]),
     "identity": lambda x, a, ev: x[0],
+    "log": lambda x, a, ev: np.log(x[0]),
+    "abs": lambda x, a, ev: np.abs(x[0]),
+    "floor": lambda x, a, ev: np.floor(x[0]),
+    "ceil": lambda x, a, ev: np.ceil(x[0]),
+    "round": lambda x, a, ev: np.round(x[0]),   # halves to even, as ONNX Round and torch.round
 }
 _ONNX_UNARY = {"neg": "Neg", "sqrt": "Sqrt", "exp": "Exp", "relu": "Relu", "sigmoid": "Sigmoid",
-               "tanh": "Tanh", "identity": "Identity", "sin": "Sin", "cos": "Cos"}
+               "tanh": "Tanh", "identity": "Identity", "sin": "Sin", "cos": "Cos",
+               "log": "Log", "abs": "Abs", "floor": "Floor", "ceil": "Ceil", "round": "Round"}
 _UNARY_LOWER = {n: (lambda t: lambda L: L.emit(t, L.x))(t) for n, t in _ONNX_UNARY.items()}
 _UNARY_LOWER["gelu"] = lambda L: L.emit("Gelu", L.x, approximate=L.a["approx"])
 _UNARY_LOWER["silu"] = _silu
@@ -81,18 +132,39 @@ _UNARY_COST = {
     "silu": per_element("activation", 4),          # sigmoid (exp, add, divide) and a multiply
     "gelu": custom(_gelu_flops),
     "identity": free(),
+    "log": per_element("elementwise", 1), "abs": per_element("elementwise", 1),
+    "floor": per_element("elementwise", 1), "ceil": per_element("elementwise", 1),
+    "round": per_element("elementwise", 1),
 }
 # Activations whose derivative needs the input keep it; those whose derivative is a function of
 # the output (sigmoid, tanh, exp, sqrt, relu) keep the output.
 _UNARY_SAVED = {"neg": (), "identity": (), "gelu": (0,), "silu": (0,), "sin": (0,), "cos": (0,),
-                "sigmoid": ("out",), "tanh": ("out",), "exp": ("out",), "sqrt": ("out",), "relu": ("out",)}
+                "sigmoid": ("out",), "tanh": ("out",), "exp": ("out",), "sqrt": ("out",), "relu": ("out",),
+                "log": (0,), "abs": (0,), "floor": (), "ceil": (), "round": ()}   # steps: zero gradient
 
 
-@op(*_UNARY_REF, reference=_UNARY_REF, lower=_UNARY_LOWER, cost=_UNARY_COST, saved=_UNARY_SAVED,
-    traits={n: ("elementwise", "alias") if n == "identity" else ("elementwise",) for n in _UNARY_REF})
-def _unary(t, a):
-    """Unary math and activations (gelu: approx="none" is erf, "tanh" GPT-2's approximation)."""
-    return [t[0]]
+# Unary ops defined on integer tensors too; the others need floats (ONNX defines them for floats only).
+_INT_OK = {"neg", "abs", "identity", "relu"}
+
+
+def _unary_rule(name: str):
+    def rule(t, a):
+        x = t[0]
+        if name == "identity":  # outputs and pass-throughs of every dtype
+            return [x]
+        if x.dtype == "bool" or (x.dtype not in FLOAT_DTYPES and name not in _INT_OK):
+            raise ShapeError(f"{name} needs a {'number' if name in _INT_OK else 'floating-point'} tensor, "
+                             f"got {x} (cast it first)")
+        return [x]
+    rule.__doc__ = ("Unary math and activations (gelu: approx=\"none\" is erf, \"tanh\" GPT-2's approximation); "
+                    "neg, abs, relu and identity also take integer tensors.")
+    return rule
+
+
+for _name in _UNARY_REF:
+    op(_name, reference=_UNARY_REF[_name], lower=_UNARY_LOWER[_name], cost=_UNARY_COST[_name],
+       saved=_UNARY_SAVED[_name],
+       traits=("elementwise", "alias") if _name == "identity" else ("elementwise",))(_unary_rule(_name))
 
 
 @op("cast",
@@ -136,3 +208,16 @@ def _reduce(t, a):
     else:
         shape = tuple(d for i, d in enumerate(x.shape) if i not in axes)
     return [TensorType(x.dtype, shape)]
+
+
+@op("cumsum",
+    reference=lambda x, a, ev: np.cumsum(x[0], axis=a["axis"]),
+    lower=lambda L: L.emit("CumSum", [L.x[0], L.b.const(np.array(L.a["axis"], dtype=np.int64), "axis")]),
+    cost=per_element("elementwise", 1), saved=())   # one add per element; the gradient is a reversed cumsum
+def _cumsum(t, a):
+    """Running sum along attrs["axis"] (inclusive: element i sums 0..i), for numbers, not bool."""
+    x = t[0]
+    if x.dtype == "bool":
+        raise ShapeError(f"cumsum of a bool tensor ({x}): cast it to i64 or f32 first")
+    common.axis(a["axis"], x.rank)
+    return [x]

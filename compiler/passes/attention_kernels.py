@@ -62,6 +62,8 @@ def why_not(kernel: str, node: Node, graph: Graph, target: Target) -> str | None
         return None
     if a["padding"] or a["bias"]:
         return "it takes no padding mask or additive bias on a tiled path"
+    if a.get("softcap"):
+        return "it has no logit soft-capping"
     if not dims.is_static(hd):
         return "the head size is not fixed"
     if not dims.equal(graph.type_of(node.inputs[2]).shape[-1], hd):

@@ -270,7 +270,9 @@ def add_kv_cache(g: Graph, last_only: bool = False, mode: str = "auto", impl: st
     # ---- last position only: slice the head's input
     if last_only:
         head = g.producer(logits)
-        while head is not None and head.op == "identity":
+        # through identities and pointwise ops with constant operands (Gemma 2's tanh(l / c) * c)
+        while head is not None and (head.op == "identity" or (ops.has_trait(head.op, "elementwise") and
+                                                              all(v in g.consts for v in head.inputs[1:]))):
             head = g.producer(head.inputs[0])
         if head is None or head.op != "linear":
             raise CacheError("last_only needs the logits to come from a linear output head")

@@ -75,6 +75,7 @@ class AttentionMatch:
     fused: bool = False          # already one fused_attention node
     reason: str = ""             # the first reason no fused kernel can replace it ("" when one can)
     scaled: bool = False         # walking back, a scale was passed (a bias before it is not absorbable)
+    softcap: float | None = None  # tanh(s)·c on the scaled scores (logit soft-capping): c
 
     @property
     def fusable(self) -> bool:
@@ -154,7 +155,16 @@ def _absorb_scale(g: Graph, n: Node, m: AttentionMatch) -> None:
     m.scaled = True
 
 
+def _before_cap(m: AttentionMatch, what: str) -> str | None:
+    """Walking back past a soft-cap, what comes next was applied before it: the kernel caps first."""
+    if m.softcap is not None:
+        return f"{what} is applied before the scores are soft-capped (tanh); the fused kernel caps first"
+    return None
+
+
 def _check_causal(g: Graph, n: Node, m: AttentionMatch) -> str | None:
+    if _before_cap(m, "a causal mask"):
+        return _before_cap(m, "a causal mask")
     return "two causal masks on one score matrix" if m.causal else None
 
 
@@ -163,6 +173,8 @@ def _absorb_causal(g: Graph, n: Node, m: AttentionMatch) -> None:
 
 
 def _check_padding(g: Graph, n: Node, m: AttentionMatch) -> str | None:
+    if _before_cap(m, "a padding mask"):
+        return _before_cap(m, "a padding mask")
     return "two padding masks on one score matrix" if m.mask else None
 
 
@@ -171,6 +183,8 @@ def _absorb_padding(g: Graph, n: Node, m: AttentionMatch) -> None:
 
 
 def _check_one_bias(m: AttentionMatch) -> str | None:
+    if _before_cap(m, "an additive bias"):
+        return _before_cap(m, "an additive bias")
     if m.bias is not None or m.bias_const is not None:
         return "two additive biases on one score matrix"
     if m.scaled:  # walking backwards: a scale seen already comes after this bias in the graph
@@ -207,6 +221,18 @@ def _absorb_sub(g: Graph, n: Node, m: AttentionMatch) -> None:
     m.bias_const = -_scalar_const(g, n.inputs[1])  # s - c == s + (-c), bit for bit
 
 
+def _check_softcap(g: Graph, n: Node, m: AttentionMatch) -> str | None:
+    if m.softcap is not None:
+        return "two tanh soft-caps on one score matrix"
+    return None
+
+
+def _absorb_softcap(g: Graph, n: Node, m: AttentionMatch) -> None:
+    """tanh(s)·c: the scale gathered so far (walking back) is the cap c; the walk then gathers the
+    scale applied before the tanh (Gemma 2: s·scaling / c)."""
+    m.softcap, m.scale, m.scaled = m.scale, 1.0, False
+
+
 def _check_pass_through(g: Graph, n: Node, m: AttentionMatch) -> str | None:
     return f"the scores pass through {n.op} ({n.name}), which the fused kernel cannot express"
 
@@ -234,6 +260,7 @@ SCORE_RULES: dict[str, ScoreRule] = {
     "padding_mask": ScoreRule(_check_padding, _absorb_padding, _first),
     "add": ScoreRule(_check_bias, _absorb_bias, _scores_of_binary),
     "sub": ScoreRule(_check_sub, _absorb_sub, _scores_of_binary),
+    "tanh": ScoreRule(_check_softcap, _absorb_softcap, _first),   # logit soft-capping: tanh(s / c) · c
     # attention all the same, but no fused kernel converts or renames its scores
     "cast": ScoreRule(_check_pass_through, _absorb_nothing, _first),
     "identity": ScoreRule(_check_pass_through, _absorb_nothing, _first),
@@ -381,7 +408,8 @@ def from_fused(g: Graph, n: Node) -> AttentionMatch:
         anchor=n.name, score=n.name, value=n.name, q=n.inputs[0], k=n.inputs[1], v=n.inputs[2],
         k_operand=n.inputs[1], scale=float(a.get("scale", 1.0)), causal=bool(a.get("causal")),
         window=int(a.get("window") or 0), mask=mask, bias=bias, heads=a.get("heads"),
-        kv_heads=a.get("kv_heads"), covered=[n.name], fused=True)
+        kv_heads=a.get("kv_heads"), covered=[n.name], fused=True,
+        softcap=float(a["softcap"]) if a.get("softcap") else None)
 
 
 def recognise(g: Graph) -> list[Candidate]:
@@ -407,6 +435,8 @@ def rewrite(m: AttentionMatch) -> tuple[str, list[str], dict]:
     inputs = [m.q, m.k, m.v] + ([m.mask] if m.mask else []) + ([m.bias] if m.bias else [])
     attrs = {"scale": m.scale, "causal": m.causal, "window": m.window, "padding": m.mask is not None,
              "bias": m.bias is not None, "heads": m.heads, "kv_heads": m.kv_heads}
+    if m.softcap is not None:  # only when capped: the fused nodes of other models keep their attributes
+        attrs["softcap"] = m.softcap
     return FUSED_OP, inputs, attrs
 
 

@@ -16,9 +16,13 @@ from __future__ import annotations
 import numpy as np
 
 
-def attention_reference(q, k, v, scale, causal=False, window=0, key_mask=None, bias=None):
-    """Plain attention, [.., Tq, hd] x [.., Tk, hd]: softmax over keys, masked scores filled with min."""
+def attention_reference(q, k, v, scale, causal=False, window=0, key_mask=None, bias=None, softcap=0.0):
+    """Plain attention, [.., Tq, hd] x [.., Tk, hd]: softmax over keys, masked scores filled with min.
+    With softcap = c > 0 the scaled scores are capped to (-c, c) as tanh(s)·c before the bias and
+    masks (Gemma 2's logit soft-capping, its 1/c already folded into ``scale``)."""
     s = (q @ np.swapaxes(k, -1, -2)) * np.asarray(scale, q.dtype)
+    if softcap:
+        s = np.tanh(s) * np.asarray(softcap, q.dtype)
     if bias is not None:
         s = s + bias
     hide = _hidden(q.shape[-2], k.shape[-2], causal, window)

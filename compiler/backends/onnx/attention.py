@@ -114,6 +114,8 @@ def _portable(b, node, out: str, names: list[str] | None = None) -> None:
     n_tiles = b.node("Div", [b.node("Add", [tq, b.node("Sub", [tile_c, one])[0]])[0], tile_c])[0]
     last_start = b.node("Sub", [tq, tile_c])[0]  # the last tile ends at Tq (it may overlap the one before)
     scale = b.const(np.array(a["scale"], dtype=np_dtype), "scale")
+    # logit soft-capping: tanh(scores)·c on each block of scores, before bias and masks
+    softcap = b.const(np.array(a["softcap"], dtype=np_dtype), "softcap") if a.get("softcap") else None
     k_t_all = b.node("Transpose", [k], perm=[0, 1, 3, 2])[0]  # Kᵀ once: [B, G, d, Tk]
     offset = b.node("Sub", [tk, tq])[0]  # keys before the first query (0 for self-attention)
     keep = None
@@ -174,15 +176,16 @@ def _portable(b, node, out: str, names: list[str] | None = None) -> None:
         k_end = tk
     v_tile = b.node("Slice", [v, pair(kv_h, k_start), pair(kv_h1, k_end), axes_hr])[0]
     keys_t = lambda lo, hi: b.node("Slice", [k_t_all, pair(kv_h, lo), pair(kv_h1, hi), b.i64([1, 3])])[0]  # noqa: E731
+    cap = (lambda x: b.node("Mul", [b.node("Tanh", [x])[0], softcap])[0]) if softcap else (lambda x: x)  # noqa: E731
     if triangle is not None:
         # Keys before the tile's first row are visible to every row of the tile; only the last
         # tile × tile block (the diagonal) needs the causal mask, a constant added to that block.
         d_start = b.node("Sub", [k_end, tile_c])[0]
-        s_past = b.node("MatMul", [q_tile, keys_t(zero, d_start)])[0]
-        s_diag = b.node("Add", [b.node("MatMul", [q_tile, keys_t(d_start, k_end)])[0], triangle])[0]
+        s_past = cap(b.node("MatMul", [q_tile, keys_t(zero, d_start)])[0])
+        s_diag = b.node("Add", [cap(b.node("MatMul", [q_tile, keys_t(d_start, k_end)])[0]), triangle])[0]
         s = b.node("Concat", [s_past, s_diag], axis=-1)[0]
     else:
-        s = b.node("MatMul", [q_tile, keys_t(k_start, k_end)])[0]
+        s = cap(b.node("MatMul", [q_tile, keys_t(k_start, k_end)])[0])
     if bias4 is not None:
         bt = bias4
         if bias_heads:

@@ -82,6 +82,8 @@ def lower_cached_attention(b, node, out: str) -> None:
     parts = [k_past] if k_new is None or v_new is None else [k_past, k_new]
     scores = [b.node("MatMul", [qs, b.node("Transpose", [kp], perm=[0, 1, 3, 2])[0]])[0] for kp in parts]
     s = scores[0] if len(scores) == 1 else b.node("Concat", scores, axis=-1)[0]  # [B, G, rep·T, Tk]
+    if a.get("softcap"):  # logit soft-capping, before the mask
+        s = b.node("Mul", [b.node("Tanh", [s])[0], b.const(np.array(a["softcap"], dtype=np_dtype), "softcap")])[0]
     tk = b.node("Shape", [s], start=3, end=4)[0]
     if rep > 1:
         s = b.node("Reshape", [s, b.node("Concat", [b.i64([0, groups, rep, -1]), tk], axis=0)[0]])[0]

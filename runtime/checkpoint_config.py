@@ -1,0 +1,120 @@
+"""Hyperparameters from a checkpoint folder's config.json, through the ``[config]`` table of the
+spec's ``.hf.toml`` mapping file.
+
+Why: a Hugging Face checkpoint folder already says its sizes (``hidden_size``,
+``num_hidden_layers``, ...). Copying them into ``--set`` flags by hand is where a wrong head
+count or eps slips in and loads without error (same shapes, other numbers). With a
+``[config]`` table (``hidden_size = "d"``) ``tessera compile models/llama.tsr --weights DIR``
+reads them. They never override silently: a value that contradicts a ``--set`` or the chosen
+variant is an error naming both. A table entry ``{ expect = [...] }`` instead names the values
+a config key may have (``rope_type``: the scalings the spec implements), so a checkpoint that
+needs something else is refused rather than loaded wrong.
+"""
+
+from __future__ import annotations
+
+import json
+import stat
+import sys
+from pathlib import Path
+
+from tessera.spec import Program
+
+from .files import stat_or_raise
+from .weights import NameMap, WeightsError, _read_regular
+
+CONFIG_FILE = "config.json"
+
+
+def _lookup(config: dict, dotted: str):
+    """config["a"]["b"] for "a.b"; (found, value)."""
+    value = config
+    for part in dotted.split("."):
+        if not isinstance(value, dict) or part not in value:
+            return False, None
+        value = value[part]
+    return True, value
+
+
+def read_config(folder: Path) -> dict | None:
+    """The folder's config.json as a dict, or None when there is none."""
+    path = Path(folder) / CONFIG_FILE
+    if not path.exists():
+        return None
+    raw = _read_regular(path, "checkpoint config", limit=16 * 1024 * 1024)
+    try:
+        data = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise WeightsError(f"{path}: not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise WeightsError(f"{path}: expected a JSON object, got {type(data).__name__}")
+    return data
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, bool) or isinstance(b, bool):
+        return a is b
+    if isinstance(a, (int, float)) and isinstance(b, (int, float)):
+        return a == b or abs(a - b) <= 1e-12 * max(abs(a), abs(b))
+    return a == b
+
+
+def config_overrides(program: Program, name_map: NameMap | None, weights: str | Path | None,
+                     variant: str | None, sets: dict) -> dict:
+    """Hyperparameters to add to ``sets`` from the checkpoint folder's config.json (empty when the
+    weights are not a folder, it has no config.json, or the mapping file has no [config] table)."""
+    if not weights or name_map is None or not name_map.config:
+        return {}
+    st = stat_or_raise(Path(weights), "weights file", WeightsError)
+    if not stat.S_ISDIR(st.st_mode):
+        return {}
+    config = read_config(Path(weights))
+    if config is None:
+        return {}
+    where = Path(weights) / CONFIG_FILE
+    model = program.main_model
+    names = {p.name for p in model.params} if model is not None else set()
+    fixed = _variant_values(program, variant)
+    out: dict = {}
+    source: dict = {}
+    absent = []
+    for key, target in name_map.config.items():
+        found, value = _lookup(config, key)
+        if isinstance(target, tuple):  # ("expect", allowed values)
+            if found and value is not None and not any(_same(value, a) for a in target[1]):
+                raise WeightsError(f"{where}: {key} = {json.dumps(value)} is not supported by {program.path} "
+                                   f"(the mapping {name_map.source} allows "
+                                   f"{', '.join(json.dumps(a) for a in target[1])})")
+            continue
+        if not found or value is None:
+            absent.append((key, target))
+            continue
+        if target not in names:
+            raise WeightsError(f"{name_map.source}: [config] maps {key} to '{target}', which is not a "
+                               f"hyperparameter of {model.name if model else program.path}")
+        if isinstance(value, (dict, list)):
+            raise WeightsError(f"{where}: {key} is a JSON {type(value).__name__}, not a number, bool or string "
+                               f"for hyperparameter '{target}'")
+        if target in out and not _same(out[target], value):
+            raise WeightsError(f"{where}: {source[target]} = {json.dumps(out[target])} and {key} = "
+                               f"{json.dumps(value)} both give hyperparameter '{target}'")
+        if target in sets and not _same(sets[target], value):
+            raise WeightsError(f"--set {target}={sets[target]} contradicts {where}: {key} = {json.dumps(value)}")
+        if target in fixed and not _same(fixed[target], value):
+            raise WeightsError(f"variant {variant} has {target} = {fixed[target]}, but {where} has "
+                               f"{key} = {json.dumps(value)}")
+        out[target], source[target] = value, key
+    unset = sorted({t for _, t in absent} - set(out) - set(sets))
+    if unset:  # several keys may name one hyperparameter (old and new config layouts): only if none did
+        print(f"note: {where} gives no value for {', '.join(unset)}: the spec's defaults apply", file=sys.stderr)
+    return {k: v for k, v in out.items() if k not in sets}
+
+
+def _variant_values(program: Program, variant: str | None) -> dict:
+    """The hyperparameters a variant sets, evaluated as the elaborator does."""
+    if variant is None or variant not in program.variants:
+        return {}
+    from tessera.compiler.frontend.elaborate import Elaborator
+
+    el = Elaborator(program)
+    return {kw.name: el.eval(kw.value, el.globals) for kw in program.variants[variant].kwargs}
