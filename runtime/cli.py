@@ -22,6 +22,7 @@ from tessera.spec import SpecError
 
 from tessera.compiler.passes.pipeline import ATTENTION_CHOICES
 
+from . import outputs as outputs_mod
 from . import pipeline, report
 from .weights import WeightsError
 from tessera.compiler.backends.onnx.export import OutputError
@@ -126,6 +127,12 @@ def make_parser() -> argparse.ArgumentParser:
     r.add_argument("--provider", choices=["auto", "cpu", "cuda"], default="auto",
                    help="execution provider; auto takes CUDA when usable, else CPU (default auto)")
     r.add_argument("--format", choices=["table", "json"], default="table", help="output format (default table)")
+    r.add_argument("--full", action="store_true",
+                   help=f"with --format json, print every value of every output; by default an output of more "
+                        f"than {outputs_mod.SUMMARY_ELEMENTS:,} elements is summarised (shape, dtype, min, max, mean "
+                        f"and its first {outputs_mod.HEAD_VALUES} values)")
+    r.add_argument("--save", metavar="DIR",
+                   help="also write each output to DIR/<name>.npy (created if missing; written atomically)")
 
     rep = sub.add_parser("report", help="print the static cost report of a spec",
                          description="Parameters, multiply-adds, FLOPs, memory and roofline times of a spec, "
@@ -227,6 +234,10 @@ def cmd_run(args) -> int:
     from .session import onnx_signature, open_session, run_session
 
     _check_text_args(args)
+    if args.full and args.format != "json":
+        raise pipeline.UsageError("--full applies to --format json (the table always summarises)")
+    if args.save is not None:
+        outputs_mod.check_folder(args.save)
     path = Path(args.spec)
     if path.suffix == ".onnx":
         if args.variant or args.sets or args.weights:
@@ -254,10 +265,11 @@ def cmd_run(args) -> int:
     provider = sess.get_providers()[0]
     if args.pool:
         outputs = _pool(outputs, feeds.get("mask", text_mask))
+    if args.save is not None:
+        for written in outputs_mod.save_npy(outputs, args.save):
+            print(f"wrote {written}", file=sys.stderr)
     if args.format == "json":
-        print(json.dumps({"provider": provider,
-                          "outputs": {k: {"shape": list(v.shape), "dtype": str(v.dtype), "values": v.tolist()}
-                                      for k, v in outputs.items()}}))
+        outputs_mod.print_json(outputs, provider, full=args.full, stream=sys.stdout)
     else:
         _print_outputs(outputs, provider)
     return 0
