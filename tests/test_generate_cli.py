@@ -220,3 +220,34 @@ def test_cli_compile_kv_cache_then_generate(model, tmp_path, capsys):
                                                           "-o", tmp_path / "x.onnx")
     assert "takes neither --no-fuse nor --attention" in cli_error(capsys, "compile", GPT2, *SETS, "--kv-cache",
                                                                   "--no-fuse", "-o", tmp_path / "x.onnx")
+
+
+LLAMA = str(MODELS / "llama.tsr")
+L_SETS = ["--set", "layers=1", "--set", "d=32", "--set", "heads=4", "--set", "kv_heads=2", "--set", "d_ff=48",
+          "--set", "vocab=64", "--set", "ctx=8"]
+
+
+def test_rotary_models_declare_their_context(capsys, tmp_path):
+    """A rotary model's ctx (its rope max_ctx) bounds run (spec and compiled file) and generate, with the
+    input, the length and the limit named; up to the limit runs."""
+    nine, eight = "tokens=[[1, 2, 3, 4, 5, 6, 7, 8, 9]]", "tokens=[[1, 2, 3, 4, 5, 6, 7, 8]]"
+    want = "T=9 is longer than the 8 positions of 'layers.0.attn (rotary max_ctx)'"
+    assert want in cli_error(capsys, "run", LLAMA, *L_SETS, "--input", nine, "--provider", "cpu")
+    out_file = tmp_path / "l.onnx"
+    assert cli(capsys, "compile", LLAMA, *L_SETS, "-o", out_file)[0] == 0
+    assert want in cli_error(capsys, "run", out_file, "--input", nine, "--provider", "cpu")
+    assert cli(capsys, "run", out_file, "--input", eight, "--provider", "cpu")[0] == 0
+    err = cli_error(capsys, "generate", LLAMA, *L_SETS, "--input", "tokens=[[1, 2, 3, 4, 5]]", "--max-new-tokens", 4)
+    assert "the model has 8 positions, so at most 3 new tokens" in err
+    assert cli(capsys, "generate", LLAMA, *L_SETS, "--input", "tokens=[[1, 2, 3, 4, 5]]", "--max-new-tokens", 3,
+               "-q")[0] == 0
+
+
+def test_bundled_rotary_contexts_are_the_published_ones():
+    from tessera.runtime import pipeline
+    from tessera.compiler.ir.signature import input_limits
+
+    for spec, variant, ctx in (("llama", "llama2_7b", 4096), ("llama", "llama3_8b", 8192),
+                               ("llama", "llama3_1_8b", 131072), ("mixtral", "8x7b", 32768)):
+        built = pipeline.build(MODELS / f"{spec}.tsr", variant, ["layers=1"])
+        assert input_limits(built.graph).dims["T"][0] == ctx, (spec, variant)

@@ -503,16 +503,21 @@ def _padding_mask(call, scores, mask):
 
 
 @builtin("rope", ("x", R), ("theta", 10000.0), ("factor", 1.0), ("low_freq", 1.0), ("high_freq", 4.0),
-         ("original_ctx", 8192), ("dims", 0), ("layout", "half"))
-def _rope(call, x, theta, factor, low_freq, high_freq, original_ctx, dims, layout):
+         ("original_ctx", 8192), ("dims", 0), ("layout", "half"), ("max_ctx", 0))
+def _rope(call, x, theta, factor, low_freq, high_freq, original_ctx, dims, layout, max_ctx):
     """Rotary position embedding on [..., T, hd].
 
     layout="half" pairs feature i with i + r/2 (rotate-half: GPT-NeoX, Llama); "interleaved" pairs
     2i with 2i+1 (GPT-J). dims=r > 0 rotates only the first r features (partial rotary; 0: all of
     them) with frequencies theta^(-2i/r). factor > 1 turns on Llama 3.1's frequency scaling
     ("llama3" rope_type) with low_freq, high_freq and original_ctx as in a checkpoint's
-    rope_scaling; factor = 1 (the default) is plain RoPE and ignores the other three."""
+    rope_scaling; factor = 1 (the default) is plain RoPE and ignores the other three. max_ctx > 0
+    declares the positions the model was trained for: `run` and `generate` refuse longer sequences
+    (0: no limit declared)."""
     attrs = {"theta": _float(call, theta, "theta")}
+    n_ctx = _int(call, max_ctx, "max_ctx", 0)
+    if n_ctx:
+        attrs["max_ctx"] = n_ctx
     t = _tensor(call, x)
     r = _int(call, dims, "dims", 0)
     if r:

@@ -79,6 +79,11 @@ def input_limits(graph: Graph) -> InputLimits:
             where[key] = (rows, table)
 
     for n in graph.nodes.values():
+        if n.op == "rope" and n.attrs.get("max_ctx"):  # rotary positions declare their trained context
+            t_dim = dims.dim(graph.type_of(n.inputs[0]).shape[-2])
+            if not dims.is_static(t_dim) and t_dim.is_Symbol and len(n.inputs) == 1:
+                tighten(limits.dims, str(t_dim), int(n.attrs["max_ctx"]), f"{n.scope or n.name} (rotary max_ctx)")
+            continue
         if n.op != "embedding":
             continue
         ids, table = n.inputs[0], n.inputs[1]

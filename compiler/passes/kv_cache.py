@@ -87,7 +87,7 @@ class CacheInfo:
     tokens: str
     logits: str
     layers: list[CacheLayer] = field(default_factory=list)
-    context: int | None = None  # rows of the learned position table, if any
+    context: int | None = None  # rows of the learned position table, or rotary max_ctx, if any
     last_only: bool = False
     mode: str = "buffer"
     dtype: str = "f32"
@@ -234,6 +234,8 @@ def add_kv_cache(g: Graph, last_only: bool = False, mode: str = "auto", impl: st
             info.context = max_positions
         elif node.op == "rope":
             g.set_inputs(node, [node.inputs[0], POSITIONS])
+            if node.attrs.get("max_ctx"):  # the trained context bounds prompt + new tokens
+                info.context = min(info.context or node.attrs["max_ctx"], node.attrs["max_ctx"])
 
     dtype = g.type_of(sites[0].inputs[0]).dtype
     info.dtype = dtype
