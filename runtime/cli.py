@@ -76,8 +76,10 @@ def _weights_args(p: argparse.ArgumentParser) -> None:
                    help="a .safetensors file or folder of shards; Hugging Face names are mapped by the "
                         "<spec>.hf.toml file beside the spec")
     p.add_argument("--allow-large", action="store_true",
-                   help="go ahead even when the weights look too large for the memory available "
-                        "(by default such a model is refused before anything is allocated)")
+                   help="go ahead even when the weights look too large for the memory available (compile "
+                        "streams them to the file one tensor at a time, so there only its largest tensor "
+                        "and the free disk count) (by default such a model is refused before anything is "
+                        "allocated or written)")
 
 
 def make_parser() -> argparse.ArgumentParser:
@@ -180,7 +182,8 @@ def main(argv: list[str] | None = None) -> int:
 def cmd_compile(args) -> int:
     t0 = time.perf_counter()
     built = pipeline.build(args.spec, args.variant, args.sets)
-    weights = pipeline.weights_for(built, args.weights, args.seed, args.allow_large)
+    pipeline.check_disk(built, args.output, args.allow_large)
+    weights = pipeline.weights_for(built, args.weights, args.seed, args.allow_large, streaming=True)
     pipeline.optimize(built, args)
     files = pipeline.export(built, weights, args.output, check=not args.no_check)
     size = sum(f.stat().st_size for f in files)
@@ -211,7 +214,7 @@ def cmd_run(args) -> int:
 
         weights = pipeline.weights_for(built, args.weights, args.seed, args.allow_large)
         pipeline.optimize(built, args)
-        source = onnx_export.to_onnx(built.graph, weights).SerializeToString()
+        source = onnx_export.to_bytes(built.graph, weights)
     feeds = parse_inputs(args.inputs, specs)
     text_mask = _add_text_and_image_inputs(args, specs, feeds)
     from tessera.compiler.ir.signature import bind_inputs

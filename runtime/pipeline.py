@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,7 +17,7 @@ from tessera.compiler.ir.graph import DTYPES, Graph
 from tessera.compiler.frontend.values import BlockRef
 from tessera.spec import Program, SpecError, did_you_mean, load_program
 
-from .weights import init_weights, load_weights, name_map_for
+from .weights import SeededWeights, init_weights, load_weights, name_map_for
 
 
 class UsageError(Exception):
@@ -83,9 +84,12 @@ def build(spec: str | Path, variant: str | None = None, sets: list[str] | None =
     return Built(program, graph, info, path)
 
 
-# Compiling holds the weights about three times over (the arrays, the ONNX protobuf, its
-# serialisation); running holds them twice (the protobuf and onnxruntime's copy).
+# Running a spec holds the weights about three times over (the serialised model, onnxruntime's
+# parsed copy and its own tensors). Compiling streams them to the file one tensor at a time
+# (compiler/backends/onnx/stream.py): at most the tensor being written, the next one and a
+# converted copy, so a compile needs memory for three of its largest tensor and disk for all.
 PEAK_WEIGHT_COPIES = 3
+PEAK_TENSOR_COPIES = 3
 
 
 def available_memory() -> int | None:
@@ -103,26 +107,59 @@ def available_memory() -> int | None:
         return None
 
 
-def check_memory(built: Built, allow_large: bool = False) -> None:
-    """Refuse, before allocating anything, weights that would not fit in memory."""
-    need = sum(p.numel * np.dtype(DTYPES[p.dtype] or np.float32).itemsize for p in built.graph.params.values())
+def available_disk(path: Path) -> int | None:
+    """Bytes free on the file system that would hold ``path`` (its nearest existing folder)."""
+    folder = next((p for p in [Path(path).parent, *Path(path).parent.parents] if p.is_dir()), None)
+    try:
+        return shutil.disk_usage(folder).free if folder is not None else None
+    except OSError:
+        return None
+
+
+def _param_bytes(built: Built) -> list[int]:
+    return [p.numel * np.dtype(DTYPES[p.dtype] or np.float32).itemsize for p in built.graph.params.values()]
+
+
+def check_memory(built: Built, allow_large: bool = False, streaming: bool = False) -> None:
+    """Refuse, before allocating anything, weights that would not fit in memory: all of them held
+    PEAK_WEIGHT_COPIES times over, or (``streaming``, a compile) the largest tensor PEAK_TENSOR_COPIES times."""
+    sizes = _param_bytes(built)
+    need = sum(sizes)
+    peak = max(sizes, default=0) * PEAK_TENSOR_COPIES if streaming else need * PEAK_WEIGHT_COPIES
     avail = available_memory()
-    if allow_large or avail is None or need * PEAK_WEIGHT_COPIES <= avail:
+    if allow_large or avail is None or peak <= avail:
         return
-    raise UsageError(f"{built.graph.name}'s weights are {need / 2**30:,.1f} GiB; holding them about "
-                     f"{PEAK_WEIGHT_COPIES} times over needs more than the {avail / 2**30:,.1f} GiB of memory "
-                     f"available. 'tessera report' gives its cost without weights; --allow-large tries anyway")
+    how = (f"compiling holds its largest tensor ({max(sizes) / 2**30:,.1f} GiB) about {PEAK_TENSOR_COPIES} times "
+           f"over" if streaming else f"holding them about {PEAK_WEIGHT_COPIES} times over")
+    raise UsageError(f"{built.graph.name}'s weights are {need / 2**30:,.1f} GiB; {how} needs more than the "
+                     f"{avail / 2**30:,.1f} GiB of memory available. 'tessera report' gives its cost without "
+                     f"weights; --allow-large tries anyway")
 
 
-def weights_for(built: Built, weights: str | None, seed: int, allow_large: bool = False) -> dict[str, np.ndarray]:
-    check_memory(built, allow_large)
+def check_disk(built: Built, out: str | Path, allow_large: bool = False) -> None:
+    """Refuse, before writing anything, a model whose weights would not fit on the output's disk."""
+    need = sum(_param_bytes(built))
+    free = available_disk(Path(out))
+    if allow_large or free is None or need <= free:
+        return
+    raise UsageError(f"{built.graph.name}'s weights are {need / 2**30:,.1f} GiB; the disk that would hold {out} "
+                     f"has {free / 2**30:,.1f} GiB free. 'tessera report' gives its cost without weights; "
+                     f"--allow-large tries anyway")
+
+
+def weights_for(built: Built, weights: str | None, seed: int, allow_large: bool = False,
+                streaming: bool = False):
+    """The weights, as a mapping by parameter path: a checkpoint's, else the seeded initialiser's
+    (SeededWeights: drawn as each tensor is read). ``streaming``: the caller writes them one
+    tensor at a time (a compile), which needs far less memory than holding them all."""
+    check_memory(built, allow_large, streaming)
     if weights:
         notes: list[str] = []
         loaded = load_weights(built.graph, Path(weights), name_map_for(built.spec_path), notes)
         for note in notes:
             print(f"note: {note}", file=sys.stderr)
         return loaded
-    return init_weights(built.graph, seed)
+    return SeededWeights(built.graph, seed)
 
 
 def optimize(built: Built, args) -> None:
@@ -148,8 +185,7 @@ def optimize(built: Built, args) -> None:
 def export(built: Built, weights: dict[str, np.ndarray], out: str | Path, check: bool = True) -> list[Path]:
     meta = {"tessera.model": built.info.model, "tessera.variant": built.info.variant or "",
             "tessera.hyperparams": {k: _jsonable(v) for k, v in built.info.hyperparams.items()}}
-    model = onnx_export.to_onnx(built.graph, weights, meta)
-    return onnx_export.save(model, out, verify=onnx_export.check if check else None)
+    return onnx_export.write(built.graph, weights, out, meta, verify=onnx_export.check if check else None)
 
 
 def _jsonable(v):
