@@ -71,28 +71,37 @@ class Model:
         return report.build(args)
 
     # ---------------------------------------------------------------- compile and run
-    def _cached_onnx(self, target: str = "cpu", dtype: str = "fp32", last_only: bool = True, cache: str = "auto"):
-        """The KV-cached decoder as an in-memory ModelProto (runtime/generate.compile_cached)."""
+    def _cached_onnx(self, target: str = "cpu", dtype: str = "fp32", last_only: bool = True, cache: str = "auto",
+                     quant=None):
+        """The KV-cached decoder as an in-memory ModelProto (runtime/generate.compile_cached), its
+        linears quantised first when ``quant`` (a QuantConfig) says so."""
         from tessera.compiler.passes.attention_kernels import Target
 
-        return gen.compile_cached(self._fresh(), self._weights, last_only=last_only, mode=cache,
+        built = self._fresh()
+        pipeline.quantize(built, quant)
+        return gen.compile_cached(built, self._weights, last_only=last_only, mode=cache,
                                   target=Target(target, dtype), dtype=dtype)[0]
 
-    def _optimized(self, attention: str = "auto", target: str = "cpu", dtype: str = "fp32"):
+    def _optimized(self, attention: str = "auto", target: str = "cpu", dtype: str = "fp32", quant_args=None):
         built = self._fresh()
-        pipeline.optimize(built, argparse.Namespace(attention=attention, target=target, dtype=dtype))
-        return built, {"tessera.model": built.info.model, "tessera.variant": built.info.variant or ""}
+        pipeline.optimize(built, argparse.Namespace(attention=attention, target=target, dtype=dtype,
+                                                    **(quant_args or {})))
+        return built, pipeline.metadata(built)
 
     def compile(self, out: str | Path, kv_cache: bool = False, attention: str = "auto", target: str = "cpu",
-                dtype: str = "fp32", check: bool = True) -> list[Path]:
+                dtype: str = "fp32", check: bool = True, quantize: str = "none", quantize_block: int | None = None,
+                quantize_head: bool = False) -> list[Path]:
         """Write the ONNX file (kv_cache=True: the cached decoder that ``tessera generate`` loads);
-        the weights are streamed to it one tensor at a time."""
+        the weights are streamed to it one tensor at a time. ``quantize`` "int8" or "int4" (with
+        ``quantize_block`` and ``quantize_head``) is --quantize's weight-only quantisation."""
         from tessera.compiler.backends.onnx import export as onnx_export
 
         verify = onnx_export.check if check else None
+        quant_args = {"quantize": quantize, "quantize_block": quantize_block, "quantize_head": quantize_head}
         if kv_cache:
-            return onnx_export.save(self._cached_onnx(target, dtype), out, verify=verify)
-        built, meta = self._optimized(attention, target, dtype)
+            quant = pipeline.quant_config(argparse.Namespace(**quant_args))
+            return onnx_export.save(self._cached_onnx(target, dtype, quant=quant), out, verify=verify)
+        built, meta = self._optimized(attention, target, dtype, quant_args)
         return onnx_export.write(built.graph, self._weights, out, meta, verify=verify)
 
     def run(self, **inputs) -> dict[str, np.ndarray]:

@@ -66,6 +66,7 @@ def _optimize_args(p: argparse.ArgumentParser) -> None:
                         "also picks the attention kernels; the spec spellings f32 and f16 are accepted too "
                         "(default fp32; bf16 is not exported yet)")
     p.add_argument("--no-fuse", action="store_true", help="do not fuse attention (same as --attention unfused)")
+    report.add_quant_arguments(p)
     p.add_argument("--explain", action="store_true",
                    help="list every attention site: fused or not and why, and the kernel chosen")
 
@@ -182,6 +183,7 @@ def main(argv: list[str] | None = None) -> int:
 def cmd_compile(args) -> int:
     t0 = time.perf_counter()
     built = pipeline.build(args.spec, args.variant, args.sets)
+    params = built.graph.param_count()  # before quantisation packs them
     pipeline.check_disk(built, args.output, args.allow_large)
     weights = pipeline.weights_for(built, args.weights, args.seed, args.allow_large, streaming=True)
     pipeline.optimize(built, args)
@@ -189,7 +191,7 @@ def cmd_compile(args) -> int:
     size = sum(f.stat().st_size for f in files)
     print(f"wrote {', '.join(map(str, files))}: {built.graph.name}"
           f"{' (' + built.info.variant + ')' if built.info.variant else ''}, "
-          f"{built.graph.param_count():,} parameters, {size / 1e6:.1f} MB, {time.perf_counter() - t0:.1f} s")
+          f"{params:,} parameters{' (' + built.quantize.scheme + ')' if built.quantize else ''}, {size / 1e6:.1f} MB, {time.perf_counter() - t0:.1f} s")
     return 0
 
 

@@ -30,6 +30,7 @@ class Built:
     graph: Graph
     info: ModelInfo
     spec_path: Path
+    quantize: object = None  # the QuantConfig optimize applied (compiler/passes/quantize.py), if any
 
 
 def parse_set(items: list[str], program: Program) -> dict:
@@ -162,30 +163,87 @@ def weights_for(built: Built, weights: str | None, seed: int, allow_large: bool 
     return SeededWeights(built.graph, seed)
 
 
+QUANTIZE_CHOICES = ("none", "int8", "int4")
+
+
+def quant_config(args):
+    """The QuantConfig that --quantize, --quantize-block and --quantize-head ask for (None for none)."""
+    from tessera.compiler.passes import PassError
+    from tessera.compiler.passes.quantize import DEFAULT_BLOCK, QuantConfig
+
+    scheme = getattr(args, "quantize", None) or "none"
+    block = getattr(args, "quantize_block", None)
+    head = getattr(args, "quantize_head", False)
+    if scheme not in QUANTIZE_CHOICES:
+        raise UsageError(f"quantize must be one of {', '.join(QUANTIZE_CHOICES)}, got {scheme!r}")
+    if scheme == "none":
+        if block is not None or head:
+            raise UsageError("--quantize-block and --quantize-head need --quantize int8 or int4")
+        return None
+    config = QuantConfig(scheme, DEFAULT_BLOCK if block is None else block, head)
+    try:
+        config.check()
+    except PassError as e:
+        raise UsageError(str(e)) from None
+    return config
+
+
+def quantize(built: Built, config) -> None:
+    """Quantise built.graph's linears now (for compile_cached, whose own pipeline then fuses and
+    adds the cache around them: the cached graph inherits the quantised linears)."""
+    from tessera.compiler.passes import PassError
+    from tessera.compiler.passes.quantize import QuantizeWeights
+
+    built.quantize = config
+    if config is None:
+        return
+    try:
+        QuantizeWeights(config)(built.graph)
+    except PassError as e:
+        raise UsageError(str(e)) from None
+
+
 def optimize(built: Built, args) -> None:
-    """Fuse attention and choose kernels as the command-line flags say; print --explain's listing."""
-    from tessera.compiler.passes.pipeline import explain, optimize as optimize_graph
+    """Fuse attention, choose kernels and quantise weights as the command-line flags say; print
+    --explain's listing."""
+    from tessera.compiler.passes.pipeline import attention_sites, build_pipeline, explain
     from tessera.compiler.passes import PassError
     from tessera.compiler.passes.attention_kernels import Target
+    from tessera.compiler.passes.quantize import QuantizeWeights
 
     attention = "unfused" if getattr(args, "no_fuse", False) else getattr(args, "attention", "auto")
     if getattr(args, "no_fuse", False) and getattr(args, "attention", "auto") not in ("auto", "unfused"):
         raise UsageError(f"--no-fuse contradicts --attention {args.attention}")
     dtype = getattr(args, "dtype", "fp32")
+    built.quantize = quant_config(args)
     try:
-        sites = optimize_graph(built.graph, Target(getattr(args, "target", "cpu"), dtype), attention, lower_precision=True)
+        result = build_pipeline(Target(getattr(args, "target", "cpu"), dtype), attention, lower_precision=True,
+                                quantize=built.quantize)(built.graph)
     except PassError as e:
         raise UsageError(str(e)) from None
     if getattr(args, "explain", False):
-        import sys
+        lines = [explain(attention_sites(result))]
+        notes = result.notes(QuantizeWeights.name)
+        if built.quantize is not None:
+            done = sum(n.quantized for n in notes)
+            lines.append(f"quantised linears: {done} of {len(notes)} ({built.quantize.scheme}, "
+                         f"block {built.quantize.block_size})")
+            lines += [f"  {n.describe()}" for n in notes if not n.quantized]
+        print("\n".join(lines), file=sys.stderr)
 
-        print(explain(sites), file=sys.stderr)
 
-
-def export(built: Built, weights: dict[str, np.ndarray], out: str | Path, check: bool = True) -> list[Path]:
+def metadata(built: Built) -> dict:
+    """The model file's metadata: model, variant, hyperparameters, and the quantisation if any."""
     meta = {"tessera.model": built.info.model, "tessera.variant": built.info.variant or "",
             "tessera.hyperparams": {k: _jsonable(v) for k, v in built.info.hyperparams.items()}}
-    return onnx_export.write(built.graph, weights, out, meta, verify=onnx_export.check if check else None)
+    q = getattr(built, "quantize", None)
+    if q is not None:
+        meta["tessera.quantize"] = {"scheme": q.scheme, "block_size": q.block_size, "head": q.head}
+    return meta
+
+
+def export(built: Built, weights, out: str | Path, check: bool = True) -> list[Path]:
+    return onnx_export.write(built.graph, weights, out, metadata(built), verify=onnx_export.check if check else None)
 
 
 def _jsonable(v):

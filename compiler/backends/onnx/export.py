@@ -29,6 +29,8 @@ from tessera.compiler import ops
 from tessera.compiler.ir import dims
 from tessera.compiler.ir.graph import DTYPES, Graph
 
+from tessera.compiler.reference import quant
+
 from . import stream
 from tessera.compiler.ir.signature import InputLimits, input_limits
 
@@ -37,7 +39,8 @@ IR_VERSION = 10  # onnxruntime 1.31 loads IR versions up to 13; onnx 1.23 writes
 EXTERNAL_DATA_THRESHOLD = 2 * 1024**3 - 64 * 1024**2  # leave headroom below protobuf's 2 GiB limit
 
 ONNX_DTYPES = {"f32": TensorProto.FLOAT, "f16": TensorProto.FLOAT16, "bf16": TensorProto.BFLOAT16,
-               "i64": TensorProto.INT64, "i32": TensorProto.INT32, "bool": TensorProto.BOOL}
+               "i64": TensorProto.INT64, "i32": TensorProto.INT32, "bool": TensorProto.BOOL,
+               "u8": TensorProto.UINT8}
 
 
 class _Builder:
@@ -218,7 +221,9 @@ def build_model(graph: Graph, metadata: dict | None = None) -> onnx.ModelProto:
 def tensors(graph: Graph, weights) -> list[stream.Streamed]:
     """The parameters (values read from ``weights``, a mapping by path, only when written) and
     the graph's constants, in that order. A parameter whose weights are in another dtype (fp32
-    values for an fp16 parameter) is converted one tensor at a time as it is written."""
+    values for an fp16 parameter) is converted one tensor at a time as it is written; a derived
+    parameter (quantised weights) is computed from its source as it is written."""
+    weights = quant.ParamValues(graph, weights)
     out = []
     for path, p in graph.params.items():
         dtype = np.dtype(DTYPES[p.dtype] or np.float32)
