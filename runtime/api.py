@@ -90,14 +90,15 @@ class Model:
 
     def compile(self, out: str | Path, kv_cache: bool = False, attention: str = "auto", target: str = "cpu",
                 dtype: str = "fp32", check: bool = True, quantize: str = "none", quantize_block: int | None = None,
-                quantize_head: bool = False) -> list[Path]:
+                quantize_head: bool = False, quantize_activations: str | None = None) -> list[Path]:
         """Write the ONNX file (kv_cache=True: the cached decoder that ``tessera generate`` loads);
         the weights are streamed to it one tensor at a time. ``quantize`` "int8" or "int4" (with
-        ``quantize_block`` and ``quantize_head``) is --quantize's weight-only quantisation."""
+        ``quantize_block``, ``quantize_head``, ``quantize_activations``) is --quantize's quantisation."""
         from tessera.compiler.backends.onnx import export as onnx_export
 
         verify = onnx_export.check if check else None
-        quant_args = {"quantize": quantize, "quantize_block": quantize_block, "quantize_head": quantize_head}
+        quant_args = {"quantize": quantize, "quantize_block": quantize_block, "quantize_head": quantize_head,
+                      "quantize_activations": quantize_activations}
         if kv_cache:
             quant = pipeline.quant_config(argparse.Namespace(**quant_args))
             return onnx_export.save(self._cached_onnx(target, dtype, quant=quant), out, verify=verify)

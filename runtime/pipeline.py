@@ -174,13 +174,14 @@ def quant_config(args):
     scheme = getattr(args, "quantize", None) or "none"
     block = getattr(args, "quantize_block", None)
     head = getattr(args, "quantize_head", False)
+    activations = getattr(args, "quantize_activations", None)
     if scheme not in QUANTIZE_CHOICES:
         raise UsageError(f"quantize must be one of {', '.join(QUANTIZE_CHOICES)}, got {scheme!r}")
     if scheme == "none":
-        if block is not None or head:
-            raise UsageError("--quantize-block and --quantize-head need --quantize int8 or int4")
+        if block is not None or head or activations is not None:
+            raise UsageError("--quantize-block, --quantize-head and --quantize-activations need --quantize int8 or int4")
         return None
-    config = QuantConfig(scheme, DEFAULT_BLOCK if block is None else block, head)
+    config = QuantConfig(scheme, DEFAULT_BLOCK if block is None else block, head, activations or "int8")
     try:
         config.check()
     except PassError as e:
@@ -238,7 +239,8 @@ def metadata(built: Built) -> dict:
             "tessera.hyperparams": {k: _jsonable(v) for k, v in built.info.hyperparams.items()}}
     q = getattr(built, "quantize", None)
     if q is not None:
-        meta["tessera.quantize"] = {"scheme": q.scheme, "block_size": q.block_size, "head": q.head}
+        meta["tessera.quantize"] = {"scheme": q.scheme, "block_size": q.block_size, "head": q.head,
+                                    "activations": q.activations}
     return meta
 
 

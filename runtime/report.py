@@ -30,11 +30,16 @@ def dtype_arg(text: str) -> str:
 def add_quant_arguments(p: argparse.ArgumentParser) -> None:
     """--quantize, --quantize-block, --quantize-head (compile, run, generate and report share them)."""
     p.add_argument("--quantize", choices=list(pipeline.QUANTIZE_CHOICES), default="none",
-                   help="weight-only quantisation of the linear layers to int8 or int4 with block-wise scales, "
-                        "run by onnxruntime's MatMulNBits; activations stay float. The embedding tables stay "
-                        "float; the output head too unless --quantize-head (default none)")
+                   help="quantise the weights of the linear layers to int8 or int4 with block-wise scales, "
+                        "run by onnxruntime's MatMulNBits (activations are stored in float; see "
+                        "--quantize-activations). The embedding tables stay float; the output head too unless "
+                        "--quantize-head (default none)")
     p.add_argument("--quantize-block", type=int, metavar="N",
                    help="input features per quantisation scale: a power of two, at least 16 (default 32)")
+    p.add_argument("--quantize-activations", choices=["int8", "float"],
+                   help="int8: MatMulNBits quantises the activations to int8 inside each product "
+                        "(accuracy_level 4, faster); float: the product runs in fp32 (accuracy_level 0) "
+                        "(default int8)")
     p.add_argument("--quantize-head", action="store_true",
                    help="quantise the output head as well (by default it stays float: its errors go "
                         "straight into the logits)")

@@ -19,6 +19,7 @@ def quantization_section(graph: Graph, config: QuantConfig) -> dict:
     q = quantized_bytes(g)
     kept = [n for n in result.notes if not n.quantized]
     return {"scheme": config.scheme, "bits": config.bits, "block_size": config.block_size, "head": config.head,
+            "activations": config.activations,
             "weights_bytes": q, "float_weights_bytes": float_bytes, "ratio": float_bytes / q if q else None,
             "quantized_linears": len(result.notes) - len(kept), "float_linears": len(kept),
             "kept_in_float": [{"node": n.node, "weight": n.weight, "reason": n.reason} for n in kept]}

@@ -70,12 +70,16 @@ def _linear_nbits_lower(L):
     saved=common.saved_weight_product, traits=("dense", "matmul_class"))
 def _linear_nbits(t, a):
     """y = x W^T (+ b) with W [N, K] quantised block-wise to ``bits`` (compiler/reference/quant.py):
-    input 1 the packed uint8 [N, blocks, block_size*bits/8], input 2 the scales [N, blocks]."""
+    input 1 the packed uint8 [N, blocks, block_size*bits/8], input 2 the scales [N, blocks].
+    ``accuracy_level`` 4 lets onnxruntime quantise x to int8 per block inside the product; the
+    reference computes the product in fp32 (the test tolerances cover the difference)."""
     from tessera.compiler.reference.quant import BITS, blocks, packed_shape
 
     x, packed, scales = t[0], t[1], t[2]
     common.need_float(x, "linear_nbits")
     bits, block, k, n = a["bits"], a["block_size"], a["K"], a["N"]
+    if a.get("accuracy_level", 0) not in (0, 4):
+        raise ShapeError(f"linear_nbits accuracy_level must be 0 (fp32) or 4 (int8 activations), got {a['accuracy_level']}")
     if bits not in BITS:
         raise ShapeError(f"linear_nbits bits must be one of {BITS}, got {bits}")
     if block < 16 or block & (block - 1):

@@ -2,8 +2,10 @@
 (onnxruntime's com.microsoft.MatMulNBits), its weight replaced by derived parameters: the packed
 int8 or int4 values and their block-wise scales (compiler/reference/quant.py).
 
-Why weight-only: decoding reads every weight once per token, so its time is the weight bytes
-(4x fewer with int8, 8x with int4, plus a scale per block); activations stay in float.
+Why weights: decoding reads every weight once per token, so its time is the weight bytes (4x
+fewer with int8, 8x with int4, plus a scale per block). Activations are stored in float; by
+default MatMulNBits quantises them to int8 on the fly inside the product (accuracy_level 4,
+``activations="int8"``), ``activations="float"`` keeps the product in fp32 (accuracy_level 0).
 
 Which linears: every one whose weight is a parameter, except
 - the output head (a linear whose result is a model output, through views or not, or whose weight is also an embedding
@@ -26,6 +28,10 @@ from tessera.compiler.passes.base import Pass, PassError, PassResult
 from tessera.compiler.reference.quant import BITS, blocks, packed_shape
 
 SCHEMES = {"int8": 8, "int4": 4}
+# MatMulNBits' accuracy_level: 0 computes in fp32 from dequantised weights; 4 quantises each block
+# of activations to int8 at run time and uses onnxruntime's integer kernels (several times faster
+# for one token at a time on this CPU: docs/BENCHMARKS.md).
+ACTIVATIONS = {"int8": 4, "float": 0}
 DEFAULT_BLOCK = 32
 MIN_OUTPUTS = 16
 
@@ -38,6 +44,7 @@ class QuantConfig:
     scheme: str
     block_size: int = DEFAULT_BLOCK
     head: bool = False
+    activations: str = "int8"  # "int8": MatMulNBits quantises activations at run time (accuracy_level 4)
 
     @property
     def bits(self) -> int:
@@ -52,6 +59,8 @@ class QuantConfig:
                             f"(MatMulNBits' rule), got {b!r}")
         if not isinstance(self.head, bool):
             raise PassError(f"quantize head must be true or false, got {self.head!r}")
+        if self.activations not in ACTIVATIONS:
+            raise PassError(f"quantize activations must be one of {', '.join(ACTIVATIONS)}, got {self.activations!r}")
 
 
 @dataclass(frozen=True)
@@ -121,7 +130,8 @@ class QuantizeWeights(Pass):
                 names[part] = path
             inputs = [node.inputs[0], names["packed"], names["scales"], *node.inputs[2:]]
             graph.replace_node(node.name, "linear_nbits", inputs,
-                               {"bits": bits, "block_size": block, "K": k, "N": n})
+                               {"bits": bits, "block_size": block, "K": k, "N": n,
+                                "accuracy_level": ACTIVATIONS[self.config.activations]})
             if not graph.consumers(w):
                 graph.remove_param(w)
             notes.append(QuantNote(node.name, w, True))
