@@ -72,29 +72,39 @@ class Model:
         return report.build(args)
 
     # ---------------------------------------------------------------- compile and run
-    def _onnx(self, kv_cache: bool, attention: str = "auto", target: str = "cpu", dtype: str = "fp32",
-              last_only: bool = True, cache: str = "auto"):
-        from tessera.compiler.backends.onnx import export as onnx_export
+    def _cached_onnx(self, target: str = "cpu", dtype: str = "fp32", last_only: bool = True, cache: str = "auto",
+                     quant=None):
+        """The KV-cached decoder as an in-memory ModelProto (runtime/generate.compile_cached), its
+        linears quantised first when ``quant`` (a QuantConfig) says so."""
         from tessera.compiler.passes.attention_kernels import Target
 
         built = self._fresh()
-        if kv_cache:
-            return gen.compile_cached(built, self._weights, last_only=last_only, mode=cache,
-                                      target=Target(target, dtype), dtype=dtype)[0]
-        pipeline.optimize(built, argparse.Namespace(attention=attention, target=target, dtype=dtype))
-        meta = {"tessera.model": built.info.model, "tessera.variant": built.info.variant or ""}
-        return onnx_export.to_onnx(built.graph, self._weights, meta)
+        pipeline.quantize(built, quant)
+        return gen.compile_cached(built, self._weights, last_only=last_only, mode=cache,
+                                  target=Target(target, dtype), dtype=dtype)[0]
+
+    def _optimized(self, attention: str = "auto", target: str = "cpu", dtype: str = "fp32", quant_args=None):
+        built = self._fresh()
+        pipeline.optimize(built, argparse.Namespace(attention=attention, target=target, dtype=dtype,
+                                                    **(quant_args or {})))
+        return built, pipeline.metadata(built)
 
     def compile(self, out: str | Path, kv_cache: bool = False, attention: str = "auto", target: str = "cpu",
-                dtype: str = "fp32", check: bool = True) -> list[Path]:
-        """Write the ONNX file (kv_cache=True: the cached decoder that ``tessera generate`` loads)."""
+                dtype: str = "fp32", check: bool = True, quantize: str = "none", quantize_block: int | None = None,
+                quantize_head: bool = False, quantize_activations: str | None = None) -> list[Path]:
+        """Write the ONNX file (kv_cache=True: the cached decoder that ``tessera generate`` loads);
+        the weights are streamed to it one tensor at a time. ``quantize`` "int8" or "int4" (with
+        ``quantize_block``, ``quantize_head``, ``quantize_activations``) is --quantize's quantisation."""
         from tessera.compiler.backends.onnx import export as onnx_export
 
-        model = self._onnx(kv_cache, attention, target, dtype)
-        files = onnx_export.save(model, out)
-        if check:
-            onnx_export.check(out)
-        return files
+        verify = onnx_export.check if check else None
+        quant_args = {"quantize": quantize, "quantize_block": quantize_block, "quantize_head": quantize_head,
+                      "quantize_activations": quantize_activations}
+        if kv_cache:
+            quant = pipeline.quant_config(argparse.Namespace(**quant_args))
+            return onnx_export.save(self._cached_onnx(target, dtype, quant=quant), out, verify=verify)
+        built, meta = self._optimized(attention, target, dtype, quant_args)
+        return onnx_export.write(built.graph, self._weights, out, meta, verify=verify)
 
     def run(self, **inputs) -> dict[str, np.ndarray]:
         """Run the model in onnxruntime (CPU) on named inputs (arrays or nested lists)."""
@@ -109,7 +119,10 @@ class Model:
             feeds[name] = np.asarray(value)
         bind_inputs(self.graph, feeds)
         if self._session is None:
-            self._session = open_session(self._onnx(False).SerializeToString(), "cpu")
+            from tessera.compiler.backends.onnx import export as onnx_export
+
+            built, meta = self._optimized()
+            self._session = open_session(onnx_export.to_bytes(built.graph, self._weights, meta), "cpu")
         return run_session(self._session, feeds)
 
     # ---------------------------------------------------------------- generation

@@ -67,6 +67,7 @@ def _optimize_args(p: argparse.ArgumentParser) -> None:
                         "also picks the attention kernels; the spec spellings f32 and f16 are accepted too "
                         "(default fp32; bf16 is not exported yet)")
     p.add_argument("--no-fuse", action="store_true", help="do not fuse attention (same as --attention unfused)")
+    report.add_quant_arguments(p)
     p.add_argument("--explain", action="store_true",
                    help="list every attention site: fused or not and why, and the kernel chosen")
 
@@ -79,8 +80,10 @@ def _weights_args(p: argparse.ArgumentParser) -> None:
                         "hyperparameters its [config] table names (a value contradicting --set or the "
                         "variant is an error)")
     p.add_argument("--allow-large", action="store_true",
-                   help="go ahead even when the weights look too large for the memory available "
-                        "(by default such a model is refused before anything is allocated)")
+                   help="go ahead even when the weights look too large for the memory available (compile "
+                        "streams them to the file one tensor at a time, so there only its largest tensor "
+                        "and the free disk count) (by default such a model is refused before anything is "
+                        "allocated or written)")
 
 
 def make_parser() -> argparse.ArgumentParser:
@@ -196,7 +199,9 @@ def main(argv: list[str] | None = None) -> int:
 def cmd_compile(args) -> int:
     t0 = time.perf_counter()
     built = pipeline.build(args.spec, args.variant, args.sets, args.weights)
-    weights = pipeline.weights_for(built, args.weights, args.seed, args.allow_large)
+    params = built.graph.param_count()  # before quantisation packs them
+    pipeline.check_disk(built, args.output, args.allow_large)
+    weights = pipeline.weights_for(built, args.weights, args.seed, args.allow_large, streaming=True)
     if args.kv_cache:
         files = _compile_cached(built, weights, args)
     else:
@@ -207,7 +212,7 @@ def cmd_compile(args) -> int:
     size = sum(f.stat().st_size for f in files)
     print(f"wrote {', '.join(map(str, files))}: {built.graph.name}"
           f"{' (' + built.info.variant + ')' if built.info.variant else ''}, "
-          f"{built.graph.param_count():,} parameters, {size / 1e6:.1f} MB, {time.perf_counter() - t0:.1f} s")
+          f"{params:,} parameters{' (' + built.quantize.scheme + ')' if built.quantize else ''}, {size / 1e6:.1f} MB, {time.perf_counter() - t0:.1f} s")
     return 0
 
 
@@ -222,6 +227,7 @@ def _compile_cached(built, weights, args) -> list[Path]:
     if args.no_fuse or args.attention != "auto":
         raise pipeline.UsageError("--kv-cache chooses the attention kernels per phase itself: it takes neither "
                                   "--no-fuse nor --attention")
+    pipeline.quantize(built, pipeline.quant_config(args))  # the cached graph inherits the quantised linears
     model, info = gen.compile_cached(built, weights, mode=args.cache, target=Target(args.target, args.dtype),
                                      dtype=args.dtype)
     if args.explain:
@@ -254,7 +260,7 @@ def cmd_run(args) -> int:
 
         weights = pipeline.weights_for(built, args.weights, args.seed, args.allow_large)
         pipeline.optimize(built, args)
-        source = onnx_export.to_onnx(built.graph, weights).SerializeToString()
+        source = onnx_export.to_bytes(built.graph, weights)
     feeds = parse_inputs(args.inputs, specs)
     text_mask = _add_text_and_image_inputs(args, specs, feeds)
     from tessera.compiler.ir.signature import bind_inputs

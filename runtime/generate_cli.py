@@ -61,6 +61,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
     g.add_argument("--stop-token", dest="stop_tokens", action="append", default=[], type=int, metavar="ID",
                    help="end a prompt's generation at this token id (repeatable)")
     g.add_argument("--format", choices=["text", "json"], default="text", help="output format (default text)")
+    from .report import add_quant_arguments
+
+    add_quant_arguments(g)
     g.add_argument("--threads", type=int, default=None, help="onnxruntime intra-op threads (default: all cores)")
     g.add_argument("--cache", choices=["auto", "buffer", "concat"], default="auto",
                    help="buffer: preallocated cache, written in place; concat: present = past + new, fed back; "
@@ -158,14 +161,17 @@ class EncoderDecoder:
 def load_model(args):
     """A CachedModel (decoder-only) or an EncoderDecoder, from a .tsr spec or a compiled .onnx file."""
     path = Path(args.spec)
-    if path.suffix == ".onnx" or path.is_dir():
-        if args.variant or args.sets or args.weights:
-            raise UsageError("--variant, --set and --weights apply to .tsr specs; an .onnx file is already compiled")
-        return gen.CachedModel.from_onnx(path, threads=args.threads)
     from . import pipeline
 
+    config = pipeline.quant_config(args)
+    if path.suffix == ".onnx" or path.is_dir():
+        if args.variant or args.sets or args.weights or config is not None:
+            raise UsageError("--variant, --set, --weights and --quantize apply to .tsr specs; an .onnx file is "
+                             "already compiled")
+        return gen.CachedModel.from_onnx(path, threads=args.threads)
     built = pipeline.build(args.spec, args.variant, args.sets, args.weights)
     weights = pipeline.weights_for(built, args.weights, args.seed)
+    pipeline.quantize(built, config)
     target = target_input(built.graph)
     if target is not None:
         return EncoderDecoder(built, weights, target, args.threads)

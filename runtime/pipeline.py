@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,7 +17,7 @@ from tessera.compiler.ir.graph import DTYPES, Graph
 from tessera.compiler.frontend.values import BlockRef
 from tessera.spec import Program, SpecError, did_you_mean, load_program
 
-from .weights import init_weights, load_weights, name_map_for
+from .weights import SeededWeights, init_weights, load_weights, name_map_for
 
 
 class UsageError(Exception):
@@ -29,6 +30,7 @@ class Built:
     graph: Graph
     info: ModelInfo
     spec_path: Path
+    quantize: object = None  # the QuantConfig optimize applied (compiler/passes/quantize.py), if any
 
 
 def parse_set(items: list[str], program: Program) -> dict:
@@ -91,9 +93,12 @@ def build(spec: str | Path, variant: str | None = None, sets: list[str] | None =
     return Built(program, graph, info, path)
 
 
-# Compiling holds the weights about three times over (the arrays, the ONNX protobuf, its
-# serialisation); running holds them twice (the protobuf and onnxruntime's copy).
+# Running a spec holds the weights about three times over (the serialised model, onnxruntime's
+# parsed copy and its own tensors). Compiling streams them to the file one tensor at a time
+# (compiler/backends/onnx/stream.py): at most the tensor being written, the next one and a
+# converted copy, so a compile needs memory for three of its largest tensor and disk for all.
 PEAK_WEIGHT_COPIES = 3
+PEAK_TENSOR_COPIES = 3
 
 
 def available_memory() -> int | None:
@@ -111,19 +116,52 @@ def available_memory() -> int | None:
         return None
 
 
-def check_memory(built: Built, allow_large: bool = False) -> None:
-    """Refuse, before allocating anything, weights that would not fit in memory."""
-    need = sum(p.numel * np.dtype(DTYPES[p.dtype] or np.float32).itemsize for p in built.graph.params.values())
+def available_disk(path: Path) -> int | None:
+    """Bytes free on the file system that would hold ``path`` (its nearest existing folder)."""
+    folder = next((p for p in [Path(path).parent, *Path(path).parent.parents] if p.is_dir()), None)
+    try:
+        return shutil.disk_usage(folder).free if folder is not None else None
+    except OSError:
+        return None
+
+
+def _param_bytes(built: Built) -> list[int]:
+    return [p.numel * np.dtype(DTYPES[p.dtype] or np.float32).itemsize for p in built.graph.params.values()]
+
+
+def check_memory(built: Built, allow_large: bool = False, streaming: bool = False) -> None:
+    """Refuse, before allocating anything, weights that would not fit in memory: all of them held
+    PEAK_WEIGHT_COPIES times over, or (``streaming``, a compile) the largest tensor PEAK_TENSOR_COPIES times."""
+    sizes = _param_bytes(built)
+    need = sum(sizes)
+    peak = max(sizes, default=0) * PEAK_TENSOR_COPIES if streaming else need * PEAK_WEIGHT_COPIES
     avail = available_memory()
-    if allow_large or avail is None or need * PEAK_WEIGHT_COPIES <= avail:
+    if allow_large or avail is None or peak <= avail:
         return
-    raise UsageError(f"{built.graph.name}'s weights are {need / 2**30:,.1f} GiB; holding them about "
-                     f"{PEAK_WEIGHT_COPIES} times over needs more than the {avail / 2**30:,.1f} GiB of memory "
-                     f"available. 'tessera report' gives its cost without weights; --allow-large tries anyway")
+    how = (f"compiling holds its largest tensor ({max(sizes) / 2**30:,.1f} GiB) about {PEAK_TENSOR_COPIES} times "
+           f"over" if streaming else f"holding them about {PEAK_WEIGHT_COPIES} times over")
+    raise UsageError(f"{built.graph.name}'s weights are {need / 2**30:,.1f} GiB; {how} needs more than the "
+                     f"{avail / 2**30:,.1f} GiB of memory available. 'tessera report' gives its cost without "
+                     f"weights; --allow-large tries anyway")
 
 
-def weights_for(built: Built, weights: str | None, seed: int, allow_large: bool = False) -> dict[str, np.ndarray]:
-    check_memory(built, allow_large)
+def check_disk(built: Built, out: str | Path, allow_large: bool = False) -> None:
+    """Refuse, before writing anything, a model whose weights would not fit on the output's disk."""
+    need = sum(_param_bytes(built))
+    free = available_disk(Path(out))
+    if allow_large or free is None or need <= free:
+        return
+    raise UsageError(f"{built.graph.name}'s weights are {need / 2**30:,.1f} GiB; the disk that would hold {out} "
+                     f"has {free / 2**30:,.1f} GiB free. 'tessera report' gives its cost without weights; "
+                     f"--allow-large tries anyway")
+
+
+def weights_for(built: Built, weights: str | None, seed: int, allow_large: bool = False,
+                streaming: bool = False):
+    """The weights, as a mapping by parameter path: a checkpoint's, else the seeded initialiser's
+    (SeededWeights: drawn as each tensor is read). ``streaming``: the caller writes them one
+    tensor at a time (a compile), which needs far less memory than holding them all."""
+    check_memory(built, allow_large, streaming)
     if weights:
         notes: list[str] = []
         loaded = load_weights(built.graph, Path(weights), name_map_for(built.spec_path), notes,
@@ -131,34 +169,92 @@ def weights_for(built: Built, weights: str | None, seed: int, allow_large: bool 
         for note in notes:
             print(f"note: {note}", file=sys.stderr)
         return loaded
-    return init_weights(built.graph, seed)
+    return SeededWeights(built.graph, seed)
+
+
+QUANTIZE_CHOICES = ("none", "int8", "int4")
+
+
+def quant_config(args):
+    """The QuantConfig that --quantize, --quantize-block and --quantize-head ask for (None for none)."""
+    from tessera.compiler.passes import PassError
+    from tessera.compiler.passes.quantize import DEFAULT_BLOCK, QuantConfig
+
+    scheme = getattr(args, "quantize", None) or "none"
+    block = getattr(args, "quantize_block", None)
+    head = getattr(args, "quantize_head", False)
+    activations = getattr(args, "quantize_activations", None)
+    if scheme not in QUANTIZE_CHOICES:
+        raise UsageError(f"quantize must be one of {', '.join(QUANTIZE_CHOICES)}, got {scheme!r}")
+    if scheme == "none":
+        if block is not None or head or activations is not None:
+            raise UsageError("--quantize-block, --quantize-head and --quantize-activations need --quantize int8 or int4")
+        return None
+    config = QuantConfig(scheme, DEFAULT_BLOCK if block is None else block, head, activations or "int8")
+    try:
+        config.check()
+    except PassError as e:
+        raise UsageError(str(e)) from None
+    return config
+
+
+def quantize(built: Built, config) -> None:
+    """Quantise built.graph's linears now (for compile_cached, whose own pipeline then fuses and
+    adds the cache around them: the cached graph inherits the quantised linears)."""
+    from tessera.compiler.passes import PassError
+    from tessera.compiler.passes.quantize import QuantizeWeights
+
+    built.quantize = config
+    if config is None:
+        return
+    try:
+        QuantizeWeights(config)(built.graph)
+    except PassError as e:
+        raise UsageError(str(e)) from None
 
 
 def optimize(built: Built, args) -> None:
-    """Fuse attention and choose kernels as the command-line flags say; print --explain's listing."""
-    from tessera.compiler.passes.pipeline import explain, optimize as optimize_graph
+    """Fuse attention, choose kernels and quantise weights as the command-line flags say; print
+    --explain's listing."""
+    from tessera.compiler.passes.pipeline import attention_sites, build_pipeline, explain
     from tessera.compiler.passes import PassError
     from tessera.compiler.passes.attention_kernels import Target
+    from tessera.compiler.passes.quantize import QuantizeWeights
 
     attention = "unfused" if getattr(args, "no_fuse", False) else getattr(args, "attention", "auto")
     if getattr(args, "no_fuse", False) and getattr(args, "attention", "auto") not in ("auto", "unfused"):
         raise UsageError(f"--no-fuse contradicts --attention {args.attention}")
     dtype = getattr(args, "dtype", "fp32")
+    built.quantize = quant_config(args)
     try:
-        sites = optimize_graph(built.graph, Target(getattr(args, "target", "cpu"), dtype), attention, lower_precision=True)
+        result = build_pipeline(Target(getattr(args, "target", "cpu"), dtype), attention, lower_precision=True,
+                                quantize=built.quantize)(built.graph)
     except PassError as e:
         raise UsageError(str(e)) from None
     if getattr(args, "explain", False):
-        import sys
+        lines = [explain(attention_sites(result))]
+        notes = result.notes(QuantizeWeights.name)
+        if built.quantize is not None:
+            done = sum(n.quantized for n in notes)
+            lines.append(f"quantised linears: {done} of {len(notes)} ({built.quantize.scheme}, "
+                         f"block {built.quantize.block_size})")
+            lines += [f"  {n.describe()}" for n in notes if not n.quantized]
+        print("\n".join(lines), file=sys.stderr)
 
-        print(explain(sites), file=sys.stderr)
 
-
-def export(built: Built, weights: dict[str, np.ndarray], out: str | Path, check: bool = True) -> list[Path]:
+def metadata(built: Built) -> dict:
+    """The model file's metadata: model, variant, hyperparameters, and the quantisation if any."""
     meta = {"tessera.model": built.info.model, "tessera.variant": built.info.variant or "",
             "tessera.hyperparams": {k: _jsonable(v) for k, v in built.info.hyperparams.items()}}
-    model = onnx_export.to_onnx(built.graph, weights, meta)
-    return onnx_export.save(model, out, verify=onnx_export.check if check else None)
+    q = getattr(built, "quantize", None)
+    if q is not None:
+        meta["tessera.quantize"] = {"scheme": q.scheme, "block_size": q.block_size, "head": q.head,
+                                    "activations": q.activations}
+    return meta
+
+
+def export(built: Built, weights, out: str | Path, check: bool = True) -> list[Path]:
+    return onnx_export.write(built.graph, weights, out, metadata(built), verify=onnx_export.check if check else None)
 
 
 def _jsonable(v):

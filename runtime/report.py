@@ -27,6 +27,24 @@ def dtype_arg(text: str) -> str:
     return _DTYPE_ALIASES.get(text, text)
 
 
+def add_quant_arguments(p: argparse.ArgumentParser) -> None:
+    """--quantize, --quantize-block, --quantize-head (compile, run, generate and report share them)."""
+    p.add_argument("--quantize", choices=list(pipeline.QUANTIZE_CHOICES), default="none",
+                   help="quantise the weights of the linear layers to int8 or int4 with block-wise scales, "
+                        "run by onnxruntime's MatMulNBits (activations are stored in float; see "
+                        "--quantize-activations). The embedding tables stay float; the output head too unless "
+                        "--quantize-head (default none)")
+    p.add_argument("--quantize-block", type=int, metavar="N",
+                   help="input features per quantisation scale: a power of two, at least 16 (default 32)")
+    p.add_argument("--quantize-activations", choices=["int8", "float"],
+                   help="int8: MatMulNBits quantises the activations to int8 inside each product "
+                        "(accuracy_level 4, faster); float: the product runs in fp32 (accuracy_level 0) "
+                        "(default int8)")
+    p.add_argument("--quantize-head", action="store_true",
+                   help="quantise the output head as well (by default it stays float: its errors go "
+                        "straight into the logits)")
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from tessera.compiler.analysis.roofline import device_names
 
@@ -39,6 +57,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="h200", metavar="NAME",
                    help=f"device for the roofline estimates: {', '.join(device_names())} "
                         f"(cpu is measured on the spot; default h200)")
+    add_quant_arguments(p)
     p.add_argument("--format", choices=FORMATS, default="table", help="output format (default table)")
     p.add_argument("--plot", metavar="FILE.png",
                    help="also draw MACs and memory against N, fused and unfused (needs matplotlib: "
@@ -90,6 +109,12 @@ def build(args) -> dict:
     with _no_gc():  # fuses a copy: built.graph is left as written
         rep["attention"] = attention_section(built.graph, rep["settings"]["bindings"],
                                              rep["settings"]["bytes_per_element"], device.name, args.dtype)
+    config = pipeline.quant_config(args)
+    if config is not None:
+        from tessera.compiler.analysis.quant_report import quantization_section
+
+        with _no_gc():  # quantises a copy
+            rep["quantization"] = quantization_section(built.graph, config)
     return rep
 
 

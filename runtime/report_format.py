@@ -180,6 +180,17 @@ def sections(rep: dict) -> list[tuple[str, list[str], list[list[str]]]]:
                          si(t["unfused"]) + "B", si(t["fused"]) + "B"])
         out.append((f"Attention sites ({att['fused']} fused, {att['not_fused']} not; target {att['target']})",
                     ["site", "kernel", "traffic unfused", "traffic fused"], rows))
+    q = rep.get("quantization")
+    if q:
+        rows = [["weights, quantised", exact(q["weights_bytes"]), si(q["weights_bytes"]) + "B"],
+                ["weights, float", exact(q["float_weights_bytes"]), si(q["float_weights_bytes"]) + "B"],
+                [f"  {q['ratio']:.2f}× smaller; {q['quantized_linears']} linears quantised, "
+                 f"{q['float_linears']} kept in float", "", ""]]
+        rows += [[f"  kept: {k['node']}: {k['reason']}", "", ""] for k in q["kept_in_float"][:8]]
+        if len(q["kept_in_float"]) > 8:
+            rows.append([f"  ... and {len(q['kept_in_float']) - 8} more kept in float", "", ""])
+        out.append((f"Quantisation ({q['scheme']}, block {q['block_size']}, head "
+                    f"{'quantised' if q['head'] else 'float'})", ["", "bytes", ""], rows))
     return out
 
 

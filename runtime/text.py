@@ -25,7 +25,7 @@ returns those embeddings::
 
     built = pipeline.build("models/bert.tsr", "minilm_l6")
     weights = pipeline.weights_for(built, "model.safetensors", seed=0)
-    sess = open_session(onnx_export.to_onnx(built.graph, weights).SerializeToString(), "cpu")
+    sess = open_session(onnx_export.to_bytes(built.graph, weights), "cpu")
     tok = text.load_tokenizer("tokenizer.json")
     emb = text.embed(sess, tok, ["A man is eating food.", "A man is eating a meal."])
     print(emb @ emb.T)   # cosine similarities

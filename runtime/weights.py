@@ -21,6 +21,7 @@ import re
 import stat
 import tomllib
 import zlib
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -35,18 +36,40 @@ class WeightsError(Exception):
     """A weights file that does not fit the model; the message lists every problem."""
 
 
+class SeededWeights(Mapping):
+    """The seeded initialiser as a mapping by parameter path, each tensor drawn when it is read.
+
+    Why: a writer that takes one tensor at a time (compiler/backends/onnx/stream.py) then never
+    holds more than one of them; nothing is drawn for a model that is only analysed. Reading a
+    path twice draws it twice, with the same values. The parameters are those of the graph when
+    the mapping is made (later passes may rename or lower them; their values come from these)."""
+
+    def __init__(self, graph: Graph, seed: int = 0):
+        self.seed = seed
+        self._params = {path: (tuple(int(s) for s in p.shape), p.init, p.std, np.dtype(DTYPES[p.dtype] or np.float32))
+                        for path, p in graph.params.items()}
+
+    def __getitem__(self, path: str) -> np.ndarray:
+        shape, init, std, dtype = self._params[path]
+        if init == "zeros":
+            return np.zeros(shape, dtype=dtype)
+        if init == "ones":
+            return np.ones(shape, dtype=dtype)
+        rng = np.random.default_rng([self.seed, zlib.crc32(path.encode())])
+        out = rng.standard_normal(shape, dtype=np.float32)
+        out *= np.float32(std)  # in place: the values of (x * std) without a second array
+        return out if dtype == np.float32 else out.astype(dtype)
+
+    def __iter__(self):
+        return iter(self._params)
+
+    def __len__(self) -> int:
+        return len(self._params)
+
+
 def init_weights(graph: Graph, seed: int = 0) -> dict[str, np.ndarray]:
-    out = {}
-    for path, p in graph.params.items():
-        dtype = DTYPES[p.dtype] or np.float32
-        if p.init == "zeros":
-            out[path] = np.zeros(p.shape, dtype=dtype)
-        elif p.init == "ones":
-            out[path] = np.ones(p.shape, dtype=dtype)
-        else:
-            rng = np.random.default_rng([seed, zlib.crc32(path.encode())])
-            out[path] = (rng.standard_normal(p.shape, dtype=np.float32) * np.float32(p.std)).astype(dtype)
-    return out
+    """Every parameter drawn now, as a dict (tests change some of them); export takes SeededWeights."""
+    return dict(SeededWeights(graph, seed))
 
 
 # ------------------------------------------------------------------ checkpoint import
@@ -153,17 +176,19 @@ class NameMap:
                 raise WeightsError(f"{where} must be a hyperparameter name or {{ expect = [...] }}, got {target!r}")
         return m
 
-    def apply(self, tensors: dict[str, np.ndarray], native=frozenset(), shapes: dict | None = None,
-              hyper: dict | None = None) -> tuple[dict[str, np.ndarray], list[str]]:
-        """Translate names; returns (translated tensors, names no rule matched). ``shapes`` (the
-        model's parameter shapes) sizes the pieces of a split, which may then differ (q, k and v of
-        grouped-query attention); ``hyper`` resolves a ``groups`` given as a hyperparameter name."""
+    def plan(self, shapes: dict[str, tuple[int, ...]], native=frozenset(), model_shapes: dict | None = None,
+             hyper: dict | None = None) -> tuple[dict[str, "Piece"], list[str]]:
+        """Translate names, from the checkpoint's shapes alone: returns (Tessera path -> the Piece of
+        a checkpoint tensor it is read from, names no rule matched). Nothing is read here.
+        ``model_shapes`` (the model's parameter shapes) sizes the pieces of a split, which may then
+        differ (q, k and v of grouped-query attention); ``hyper`` resolves a ``groups`` given as a
+        hyperparameter name."""
         out, unmatched = {}, []
-        for name, arr in tensors.items():
+        for name, shape in shapes.items():
             if any(p.fullmatch(name) for p in self.ignore):
                 continue
             if name in native:  # already a Tessera path
-                out[name] = arr
+                out[name] = Piece(name, tuple(shape))
                 continue
             for rule in self.rules:
                 m = rule.pattern.fullmatch(name)
@@ -172,26 +197,29 @@ class NameMap:
                 if native and not all(t.format(**m.groupdict()) in native for t in rule.targets):
                     unmatched.append(name)  # maps to no parameter of this model (e.g. a layer it does not have)
                     break
-                value = arr
                 targets = [t.format(**m.groupdict()) for t in rule.targets]
-                pieces = [value] if rule.split_axis is None else \
-                    _split(name, value, rule, targets, shapes or {}, hyper or {})
-                for target, piece in zip(rule.targets, pieces):
-                    piece = piece.T if rule.transpose else piece
-                    out[target.format(**m.groupdict())] = np.ascontiguousarray(piece)
+                if rule.split_axis is None:
+                    out[targets[0]] = Piece(name, tuple(shape), transpose=rule.transpose)
+                else:
+                    sizes, groups = _split_plan(name, tuple(shape), rule, targets, model_shapes or {}, hyper or {})
+                    for index, target in enumerate(targets):
+                        out[target] = Piece(name, tuple(shape), index, sizes, rule.split_axis, rule.transpose,
+                                            groups)
                 break
             else:
                 unmatched.append(name)
         return out, unmatched
 
 
-def _split(name: str, value: np.ndarray, rule: _Rule, targets: list[str], shapes: dict, hyper: dict) -> list:
-    """The pieces of a split. Sizes along the axis come from the targets' shapes when the model
-    is known (else equal parts). With ``groups = G`` the axis is laid out per group -- for each of
-    the G heads (or key/value groups), its slice of every target in turn, as BLOOM's and GPT-NeoX's
-    query_key_value [heads, 3, hd] -- and each target gathers its slice of every group."""
+def _split_plan(name: str, shape: tuple[int, ...], rule: _Rule, targets: list[str], shapes: dict,
+                hyper: dict) -> tuple[tuple[int, ...], int]:
+    """The sizes of a split's parts along its axis and its number of groups. Sizes come from the
+    targets' shapes when the model is known (else equal parts). With ``groups = G`` the axis is laid
+    out per group -- for each of the G heads (or key/value groups), its slice of every target in
+    turn, as BLOOM's and GPT-NeoX's query_key_value [heads, 3, hd] -- and each target gathers its
+    slice of every group."""
     axis = rule.split_axis
-    size = value.shape[axis] if value.ndim > axis else 0
+    size = shape[axis] if len(shape) > axis else 0
     listed = ", ".join(targets)
 
     def along(t):  # a target's size along the split axis, in the checkpoint's layout
@@ -204,7 +232,7 @@ def _split(name: str, value: np.ndarray, rule: _Rule, targets: list[str], shapes
     sizes = [along(t) for t in targets]
     if any(s_ is None for s_ in sizes) or sum(sizes) != size:
         if size % len(targets):
-            raise WeightsError(f"{name} has shape {list(value.shape)}: axis {axis} ({size}) does not split "
+            raise WeightsError(f"{name} has shape {list(shape)}: axis {axis} ({size}) does not split "
                                f"into {len(targets)} equal parts for {listed}")
         sizes = [size // len(targets)] * len(targets)
     groups = rule.groups
@@ -218,16 +246,43 @@ def _split(name: str, value: np.ndarray, rule: _Rule, targets: list[str], shapes
         groups = hyper[groups]
         if isinstance(groups, bool) or not isinstance(groups, int) or groups < 1:
             raise WeightsError(f"{name}: groups = hyperparameter {rule.groups} = {groups!r}, not a positive int")
-    if not groups or groups == 1:
-        return np.split(value, np.cumsum(sizes)[:-1], axis=axis)
-    if any(s_ % groups for s_ in sizes):
-        raise WeightsError(f"{name} has shape {list(value.shape)}: the parts {sizes} of axis {axis} for {listed} "
+    groups = int(groups or 1)
+    if groups > 1 and any(s_ % groups for s_ in sizes):
+        raise WeightsError(f"{name} has shape {list(shape)}: the parts {sizes} of axis {axis} for {listed} "
                            f"do not divide into {groups} groups")
-    shape = value.shape
-    per = [s_ // groups for s_ in sizes]
-    grouped = value.reshape(shape[:axis] + (groups, sum(per)) + shape[axis + 1:])
-    cuts = np.split(grouped, np.cumsum(per)[:-1], axis=axis + 1)
-    return [c.reshape(shape[:axis] + (groups * p,) + shape[axis + 1:]) for c, p in zip(cuts, per)]
+    return tuple(int(x) for x in sizes), groups
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Where a parameter's values are in a checkpoint: part ``index`` of tensor ``source`` split
+    along ``axis`` into parts of ``sizes`` (laid out per group when ``groups`` > 1), transposed or not."""
+
+    source: str
+    source_shape: tuple[int, ...]
+    index: int = 0
+    sizes: tuple[int, ...] = ()
+    axis: int = 0
+    transpose: bool = False
+    groups: int = 1
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        shape = list(self.source_shape)
+        if self.sizes:
+            shape[self.axis] = self.sizes[self.index]
+        return tuple(reversed(shape)) if self.transpose else tuple(shape)
+
+    def cut(self, arr: np.ndarray) -> np.ndarray:
+        if self.sizes and self.groups > 1:
+            shape, axis, g = arr.shape, self.axis, self.groups
+            per = [s_ // g for s_ in self.sizes]
+            grouped = arr.reshape(shape[:axis] + (g, sum(per)) + shape[axis + 1:])
+            part = np.split(grouped, np.cumsum(per)[:-1], axis=axis + 1)[self.index]
+            arr = part.reshape(shape[:axis] + (g * per[self.index],) + shape[axis + 1:])
+        elif self.sizes:
+            arr = np.split(arr, np.cumsum(self.sizes)[:-1], axis=self.axis)[self.index]
+        return arr.T if self.transpose else arr
 
 
 def _compile(pattern: str, where: str = "") -> re.Pattern:
@@ -251,12 +306,7 @@ def _read_regular(path: Path, what: str, limit: int) -> bytes:
         return f.read(limit + 1)
 
 
-def read_safetensors(path: Path) -> dict[str, np.ndarray]:
-    """Read a .safetensors file or a folder of shards (never pickle). Only regular files are
-    opened, and a tensor name found in two shards is an error rather than last-one-wins."""
-    from safetensors.numpy import load_file
-
-    path = Path(path)
+def _shard_files(path: Path) -> list[Path]:
     st = stat_or_raise(path, "weights file", WeightsError)
     if stat.S_ISDIR(st.st_mode):
         files = sorted(path.glob("*.safetensors"))
@@ -264,41 +314,97 @@ def read_safetensors(path: Path) -> dict[str, np.ndarray]:
             raise WeightsError(f"no .safetensors files in {path}")
     else:
         files = [path]
-    tensors: dict[str, np.ndarray] = {}
-    origin: dict[str, Path] = {}
-    duplicates = []
     for f in files:
         if not stat.S_ISREG(os.stat(f).st_mode):
             raise WeightsError(f"weights {f} is not a regular file")
+    return files
+
+
+class Checkpoint:
+    """A .safetensors file or a folder of shards (never pickle), opened lazily: names, shapes and
+    dtypes come from the headers, a tensor's values are read (from the memory-mapped file) only
+    when asked for. A tensor name found in two shards is an error rather than last-one-wins."""
+
+    def __init__(self, path: Path):
+        from safetensors import safe_open
+
+        self.path = Path(path)
+        self._handles: dict[Path, object] = {}
+        self.where: dict[str, Path] = {}
+        self.shapes: dict[str, tuple[int, ...]] = {}
+        self.dtypes: dict[str, str] = {}
+        duplicates = []
+        for f in _shard_files(self.path):
+            try:
+                handle = safe_open(str(f), framework="numpy")
+                names = list(handle.keys())
+                info = {n: handle.get_slice(n) for n in names}
+                shapes = {n: tuple(sl.get_shape()) for n, sl in info.items()}
+                dtypes = {n: sl.get_dtype() for n, sl in info.items()}
+            except Exception as e:  # safetensors raises its own error types for corrupt headers
+                raise WeightsError(f"cannot read {f} as safetensors: {e}") from None
+            self._handles[f] = handle
+            for n in names:
+                if n in self.where:
+                    duplicates.append(f"{n} (in {self.where[n].name} and {f.name})")
+                self.where[n], self.shapes[n], self.dtypes[n] = f, shapes[n], dtypes[n]
+        if duplicates:
+            raise WeightsError(f"tensors found in more than one shard of {path}: " + _listing(duplicates))
+
+    def read(self, name: str) -> np.ndarray:
+        f = self.where[name]
         try:
-            shard = load_file(str(f))
-        except Exception as e:  # safetensors raises its own error types for corrupt headers
-            raise WeightsError(f"cannot read {f} as safetensors: {e}") from None
-        for name, arr in shard.items():
-            if name in tensors:
-                duplicates.append(f"{name} (in {origin[name].name} and {f.name})")
-            tensors[name], origin[name] = arr, f
-    if duplicates:
-        raise WeightsError(f"tensors found in more than one shard of {path}: " + _listing(duplicates))
-    return tensors
+            return self._handles[f].get_tensor(name)
+        except Exception as e:
+            raise WeightsError(f"cannot read tensor {name} from {f}: {e}") from None
+
+
+def read_safetensors(path: Path) -> dict[str, np.ndarray]:
+    """Every tensor of a .safetensors file or folder of shards, read now (``Checkpoint`` reads lazily)."""
+    ckpt = Checkpoint(path)
+    return {name: ckpt.read(name) for name in ckpt.shapes}
+
+
+_FLOAT_DTYPES = {"F16", "BF16", "F32", "F64", "F8_E4M3", "F8_E5M2"}
+
+
+class CheckpointWeights(Mapping):
+    """A checkpoint's tensors as the model's parameters, by path, each read (cut, transposed and
+    cast to the parameter's dtype) when it is asked for: a compile streams them to its file one
+    tensor at a time (compiler/backends/onnx/stream.py) and never holds the whole checkpoint."""
+
+    def __init__(self, ckpt: Checkpoint, pieces: dict[str, Piece], dtypes: dict[str, np.dtype]):
+        self.ckpt, self.pieces, self.dtypes = ckpt, pieces, dtypes
+
+    def __getitem__(self, path: str) -> np.ndarray:
+        piece = self.pieces[path]
+        arr = np.ascontiguousarray(piece.cut(self.ckpt.read(piece.source)))
+        return arr.astype(self.dtypes[path], copy=False)
+
+    def __iter__(self):
+        return iter(self.pieces)
+
+    def __len__(self) -> int:
+        return len(self.pieces)
 
 
 def load_weights(graph: Graph, path: Path, name_map: NameMap | None = None,
-                 notes: list[str] | None = None, hyper: dict | None = None) -> dict[str, np.ndarray]:
-    """Load and check a checkpoint against the graph's parameters: names, shapes, and values
+                 notes: list[str] | None = None, hyper: dict | None = None) -> CheckpointWeights:
+    """Open and check a checkpoint against the graph's parameters: names, shapes, and values
     (integer or bool tensors for float parameters, NaN or infinity, are errors; f64 is cast,
-    with a line appended to ``notes``)."""
-    tensors = read_safetensors(path)
+    with a line appended to ``notes``). The names, shapes and dtypes are checked from the headers;
+    values are checked one tensor at a time, and read again when the weights are used."""
+    ckpt = Checkpoint(path)
     unexpected: list[str] = []
-    if name_map is not None and not set(tensors) <= set(graph.params):
-        tensors, unexpected = name_map.apply(tensors, frozenset(graph.params),
-                                             {p: v.shape for p, v in graph.params.items()}, hyper)
+    if name_map is not None and not set(ckpt.shapes) <= set(graph.params):
+        pieces, unexpected = name_map.plan(ckpt.shapes, frozenset(graph.params),
+                                           {p: v.shape for p, v in graph.params.items()}, hyper)
     else:
-        unexpected = [n for n in tensors if n not in graph.params]
-        tensors = {k: v for k, v in tensors.items() if k in graph.params}
-    missing = [p for p in graph.params if p not in tensors]
-    misshaped = [(p, tuple(tensors[p].shape), graph.params[p].shape) for p in graph.params
-                 if p in tensors and tuple(tensors[p].shape) != graph.params[p].shape]
+        unexpected = [n for n in ckpt.shapes if n not in graph.params]
+        pieces = {n: Piece(n, shape) for n, shape in ckpt.shapes.items() if n in graph.params}
+    missing = [p for p in graph.params if p not in pieces]
+    misshaped = [(p, pieces[p].shape, graph.params[p].shape) for p in graph.params
+                 if p in pieces and tuple(pieces[p].shape) != graph.params[p].shape]
     if missing or unexpected or misshaped:
         lines = [f"weights in {path} do not fit model {graph.name}"
                  + (f" (names mapped by {name_map.source})" if name_map is not None else "") + ":"]
@@ -311,20 +417,26 @@ def load_weights(graph: Graph, path: Path, name_map: NameMap | None = None,
         if len(misshaped) > 20:
             lines.append(f"  ... and {len(misshaped) - 20} more mis-shaped")
         raise WeightsError("\n".join(lines))
-    bad_dtype = [f"{p} is {tensors[p].dtype}" for p in graph.params if tensors[p].dtype.kind not in "f"]
+    sources = list(dict.fromkeys(pieces[p].source for p in graph.params))
+    bad_dtype = [f"{p} is {_np_name(ckpt.dtypes[pieces[p].source])}" for p in graph.params
+                 if ckpt.dtypes[pieces[p].source] not in _FLOAT_DTYPES]
     if bad_dtype:
         raise WeightsError(f"weights in {path}: float parameters given non-float tensors: " + _listing(bad_dtype))
-    not_finite = [p for p in graph.params if not np.isfinite(tensors[p]).all()]
+    not_finite = {name for name in sources if not np.isfinite(ckpt.read(name)).all()}  # one tensor at a time
+    not_finite = [p for p in graph.params if pieces[p].source in not_finite]
     if not_finite:
         raise WeightsError(f"weights in {path}: tensors holding NaN or infinity: " + _listing(not_finite))
-    wide = [p for p in graph.params if tensors[p].dtype == np.float64]
+    wide = [p for p in graph.params if ckpt.dtypes[pieces[p].source] == "F64"]
     if wide and notes is not None:
         notes.append(f"{len(wide)} f64 tensor(s) in {path} cast to the model's precision: " + _listing(wide))
-    out = {}
-    for p, param in graph.params.items():
-        want = DTYPES[param.dtype] or np.float32
-        out[p] = tensors[p].astype(want, copy=False)
-    return out
+    dtypes = {p: np.dtype(DTYPES[param.dtype] or np.float32) for p, param in graph.params.items()}
+    return CheckpointWeights(ckpt, {p: pieces[p] for p in graph.params}, dtypes)
+
+
+def _np_name(st_dtype: str) -> str:
+    """A safetensors dtype as numpy names it (I64 -> int64), for messages."""
+    return {"BOOL": "bool", "U8": "uint8", "I8": "int8", "I16": "int16", "U16": "uint16", "I32": "int32",
+            "U32": "uint32", "I64": "int64", "U64": "uint64"}.get(st_dtype, st_dtype.lower())
 
 
 def _listing(names: list[str], limit: int = 12) -> str:

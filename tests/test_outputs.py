@@ -39,11 +39,30 @@ def test_disk_full_leaves_the_previous_output(capsys, tmp_path, monkeypatch):
     out = tmp_path / "m.onnx"
     out.write_bytes(OLD)
 
-    def full(model, path, *a, **k):
-        Path(path).write_bytes(b"partial")
-        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    from tessera.compiler.backends.onnx import stream
 
-    monkeypatch.setattr(onnx, "save_model", full)
+    class Full:
+        """A file that takes 100 bytes, then reports a full disk."""
+
+        def __init__(self, path):
+            self.f = open(path, "wb")
+
+        def write(self, data):
+            if self.f.tell() + len(data) > 100:
+                self.f.write(bytes(data)[:100 - self.f.tell()])
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            return self.f.write(data)
+
+        def __getattr__(self, name):
+            return getattr(self.f, name)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.f.close()
+
+    monkeypatch.setattr(stream, "open_output", Full)
     err = cli_error(capsys, "compile", *SMALL, "-o", out)
     assert "No space left on device" in err
     assert out.read_bytes() == OLD and _leftovers(tmp_path) == []

@@ -352,6 +352,7 @@ def test_report_allocates_no_weights(capsys, monkeypatch):
         raise AssertionError("the report must not create weights")
 
     monkeypatch.setattr(pipeline, "init_weights", forbidden)
+    monkeypatch.setattr(pipeline, "SeededWeights", forbidden)
     monkeypatch.setattr(pipeline, "load_weights", forbidden)
     rc, out, _ = cli(capsys, "report", GPT2, "--variant", "xl", "--format", "json")
     assert rc == 0 and json.loads(out)["params"]["total"] == 1_557_611_200

@@ -28,7 +28,7 @@ from tessera.compiler.ir import dims
 from tessera.compiler.ir.dims import Shape
 
 DTYPES = {"f32": np.float32, "f16": np.float16, "bf16": None, "i64": np.int64, "i32": np.int32,
-          "bool": np.bool_}
+          "bool": np.bool_, "u8": np.uint8}
 FLOAT_DTYPES = {"f32", "f16", "bf16"}
 # Precisions as the command line, kernel choice and the report name them (--dtype fp32|fp16|bf16),
 # and their element sizes; IR tensor types spell them f32, f16, bf16.
@@ -66,6 +66,9 @@ class Param:
     init: str  # "normal", "zeros", "ones"
     std: float = 0.02
     pos: Pos | None = None
+    # Set for a parameter computed from another one at export (the quantisation pass's packed
+    # weights and scales): ("quantize", source path, bits, block, "packed" | "scales").
+    derive: tuple | None = None
 
     @property
     def numel(self) -> int:
@@ -141,6 +144,14 @@ class Graph:
     def add_param(self, param: Param) -> Value:
         self.params[param.path] = param
         return self._add_value(Value(param.path, TensorType(param.dtype, dims.shape(param.shape)), "param"))
+
+    def remove_param(self, path: str) -> None:
+        """Drop a parameter no node reads any more (a rewrite replaced it by derived ones)."""
+        if self.nx.out_degree(("v", path)):
+            raise ValueError(f"cannot remove parameter {path}: it is still read")
+        del self.params[path]
+        del self.values[path]
+        self.nx.remove_node(("v", path))
 
     def add_const(self, base: str, array: np.ndarray, dtype: str) -> Value:
         name = self.unique_name(base)

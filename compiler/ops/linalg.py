@@ -49,6 +49,52 @@ def _linear(t, a):
     return [TensorType(x.dtype, x.shape[:-1] + (w.shape[0],))]
 
 
+# ------------------------------------------------------------------ linear_nbits
+def _linear_nbits_ref(x, a, ev):
+    from tessera.compiler.reference.quant import dequantize
+
+    w = dequantize(x[1], x[2], a["bits"], a["block_size"], a["K"])
+    y = (x[0].astype(np.float32) @ w.T).astype(x[0].dtype)
+    return y + x[3] if len(x) == 4 else y
+
+
+def _linear_nbits_lower(L):
+    inputs = list(L.x[:3]) + (["", "", L.x[3]] if len(L.x) == 4 else [])  # bias is MatMulNBits' input 5
+    L.emit("MatMulNBits", inputs, domain="com.microsoft", K=L.a["K"], N=L.a["N"], bits=L.a["bits"],
+           block_size=L.a["block_size"], accuracy_level=L.a.get("accuracy_level", 0))
+
+
+@op("linear_nbits", reference=_linear_nbits_ref, lower=_linear_nbits_lower,
+    # the same products as the linear it replaces: y[..., N] = x[..., K] W^T
+    cost=product(lambda c: c.out() * c.attrs["K"]),
+    saved=common.saved_weight_product, traits=("dense", "matmul_class"))
+def _linear_nbits(t, a):
+    """y = x W^T (+ b) with W [N, K] quantised block-wise to ``bits`` (compiler/reference/quant.py):
+    input 1 the packed uint8 [N, blocks, block_size*bits/8], input 2 the scales [N, blocks].
+    ``accuracy_level`` 4 lets onnxruntime quantise x to int8 per block inside the product; the
+    reference computes the product in fp32 (the test tolerances cover the difference)."""
+    from tessera.compiler.reference.quant import BITS, blocks, packed_shape
+
+    x, packed, scales = t[0], t[1], t[2]
+    common.need_float(x, "linear_nbits")
+    bits, block, k, n = a["bits"], a["block_size"], a["K"], a["N"]
+    if a.get("accuracy_level", 0) not in (0, 4):
+        raise ShapeError(f"linear_nbits accuracy_level must be 0 (fp32) or 4 (int8 activations), got {a['accuracy_level']}")
+    if bits not in BITS:
+        raise ShapeError(f"linear_nbits bits must be one of {BITS}, got {bits}")
+    if block < 16 or block & (block - 1):
+        raise ShapeError(f"linear_nbits block_size must be a power of two >= 16, got {block}")
+    if packed.dtype != "u8" or not dims.shapes_equal(packed.shape, packed_shape(n, k, bits, block)):
+        raise ShapeError(f"linear_nbits packed weight must be u8{list(packed_shape(n, k, bits, block))}, got {packed}")
+    if not dims.shapes_equal(scales.shape, (n, blocks(k, block))) or scales.dtype != x.dtype:
+        raise ShapeError(f"linear_nbits scales must be {x.dtype}[{n}, {blocks(k, block)}], got {scales}")
+    if x.rank < 1 or not dims.equal(x.shape[-1], k):
+        raise ShapeError(f"linear_nbits expects input [..., {k}], got {dims.fmt_shape(x.shape)}")
+    if len(t) == 4 and not dims.shapes_equal(t[3].shape, (n,)):
+        raise ShapeError(f"linear_nbits bias must be [{n}], got {dims.fmt_shape(t[3].shape)}")
+    return [TensorType(x.dtype, x.shape[:-1] + (dims.dim(n),))]
+
+
 # ------------------------------------------------------------------ matmul
 @op("matmul", reference=lambda x, a, ev: np.matmul(x[0], x[1]), lower=lambda L: L.emit("MatMul", L.x),
     # [..., m, k] @ [..., k, n]: one per output element and inner index

@@ -15,17 +15,22 @@ from tessera.compiler.passes.attention_kernels import ChooseAttentionKernels, Ta
 from tessera.compiler.passes.base import EliminateDeadNodes, PassManager, PipelineResult
 from tessera.compiler.passes.fuse_attention import AttentionSite, FuseAttention
 from tessera.compiler.passes.precision import LowerPrecision
+from tessera.compiler.passes.quantize import QuantConfig, QuantizeWeights
 
 ATTENTION_CHOICES = ("auto", "gqa", "mha", "portable", "unfused")
 
 
-def build_pipeline(target: Target = Target(), attention: str = "auto", lower_precision: bool = False) -> PassManager:
+def build_pipeline(target: Target = Target(), attention: str = "auto", lower_precision: bool = False,
+                   quantize: QuantConfig | None = None) -> PassManager:
     """The passes, in order, for a target and an --attention choice; ``lower_precision`` adds the
-    fp32 -> target.dtype lowering (export does; analyses that only ask what fuses do not)."""
+    fp32 -> target.dtype lowering (export does; analyses that only ask what fuses do not);
+    ``quantize`` the weight-only quantisation of the linears (before the precision is lowered)."""
     fuse = attention != "unfused"
     passes = [FuseAttention(enabled=fuse), EliminateDeadNodes()]
     if fuse:
         passes.append(ChooseAttentionKernels(target, None if attention == "auto" else attention))
+    if quantize is not None:
+        passes.append(QuantizeWeights(quantize))
     if lower_precision and target.dtype != "fp32":
         passes.append(LowerPrecision(target.dtype))
     return PassManager(passes)
@@ -42,9 +47,9 @@ def attention_sites(result: PipelineResult) -> list[AttentionSite]:
 
 
 def optimize(graph: Graph, target: Target = Target(), attention: str = "auto",
-             lower_precision: bool = False) -> list[AttentionSite]:
+             lower_precision: bool = False, quantize: QuantConfig | None = None) -> list[AttentionSite]:
     """Run the pipeline on the graph (in place); return every attention site with what happened to it."""
-    return attention_sites(build_pipeline(target, attention, lower_precision)(graph))
+    return attention_sites(build_pipeline(target, attention, lower_precision, quantize)(graph))
 
 
 def explain(sites: list[AttentionSite]) -> str:

@@ -18,6 +18,7 @@ from tessera.compiler.ir.signature import bind_inputs
 # Helpers of the reference semantics, re-exported under the names callers and tests use.
 from tessera.compiler.ops.attention import causal as _causal, rope as _rope, topk_gates as _topk_gates  # noqa: F401
 from tessera.compiler.ops.norm import layernorm as _layernorm  # noqa: F401
+from tessera.compiler.reference.quant import ParamValues
 from tessera.compiler.reference.numerics import (erf, min_value as _min_value, rope_inv_freq,  # noqa: F401
                                                  rope_tables, sinusoidal_table, softmax as _softmax)
 
@@ -30,8 +31,9 @@ def run(graph: Graph, weights: dict[str, np.ndarray], feeds: dict[str, np.ndarra
         return dims.evaluate(dims.dim(d), bind)
 
     env: dict[str, np.ndarray] = dict(feeds)
+    values = ParamValues(graph, weights)  # derived parameters (quantised weights) from their sources
     for path in graph.params:
-        env[path] = weights[path]
+        env[path] = values[path]
     env.update(graph.consts)
     for node in graph.nodes.values():
         y = ops.get(node.op).reference([env[i] for i in node.inputs], node.attrs, ev)

@@ -1,4 +1,4 @@
-"""Lower the IR to an ONNX model (standard ops, opset 21, IR version 10).
+"""Lower the IR to an ONNX model (standard ops, opset 21, IR version 10) and write it.
 
 Names follow the spec: an initializer is named by its parameter path
 (``layers.0.attn.q.weight``) and every ONNX node by the IR node it lowers
@@ -13,6 +13,7 @@ holds the builder those facets write through and assembles the model.
 
 from __future__ import annotations
 
+import io
 import json
 import os
 from pathlib import Path
@@ -23,9 +24,13 @@ import sympy
 from onnx import TensorProto, helper, numpy_helper
 
 from tessera.compiler import ops
-from tessera.compiler.backends.atomic import OutputError, check_target, fsync_dir, fsync_file, staging
+from tessera.compiler.backends.atomic import OutputError, check_target, fsync_dir, staging
 from tessera.compiler.ir import dims
-from tessera.compiler.ir.graph import Graph
+from tessera.compiler.ir.graph import DTYPES, Graph
+
+from tessera.compiler.reference import quant
+
+from . import stream
 from tessera.compiler.ir.signature import InputLimits, input_limits
 
 OPSET = 21
@@ -33,7 +38,8 @@ IR_VERSION = 10  # onnxruntime 1.31 loads IR versions up to 13; onnx 1.23 writes
 EXTERNAL_DATA_THRESHOLD = 2 * 1024**3 - 64 * 1024**2  # leave headroom below protobuf's 2 GiB limit
 
 ONNX_DTYPES = {"f32": TensorProto.FLOAT, "f16": TensorProto.FLOAT16, "bf16": TensorProto.BFLOAT16,
-               "i64": TensorProto.INT64, "i32": TensorProto.INT32, "bool": TensorProto.BOOL}
+               "i64": TensorProto.INT64, "i32": TensorProto.INT32, "bool": TensorProto.BOOL,
+               "u8": TensorProto.UINT8}
 
 
 class _Builder:
@@ -180,28 +186,20 @@ def _value_info(name: str, t) -> onnx.ValueInfoProto:
     return helper.make_tensor_value_info(name, ONNX_DTYPES[t.dtype], shape)
 
 
-def to_onnx(graph: Graph, weights: dict[str, np.ndarray], metadata: dict | None = None) -> onnx.ModelProto:
-    """Build the ONNX model for a graph with the given parameter values."""
+def build_model(graph: Graph, metadata: dict | None = None) -> onnx.ModelProto:
+    """The ONNX model of a graph without its parameters and graph constants (``tensors`` lists
+    those): a skeleton of nodes, signature, metadata and the lowerings' small helper constants."""
     b = _Builder(graph)
     for node in graph.nodes.values():
         b.current = node.name
         _lower(b, node, node.outputs[0])
     b.current = ""
-    inits = []
-    for path, p in graph.params.items():
-        arr = np.ascontiguousarray(weights[path])
-        if p.dtype == "f16" and arr.dtype != np.float16:
-            arr = arr.astype(np.float16)
-        inits.append(numpy_helper.from_array(arr, path))
-    for name, arr in graph.consts.items():
-        inits.append(numpy_helper.from_array(np.ascontiguousarray(arr), name))
     used = _names_read(b.nodes)
-    inits.extend(i for i in b.initializers if i.name in used)  # helper constants a lowering did not need
     onnx_graph = helper.make_graph(
         b.nodes, graph.name,
         inputs=[_value_info(n, graph.type_of(n)) for n in graph.inputs],
         outputs=[_value_info(n, graph.type_of(n)) for n in graph.outputs],
-        initializer=inits,
+        initializer=[i for i in b.initializers if i.name in used],  # helper constants a lowering did not need
     )
     opsets = [helper.make_opsetid("", OPSET)]
     if any(n.domain == "com.microsoft" for n in b.nodes):
@@ -219,32 +217,124 @@ def to_onnx(graph: Graph, weights: dict[str, np.ndarray], metadata: dict | None 
     return model
 
 
-def save(model: onnx.ModelProto, path: str | Path, verify=None) -> list[Path]:
-    """Write the model (with external data past 2 GiB) atomically; returns the files written.
+def tensors(graph: Graph, weights) -> list[stream.Streamed]:
+    """The parameters (values read from ``weights``, a mapping by path, only when written) and
+    the graph's constants, in that order. A parameter whose weights are in another dtype (fp32
+    values for an fp16 parameter) is converted one tensor at a time as it is written; a derived
+    parameter (quantised weights) is computed from its source as it is written."""
+    weights = quant.ParamValues(graph, weights)
+    out = []
+    for path, p in graph.params.items():
+        dtype = np.dtype(DTYPES[p.dtype] or np.float32)
+        out.append(stream.Streamed(path, tuple(int(s) for s in p.shape), ONNX_DTYPES[p.dtype], dtype,
+                                   lambda path=path: weights[path]))
+    for name, arr in graph.consts.items():
+        out.append(stream.Streamed(name, tuple(arr.shape), helper.np_dtype_to_tensor_dtype(arr.dtype), arr.dtype,
+                                   lambda arr=arr: arr))
+    return out
 
-    Everything is written into a hidden folder beside the target (compiler/backends/atomic.py),
-    fsynced, checked by ``verify(tmp_model_path)`` if given, and only then renamed into place: the
-    data file first, then the model. A failure, Ctrl-C or SIGTERM before that leaves any previous
-    output as it was and removes the partial files; a symlink at ``path`` is replaced, its target
-    never written. A stale ``.data`` file from an earlier, larger export is removed once the new
-    model is in place."""
+
+def to_onnx(graph: Graph, weights, metadata: dict | None = None) -> onnx.ModelProto:
+    """The whole ONNX model in memory, weights included (for tests and in-memory sessions of small
+    models; files are written by ``write``, which never holds more than one weight at a time)."""
+    model = build_model(graph, metadata)
+    inits = []
+    for t in tensors(graph, weights):
+        arr = stream.contiguous(t.values(), t.dtype)  # the array's own shape: tests pass placeholders
+        init = t.header()
+        del init.dims[:]
+        init.dims.extend(arr.shape)
+        init.raw_data = arr.tobytes()
+        inits.append(init)
+    helpers = list(model.graph.initializer)
+    model.graph.ClearField("initializer")
+    model.graph.initializer.extend(inits + helpers)
+    return model
+
+
+def to_bytes(graph: Graph, weights, metadata: dict | None = None) -> bytes:
+    """The serialised model (what onnxruntime takes from memory), written by the streaming writer:
+    the weights are copied once, into the bytes."""
+    model = build_model(graph, metadata)
+    ts = tensors(graph, weights)
+    buf = io.BytesIO()
+    stream.write_inline(model, ts, buf)
+    return buf.getvalue()
+
+
+def checkable(model: onnx.ModelProto, streamed: list[stream.Streamed]) -> onnx.ModelProto:
+    """The skeleton as the checker takes it: each streamed tensor declared as a graph input of
+    its type and shape (the checker would otherwise want the data, or open external files)."""
+    m = onnx.ModelProto()
+    m.CopyFrom(model)
+    names = {t.name for t in streamed}
+    kept = [i for i in m.graph.initializer if i.name not in names]
+    m.graph.ClearField("initializer")
+    m.graph.initializer.extend(kept)
+    m.graph.input.extend(helper.make_tensor_value_info(t.name, t.onnx_type, list(t.shape)) for t in streamed)
+    return m
+
+
+def write(graph: Graph, weights, path: str | Path, metadata: dict | None = None, verify=None,
+          external: bool | None = None) -> list[Path]:
+    """Export a graph with its weights (a mapping by parameter path, read one tensor at a time)
+    to ``path`` atomically; returns the files written. ``verify(model)`` (e.g. ``check``) is given
+    the model without its weights before anything is written. ``external``: None puts the weights
+    in ``<path>.data`` when they pass EXTERNAL_DATA_THRESHOLD, True or False forces it."""
+    return _save(build_model(graph, metadata), tensors(graph, weights), path, verify, external)
+
+
+def save(model: onnx.ModelProto, path: str | Path, verify=None, external: bool | None = None) -> list[Path]:
+    """Write a model built in memory (``to_onnx``) the way ``write`` does: its initializers are
+    streamed from the proto's own bytes (no serialised copy of the whole model is made)."""
+    skeleton = onnx.ModelProto()
+    for field, value in model.ListFields():
+        if field.name != "graph":
+            _assign(skeleton, field, value)
+    for field, value in model.graph.ListFields():
+        if field.name != "initializer":
+            _assign(skeleton.graph, field, value)
+    streamed = []
+    for i in model.graph.initializer:
+        if not i.HasField("raw_data") or i.data_location == TensorProto.EXTERNAL:
+            skeleton.graph.initializer.append(i)
+            continue
+        np_type = helper.tensor_dtype_to_np_dtype(i.data_type)
+        streamed.append(stream.Streamed(i.name, tuple(i.dims), i.data_type, np.dtype(np_type),
+                                        lambda i=i, t=np_type: np.frombuffer(i.raw_data, t).reshape(tuple(i.dims))))
+    return _save(skeleton, streamed, path, verify, external)
+
+
+def _save(model: onnx.ModelProto, streamed: list[stream.Streamed], path: str | Path, verify,
+          external: bool | None) -> list[Path]:
+    """The atomic save. Everything is written into a hidden folder beside the target
+    (compiler/backends/atomic.py), fsynced, and only then renamed into place: the data file first,
+    then the model. A failure, Ctrl-C or SIGTERM before that leaves any previous output as it was
+    and removes the partial files; a symlink at ``path`` is replaced, its target never written. A
+    stale ``.data`` file from an earlier, larger export is removed once the new model is in place."""
     path = check_target(path)
+    if verify is not None:
+        verify(checkable(model, streamed))
     data_path = path.with_name(path.name + ".data")
+    if external is None:
+        external = sum(t.nbytes for t in streamed) > EXTERNAL_DATA_THRESHOLD
     with staging(path) as tmp:
         tmp_model, tmp_data = tmp / path.name, tmp / data_path.name
-        external = sum(t.ByteSize() for t in model.graph.initializer) > EXTERNAL_DATA_THRESHOLD
         try:
             if external:
-                onnx.save_model(model, os.fspath(tmp_model), save_as_external_data=True,
-                                all_tensors_to_one_file=True, location=data_path.name, size_threshold=1024)
+                proto, placed = stream.external_layout(model, streamed, data_path.name)
+                with stream.open_output(tmp_data) as f:
+                    stream.write_external_data(placed, f)
+                    stream.fsync(f)
+                with stream.open_output(tmp_model) as f:
+                    f.write(proto.SerializeToString())
+                    stream.fsync(f)
             else:
-                onnx.save_model(model, os.fspath(tmp_model))
-            for f in (tmp_model, tmp_data) if external else (tmp_model,):
-                fsync_file(f)
+                with stream.open_output(tmp_model) as f:
+                    stream.write_inline(model, streamed, f)
+                    stream.fsync(f)
         except OSError as e:
             raise OutputError(f"cannot write {path}: {e.strerror or e}") from None
-        if verify is not None:
-            verify(tmp_model)
         if external:
             os.replace(tmp_data, data_path)
         os.replace(tmp_model, path)
@@ -254,6 +344,18 @@ def save(model: onnx.ModelProto, path: str | Path, verify=None) -> list[Path]:
     return [path, data_path] if external else [path]
 
 
-def check(path: str | Path) -> None:
-    """onnx.checker's full check (with shape inference) on a saved model."""
-    onnx.checker.check_model(os.fspath(path), full_check=True)
+def _assign(msg, field, value) -> None:
+    """Set one field of ``msg`` (as listed by ListFields) to ``value``."""
+    target = getattr(msg, field.name)
+    if hasattr(target, "extend"):  # a repeated field
+        target.extend(value)
+    elif hasattr(target, "CopyFrom"):  # a message
+        target.CopyFrom(value)
+    else:
+        setattr(msg, field.name, value)
+
+
+def check(model: onnx.ModelProto | str | Path) -> None:
+    """onnx.checker's full check (with shape inference) on a model (``checkable``'s form of a
+    skeleton, or a whole model) or a saved file."""
+    onnx.checker.check_model(model if isinstance(model, onnx.ModelProto) else os.fspath(model), full_check=True)

@@ -1,0 +1,164 @@
+"""Weight-only quantisation: each ``linear`` whose weight is a parameter becomes ``linear_nbits``
+(onnxruntime's com.microsoft.MatMulNBits), its weight replaced by derived parameters: the packed
+int8 or int4 values and their block-wise scales (compiler/reference/quant.py).
+
+Why weights: decoding reads every weight once per token, so its time is the weight bytes (4x
+fewer with int8, 8x with int4, plus a scale per block). Activations are stored in float; by
+default MatMulNBits quantises them to int8 on the fly inside the product (accuracy_level 4,
+``activations="int8"``), ``activations="float"`` keeps the product in fp32 (accuracy_level 0).
+
+Which linears: every one whose weight is a parameter, except
+- the output head (a linear whose result is a model output, through views or not, or whose weight is also an embedding
+  table, GPT-2's tied head) unless ``head=True``: its errors go straight into the logits;
+- linears with fewer than ``block_size`` input features or fewer than 16 outputs (a Mixtral
+  router: tiny, and its top-k choice is brittle);
+the embedding tables themselves stay in float (a gather reads one row per token; the bytes saved
+would not be read anyway). Every linear left in float gets a note saying why.
+
+The derived parameters are computed from the original weight when the model is written, one
+weight at a time; the original parameter is dropped when nothing else reads it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tessera.compiler.ir.graph import Graph, Param
+from tessera.compiler.passes.base import Pass, PassError, PassResult
+from tessera.compiler.reference.quant import BITS, blocks, packed_shape
+
+SCHEMES = {"int8": 8, "int4": 4}
+# MatMulNBits' accuracy_level: 0 computes in fp32 from dequantised weights; 4 quantises each block
+# of activations to int8 at run time and uses onnxruntime's integer kernels (several times faster
+# for one token at a time on this CPU: docs/BENCHMARKS.md).
+ACTIVATIONS = {"int8": 4, "float": 0}
+DEFAULT_BLOCK = 32
+MIN_OUTPUTS = 16
+
+
+@dataclass(frozen=True)
+class QuantConfig:
+    """What --quantize asks for: the scheme (int8 or int4), the block size along the input
+    features, and whether the output head is quantised too."""
+
+    scheme: str
+    block_size: int = DEFAULT_BLOCK
+    head: bool = False
+    activations: str = "int8"  # "int8": MatMulNBits quantises activations at run time (accuracy_level 4)
+
+    @property
+    def bits(self) -> int:
+        return SCHEMES[self.scheme]
+
+    def check(self) -> None:
+        if self.scheme not in SCHEMES:
+            raise PassError(f"quantize must be one of {', '.join(SCHEMES)}, got {self.scheme!r}")
+        b = self.block_size
+        if isinstance(b, bool) or not isinstance(b, int) or b < 16 or b & (b - 1):
+            raise PassError(f"the quantisation block size must be a power of two of at least 16 "
+                            f"(MatMulNBits' rule), got {b!r}")
+        if not isinstance(self.head, bool):
+            raise PassError(f"quantize head must be true or false, got {self.head!r}")
+        if self.activations not in ACTIVATIONS:
+            raise PassError(f"quantize activations must be one of {', '.join(ACTIVATIONS)}, got {self.activations!r}")
+
+
+@dataclass(frozen=True)
+class QuantNote:
+    """One linear: quantised or not, and why not."""
+
+    node: str
+    weight: str
+    quantized: bool
+    reason: str = ""
+
+    def describe(self) -> str:
+        return f"{self.node} ({self.weight}): " + ("quantised" if self.quantized else f"kept in float: {self.reason}")
+
+
+class QuantizeWeights(Pass):
+    name = "quantize-weights"
+
+    def __init__(self, config: QuantConfig):
+        config.check()
+        self.config = config
+
+    def requires(self, graph: Graph) -> None:
+        done = next((n.name for n in graph.nodes.values() if n.op == "linear_nbits"), None)
+        if done:
+            raise PassError(f"the graph is already quantised (node {done})")
+
+    def _why_not(self, graph: Graph, node) -> str | None:
+        w = node.inputs[1]
+        if graph.values[w].kind != "param":
+            return "its weight is computed, not a parameter"
+        p = graph.params[w]
+        if p.dtype != "f32":
+            return f"its weight is {p.dtype}; quantisation starts from f32 weights"
+        n, k = p.shape
+        if not self.config.head:
+            if any(c.op == "embedding" for c in graph.consumers(w)):
+                return "the output head, tied to the embedding (--quantize-head quantises it too)"
+            if _is_output(graph, node.outputs[0]):
+                return "the output head (--quantize-head quantises it too)"
+        if k < self.config.block_size:
+            return f"{k} input features, fewer than the block size {self.config.block_size}"
+        if n < MIN_OUTPUTS:
+            return f"{n} outputs, fewer than {MIN_OUTPUTS} (too small to gain; a router's choice is brittle)"
+        return None
+
+    def run(self, graph: Graph) -> PassResult:
+        bits, block = self.config.bits, self.config.block_size
+        assert bits in BITS
+        notes = []
+        for node in list(graph.nodes.values()):
+            if node.op != "linear":
+                continue
+            reason = self._why_not(graph, node)
+            w = node.inputs[1]
+            if reason is not None:
+                notes.append(QuantNote(node.name, w, False, reason))
+                continue
+            p = graph.params[w]
+            n, k = p.shape
+            names = {}
+            for part, shape, dtype in (("packed", packed_shape(n, k, bits, block), "u8"),
+                                       ("scales", (n, blocks(k, block)), "f32")):
+                path = f"{w}.{self.config.scheme}_{part}"  # a parameter path: no '/' (constants have one)
+                if path not in graph.params:  # a weight read by two linears is quantised once
+                    graph.add_param(Param(path, shape, dtype, "derived", 0.0, p.pos, ("quantize", w, bits, block, part)))
+                names[part] = path
+            inputs = [node.inputs[0], names["packed"], names["scales"], *node.inputs[2:]]
+            graph.replace_node(node.name, "linear_nbits", inputs,
+                               {"bits": bits, "block_size": block, "K": k, "N": n,
+                                "accuracy_level": ACTIVATIONS[self.config.activations]})
+            if not graph.consumers(w):
+                graph.remove_param(w)
+            notes.append(QuantNote(node.name, w, True))
+        return PassResult(graph, any(n.quantized for n in notes), notes)
+
+
+def _is_output(graph: Graph, value: str) -> bool:
+    """Whether ``value`` is a model output, directly or through views and casts (``logits = head``
+    is an identity node)."""
+    from tessera.compiler import ops
+
+    seen, stack = set(), [value]
+    while stack:
+        v = stack.pop()
+        if v in graph.outputs:
+            return True
+        for c in graph.consumers(v):
+            if (c.op in ("identity", "cast") or ops.has_trait(c.op, "alias")) and c.outputs[0] not in seen:
+                seen.add(c.outputs[0])
+                stack.append(c.outputs[0])
+    return False
+
+
+def quantized_bytes(graph: Graph) -> int:
+    """Bytes of all parameters of a (quantised) graph, at their own dtypes."""
+    import numpy as np
+
+    from tessera.compiler.ir.graph import DTYPES
+
+    return sum(p.numel * np.dtype(DTYPES[p.dtype] or np.float32).itemsize for p in graph.params.values())

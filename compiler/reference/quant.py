@@ -1,0 +1,98 @@
+"""Block-wise weight quantisation (int8, int4) in onnxruntime's MatMulNBits layout, in numpy.
+
+Why here: the quantisation pass (compiler/passes/quantize.py) declares the packed weights and
+their scales as parameters derived from a float weight; the exporter and the interpreter read
+them through ``ParamValues``; the op's reference dequantises them (``dequantize``).
+
+Layout (com.microsoft.MatMulNBits, onnxruntime 1.31): a linear weight W [N, K] (Tessera's
+[out, in]) is cut along K into ceil(K / block) blocks, the last one padded with zeros. Each block
+is quantised symmetrically: scale = max|w| / (2^(bits-1) - 1), q = round(w / scale) clipped to
+[-2^(bits-1), 2^(bits-1) - 1], stored as the unsigned q + 2^(bits-1) (MatMulNBits' default zero
+point when the zero_points input is absent). ``packed`` is uint8 [N, blocks, block * bits / 8]: for
+int4 two values a byte, the even index in the low nibble; ``scales`` is float32 [N, blocks].
+Dequantised: w = (q_unsigned - 2^(bits-1)) * scale.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Mapping
+
+import numpy as np
+
+BITS = (4, 8)
+
+
+def blocks(k: int, block: int) -> int:
+    return -(-k // block)
+
+
+def packed_shape(n: int, k: int, bits: int, block: int) -> tuple[int, int, int]:
+    return (n, blocks(k, block), block * bits // 8)
+
+
+def quantize(w: np.ndarray, bits: int, block: int) -> tuple[np.ndarray, np.ndarray]:
+    """(packed uint8 [N, blocks, block*bits/8], scales float32 [N, blocks]) of a float weight [N, K]."""
+    if bits not in BITS:
+        raise ValueError(f"bits must be one of {BITS}, got {bits}")
+    n, k = w.shape
+    nb = blocks(k, block)
+    w = np.asarray(w, dtype=np.float32)
+    if nb * block != k:
+        w = np.concatenate([w, np.zeros((n, nb * block - k), np.float32)], axis=1)
+    w = w.reshape(n, nb, block)
+    qmax = 2 ** (bits - 1) - 1
+    scales = np.abs(w).max(axis=2) / np.float32(qmax)
+    safe = np.where(scales > 0, scales, np.float32(1))
+    q = np.rint(w / safe[..., None])
+    np.clip(q, -qmax - 1, qmax, out=q)
+    u = (q + 2 ** (bits - 1)).astype(np.uint8)
+    if bits == 4:
+        u = u[..., 0::2] | (u[..., 1::2] << 4)
+    return np.ascontiguousarray(u), scales.astype(np.float32)
+
+
+def dequantize(packed: np.ndarray, scales: np.ndarray, bits: int, block: int, k: int) -> np.ndarray:
+    """The float weight [N, K] that ``packed`` and ``scales`` stand for."""
+    if bits == 4:
+        u = np.stack([packed & 0x0F, packed >> 4], axis=-1).reshape(packed.shape[0], packed.shape[1], block)
+    else:
+        u = packed
+    w = (u.astype(np.float32) - 2 ** (bits - 1)) * scales[..., None].astype(np.float32)
+    return w.reshape(packed.shape[0], -1)[:, :k]
+
+
+class ParamValues(Mapping):
+    """The values of a graph's parameters: those in ``weights`` (a mapping by path) as they are,
+    and each derived parameter (``Param.derive``, set by the quantisation pass) computed from its
+    source's values when it is read. One of these serves one export (or one interpreter run): it
+    keeps the last weight it quantised, so the packed values and the scales of a weight (read
+    one after the other, maybe by two writer threads) are computed once."""
+
+    def __init__(self, graph, weights):
+        self.graph, self.weights = graph, weights
+        self._lock = threading.Lock()
+        self._key = None
+        self._value = None
+
+    def __getitem__(self, path: str) -> np.ndarray:
+        p = self.graph.params.get(path)
+        recipe = getattr(p, "derive", None)
+        if recipe is None:
+            return self.weights[path]
+        kind, source, bits, block, part = recipe
+        if kind != "quantize" or part not in ("packed", "scales"):
+            raise ValueError(f"unknown derived parameter {path}: {recipe}")
+        with self._lock:
+            if self._key != (source, bits, block):
+                self._key = self._value = None  # drop the previous weight's before computing this one
+                self._value = quantize(np.asarray(self.weights[source]), bits, block)
+                self._key = (source, bits, block)
+            packed, scales = self._value
+        return packed if part == "packed" else scales
+
+    def __iter__(self):
+        return iter(self.graph.params)
+
+    def __len__(self) -> int:
+        return len(self.graph.params)
