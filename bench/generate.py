@@ -69,7 +69,7 @@ def _rss_mib() -> float:
 
 
 # ------------------------------------------------------------------ the cases (each in a child process)
-def compile_tessera(folder: Path, model: str, mode: str) -> dict:
+def compile_tessera(folder: Path, model: str, mode: str, quantize: str = "none") -> dict:
     """Compile the cached decoder to folder/tessera-{mode}.onnx (as tessera.load(...).compile(out,
     kv_cache=True) does), so the timed process only loads a file, as onnxruntime-genai's does."""
     from tessera.compiler.backends.onnx import export as onnx_export
@@ -82,6 +82,14 @@ def compile_tessera(folder: Path, model: str, mode: str) -> dict:
     gathered = {p for p in built.graph.params if p in ("wte.weight", "wpe.weight", "embed.weight")}
     tied = model == "gpt2"  # GPT-2's head is the token table: it is read whole every step
     read = sum(a.nbytes for k, a in weights.items() if k not in gathered or (tied and k == "wte.weight"))
+    if quantize != "none":  # weight-only, block 32 (the defaults of --quantize), head and embedding in float
+        import argparse
+
+        pipeline.quantize(built, pipeline.quant_config(argparse.Namespace(quantize=quantize)))
+        from tessera.compiler.ir.graph import DTYPES
+
+        read = sum(int(np.prod(q.shape)) * np.dtype(DTYPES[q.dtype] or np.float32).itemsize  # packed bytes
+                   for k, q in built.graph.params.items() if k not in gathered or (tied and k == "wte.weight"))
     onnx_model, _ = gen.compile_cached(built, weights, mode=mode)
     onnx_export.save(onnx_model, folder / f"tessera-{mode}.onnx")
     return {"weights_read_bytes": read}
@@ -222,7 +230,7 @@ def child(case: str, folder: str, model: str, n: int, new: int, repeat: int, thr
     if case == "bandwidth":
         return run_bandwidth(threads)
     if case.startswith("compile-"):
-        return compile_tessera(folder, model, case.split("-", 1)[1])
+        return compile_tessera(folder, model, case.split("-", 1)[1], os.environ.get("BENCH_QUANTIZE", "none"))
     if case.startswith("tessera"):
         res = run_tessera(folder, model, "concat" if case == "tessera-concat" else "buffer", n, new, repeat, threads)
     elif case == "ort-genai":
@@ -250,8 +258,9 @@ def make_weights(folder: Path, model: str) -> None:
     hf.eval().save_pretrained(folder, safe_serialization=True)
 
 
-def make_genai_model(folder: Path, python: str) -> None:
-    """The model builder's fp32 CPU export of the checkpoint (it wants a tokenizer: a word-level one)."""
+def make_genai_model(folder: Path, python: str, precision: str = "fp32") -> None:
+    """The model builder's CPU export of the checkpoint at ``precision`` (fp32 or int4; it wants a
+    tokenizer: a word-level one)."""
     from tokenizers import Tokenizer, models, pre_tokenizers
 
     vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, 32000)}}
@@ -261,7 +270,7 @@ def make_genai_model(folder: Path, python: str) -> None:
     (folder / "tokenizer_config.json").write_text(json.dumps(
         {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}))
     cmd = [python, "-m", "onnxruntime_genai.models.builder", "-m", str(folder), "-i", str(folder),
-           "-o", str(folder / "genai"), "-p", "fp32", "-e", "cpu", "-c", str(folder / "genai-cache")]
+           "-o", str(folder / "genai"), "-p", precision, "-e", "cpu", "-c", str(folder / "genai-cache")]
     out = subprocess.run(cmd, capture_output=True, text=True)
     if out.returncode:
         sys.exit(f"onnxruntime-genai's model builder failed:\n{out.stderr[-3000:]}")
@@ -271,7 +280,8 @@ def _spawn(args, case: str, folder: Path, prompt: int, new: int) -> dict:
     python = args.genai_python if case == "ort-genai" else sys.executable
     cmd = [python, __file__, "--_child", case, str(folder), "--model", args.model, "--prompt", str(prompt),
            "--new", str(new), "--repeat", str(args.repeat), "--threads", str(args.threads)]
-    out = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    out = subprocess.run(cmd, capture_output=True, text=True,
+                         env={**os.environ, "HF_HUB_OFFLINE": "1", "BENCH_QUANTIZE": args.quantize})
     if out.returncode:
         sys.exit(f"{case} failed:\n{out.stderr[-3000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -298,6 +308,9 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=os.cpu_count(), help="threads for onnxruntime and torch")
     p.add_argument("--cases", nargs="*", choices=CASES, help="default: every case available")
     p.add_argument("--genai-python", metavar="PYTHON", help="a Python with onnxruntime-genai installed (ort-genai case)")
+    p.add_argument("--quantize", choices=["none", "int4"], default="none",
+                   help="weight-only int4 (MatMulNBits, block 32): Tessera's --quantize int4 against "
+                        "onnxruntime-genai's builder -p int4 (default none: fp32)")
     p.add_argument("--json", metavar="FILE")
     p.add_argument("--_child", nargs=2, help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -313,7 +326,7 @@ def main() -> None:
         folder = Path(tmp)
         make_weights(folder, args.model)
         if "ort-genai" in cases:
-            make_genai_model(folder, args.genai_python)
+            make_genai_model(folder, args.genai_python, "fp32" if args.quantize == "none" else args.quantize)
         compiled = {}
         for mode in {"buffer"} | ({"concat"} if "tessera-concat" in cases else set()):
             compiled = _spawn(args, f"compile-{mode}", folder, 1, 1)
@@ -335,7 +348,8 @@ def main() -> None:
                            "rss_loaded_mib": info[c]["rss_loaded_mib"], "peak_rss_mib": info[c]["peak_rss_mib"]})
             for c, runs in results.items()]
     gb_s = max(b["gb_s_best"] for b in bandwidth)
-    print(f"{args.model}, B=1, prompt {args.prompt}, {args.new} new tokens, greedy, fp32, {args.threads} threads; "
+    print(f"{args.model}, B=1, prompt {args.prompt}, {args.new} new tokens, greedy, "
+          f"{'fp32' if args.quantize == 'none' else args.quantize + ' weights'}, {args.threads} threads; "
           f"{machine}")
     print("| case | runs | prefill ms (min / median) | decode ms/token (min / median) | decode tok/s (median) "
           "| CPU/wall | RSS loaded / peak MiB | same tokens |")
