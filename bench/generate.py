@@ -85,7 +85,8 @@ def compile_tessera(folder: Path, model: str, mode: str, quantize: str = "none")
     if quantize != "none":  # weight-only, block 32 (the defaults of --quantize), head and embedding in float
         import argparse
 
-        pipeline.quantize(built, pipeline.quant_config(argparse.Namespace(quantize=quantize)))
+        head = os.environ.get("BENCH_QUANTIZE_HEAD") == "1"
+        pipeline.quantize(built, pipeline.quant_config(argparse.Namespace(quantize=quantize, quantize_head=head)))
         from tessera.compiler.ir.graph import DTYPES
 
         read = sum(int(np.prod(q.shape)) * np.dtype(DTYPES[q.dtype] or np.float32).itemsize  # packed bytes
@@ -281,7 +282,8 @@ def _spawn(args, case: str, folder: Path, prompt: int, new: int) -> dict:
     cmd = [python, __file__, "--_child", case, str(folder), "--model", args.model, "--prompt", str(prompt),
            "--new", str(new), "--repeat", str(args.repeat), "--threads", str(args.threads)]
     out = subprocess.run(cmd, capture_output=True, text=True,
-                         env={**os.environ, "HF_HUB_OFFLINE": "1", "BENCH_QUANTIZE": args.quantize})
+                         env={**os.environ, "HF_HUB_OFFLINE": "1", "BENCH_QUANTIZE": args.quantize,
+                              "BENCH_QUANTIZE_HEAD": "1" if args.quantize_head else "0"})
     if out.returncode:
         sys.exit(f"{case} failed:\n{out.stderr[-3000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -311,6 +313,8 @@ def main() -> None:
     p.add_argument("--quantize", choices=["none", "int4"], default="none",
                    help="weight-only int4 (MatMulNBits, block 32): Tessera's --quantize int4 against "
                         "onnxruntime-genai's builder -p int4 (default none: fp32)")
+    p.add_argument("--quantize-head", action="store_true",
+                   help="with --quantize: quantise Tessera's output head too (onnxruntime-genai's builder does)")
     p.add_argument("--json", metavar="FILE")
     p.add_argument("--_child", nargs=2, help=argparse.SUPPRESS)
     args = p.parse_args()

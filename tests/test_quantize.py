@@ -196,3 +196,13 @@ def test_api_compiles_a_cached_int4_decoder(tmp_path):
     assert len(steps) == 5 and all(isinstance(s[0], int) for s in steps)
     with pytest.raises(tessera.runtime.pipeline.UsageError, match="quantize must be one of"):
         m.compile(tmp_path / "bad.onnx", quantize="int3")
+
+
+def test_generate_with_a_quantised_head(capsys):
+    """--quantize-head quantises the output head too (a MatMulNBits head): the cached decoder still
+    slices the last position before it, and greedy decoding runs to the end."""
+    tokens = _greedy(capsys, "--quantize", "int8", "--quantize-head")
+    assert [len(r) for r in tokens] == [12, 12, 12]
+    fp32 = _greedy(capsys)
+    same_prefix = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), len(x)) for x, y in zip(fp32, tokens)]
+    assert sum(same_prefix) >= 0.5 * 36, (fp32, tokens)

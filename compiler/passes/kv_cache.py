@@ -276,7 +276,7 @@ def add_kv_cache(g: Graph, last_only: bool = False, mode: str = "auto", impl: st
         while head is not None and (head.op == "identity" or (ops.has_trait(head.op, "elementwise") and
                                                               all(v in g.consts for v in head.inputs[1:]))):
             head = g.producer(head.inputs[0])
-        if head is None or head.op != "linear":
+        if head is None or head.op not in ("linear", "linear_nbits"):  # float or quantised (--quantize-head)
             raise CacheError("last_only needs the logits to come from a linear output head")
         x = head.inputs[0]
         xt = g.type_of(x)
