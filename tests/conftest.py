@@ -87,3 +87,26 @@ def cli_error(capsys, *args, spec_error_ok: bool = True) -> str:
     else:
         assert err.startswith("error: "), err
     return err.strip()
+
+
+class Recomputation:
+    """An ``on_logits`` hook for the decoding loop: at every step it compares the logits each row's
+    token was chosen from with the uncached session ``full`` run over the row's whole sequence so far
+    (following the loop's greedy tokens). ``worst`` is the largest difference seen: absolute, or with
+    ``relative`` divided by the reference's largest magnitude."""
+
+    def __init__(self, full, prompts, relative: bool = False):
+        self.full, self.relative = full, relative
+        self.so_far = [list(p) for p in prompts]
+        self.worst = 0.0
+
+    def __call__(self, step, logits) -> None:
+        import numpy as np
+
+        for r, seq in enumerate(self.so_far):
+            ref = self.full.run(None, {"tokens": np.array([seq], dtype=np.int64)})[0][0, -1]
+            diff = float(np.abs(logits[r] - ref).max())
+            if self.relative:
+                diff /= float(np.abs(ref).max()) + 1e-6
+            self.worst = max(self.worst, diff)
+            seq.append(int(np.argmax(logits[r])))

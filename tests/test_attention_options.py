@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from conftest import build, ort_run
+from conftest import build, ort_run, Recomputation
 from tessera.compiler.passes.attention_kernels import Target
 from tessera.compiler.passes.pipeline import optimize
 from tessera.compiler.reference import interpret
@@ -373,17 +373,10 @@ def test_cached_generation_with_partial_interleaved_rope_and_softcap_equals_reco
     model, info = compile_cached(pipeline.build(p), weights, mode=mode)
     cached = CachedModel(model.SerializeToString(), info)
     prompts = [[5, 9, 13, 2, 40, 41, 7, 8, 90], [3, 4]]
-    so_far = [list(q) for q in prompts]
-    worst = [0.0]
-
-    def check(step, logits):
-        for r in range(len(prompts)):
-            ref = full.run(None, {"tokens": np.array([so_far[r]], dtype=np.int64)})[0][0, -1]
-            worst[0] = max(worst[0], float(np.abs(logits[r] - ref).max()))
-            so_far[r].append(int(np.argmax(logits[r])))
+    check = Recomputation(full, prompts)
 
     out = generate(cached, prompts, 24, on_logits=check).tokens
-    assert worst[0] <= 1e-4
+    assert check.worst <= 1e-4
     assert len({t for row in out for t in row}) > 3, "degenerate: one token repeated"
 
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 
-from conftest import MODELS, build, cli, ort_run
+from conftest import MODELS, build, cli, ort_run, Recomputation
 from tessera.compiler.analysis import costreport
 from tessera.compiler.analysis.params import parameter_report
 from tessera.compiler.passes.pipeline import optimize
@@ -255,18 +255,11 @@ def test_cached_generation_equals_transformers_and_recomputation(cases, family):
     cached = CachedModel(model.SerializeToString(), info)
     rng = np.random.default_rng(3)
     prompts = [rng.integers(1, 200, 11).tolist(), rng.integers(1, 200, 5).tolist()]
-    so_far = [list(p) for p in prompts]
-    worst = [0.0]
-
-    def check(step, logits):
-        for r in range(len(prompts)):
-            ref = full.run(None, {"tokens": np.array([so_far[r]], dtype=np.int64)})[0][0, -1]
-            worst[0] = max(worst[0], float(np.abs(logits[r] - ref).max()))
-            so_far[r].append(int(np.argmax(logits[r])))
+    check = Recomputation(full, prompts)
 
     new = 20
     ours = generate(cached, prompts, new, on_logits=check).tokens
-    assert worst[0] <= TOL
+    assert check.worst <= TOL
     t0 = max(len(p) for p in prompts)
     ids = torch.zeros((2, t0), dtype=torch.long)
     mask = torch.zeros_like(ids)

@@ -16,7 +16,7 @@ import os
 import numpy as np
 import pytest
 
-from conftest import MODELS, ROOT
+from conftest import MODELS, ROOT, Recomputation
 
 SPECS = ROOT / "tests" / "specs"
 from tessera.runtime import pipeline
@@ -152,19 +152,11 @@ def test_greedy_equals_transformers_and_full_recomputation(cases, family):
     model = case.cached()
     prompts = case.prompts()
     full = case.full_session()
-    worst = [0.0]
-    so_far = [list(p) for p in prompts]
-
-    def check(step, logits):
-        for r in range(len(prompts)):
-            ref = full.run(None, {"tokens": np.array([so_far[r]], dtype=np.int64)})[0][0, -1]
-            worst[0] = max(worst[0], float(np.abs(logits[r] - ref).max()))
-            so_far[r].append(int(np.argmax(logits[r])))
-
+    check = Recomputation(full, prompts)
     ours = generate(model, prompts, NEW, on_logits=check).tokens
     want = case.hf_generate(prompts, NEW)
-    print(f"{family}: max |cached - full| logits over {NEW} steps: {worst[0]:.2e}")
-    assert worst[0] <= TOL
+    print(f"{family}: max |cached - full| logits over {NEW} steps: {check.worst:.2e}")
+    assert check.worst <= TOL
     for r in range(len(prompts)):
         assert ours[r] == want[r], f"row {r}: first difference at token {next(i for i, (a, b) in enumerate(zip(ours[r], want[r])) if a != b)}"
     assert len({t for row in ours for t in row}) > 5, "degenerate test: the model repeats one token"
@@ -385,19 +377,12 @@ def test_sliding_window_cache_keeps_only_its_window(cases):
     model = _Recording(case.cached())
     prompts = case.prompts()  # 11 and 5 tokens, window 8
     full = case.full_session()
-    so_far = [list(p) for p in prompts]
-    worst = [0.0]
-
-    def check(step, logits):
-        for r in range(len(prompts)):
-            ref = full.run(None, {"tokens": np.array([so_far[r]], dtype=np.int64)})[0][0, -1]
-            worst[0] = max(worst[0], float(np.abs(logits[r] - ref).max()))
-            so_far[r].append(int(np.argmax(logits[r])))
+    check = Recomputation(full, prompts)
 
     res = generate(model, prompts, 24, on_logits=check)
     assert model.past_lengths[0] == 0 and max(model.past_lengths) == 8, model.past_lengths
     assert res.stats.cache_bytes <= 2 * 2 * 2 * 2 * (8 + 1) * 16 * 4  # layers, K/V, B, kv_heads, window + new, hd, fp32
-    assert worst[0] <= TOL
+    assert check.worst <= TOL
     assert res.tokens == case.hf_generate(prompts, 24)
 
 
@@ -458,19 +443,12 @@ def test_fp16_cache_generates_close_to_fp32(cases):
     assert info16.dtype == "f16" and m16.np_dtype == np.float16
     prompts = case.prompts()
     full = case.full_session()
-    so_far = [list(p) for p in prompts]
-    worst = [0.0]
-
-    def check(step, logits):
-        for r in range(len(prompts)):
-            ref = full.run(None, {"tokens": np.array([so_far[r]], dtype=np.int64)})[0][0, -1]
-            worst[0] = max(worst[0], float(np.abs(logits[r] - ref).max() / (np.abs(ref).max() + 1e-6)))
-            so_far[r].append(int(np.argmax(logits[r])))  # follow the fp16 tokens
+    check = Recomputation(full, prompts, relative=True)
 
     r16 = generate(m16, prompts, 16, on_logits=check)
     r32 = generate(case.cached(), prompts, 16)
-    print(f"fp16 cache: max relative logit difference {worst[0]:.2e}")
-    assert worst[0] <= 2e-2
+    print(f"fp16 cache: max relative logit difference {check.worst:.2e}")
+    assert check.worst <= 2e-2
     assert r16.stats.cache_bytes * 2 == r32.stats.cache_bytes
     agree = sum(a == b for ra, rb in zip(r16.tokens, r32.tokens) for a, b in zip(ra, rb))
     assert agree >= 0.75 * 32, f"fp16 and fp32 greedy tokens agree on only {agree} of 32"
