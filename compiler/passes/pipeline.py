@@ -13,6 +13,7 @@ import dataclasses
 from tessera.compiler.ir.graph import Graph
 from tessera.compiler.passes.attention_kernels import ChooseAttentionKernels, Target
 from tessera.compiler.passes.base import EliminateDeadNodes, PassManager, PipelineResult
+from tessera.compiler.passes.expose_attention import ExposeAttentionProbs
 from tessera.compiler.passes.fuse_attention import AttentionSite, FuseAttention
 from tessera.compiler.passes.precision import LowerPrecision
 from tessera.compiler.passes.quantize import QuantConfig, QuantizeWeights
@@ -21,12 +22,17 @@ ATTENTION_CHOICES = ("auto", "gqa", "mha", "portable", "unfused")
 
 
 def build_pipeline(target: Target = Target(), attention: str = "auto", lower_precision: bool = False,
-                   quantize: QuantConfig | None = None) -> PassManager:
+                   quantize: QuantConfig | None = None, attention_probs: list[int] | None = None,
+                   all_probs: bool = False) -> PassManager:
     """The passes, in order, for a target and an --attention choice; ``lower_precision`` adds the
     fp32 -> target.dtype lowering (export does; analyses that only ask what fuses do not);
-    ``quantize`` the weight-only quantisation of the linears (before the precision is lowered)."""
+    ``quantize`` the weight-only quantisation of the linears (before the precision is lowered);
+    ``attention_probs`` (site indices) or ``all_probs`` first makes those sites' probabilities model
+    outputs, which keeps them unfused (passes/expose_attention.py)."""
     fuse = attention != "unfused"
     passes = [FuseAttention(enabled=fuse), EliminateDeadNodes()]
+    if attention_probs or all_probs:
+        passes.insert(0, ExposeAttentionProbs(None if all_probs else list(attention_probs)))
     if fuse:
         passes.append(ChooseAttentionKernels(target, None if attention == "auto" else attention))
     if quantize is not None:
@@ -52,8 +58,11 @@ def optimize(graph: Graph, target: Target = Target(), attention: str = "auto",
     return attention_sites(build_pipeline(target, attention, lower_precision, quantize)(graph))
 
 
-def explain(sites: list[AttentionSite]) -> str:
+def explain(sites: list[AttentionSite], exposed: list | None = None) -> str:
     fused = sum(s.fused for s in sites)
     lines = [f"attention sites: {len(sites)} ({fused} fused, {len(sites) - fused} not fused)"]
     lines += [f"  {s.describe()}" for s in sites]
+    if exposed:
+        lines.append(f"attention probabilities exposed as outputs: {len(exposed)}")
+        lines += [f"  {e.describe()}" for e in exposed]
     return "\n".join(lines)
