@@ -85,7 +85,7 @@ class ExposeAttentionProbs(Pass):
         notes = []
         for i in dict.fromkeys(wanted):
             if not 0 <= i < len(sites):
-                raise PassError(f"no attention site {i}: {describe_sites(sites)} (as --explain lists them)")
+                raise PassError(f"no attention site {i}: {describe_sites(sites)}, numbered in graph order")
             site, name = sites[i], output_name(i)
             if name in graph.values or name in graph.nodes:
                 raise PassError(f"cannot expose attention site {i}: the model already has a value named {name}")
