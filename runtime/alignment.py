@@ -11,7 +11,8 @@ says it holds attention weights (``ATTENTION_WORDS``). Shapes accepted: [Tq, Tk]
 (an encoder–decoder's alignment, target × source) and [B, H, Tq, Tk] (per head: one head, or
 their mean). The axes are labelled with the token ids (or, with a tokenizer, the text pieces) of
 the integer input whose sequence dimension is the axis's: the source tokens on x, the target on y,
-as in Bahdanau et al. (2015), figure 3; positions where no input matches.
+as in Bahdanau et al. (2015), figure 3; positions where no input matches. Positions a padding mask
+input marks as padding are left out.
 """
 
 from __future__ import annotations
@@ -138,18 +139,41 @@ def _labels(n: int, spec: InputSpec | None, feeds: dict[str, np.ndarray], batch_
     return [tokenizer.id_to_token(int(i)) or str(int(i)) for i in row]
 
 
+def real_positions(dim, n: int, specs: list[InputSpec], feeds: dict[str, np.ndarray], batch_index: int) -> np.ndarray:
+    """The positions of an axis that are not padding: where the one mask input over that dimension
+    ([B, dim], named with ``mask``, as the models' padding masks are) is nonzero; all n otherwise.
+    Why: a right-padded batch row would show its padding as rows and columns of the plot."""
+    every = np.arange(n)
+    masks = [s for s in specs if isinstance(dim, str) and re.search("mask", s.name, re.I) and len(s.dims) == 2
+             and s.dims[-1] == dim and s.name in feeds]
+    if len(masks) != 1:
+        return every
+    row = np.asarray(feeds[masks[0].name])
+    row = row[batch_index] if row.ndim == 2 and batch_index < row.shape[0] else None
+    if row is None or row.shape[0] != n or not row.any():
+        return every
+    return np.flatnonzero(row)
+
+
 def alignment(outputs: dict[str, np.ndarray], output_dims: dict[str, list], specs: list[InputSpec],
               feeds: dict[str, np.ndarray], output: str, batch_index: int = 0, head: int | str | None = None,
               limits: InputLimits | None = None, tokenizer=None) -> Alignment:
     """The Alignment of ``output`` (chosen by choose_output) from a run's outputs: the matrix of
-    one batch row and head (select), and its axes' tokens from the inputs of the same dimension."""
+    one batch row and head (select), its axes' tokens from the inputs of the same dimension, and
+    the positions a padding mask marks left out (real_positions)."""
     matrix, what = select(outputs[output], batch_index, head)
     dims = output_dims.get(output) or [None] * outputs[output].ndim
     b = batch_index if outputs[output].ndim > 2 else 0
     rows = _labels(matrix.shape[0], token_input(dims[-2], specs, limits), feeds, b, tokenizer)
     cols = _labels(matrix.shape[1], token_input(dims[-1], specs, limits), feeds, b, tokenizer)
+    keep_r = real_positions(dims[-2], matrix.shape[0], specs, feeds, b)
+    keep_c = real_positions(dims[-1], matrix.shape[1], specs, feeds, b)
+    if len(keep_r) < matrix.shape[0] or len(keep_c) < matrix.shape[1]:
+        what += ", padding left out"
+        matrix = matrix[np.ix_(keep_r, keep_c)]
+        rows, cols = [rows[i] for i in keep_r], [cols[i] for i in keep_c]
     return Alignment(matrix, rows, cols, output, what)
 
 
 __all__ = ["ATTENTION_WORDS", "Alignment", "attention_outputs", "choose_output", "select", "token_input",
-           "alignment"]
+           "real_positions", "alignment"]

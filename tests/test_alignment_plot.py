@@ -197,8 +197,9 @@ def test_cross_attention_has_the_source_on_x_and_the_target_on_y(capsys, tmp_pat
                      "--layer", 2, "--head", 3)  # sites: encoder self, decoder self, decoder cross
     assert rc == 0, err
     (al,) = drawn
-    assert al.cols == ["5", "6", "7", "8"] and al.rows == ["1", "2"]
-    assert np.all(al.matrix[:, 3] == 0) and np.allclose(al.matrix.sum(-1), 1.0, atol=1e-6)  # padding masked
+    assert al.cols == ["5", "6", "7"] and al.rows == ["1", "2"]  # the padded source position is left out
+    assert al.matrix.shape == (2, 3) and "padding left out" in al.what
+    np.testing.assert_allclose(al.matrix.sum(-1), 1.0, atol=1e-6)  # the masked key had weight 0
 
 
 # ---------------------------------------------------------------- a model output of alignment weights
@@ -236,6 +237,27 @@ def test_tokenizer_labels_the_axes(capsys, tmp_path, drawn):
                      tmp_path / "tokenizer.json", "--plot-attention", tmp_path / "a.png")
     assert rc == 0, err
     assert drawn[0].cols == ["w2", "w3", "w4"] and drawn[0].rows == ["w5", "w6"]
+
+
+def test_text_batch_row_is_labelled_with_its_pieces_and_its_padding_left_out(capsys, tmp_path, drawn):
+    pytest.importorskip("tokenizers")
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+
+    words = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "a", "man", "is", "eating", "food", "the", "cat", "sleeps"]
+    tok = Tokenizer(models.WordLevel({x: i for i, x in enumerate(words)}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.post_processor = processors.TemplateProcessing(single="[CLS] $A [SEP]",
+                                                       special_tokens=[("[CLS]", 2), ("[SEP]", 3)])
+    tok.save(str(tmp_path / "tokenizer.json"))
+    bert = ["--set", "layers=2", "--set", "d=32", "--set", "heads=4", "--set", "d_ff=64", "--set", "vocab=50",
+            "--set", "ctx=64"]
+    rc, _, err = cli(capsys, "run", MODELS / "bert.tsr", *bert, "--tokenizer", tmp_path / "tokenizer.json",
+                     "--text", "a man is eating food", "--text", "the cat sleeps", "--plot-attention",
+                     tmp_path / "b.png", "--layer", 1, "--batch-index", 1)
+    assert rc == 0, err
+    (al,) = drawn
+    assert al.rows == al.cols == ["[CLS]", "the", "cat", "sleeps", "[SEP]"]
+    np.testing.assert_allclose(al.matrix.sum(-1), 1.0, atol=1e-6)  # the padded keys had weight 0
 
 
 def test_select_against_numpy():
