@@ -175,5 +175,17 @@ def alignment(outputs: dict[str, np.ndarray], output_dims: dict[str, list], spec
     return Alignment(matrix, rows, cols, output, what)
 
 
+def from_run(sess, outputs: dict[str, np.ndarray], specs: list[InputSpec], feeds: dict[str, np.ndarray],
+             limits: InputLimits | None = None, output: str | None = None, layer: int | None = None,
+             batch_index: int = 0, head: int | str | None = None, tokenizer=None,
+             model: str = "the model") -> Alignment:
+    """The Alignment a run's outputs give (what `tessera run --plot-attention` and Model.alignment
+    draw): the output chosen by choose_output, its symbolic dimensions read from the session."""
+    dims = {o.name: list(o.shape) for o in sess.get_outputs()}
+    shapes = {n: list(outputs[n].shape) if n in outputs else dims[n] for n in dims}
+    name = choose_output(shapes, output, layer, model)
+    return alignment(outputs, dims, specs, feeds, name, batch_index, head, limits, tokenizer)
+
+
 __all__ = ["ATTENTION_WORDS", "Alignment", "attention_outputs", "choose_output", "select", "token_input",
-           "real_positions", "alignment"]
+           "real_positions", "alignment", "from_run"]

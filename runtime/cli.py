@@ -366,18 +366,15 @@ def _plot_attention(args, sess, outputs, specs, feeds, limits, model: str) -> No
     """Choose the weights, compute the alignment (runtime/alignment.py) and draw it."""
     from . import alignment, alignment_plot
 
-    dims = {o.name: list(o.shape) for o in sess.get_outputs()}
-    shapes = {name: list(outputs[name].shape) if name in outputs else dims[name] for name in dims}
-    name = alignment.choose_output(shapes, args.attention_output, args.layer, model)
     tokenizer = None
     if args.tokenizer:
         from . import text
 
         tokenizer = text.load_tokenizer(args.tokenizer)
-    al = alignment.alignment(outputs, dims, specs, feeds, name, args.batch_index or 0, args.head, limits,
-                             tokenizer)
+    al = alignment.from_run(sess, outputs, specs, feeds, limits, args.attention_output, args.layer,
+                            args.batch_index or 0, args.head, tokenizer, model)
     written = alignment_plot.draw(al, args.plot_attention)
-    print(f"wrote {written}: alignment of {name} ({al.what}), {al.matrix.shape[0]} x {al.matrix.shape[1]}",
+    print(f"wrote {written}: alignment of {al.output} ({al.what}), {al.matrix.shape[0]} x {al.matrix.shape[1]}",
           file=sys.stderr)
 
 

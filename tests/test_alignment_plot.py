@@ -137,6 +137,17 @@ def test_gpt2_seeded_weights_layer0(capsys, tmp_path, drawn):
     np.testing.assert_allclose(drawn[0].matrix, _gpt2_probs(_weights(seed=3), TOKENS[:1])[0][0, 2], atol=1e-6)
 
 
+def test_python_api_gives_the_same_matrix(tmp_path):
+    import tessera
+
+    m = tessera.load(MODELS / "gpt2.tsr", weights=_checkpoint(tmp_path, _weights(sharpen=25.0)), layers=2, d=32,
+                     heads=4, vocab=64, ctx=16)
+    al = m.alignment(layer=1, head=0, batch_index=1, plot=tmp_path / "api.png", tokens=TOKENS)
+    np.testing.assert_allclose(al.matrix, _gpt2_probs(_weights(sharpen=25.0), TOKENS)[1][1, 0], atol=1e-5)
+    assert al.rows == [str(t) for t in TOKENS[1]]
+    assert (tmp_path / "api.png").read_bytes().startswith(PNG)
+
+
 def test_exposing_the_probabilities_leaves_the_outputs_and_other_sites_fused(capsys, tmp_path):
     tokens = ["-i", _tokens_arg(TOKENS)]
     rc, plain, err = cli(capsys, "run", *GPT2, *tokens, "--format", "json", "--explain")
