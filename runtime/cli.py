@@ -87,7 +87,7 @@ def _weights_args(p: argparse.ArgumentParser) -> None:
 
 
 def _site_index(text: str) -> int:
-    """An attention site's number (as --explain lists them), for --layer and --attention-probs."""
+    """An attention site's number (the sites over heads in graph order), for --layer and --attention-probs."""
     if not text.isdigit():
         raise argparse.ArgumentTypeError(f"'{text}' is not an attention site number (0, 1, ...)")
     return int(text)
@@ -119,8 +119,8 @@ def _plot_args(r: argparse.ArgumentParser) -> None:
                    help="the model output holding the weights, [B, Tq, Tk] (or [Tq, Tk], [B, H, Tq, Tk]); "
                         "default: the only output named with align, attn, attention, probs or weights")
     g.add_argument("--layer", type=_site_index, metavar="L",
-                   help="plot transformer attention site L (as --explain lists them; layer L of GPT-2, "
-                        "BERT, Llama): from a spec its probabilities are exposed as an extra output and that "
+                   help="plot transformer attention site L (the sites over heads numbered in graph order; "
+                        "layer L of GPT-2, BERT, Llama): from a spec its probabilities are exposed as an extra output and that "
                         "site is left unfused; an .onnx file must have been compiled with --attention-probs L")
     g.add_argument("--head", type=_head, metavar="H|mean",
                    help="for weights over heads [B, H, Tq, Tk]: head H, or mean (default) over the heads")
@@ -152,8 +152,8 @@ def make_parser() -> argparse.ArgumentParser:
                         "or auto: buffer, or concat for sliding-window models (default)")
     c.add_argument("--attention-probs", dest="attention_probs", action="append", default=[],
                    type=_probs_sites, metavar="L|all",
-                   help="also output the probabilities [B, heads, Tq, Tk] of attention site L (as --explain "
-                        "lists them) as attention_probs.L, leaving that site unfused, for `tessera run "
+                   help="also output the probabilities [B, heads, Tq, Tk] of attention site L (numbered in "
+                        "graph order, as run --layer) as attention_probs.L, leaving that site unfused, for `tessera run "
                         "--plot-attention --layer L`; repeatable; all: every site")
 
     r = sub.add_parser("run", help="run a spec or an ONNX file in onnxruntime",
