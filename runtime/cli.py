@@ -347,7 +347,7 @@ def _check_text_args(args) -> None:
     if args.texts and not args.tokenizer:
         raise pipeline.UsageError("--text needs --tokenizer tokenizer.json to turn the text into token ids")
     if args.tokenizer and not args.texts and args.plot_attention is None:
-        raise pipeline.UsageError("--tokenizer is given but no --text to tokenize (or --plot-attention to label)")
+        raise pipeline.UsageError("--tokenizer is given but no --text to tokenize")
 
 
 def _check_plot_args(args) -> None:
