@@ -373,6 +373,10 @@ def _plot_attention(args, sess, outputs, specs, feeds, limits, model: str) -> No
         tokenizer = text.load_tokenizer(args.tokenizer)
     al = alignment.from_run(sess, outputs, specs, feeds, limits, args.attention_output, args.layer,
                             args.batch_index or 0, args.head, tokenizer, model)
+    lo, hi = float(al.matrix.min(initial=0.0)), float(al.matrix.max(initial=0.0))
+    if lo < -1e-6 or hi > 1 + 1e-6:
+        print(f"note: {al.output} holds values from {lo:.4g} to {hi:.4g}, not attention weights in [0, 1]; the "
+              f"grey scale clips them to [0, 1]", file=sys.stderr)
     written = alignment_plot.draw(al, args.plot_attention)
     print(f"wrote {written}: alignment of {al.output} ({al.what}), {al.matrix.shape[0]} x {al.matrix.shape[1]}",
           file=sys.stderr)

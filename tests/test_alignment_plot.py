@@ -148,6 +148,20 @@ def test_python_api_gives_the_same_matrix(tmp_path):
     assert (tmp_path / "api.png").read_bytes().startswith(PNG)
 
 
+def test_the_pass_exposes_the_softmax_in_the_numpy_interpreter():
+    """The compiler side alone: the pass's extra output, run by the numpy reference interpreter."""
+    from tessera.compiler.passes.pipeline import build_pipeline, attention_sites
+    from tessera.compiler.reference import interpret
+
+    built = pipeline.build(MODELS / "gpt2.tsr", None, [s for s in SETS if s != "--set"])
+    w = SeededWeights(built.graph, 0)
+    result = build_pipeline(attention_probs=[0])(built.graph)
+    assert built.graph.outputs == ["logits", "attention_probs.0"]
+    assert [s.fused for s in attention_sites(result)] == [False, True]
+    out = interpret.run(built.graph, w, {"tokens": np.array(TOKENS)})
+    np.testing.assert_allclose(out["attention_probs.0"], _gpt2_probs(_weights(), TOKENS)[0], atol=1e-6)
+
+
 def test_exposing_the_probabilities_leaves_the_outputs_and_other_sites_fused(capsys, tmp_path):
     tokens = ["-i", _tokens_arg(TOKENS)]
     rc, plain, err = cli(capsys, "run", *GPT2, *tokens, "--format", "json", "--explain")
@@ -234,6 +248,14 @@ def test_alignment_output_is_numpy_softmax(capsys, tmp_path, drawn):
     assert al.cols == [str(i) for i in src[1]] and al.rows == [str(i) for i in tgt[1]]  # source on x
     assert png.read_bytes().startswith(PNG)
     assert "align" in out and "context" in out  # the model's outputs are printed as usual
+
+
+def test_an_output_that_is_not_weights_gets_a_note(capsys, tmp_path, drawn):
+    rc, _, err = cli(capsys, "run", ALIGN, "-i", "src=[[1, 2]]", "-i", "tgt=[[3]]", "--plot-attention",
+                     tmp_path / "c.png", "--attention-output", "context")
+    assert rc == 0, err
+    assert "note: context holds values from" in err and "not attention weights in [0, 1]" in err
+    assert drawn[0].matrix.shape == (1, 8)  # drawn all the same: [B, T, d] read as [B, Tq, Tk]
 
 
 def test_tokenizer_labels_the_axes(capsys, tmp_path, drawn):
