@@ -360,7 +360,10 @@ RUN_ALIGN = ["run", ALIGN, "-i", "src=[[1, 2]]", "-i", "tgt=[[3, 4, 5]]"]
     (RUN_ALIGN + ["--head", "0"], "--head applies to attention over heads [B, H, Tq, Tk]; this output is [1, 3, 2]"),
     (RUN_ALIGN + ["--layer", "0"], "no attention site 0: the model has no attention over heads"),
     (RUN_ALIGN + ["--layer", "0", "--attention-output", "align"], "--layer and --attention-output both choose"),
-], ids=["layer", "head", "batch-index", "no-output", "unknown-output", "head-on-rank-3", "no-heads", "both"])
+    (["run", MODELS / "worked_example.tsr", "-i", "x=[[1, 0], [0, 1]]", "--batch-index", "1"],
+     "--batch-index 1: this output [Tq, Tk] has no batch axis"),
+], ids=["layer", "head", "batch-index", "no-output", "unknown-output", "head-on-rank-3", "no-heads", "both",
+        "no-batch-axis"])
 def test_bad_choices_are_clear_errors(capsys, tmp_path, args, expected):
     err = cli_error(capsys, *args, "--plot-attention", tmp_path / "a.png")
     assert expected in err
