@@ -228,7 +228,8 @@ def optimize(built: Built, args) -> None:
     built.quantize = quant_config(args)
     try:
         result = build_pipeline(Target(getattr(args, "target", "cpu"), dtype), attention, lower_precision=True,
-                                quantize=built.quantize)(built.graph)
+                                quantize=built.quantize,
+                                recurrence=getattr(args, "recurrence", "auto"))(built.graph)
     except PassError as e:
         raise UsageError(str(e)) from None
     if getattr(args, "explain", False):
@@ -239,6 +240,11 @@ def optimize(built: Built, args) -> None:
             lines.append(f"quantised linears: {done} of {len(notes)} ({built.quantize.scheme}, "
                          f"block {built.quantize.block_size})")
             lines += [f"  {n.describe()}" for n in notes if not n.quantized]
+        from tessera.compiler.passes.recurrence import ChooseRecurrenceLowering, explain as explain_scans
+
+        scans = result.notes(ChooseRecurrenceLowering.name)
+        if scans:  # models without recurrence keep their listing as it was
+            lines.append(explain_scans(scans))
         print("\n".join(lines), file=sys.stderr)
 
 

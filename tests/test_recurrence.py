@@ -82,3 +82,78 @@ def test_cells_equal_pytorch_in_numpy_and_both_onnx_lowerings(tmp_path, rng, kin
         assert op_type in {n.op_type for n in model.graph.node}
         y = ort_run(gg, w, {"x": x})["y"]
         np.testing.assert_allclose(y, want, atol=1e-5, rtol=0, err_msg=f"{mode} lowering")
+
+
+@pytest.mark.parametrize("kind,gates", [("rnn", 1), ("gru", 3), ("lstm", 4)])
+@pytest.mark.parametrize("bidir", [False, True])
+def test_report_macs_are_per_step_macs_times_T(tmp_path, kind, gates, bidir):
+    """A hand count: each step multiplies x_t [D] by W_ih [g·H, D] and h [H] by W_hh [g·H, H]."""
+    g = _graph(tmp_path, kind, bidir)
+    costs, _ = cost.node_costs(g)
+    macs = cost.total(costs, "macs")
+    per_step = gates * H * D + gates * H * H
+    want = Poly.symbol("B") * Poly.symbol("T") * (per_step * (2 if bidir else 1))
+    assert macs == want, macs
+    assert macs.evaluate({"B": 3, "T": 500}) == 3 * 500 * per_step * (2 if bidir else 1)
+
+
+def test_the_cell_op_tables_match_the_stdlib_cells(tmp_path):
+    """CELL_OPS (what the fused-op lowering accepts) is what the standard library's cells elaborate to."""
+    for kind in ("rnn", "gru", "lstm"):
+        g = _graph(tmp_path, kind, False)
+        (node,) = [n for n in g.nodes.values() if n.op == "scan"]
+        assert Counter(n.op for n in node.attrs["body"].graph.nodes.values()) == CELL_OPS[kind]
+
+
+def _spec_error(tmp_path, text, name="bad.tsr"):
+    p = tmp_path / name
+    p.write_text(text)
+    with pytest.raises(SpecError) as e:
+        elaborate(load_program(p))
+    return e.value.render().replace(str(p), name)
+
+
+def test_a_state_that_changes_shape_is_an_error_at_the_scan_call(tmp_path):
+    text = """block grow(h: [B, n], x: [B, d]) {
+  return concat([h, x], -1)
+}
+model M() {
+  in x: f32[B, T, 3]
+  out y: f32[B, T, 7]
+  y = scan(grow, zero_state(x, 4), x)[0]
+}
+"""
+    r = _spec_error(tmp_path, text)
+    lines = r.splitlines()
+    assert lines[0].startswith("bad.tsr:7:7: error: scan: the step block grow returns state 0 as f32[B, 7], "
+                               "but it carries f32[B, 4]"), r
+    assert lines[1] == "    7 |   y = scan(grow, zero_state(x, 4), x)[0]" and "^" in lines[2], r
+
+
+@pytest.mark.parametrize("call,message", [
+    ("scan(relu, h, x)", "'step' must be a block (the step function), got builtin relu"),
+    ("scan(step, h, 3.0)", "'xs' must be a tensor or a list of tensors, got float 3.0"),
+    ("scan(step, h, x, reverse=1)", "'reverse' must be true or false, got int 1"),
+    ("scan(step, h, x, args=3)", "'args' must be a list, got int 3"),
+    ("scan(step, h, x, revers=true)", "unknown argument 'revers' for scan; did you mean 'reverse'?"),
+    ("scan(pair, h, x)", "the step block pair returns 1 tensor(s) but carries"),
+])
+def test_bad_scan_calls_are_spec_errors(tmp_path, call, message):
+    text = f"""block step(h: [B, n], x: [B, d]) -> [B, n] {{
+  return h
+}}
+block pair(h: [B, n], g: [B, n], x: [B, d]) {{
+  return h
+}}
+model M() {{
+  in x: f32[B, T, 3]
+  out y: f32[B, T, 4]
+  h = zero_state(x, 4)
+  if false {{ h = [h, h] }}
+  y = {call}[0]
+}}
+"""
+    if "pair" in call:
+        text = text.replace("scan(pair, h, x)", "scan(pair, [h, h], x)")
+    r = _spec_error(tmp_path, text)
+    assert r.startswith("bad.tsr:12:") and message in r.splitlines()[0], r

@@ -151,4 +151,6 @@ def _scan_lower(L):
 @op("scan", reference=_scan_ref, lower=_scan_lower, cost=custom(_scan_flops, macs=_scan_macs),
     saved=_scan_saved, traits=("matmul_class",))
 def _scan(t, a):
+    """Carry attrs["n_state"] states over axis 1 of attrs["n_seq"] per-step inputs through attrs["body"];
+    outputs: the final states, then the per-step outputs stacked on axis 1."""
     return _scan_rule(t, a)

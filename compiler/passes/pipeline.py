@@ -16,19 +16,23 @@ from tessera.compiler.passes.base import EliminateDeadNodes, PassManager, Pipeli
 from tessera.compiler.passes.fuse_attention import AttentionSite, FuseAttention
 from tessera.compiler.passes.precision import LowerPrecision
 from tessera.compiler.passes.quantize import QuantConfig, QuantizeWeights
+from tessera.compiler.passes.recurrence import ChooseRecurrenceLowering
 
 ATTENTION_CHOICES = ("auto", "gqa", "mha", "portable", "unfused")
 
 
 def build_pipeline(target: Target = Target(), attention: str = "auto", lower_precision: bool = False,
-                   quantize: QuantConfig | None = None) -> PassManager:
+                   quantize: QuantConfig | None = None, recurrence: str = "auto") -> PassManager:
     """The passes, in order, for a target and an --attention choice; ``lower_precision`` adds the
     fp32 -> target.dtype lowering (export does; analyses that only ask what fuses do not);
-    ``quantize`` the weight-only quantisation of the linears (before the precision is lowered)."""
+    ``quantize`` the weight-only quantisation of the linears (before the precision is lowered);
+    ``recurrence`` how scans are lowered (auto: onnx's RNN/GRU/LSTM op where the body is that cell;
+    scan: always a Scan)."""
     fuse = attention != "unfused"
     passes = [FuseAttention(enabled=fuse), EliminateDeadNodes()]
     if fuse:
         passes.append(ChooseAttentionKernels(target, None if attention == "auto" else attention))
+    passes.append(ChooseRecurrenceLowering(recurrence))
     if quantize is not None:
         passes.append(QuantizeWeights(quantize))
     if lower_precision and target.dtype != "fp32":
