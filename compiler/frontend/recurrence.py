@@ -108,6 +108,10 @@ def _scan(call, step, init, xs, args, reverse):
     if cell:
         attrs["cell"] = cell
     # elab.emit, not call.emit: the block call above already claimed this call's name= segment
-    nodes = elab.emit("scan", states + seqs + captured + params, attrs, call.pos, n_out=k + len(step_outs))
+    name = elab.scope_path(call.explicit_name[0]) if call.explicit_name else None  # dec, enc.fwd.cell
+    if name is not None and (name in elab.graph.values or name in elab.graph.nodes):
+        name = None
+    nodes = elab.emit("scan", states + seqs + captured + params, attrs, call.pos, n_out=k + len(step_outs),
+                      name=name)
     return nodes[k:] + nodes[:k]
 
