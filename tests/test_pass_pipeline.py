@@ -31,8 +31,8 @@ def _chain() -> Graph:
 
 def test_pipeline_is_declared_once_with_precision_in_it():
     assert build_pipeline(Target("cpu", "fp16"), lower_precision=True).describe() == \
-        "fuse-attention -> eliminate-dead-nodes -> choose-attention-kernels -> choose-recurrence-lowering " \
-        "-> lower-precision"
+        "fuse-attention -> eliminate-dead-nodes -> choose-attention-kernels -> lower-precision " \
+        "-> choose-recurrence-lowering"
     assert build_pipeline(Target("cpu", "fp16")).describe() == \
         "fuse-attention -> eliminate-dead-nodes -> choose-attention-kernels -> choose-recurrence-lowering"
     assert build_pipeline(attention="unfused").describe() == \

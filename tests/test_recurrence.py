@@ -157,3 +157,19 @@ model M() {{
         text = text.replace("scan(pair, h, x)", "scan(pair, [h, h], x)")
     r = _spec_error(tmp_path, text)
     assert r.startswith("bad.tsr:12:") and message in r.splitlines()[0], r
+
+
+def test_fp16_export_lowers_the_step_and_falls_back_to_scan(tmp_path, rng):
+    """onnxruntime's cell kernels are fp32: at --dtype fp16 the body is lowered too and runs as a Scan."""
+    from tessera.compiler.passes.attention_kernels import Target
+    from tessera.compiler.passes.pipeline import build_pipeline
+
+    g = _graph(tmp_path, "gru", True)
+    m = _torch("gru", True)
+    w = _weights(m, True)
+    x = rng.standard_normal((2, 5, D)).astype(np.float32)
+    with torch.no_grad():
+        want = m(torch.from_numpy(x))[0].numpy()
+    result = build_pipeline(Target("cpu", "fp16"), lower_precision=True)(g)
+    assert {n.lowering for n in result.notes(ChooseRecurrenceLowering.name)} == {"scan"}
+    np.testing.assert_allclose(ort_run(g, w, {"x": x})["y"], want, atol=5e-3, rtol=0)

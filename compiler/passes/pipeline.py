@@ -32,11 +32,11 @@ def build_pipeline(target: Target = Target(), attention: str = "auto", lower_pre
     passes = [FuseAttention(enabled=fuse), EliminateDeadNodes()]
     if fuse:
         passes.append(ChooseAttentionKernels(target, None if attention == "auto" else attention))
-    passes.append(ChooseRecurrenceLowering(recurrence))
     if quantize is not None:
         passes.append(QuantizeWeights(quantize))
     if lower_precision and target.dtype != "fp32":
         passes.append(LowerPrecision(target.dtype))
+    passes.append(ChooseRecurrenceLowering(recurrence))  # last: onnx's cell ops are fp32 only
     return PassManager(passes)
 
 

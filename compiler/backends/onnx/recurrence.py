@@ -99,7 +99,7 @@ def _lower_as_scan(L) -> None:
     sub = _Builder(g)
     sub._names, sub._consts, sub.initializers = b._names, b._consts, b.initializers  # one name scope
     sub._names.update(g.values)
-    sub._dims = dict(b._dims)  # sizes the main graph computed are visible inside the body
+    sub._dims = {}  # sizes are read inside the body from the graph inputs (Shape), so the body stands alone
     for n in g.nodes.values():
         sub.current = n.name
         _lower(sub, n, n.outputs[0])
