@@ -182,3 +182,41 @@ def test_fusion_says_additive_attention_is_not_a_dot_product():
     sites = attention_sites(build_pipeline()(g))
     assert len(sites) == 1 and not sites[0].fused
     assert sites[0].reason.startswith("not a dot product"), sites[0].reason
+
+
+def test_the_context_vector_model_of_eq_9_1_equals_pytorch(rng):
+    """attention=false: a forward nn.GRU whose last state c is the decoder's context at every step."""
+    torch.manual_seed(1)
+    e, h, n, lo, vs, vt = SMALL["emb"], SMALL["hidden"], SMALL["dec"], SMALL["maxout_units"], 40, 30
+    src_emb, tgt_emb = nn.Embedding(vs, e), nn.Embedding(vt, e)
+    enc, init, cell = nn.GRU(e, h, batch_first=True), nn.Linear(h, n), nn.GRUCell(e + h, n)
+    U_o, V_o, C_o = nn.Linear(n, 2 * lo), nn.Linear(e, 2 * lo, bias=False), nn.Linear(h, 2 * lo, bias=False)
+    out = nn.Linear(lo, vt)
+    mods = [src_emb, tgt_emb, enc, init, cell, U_o, V_o, C_o, out]
+    for m in mods:
+        for p in m.parameters():
+            nn.init.normal_(p, std=0.5)
+    src, tgt = _src_tgt(rng)
+    with torch.no_grad():
+        hs, _ = enc(src_emb(torch.from_numpy(src)))
+        c = hs[:, -1]
+        s = torch.tanh(init(c))
+        want = []
+        for t in range(tgt.shape[1]):
+            y = tgt_emb(torch.from_numpy(tgt[:, t]))
+            r = U_o(s) + V_o(y) + C_o(c)
+            want.append(out(r.view(-1, lo, 2).max(-1).values))
+            s = cell(torch.cat([y, c], -1), s)
+        want = torch.stack(want, 1).numpy()
+    np_ = lambda t: t.detach().numpy().copy()  # noqa: E731
+    w = {"src_emb.weight": np_(src_emb.weight), "tgt_emb.weight": np_(tgt_emb.weight),
+         "init.weight": np_(init.weight), "init.bias": np_(init.bias), "out.weight": np_(out.weight),
+         "out.bias": np_(out.bias), "dec.U_o.weight": np_(U_o.weight), "dec.U_o.bias": np_(U_o.bias),
+         "dec.V_o.weight": np_(V_o.weight), "dec.C_o.weight": np_(C_o.weight)}
+    for a, b in [("weight_ih", "ih.weight"), ("bias_ih", "ih.bias"), ("weight_hh", "hh.weight"), ("bias_hh", "hh.bias")]:
+        w[f"enc.cell.{b}"] = np_(getattr(enc, f"{a}_l0"))
+        w[f"dec.gru.{b}"] = np_(getattr(cell, a))
+    g = build("rnnsearch", "small_context")
+    assert set(w) == set(g.params)
+    np.testing.assert_allclose(interpret.run(g, w, {"src": src, "tgt_in": tgt})["logits"], want, atol=1e-5, rtol=0)
+    np.testing.assert_allclose(ort_run(g, w, {"src": src, "tgt_in": tgt})["logits"], want, atol=1e-5, rtol=0)
