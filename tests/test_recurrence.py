@@ -173,3 +173,43 @@ def test_fp16_export_lowers_the_step_and_falls_back_to_scan(tmp_path, rng):
     result = build_pipeline(Target("cpu", "fp16"), lower_precision=True)(g)
     assert {n.lowering for n in result.notes(ChooseRecurrenceLowering.name)} == {"scan"}
     np.testing.assert_allclose(ort_run(g, w, {"x": x})["y"], want, atol=5e-3, rtol=0)
+
+
+def test_a_custom_step_with_two_inputs_an_argument_and_two_outputs(tmp_path, rng):
+    """scan's general form through the Scan lowering, against numpy written here: carried
+    h_t = h_{t-1} * g + a_t * b_t (g an argument), per-step outputs h_t and a_t - h_t, both directions."""
+    text = """block step(h: [B, d], a: [B, d], b: [B, d], g: [B, d], k: int) {
+  h2 = h * g + a * b
+  return [h2, h2, a - h2 * k]
+}
+model M(d = 3, reverse = false) {
+  in a: f32[B, T, d]
+  in b: f32[B, T, d]
+  in g: f32[B, d]
+  out hs: f32[B, T, d]
+  out ds: f32[B, T, d]
+  out last: f32[B, d]
+  r = scan(step, zero_state(a, d), [a, b], args=[g, 1], reverse=reverse)
+  hs = r[0]
+  ds = r[1]
+  last = r[2]
+}
+"""
+    p = tmp_path / "custom.tsr"
+    p.write_text(text)
+    a, b = rng.standard_normal((2, 2, 5, 3)).astype(np.float32)
+    gate = rng.standard_normal((2, 3)).astype(np.float32)
+    for reverse in (False, True):
+        g, _ = elaborate(load_program(p), None, {"reverse": reverse})
+        h = np.zeros((2, 3), np.float32)
+        hs = np.zeros_like(a)
+        for t in (range(4, -1, -1) if reverse else range(5)):
+            h = h * gate + a[:, t] * b[:, t]
+            hs[:, t] = h
+        want = {"hs": hs, "ds": a - hs, "last": h}
+        got = interpret.run(g, {}, {"a": a, "b": b, "g": gate})
+        ChooseRecurrenceLowering()(g)
+        ort = ort_run(g, {}, {"a": a, "b": b, "g": gate})
+        for name, w in want.items():
+            np.testing.assert_allclose(got[name], w, atol=1e-5, rtol=0)
+            np.testing.assert_allclose(ort[name], w, atol=1e-5, rtol=0)

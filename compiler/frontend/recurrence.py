@@ -17,6 +17,7 @@ are captured inputs.
 
 from __future__ import annotations
 
+from tessera.compiler.ir import dims
 from tessera.compiler.ir.graph import Graph
 from tessera.compiler.frontend.builtins import R, builtin
 from tessera.compiler.frontend.values import BlockRef, Tensor, describe
@@ -53,7 +54,7 @@ def _scan(call, step, init, xs, args, reverse):
     for s in seqs:
         if s.type.rank < 2:
             raise call.error(f"'xs' must be [B, T, ...] (the sequence on axis 1), got {s.type}", xs[1])
-        if s.type.shape[1] != seqs[0].type.shape[1]:
+        if not dims.equal(s.type.shape[1], seqs[0].type.shape[1]):
             raise call.error(f"the per-step inputs differ in length: {seqs[0].type} and {s.type}", xs[1])
     extra, epos = args
     if not isinstance(extra, list):
@@ -89,7 +90,7 @@ def _scan(call, step, init, xs, args, reverse):
         raise call.error(f"the step block {block.block.name} returns {len(outs)} tensor(s) but carries "
                          f"{k} state(s): return the new states first")
     for i, (new, old) in enumerate(zip(outs[:k], states)):
-        if new.type != old.type:
+        if new.type.dtype != old.type.dtype or not dims.shapes_equal(new.type.shape, old.type.shape):
             raise call.error(f"the step block {block.block.name} returns state {i} as {new.type}, but it "
                              f"carries {old.type}: a state must keep its shape and dtype from step to step")
     step_outs = outs[k:] or outs[:k]
