@@ -220,3 +220,30 @@ def test_the_context_vector_model_of_eq_9_1_equals_pytorch(rng):
     assert set(w) == set(g.params)
     np.testing.assert_allclose(interpret.run(g, w, {"src": src, "tgt_in": tgt})["logits"], want, atol=1e-5, rtol=0)
     np.testing.assert_allclose(ort_run(g, w, {"src": src, "tgt_in": tgt})["logits"], want, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("mode,encoder", [("auto", "GRU"), ("scan", "Scan")])
+def test_compile_explains_each_lowering(capsys, tmp_path, mode, encoder):
+    import onnx
+
+    from conftest import cli
+
+    out = tmp_path / "small.onnx"
+    rc, _, err = cli(capsys, "compile", "rnnsearch", "--variant", "small", "-o", out, "--explain",
+                     "--recurrence", mode)
+    assert rc == 0, err
+    lines = err.splitlines()
+    assert "recurrences: 3" in lines
+    want = "onnx GRU (the body is exactly gru_cell)" if mode == "auto" else "Scan (Scan forced (--recurrence scan))"
+    assert f"  enc.fwd.cell: {want}" in lines and f"  enc.bwd.cell: {want}" in lines, err
+    assert any(line.startswith("  dec: Scan (") for line in lines), err
+    ops = [n.op_type for n in onnx.load(out).graph.node]
+    assert ops.count(encoder) == (2 if encoder == "GRU" else 3) and "Scan" in ops
+
+
+def test_generate_refuses_the_recurrent_model_clearly(capsys):
+    from conftest import cli_error
+
+    err = cli_error(capsys, "generate", "rnnsearch", "--variant", "small", "--input", "src=[[1,2,3]]",
+                    "--start-token", "1", "--max-new-tokens", "3")
+    assert "decoder-only" in err or "encoder-decoder" in err, err
