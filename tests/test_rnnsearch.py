@@ -77,12 +77,19 @@ def ref():
 
 
 @pytest.fixture(scope="module")
-def weights(ref, tmp_path_factory):
-    """The reference's state_dict, saved as safetensors and loaded through models/rnnsearch.hf.toml."""
+def ckpt(ref, tmp_path_factory):
+    """The reference's state_dict under its own names, as safetensors."""
     from safetensors.numpy import save_file
 
     path = tmp_path_factory.mktemp("ckpt") / "rnnsearch.safetensors"
     save_file({k: v.detach().numpy().copy() for k, v in ref.state_dict().items()}, str(path))
+    return path
+
+
+@pytest.fixture(scope="module")
+def weights(ckpt):
+    """The reference's weights loaded through models/rnnsearch.hf.toml."""
+    path = ckpt
     g = build("rnnsearch", "small")
     loaded = load_weights(g, path, name_map_for(MODELS / "rnnsearch.tsr"))
     return {p: np.asarray(loaded[p]) for p in g.params}
@@ -241,9 +248,40 @@ def test_compile_explains_each_lowering(capsys, tmp_path, mode, encoder):
     assert ops.count(encoder) == (2 if encoder == "GRU" else 3) and "Scan" in ops
 
 
-def test_generate_refuses_the_recurrent_model_clearly(capsys):
+@pytest.mark.parametrize("args,message", [
+    ([], "needs the decoder's start token: --start-token ID"),
+    (["--start-token", "30"], "--start-token 30 is outside the target vocabulary (0..29)"),
+    (["--start-token", "1", "--set", "mode=step"], "--set mode: generate chooses the model's modes itself"),
+    (["--start-token", "1", "--prompt", "hi"], "--prompt: a recurrent encoder-decoder takes token ids"),
+])
+def test_generate_errors_for_the_recurrent_model(capsys, args, message):
     from conftest import cli_error
 
     err = cli_error(capsys, "generate", "rnnsearch", "--variant", "small", "--input", "src=[[1,2,3]]",
-                    "--start-token", "1", "--max-new-tokens", "3")
-    assert "decoder-only" in err or "encoder-decoder" in err, err
+                    "--max-new-tokens", "3", *args)
+    assert message in err, err
+
+
+def test_tessera_generate_decodes_greedily_like_pytorch(capsys, ref, ckpt, rng):
+    """The command line: --weights (the reference's state_dict through the mapping file), the source
+    ids, a start token; 20 greedy tokens per row, as the PyTorch reference chooses them."""
+    import json
+
+    from conftest import cli
+
+    src, _ = _src_tgt(rng, b=2, s=6)
+    with torch.no_grad():
+        h, keys, s = ref.encode(torch.from_numpy(src))
+        y = torch.full((2,), 2, dtype=torch.long)
+        want = []
+        for _ in range(20):
+            s, lg, _a = ref.step(s, y, h, keys)
+            y = lg.argmax(-1)
+            want.append(y.numpy())
+    rc, out, err = cli(capsys, "generate", "rnnsearch", "--variant", "small", "--weights", ckpt, "--input",
+                       f"src={json.dumps(src.tolist())}", "--start-token", "2", "--max-new-tokens", "20",
+                       "--format", "json")
+    assert rc == 0, err
+    rows = json.loads(out)["outputs"]
+    assert [r["tokens"] for r in rows] == np.stack(want, 1).tolist()
+    assert np.allclose(np.array(rows[0]["align"]).sum(-1), 1.0, atol=1e-5)
