@@ -213,3 +213,36 @@ model M(d = 3, reverse = false) {
         for name, w in want.items():
             np.testing.assert_allclose(got[name], w, atol=1e-5, rtol=0)
             np.testing.assert_allclose(ort[name], w, atol=1e-5, rtol=0)
+
+
+def test_a_scan_inside_a_step(tmp_path, rng):
+    """A step that runs its own scan (over a tensor passed in args) exports as a Scan in a Scan;
+    numpy and onnxruntime agree with numpy written here."""
+    text = """block inner(c: [B, d], m: [B, d]) -> [B, d] {
+  return c * 0.5 + m
+}
+block outer(h: [B, d], x: [B, d], mem: [B, S, d]) -> [B, d] {
+  return h + x * scan(inner, h, mem)[1]
+}
+model M(d = 3) {
+  in x: f32[B, T, d]
+  in mem: f32[B, S, d]
+  out y: f32[B, T, d]
+  y = scan(outer, zero_state(x, d), x, args=[mem])[0]
+}
+"""
+    p = tmp_path / "nested.tsr"
+    p.write_text(text)
+    g, _ = elaborate(load_program(p))
+    x = rng.standard_normal((2, 4, 3)).astype(np.float32)
+    mem = rng.standard_normal((2, 5, 3)).astype(np.float32)
+    h = np.zeros((2, 3), np.float32)
+    want = np.zeros_like(x)
+    for t in range(4):
+        c = h
+        for s in range(5):
+            c = c * 0.5 + mem[:, s]
+        h = h + x[:, t] * c
+        want[:, t] = h
+    np.testing.assert_allclose(interpret.run(g, {}, {"x": x, "mem": mem})["y"], want, atol=1e-5, rtol=0)
+    np.testing.assert_allclose(ort_run(g, {}, {"x": x, "mem": mem})["y"], want, atol=1e-5, rtol=0)
