@@ -67,9 +67,13 @@ def _optimize_args(p: argparse.ArgumentParser) -> None:
                         "also picks the attention kernels; the spec spellings f32 and f16 are accepted too "
                         "(default fp32; bf16 is not exported yet)")
     p.add_argument("--no-fuse", action="store_true", help="do not fuse attention (same as --attention unfused)")
+    p.add_argument("--recurrence", choices=["auto", "scan"], default="auto",
+                   help="lowering of scans (recurrent layers): auto uses onnx's RNN/GRU/LSTM op where the step "
+                        "is exactly that cell, scan always an ONNX Scan of the step (default auto)")
     report.add_quant_arguments(p)
     p.add_argument("--explain", action="store_true",
-                   help="list every attention site: fused or not and why, and the kernel chosen")
+                   help="list every attention site: fused or not and why, and the kernel chosen; and how each "
+                        "recurrence (scan) is lowered")
 
 
 def _weights_args(p: argparse.ArgumentParser) -> None:

@@ -231,7 +231,8 @@ def optimize(built: Built, args, attention_probs: list[int] | None = None, all_p
     try:
         result = build_pipeline(Target(getattr(args, "target", "cpu"), dtype), attention, lower_precision=True,
                                 quantize=built.quantize, attention_probs=attention_probs,
-                                all_probs=all_probs)(built.graph)
+                                all_probs=all_probs,
+                                recurrence=getattr(args, "recurrence", "auto"))(built.graph)
     except PassError as e:
         raise UsageError(str(e)) from None
     exposed = result.notes(ExposeAttentionProbs.name)
@@ -243,6 +244,11 @@ def optimize(built: Built, args, attention_probs: list[int] | None = None, all_p
             lines.append(f"quantised linears: {done} of {len(notes)} ({built.quantize.scheme}, "
                          f"block {built.quantize.block_size})")
             lines += [f"  {n.describe()}" for n in notes if not n.quantized]
+        from tessera.compiler.passes.recurrence import ChooseRecurrenceLowering, explain as explain_scans
+
+        scans = result.notes(ChooseRecurrenceLowering.name)
+        if scans:  # models without recurrence keep their listing as it was
+            lines.append(explain_scans(scans))
         print("\n".join(lines), file=sys.stderr)
     return exposed
 

@@ -17,18 +17,20 @@ from tessera.compiler.passes.expose_attention import ExposeAttentionProbs
 from tessera.compiler.passes.fuse_attention import AttentionSite, FuseAttention
 from tessera.compiler.passes.precision import LowerPrecision
 from tessera.compiler.passes.quantize import QuantConfig, QuantizeWeights
+from tessera.compiler.passes.recurrence import ChooseRecurrenceLowering
 
 ATTENTION_CHOICES = ("auto", "gqa", "mha", "portable", "unfused")
 
 
 def build_pipeline(target: Target = Target(), attention: str = "auto", lower_precision: bool = False,
                    quantize: QuantConfig | None = None, attention_probs: list[int] | None = None,
-                   all_probs: bool = False) -> PassManager:
+                   all_probs: bool = False, recurrence: str = "auto") -> PassManager:
     """The passes, in order, for a target and an --attention choice; ``lower_precision`` adds the
     fp32 -> target.dtype lowering (export does; analyses that only ask what fuses do not);
     ``quantize`` the weight-only quantisation of the linears (before the precision is lowered);
     ``attention_probs`` (site indices) or ``all_probs`` first makes those sites' probabilities model
-    outputs, which keeps them unfused (passes/expose_attention.py)."""
+    outputs, which keeps them unfused (passes/expose_attention.py); ``recurrence`` how scans are
+    lowered (auto: onnx's RNN/GRU/LSTM op where the body is that cell; scan: always a Scan)."""
     fuse = attention != "unfused"
     passes = [FuseAttention(enabled=fuse), EliminateDeadNodes()]
     if attention_probs or all_probs:
@@ -39,6 +41,7 @@ def build_pipeline(target: Target = Target(), attention: str = "auto", lower_pre
         passes.append(QuantizeWeights(quantize))
     if lower_precision and target.dtype != "fp32":
         passes.append(LowerPrecision(target.dtype))
+    passes.append(ChooseRecurrenceLowering(recurrence))  # last: onnx's cell ops are fp32 only
     return PassManager(passes)
 
 
