@@ -285,3 +285,29 @@ def test_tessera_generate_decodes_greedily_like_pytorch(capsys, ref, ckpt, rng):
     rows = json.loads(out)["outputs"]
     assert [r["tokens"] for r in rows] == np.stack(want, 1).tolist()
     assert np.allclose(np.array(rows[0]["align"]).sum(-1), 1.0, atol=1e-5)
+
+
+def test_plot_attention_draws_the_pytorch_alignment(capsys, monkeypatch, tmp_path, ref, ckpt):
+    """``tessera run rnnsearch --plot-attention``: the matrix drawn is the reference's alignment (target x
+    source, the paper's figure 3), with the source ids on x and the target ids on y."""
+    import json
+
+    import torch
+
+    from conftest import cli
+    from tessera.runtime import alignment_plot
+
+    seen = []
+    real = alignment_plot.draw
+    monkeypatch.setattr(alignment_plot, "draw", lambda al, path, *a, **k: (seen.append(al), real(al, path, *a, **k))[1])
+    src, tgt = [[3, 4, 5, 6, 2]], [[1, 7, 2]]
+    png = tmp_path / "align.png"
+    rc, _, err = cli(capsys, "run", MODELS / "rnnsearch.tsr", "-V", "small", "--weights", ckpt,
+                     "-i", "src=" + json.dumps(src), "-i", "tgt_in=" + json.dumps(tgt), "--plot-attention", png)
+    assert rc == 0, err
+    with torch.no_grad():
+        _, want = ref(torch.tensor(src), torch.tensor(tgt))
+    (al,) = seen
+    np.testing.assert_allclose(al.matrix, want.numpy()[0], atol=1e-5)
+    assert al.cols == [str(t) for t in src[0]] and al.rows == [str(t) for t in tgt[0]]
+    assert png.read_bytes().startswith(b"\x89PNG")
