@@ -154,6 +154,14 @@ def make_parser() -> argparse.ArgumentParser:
     c.add_argument("--cache", choices=["auto", "buffer", "concat"], default="auto",
                    help="with --kv-cache: buffer (preallocated, written in place), concat (present = past + new), "
                         "or auto: buffer, or concat for sliding-window models (default)")
+    c.add_argument("--genai", action="store_true",
+                   help="write an onnxruntime-genai model folder at -o FOLDER: the KV-cached decoder (implies "
+                        "--kv-cache; the concat cache) as model.onnx, its genai_config.json and the tokenizer "
+                        "files (needs --tokenizer); written atomically")
+    c.add_argument("--tokenizer", metavar="tokenizer.json",
+                   help="with --genai: the Hugging Face tokenizer.json copied into the folder (with the "
+                        "tokenizer_config.json and chat template beside it, if any); with the configs beside it "
+                        "or in a --weights folder it gives the end-of-sequence, start and padding token ids")
     c.add_argument("--attention-probs", dest="attention_probs", action="append", default=[],
                    type=_probs_sites, metavar="L|all",
                    help="also output the probabilities [B, heads, Tq, Tk] of attention site L (numbered in "
@@ -250,6 +258,18 @@ def main(argv: list[str] | None = None) -> int:
 
 def cmd_compile(args) -> int:
     t0 = time.perf_counter()
+    if args.genai:
+        from . import genai
+
+        genai.check_options(args)
+        if not args.tokenizer:
+            raise pipeline.UsageError("--genai needs --tokenizer tokenizer.json: onnxruntime-genai reads the tokenizer "
+                                      "and the end-of-sequence token from the folder")
+        genai.Tokenizer(Path(args.tokenizer))  # a tokenizer genai cannot read is refused before the compile
+        args.kv_cache = True
+        args.cache = "concat"
+    elif args.tokenizer:
+        raise pipeline.UsageError("--tokenizer applies to --genai (the folder for onnxruntime-genai)")
     built = pipeline.build(args.spec, args.variant, args.sets, args.weights)
     params = built.graph.param_count()  # before quantisation packs them
     pipeline.check_disk(built, args.output, args.allow_large)
@@ -282,12 +302,21 @@ def _compile_cached(built, weights, args) -> list[Path]:
     if args.no_fuse or args.attention != "auto":
         raise pipeline.UsageError("--kv-cache chooses the attention kernels per phase itself: it takes neither "
                                   "--no-fuse nor --attention")
+    if args.genai and len(built.graph.inputs) != 1:
+        raise pipeline.UsageError(f"--genai writes decoder-only models (one input, the token ids) for onnxruntime-genai's "
+                                  f"decoder state; {built.graph.name} takes {', '.join(built.graph.inputs)} "
+                                  f"(encoder-decoders are not supported)")
     pipeline.quantize(built, pipeline.quant_config(args))  # the cached graph inherits the quantised linears
     model, info = gen.compile_cached(built, weights, mode=args.cache, target=Target(args.target, args.dtype),
                                      dtype=args.dtype)
     if args.explain:
         print(explain(built.attention_sites) + "\n" + info.explain(), file=sys.stderr)
-    return onnx_export.save(model, args.output, verify=None if args.no_check else onnx_export.check)
+    verify = None if args.no_check else onnx_export.check
+    if args.genai:
+        from . import genai
+
+        return genai.write_folder(args.output, built.graph, info, model, args.tokenizer, args.weights, verify)
+    return onnx_export.save(model, args.output, verify=verify)
 
 
 def cmd_run(args) -> int:

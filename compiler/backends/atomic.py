@@ -11,6 +11,8 @@ the path, never a traceback.
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import os
 import shutil
 import tempfile
@@ -94,4 +96,77 @@ def write_atomically(path: str | Path, write: Callable[[Path], None], example: s
     return target
 
 
-__all__ = ["OutputError", "check_target", "staging", "fsync_file", "fsync_dir", "write_atomically"]
+def check_folder_target(path: str | Path, marker: str) -> Path:
+    """The target folder as a Path, refused with an OutputError when it cannot be (re)written: an
+    existing folder is replaced only when it is empty or holds ``marker`` (an earlier output of the
+    same kind), so a folder of other files is never swapped away."""
+    text = os.fspath(path)
+    path = Path(text)
+    if not text or not path.name or path.name in (".", ".."):
+        raise OutputError(f"output path {text!r} names no folder")
+    try:
+        if path.is_symlink() or (path.exists() and not path.is_dir()):
+            raise OutputError(f"output path {path} exists and is not a folder; give a folder name")
+        if path.is_dir() and any(path.iterdir()) and not (path / marker).is_file():
+            raise OutputError(f"output folder {path} holds other files and no {marker}; it is not replaced "
+                              f"(give a new folder, or one written by an earlier such compile)")
+        existing = next((a for a in path.parents if a.exists()), None)
+        if existing is not None and not existing.is_dir():
+            raise OutputError(f"cannot write {path}: {existing} is a file, not a folder")
+    except ValueError:
+        raise OutputError(f"invalid output path {text!r}") from None
+    except OSError as e:
+        raise OutputError(f"cannot write {path}: {e.strerror or e}") from None
+    return path
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two paths in one step (Linux renameat2 RENAME_EXCHANGE); False where that is not available."""
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    if fn(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+        return False
+    raise OSError(err, os.strerror(err), str(b))
+
+
+def write_folder_atomically(path: str | Path, write: Callable[[Path], None], marker: str) -> list[Path]:
+    """Call ``write(tmp_folder)`` (an empty folder of the target's name in a hidden folder beside
+    it), fsync what it wrote and put the folder in place of ``path``; returns the files written. A
+    previous folder at ``path`` (see ``check_folder_target``) is swapped out in one step where the
+    system allows it (else renamed aside and restored on failure) and only then removed, so a
+    failed, interrupted or killed compile leaves it as it was."""
+    target = check_folder_target(path, marker)
+    with staging(target) as tmp:
+        new = tmp / target.name
+        try:
+            new.mkdir()
+            write(new)
+            for f in sorted(new.rglob("*")):
+                if f.is_file():
+                    fsync_file(f)
+            fsync_dir(new)
+            if target.exists():
+                if not _exchange(new, target):  # the old folder now lies at `new`, removed with tmp
+                    old = tmp / ".previous"
+                    os.rename(target, old)
+                    try:
+                        os.rename(new, target)
+                    except BaseException:
+                        os.rename(old, target)
+                        raise
+            else:
+                os.rename(new, target)
+        except OSError as e:
+            raise OutputError(f"cannot write {target}: {e.strerror or e}") from None
+        fsync_dir(target.parent)
+    return sorted(f for f in target.iterdir() if f.is_file())
+
+
+__all__ = ["OutputError", "check_target", "check_folder_target", "staging", "fsync_file", "fsync_dir",
+           "write_atomically", "write_folder_atomically"]
