@@ -267,3 +267,32 @@ def test_eos_from_tokenizer_config_beside_it(tokenizer_file, tmp_path, capsys):
     assert cfg["eos_token_id"] == cfg["pad_token_id"] == 299
     assert cfg["bos_token_id"] == tok.token_to_id(EOS)  # the special token of the usual name
     assert (tmp_path / "f" / "tokenizer_config.json").read_bytes() == (src / "tokenizer_config.json").read_bytes()
+
+
+@needs_genai
+@pytest.mark.parametrize("name,extra", [("llama", ["--dtype", "fp16"]), ("gpt2", ["--quantize", "int4"]),
+                                        ("llama", "external")], ids=["llama-fp16", "gpt2-int4", "llama-external"])
+def test_genai_variants_equal_tessera_generate(name, extra, tokenizer_file, tmp_path, capsys, monkeypatch):
+    """fp16 (a half-precision cache, fp32 logits), int4 linears (MatMulNBits), and weights written as
+    external data (model.onnx.data, as for models past 2 GiB): genai's tokens equal `tessera generate
+    FOLDER`'s on the same folder."""
+    spec, hp, _ = SPECS[name]
+    if extra == "external":
+        from tessera.compiler.backends.onnx import export
+
+        monkeypatch.setattr(export, "EXTERNAL_DATA_THRESHOLD", 0)
+        extra = []
+    out = tmp_path / "folder"
+    rc, _, err = cli(capsys, "compile", MODELS / spec, *_sets(hp), *extra, "--genai", "--tokenizer", tokenizer_file,
+                     "-o", out)
+    assert rc == 0, err
+    assert (out / "model.onnx.data").exists() == (not extra)
+    eos = json.loads((out / "genai_config.json").read_text())["model"]["eos_token_id"]
+    prompts, new = [[5, 17, 42, 99, 3, 250], [7]], 20
+    request = tmp_path / "request.json"
+    request.write_text(json.dumps({"runs": [{"prompts": [p], "max_length": len(p) + new} for p in prompts]}))
+    proc = subprocess.run([GENAI_PYTHON, str(HERE / "genai_runner.py"), str(out), str(request)],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = [rows[0] for rows in json.loads(proc.stdout)["runs"]]
+    assert got == [_generate(capsys, [out], [p], new, eos)[0] for p in prompts]
