@@ -162,6 +162,10 @@ def make_parser() -> argparse.ArgumentParser:
                    help="with --genai: the Hugging Face tokenizer.json copied into the folder (with the "
                         "tokenizer_config.json and chat template beside it, if any); with the configs beside it "
                         "or in a --weights folder it gives the end-of-sequence, start and padding token ids")
+    c.add_argument("--context-length", type=int, metavar="N",
+                   help="with --genai: the context length written to genai_config.json (also its default max_length); "
+                        "by default the model's own (its position table's rows or rotary rope_max_ctx), and needed "
+                        "when it has none")
     c.add_argument("--attention-probs", dest="attention_probs", action="append", default=[],
                    type=_probs_sites, metavar="L|all",
                    help="also output the probabilities [B, heads, Tq, Tk] of attention site L (numbered in "
@@ -268,8 +272,9 @@ def cmd_compile(args) -> int:
         genai.Tokenizer(Path(args.tokenizer))  # a tokenizer genai cannot read is refused before the compile
         args.kv_cache = True
         args.cache = "concat"
-    elif args.tokenizer:
-        raise pipeline.UsageError("--tokenizer applies to --genai (the folder for onnxruntime-genai)")
+    elif args.tokenizer or args.context_length is not None:
+        raise pipeline.UsageError(f"{'--tokenizer' if args.tokenizer else '--context-length'} applies to --genai "
+                                  f"(the folder for onnxruntime-genai)")
     built = pipeline.build(args.spec, args.variant, args.sets, args.weights)
     params = built.graph.param_count()  # before quantisation packs them
     pipeline.check_disk(built, args.output, args.allow_large)
@@ -315,7 +320,8 @@ def _compile_cached(built, weights, args) -> list[Path]:
     if args.genai:
         from . import genai
 
-        return genai.write_folder(args.output, built.graph, info, model, args.tokenizer, args.weights, verify)
+        return genai.write_folder(args.output, built.graph, info, model, args.tokenizer, args.weights, verify,
+                                  context=args.context_length)
     return onnx_export.save(model, args.output, verify=verify)
 
 

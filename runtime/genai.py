@@ -60,6 +60,8 @@ def check_options(args) -> None:
     if args.target != "cpu":
         raise UsageError("--genai writes a CPU configuration (onnxruntime-genai's provider options); "
                          "--target cuda is not supported with it")
+    if args.context_length is not None and args.context_length < 1:
+        raise UsageError(f"--context-length must be at least 1, got {args.context_length}")
     if args.output.endswith(".onnx"):
         raise UsageError(f"with --genai, -o names the folder to write (e.g. {args.output[:-5]}), not an .onnx file")
 
@@ -144,15 +146,19 @@ def _template(names: list[str], what: str) -> str:
     return prefix + "%d"
 
 
-def genai_config(graph, info: CacheInfo, model: onnx.ModelProto, tokens: dict) -> dict:
-    """genai_config.json for the cached graph ``graph`` (concat mode) exported as ``model``."""
+def genai_config(graph, info: CacheInfo, model: onnx.ModelProto, tokens: dict, context: int | None = None) -> dict:
+    """genai_config.json for the cached graph ``graph`` (concat mode) exported as ``model``; ``context``
+    the context length (default: the model's own, which it may not exceed)."""
     if info.mode != "concat":
         raise UsageError("onnxruntime-genai drives the concat cache; compile with --cache concat")
     if any(layer.value_size != layer.head_size for layer in info.layers):
         raise UsageError("onnxruntime-genai's cache has one head size for keys and values; this model's differ")
-    if info.context is None:
+    if context is None and info.context is None:
         raise UsageError("the model has no position table nor rotary context (rope_max_ctx), so its context length "
-                         "is unknown; onnxruntime-genai's config needs one")
+                         "is unknown; onnxruntime-genai's config needs one: give --context-length N")
+    if context is not None and info.context is not None and context > info.context:
+        raise UsageError(f"--context-length {context} is past the model's context of {info.context} positions")
+    context = int(context or info.context)
     logits = next(o for o in model.graph.output if o.name == info.logits)
     vocab = logits.type.tensor_type.shape.dim[-1].dim_value
     if not vocab:
@@ -169,7 +175,7 @@ def genai_config(graph, info: CacheInfo, model: onnx.ModelProto, tokens: dict) -
     return {
         "model": {
             "bos_token_id": tokens["bos"],
-            "context_length": int(info.context),
+            "context_length": context,
             "decoder": {
                 "session_options": {"log_id": "onnxruntime-genai", "provider_options": []},
                 "filename": MODEL_FILE,
@@ -188,7 +194,7 @@ def genai_config(graph, info: CacheInfo, model: onnx.ModelProto, tokens: dict) -
         },
         "search": {
             "diversity_penalty": 0.0, "do_sample": False, "early_stopping": True, "length_penalty": 1.0,
-            "max_length": int(info.context), "min_length": 0, "no_repeat_ngram_size": 0, "num_beams": 1,
+            "max_length": context, "min_length": 0, "no_repeat_ngram_size": 0, "num_beams": 1,
             "num_return_sequences": 1, "past_present_share_buffer": False, "repetition_penalty": 1.0,
             "temperature": 1.0, "top_k": 50, "top_p": 1.0,
         },
@@ -196,14 +202,14 @@ def genai_config(graph, info: CacheInfo, model: onnx.ModelProto, tokens: dict) -
 
 
 def write_folder(out: str | Path, graph, info: CacheInfo, model: onnx.ModelProto, tokenizer: str,
-                 weights: str | None = None, verify=None) -> list[Path]:
+                 weights: str | None = None, verify=None, context: int | None = None) -> list[Path]:
     """Write FOLDER/model.onnx (+ model.onnx.data when large), genai_config.json and the tokenizer
     files, atomically (compiler/backends/atomic.py); returns the files written."""
     from tessera.compiler.backends.onnx import export as onnx_export
 
     tok = Tokenizer(Path(tokenizer))
     tokens = special_ids(tok, weights)
-    config = genai_config(graph, info, model, tokens)
+    config = genai_config(graph, info, model, tokens, context)
     vocab = config["model"]["vocab_size"]
     if tok.max_id >= vocab:
         raise UsageError(f"{tok.path} has token ids up to {tok.max_id}, past the model's vocabulary of {vocab}")
@@ -220,7 +226,7 @@ def write_folder(out: str | Path, graph, info: CacheInfo, model: onnx.ModelProto
                 shutil.copyfile(tok.path.parent / name, folder / name)
         if not (folder / "tokenizer_config.json").exists():
             names = {v: k for k, v in tok.ids.items()}
-            tcfg = {"tokenizer_class": "TokenizersBackend", "model_max_length": int(info.context)}
+            tcfg = {"tokenizer_class": "TokenizersBackend", "model_max_length": config["model"]["context_length"]}
             for key in ("bos", "eos", "pad"):
                 tid = tokens[key][0] if key == "eos" else tokens[key]
                 if tid in names:

@@ -242,6 +242,13 @@ def test_bad_models_tokenizers_and_targets(tokenizer_file, tmp_path, capsys):
                                               "-o", tmp_path / "f")
     assert "not found" in cli_error(capsys, "compile", GPT2, *SMALL, "--genai", "--tokenizer", tmp_path / "none.json",
                                     "-o", tmp_path / "f")
+    window = HERE / "specs" / "mistral_window.tsr"
+    assert "give --context-length N" in cli_error(capsys, "compile", window, *WINDOW[:-2], *gen, "-o", tmp_path / "f")
+    assert "past the model's context of 32" in cli_error(capsys, "compile", GPT2, *SMALL, *gen, "--context-length",
+                                                         64, "-o", tmp_path / "f")
+    assert "at least 1" in cli_error(capsys, "compile", GPT2, *SMALL, *gen, "--context-length", 0, "-o", tmp_path / "f")
+    assert "--context-length applies to --genai" in cli_error(capsys, "compile", GPT2, *SMALL, "--context-length", 16,
+                                                              "-o", tmp_path / "f.onnx")
     other = tmp_path / "mine"
     other.mkdir()
     (other / "notes.txt").write_text("keep")
@@ -269,21 +276,31 @@ def test_eos_from_tokenizer_config_beside_it(tokenizer_file, tmp_path, capsys):
     assert (tmp_path / "f" / "tokenizer_config.json").read_bytes() == (src / "tokenizer_config.json").read_bytes()
 
 
+WINDOW = ["--set", "vocab=300", "--set", "d=64", "--set", "layers=2", "--set", "heads=4", "--set", "kv_heads=2",
+          "--set", "d_ff=96", "--set", "window=8", "--context-length", "512"]
+
+
 @needs_genai
 @pytest.mark.parametrize("name,extra", [("llama", ["--dtype", "fp16"]), ("gpt2", ["--quantize", "int4"]),
-                                        ("llama", "external")], ids=["llama-fp16", "gpt2-int4", "llama-external"])
+                                        ("llama", "external"), ("window", WINDOW)],
+                         ids=["llama-fp16", "gpt2-int4", "llama-external", "sliding-window"])
 def test_genai_variants_equal_tessera_generate(name, extra, tokenizer_file, tmp_path, capsys, monkeypatch):
-    """fp16 (a half-precision cache, fp32 logits), int4 linears (MatMulNBits), and weights written as
-    external data (model.onnx.data, as for models past 2 GiB): genai's tokens equal `tessera generate
-    FOLDER`'s on the same folder."""
-    spec, hp, _ = SPECS[name]
+    """fp16 (a half-precision cache, fp32 logits), int4 linears (MatMulNBits), weights written as
+    external data (model.onnx.data, as for models past 2 GiB), and a sliding window of 8 (genai keeps
+    every column, Tessera's loop only the window's; the mask makes them the same attention): genai's
+    tokens equal `tessera generate FOLDER`'s on the same folder."""
+    if name == "window":  # no rotary context in this spec: --context-length gives genai its length
+        spec, hp = HERE / "specs" / "mistral_window.tsr", {}
+    else:
+        spec, hp, _ = SPECS[name]
+        spec = MODELS / spec
     if extra == "external":
         from tessera.compiler.backends.onnx import export
 
         monkeypatch.setattr(export, "EXTERNAL_DATA_THRESHOLD", 0)
         extra = []
     out = tmp_path / "folder"
-    rc, _, err = cli(capsys, "compile", MODELS / spec, *_sets(hp), *extra, "--genai", "--tokenizer", tokenizer_file,
+    rc, _, err = cli(capsys, "compile", spec, *_sets(hp), *extra, "--genai", "--tokenizer", tokenizer_file,
                      "-o", out)
     assert rc == 0, err
     assert (out / "model.onnx.data").exists() == (not extra)
