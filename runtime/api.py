@@ -9,6 +9,7 @@ optimize, export, the generation loop), so the two cannot drift apart.
     m.report(batch=1, seq=128)                      # the cost report, as a dict
     m.compile("out/gpt2.onnx")                      # ONNX file(s) written
     m.compile("out/gpt2-cached.onnx", kv_cache=True)  # for `tessera generate out/gpt2-cached.onnx`
+    m.compile("out/gpt2-genai", genai=True, tokenizer="tokenizer.json")  # a folder for onnxruntime-genai
     m.run(tokens=[[464, 2068, 7586]])               # {"logits": array}
     m.alignment(layer=1, head="mean", tokens=[[464, 2068, 7586]]).matrix   # layer 1's attention [T, T]
     m.generate([464, 2068], max_new_tokens=20)      # [[...new ids...]]
@@ -92,15 +93,37 @@ class Model:
 
     def compile(self, out: str | Path, kv_cache: bool = False, attention: str = "auto", target: str = "cpu",
                 dtype: str = "fp32", check: bool = True, quantize: str = "none", quantize_block: int | None = None,
-                quantize_head: bool = False, quantize_activations: str | None = None) -> list[Path]:
+                quantize_head: bool = False, quantize_activations: str | None = None, genai: bool = False,
+                tokenizer: str | Path | None = None, context_length: int | None = None) -> list[Path]:
         """Write the ONNX file (kv_cache=True: the cached decoder that ``tessera generate`` loads);
         the weights are streamed to it one tensor at a time. ``quantize`` "int8" or "int4" (with
-        ``quantize_block``, ``quantize_head``, ``quantize_activations``) is --quantize's quantisation."""
+        ``quantize_block``, ``quantize_head``, ``quantize_activations``) is --quantize's quantisation.
+        ``genai=True`` (with ``tokenizer``, and ``context_length`` where the model has none) writes
+        the folder ``out`` for onnxruntime-genai, as ``tessera compile --genai`` does."""
         from tessera.compiler.backends.onnx import export as onnx_export
 
         verify = onnx_export.check if check else None
         quant_args = {"quantize": quantize, "quantize_block": quantize_block, "quantize_head": quantize_head,
                       "quantize_activations": quantize_activations}
+        if genai:
+            from tessera.compiler.passes.attention_kernels import Target
+
+            from . import genai as genai_mod
+
+            genai_mod.check_options(argparse.Namespace(cache="concat", target=target, output=str(out),
+                                                       context_length=context_length))
+            if tokenizer is None:
+                raise pipeline.UsageError("genai=True needs tokenizer='tokenizer.json' (onnxruntime-genai reads the "
+                                          "tokenizer and the end-of-sequence token from the folder)")
+            genai_mod.Tokenizer(Path(tokenizer))
+            built = self._fresh()
+            pipeline.quantize(built, pipeline.quant_config(argparse.Namespace(**quant_args)))
+            model, info = gen.compile_cached(built, self._weights, mode="concat", target=Target(target, dtype),
+                                             dtype=dtype)
+            return genai_mod.write_folder(out, built.graph, info, model, str(tokenizer), self.weights_path, verify,
+                                          context=context_length)
+        if tokenizer is not None or context_length is not None:
+            raise pipeline.UsageError("tokenizer and context_length apply to genai=True")
         if kv_cache:
             quant = pipeline.quant_config(argparse.Namespace(**quant_args))
             return onnx_export.save(self._cached_onnx(target, dtype, quant=quant), out, verify=verify)

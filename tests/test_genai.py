@@ -313,3 +313,20 @@ def test_genai_variants_equal_tessera_generate(name, extra, tokenizer_file, tmp_
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = [rows[0] for rows in json.loads(proc.stdout)["runs"]]
     assert got == [_generate(capsys, [out], [p], new, eos)[0] for p in prompts]
+
+
+def test_python_api_writes_the_same_folder(tokenizer_file, tmp_path, capsys):
+    """tessera.load(...).compile(out, genai=True, tokenizer=...) writes what the command writes."""
+    rc, _, err = cli(capsys, "compile", GPT2, *SMALL, "--genai", "--tokenizer", tokenizer_file, "-o", tmp_path / "cli")
+    assert rc == 0, err
+    m = tessera.load(GPT2, layers=1, d=32, heads=2, vocab=VOCAB, ctx=32)
+    files = m.compile(tmp_path / "api", genai=True, tokenizer=tokenizer_file)
+    assert [f.name for f in files] == sorted(p.name for p in (tmp_path / "cli").iterdir())
+    for f in files:
+        assert f.read_bytes() == (tmp_path / "cli" / f.name).read_bytes(), f.name
+    from tessera.runtime.pipeline import UsageError
+
+    with pytest.raises(UsageError, match="needs tokenizer"):
+        m.compile(tmp_path / "x", genai=True)
+    with pytest.raises(UsageError, match="apply to genai=True"):
+        m.compile(tmp_path / "x.onnx", tokenizer=tokenizer_file)
