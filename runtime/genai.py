@@ -75,22 +75,27 @@ class Tokenizer:
             raise UsageError(f"tokenizer file not found: {path}")
         try:
             data = json.loads(path.read_text(encoding="utf-8"))
+        except ValueError as e:
+            raise UsageError(f"{path} is not a Hugging Face tokenizer.json ({e})") from None
+        except OSError as e:
+            raise UsageError(f"cannot read {path}: {e.strerror or e}") from None
+        try:
             model = data["model"]
             kind = model.get("type") or ("BPE" if "merges" in model else None)
-        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-            raise UsageError(f"{path} is not a Hugging Face tokenizer.json ({e})") from None
-        if kind not in TOKENIZER_MODELS:
-            raise UsageError(f"{path} is a {kind} tokenizer; onnxruntime-genai's tokenizer (onnxruntime-extensions) "
-                             f"reads {', '.join(TOKENIZER_MODELS)} tokenizers")
-        vocab = model.get("vocab", {})
-        if isinstance(vocab, list):  # Unigram: [[piece, score], ...]
-            vocab = {piece[0]: i for i, piece in enumerate(vocab)}
-        self.ids = dict(vocab)
-        self.special: dict[str, int] = {}
-        for t in data.get("added_tokens") or []:
-            self.ids[t["content"]] = t["id"]
-            if t.get("special"):
-                self.special[t["content"]] = t["id"]
+            if kind not in TOKENIZER_MODELS:
+                raise UsageError(f"{path} is a {kind} tokenizer; onnxruntime-genai's tokenizer "
+                                 f"(onnxruntime-extensions) reads {', '.join(TOKENIZER_MODELS)} tokenizers")
+            vocab = model.get("vocab", {})
+            if isinstance(vocab, list):  # Unigram: [[piece, score], ...]
+                vocab = {piece[0]: i for i, piece in enumerate(vocab)}
+            self.ids = {str(k): int(v) for k, v in dict(vocab).items()}
+            self.special: dict[str, int] = {}
+            for t in data.get("added_tokens") or []:
+                self.ids[t["content"]] = int(t["id"])
+                if t.get("special"):
+                    self.special[t["content"]] = int(t["id"])
+        except (ValueError, KeyError, TypeError, AttributeError, IndexError) as e:
+            raise UsageError(f"{path} is not a Hugging Face tokenizer.json ({type(e).__name__}: {e})") from None
         self.path, self.kind = path, kind
         self.max_id = max(self.ids.values(), default=-1)
 
@@ -114,7 +119,8 @@ def special_ids(tok: Tokenizer, weights: str | None) -> dict:
             cfg = _read_json(folder / name)
             for key in ("bos", "eos", "pad"):
                 v = cfg.get(f"{key}_token_id")
-                if key not in found and v is not None and v != []:
+                ok = isinstance(v, int) or (isinstance(v, list) and v and all(isinstance(x, int) for x in v))
+                if key not in found and ok and not isinstance(v, bool):
                     found[key] = v
     tcfg = _read_json(tok.path.parent / "tokenizer_config.json")
     for key in ("bos", "eos", "pad"):

@@ -330,3 +330,12 @@ def test_python_api_writes_the_same_folder(tokenizer_file, tmp_path, capsys):
         m.compile(tmp_path / "x", genai=True)
     with pytest.raises(UsageError, match="apply to genai=True"):
         m.compile(tmp_path / "x.onnx", tokenizer=tokenizer_file)
+
+
+@pytest.mark.parametrize("content", ["not json", "[1, 2]", '{"model": {"type": "BPE", "vocab": {"a": "x"}}}',
+                                     '{"model": {"type": "BPE", "vocab": {}}, "added_tokens": [{"id": 1}]}'])
+def test_malformed_tokenizer_is_a_clear_error(content, tmp_path, capsys):
+    bad = tmp_path / "tokenizer.json"
+    bad.write_text(content)
+    err = cli_error(capsys, "compile", GPT2, *SMALL, "--genai", "--tokenizer", bad, "-o", tmp_path / "f")
+    assert "is not a Hugging Face tokenizer.json" in err
