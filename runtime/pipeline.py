@@ -216,7 +216,8 @@ def quantize(built: Built, config) -> None:
 def optimize(built: Built, args) -> None:
     """Fuse attention, choose kernels and quantise weights as the command-line flags say; print
     --explain's listing."""
-    from tessera.compiler.passes.pipeline import attention_sites, build_pipeline, explain
+    from tessera.compiler.passes.pipeline import (attention_sites, build_pipeline, expert_sites, explain,
+                                                  explain_experts)
     from tessera.compiler.passes import PassError
     from tessera.compiler.passes.attention_kernels import Target
     from tessera.compiler.passes.quantize import QuantizeWeights
@@ -228,7 +229,8 @@ def optimize(built: Built, args) -> None:
     built.quantize = quant_config(args)
     try:
         result = build_pipeline(Target(getattr(args, "target", "cpu"), dtype), attention, lower_precision=True,
-                                quantize=built.quantize)(built.graph)
+                                quantize=built.quantize,
+                                sparse_moe=not getattr(args, "no_sparse_moe", False))(built.graph)
     except PassError as e:
         raise UsageError(str(e)) from None
     if getattr(args, "explain", False):
@@ -239,6 +241,9 @@ def optimize(built: Built, args) -> None:
             lines.append(f"quantised linears: {done} of {len(notes)} ({built.quantize.scheme}, "
                          f"block {built.quantize.block_size})")
             lines += [f"  {n.describe()}" for n in notes if not n.quantized]
+        experts = explain_experts(expert_sites(result))
+        if experts:
+            lines.append(experts)
         print("\n".join(lines), file=sys.stderr)
 
 

@@ -1,5 +1,6 @@
 """The one declared optimisation pipeline: fuse attention, drop dead nodes, choose each fused kernel
-for the target, and (for export at a lower precision) lower the precision.
+for the target, quantise weights (--quantize), make mixtures of experts sparse (unless
+--no-sparse-moe), and (for export at a lower precision) lower the precision.
 
 Every pass runs under its contract in a PassManager; the attention sites ``--explain`` prints are read
 from the passes' results (the fusion pass's AttentionSite notes, completed by the kernel pass's
@@ -16,21 +17,24 @@ from tessera.compiler.passes.base import EliminateDeadNodes, PassManager, Pipeli
 from tessera.compiler.passes.fuse_attention import AttentionSite, FuseAttention
 from tessera.compiler.passes.precision import LowerPrecision
 from tessera.compiler.passes.quantize import QuantConfig, QuantizeWeights
+from tessera.compiler.passes.sparse_moe import SparseExperts
 
 ATTENTION_CHOICES = ("auto", "gqa", "mha", "portable", "unfused")
 
 
 def build_pipeline(target: Target = Target(), attention: str = "auto", lower_precision: bool = False,
-                   quantize: QuantConfig | None = None) -> PassManager:
+                   quantize: QuantConfig | None = None, sparse_moe: bool = True) -> PassManager:
     """The passes, in order, for a target and an --attention choice; ``lower_precision`` adds the
     fp32 -> target.dtype lowering (export does; analyses that only ask what fuses do not);
-    ``quantize`` the weight-only quantisation of the linears (before the precision is lowered)."""
+    ``quantize`` the weight-only quantisation of the linears (before the precision is lowered);
+    ``sparse_moe`` False (--no-sparse-moe) keeps mixtures of experts dense."""
     fuse = attention != "unfused"
     passes = [FuseAttention(enabled=fuse), EliminateDeadNodes()]
     if fuse:
         passes.append(ChooseAttentionKernels(target, None if attention == "auto" else attention))
     if quantize is not None:
         passes.append(QuantizeWeights(quantize))
+    passes.append(SparseExperts(enabled=sparse_moe))  # after quantisation: quantised experts stay dense
     if lower_precision and target.dtype != "fp32":
         passes.append(LowerPrecision(target.dtype))
     return PassManager(passes)
@@ -47,9 +51,15 @@ def attention_sites(result: PipelineResult) -> list[AttentionSite]:
 
 
 def optimize(graph: Graph, target: Target = Target(), attention: str = "auto",
-             lower_precision: bool = False, quantize: QuantConfig | None = None) -> list[AttentionSite]:
+             lower_precision: bool = False, quantize: QuantConfig | None = None,
+             sparse_moe: bool = True) -> list[AttentionSite]:
     """Run the pipeline on the graph (in place); return every attention site with what happened to it."""
-    return attention_sites(build_pipeline(target, attention, lower_precision, quantize)(graph))
+    return attention_sites(build_pipeline(target, attention, lower_precision, quantize, sparse_moe)(graph))
+
+
+def expert_sites(result: PipelineResult) -> list:
+    """Every mixture of experts the sparse-experts pass looked at, sparse or dense and why."""
+    return result.notes(SparseExperts.name)
 
 
 def explain(sites: list[AttentionSite]) -> str:
@@ -57,3 +67,12 @@ def explain(sites: list[AttentionSite]) -> str:
     lines = [f"attention sites: {len(sites)} ({fused} fused, {len(sites) - fused} not fused)"]
     lines += [f"  {s.describe()}" for s in sites]
     return "\n".join(lines)
+
+
+def explain_experts(sites: list) -> str:
+    """--explain's lines for the mixtures of experts ("" when the model has none)."""
+    if not sites:
+        return ""
+    sparse = sum(s.sparse for s in sites)
+    lines = [f"mixtures of experts: {len(sites)} ({sparse} sparse, {len(sites) - sparse} dense)"]
+    return "\n".join(lines + [f"  {s.describe()}" for s in sites])
