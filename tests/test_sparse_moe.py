@@ -43,7 +43,7 @@ def _weights(graph, rng, scale=0.3):
     return {k: (v + rng.standard_normal(v.shape) * scale).astype(v.dtype) for k, v in init_weights(graph, 0).items()}
 
 
-def _sparse(graph, impl="moe"):
+def _sparse(graph, impl="gather"):
     g = graph.copy()
     result = SparseExperts(impl=impl)(g)
     return g, result.notes
@@ -203,7 +203,7 @@ def test_cli_report_compile_and_explain(capsys, tmp_path):
         path = tmp_path / f"m{len(flag)}.onnx"
         rc, _, err = cli(capsys, "compile", "mixtral", *sets, "-o", path, "--explain", *flag)
         assert rc == 0, err
-        assert ("MoE" in {n.op_type for n in onnx.load(str(path)).graph.node}) == want
+        assert ("ScatterND" in {n.op_type for n in onnx.load(str(path)).graph.node}) == want
         assert "mixtures of experts: 2 (2 sparse, 0 dense)" in err if want else "0 sparse, 2 dense" in err
 
 
@@ -217,7 +217,8 @@ def test_quantised_experts_stay_dense(capsys, tmp_path):
 
 
 # ---------------------------------------------------------------- KV-cached decoding (T = 1 per step)
-def test_cached_decoder_runs_sparse_experts_and_equals_dense_recomputation(rng):
+@pytest.mark.parametrize("impl", ["gather", "moe"])
+def test_cached_decoder_runs_sparse_experts_and_equals_dense_recomputation(rng, impl, monkeypatch):
     import onnxruntime as ort
 
     from tessera.compiler.backends.onnx import export as onnx_export
@@ -227,8 +228,11 @@ def test_cached_decoder_runs_sparse_experts_and_equals_dense_recomputation(rng):
     sets = [f"{k}={v}" for k, v in SMALL.items()]
     built = pipeline.build(MODELS / "mixtral.tsr", None, sets)
     weights = _weights(built.graph, rng)
+    from tessera.compiler.passes import sparse_moe
+
+    monkeypatch.setattr(sparse_moe, "DEFAULT_IMPL", impl)
     model, info = compile_cached(built, weights)
-    assert "MoE" in {n.op_type for n in model.graph.node}
+    assert ("ScatterND" if impl == "gather" else "MoE") in {n.op_type for n in model.graph.node}
     dense = pipeline.build(MODELS / "mixtral.tsr", None, sets)
     full = ort.InferenceSession(onnx_export.to_onnx(dense.graph, weights).SerializeToString(),
                                 providers=["CPUExecutionProvider"])

@@ -8,15 +8,17 @@ top-k, renormalised, which is the same), and the gate-weighted sum of those expe
 dense block; the expert weights stay the block's own parameters (``experts.e.ffn.gate.weight`` ...),
 each ``[out, in]`` as ``linear`` stores it.
 
-Two lowerings (attribute ``impl``):
+Two lowerings (attribute ``impl``; the pass picks ``gather``, the faster one on this machine's CPU:
+docs/BENCHMARKS.md, "Sparse experts"):
 
+- ``gather``: standard ops only: TopK and Softmax over the logits, then per expert the positions
+  routed to it (NonZero), a Gather of those tokens, the SwiGLU on them alone, and a ScatterND add of
+  the gate-weighted result into the output;
 - ``moe``: onnxruntime's ``com.microsoft.MoE`` (CPU and CUDA), fc1 the experts' gate and up rows
   interleaved (``swiglu_fusion=1``, ``activation_alpha=1``, ``activation_beta=0``: silu(g)·u),
   ``normalize_routing_weights=1``; the stacked weights are Concat/Reshape of the parameters, which
-  onnxruntime folds once when the session is created;
-- ``gather``: standard ops only: TopK and Softmax over the logits, then per expert the positions
-  routed to it (NonZero), a Gather of those tokens, the SwiGLU on them alone, and a ScatterND add of
-  the gate-weighted result into the output.
+  onnxruntime folds once when the session is created. Its top-k breaks exact ties between logits
+  towards the higher expert index (TopK and the reference: the lower one).
 
 The cost counts the work that runs: ``k`` experts per token, not ``E``.
 """
@@ -32,7 +34,7 @@ from tessera.compiler.ir.graph import TensorType
 from tessera.compiler.ops import common
 from tessera.compiler.ops.registry import ShapeError, custom, op
 
-IMPLS = ("moe", "gather")
+IMPLS = ("gather", "moe")
 
 
 def route(logits: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
@@ -112,7 +114,7 @@ def _lower_gather(L):
 
 
 def _lower(L):
-    impl = L.a.get("impl", "moe")
+    impl = L.a.get("impl", "gather")
     if impl not in IMPLS:
         raise ValueError(f"sparse_moe impl must be one of {IMPLS}, got {impl!r}")
     (_lower_ort if impl == "moe" else _lower_gather)(L)
@@ -153,7 +155,7 @@ def _sparse_moe(t, a):
     e, k = a.get("experts"), a.get("k")
     if not isinstance(e, int) or not isinstance(k, int) or not 1 <= k <= e:
         raise ShapeError(f"sparse_moe needs 1 <= k <= experts, got k={k}, experts={e}")
-    if a.get("impl", "moe") not in IMPLS:
+    if a.get("impl", "gather") not in IMPLS:
         raise ShapeError(f"sparse_moe impl must be one of {', '.join(IMPLS)}, got {a.get('impl')!r}")
     if len(t) != 2 + 3 * e:
         raise ShapeError(f"sparse_moe takes x, logits and 3 weights per expert ({2 + 3 * e} inputs), got {len(t)}")
