@@ -43,8 +43,13 @@ def main(argv=None) -> int:
     p.add_argument("--n", nargs="+", type=int, default=[512], help="prompt lengths (default 512)")
     p.add_argument("--repeat", type=int, default=5, help="timed rounds per N (default 5)")
     p.add_argument("--threads", type=int, default=0, help="onnxruntime intra-op threads (0: its default, all cores)")
+    p.add_argument("--decode", type=int, metavar="NEW", default=0,
+                   help="instead of prefill: KV-cached greedy decoding of NEW tokens after a prompt of the first "
+                        "--n tokens, per case (tokens/s of the decode steps, T = 1 each)")
     p.add_argument("--json", type=Path, help="also write the results here")
     args = p.parse_args(argv)
+    if args.decode:
+        return decode(args)
 
     import onnxruntime as ort
 
@@ -106,6 +111,41 @@ def main(argv=None) -> int:
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({"sets": sets, "threads": args.threads, "results": results}, indent=2))
+    tmp.cleanup()
+    return 0
+
+
+def decode(args) -> int:
+    """Greedy decoding with the KV cache, the cases alternating round by round."""
+    import tessera
+    from tessera.compiler.backends.onnx import export as onnx_export
+    from tessera.compiler.passes import sparse_moe
+    from tessera.runtime.generate import CachedModel, compile_cached, generate
+
+    sets = FULL if args.full else TINY if args.tiny else HALF
+    m = tessera.load(ROOT / "models" / "mixtral.tsr", variant="8x7b", **sets)
+    models = {}
+    tmp = tempfile.TemporaryDirectory(dir=os.environ.get("TMPDIR"))
+    for case in args.cases:
+        sparse_moe.DEFAULT_IMPL = case if case != "dense" else "gather"  # the lowering of this case
+        model, _ = compile_cached(m._fresh(), m.weights, sparse_moe=case != "dense")
+        path = Path(tmp.name) / f"{case}.onnx"
+        onnx_export.save(model, path)  # a file: more than 2 GB cannot be one serialised proto
+        del model
+        gc.collect()
+        models[case] = CachedModel.from_onnx(path, threads=args.threads or None)
+    prompt = [np.random.default_rng(0).integers(1, sets.get("vocab", 32000), args.n[0]).tolist()]
+    rates = {c: [] for c in args.cases}
+    tokens = {}
+    for _ in range(args.repeat):
+        for c in args.cases:
+            r = generate(models[c], prompt, args.decode)
+            rates[c].append(r.stats.decode_tokens_per_s)
+            tokens[c] = r.tokens
+    print(f"decode: prompt {args.n[0]}, {args.decode} new tokens, {args.repeat} rounds; {sets}")
+    for c in args.cases:
+        same = "" if c == "dense" else f"  same tokens as dense: {tokens[c] == tokens.get('dense', tokens[c])}"
+        print(f"  {c:7s} {max(rates[c]):7.2f} tok/s best {statistics.median(rates[c]):7.2f} tok/s median{same}")
     tmp.cleanup()
     return 0
 
