@@ -108,10 +108,13 @@ def test_sparse_equals_dense_numpy_and_onnxruntime(rng, impl):
     w = _weights(dense, rng)
     feeds = {"tokens": rng.integers(0, 50, (2, 19)).astype(np.int64)}
     want = interpret.run(dense, w, feeds)["logits"]
-    scale = np.abs(want).max()
-    assert np.abs(interpret.run(sparse, w, feeds)["logits"] - want).max() <= TOL * scale
-    assert np.abs(ort_run(sparse, w, feeds)["logits"] - want).max() <= TOL * scale
-    assert np.abs(ort_run(dense, w, feeds)["logits"] - want).max() <= TOL * scale
+    want_ort = ort_run(dense, w, feeds)["logits"]
+    got_ort = ort_run(sparse, w, feeds)["logits"]
+    # sparse against dense, each run the same way: numpy interpreter, onnxruntime (absolute, logits up to ~8)
+    assert np.abs(interpret.run(sparse, w, feeds)["logits"] - want).max() <= TOL
+    assert np.abs(got_ort - want_ort).max() <= TOL
+    # and onnxruntime against numpy (fp32 rounding of the whole model, as for the dense graph)
+    assert np.abs(got_ort - want).max() <= TOL * np.abs(want).max()
 
 
 def test_block_output_matches_numpy_mixtral(rng, tmp_path):
