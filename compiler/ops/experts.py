@@ -95,8 +95,9 @@ def _lower_gather(L):
     vals, idx = b.node("TopK", [logits, b.i64([k])], 2, axis=-1, largest=1, sorted=1)
     w_flat = b.node("Reshape", [b.node("Softmax", [vals], axis=-1)[0], b.i64([-1])])[0]   # [tokens·k]
     idx_flat = b.node("Reshape", [idx, b.i64([-1])])[0]
-    acc = b.node("ConstantOfShape", [b.node("Shape", [flat])[0]],
-                 value=b.tensor_value(np.zeros(1, dtype=common.np_float(L.t_in[0].dtype))))[0]
+    # the sum is kept in fp32 (onnxruntime's CPU ScatterND has no fp16 'add'; fp32 sums are better anyway)
+    low = L.t_in[0].dtype != "f32"
+    acc = b.node("ConstantOfShape", [b.node("Shape", [flat])[0]], value=b.tensor_value(np.zeros(1, np.float32)))[0]
     kk = b.i64(k)
     for i in range(e):
         gate, up, down = x[2 + 3 * i: 5 + 3 * i]
@@ -109,7 +110,11 @@ def _lower_gather(L):
         act = b.node("Mul", [b.node("Mul", [g, b.node("Sigmoid", [g])[0]])[0], u])[0]
         y = b.node("MatMul", [act, b.node("Transpose", [down], perm=[1, 0])[0]])[0]
         wy = b.node("Mul", [y, b.node("Unsqueeze", [b.node("Gather", [w_flat, pos], axis=0)[0], b.i64([1])])[0]])[0]
+        if low:
+            wy = b.node("Cast", [wy], to=b.onnx_type("f32"))[0]
         acc = b.node("ScatterND", [acc, b.node("Unsqueeze", [tok, b.i64([1])])[0], wy], reduction="add")[0]
+    if low:
+        acc = b.node("Cast", [acc], to=b.onnx_type(L.t_in[0].dtype))[0]
     L.emit("Reshape", [acc, b.node("Shape", [x[0]])[0]])
 
 
