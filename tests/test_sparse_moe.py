@@ -261,3 +261,25 @@ def test_fp16_sparse_is_close_to_fp16_dense(rng, impl):
     err_dense = np.abs(ort_run(dense, w, feeds)["logits"] - want).max()
     err_sparse = np.abs(ort_run(sparse, w, feeds)["logits"] - want).max()
     assert err_sparse <= max(2 * err_dense, 1e-2 * np.abs(want).max()), (err_sparse, err_dense)
+
+
+def test_gates_used_outside_the_block_stay_dense(tmp_path, rng):
+    """A hand-written mixture whose gates are also a model output: the sum can go, the gates cannot,
+    so the pass leaves it dense and says why; the graph still runs."""
+    graph = build_spec(tmp_path, """
+model M(d = 16) {
+  in x: f32[B, T, d]
+  out y: f32[B, T, d]
+  out gates: f32[B, T, 4]
+  gates = topk_gates(linear(x, 4, bias=false, name="router"), 2)
+  y = 0.0
+  repeat 4 as e {
+    y += swiglu(x, 20, name="expert") * slice(gates, -1, e, e + 1)
+  }
+}""")
+    result = SparseExperts()(graph)
+    (site,) = result.notes
+    assert not site.sparse and "also read by identity" in site.reason
+    w = _weights(graph, rng)
+    x = rng.standard_normal((1, 3, 16)).astype(np.float32)
+    assert ort_run(graph, w, {"x": x})["y"].shape == (1, 3, 16)

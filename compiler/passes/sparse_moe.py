@@ -109,7 +109,7 @@ def match(graph: Graph, gate: Node) -> Match:
         a = s.attrs
         if s.op != "slice" or a.get("axis") not in (-1, len(shape) - 1) or a.get("end") != a.get("start", 0) + 1 \
                 or a.get("step", 1) != 1:
-            raise NoMatch(f"the gates feed {s.op} {s.name}, not one slice per expert")
+            raise NoMatch(f"the gates are also read by {s.op} {s.name}, not only by one slice per expert")
         slices[int(a["start"])] = s
     if sorted(slices) != list(range(e_count)):
         raise NoMatch(f"the gates are sliced for experts {sorted(slices)}, not each of 0..{e_count - 1}")
