@@ -10,6 +10,7 @@ optimize, export, the generation loop), so the two cannot drift apart.
     m.compile("out/gpt2.onnx")                      # ONNX file(s) written
     m.compile("out/gpt2-cached.onnx", kv_cache=True)  # for `tessera generate out/gpt2-cached.onnx`
     m.run(tokens=[[464, 2068, 7586]])               # {"logits": array}
+    m.alignment(layer=1, head="mean", tokens=[[464, 2068, 7586]]).matrix   # layer 1's attention [T, T]
     m.generate([464, 2068], max_new_tokens=20)      # [[...new ids...]]
     for step in m.generate("Hello", tokenizer="tokenizer.json", max_new_tokens=20, stream=True):
         print(step, end="")                          # text as it is decoded
@@ -113,11 +114,9 @@ class Model:
         built, meta = self._optimized(attention, target, dtype, quant_args, sparse_moe)
         return onnx_export.write(built.graph, self._weights, out, meta, verify=verify)
 
-    def run(self, **inputs) -> dict[str, np.ndarray]:
-        """Run the model in onnxruntime (CPU) on named inputs (arrays or nested lists)."""
+    def _feeds(self, inputs: dict) -> dict[str, np.ndarray]:
         from tessera.compiler.ir.graph import DTYPES
         from tessera.compiler.ir.signature import bind_inputs
-        from .session import open_session, run_session
 
         feeds = {}
         for name, value in inputs.items():
@@ -125,12 +124,53 @@ class Model:
                 value = np.asarray(value, dtype=DTYPES[self.graph.type_of(name).dtype])
             feeds[name] = np.asarray(value)
         bind_inputs(self.graph, feeds)
+        return feeds
+
+    def run(self, **inputs) -> dict[str, np.ndarray]:
+        """Run the model in onnxruntime (CPU) on named inputs (arrays or nested lists)."""
+        from .session import open_session, run_session
+
+        feeds = self._feeds(inputs)
         if self._session is None:
             from tessera.compiler.backends.onnx import export as onnx_export
 
             built, meta = self._optimized()
             self._session = open_session(onnx_export.to_bytes(built.graph, self._weights, meta), "cpu")
         return run_session(self._session, feeds)
+
+    def alignment(self, layer: int | None = None, output: str | None = None, head: int | str | None = None,
+                  batch_index: int = 0, tokenizer: str | Path | None = None, plot: str | Path | None = None,
+                  **inputs):
+        """The attention matrix `tessera run --plot-attention` draws, as an ``Alignment`` (runtime/alignment.py:
+        ``matrix`` [Tq, Tk], ``rows`` and ``cols`` the target and source tokens): of attention site
+        ``layer`` (its probabilities exposed, that site unfused) or of the model output ``output``
+        (default: the only one named as attention weights); ``head`` a head or "mean"; ``plot`` also
+        draws it to that file."""
+        from tessera.compiler.backends.onnx import export as onnx_export
+        from tessera.compiler.ir.signature import input_limits, specs_from_graph
+
+        from . import alignment as alignment_mod
+        from .session import open_session, run_session
+
+        if layer is not None and output is not None:
+            raise pipeline.UsageError("layer and output both choose the weights to plot; give one")
+        feeds = self._feeds(inputs)
+        built = self._fresh()
+        pipeline.optimize(built, argparse.Namespace(attention="auto", target="cpu", dtype="fp32"),
+                          attention_probs=None if layer is None else [layer])
+        sess = open_session(onnx_export.to_bytes(built.graph, self._weights, pipeline.metadata(built)), "cpu")
+        tok = None
+        if tokenizer is not None:
+            from . import text
+
+            tok = text.load_tokenizer(tokenizer)
+        al = alignment_mod.from_run(sess, run_session(sess, feeds), specs_from_graph(built.graph), feeds,
+                                    input_limits(built.graph), output, layer, batch_index, head, tok, str(self.spec))
+        if plot is not None:
+            from . import alignment_plot
+
+            alignment_plot.draw(al, str(plot))
+        return al
 
     # ---------------------------------------------------------------- generation
     def cached(self, threads: int | None = None, cache: str = "auto") -> gen.CachedModel:

@@ -89,6 +89,48 @@ def _weights_args(p: argparse.ArgumentParser) -> None:
                         "allocated or written)")
 
 
+def _site_index(text: str) -> int:
+    """An attention site's number (the sites over heads in graph order), for --layer and --attention-probs."""
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"'{text}' is not an attention site number (0, 1, ...)")
+    return int(text)
+
+
+def _probs_sites(text: str) -> int | str:
+    return "all" if text == "all" else _site_index(text)
+
+
+def _head(text: str) -> int | str:
+    if text == "mean" or text.isdigit():
+        return text if text == "mean" else int(text)
+    raise argparse.ArgumentTypeError(f"'{text}' is neither a head number (0, 1, ...) nor 'mean'")
+
+
+def _batch_index(text: str) -> int:
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"'{text}' is not a batch row (0, 1, ...)")
+    return int(text)
+
+
+def _plot_args(r: argparse.ArgumentParser) -> None:
+    g = r.add_argument_group("alignment plot (--plot-attention; runtime/alignment.py)")
+    g.add_argument("--plot-attention", metavar="FILE.png",
+                   help="also draw attention weights as an alignment heatmap (source tokens on x, target on "
+                        "y, grey scale 0 to 1), as Bahdanau et al. 2015 fig. 3; needs the 'plot' extra "
+                        "(matplotlib); format from the suffix; written atomically")
+    g.add_argument("--attention-output", metavar="NAME",
+                   help="the model output holding the weights, [B, Tq, Tk] (or [Tq, Tk], [B, H, Tq, Tk]); "
+                        "default: the only output named with align, attn, attention, probs or weights")
+    g.add_argument("--layer", type=_site_index, metavar="L",
+                   help="plot transformer attention site L (the sites over heads numbered in graph order; "
+                        "layer L of GPT-2, BERT, Llama): from a spec its probabilities are exposed as an extra output and that "
+                        "site is left unfused; an .onnx file must have been compiled with --attention-probs L")
+    g.add_argument("--head", type=_head, metavar="H|mean",
+                   help="for weights over heads [B, H, Tq, Tk]: head H, or mean (default) over the heads")
+    g.add_argument("--batch-index", type=_batch_index, metavar="N",
+                   help="which batch row to plot (default 0)")
+
+
 def make_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="tessera", formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -111,6 +153,11 @@ def make_parser() -> argparse.ArgumentParser:
     c.add_argument("--cache", choices=["auto", "buffer", "concat"], default="auto",
                    help="with --kv-cache: buffer (preallocated, written in place), concat (present = past + new), "
                         "or auto: buffer, or concat for sliding-window models (default)")
+    c.add_argument("--attention-probs", dest="attention_probs", action="append", default=[],
+                   type=_probs_sites, metavar="L|all",
+                   help="also output the probabilities [B, heads, Tq, Tk] of attention site L (numbered in "
+                        "graph order, as run --layer) as attention_probs.L, leaving that site unfused, for `tessera run "
+                        "--plot-attention --layer L`; repeatable; all: every site")
 
     r = sub.add_parser("run", help="run a spec or an ONNX file in onnxruntime",
                        description="Run a .tsr spec (compiled on the fly) or an .onnx file and print its outputs.")
@@ -139,6 +186,7 @@ def make_parser() -> argparse.ArgumentParser:
                         f"and its first {outputs_mod.HEAD_VALUES} values)")
     r.add_argument("--save", metavar="DIR",
                    help="also write each output to DIR/<name>.npy (created if missing; written atomically)")
+    _plot_args(r)
 
     rep = sub.add_parser("report", help="print the static cost report of a spec",
                          description="Parameters, multiply-adds, FLOPs, memory and roofline times of a spec, "
@@ -210,7 +258,8 @@ def cmd_compile(args) -> int:
     else:
         if args.cache != "auto":
             raise pipeline.UsageError("--cache applies with --kv-cache")
-        pipeline.optimize(built, args)
+        sites = args.attention_probs
+        pipeline.optimize(built, args, attention_probs=[s for s in sites if s != "all"], all_probs="all" in sites)
         files = pipeline.export(built, weights, args.output, check=not args.no_check)
     size = sum(f.stat().st_size for f in files)
     print(f"wrote {', '.join(map(str, files))}: {built.graph.name}"
@@ -227,6 +276,8 @@ def _compile_cached(built, weights, args) -> list[Path]:
 
     from . import generate as gen
 
+    if args.attention_probs:
+        raise pipeline.UsageError("--attention-probs applies to the full model, not to --kv-cache's cached decoder")
     if args.no_fuse or args.attention != "auto":
         raise pipeline.UsageError("--kv-cache chooses the attention kernels per phase itself: it takes neither "
                                   "--no-fuse nor --attention")
@@ -244,10 +295,16 @@ def cmd_run(args) -> int:
     from .session import onnx_signature, open_session, run_session
 
     _check_text_args(args)
+    _check_plot_args(args)
     if args.full and args.format != "json":
         raise pipeline.UsageError("--full applies to --format json (the table always summarises)")
     if args.save is not None:
         outputs_mod.check_folder(args.save)
+    if args.plot_attention is not None:
+        from . import alignment_plot
+
+        alignment_plot.check_path(args.plot_attention)  # before the model is built or run
+    exposed: list = []
     path = Path(args.spec)
     if path.suffix == ".onnx":
         if args.variant or args.sets or args.weights:
@@ -263,7 +320,8 @@ def cmd_run(args) -> int:
         from tessera.compiler.backends.onnx import export as onnx_export
 
         weights = pipeline.weights_for(built, args.weights, args.seed, args.allow_large)
-        pipeline.optimize(built, args)
+        probs = [args.layer] if args.plot_attention is not None and args.layer is not None else None
+        exposed = pipeline.optimize(built, args, attention_probs=probs)
         source = onnx_export.to_bytes(built.graph, weights)
     feeds = parse_inputs(args.inputs, specs)
     text_mask = _add_text_and_image_inputs(args, specs, feeds)
@@ -273,6 +331,10 @@ def cmd_run(args) -> int:
     sess = open_session(source, args.provider)
     outputs = run_session(sess, feeds)
     provider = sess.get_providers()[0]
+    if args.plot_attention is not None:
+        _plot_attention(args, sess, outputs, specs, feeds, limits, model=str(path))
+        for e in exposed:  # exposed only to be drawn: the outputs printed are the model's own
+            outputs.pop(e.output, None)
     if args.pool:
         outputs = _pool(outputs, feeds.get("mask", text_mask))
     if args.save is not None:
@@ -288,8 +350,40 @@ def cmd_run(args) -> int:
 def _check_text_args(args) -> None:
     if args.texts and not args.tokenizer:
         raise pipeline.UsageError("--text needs --tokenizer tokenizer.json to turn the text into token ids")
-    if args.tokenizer and not args.texts:
+    if args.tokenizer and not args.texts and args.plot_attention is None:
         raise pipeline.UsageError("--tokenizer is given but no --text to tokenize")
+
+
+def _check_plot_args(args) -> None:
+    """The alignment options need --plot-attention, and --layer and --attention-output exclude each other."""
+    if args.plot_attention is None:
+        given = [flag for flag, value in (("--attention-output", args.attention_output), ("--layer", args.layer),
+                                          ("--head", args.head), ("--batch-index", args.batch_index))
+                 if value is not None]
+        if given:
+            raise pipeline.UsageError(f"{given[0]} applies with --plot-attention FILE.png")
+    elif args.layer is not None and args.attention_output is not None:
+        raise pipeline.UsageError("--layer and --attention-output both choose the weights to plot; give one")
+
+
+def _plot_attention(args, sess, outputs, specs, feeds, limits, model: str) -> None:
+    """Choose the weights, compute the alignment (runtime/alignment.py) and draw it."""
+    from . import alignment, alignment_plot
+
+    tokenizer = None
+    if args.tokenizer:
+        from . import text
+
+        tokenizer = text.load_tokenizer(args.tokenizer)
+    al = alignment.from_run(sess, outputs, specs, feeds, limits, args.attention_output, args.layer,
+                            args.batch_index or 0, args.head, tokenizer, model)
+    lo, hi = float(al.matrix.min(initial=0.0)), float(al.matrix.max(initial=0.0))
+    if lo < -1e-6 or hi > 1 + 1e-6:
+        print(f"note: {al.output} holds values from {lo:.4g} to {hi:.4g}, not attention weights in [0, 1]; the "
+              f"grey scale clips them to [0, 1]", file=sys.stderr)
+    written = alignment_plot.draw(al, args.plot_attention)
+    print(f"wrote {written}: alignment of {al.output} ({al.what}), {al.matrix.shape[0]} x {al.matrix.shape[1]}",
+          file=sys.stderr)
 
 
 def _add_text_and_image_inputs(args, specs, feeds: dict[str, np.ndarray]) -> np.ndarray | None:

@@ -213,13 +213,15 @@ def quantize(built: Built, config) -> None:
         raise UsageError(str(e)) from None
 
 
-def optimize(built: Built, args) -> None:
+def optimize(built: Built, args, attention_probs: list[int] | None = None, all_probs: bool = False) -> list:
     """Fuse attention, choose kernels and quantise weights as the command-line flags say; print
-    --explain's listing."""
+    --explain's listing. ``attention_probs`` (site indices) or ``all_probs`` first makes those
+    attention sites' probabilities model outputs (kept unfused); returns their ExposedProbs notes."""
     from tessera.compiler.passes.pipeline import (attention_sites, build_pipeline, expert_sites, explain,
                                                   explain_experts)
     from tessera.compiler.passes import PassError
     from tessera.compiler.passes.attention_kernels import Target
+    from tessera.compiler.passes.expose_attention import ExposeAttentionProbs
     from tessera.compiler.passes.quantize import QuantizeWeights
 
     attention = "unfused" if getattr(args, "no_fuse", False) else getattr(args, "attention", "auto")
@@ -229,12 +231,14 @@ def optimize(built: Built, args) -> None:
     built.quantize = quant_config(args)
     try:
         result = build_pipeline(Target(getattr(args, "target", "cpu"), dtype), attention, lower_precision=True,
-                                quantize=built.quantize,
+                                quantize=built.quantize, attention_probs=attention_probs,
+                                all_probs=all_probs,
                                 sparse_moe=not getattr(args, "no_sparse_moe", False))(built.graph)
     except PassError as e:
         raise UsageError(str(e)) from None
+    exposed = result.notes(ExposeAttentionProbs.name)
     if getattr(args, "explain", False):
-        lines = [explain(attention_sites(result))]
+        lines = [explain(attention_sites(result), exposed)]
         notes = result.notes(QuantizeWeights.name)
         if built.quantize is not None:
             done = sum(n.quantized for n in notes)
@@ -245,6 +249,7 @@ def optimize(built: Built, args) -> None:
         if experts:
             lines.append(experts)
         print("\n".join(lines), file=sys.stderr)
+    return exposed
 
 
 def metadata(built: Built) -> dict:

@@ -27,30 +27,31 @@ def _lengths(seq: int, crossover: float | None) -> list[int]:
     return out
 
 
-def _pyplot():
+def _pyplot(option: str = "--plot"):
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        raise UsageError("--plot needs matplotlib: pip install 'tessera[plot]' (or pip install matplotlib)") from None
+        raise UsageError(f"{option} needs matplotlib: pip install 'tessera[plot]' (or pip install matplotlib)") from None
     return plt
 
 
-def check_plot_path(path: str) -> tuple[Path, str]:
-    """The --plot target and its image format (from the suffix), refused before any work is done
-    when matplotlib is missing, the path cannot be written or the suffix names no format."""
-    _pyplot()
+def check_plot_path(path: str, option: str = "--plot", example: str = "report.png") -> tuple[Path, str]:
+    """The target of a plot option (--plot, run's --plot-attention) and its image format (from the
+    suffix), refused before any work is done when matplotlib is missing, the path cannot be
+    written or the suffix names no format."""
+    _pyplot(option)
     from matplotlib.backend_bases import FigureCanvasBase
 
-    target = check_target(path, "report.png")
+    target = check_target(path, example)
     formats = FigureCanvasBase.get_supported_filetypes()
     fmt = target.suffix[1:].lower()
     if fmt not in formats:
         said = f"'{target.suffix}'" if target.suffix else "no suffix"
-        raise OutputError(f"--plot {target}: {said} names no image format; end the name in one of "
-                          f"{', '.join('.' + f for f in sorted(formats))} (e.g. report.png)")
+        raise OutputError(f"{option} {target}: {said} names no image format; end the name in one of "
+                          f"{', '.join('.' + f for f in sorted(formats))} (e.g. {example})")
     return target, fmt
 
 

@@ -14,6 +14,7 @@ import dataclasses
 from tessera.compiler.ir.graph import Graph
 from tessera.compiler.passes.attention_kernels import ChooseAttentionKernels, Target
 from tessera.compiler.passes.base import EliminateDeadNodes, PassManager, PipelineResult
+from tessera.compiler.passes.expose_attention import ExposeAttentionProbs
 from tessera.compiler.passes.fuse_attention import AttentionSite, FuseAttention
 from tessera.compiler.passes.precision import LowerPrecision
 from tessera.compiler.passes.quantize import QuantConfig, QuantizeWeights
@@ -23,13 +24,18 @@ ATTENTION_CHOICES = ("auto", "gqa", "mha", "portable", "unfused")
 
 
 def build_pipeline(target: Target = Target(), attention: str = "auto", lower_precision: bool = False,
-                   quantize: QuantConfig | None = None, sparse_moe: bool = True) -> PassManager:
+                   quantize: QuantConfig | None = None, attention_probs: list[int] | None = None,
+                   all_probs: bool = False, sparse_moe: bool = True) -> PassManager:
     """The passes, in order, for a target and an --attention choice; ``lower_precision`` adds the
     fp32 -> target.dtype lowering (export does; analyses that only ask what fuses do not);
     ``quantize`` the weight-only quantisation of the linears (before the precision is lowered);
-    ``sparse_moe`` False (--no-sparse-moe) keeps mixtures of experts dense."""
+    ``attention_probs`` (site indices) or ``all_probs`` first makes those sites' probabilities model
+    outputs, which keeps them unfused (passes/expose_attention.py); ``sparse_moe`` False
+    (--no-sparse-moe) keeps mixtures of experts dense."""
     fuse = attention != "unfused"
     passes = [FuseAttention(enabled=fuse), EliminateDeadNodes()]
+    if attention_probs or all_probs:
+        passes.insert(0, ExposeAttentionProbs(None if all_probs else list(attention_probs)))
     if fuse:
         passes.append(ChooseAttentionKernels(target, None if attention == "auto" else attention))
     if quantize is not None:
@@ -54,7 +60,7 @@ def optimize(graph: Graph, target: Target = Target(), attention: str = "auto",
              lower_precision: bool = False, quantize: QuantConfig | None = None,
              sparse_moe: bool = True) -> list[AttentionSite]:
     """Run the pipeline on the graph (in place); return every attention site with what happened to it."""
-    return attention_sites(build_pipeline(target, attention, lower_precision, quantize, sparse_moe)(graph))
+    return attention_sites(build_pipeline(target, attention, lower_precision, quantize, sparse_moe=sparse_moe)(graph))
 
 
 def expert_sites(result: PipelineResult) -> list:
@@ -62,10 +68,13 @@ def expert_sites(result: PipelineResult) -> list:
     return result.notes(SparseExperts.name)
 
 
-def explain(sites: list[AttentionSite]) -> str:
+def explain(sites: list[AttentionSite], exposed: list | None = None) -> str:
     fused = sum(s.fused for s in sites)
     lines = [f"attention sites: {len(sites)} ({fused} fused, {len(sites) - fused} not fused)"]
     lines += [f"  {s.describe()}" for s in sites]
+    if exposed:
+        lines.append(f"attention probabilities exposed as outputs: {len(exposed)}")
+        lines += [f"  {e.describe()}" for e in exposed]
     return "\n".join(lines)
 
 
