@@ -70,9 +70,13 @@ def _optimize_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-sparse-moe", action="store_true",
                    help="keep mixtures of experts dense (every expert runs on every token, the unselected "
                         "ones weighed by zero) instead of running each token's top-k experts only")
+    p.add_argument("--recurrence", choices=["auto", "scan"], default="auto",
+                   help="lowering of scans (recurrent layers): auto uses onnx's RNN/GRU/LSTM op where the step "
+                        "is exactly that cell, scan always an ONNX Scan of the step (default auto)")
     report.add_quant_arguments(p)
     p.add_argument("--explain", action="store_true",
-                   help="list every attention site: fused or not and why, and the kernel chosen")
+                   help="list every attention site: fused or not and why, and the kernel chosen; and how each "
+                        "recurrence (scan) is lowered")
 
 
 def _weights_args(p: argparse.ArgumentParser) -> None:

@@ -180,6 +180,10 @@ def load_model(args):
 
 
 def cmd_generate(args) -> int:
+    from . import recurrent
+
+    if recurrent.wants(args):  # a recurrent encoder-decoder (models/rnnsearch.tsr): its own loop
+        return recurrent.cmd_generate(args)
     if args.prompts and any(item.partition("=")[0] == "tokens" for item in args.inputs):
         raise UsageError("give the prompts either as --prompt text or as --input tokens, not both")
     if not args.prompts and not args.inputs:

@@ -233,6 +233,7 @@ def optimize(built: Built, args, attention_probs: list[int] | None = None, all_p
         result = build_pipeline(Target(getattr(args, "target", "cpu"), dtype), attention, lower_precision=True,
                                 quantize=built.quantize, attention_probs=attention_probs,
                                 all_probs=all_probs,
+                                recurrence=getattr(args, "recurrence", "auto"),
                                 sparse_moe=not getattr(args, "no_sparse_moe", False))(built.graph)
     except PassError as e:
         raise UsageError(str(e)) from None
@@ -248,6 +249,11 @@ def optimize(built: Built, args, attention_probs: list[int] | None = None, all_p
         experts = explain_experts(expert_sites(result))
         if experts:
             lines.append(experts)
+        from tessera.compiler.passes.recurrence import ChooseRecurrenceLowering, explain as explain_scans
+
+        scans = result.notes(ChooseRecurrenceLowering.name)
+        if scans:  # models without recurrence keep their listing as it was
+            lines.append(explain_scans(scans))
         print("\n".join(lines), file=sys.stderr)
     return exposed
 

@@ -124,6 +124,14 @@ def count(model: onnx.ModelProto, dims: dict[str, int]) -> OnnxCounts:
         elif key in ATTENTION_OPS:
             m = _attention_macs(n, need)
             attention += m
+        elif n.op_type in ("RNN", "GRU", "LSTM") and not n.domain:
+            x, w, r = need(n.input[0]), need(n.input[1]), need(n.input[2])  # X [T, B, I], W [dirs, g·H, I]
+            m = x[0] * x[1] * w[0] * w[1] * (w[2] + r[2])                   # every step: W x_t and R h
+        elif n.op_type == "Scan" and not n.domain and _has_products(n):
+            inner = _scan_counts(n, shape, data, need, _elem_types(bound),
+                                 {i.name: i for i in fixed.graph.initializer if "/" in i.name})
+            m, attention = inner.macs, attention + inner.attention_macs
+            uncounted += inner.uncounted
         elif n.op_type in SKIPPED_COMPUTE or (n.op_type in ("Loop", "Scan", "If") and _has_products(n)):
             uncounted.append(n.name or n.op_type)  # a product inside a loop body runs a data-dependent
             continue                               # number of times (e.g. tiles a causal kernel skips)
@@ -132,6 +140,57 @@ def count(model: onnx.ModelProto, dims: dict[str, int]) -> OnnxCounts:
         macs += m
         counted[n.op_type] = counted.get(n.op_type, 0) + 1
     return OnnxCounts(params, macs, attention, counted, uncounted)
+
+
+def _elem_types(model: onnx.ModelProto) -> dict[str, int]:
+    g = model.graph
+    types = {vi.name: vi.type.tensor_type.elem_type for vi in [*g.input, *g.value_info, *g.output]}
+    types.update({i.name: i.data_type for i in g.initializer})
+    return types
+
+
+def _scan_counts(n: onnx.NodeProto, shape: dict, data: set[str], need, types: dict[str, int],
+                 consts: dict[str, onnx.TensorProto]) -> OnnxCounts:
+    """A Scan runs its body once per position of its scan inputs: the body's products, counted as a
+    model of their own (inputs of the one-step shapes, outer values it reads declared as inputs),
+    times that length. A body product between two data-dependent operands is attention."""
+    attrs = {a.name: a for a in n.attribute}
+    body = attrs["body"].g
+    m = int(attrs["num_scan_inputs"].i)
+    axes = list(attrs["scan_input_axes"].ints) if "scan_input_axes" in attrs else [0] * m
+    k = len(n.input) - m
+    length = need(n.input[k])[axes[0]]
+    g = onnx.GraphProto()
+    g.CopyFrom(body)
+    declared = {i.name for i in g.input} | {i.name for i in g.initializer}
+    for i, vi in enumerate(g.input):
+        dims = list(need(n.input[i]))
+        if i >= k:
+            del dims[axes[i - k]]
+        vi.type.tensor_type.ClearField("shape")
+        vi.type.tensor_type.shape.dim.extend([onnx.TensorShapeProto.Dimension(dim_value=d) for d in dims])
+    produced = {o for node in g.node for o in node.output}
+    outer = sorted({x for node in g.node for x in node.input if x and x not in declared and x not in produced})
+    for name in outer:  # values of the enclosing graph the body reads (constants with their values)
+        if name in consts:
+            g.initializer.append(consts[name])
+            continue
+        g.input.append(onnx.helper.make_tensor_value_info(name, types.get(name, TensorProto.FLOAT), need(name)))
+    for o in g.output:
+        o.type.tensor_type.ClearField("shape")
+    model = onnx.helper.make_model(g, opset_imports=[onnx.helper.make_opsetid("", 21)])
+    inner = count(model, {})
+    body_data = {i.name for i in g.input[:len(body.input)]} | {x for x in outer if x in data}
+    # count() treats every declared input as data; recount the attention part with the real data set
+    bound = shape_inference.infer_shapes(model, data_prop=True)
+    sh = _shapes(bound)
+    attention = 0
+    for node in bound.graph.node:
+        if any(x in body_data for x in node.input):
+            body_data.update(node.output)
+        if node.op_type == "MatMul" and not node.domain and all(x in body_data for x in node.input[:2]):
+            attention += math.prod(sh[node.output[0]]) * sh[node.input[0]][-1]
+    return OnnxCounts(0, inner.macs * length, attention * length, inner.nodes, inner.uncounted)
 
 
 def _type_contrib_outputs(model: onnx.ModelProto, shape: dict) -> bool:

@@ -81,6 +81,9 @@ class NodeCost:
     macs_causal: Poly              # the causal mask exploited (only masked-in pairs)
     flops: dict[str, Poly] = field(default_factory=dict)         # by category, full
     flops_causal: dict[str, Poly] = field(default_factory=dict)  # by category, causal
+    # A scan (compiler/ops/recurrence.py) holds products of several kinds in its step: its MACs
+    # by kind, {kind: (macs, macs_causal)}, which ``total`` reads instead of ``kind``.
+    split: dict[str, tuple[Poly, Poly]] | None = None
 
     def flops_total(self, causal: bool = False) -> Poly:
         key = "_total_causal" if causal else "_total"
@@ -112,6 +115,9 @@ def node_costs(graph: Graph, st: Structure | None = None) -> tuple[list[NodeCost
         layer = node_layer(n)
         if n.op not in known:
             out.append(NodeCost(n.name, n.op, "uncounted", layer, Poly(), Poly()))
+            continue
+        if n.op == "scan":
+            out.append(_scan_cost(graph, n, layer))
             continue
         a = st.core_of.get(n.name)
         role = None
@@ -173,10 +179,62 @@ def _flops(graph: Graph, n: Node, macs: Poly, elems: Poly | None = None) -> dict
     return {k: v for k, v in f.items() if not v.is_zero()}
 
 
+def _scan_cost(graph: Graph, n: Node, layer: str | None) -> NodeCost:
+    """A scan costs its step's nodes once per step: every polynomial × T (the length of axis 1 of its
+    per-step inputs). Products in the step between two data-dependent operands (the weighting of an
+    attention decoder's context over the source) are attention; the rest are dense (weights)."""
+    body = n.attrs["body"].graph
+    length = _dim(graph.type_of(n.inputs[n.attrs["n_state"]]).shape[1])
+    inner, _ = node_costs(body)
+    params = set(body.inputs[len(body.inputs) - _n_params(graph, n):])
+    data = set(body.inputs) - params
+    for b in body.nodes.values():
+        if any(v in data for v in b.inputs):
+            data.update(b.outputs)
+    split: dict[str, tuple[Poly, Poly]] = {}
+    for c in inner:
+        b = body.nodes.get(c.node)
+        if c.split:
+            parts = c.split.items()
+        else:
+            kind = "attention" if b is not None and b.op == "matmul" and all(v in data for v in b.inputs) else \
+                ("dense" if c.kind in ("dense", "head", "attention") else c.kind)
+            parts = [(kind, (c.macs, c.macs_causal))]
+        for kind, (m, mc) in parts:
+            old = split.get(kind, (Poly(), Poly()))
+            split[kind] = (old[0] + m * length, old[1] + mc * length)
+    flops: dict[str, list[Poly]] = {}
+    for c in inner:
+        for k, v in c.flops.items():
+            flops.setdefault(k, []).append(v * length)
+    f = {k: Poly.sum(v) for k, v in flops.items()}
+    macs = Poly.sum(m for m, _ in split.values())
+    macs_c = Poly.sum(mc for _, mc in split.values())
+    return NodeCost(n.name, n.op, "dense", layer, macs, macs_c, f, dict(f), split=split)
+
+
+def _n_params(graph: Graph, n: Node) -> int:
+    """How many of a scan's trailing inputs are the model's parameters (captured by its step)."""
+    count = 0
+    for v in reversed(n.inputs):
+        if graph.values[v].kind != "param":
+            break
+        count += 1
+    return count
+
+
 def total(costs: list[NodeCost], attr: str = "macs", kinds: set[str] | None = None,
           layer: str | None = None) -> Poly:
-    return Poly.sum(getattr(c, attr) for c in costs
-                    if (kinds is None or c.kind in kinds) and (layer is None or c.layer == layer))
+    parts = []
+    for c in costs:
+        if layer is not None and c.layer != layer:
+            continue
+        if c.split is not None and attr in ("macs", "macs_causal"):
+            i = 0 if attr == "macs" else 1
+            parts += [v[i] for k, v in c.split.items() if kinds is None or k in kinds]
+        elif kinds is None or c.kind in kinds:
+            parts.append(getattr(c, attr))
+    return Poly.sum(parts)
 
 
 def flops_by_category(costs: list[NodeCost], causal: bool = False) -> dict[str, Poly]:

@@ -140,7 +140,11 @@ def macs_section(ctx: Context) -> dict:
             continue
         d = parts.setdefault(nc.layer, {"total": [], "weights": [], "attention": [], "attention_causal": []})
         d["total"].append(nc.macs)
-        if nc.kind == "dense":
+        if nc.split is not None:  # a scan: weights and attention in its step
+            d["weights"] += [m for k, (m, _) in nc.split.items() if k == "dense"]
+            d["attention"] += [m for k, (m, _) in nc.split.items() if k == "attention"]
+            d["attention_causal"] += [mc for k, (_, mc) in nc.split.items() if k == "attention"]
+        elif nc.kind == "dense":
             d["weights"].append(nc.macs)
         elif nc.kind == "attention":
             d["attention"].append(nc.macs)

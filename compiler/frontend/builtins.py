@@ -568,4 +568,6 @@ def _static_last(call, x: Tensor) -> int:
     return int(x.type.shape[-1])
 
 
+from tessera.compiler.frontend import recurrence as _recurrence  # noqa: E402,F401  (registers scan)
+
 __all__ = ["BUILTINS"]

@@ -86,6 +86,7 @@ class Elaborator:
     def __init__(self, program: Program):
         self.program = program
         self.graph: Graph | None = None
+        self.outer_graphs: list[Graph] = []  # graphs around a scan body being elaborated (frontend/recurrence.py)
         self.scope: list[str] = []
         self.call_stack: list[Pos] = []  # positions of the block calls being elaborated
         self.block_stack: list[str] = []  # names of the blocks being elaborated, to refuse recursion
@@ -614,7 +615,7 @@ class Elaborator:
         return outs[0] if n_out == 1 else outs
 
     def new_param(self, path: str, shape: tuple, init: str, pos: Pos, std: float = 0.02, dtype: str = "f32"):
-        if path in self.graph.params:
+        if any(path in g.params for g in [self.graph, *self.outer_graphs]):
             raise SpecError(f"parameter '{path}' is defined twice", pos)
         int_shape = []
         for d in shape:

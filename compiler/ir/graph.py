@@ -362,6 +362,10 @@ class Graph:
             attrs = ", ".join(f"{k}={_fmt_attr(v)}" for k, v in sorted(n.attrs.items()))
             outs = ", ".join(f"{o}: {self.values[o].type}" for o in n.outputs)
             lines.append(f"  {outs} = {n.op}({', '.join(n.inputs)}){' {' + attrs + '}' if attrs else ''}")
+            for _, v in sorted(n.attrs.items()):  # a step body (scan) is listed under its node, indented
+                body = getattr(v, "graph", None)
+                if isinstance(body, Graph):
+                    lines += ["    " + line for line in body.dump().splitlines()]
         for name in self.outputs:
             lines.append(f"  out {name}: {self.values[name].type}")
         return "\n".join(lines)

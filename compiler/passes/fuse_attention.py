@@ -43,6 +43,24 @@ class AttentionSite:
 
 
 DISABLED = "fusion disabled (--no-fuse / --attention unfused)"
+IN_STEP = "inside the step of a recurrence (scan): fusion rewrites the model's graph, not step bodies"
+
+
+def _in_steps(graph: Graph, where: str = "") -> list[AttentionSite]:
+    """The softmaxes inside scan bodies (compiler/ops/recurrence.py), not fused, each with its reason:
+    the recogniser's (additive attention: "not a dot product"), or that fusion does not enter a step."""
+    sites = []
+    for node in graph.nodes.values():
+        if node.op != "scan":
+            continue
+        body = node.attrs["body"].graph
+        inner = f"{where}{node.name} step: "
+        sites += _in_steps(body, inner)
+        for cand in pattern.recognise(body):
+            n = cand.node
+            reason = cand.reason if not cand.fusable else IN_STEP
+            sites.append(AttentionSite(n.name, f"{inner}{n.scope}", n.origin, False, reason))
+    return sites
 
 
 def _scalar_bias(graph: Graph, m: pattern.AttentionMatch) -> str:
@@ -60,7 +78,7 @@ class FuseAttention(Pass):
         self.enabled = enabled
 
     def run(self, graph: Graph) -> PassResult:
-        sites = []
+        sites = _in_steps(graph)
         changed = False
         for cand in pattern.recognise(graph):
             n, m = cand.node, cand.match

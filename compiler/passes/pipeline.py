@@ -18,6 +18,7 @@ from tessera.compiler.passes.expose_attention import ExposeAttentionProbs
 from tessera.compiler.passes.fuse_attention import AttentionSite, FuseAttention
 from tessera.compiler.passes.precision import LowerPrecision
 from tessera.compiler.passes.quantize import QuantConfig, QuantizeWeights
+from tessera.compiler.passes.recurrence import ChooseRecurrenceLowering
 from tessera.compiler.passes.sparse_moe import SparseExperts
 
 ATTENTION_CHOICES = ("auto", "gqa", "mha", "portable", "unfused")
@@ -25,13 +26,14 @@ ATTENTION_CHOICES = ("auto", "gqa", "mha", "portable", "unfused")
 
 def build_pipeline(target: Target = Target(), attention: str = "auto", lower_precision: bool = False,
                    quantize: QuantConfig | None = None, attention_probs: list[int] | None = None,
-                   all_probs: bool = False, sparse_moe: bool = True) -> PassManager:
+                   all_probs: bool = False, recurrence: str = "auto", sparse_moe: bool = True) -> PassManager:
     """The passes, in order, for a target and an --attention choice; ``lower_precision`` adds the
     fp32 -> target.dtype lowering (export does; analyses that only ask what fuses do not);
     ``quantize`` the weight-only quantisation of the linears (before the precision is lowered);
     ``attention_probs`` (site indices) or ``all_probs`` first makes those sites' probabilities model
-    outputs, which keeps them unfused (passes/expose_attention.py); ``sparse_moe`` False
-    (--no-sparse-moe) keeps mixtures of experts dense."""
+    outputs, which keeps them unfused (passes/expose_attention.py); ``recurrence`` how scans are
+    lowered (auto: onnx's RNN/GRU/LSTM op where the body is that cell; scan: always a Scan);
+    ``sparse_moe`` False (--no-sparse-moe) keeps mixtures of experts dense."""
     fuse = attention != "unfused"
     passes = [FuseAttention(enabled=fuse), EliminateDeadNodes()]
     if attention_probs or all_probs:
@@ -43,6 +45,7 @@ def build_pipeline(target: Target = Target(), attention: str = "auto", lower_pre
     passes.append(SparseExperts(enabled=sparse_moe))  # after quantisation: quantised experts stay dense
     if lower_precision and target.dtype != "fp32":
         passes.append(LowerPrecision(target.dtype))
+    passes.append(ChooseRecurrenceLowering(recurrence))  # last: onnx's cell ops are fp32 only
     return PassManager(passes)
 
 

@@ -64,6 +64,8 @@ class LowerPrecision(Pass):
                 graph.values[name] = Value(name, lower(graph.type_of(name)), "const")
         outputs = set(graph.outputs)
         for node in graph.nodes.values():
+            if node.op == "scan":
+                _lower_body(node.attrs["body"].graph, low)
             if node.op == "cast" and node.attrs["dtype"] == "f32":
                 node.attrs["dtype"] = low
             if node.op == "sinusoidal":
@@ -75,3 +77,19 @@ class LowerPrecision(Pass):
                     continue
                 v.type = lower(v.type)
         return PassResult(graph, changed)
+
+
+def _lower_body(body: Graph, low: str) -> None:
+    """A scan's step graph at the lower precision throughout: its inputs are the scan's (lowered)
+    operands and its outputs feed the scan's (lowered) results, so no cast is needed at its edges."""
+    for v in body.values.values():
+        if v.type.dtype == "f32":
+            v.type = TensorType(low, v.type.shape)
+    for name, arr in body.consts.items():
+        if arr.dtype == "float32":
+            body.consts[name] = arr.astype("float16")
+    for node in body.nodes.values():
+        if node.op in ("cast", "sinusoidal") and node.attrs.get("dtype") == "f32":
+            node.attrs["dtype"] = low
+        if node.op == "scan":
+            _lower_body(node.attrs["body"].graph, low)

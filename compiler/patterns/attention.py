@@ -300,10 +300,32 @@ def _escapes(g: Graph, m: AttentionMatch) -> str | None:
     return None
 
 
+# Views a score vector passes through between additive attention's v·tanh(...) and its softmax.
+_VIEWS = ("reshape", "squeeze", "select", "transpose", "identity")
+
+
+def _additive(g: Graph, value: str) -> bool:
+    """Whether ``value`` is additive attention's scores: a linear (v) of the tanh of a sum
+    (W·q + U·k), through views; so --explain can say "not a dot product" instead of naming an op."""
+    node = g.producer(value)
+    while node is not None and node.op in _VIEWS:
+        node = g.producer(node.inputs[0])
+    if node is None or node.op != "linear":
+        return False
+    act = g.producer(node.inputs[0])
+    if act is None or act.op != "tanh":
+        return False
+    total = g.producer(act.inputs[0])
+    return total is not None and total.op == "add"
+
+
 # ------------------------------------------------------------------ the matcher
 def match(g: Graph, softmax: Node) -> AttentionMatch:
     """The attention around one softmax (its ``reason`` set when no fused kernel can replace it),
     or raise NoMatch(reason) when it is not attention."""
+    if _additive(g, softmax.inputs[0]):
+        raise NoMatch(f"not a dot product: the scores ({softmax.inputs[0]}) are v·tanh(W·q + U·k), additive "
+                      f"attention (Bahdanau et al.), which the fused kernel softmax(Q·Kᵀ)·V cannot express")
     m = AttentionMatch(anchor=softmax.name)
     s_type = g.type_of(softmax.inputs[0])
     rank = s_type.rank

@@ -34,12 +34,21 @@ def run(graph: Graph, weights: dict[str, np.ndarray], feeds: dict[str, np.ndarra
     values = ParamValues(graph, weights)  # derived parameters (quantised weights) from their sources
     for path in graph.params:
         env[path] = values[path]
+    return dict(zip(graph.outputs, execute(graph, env, ev)))
+
+
+def execute(graph: Graph, env: dict[str, np.ndarray], ev) -> list[np.ndarray]:
+    """Run the nodes of a graph whose inputs (and parameters) ``env`` holds; the outputs, in order.
+    Also runs a scan's step body (compiler/ops/recurrence.py) once per step, with the outer ``ev``."""
+    env = dict(env)
     env.update(graph.consts)
     for node in graph.nodes.values():
         y = ops.get(node.op).reference([env[i] for i in node.inputs], node.attrs, ev)
-        out_dtype = DTYPES.get(graph.type_of(node.outputs[0]).dtype)
-        y = np.asarray(y)
-        if out_dtype is not None and y.dtype != out_dtype:
-            y = y.astype(out_dtype)
-        env[node.outputs[0]] = y
-    return {name: env[name] for name in graph.outputs}
+        ys = list(y) if len(node.outputs) > 1 else [y]  # a multi-output op (scan) returns a list
+        for name, y in zip(node.outputs, ys):
+            out_dtype = DTYPES.get(graph.type_of(name).dtype)
+            y = np.asarray(y)
+            if out_dtype is not None and y.dtype != out_dtype:
+                y = y.astype(out_dtype)
+            env[name] = y
+    return [env[name] for name in graph.outputs]

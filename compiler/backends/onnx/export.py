@@ -156,6 +156,7 @@ class Lowering:
 
     def __init__(self, b: _Builder, node, out: str):
         self.b, self.node, self.out = b, node, out
+        self.outs = list(node.outputs)  # every output, for a multi-output op (scan); ``out`` is the first
         self.x = node.inputs
         self.a = node.attrs
         self.t_in = [b.graph.type_of(v) for v in node.inputs]

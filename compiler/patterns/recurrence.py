@@ -1,0 +1,66 @@
+"""When a scan's body is exactly one of onnx's recurrent cells (RNN with tanh, GRU, LSTM).
+
+The ONNX export can then emit onnx's own ``RNN``/``GRU``/``LSTM`` op, which onnxruntime runs as one
+kernel (docs/BENCHMARKS.md measures it against the ``Scan`` lowering). The op only computes its own
+equations, so the body must be that cell and nothing else: the standard library's block (the
+``cell`` attribute the ``scan`` builtin sets), with the primitive ops that block elaborates to, one
+per-step input [B, I], states [B, H] and exactly the four parameters W_ih [g·H, I], b_ih [g·H],
+W_hh [g·H, H], b_hh [g·H] in f32 (onnxruntime's CPU kernels are fp32). ``match`` keeps the reason a
+scan does not qualify, for ``--explain``.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+
+from tessera.compiler.ir import dims
+from tessera.compiler.ir.graph import Graph, Node
+from tessera.compiler.ops.recurrence import parts
+
+# gates per cell, and the primitive ops of the standard library's cell (spec/stdlib/nn.tsr);
+# tests/test_recurrence.py checks these against a fresh elaboration of each block.
+GATES = {"rnn": 1, "gru": 3, "lstm": 4}
+STATES = {"rnn": 1, "gru": 1, "lstm": 2}
+CELL_OPS = {
+    "rnn": Counter({"linear": 2, "add": 1, "tanh": 1}),
+    "gru": Counter({"linear": 2, "slice": 6, "add": 4, "sigmoid": 2, "tanh": 1, "mul": 3, "sub": 1}),
+    "lstm": Counter({"linear": 2, "add": 2, "slice": 4, "sigmoid": 3, "tanh": 2, "mul": 3}),
+}
+
+
+@dataclass(frozen=True)
+class CellMatch:
+    cell: str          # rnn | gru | lstm
+    hidden: int
+    w_ih: str          # the scan node's inputs holding the four parameters
+    b_ih: str
+    w_hh: str
+    b_hh: str
+
+
+def match(graph: Graph, node: Node) -> tuple[CellMatch | None, str]:
+    """(the cell, "") when onnx's op computes exactly this scan, else (None, why not)."""
+    a = node.attrs
+    cell = a.get("cell")
+    if cell not in GATES:
+        return None, "the step is not one of the standard library's cells (rnn_cell, gru_cell, lstm_cell)"
+    body = a["body"].graph
+    ops = Counter(n.op for n in body.nodes.values())
+    if ops != CELL_OPS[cell]:
+        return None, f"the body is not exactly {cell}_cell (its ops differ: {dict(ops)})"
+    states, seqs, caps = parts(a, list(node.inputs))
+    if len(states) != STATES[cell] or len(seqs) != 1 or len(caps) != 4:
+        return None, f"{cell}_cell takes {STATES[cell]} state(s), one per-step input and four parameters"
+    t_x, t_h = graph.type_of(seqs[0]), graph.type_of(states[0])
+    if t_x.rank != 3 or t_h.rank != 2 or not dims.is_static(t_h.shape[1]):
+        return None, f"onnx's {cell.upper()} takes x [B, T, I] and states [B, H], got {t_x} and {t_h}"
+    if any(graph.type_of(v).dtype != "f32" for v in [*states, *seqs, *caps]):
+        return None, f"onnxruntime's {cell.upper()} kernel is fp32 only"
+    h, g = int(t_h.shape[1]), GATES[cell]
+    w_ih, b_ih, w_hh, b_hh = caps
+    want = {w_ih: (g * h, t_x.shape[2]), b_ih: (g * h,), w_hh: (g * h, h), b_hh: (g * h,)}
+    for v, shape in want.items():
+        if not dims.shapes_equal(graph.type_of(v).shape, tuple(dims.dim(s) for s in shape)):
+            return None, f"parameter {v} is {graph.type_of(v)}, onnx's {cell.upper()} wants {list(shape)}"
+    return CellMatch(cell, h, w_ih, b_ih, w_hh, b_hh), ""

@@ -1,0 +1,178 @@
+"""Decoding a recurrent encoder-decoder (models/rnnsearch.tsr): the encoder once, then one decoder
+step per token, the decoder state carried from step to step.
+
+Why not the KV-cache loop of generate.py: a recurrent decoder has no cache of keys and values to
+grow; its whole history is the state s (and the encoder's outputs it attends to, fixed once
+encoded). The spec provides the two graphs (``mode="encode"`` and ``mode="step"``, with the same
+parameter paths as the training graph), and this module runs them in onnxruntime. The next token
+is chosen by generate.py's ``choose`` (greedy at temperature 0, or its sampling), so the token
+rules are shared with transformer decoding and the loop can move into generate.py when that grows
+a state-carrying model kind.
+
+The step graph's contract (names as rnnsearch.tsr declares them): inputs ``s`` [B, dec],
+``y_prev`` [B], ``enc`` and ``enc_keys`` (the encode graph's outputs of the same names); outputs
+``s_next``, ``logits`` [B, vocab] and ``align`` [B, S]. The encode graph maps ``src`` to ``enc``,
+``enc_keys`` and ``state`` (s_0).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping
+
+import numpy as np
+
+from tessera.compiler.backends.onnx import export as onnx_export
+from tessera.compiler.ir.graph import Graph
+from tessera.compiler.passes.pipeline import build_pipeline
+
+from .generate import Sampling, choose
+from .pipeline import UsageError
+
+
+@dataclass
+class Decoded:
+    tokens: np.ndarray     # [B, n] the chosen tokens, the start token not included
+    align: np.ndarray      # [B, n, S] each step's attention weights over the source
+    logits: np.ndarray     # [B, n, vocab] each step's logits
+
+
+class RecurrentSeq2Seq:
+    """An encode session and a step session of one model, with its weights."""
+
+    ENCODE_OUT = ("enc", "enc_keys", "state")
+    STEP_IN = ("s", "y_prev", "enc", "enc_keys")
+
+    def __init__(self, encode: Graph, step: Graph, weights: Mapping[str, np.ndarray], recurrence: str = "auto"):
+        import onnxruntime as ort
+
+        for g, want, what in [(encode, self.ENCODE_OUT, "outputs"), (step, self.STEP_IN, "inputs")]:
+            have = g.outputs if what == "outputs" else g.inputs
+            if sorted(have) != sorted(want):
+                raise ValueError(f"graph {g.name} must have the {what} {', '.join(want)}, has {', '.join(have)}")
+        self.sessions = []
+        for g in (encode, step):
+            g = g.copy()
+            build_pipeline(recurrence=recurrence)(g)
+            w = {p: weights[p] for p in g.params}
+            model = onnx_export.to_bytes(g, w)
+            self.sessions.append(ort.InferenceSession(model, providers=["CPUExecutionProvider"]))
+
+    def encode(self, src: np.ndarray) -> dict[str, np.ndarray]:
+        outs = self.sessions[0].run(list(self.ENCODE_OUT), {"src": src.astype(np.int64)})
+        return dict(zip(self.ENCODE_OUT, outs))
+
+    def step(self, s, y_prev, enc, enc_keys) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        return tuple(self.sessions[1].run(["s_next", "logits", "align"],
+                                          {"s": s, "y_prev": y_prev.astype(np.int64), "enc": enc,
+                                           "enc_keys": enc_keys}))
+
+
+def decode(model: RecurrentSeq2Seq, src: np.ndarray, max_new_tokens: int, bos: int,
+           sampling: Sampling | None = None, eos: int | None = None) -> Decoded:
+    """Encode ``src`` [B, S] once and decode up to ``max_new_tokens`` from ``bos``; rows that chose
+    ``eos`` keep emitting it (the batch stops when every row has)."""
+    sampling = sampling or Sampling()
+    rng = np.random.default_rng(sampling.seed)
+    e = model.encode(src)
+    s = e["state"]
+    y = np.full(src.shape[0], bos, dtype=np.int64)
+    done = np.zeros(src.shape[0], dtype=bool)
+    tokens, aligns, logits = [], [], []
+    for _ in range(max_new_tokens):
+        s, lg, a = model.step(s, y, e["enc"], e["enc_keys"])
+        y = choose(lg, None, sampling, rng)
+        if eos is not None:
+            y = np.where(done, eos, y)
+            done |= y == eos
+        tokens.append(y)
+        aligns.append(a)
+        logits.append(lg)
+        if eos is not None and done.all():
+            break
+    return Decoded(np.stack(tokens, 1), np.stack(aligns, 1), np.stack(logits, 1))
+
+
+# ------------------------------------------------------------------ tessera generate
+def wants(args) -> bool:
+    """Whether ``tessera generate`` runs this loop for ``args.spec``: a .tsr spec whose model has a
+    ``mode`` hyperparameter (the encode/step contract above). A spec that does not load is left to
+    the ordinary path, which reports the error."""
+    from pathlib import Path
+
+    from tessera.spec import SpecError, load_program
+
+    from .pipeline import resolve_spec
+
+    path = Path(args.spec)
+    if path.suffix == ".onnx" or path.is_dir():
+        return False
+    try:
+        model = load_program(resolve_spec(args.spec)).main_model
+    except (SpecError, UsageError, OSError):
+        return False
+    return model is not None and any(p.name == "mode" for p in model.params)
+
+
+def cmd_generate(args) -> int:
+    """``tessera generate`` for a recurrent encoder-decoder: --input src=[[...]] --start-token ID."""
+    import json
+    import sys
+    import time
+
+    from tessera.compiler.ir.signature import check_limits, input_limits
+
+    from . import pipeline
+    from .generate_cli import _named_inputs
+
+    for flag, given in [("--prompt", args.prompts), ("--tokenizer", args.tokenizer), ("--stop", args.stops)]:
+        if given:
+            raise UsageError(f"{flag}: a recurrent encoder-decoder takes token ids (--input src=[[...]] "
+                             f"--start-token ID); text is not supported for it yet")
+    if pipeline.quant_config(args) is not None:
+        raise UsageError("--quantize is not supported for recurrent encoder-decoders yet")
+    if any(s.partition("=")[0] == "mode" for s in args.sets):
+        raise UsageError("--set mode: generate chooses the model's modes itself (encode, then step)")
+    if args.start_token is None:
+        raise UsageError("a recurrent encoder-decoder needs the decoder's start token: --start-token ID")
+    if args.max_new_tokens < 1:
+        raise UsageError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
+    sampling = Sampling(args.temperature, args.top_k, args.top_p, args.repetition_penalty, args.seed)
+    sampling.check()
+
+    built = pipeline.build(args.spec, args.variant, args.sets, args.weights)
+    weights = pipeline.weights_for(built, args.weights, args.seed)
+    encode = pipeline.build(args.spec, args.variant, args.sets + ["mode=encode"], args.weights).graph
+    step = pipeline.build(args.spec, args.variant, args.sets + ["mode=step"], args.weights).graph
+    try:
+        model = RecurrentSeq2Seq(encode, step, weights)
+    except ValueError as e:
+        raise UsageError(f"{args.spec} has a mode hyperparameter but not the encode/step graphs generate "
+                         f"runs: {e}") from None
+    given = _named_inputs(args.inputs, list(encode.inputs))
+    if "src" not in given:
+        raise UsageError("no source: give --input 'src=[[...]]' (one list of token ids per row)")
+    rows = given["src"]
+    if len({len(r) for r in rows}) != 1 or not rows[0]:
+        raise UsageError("--input src: the rows must have one length, at least 1")
+    src = np.array(rows, dtype=np.int64)
+    check_limits(input_limits(encode), {"src": src}, {})
+    vocab = int(step.type_of("logits").shape[-1])
+    for what, ids in [("--start-token", [args.start_token]), ("--stop-token", args.stop_tokens)]:
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise UsageError(f"{what} {bad[0]} is outside the target vocabulary (0..{vocab - 1})")
+    started = time.perf_counter()
+    out = decode(model, src, args.max_new_tokens, args.start_token, sampling,
+                 eos=args.stop_tokens[0] if args.stop_tokens else None)
+    elapsed = time.perf_counter() - started
+    if args.format == "json":
+        print(json.dumps({"outputs": [{"tokens": out.tokens[r].tolist(), "align": np.round(out.align[r], 6).tolist()}
+                                      for r in range(len(rows))]}))
+    else:
+        for r in range(len(rows)):
+            print(" ".join(map(str, out.tokens[r].tolist())))
+    if not args.quiet:
+        print(f"{out.tokens.size} new tokens in {elapsed * 1e3:.1f} ms (encoder once, then one decoder step "
+              f"per token)", file=sys.stderr)
+    return 0
