@@ -65,17 +65,19 @@ class Model:
     def _fresh(self):
         return pipeline.build(self.spec, self.variant, self.sets, self.weights_path)
 
-    def report(self, batch: int = 1, seq: int = 1024, dtype: str = "fp32", device: str = "h200") -> dict:
-        """The static cost report (parameters, MACs, memory, roofline) as ``tessera report --format json`` gives it."""
+    def report(self, batch: int = 1, seq: int = 1024, dtype: str = "fp32", device: str = "h200",
+               sparse_moe: bool = True) -> dict:
+        """The static cost report (parameters, MACs, memory, roofline) as ``tessera report --format json`` gives it
+        (``sparse_moe=False``: --no-sparse-moe)."""
         from . import report
 
         args = argparse.Namespace(spec=str(self.spec), variant=self.variant, sets=self.sets, batch=batch, seq=seq,
-                                  dtype=dtype, device=device, plot=None)
+                                  dtype=dtype, device=device, plot=None, no_sparse_moe=not sparse_moe)
         return report.build(args)
 
     # ---------------------------------------------------------------- compile and run
     def _cached_onnx(self, target: str = "cpu", dtype: str = "fp32", last_only: bool = True, cache: str = "auto",
-                     quant=None):
+                     quant=None, sparse_moe: bool = True):
         """The KV-cached decoder as an in-memory ModelProto (runtime/generate.compile_cached), its
         linears quantised first when ``quant`` (a QuantConfig) says so."""
         from tessera.compiler.passes.attention_kernels import Target
@@ -83,23 +85,27 @@ class Model:
         built = self._fresh()
         pipeline.quantize(built, quant)
         return gen.compile_cached(built, self._weights, last_only=last_only, mode=cache,
-                                  target=Target(target, dtype), dtype=dtype)[0]
+                                  target=Target(target, dtype), dtype=dtype, sparse_moe=sparse_moe)[0]
 
-    def _optimized(self, attention: str = "auto", target: str = "cpu", dtype: str = "fp32", quant_args=None):
+    def _optimized(self, attention: str = "auto", target: str = "cpu", dtype: str = "fp32", quant_args=None,
+                   sparse_moe: bool = True):
         built = self._fresh()
         pipeline.optimize(built, argparse.Namespace(attention=attention, target=target, dtype=dtype,
+                                                    no_sparse_moe=not sparse_moe,
                                                     **(quant_args or {})))
         return built, pipeline.metadata(built)
 
     def compile(self, out: str | Path, kv_cache: bool = False, attention: str = "auto", target: str = "cpu",
                 dtype: str = "fp32", check: bool = True, quantize: str = "none", quantize_block: int | None = None,
-                quantize_head: bool = False, quantize_activations: str | None = None, genai: bool = False,
-                tokenizer: str | Path | None = None, context_length: int | None = None) -> list[Path]:
+                quantize_head: bool = False, quantize_activations: str | None = None,
+                sparse_moe: bool = True, genai: bool = False, tokenizer: str | Path | None = None,
+                context_length: int | None = None) -> list[Path]:
         """Write the ONNX file (kv_cache=True: the cached decoder that ``tessera generate`` loads);
         the weights are streamed to it one tensor at a time. ``quantize`` "int8" or "int4" (with
-        ``quantize_block``, ``quantize_head``, ``quantize_activations``) is --quantize's quantisation.
-        ``genai=True`` (with ``tokenizer``, and ``context_length`` where the model has none) writes
-        the folder ``out`` for onnxruntime-genai, as ``tessera compile --genai`` does."""
+        ``quantize_block``, ``quantize_head``, ``quantize_activations``) is --quantize's quantisation;
+        ``sparse_moe=False`` is --no-sparse-moe (mixtures of experts stay dense). ``genai=True``
+        (with ``tokenizer``, and ``context_length`` where the model has none) writes the folder
+        ``out`` for onnxruntime-genai, as ``tessera compile --genai`` does."""
         from tessera.compiler.backends.onnx import export as onnx_export
 
         verify = onnx_export.check if check else None
@@ -119,15 +125,16 @@ class Model:
             built = self._fresh()
             pipeline.quantize(built, pipeline.quant_config(argparse.Namespace(**quant_args)))
             model, info = gen.compile_cached(built, self._weights, mode="concat", target=Target(target, dtype),
-                                             dtype=dtype)
+                                             dtype=dtype, sparse_moe=sparse_moe)
             return genai_mod.write_folder(out, built.graph, info, model, str(tokenizer), self.weights_path, verify,
                                           context=context_length)
         if tokenizer is not None or context_length is not None:
             raise pipeline.UsageError("tokenizer and context_length apply to genai=True")
         if kv_cache:
             quant = pipeline.quant_config(argparse.Namespace(**quant_args))
-            return onnx_export.save(self._cached_onnx(target, dtype, quant=quant), out, verify=verify)
-        built, meta = self._optimized(attention, target, dtype, quant_args)
+            return onnx_export.save(self._cached_onnx(target, dtype, quant=quant, sparse_moe=sparse_moe), out,
+                                    verify=verify)
+        built, meta = self._optimized(attention, target, dtype, quant_args, sparse_moe)
         return onnx_export.write(built.graph, self._weights, out, meta, verify=verify)
 
     def _feeds(self, inputs: dict) -> dict[str, np.ndarray]:

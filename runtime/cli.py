@@ -67,6 +67,9 @@ def _optimize_args(p: argparse.ArgumentParser) -> None:
                         "also picks the attention kernels; the spec spellings f32 and f16 are accepted too "
                         "(default fp32; bf16 is not exported yet)")
     p.add_argument("--no-fuse", action="store_true", help="do not fuse attention (same as --attention unfused)")
+    p.add_argument("--no-sparse-moe", action="store_true",
+                   help="keep mixtures of experts dense (every expert runs on every token, the unselected "
+                        "ones weighed by zero) instead of running each token's top-k experts only")
     p.add_argument("--recurrence", choices=["auto", "scan"], default="auto",
                    help="lowering of scans (recurrent layers): auto uses onnx's RNN/GRU/LSTM op where the step "
                         "is exactly that cell, scan always an ONNX Scan of the step (default auto)")
@@ -313,6 +316,7 @@ def _compile_cached(built, weights, args) -> list[Path]:
                                   f"(encoder-decoders are not supported)")
     pipeline.quantize(built, pipeline.quant_config(args))  # the cached graph inherits the quantised linears
     model, info = gen.compile_cached(built, weights, mode=args.cache, target=Target(args.target, args.dtype),
+                                     sparse_moe=not args.no_sparse_moe,
                                      dtype=args.dtype)
     if args.explain:
         print(explain(built.attention_sites) + "\n" + info.explain(), file=sys.stderr)

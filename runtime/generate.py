@@ -182,15 +182,16 @@ class CachedModel:
 
 
 def compile_cached(built, weights: dict[str, np.ndarray], last_only: bool = True, mode: str = "auto",
-                   target=None, dtype: str = "fp32"):
-    """Fuse attention, add the KV cache and export: returns (onnx.ModelProto, CacheInfo). Rewrites built.graph."""
+                   target=None, dtype: str = "fp32", sparse_moe: bool = True):
+    """Fuse attention (and make experts sparse unless ``sparse_moe`` is False), add the KV cache and
+    export: returns (onnx.ModelProto, CacheInfo). Rewrites built.graph."""
     from tessera.compiler.backends.onnx import export as onnx_export
     from tessera.compiler.backends.onnx.cached_attention import prune_dead_nodes
     from tessera.compiler.passes.attention_kernels import Target
     from tessera.compiler.passes.kv_cache import add_kv_cache
     from tessera.compiler.passes.pipeline import optimize
 
-    built.attention_sites = optimize(built.graph, target or Target("cpu", dtype))
+    built.attention_sites = optimize(built.graph, target or Target("cpu", dtype), sparse_moe=sparse_moe)
     try:
         info = add_kv_cache(built.graph, last_only=last_only, mode=mode)
     except CacheError as e:

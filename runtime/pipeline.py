@@ -217,7 +217,8 @@ def optimize(built: Built, args, attention_probs: list[int] | None = None, all_p
     """Fuse attention, choose kernels and quantise weights as the command-line flags say; print
     --explain's listing. ``attention_probs`` (site indices) or ``all_probs`` first makes those
     attention sites' probabilities model outputs (kept unfused); returns their ExposedProbs notes."""
-    from tessera.compiler.passes.pipeline import attention_sites, build_pipeline, explain
+    from tessera.compiler.passes.pipeline import (attention_sites, build_pipeline, expert_sites, explain,
+                                                  explain_experts)
     from tessera.compiler.passes import PassError
     from tessera.compiler.passes.attention_kernels import Target
     from tessera.compiler.passes.expose_attention import ExposeAttentionProbs
@@ -232,7 +233,8 @@ def optimize(built: Built, args, attention_probs: list[int] | None = None, all_p
         result = build_pipeline(Target(getattr(args, "target", "cpu"), dtype), attention, lower_precision=True,
                                 quantize=built.quantize, attention_probs=attention_probs,
                                 all_probs=all_probs,
-                                recurrence=getattr(args, "recurrence", "auto"))(built.graph)
+                                recurrence=getattr(args, "recurrence", "auto"),
+                                sparse_moe=not getattr(args, "no_sparse_moe", False))(built.graph)
     except PassError as e:
         raise UsageError(str(e)) from None
     exposed = result.notes(ExposeAttentionProbs.name)
@@ -244,6 +246,9 @@ def optimize(built: Built, args, attention_probs: list[int] | None = None, all_p
             lines.append(f"quantised linears: {done} of {len(notes)} ({built.quantize.scheme}, "
                          f"block {built.quantize.block_size})")
             lines += [f"  {n.describe()}" for n in notes if not n.quantized]
+        experts = explain_experts(expert_sites(result))
+        if experts:
+            lines.append(experts)
         from tessera.compiler.passes.recurrence import ChooseRecurrenceLowering, explain as explain_scans
 
         scans = result.notes(ChooseRecurrenceLowering.name)

@@ -58,6 +58,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"device for the roofline estimates: {', '.join(device_names())} "
                         f"(cpu is measured on the spot; default h200)")
     add_quant_arguments(p)
+    p.add_argument("--no-sparse-moe", action="store_true",
+                   help="report mixtures of experts in their dense form, as compile --no-sparse-moe builds "
+                        "them (by default they are counted as compile builds them: sparse, the top-k experts "
+                        "of each token only, unless --quantize keeps the quantised experts dense)")
     p.add_argument("--format", choices=FORMATS, default="table", help="output format (default table)")
     p.add_argument("--plot", metavar="FILE.png",
                    help="also draw MACs and memory against N, fused and unfused (needs matplotlib: "
@@ -93,23 +97,30 @@ def build(args) -> dict:
         device = roofline.get_device(args.device)
     except roofline.DeviceError as e:
         raise pipeline.UsageError(str(e)) from None
+    config = pipeline.quant_config(args)
     with _no_gc():
         built = pipeline.build(args.spec, args.variant, args.sets)
+        graph = built.graph
+        if (not getattr(args, "no_sparse_moe", False) and config is None
+                and any(n.op == "topk_gates" for n in graph.nodes.values())):
+            from tessera.compiler.passes.sparse_moe import SparseExperts
+
+            graph = graph.copy()  # as compile builds it: experts sparse (built.graph is left as written)
+            SparseExperts()(graph)
         rep = costreport.build_report(
-            built.graph, built.info.model, built.info.variant,
+            graph, built.info.model, built.info.variant,
             {k: pipeline._jsonable(v) for k, v in built.info.hyperparams.items()},
             batch=args.batch, seq=args.seq, dtype=args.dtype, device=device)
     if getattr(args, "plot", None) is not None:
         from .report_plot import plot
 
         with _no_gc():
-            plot(built.graph, rep, args.plot)
+            plot(graph, rep, args.plot)
     from tessera.compiler.analysis.attention_report import attention_section
 
     with _no_gc():  # fuses a copy: built.graph is left as written
-        rep["attention"] = attention_section(built.graph, rep["settings"]["bindings"],
+        rep["attention"] = attention_section(graph, rep["settings"]["bindings"],
                                              rep["settings"]["bytes_per_element"], device.name, args.dtype)
-    config = pipeline.quant_config(args)
     if config is not None:
         from tessera.compiler.analysis.quant_report import quantization_section
 

@@ -317,6 +317,24 @@ def test_mixtral_routes_tokens_to_different_experts(cases):
     assert len({tuple(sorted(r)) for r in chosen.tolist()}) > 3
 
 
+@pytest.mark.parametrize("impl", ["moe", "gather"])
+def test_mixtral_sparse_experts_match_transformers(cases, impl):
+    """The sparse experts (compiler/passes/sparse_moe.py; onnxruntime's MoE kernel or the standard-op
+    gather/scatter form) against MixtralForCausalLM, numpy interpreter and onnxruntime."""
+    from tessera.compiler.passes.sparse_moe import SparseExperts
+
+    case = cases("mixtral")
+    graph = build("mixtral", "8x7b", **case.sets)
+    result = SparseExperts(impl=impl)(graph)
+    assert [s.sparse for s in result.notes] == [True, True]
+    assert "topk_gates" not in {n.op for n in graph.nodes.values()}
+    weights = load_weights(graph, case.ckpt, name_map_for(MODELS / "mixtral.tsr"))
+    diff_np = max_diff(case, interpret.run(graph, weights, case.feeds))
+    diff_ort = max_diff(case, ort_run(graph, weights, case.feeds))
+    print(f"mixtral sparse ({impl}): max abs difference numpy {diff_np:.2e}, onnxruntime {diff_ort:.2e}")
+    assert diff_np <= TOL and diff_ort <= TOL
+
+
 def test_bert_task_model_checkpoint_loads(cases, tmp_path):
     """BertForPreTraining names everything 'bert.*' and adds 'cls.*' heads: the encoder loads, the heads are dropped."""
     case = cases("bert")

@@ -125,6 +125,8 @@ def macs_section(ctx: Context) -> dict:
     active = total
     by_node = {nc.node: nc for nc in c}
     for e in ctx.st.experts:
+        if e.sparse:  # a sparse_moe node already counts the active experts only
+            continue
         branch = Poly.sum(by_node[n].macs for b in e.branches for n in b)
         active = active - branch * Fraction(e.count - e.top, e.count)
     out["active"] = ctx.value(active)
@@ -246,11 +248,16 @@ def _notes(ctx: Context, rep: dict) -> list[str]:
     for p, users in rep["params"]["tied"].items():
         notes.append(f"tied: {p} is shared by {', '.join(users)} (counted once)")
     moe = rep["params"]["moe"]
-    if moe:
+    if moe and moe["dense_in_graph"]:
         notes.append(
             f"mixture of experts: the graph computes all {moe['experts']} experts for every token (dense), "
             f"and macs.total counts them all; a sparse implementation runs the top {moe['top']}: "
             f"params.active_per_token and macs.active_per_token are what it would use")
+    elif moe:
+        notes.append(
+            f"mixture of experts: sparse: each token runs its top {moe['top']} of {moe['experts']} experts, "
+            f"and macs.total counts those only (--no-sparse-moe: the dense form, all {moe['experts']})")
+    if moe:
         if moe["branches_found"] != moe["experts"]:
             notes.append(f"mixture of experts: found {moe['branches_found']} expert branches for "
                          f"{moe['experts']} gates; active figures may be off")

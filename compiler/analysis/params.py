@@ -69,9 +69,10 @@ def parameter_report(graph: Graph, st: Structure | None = None) -> dict:
 def moe_parameters(graph: Graph, st: Structure) -> dict | None:
     """Total vs active parameters when each token runs only `top` of `experts` branches.
 
-    The graph itself computes every expert (the stdlib `moe` block is dense); active per
-    token is the total minus the unselected experts' share: sum over MoE blocks of
-    (1 - top/experts) x the parameters of all its expert branches."""
+    Active per token is the total minus the unselected experts' share: sum over MoE blocks of
+    (1 - top/experts) x the parameters of all its expert branches. ``dense_in_graph``: some block
+    is written densely (the stdlib `moe` block as elaborated, or --no-sparse-moe) and computes every
+    expert; a sparse_moe node (compiler/passes/sparse_moe.py) computes the top ones only."""
     if not st.experts:
         return None
     inactive = 0
@@ -87,11 +88,11 @@ def moe_parameters(graph: Graph, st: Structure) -> dict | None:
         "blocks": len(st.experts),
         "experts": first.count,
         "top": first.top,
-        "branches_found": len(first.branches),
+        "branches_found": len(first.params),
         "params_per_expert": sum(math.prod(graph.params[p].shape) for p in first.params[0]),
         "expert_params_total": expert_params,
         "inactive_per_token": inactive,
-        "dense_in_graph": True,
+        "dense_in_graph": any(not e.sparse for e in st.experts),
     }
 
 

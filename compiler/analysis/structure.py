@@ -5,7 +5,7 @@ anything), so it reads structure from the dataflow: attention is what the one
 recogniser (compiler/patterns/attention.py) matches, the same sites the fusion
 pass fuses or gives a reason for; its keys and values are what feeds the two
 matmuls before any transpose or grouped-query repeat; a mixture of experts is a ``topk_gates``
-node whose slices weigh the outputs of expert branches; the output head is a
+node whose slices weigh the outputs of expert branches (dense), or one ``sparse_moe`` node; the output head is a
 dense layer outside the repeated layers that follows all attention; a norm is a ``layernorm`` or
 ``rmsnorm`` node or the same computation written from primitives (compiler/patterns/norm.py).
 """
@@ -78,6 +78,7 @@ class Experts:
     count: int
     branches: list[list[str]] = field(default_factory=list)  # node names of each expert branch
     params: list[list[str]] = field(default_factory=list)    # parameter paths of each branch
+    sparse: bool = False  # one sparse_moe node (``gate``): only the top experts run, its cost says so
 
 
 @dataclass
@@ -204,6 +205,12 @@ def find_experts(graph: Graph, consumers) -> list[Experts]:
     out = []
     pos = {name: i for i, name in enumerate(graph.nodes)}
     for g in graph.nodes.values():
+        if g.op == "sparse_moe":  # compiler/passes/sparse_moe.py: weights gate, up, down per expert
+            w = g.inputs[2:]
+            out.append(Experts(gate=g.name, top=int(g.attrs["k"]), count=int(g.attrs["experts"]),
+                               params=[sorted(w[3 * i: 3 * i + 3]) for i in range(int(g.attrs["experts"]))],
+                               sparse=True))
+            continue
         if g.op != "topk_gates":
             continue
         e = Experts(gate=g.name, top=int(g.attrs["k"]), count=int(graph.type_of(g.inputs[0]).shape[-1]))

@@ -1,0 +1,183 @@
+"""Sparse mixture of experts: each token runs only the ``k`` experts its router picks.
+
+``sparse_moe(x, logits, gate_0, up_0, down_0, ..., gate_{E-1}, up_{E-1}, down_{E-1})`` is what the
+standard library's dense ``moe`` block computes (spec/stdlib/nn.tsr, with SwiGLU experts): for each
+token, the top ``k`` of the ``E`` router logits, their softmax (Mixtral's softmax over all logits,
+top-k, renormalised, which is the same), and the gate-weighted sum of those experts'
+``down(silu(gate(x)) * up(x))``. The rewrite pass compiler/passes/sparse_moe.py makes it from the
+dense block; the expert weights stay the block's own parameters (``experts.e.ffn.gate.weight`` ...),
+each ``[out, in]`` as ``linear`` stores it.
+
+Two lowerings (attribute ``impl``; the pass picks ``gather``, the faster one on this machine's CPU:
+docs/BENCHMARKS.md, "Sparse experts"):
+
+- ``gather``: standard ops only: TopK and Softmax over the logits, then per expert the positions
+  routed to it (NonZero), a Gather of those tokens, the SwiGLU on them alone, and a ScatterND add of
+  the gate-weighted result into the output;
+- ``moe``: onnxruntime's ``com.microsoft.MoE`` (CPU and CUDA), fc1 the experts' gate and up rows
+  interleaved (``swiglu_fusion=1``, ``activation_alpha=1``, ``activation_beta=0``: silu(g)·u),
+  ``normalize_routing_weights=1``; the stacked weights are Concat/Reshape of the parameters, which
+  onnxruntime folds once when the session is created. Its top-k breaks exact ties between logits
+  towards the higher expert index (TopK and the reference: the lower one).
+
+The cost counts the work that runs: ``k`` experts per token, not ``E``.
+"""
+
+from __future__ import annotations
+
+from fractions import Fraction
+
+import numpy as np
+
+from tessera.compiler.ir import dims
+from tessera.compiler.ir.graph import TensorType
+from tessera.compiler.ops import common
+from tessera.compiler.ops.registry import ShapeError, custom, op
+
+IMPLS = ("gather", "moe")
+
+
+def route(logits: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """(experts [n, k], weights [n, k]) of flattened logits [n, E]: the k largest (ties to the lower
+    index, as topk_gates), softmax over them."""
+    idx = np.argsort(-logits, axis=-1, kind="stable")[:, :k]
+    top = np.take_along_axis(logits, idx, axis=-1)
+    w = np.exp(top - top.max(-1, keepdims=True))
+    return idx, w / w.sum(-1, keepdims=True)
+
+
+def sparse_moe(x: np.ndarray, logits: np.ndarray, weights: list[np.ndarray], k: int) -> np.ndarray:
+    """The reference: each expert runs on the tokens routed to it only."""
+    d = x.shape[-1]
+    xf = x.reshape(-1, d)
+    idx, w = route(logits.reshape(xf.shape[0], -1), k)
+    out = np.zeros_like(xf)
+    for e in range(len(weights) // 3):
+        gate, up, down = weights[3 * e: 3 * e + 3]
+        rows, slot = np.nonzero(idx == e)
+        if not len(rows):
+            continue
+        h = xf[rows]
+        g = h @ gate.T
+        y = ((g / (1 + np.exp(-g))) * (h @ up.T)) @ down.T
+        out[rows] += (w[rows, slot][:, None] * y).astype(out.dtype)
+    return out.reshape(x.shape)
+
+
+# ------------------------------------------------------------------ ONNX lowerings
+def _lower_ort(L):
+    """com.microsoft.MoE on [tokens, d] and [tokens, E]; weights stacked [E, 2f, d] and [E, d, f]."""
+    b, x, k, e = L.b, L.x, L.a["k"], L.a["experts"]
+    d, f = int(L.t_in[0].shape[-1]), int(L.t_in[2].shape[0])
+    flat = b.node("Reshape", [x[0], b.i64([-1, d])])[0]
+    logits = b.node("Reshape", [x[1], b.i64([-1, e])])[0]
+    fc1, fc2 = [], []
+    ax1, ax0 = b.i64([1]), b.i64([0])
+    for i in range(e):
+        gate, up, down = x[2 + 3 * i: 5 + 3 * i]
+        pair = b.node("Concat", [b.node("Unsqueeze", [gate, ax1])[0], b.node("Unsqueeze", [up, ax1])[0]], axis=1)[0]
+        rows = b.node("Reshape", [pair, b.i64([2 * f, d])])[0]     # gate_0, up_0, gate_1, up_1, ...
+        fc1.append(b.node("Unsqueeze", [rows, ax0])[0])
+        fc2.append(b.node("Unsqueeze", [down, ax0])[0])
+    w1 = b.node("Concat", fc1, axis=0)[0] if e > 1 else fc1[0]
+    w2 = b.node("Concat", fc2, axis=0)[0] if e > 1 else fc2[0]
+    y = b.node("MoE", [flat, logits, w1, "", w2], domain="com.microsoft", k=k, activation_type="swiglu",
+               swiglu_fusion=1, activation_alpha=1.0, activation_beta=0.0, normalize_routing_weights=1)[0]
+    L.emit("Reshape", [y, b.node("Shape", [x[0]])[0]])
+
+
+def _lower_gather(L):
+    """TopK, then per expert: Gather its tokens, SwiGLU, ScatterND-add the weighted rows back."""
+    b, x, k, e = L.b, L.x, L.a["k"], L.a["experts"]
+    d = int(L.t_in[0].shape[-1])
+    flat = b.node("Reshape", [x[0], b.i64([-1, d])])[0]
+    logits = b.node("Reshape", [x[1], b.i64([-1, e])])[0]
+    vals, idx = b.node("TopK", [logits, b.i64([k])], 2, axis=-1, largest=1, sorted=1)
+    w_flat = b.node("Reshape", [b.node("Softmax", [vals], axis=-1)[0], b.i64([-1])])[0]   # [tokens·k]
+    idx_flat = b.node("Reshape", [idx, b.i64([-1])])[0]
+    # the sum is kept in fp32 (onnxruntime's CPU ScatterND has no fp16 'add'; fp32 sums are better anyway)
+    low = L.t_in[0].dtype != "f32"
+    acc = b.node("ConstantOfShape", [b.node("Shape", [flat])[0]], value=b.tensor_value(np.zeros(1, np.float32)))[0]
+    kk = b.i64(k)
+    for i in range(e):
+        gate, up, down = x[2 + 3 * i: 5 + 3 * i]
+        hit = b.node("Equal", [idx_flat, b.i64(i)])[0]
+        pos = b.node("Reshape", [b.node("NonZero", [hit])[0], b.i64([-1])])[0]            # slots routed to i
+        tok = b.node("Div", [pos, kk])[0]                                                   # their tokens
+        h = b.node("Gather", [flat, tok], axis=0)[0]
+        g = b.node("MatMul", [h, b.node("Transpose", [gate], perm=[1, 0])[0]])[0]
+        u = b.node("MatMul", [h, b.node("Transpose", [up], perm=[1, 0])[0]])[0]
+        act = b.node("Mul", [b.node("Mul", [g, b.node("Sigmoid", [g])[0]])[0], u])[0]
+        y = b.node("MatMul", [act, b.node("Transpose", [down], perm=[1, 0])[0]])[0]
+        wy = b.node("Mul", [y, b.node("Unsqueeze", [b.node("Gather", [w_flat, pos], axis=0)[0], b.i64([1])])[0]])[0]
+        if low:
+            wy = b.node("Cast", [wy], to=b.onnx_type("f32"))[0]
+        acc = b.node("ScatterND", [acc, b.node("Unsqueeze", [tok, b.i64([1])])[0], wy], reduction="add")[0]
+    if low:
+        acc = b.node("Cast", [acc], to=b.onnx_type(L.t_in[0].dtype))[0]
+    L.emit("Reshape", [acc, b.node("Shape", [x[0]])[0]])
+
+
+def _lower(L):
+    impl = L.a.get("impl", "gather")
+    if impl not in IMPLS:
+        raise ValueError(f"sparse_moe impl must be one of {IMPLS}, got {impl!r}")
+    (_lower_ort if impl == "moe" else _lower_gather)(L)
+
+
+# ------------------------------------------------------------------ cost
+def _tokens(c):
+    return c.numel(c.type(0).shape[:-1])
+
+
+def _macs(c):
+    """gate, up and down of the k experts each token runs: 3·d·f multiply-adds per (token, expert)."""
+    d, f = c.dim(c.type(0).shape[-1]), c.dim(c.type(2).shape[0])
+    return _tokens(c) * int(c.attrs["k"]) * d * f * 3
+
+
+def _flops(c):
+    n, k, e = _tokens(c), int(c.attrs["k"]), int(c.attrs["experts"])
+    d, f = c.dim(c.type(0).shape[-1]), c.dim(c.type(2).shape[0])
+    logits = n * e
+    return {"matmul": c.macs * 2,
+            "activation": n * k * f * 4,                      # silu of each active expert's gate
+            "elementwise": n * k * f + n * k * d * 2,         # silu(g)·u, and weigh and sum the outputs
+            "routing": logits * k + logits * Fraction(5 * k, e)}  # as topk_gates: top-k, softmax of k
+
+
+def _ref(x, a, ev):
+    return sparse_moe(x[0], x[1], list(x[2:]), a["k"])
+
+
+@op("sparse_moe", reference=_ref, lower=_lower, cost=custom(_flops, macs=_macs),
+    saved=(0, 1), traits=("matmul_class",))
+def _sparse_moe(t, a):
+    """x [..., d], router logits [..., E], then gate [f, d], up [f, d], down [d, f] of each of the
+    E = attrs["experts"] experts; attrs["k"] of them run per token (SwiGLU experts)."""
+    x, logits = t[0], t[1]
+    common.need_float(x, "sparse_moe")
+    e, k = a.get("experts"), a.get("k")
+    if not isinstance(e, int) or not isinstance(k, int) or not 1 <= k <= e:
+        raise ShapeError(f"sparse_moe needs 1 <= k <= experts, got k={k}, experts={e}")
+    if a.get("impl", "gather") not in IMPLS:
+        raise ShapeError(f"sparse_moe impl must be one of {', '.join(IMPLS)}, got {a.get('impl')!r}")
+    if len(t) != 2 + 3 * e:
+        raise ShapeError(f"sparse_moe takes x, logits and 3 weights per expert ({2 + 3 * e} inputs), got {len(t)}")
+    if logits.rank != x.rank or not dims.shapes_equal(logits.shape[:-1], x.shape[:-1]) \
+            or not dims.equal(logits.shape[-1], e):
+        raise ShapeError(f"sparse_moe logits must be {dims.fmt_shape(x.shape[:-1] + (e,))}, "
+                         f"got {dims.fmt_shape(logits.shape)}")
+    d = x.shape[-1]
+    f = t[2].shape[0] if t[2].rank == 2 else None
+    for i in range(e):
+        gate, up, down = t[2 + 3 * i: 5 + 3 * i]
+        want = [(f, d), (f, d), (d, f)]
+        for name, w, shape in zip(("gate", "up", "down"), (gate, up, down), want):
+            if f is None or w.rank != 2 or not dims.shapes_equal(w.shape, shape):
+                raise ShapeError(f"sparse_moe expert {i} {name} weight must be {dims.fmt_shape(shape) if f is not None else '[f, d]'}, "
+                                 f"got {dims.fmt_shape(w.shape)}")
+            common.same_dtype(x, w, "sparse_moe")
+    if not dims.is_static(d) or not dims.is_static(f):
+        raise ShapeError("sparse_moe needs a fixed width and expert width")
+    return [x]
