@@ -279,18 +279,24 @@ def test_eos_from_tokenizer_config_beside_it(tokenizer_file, tmp_path, capsys):
 WINDOW = ["--set", "vocab=300", "--set", "d=64", "--set", "layers=2", "--set", "heads=4", "--set", "kv_heads=2",
           "--set", "d_ff=96", "--set", "window=8", "--context-length", "512"]
 
+MIXTRAL = ["--set", "vocab=300", "--set", "d=64", "--set", "layers=2", "--set", "heads=4", "--set", "kv_heads=2",
+           "--set", "d_ff=96", "--set", "ctx=256"]
+
 
 @needs_genai
 @pytest.mark.parametrize("name,extra", [("llama", ["--dtype", "fp16"]), ("gpt2", ["--quantize", "int4"]),
-                                        ("llama", "external"), ("window", WINDOW)],
-                         ids=["llama-fp16", "gpt2-int4", "llama-external", "sliding-window"])
+                                        ("llama", "external"), ("window", WINDOW), ("mixtral", MIXTRAL)],
+                         ids=["llama-fp16", "gpt2-int4", "llama-external", "sliding-window", "mixtral-sparse"])
 def test_genai_variants_equal_tessera_generate(name, extra, tokenizer_file, tmp_path, capsys, monkeypatch):
     """fp16 (a half-precision cache, fp32 logits), int4 linears (MatMulNBits), weights written as
-    external data (model.onnx.data, as for models past 2 GiB), and a sliding window of 8 (genai keeps
-    every column, Tessera's loop only the window's; the mask makes them the same attention): genai's
-    tokens equal `tessera generate FOLDER`'s on the same folder."""
+    external data (model.onnx.data, as for models past 2 GiB), a sliding window of 8 (genai keeps
+    every column, Tessera's loop only the window's; the mask makes them the same attention), and
+    Mixtral's sparse experts (top-2 of 8): genai's tokens equal `tessera generate FOLDER`'s on the
+    same folder."""
     if name == "window":  # no rotary context in this spec: --context-length gives genai its length
         spec, hp = HERE / "specs" / "mistral_window.tsr", {}
+    elif name == "mixtral":
+        spec, hp = MODELS / "mixtral.tsr", {}
     else:
         spec, hp, _ = SPECS[name]
         spec = MODELS / spec
