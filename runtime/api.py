@@ -102,7 +102,8 @@ class Model:
                       "quantize_activations": quantize_activations}
         if kv_cache:
             quant = pipeline.quant_config(argparse.Namespace(**quant_args))
-            return onnx_export.save(self._cached_onnx(target, dtype, quant=quant), out, verify=verify)
+            return onnx_export.save(self._cached_onnx(target, dtype, quant=quant), out, verify=verify,
+                                    external=True)  # as `tessera compile --kv-cache` writes it
         built, meta = self._optimized(attention, target, dtype, quant_args)
         return onnx_export.write(built.graph, self._weights, out, meta, verify=verify)
 

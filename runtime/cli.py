@@ -232,7 +232,9 @@ def _compile_cached(built, weights, args) -> list[Path]:
                                      dtype=args.dtype)
     if args.explain:
         print(explain(built.attention_sites) + "\n" + info.explain(), file=sys.stderr)
-    return onnx_export.save(model, args.output, verify=None if args.no_check else onnx_export.check)
+    # external data always: onnxruntime maps the weights from the .data file instead of copying them out of
+    # the parsed model, so the generating process holds them once (docs/generate.md)
+    return onnx_export.save(model, args.output, verify=None if args.no_check else onnx_export.check, external=True)
 
 
 def cmd_run(args) -> int:

@@ -72,6 +72,7 @@ class _Builder:
         self._dims: dict[sympy.Expr, str] = {}
         self.current = ""  # IR node being lowered, for node names
         self.transposed = transposed_weights(graph)  # parameters written [in, out]
+        self.shared: dict = {}  # values a lowering builds once for every node that needs them (a decode mask)
 
     def fresh(self, hint: str) -> str:
         base = f"{self.current}/{hint}" if self.current else hint
