@@ -92,7 +92,7 @@ def compile_tessera(folder: Path, model: str, mode: str, quantize: str = "none")
         read = sum(int(np.prod(q.shape)) * np.dtype(DTYPES[q.dtype] or np.float32).itemsize  # packed bytes
                    for k, q in built.graph.params.items() if k not in gathered or (tied and k == "wte.weight"))
     onnx_model, _ = gen.compile_cached(built, weights, mode=mode)
-    onnx_export.save(onnx_model, folder / f"tessera-{mode}.onnx")
+    onnx_export.save(onnx_model, folder / f"tessera-{mode}.onnx", external=True)  # as compile --kv-cache writes it
     return {"weights_read_bytes": read}
 
 

@@ -133,7 +133,7 @@ class Model:
         if kv_cache:
             quant = pipeline.quant_config(argparse.Namespace(**quant_args))
             return onnx_export.save(self._cached_onnx(target, dtype, quant=quant, sparse_moe=sparse_moe), out,
-                                    verify=verify)
+                                    verify=verify, external=True)  # as `tessera compile --kv-cache` writes it
         built, meta = self._optimized(attention, target, dtype, quant_args, sparse_moe)
         return onnx_export.write(built.graph, self._weights, out, meta, verify=verify)
 

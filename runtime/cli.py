@@ -326,7 +326,9 @@ def _compile_cached(built, weights, args) -> list[Path]:
 
         return genai.write_folder(args.output, built.graph, info, model, args.tokenizer, args.weights, verify,
                                   context=args.context_length)
-    return onnx_export.save(model, args.output, verify=verify)
+    # external data always: onnxruntime maps the weights from the .data file instead of copying them out of
+    # the parsed model, so the generating process holds them once (docs/generate.md)
+    return onnx_export.save(model, args.output, verify=verify, external=True)
 
 
 def cmd_run(args) -> int:

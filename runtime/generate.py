@@ -182,9 +182,10 @@ class CachedModel:
 
 
 def compile_cached(built, weights: dict[str, np.ndarray], last_only: bool = True, mode: str = "auto",
-                   target=None, dtype: str = "fp32", sparse_moe: bool = True):
-    """Fuse attention (and make experts sparse unless ``sparse_moe`` is False), add the KV cache and
-    export: returns (onnx.ModelProto, CacheInfo). Rewrites built.graph."""
+                   target=None, dtype: str = "fp32", sparse_moe: bool = True, fuse_linears: bool = True):
+    """Fuse attention (and make experts sparse unless ``sparse_moe`` is False), add the KV cache, fuse
+    the linears sharing an input (q/k/v, gate/up: compiler/passes/fuse_linears.py; ``fuse_linears=False``
+    keeps them apart) and export: returns (onnx.ModelProto, CacheInfo). Rewrites built.graph."""
     from tessera.compiler.backends.onnx import export as onnx_export
     from tessera.compiler.backends.onnx.cached_attention import prune_dead_nodes
     from tessera.compiler.passes.attention_kernels import Target
@@ -196,6 +197,10 @@ def compile_cached(built, weights: dict[str, np.ndarray], last_only: bool = True
         info = add_kv_cache(built.graph, last_only=last_only, mode=mode)
     except CacheError as e:
         raise UsageError(str(e)) from None
+    if fuse_linears:
+        from tessera.compiler.passes.fuse_linears import FuseSharedInputLinears
+
+        FuseSharedInputLinears()(built.graph)
     if dtype != "fp32":
         from tessera.compiler.passes.precision import LowerPrecision
 

@@ -30,7 +30,9 @@ def shapes_only_onnx(graph):
     """Export with 1-element placeholder weights, then give each parameter initializer its shape."""
     placeholders = {p: np.zeros((1,) * len(v.shape), np.float32) for p, v in graph.params.items()}
     model = onnx_export.to_onnx(graph, placeholders)
-    return onnx_counter.stub_initializers(model, {p: v.shape for p, v in graph.params.items()})
+    transposed = onnx_export.transposed_weights(graph)  # linear weights are written [in, out]
+    return onnx_counter.stub_initializers(model, {p: tuple(v.shape)[::-1] if p in transposed else v.shape
+                                                  for p, v in graph.params.items()})
 
 
 @pytest.mark.parametrize("spec,variant", VARIANTS, ids=[f"{s}-{v}" for s, v in VARIANTS])

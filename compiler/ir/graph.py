@@ -67,7 +67,9 @@ class Param:
     std: float = 0.02
     pos: Pos | None = None
     # Set for a parameter computed from another one at export (the quantisation pass's packed
-    # weights and scales): ("quantize", source path, bits, block, "packed" | "scales").
+    # weights and scales): ("quantize", source path, bits, block, "packed" | "scales"); the fusion of
+    # linears sharing an input (compiler/passes/fuse_linears.py): ("concat", source paths, axis,
+    # the sources' own recipes or None: the sources themselves are dropped from the graph).
     derive: tuple | None = None
 
     @property

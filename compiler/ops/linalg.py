@@ -24,7 +24,12 @@ def _linear_ref(x, a, ev):
 
 
 def _linear_lower(L):
-    wt = L.b.node("Transpose", [L.x[1]], perm=[1, 0])[0]
+    # A weight only linears read is written [in, out] (export.transposed_weights), so MatMul takes it
+    # as it lies; a Transpose of the [out, in] parameter would be folded by onnxruntime into a second
+    # copy of the weight. Any other weight (a computed one, GPT-2's head tied to the token table) is
+    # transposed here.
+    w = L.x[1]
+    wt = w if w in L.b.transposed else L.b.node("Transpose", [w], perm=[1, 0])[0]
     if len(L.x) == 3:
         mm = L.b.node("MatMul", [L.x[0], wt])[0]
         L.emit("Add", [mm, L.x[2]])

@@ -64,8 +64,8 @@ def dequantize(packed: np.ndarray, scales: np.ndarray, bits: int, block: int, k:
 
 class ParamValues(Mapping):
     """The values of a graph's parameters: those in ``weights`` (a mapping by path) as they are,
-    and each derived parameter (``Param.derive``, set by the quantisation pass) computed from its
-    source's values when it is read. One of these serves one export (or one interpreter run): it
+    and each derived parameter (``Param.derive``, set by the quantisation pass and by the fusion of
+    linears sharing an input) computed from its sources' values when it is read. One of these serves one export (or one interpreter run): it
     keeps the last weight it quantised, so the packed values and the scales of a weight (read
     one after the other, maybe by two writer threads) are computed once."""
 
@@ -77,9 +77,14 @@ class ParamValues(Mapping):
 
     def __getitem__(self, path: str) -> np.ndarray:
         p = self.graph.params.get(path)
-        recipe = getattr(p, "derive", None)
+        return self._derived(path, getattr(p, "derive", None))
+
+    def _derived(self, path: str, recipe) -> np.ndarray:
         if recipe is None:
             return self.weights[path]
+        if recipe[0] == "concat":  # ("concat", source paths, axis, their recipes): linears sharing an input
+            _, sources, axis, recipes = recipe
+            return np.concatenate([np.asarray(self._derived(s, r)) for s, r in zip(sources, recipes)], axis=axis)
         kind, source, bits, block, part = recipe
         if kind != "quantize" or part not in ("packed", "scales"):
             raise ValueError(f"unknown derived parameter {path}: {recipe}")

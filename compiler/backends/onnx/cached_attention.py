@@ -16,8 +16,10 @@ sliding window when the spec has one. Two phases run through the same graph:
   forms the T×(P+T) scores; ``cached`` would, for the whole prompt at once.
 
 ``phased`` is an ONNX If on T == 1 between the two, so one session serves both phases and the
-branch not taken costs nothing. The additive mask the decode branch needs is built inside it from
-the attention mask, so a prefill never builds a T×(P+T) mask either.
+branch not taken costs nothing. The additive mask the decode branch needs ([B, 1, 1, P+1]: the
+attention mask alone, since a step's one query sees every earlier key) is built once in the main
+graph and read by every layer's decode branch (with a sliding window, inside each branch, causal
+with the window); a prefill never builds a T×(P+T) mask.
 """
 
 from __future__ import annotations
@@ -58,16 +60,38 @@ def _mask_bias(b, node, np_dtype) -> str:
                             b.const(np.array(np.finfo(np_dtype).min, dtype=np_dtype), "min")])[0]
 
 
-def lower_cached_attention(b, node, out: str) -> None:
+def _decode_bias(b, node, np_dtype) -> str:
+    """The additive mask [B, 1, 1, P+1] of a decoding step without a sliding window: the attention
+    mask alone (the one query is the last position, so the causal part hides nothing). It is the
+    same for every layer reading that mask, so it is built once, in the main graph (the builder
+    keeps it), and each layer's decode branch reads it from there."""
+    mask = node.inputs[3]
+    key = ("decode_bias", mask, np.dtype(np_dtype).str)
+    cache = b.shared
+    if key not in cache:
+        saved, b.current = b.current, ""
+        try:
+            zero_m = b.const(np.array(0, dtype=np.int64 if b.graph.type_of(mask).dtype == "i64" else np.int32), "zero")
+            hidden = b.node("Unsqueeze", [b.node("Equal", [mask, zero_m], [b.fresh("decode_mask/hidden")])[0],
+                                          b.i64([1, 2])], [b.fresh("decode_mask/hidden4")])[0]
+            cache[key] = b.node("Where", [hidden, b.const(np.array(np.finfo(np_dtype).min, dtype=np_dtype), "min"),
+                                          b.const(np.array(0, dtype=np_dtype), "zero")], [b.fresh("decode_mask")])[0]
+        finally:
+            b.current = saved
+    return cache[key]
+
+
+def lower_cached_attention(b, node, out: str, bias: str | None = None) -> None:
+    """``bias``: the additive mask built outside (``_decode_bias``), instead of from the attention mask here."""
     g, a = b.graph, node.attrs
     q, k, v = node.inputs[:3]
     q_t, v_t = g.type_of(q), g.type_of(v)
     np_dtype = np.float16 if q_t.dtype == "f16" else np.float32
-    if a["padding"]:  # the attention mask [B, P+T]: build the additive mask here (small when T = 1)
+    if bias is None and a["padding"]:  # the attention mask [B, P+T]: build the additive mask here (small when T = 1)
         bias = _mask_bias(b, node, np_dtype)
-    elif a["bias"]:  # an additive mask [B, 1, T, P+T] built by the caller
+    elif bias is None and a["bias"]:  # an additive mask [B, 1, T, P+T] built by the caller
         bias = node.inputs[3]
-    else:
+    elif bias is None:
         raise ValueError(f"cached attention at {node.scope} has neither an attention mask nor a bias")
     heads, groups = a["heads"], a["kv_heads"]
     rep = heads // groups
@@ -138,7 +162,12 @@ def lower_phased_attention(b, node, out: str) -> None:
     elem = TensorProto.FLOAT16 if q_t.dtype == "f16" else TensorProto.FLOAT
     t = b.dim_scalar(q_t.shape[-2])
     decoding = b.node("Equal", [t, b.const(np.array(1, np.int64), "one")])[0]
-    then_g = _branch(b, lower_cached_attention, node, "decode", elem)
+    a = node.attrs
+    if a["padding"] and a["causal"] and not a["window"]:  # one mask for every layer's decoding step
+        bias = _decode_bias(b, node, np.float16 if q_t.dtype == "f16" else np.float32)
+        then_g = _branch(b, lambda b, n, o: lower_cached_attention(b, n, o, bias), node, "decode", elem)
+    else:
+        then_g = _branch(b, lower_cached_attention, node, "decode", elem)
     else_g = _branch(b, _lower_prefill, node, "prefill", elem)
     b.node("If", [decoding], [out], then_branch=then_g, else_branch=else_g)
 

@@ -3,6 +3,8 @@
 Names follow the spec: an initializer is named by its parameter path
 (``layers.0.attn.q.weight``) and every ONNX node by the IR node it lowers
 (``layers.0.attn.q/MatMul``), so a graph viewer shows the spec's structure.
+A weight that only linears read is written transposed, [in, out], as MatMul takes it
+(``transposed_weights``); every other initializer has its parameter's shape.
 Symbolic dimensions become named dynamic dims (``B``, ``T``); where a lowering
 needs a size at run time it reads it from the input it came from (Shape ->
 arithmetic), so one file serves every batch and sequence length.
@@ -42,6 +44,24 @@ ONNX_DTYPES = {"f32": TensorProto.FLOAT, "f16": TensorProto.FLOAT16, "bf16": Ten
                "u8": TensorProto.UINT8}
 
 
+def transposed_weights(graph: Graph) -> frozenset[str]:
+    """The parameters written to ONNX transposed, [in, out] where the IR has [out, in]: every 2-d
+    parameter that only ``linear`` nodes read, and only as their weight. ONNX's MatMul takes B as
+    [in, out]; exporting the IR's layout behind a Transpose made onnxruntime fold the Transpose into
+    a second copy of every weight (the session held about 2.2x the weights). A parameter read by
+    anything else (GPT-2's head tied to the token table, which the embedding gathers rows of) keeps
+    its layout and its linear transposes it in the graph."""
+    out = set()
+    for path, p in graph.params.items():
+        if len(p.shape) != 2 or path not in graph.values:
+            continue
+        users = graph.consumers(path)
+        if users and all(u.op == "linear" and u.inputs.index(path) == 1 and u.inputs.count(path) == 1
+                         for u in users):
+            out.add(path)
+    return frozenset(out)
+
+
 class _Builder:
     def __init__(self, graph: Graph):
         self.graph = graph
@@ -51,6 +71,8 @@ class _Builder:
         self._consts: dict[tuple, str] = {}
         self._dims: dict[sympy.Expr, str] = {}
         self.current = ""  # IR node being lowered, for node names
+        self.transposed = transposed_weights(graph)  # parameters written [in, out]
+        self.shared: dict = {}  # values a lowering builds once for every node that needs them (a decode mask)
 
     def fresh(self, hint: str) -> str:
         base = f"{self.current}/{hint}" if self.current else hint
@@ -224,10 +246,16 @@ def tensors(graph: Graph, weights) -> list[stream.Streamed]:
     values for an fp16 parameter) is converted one tensor at a time as it is written; a derived
     parameter (quantised weights) is computed from its source as it is written."""
     weights = quant.ParamValues(graph, weights)
+    transposed = transposed_weights(graph)
     out = []
     for path, p in graph.params.items():
         dtype = np.dtype(DTYPES[p.dtype] or np.float32)
-        out.append(stream.Streamed(path, tuple(int(s) for s in p.shape), ONNX_DTYPES[p.dtype], dtype,
+        shape = tuple(int(s) for s in p.shape)
+        if path in transposed:  # written [in, out] (see transposed_weights); the copy is made as it is written
+            out.append(stream.Streamed(path, shape[::-1], ONNX_DTYPES[p.dtype], dtype,
+                                       lambda path=path: np.asarray(weights[path]).T))
+            continue
+        out.append(stream.Streamed(path, shape, ONNX_DTYPES[p.dtype], dtype,
                                    lambda path=path: weights[path]))
     for name, arr in graph.consts.items():
         out.append(stream.Streamed(name, tuple(arr.shape), helper.np_dtype_to_tensor_dtype(arr.dtype), arr.dtype,
