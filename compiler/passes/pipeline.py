@@ -17,7 +17,7 @@ from tessera.compiler.passes.fuse_attention import AttentionSite, FuseAttention
 from tessera.compiler.passes.precision import LowerPrecision
 from tessera.compiler.passes.quantize import QuantConfig, QuantizeWeights
 
-ATTENTION_CHOICES = ("auto", "gqa", "mha", "portable", "unfused")
+ATTENTION_CHOICES = ("auto", "gqa", "mha", "block", "portable", "unfused")
 
 
 def build_pipeline(target: Target = Target(), attention: str = "auto", lower_precision: bool = False,
