@@ -40,8 +40,8 @@ KERNELS = ("gqa", "mha", "block", "portable")
 
 # The whole score block of a site (B·H·Tq·Tk scores) up to this many bytes is computed as one
 # block with no Loop on CPU. bench/attention.py, B = 1, 12 heads of 64, causal, fp32, 2 threads
-# (docs/BENCHMARKS.md): the block is faster than the portable Loop up to N = 256 (3 MiB of scores),
-# as fast at 384 (6.75 MiB) and slower from 512 (12 MiB) on.
+# (docs/BENCHMARKS.md): the block is faster than the portable Loop up to N = 256 (3 MiB of scores)
+# and slower from 384 (6.75 MiB) on, by 3x at 512 (12 MiB).
 BLOCK_BYTES = 4 * 1024 * 1024
 BLOCK_MEASURED = "N = 128: 1.0 against 1.4 ms for the Loop and 1.1 ms unfused"
 
