@@ -203,8 +203,9 @@ DEFAULTS = dict(d=32, heads=4, kv_heads=2, head_dim=0, qkv_bias=True, o_bias=Fal
                 causal=True, window=0, biased=False, bias_block=False)
 
 
+@pytest.mark.parametrize("kernel", ["portable", "block"])
 @pytest.mark.parametrize("case", list(CASES))
-def test_option_matches_numpy_and_transformers_fused_and_unfused(spec_path, case, rng, monkeypatch):
+def test_option_matches_numpy_and_transformers_fused_and_unfused(spec_path, case, rng, monkeypatch, kernel):
     from tessera.compiler.backends.onnx import attention as attention_onnx
 
     sets = CASES[case]
@@ -222,8 +223,8 @@ def test_option_matches_numpy_and_transformers_fused_and_unfused(spec_path, case
     np.testing.assert_allclose(got, want_torch, atol=2e-5, rtol=1e-4)
 
     fused = build(spec_path, **sets)
-    sites = optimize(fused, Target("cpu"), "portable")
-    assert len(sites) == 1 and sites[0].fused, [s.describe() for s in sites]
+    sites = optimize(fused, Target("cpu"), kernel)
+    assert len(sites) == 1 and sites[0].fused and sites[0].impl == kernel, [s.describe() for s in sites]
     monkeypatch.setattr(attention_onnx, "SCORE_BLOCK_BUDGET", 1)
     monkeypatch.setattr(attention_onnx, "MAX_TILE", 16)
     from tessera.compiler.backends.onnx import export as onnx_export

@@ -16,7 +16,7 @@ SMALL = SMALL_MODELS
 
 
 @pytest.mark.parametrize("spec,sets", SMALL, ids=[s for s, _ in SMALL])
-@pytest.mark.parametrize("attention", ["auto", "portable"])
+@pytest.mark.parametrize("attention", ["auto", "portable", "block"])
 def test_fused_and_unfused_exports_agree(spec, sets, attention, rng):
     unfused = build(spec, **sets)
     weights = init_weights(unfused, seed=2)
@@ -29,6 +29,9 @@ def test_fused_and_unfused_exports_agree(spec, sets, attention, rng):
     got = ort_run(fused, weights, feeds)
     for name in want:
         np.testing.assert_allclose(got[name], want[name], atol=1e-5, rtol=1e-5, err_msg=name)
+    # the checker too (auto's If holds com.microsoft.MultiHeadAttention for ViT's and BERT's
+    # non-causal sites: the domain must be imported although no top-level node uses it)
+    onnx_export.check(onnx_export.to_onnx(fused, weights))
 
 
 def test_gpt2_small_has_twelve_fused_sites():
@@ -125,7 +128,7 @@ graph Hand
   v: f32[B, T, 16] = linear(x, v.weight, v.bias)
   split_heads_2: f32[B, 2, T, 8] = split_heads(v) {heads=2}
   matmul_1: f32[B, 2, T, 8] = fused_attention(split_heads, split_heads_1, split_heads_2, bias) \
-{bias=True, causal=False, heads=2, impl=portable, k_tile=16384, kv_heads=2, padding=False, q_tile=16, \
+{bias=True, block_bytes=4194304, causal=False, heads=2, impl=portable, k_tile=16384, kv_heads=2, padding=False, q_tile=16, \
 scale=0.353553, window=0}
   merge_heads: f32[B, T, 16] = merge_heads(matmul_1)
   y: f32[B, T, 16] = identity(merge_heads)
@@ -232,20 +235,29 @@ model Causal(heads = 2, hd = 8, window = 0, past = false, masked = false, biased
 """
 
 
+@pytest.mark.parametrize("kernel", ["portable", "block", "auto-short", "auto-long"])
 @pytest.mark.parametrize("sets", [dict(), dict(window=5), dict(past=True), dict(past=True, window=7),
                                   dict(masked=True, past=True), dict(biased=True, past=True)],
                          ids=["causal", "window", "past", "past-window", "past-padding", "past-bias"])
-def test_portable_causal_kernel_with_many_tiles(tmp_path, rng, monkeypatch, sets):
-    """Causal tiles mask only their diagonal block; with cached keys (P of them) the diagonal moves right."""
+def test_portable_causal_kernel_with_many_tiles(tmp_path, rng, monkeypatch, sets, kernel):
+    """Causal tiles mask only their diagonal block; with cached keys (P of them) the diagonal moves right.
+    The block kernel (no Loop) gives the same, alone and as the short branch of auto's If on the
+    length (auto-short); auto-long takes the If's other branch, the tiled Loop."""
     from tessera.compiler.backends.onnx import attention as attention_onnx
+    from tessera.compiler.passes import attention_kernels
 
     monkeypatch.setattr(attention_onnx, "SCORE_BLOCK_BUDGET", 1)
     monkeypatch.setattr(attention_onnx, "MAX_TILE", 16)
+    if kernel == "auto-long":
+        monkeypatch.setattr(attention_kernels, "BLOCK_BYTES", 1)
     spec = tmp_path / "causal.tsr"
     spec.write_text(CAUSAL_VARIANTS)
     unfused, fused = build(str(spec), **sets), build(str(spec), **sets)
-    sites = optimize(fused, Target("cpu"), "portable")
+    sites = optimize(fused, Target("cpu"), "auto" if kernel.startswith("auto") else kernel)
     assert [s.fused for s in sites] == [True], [s.describe() for s in sites]
+    node = next(n for n in fused.nodes.values() if n.op == "fused_attention")
+    assert node.attrs["impl"] == ("block" if kernel == "block" else "portable")
+    assert node.attrs.get("block_bytes", 0) == {"auto-short": 4 * 2**20, "auto-long": 1}.get(kernel, 0)
     b, t, p = 2, 37, 11
     feeds = {name: rng.standard_normal((b, 2, n, 8)).astype(np.float32)
              for name, n in (("q", t), ("k", t), ("v", t), ("kp", p), ("vp", p))}
@@ -261,6 +273,38 @@ def test_portable_causal_kernel_with_many_tiles(tmp_path, rng, monkeypatch, sets
         assert np.isfinite(got[1, :, :3]).all()
         got[1, :, :3] = want[1, :, :3]
     np.testing.assert_allclose(got, want, atol=1e-5)
+
+
+def test_block_kernel_choice_follows_the_score_bytes(tmp_path):
+    """CPU auto: a site whose whole score block is known to fit BLOCK_BYTES gets the block kernel; one
+    known not to fit, the tiled kernel alone; one with a run-time length, the tiled kernel with the
+    block in front (block_bytes); forced kernels and CUDA never get the If."""
+    def site(t, target=Target("cpu"), attention="auto"):
+        spec = tmp_path / f"s{t}.tsr"
+        spec.write_text(f"""
+model Static(heads = 12, hd = 64) {{
+  in q: f32[1, heads, {t}, hd]
+  in k: f32[1, heads, {t}, hd]
+  in v: f32[1, heads, {t}, hd]
+  out y: f32[1, heads, {t}, hd]
+  y = sdpa(q, k, v, causal=true)
+}}
+""")
+        g = build(str(spec))
+        (s,) = optimize(g, target, attention)
+        node = next(n for n in g.nodes.values() if n.op == "fused_attention")
+        return s, node.attrs.get("block_bytes", 0)
+
+    short, extra = site(128)  # 12 · 128 · 128 · 4 bytes = 0.75 MiB
+    assert (short.impl, extra) == ("block", 0) and "0.75 MiB" in short.impl_reason
+    assert "no Loop" in short.describe()
+    long, extra = site(1024)  # 48 MiB
+    assert (long.impl, extra) == ("portable", 0) and "block" not in long.impl_reason
+    dynamic, extra = site("T")
+    assert (dynamic.impl, extra) == ("portable", 4 * 2**20)
+    assert "block kernel (no Loop) while the B·H·Tq·Tk scores fit 4 MiB" in dynamic.describe()
+    assert site("T", attention="portable")[1] == 0
+    assert site("T", Target("cuda", "fp16"))[0].impl == "gqa" and site("T", Target("cuda", "fp16"))[1] == 0
 
 
 def test_causal_mask_with_fewer_keys_than_queries_is_not_fused(tmp_path):

@@ -14,6 +14,11 @@ Lowerings (``--attention NAME`` forces one):
 - ``portable``: Tessera's own tiled kernel in standard ONNX ops (a Loop over
   query tiles; causal tiles skip the keys they cannot see). Exact, runs on any
   ONNX runtime, memory O(N·tile) instead of O(N²). Handles every case.
+- ``block``: no Loop: the whole [B, H, Tq, Tk] score block as plain MatMul/Softmax
+  (memory O(N²), as unfused). Handles every case. On CPU, auto uses it while the
+  scores fit BLOCK_BYTES: where the sequence length is known at compile time by
+  choosing it, otherwise by an If on the run-time length in front of the kernel
+  chosen for long sequences (the node's ``block_bytes``).
 
 Tile sizes follow the FlashAttention paper's rule: with M bytes of on-chip
 memory and head size d, key tiles hold Bc = ceil(M / (4·d·bytes)) columns and
@@ -31,7 +36,14 @@ from tessera.compiler.ir.graph import PRECISION_BYTES, Graph, Node
 from tessera.compiler.passes.base import Pass, PassError, PassResult
 from tessera.compiler.patterns.attention import recognise
 
-KERNELS = ("gqa", "mha", "portable")
+KERNELS = ("gqa", "mha", "block", "portable")
+
+# The whole score block of a site (B·H·Tq·Tk scores) up to this many bytes is computed as one
+# block with no Loop on CPU. bench/attention.py, B = 1, 12 heads of 64, causal, fp32, 2 threads
+# (docs/BENCHMARKS.md): the block is faster than the portable Loop up to N = 256 (3 MiB of scores)
+# and slower from 384 (6.75 MiB) on, by 3x at 512 (12 MiB).
+BLOCK_BYTES = 4 * 1024 * 1024
+BLOCK_MEASURED = "N = 128: 1.0 against 1.4 ms for the Loop and 1.1 ms unfused"
 
 # On-chip memory per target, bytes (CPU: a typical per-core L2; CUDA: H100/H200 SM shared memory).
 ON_CHIP_BYTES = {"cpu": 2 * 1024 * 1024, "cuda": 228 * 1024}
@@ -58,7 +70,7 @@ def why_not(kernel: str, node: Node, graph: Graph, target: Target) -> str | None
     q_t, k_t = graph.type_of(node.inputs[0]), graph.type_of(node.inputs[1])
     hd = q_t.shape[-1]
     same_len = dims.equal(q_t.shape[-2], k_t.shape[-2])
-    if kernel == "portable":
+    if kernel in ("portable", "block"):
         return None
     if a["padding"] or a["bias"]:
         return "it takes no padding mask or additive bias on a tiled path"
@@ -87,8 +99,43 @@ def why_not(kernel: str, node: Node, graph: Graph, target: Target) -> str | None
     return f"unknown kernel '{kernel}'"
 
 
+def score_bytes(node: Node, graph: Graph, target: Target):
+    """Bytes of the whole [B, H, Tq, Tk] score block (a sympy expression where lengths are symbolic)."""
+    q_t, k_t = graph.type_of(node.inputs[0]), graph.type_of(node.inputs[1])
+    return (dims.dim(q_t.shape[0]) * node.attrs["heads"] * dims.dim(q_t.shape[-2]) * dims.dim(k_t.shape[-2])
+            * PRECISION_BYTES[target.dtype])
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.3g} MiB"
+
+
 def choose(node: Node, graph: Graph, target: Target) -> tuple[str, str]:
-    """The kernel for one fused attention on a target, and the reason."""
+    """The kernel for one fused attention on a target, and the reason. On CPU, a site whose whole
+    score block fits BLOCK_BYTES gets the block kernel; one whose length is only known at run time
+    keeps the long-sequence kernel named here, with the block in front of it (``block_for``)."""
+    impl, reason = _choose_long(node, graph, target)
+    if target.device != "cpu":
+        return impl, reason
+    n = score_bytes(node, graph, target)
+    if dims.is_static(n):
+        if int(n) <= BLOCK_BYTES:
+            return "block", (f"the whole score block ({_mib(int(n))}) fits {_mib(BLOCK_BYTES)}: one block of plain "
+                             f"MatMul/Softmax with no Loop is faster there ({BLOCK_MEASURED}; docs/BENCHMARKS.md)")
+        return impl, reason
+    return impl, (f"the block kernel (no Loop) while the B·H·Tq·Tk scores fit {_mib(BLOCK_BYTES)} at run time "
+                  f"({BLOCK_MEASURED}); longer: {reason}")
+
+
+def block_for(node: Node, graph: Graph, target: Target, impl: str) -> int:
+    """BLOCK_BYTES where auto puts the block kernel in front of ``impl`` at run time, else 0."""
+    if target.device != "cpu" or impl not in ("portable", "mha"):
+        return 0
+    return 0 if dims.is_static(score_bytes(node, graph, target)) else BLOCK_BYTES
+
+
+def _choose_long(node: Node, graph: Graph, target: Target) -> tuple[str, str]:
+    """The kernel for one fused attention on a target when its scores are too big for one block."""
     if target.device == "cuda" and target.dtype == "fp32":
         return "portable", "onnxruntime's flash kernels need fp16/bf16 on CUDA; the portable kernel is tiled in fp32"
     candidates = [("mha", "onnxruntime's MultiHeadAttention is tiled without mask, bias or past")]
@@ -159,12 +206,15 @@ class ChooseAttentionKernels(Pass):
                 if problem:
                     raise PassError(f"--attention {self.force} cannot lower the attention at {node.scope} "
                                     f"({node.origin}): {problem}")
-                impl, reason = self.force, "forced by --attention"
+                impl, reason, block = self.force, "forced by --attention", 0
             else:
                 impl, reason = choose(node, graph, self.target)
+                block = block_for(node, graph, self.target, impl)
             hd = graph.type_of(cand.match.q).shape[-1]
             br, bc = tile_sizes(self.target, int(hd) if dims.is_static(hd) else 64)
             chosen = {"impl": impl, "q_tile": br, "k_tile": bc}
+            if block or node.attrs.get("block_bytes"):
+                chosen["block_bytes"] = block
             changed = changed or any(node.attrs.get(k) != v for k, v in chosen.items())
             node.attrs.update(chosen)
             choices.append(KernelChoice(node.name, impl, reason))

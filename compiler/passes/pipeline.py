@@ -21,7 +21,7 @@ from tessera.compiler.passes.quantize import QuantConfig, QuantizeWeights
 from tessera.compiler.passes.recurrence import ChooseRecurrenceLowering
 from tessera.compiler.passes.sparse_moe import SparseExperts
 
-ATTENTION_CHOICES = ("auto", "gqa", "mha", "portable", "unfused")
+ATTENTION_CHOICES = ("auto", "gqa", "mha", "block", "portable", "unfused")
 
 
 def build_pipeline(target: Target = Target(), attention: str = "auto", lower_precision: bool = False,

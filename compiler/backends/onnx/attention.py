@@ -12,6 +12,14 @@ The node's ``impl`` attribute (set by passes.attention_kernels) picks one:
   first row's window), computes that block's scores, masks (a causal tile only
   its diagonal block), softmax and product with V. The scan output stacks the
   tiles. Only one tile × Tk block of scores exists at once.
+- ``block``: no Loop: all heads' scores as one [B, H, Tq, Tk] block of plain
+  MatMul/Softmax (the unfused graph's ops, with the masks as one constant-shaped
+  select). For short sequences, where the Loop's per-iteration bookkeeping costs
+  more than the products.
+
+A node whose ``block_bytes`` attribute is set (passes.attention_kernels, CPU auto, the
+length known only at run time) is lowered as an If: the block while B·H·Tq·Tk scores
+take at most that many bytes, else its ``impl``.
 """
 
 from __future__ import annotations
@@ -53,7 +61,86 @@ def lower_fused_attention(b, node, out: str) -> None:
         lower = cached_attention.lower_cached_attention if impl == "cached" else \
             cached_attention.lower_phased_attention
         return lower(b, node, out)
-    {"gqa": _gqa, "mha": _mha, "portable": _portable}[impl](b, node, out)
+    if impl == "block":
+        return _block(b, node, out)
+    lower = {"gqa": _gqa, "mha": _mha, "portable": _portable}[impl]
+    budget = node.attrs.get("block_bytes") or 0
+    if budget:
+        return _short_or(b, node, out, lower, budget)
+    lower(b, node, out)
+
+
+def _short_or(b, node, out: str, lower, budget: int) -> None:
+    """If the whole [B, H, Tq, Tk] score block takes at most ``budget`` bytes, the block
+    kernel (no Loop), else ``lower``. The test is on run-time dimensions, computed outside the If."""
+    from tessera.compiler.backends.onnx.cached_attention import _branch
+
+    q_t, k_t = b.graph.type_of(node.inputs[0]), b.graph.type_of(node.inputs[1])
+    elem = TensorProto.FLOAT16 if q_t.dtype == "f16" else TensorProto.FLOAT
+    bytes_per = 2 if q_t.dtype == "f16" else 4
+    per_batch = _scalar(b, node.attrs["heads"] * bytes_per)
+    n = b.node("Mul", [b.node("Mul", [b.dim_scalar(q_t.shape[0]), per_batch])[0],
+                       b.node("Mul", [b.dim_scalar(q_t.shape[-2]), b.dim_scalar(k_t.shape[-2])])[0]])[0]
+    fits = b.node("LessOrEqual", [n, _scalar(b, int(budget))])[0]
+    then_g = _branch(b, _block, node, "block", elem)
+    else_g = _branch(b, lower, node, node.attrs.get("impl", "portable"), elem)
+    b.node("If", [fits], [out], then_branch=then_g, else_branch=else_g)
+
+
+def _block(b, node, out: str) -> None:
+    """softmax(cap(q·kᵀ·scale) + bias + masks)·v as one block over all heads: the unfused graph's
+    order of operations (onnxruntime folds the transpose and the scale into one FusedMatMul), the
+    causal and sliding-window masks one select over [Tq, Tk], grouped key/value heads shared
+    through a broadcast over [B, G, rep, T, d] (no copy of K or V)."""
+    g, a = b.graph, node.attrs
+    q, k, v = node.inputs[:3]
+    extra = list(node.inputs[3:])
+    mask = extra.pop(0) if a["padding"] else None
+    bias = extra.pop(0) if a["bias"] else None
+    q_t, k_t, v_t = (g.type_of(x) for x in node.inputs[:3])
+    np_dtype = np.float16 if q_t.dtype == "f16" else np.float32
+    heads, kv_heads = a["heads"], a["kv_heads"]
+    rep = heads // kv_heads
+    hd, hv = q_t.shape[-1], int(v_t.shape[-1])
+    min_value = b.const(np.array(np.finfo(np_dtype).min, dtype=np_dtype), "min")
+    k_t_all = b.node("Transpose", [k], perm=[0, 1, 3, 2])[0]  # [B, G, d, Tk]
+    if rep > 1:  # queries [B, G, rep, Tq, d] against keys [B, G, 1, d, Tk]
+        q5 = b.node("Reshape", [q, b.shape_vec([q_t.shape[0], kv_heads, rep, q_t.shape[-2], hd])])[0]
+        k5 = b.node("Unsqueeze", [k_t_all, b.i64([2])])[0]
+        s = b.node("Reshape", [b.node("MatMul", [q5, k5])[0],
+                               b.shape_vec([q_t.shape[0], heads, q_t.shape[-2], k_t.shape[-2]])])[0]
+    else:
+        s = b.node("MatMul", [q, k_t_all])[0]
+    s = b.node("Mul", [s, b.const(np.array(a["scale"], dtype=np_dtype), "scale")])[0]
+    if a.get("softcap"):
+        s = b.node("Mul", [b.node("Tanh", [s])[0], b.const(np.array(a["softcap"], dtype=np_dtype), "softcap")])[0]
+    if bias is not None:
+        s = b.node("Add", [s, bias])[0]
+    if a["causal"]:
+        zero, one = _scalar(b, 0), _scalar(b, 1)
+        tq, tk = b.dim_scalar(q_t.shape[-2]), b.dim_scalar(k_t.shape[-2])
+        rows = b.node("Add", [b.node("Range", [zero, tq, one])[0], b.node("Sub", [tk, tq])[0]])[0]
+        rows = b.node("Unsqueeze", [rows, b.i64([1])])[0]
+        cols = b.node("Unsqueeze", [b.node("Range", [zero, tk, one])[0], b.i64([0])])[0]
+        hide = b.node("Greater", [cols, rows])[0]
+        if a["window"]:
+            far = b.node("LessOrEqual", [cols, b.node("Sub", [rows, _scalar(b, a["window"])])[0]])[0]
+            hide = b.node("Or", [hide, far])[0]
+        s = b.node("Where", [hide, min_value, s])[0]
+    if mask is not None:
+        m_dtype = g.type_of(mask).dtype
+        keep = mask
+        if m_dtype != "bool":
+            zero_m = b.const(np.array(0, dtype=np.int64 if m_dtype == "i64" else np.int32), "zero")
+            keep = b.node("Not", [b.node("Equal", [mask, zero_m])[0]])[0]
+        s = b.node("Where", [b.node("Unsqueeze", [keep, b.i64([1, 2])])[0], s, min_value])[0]
+    p = b.node("Softmax", [s], axis=-1)[0]
+    if rep > 1:
+        p5 = b.node("Reshape", [p, b.shape_vec([q_t.shape[0], kv_heads, rep, q_t.shape[-2], k_t.shape[-2]])])[0]
+        o5 = b.node("MatMul", [p5, b.node("Unsqueeze", [v, b.i64([2])])[0]])[0]
+        b.node("Reshape", [o5, b.shape_vec([q_t.shape[0], heads, q_t.shape[-2], hv])], [out])
+    else:
+        b.node("MatMul", [p, v], [out])
 
 
 def _gqa(b, node, out: str) -> None:

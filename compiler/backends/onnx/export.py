@@ -209,6 +209,17 @@ def _value_info(name: str, t) -> onnx.ValueInfoProto:
     return helper.make_tensor_value_info(name, ONNX_DTYPES[t.dtype], shape)
 
 
+def _domains(nodes) -> set[str]:
+    """The op domains of these nodes and of the nodes of their subgraphs (If, Loop), at any depth."""
+    found = set()
+    for n in nodes:
+        found.add(n.domain)
+        for attr in n.attribute:
+            if attr.type == attr.GRAPH:
+                found |= _domains(attr.g.node)
+    return found
+
+
 def build_model(graph: Graph, metadata: dict | None = None) -> onnx.ModelProto:
     """The ONNX model of a graph without its parameters and graph constants (``tensors`` lists
     those): a skeleton of nodes, signature, metadata and the lowerings' small helper constants."""
@@ -225,7 +236,7 @@ def build_model(graph: Graph, metadata: dict | None = None) -> onnx.ModelProto:
         initializer=[i for i in b.initializers if i.name in used],  # helper constants a lowering did not need
     )
     opsets = [helper.make_opsetid("", OPSET)]
-    if any(n.domain == "com.microsoft" for n in b.nodes):
+    if "com.microsoft" in _domains(b.nodes):
         opsets.append(helper.make_opsetid("com.microsoft", 1))
     model = helper.make_model(onnx_graph, opset_imports=opsets,
                               producer_name="tessera", producer_version="0.1.0")

@@ -1,0 +1,238 @@
+"""Prefill (one forward pass over the prompt, full logits): Tessera against transformers eager and sdpa
+on the same weights, and Tessera fused against --no-fuse; with the machine's GEMM ceiling.
+
+    python bench/prefill.py                                   # N = 128 512 1024, every case, 3 rounds
+    python bench/prefill.py --n 32 128 512 2048 --cases tessera unfused --rounds 3
+    python bench/prefill.py --n 4096 --cases tessera unfused  # beyond 1024: --set ctx=N, Tessera only
+
+GPT-2 small, fp32, B = 1, the whole model (12 layers and the 50,257-way head, logits for every
+position). The weights are transformers' own seeded initialisation of GPT2LMHeadModel, saved once as
+safetensors and read by every case. Cases:
+
+  tessera           the default compile (auto kernels: on CPU, one block with no Loop while a site's
+                    scores fit 4 MiB, else the tiled kernel)
+  unfused           Tessera with --no-fuse (the primitive attention graph)
+  portable          Tessera with --attention portable (the tiled Loop kernel at every length)
+  hf-eager, hf-sdpa transformers' GPT2LMHeadModel with that attention implementation, torch.no_grad
+  ceiling           onnxruntime's MatMul at 1024×768×3072 (the MLP's first product at N = 1024):
+                    the GEMM rate this machine reaches at this thread count
+
+Every case runs in its own process, the cases alternate (round 1: each case once, round 2: ...), all
+at the same thread count (onnxruntime's intra-op threads, torch.set_num_threads). Each process times
+--repeat runs after one warm-up; the table pools the runs of every round: minimum and median, CPU
+time over wall time (how many cores were busy; well below --threads means the run did not get its
+cores), and GFLOP/s from the minimum: the products that must be computed, 2·N·(the 123.5 M weights
+of the linears and the head) + 12 layers · 2·2·768·N(N+1)/2 (causal: Q·Kᵀ and P·V over the visible
+pairs); the ratio of that to the ceiling (its best run, measured once before the table and again in
+every round, so it sees the same load) is the next column.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+CASES = ("tessera", "unfused", "portable", "hf-eager", "hf-sdpa", "ceiling")
+DEFAULT_CASES = ("tessera", "unfused", "hf-eager", "hf-sdpa", "ceiling")
+TESSERA = {"tessera": "auto", "unfused": "unfused", "portable": "portable"}
+VOCAB, D, LAYERS = 50257, 768, 12
+LINEAR_WEIGHTS = LAYERS * (D * 3 * D + D * D + 2 * D * 4 * D) + D * VOCAB  # 123,532,032
+CEILING = (1024, 768, 3072)
+
+
+def useful_flops(n: int) -> int:
+    return 2 * n * LINEAR_WEIGHTS + LAYERS * 2 * 2 * D * n * (n + 1) // 2
+
+
+def _timed(fn, repeat: int) -> dict:
+    fn()  # warm-up
+    runs = []
+    for _ in range(repeat):
+        c0, t0 = time.process_time(), time.perf_counter()
+        fn()
+        wall = time.perf_counter() - t0
+        runs.append({"wall_s": wall, "cpu_s": time.process_time() - c0})
+    return {"runs": runs}
+
+
+def _tokens(n: int) -> np.ndarray:
+    return np.random.default_rng(0).integers(0, VOCAB, (1, n)).astype(np.int64)
+
+
+def run_tessera(folder: Path, attention: str, n: int, repeat: int, threads: int) -> dict:
+    import onnxruntime as ort
+
+    from tessera.compiler.backends.onnx import export as onnx_export
+    from tessera.compiler.passes.pipeline import optimize
+    from tessera.runtime import pipeline
+
+    sets = [f"ctx={n}"] if n > 1024 else []
+    built = pipeline.build(ROOT / "models" / "gpt2.tsr", "small", sets)
+    weights = pipeline.weights_for(built, str(folder / "model.safetensors") if n <= 1024 else None, 0)
+    optimize(built.graph, attention=attention)
+    model = onnx_export.to_onnx(built.graph, weights).SerializeToString()
+    del weights
+    opts = ort.SessionOptions()
+    opts.log_severity_level = 3
+    opts.intra_op_num_threads, opts.inter_op_num_threads = threads, 1
+    sess = ort.InferenceSession(model, opts, providers=["CPUExecutionProvider"])
+    del model
+    feeds = {"tokens": _tokens(n)}
+    res = _timed(lambda: sess.run(None, feeds), repeat)
+    res["logits"] = sess.run(None, feeds)[0][0, -1, :8].tolist()
+    return res
+
+
+def run_hf(folder: Path, attn: str, n: int, repeat: int, threads: int) -> dict:
+    import torch
+    import transformers
+
+    torch.set_num_threads(threads)
+    hf = transformers.GPT2LMHeadModel.from_pretrained(folder, attn_implementation=attn).eval()
+    tokens = torch.from_numpy(_tokens(n))
+    with torch.no_grad():
+        res = _timed(lambda: hf(tokens).logits, repeat)
+        res["logits"] = hf(tokens).logits[0, -1, :8].tolist()
+    return res
+
+
+def run_ceiling(repeat: int, threads: int) -> dict:
+    import onnxruntime as ort
+    from onnx import TensorProto, helper, numpy_helper
+
+    m, k, n = CEILING
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((k, n), dtype=np.float32)
+    g = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["y"])], "gemm",
+                          [helper.make_tensor_value_info("x", TensorProto.FLOAT, [m, k])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [m, n])],
+                          [numpy_helper.from_array(w, "w")])
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 21)])
+    model.ir_version = 10
+    opts = ort.SessionOptions()
+    opts.intra_op_num_threads, opts.inter_op_num_threads = threads, 1
+    sess = ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
+    x = rng.standard_normal((m, k), dtype=np.float32)
+    return _timed(lambda: sess.run(None, {"x": x}), max(repeat, 20))
+
+
+def child(case: str, folder: str, n: int, repeat: int, threads: int) -> dict:
+    folder = Path(folder)
+    if case == "ceiling":
+        res = run_ceiling(repeat, threads)
+    elif case in TESSERA:
+        res = run_tessera(folder, TESSERA[case], n, repeat, threads)
+    else:
+        res = run_hf(folder, case.split("-", 1)[1], n, repeat, threads)
+    res["case"] = case
+    return res
+
+
+def make_weights(folder: Path) -> None:
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    transformers.GPT2LMHeadModel(transformers.GPT2Config()).eval().save_pretrained(folder, safe_serialization=True)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--n", type=int, nargs="*", default=[128, 512, 1024])
+    p.add_argument("--cases", nargs="*", default=list(DEFAULT_CASES), choices=CASES)
+    p.add_argument("--rounds", type=int, default=3, help="alternating rounds (each case once per round)")
+    p.add_argument("--repeat", type=int, default=3, help="timed runs per process, after one warm-up")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--weights", metavar="DIR", help="a folder for (or with) the seeded checkpoint; default: temporary")
+    p.add_argument("--json", metavar="FILE")
+    p.add_argument("--_child", nargs=5, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args._child:
+        case, folder, n, repeat, threads = args._child
+        print(json.dumps(child(case, folder, int(n), int(repeat), int(threads))))
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(args.weights or tmp)
+        if not (folder / "model.safetensors").exists():
+            make_weights(folder)
+        print(f"machine: {platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}, "
+              f"threads {args.threads}, rounds {args.rounds} × {args.repeat} runs")
+        results = {"machine": platform.platform(), "threads": args.threads, "rows": []}
+        ceiling, ceiling_runs = None, []
+        cases = [c for c in args.cases if c != "ceiling"]
+        with_ceiling = "ceiling" in args.cases
+        if with_ceiling:  # once before the table (for its ratios), then in every round with the other cases
+            ceiling_runs += _spawn(args, "ceiling", folder, 0)["runs"]
+            ceiling = _gflops(ceiling_runs)[0]
+        print(f"{'N':>5} {'case':<9} {'min ms':>9} {'median ms':>10} {'CPU/wall':>8} {'GFLOP/s':>8} "
+              f"{'/ceiling':>8} {'this/tessera (min)':>18}")
+        for n in args.n:
+            pooled: dict[str, list] = {}
+            for _ in range(args.rounds):
+                for case in cases:
+                    if case.startswith("hf") and n > 1024:
+                        continue
+                    pooled.setdefault(case, []).append(_spawn(args, case, folder, n))
+                if with_ceiling:
+                    ceiling_runs += _spawn(args, "ceiling", folder, 0)["runs"]
+            if with_ceiling:
+                ceiling = _gflops(ceiling_runs)[0]
+            base = None
+            for case, rs in pooled.items():
+                runs = [r for x in rs for r in x["runs"]]
+                best = min(r["wall_s"] for r in runs)
+                med = statistics.median(r["wall_s"] for r in runs)
+                cpu = statistics.median(r["cpu_s"] / r["wall_s"] for r in runs)
+                gf = useful_flops(n) / best / 1e9
+                base = best if case == "tessera" else base
+                rel = f"{best / base:.2f}x" if base else ""
+                ratio = f"{gf / ceiling:.2f}" if ceiling else ""
+                print(f"{n:>5} {case:<9} {best * 1e3:>9.1f} {med * 1e3:>10.1f} {cpu:>8.2f} {gf:>8.1f} {ratio:>8} "
+                      f"{rel:>18}", flush=True)
+                results["rows"].append({"n": n, "case": case, "min_ms": best * 1e3, "median_ms": med * 1e3,
+                                        "cpu_wall": cpu, "gflops": gf, "runs": len(runs),
+                                        "logits": rs[0].get("logits")})
+            ref = pooled.get("tessera", [{}])[0].get("logits")
+            for case, rs in pooled.items():
+                if ref and case != "tessera" and rs[0].get("logits"):  # same weights, same numbers
+                    diff = float(np.max(np.abs(np.array(rs[0]["logits"]) - np.array(ref))))
+                    print(f"{'':>5} {case}: last position's first 8 logits within {diff:.1e} of tessera's")
+        if with_ceiling:
+            best, med = _gflops(ceiling_runs)
+            cpu = statistics.median(r["cpu_s"] / r["wall_s"] for r in ceiling_runs)
+            m, k, n = CEILING
+            print(f"GEMM ceiling (onnxruntime MatMul {m}×{k}×{n}, {len(ceiling_runs)} runs in the same rounds): "
+                  f"{best:.1f} GFLOP/s best, {med:.1f} median, CPU/wall {cpu:.2f}")
+            results["ceiling"] = {"gflops_best": best, "gflops_median": med, "cpu_wall": cpu}
+        if args.json:
+            Path(args.json).write_text(json.dumps(results, indent=2))
+
+
+def _gflops(runs: list[dict]) -> tuple[float, float]:
+    """GFLOP/s of the ceiling's product: from the fastest run and the median run."""
+    m, k, n = CEILING
+    flops = 2 * m * k * n
+    return flops / min(r["wall_s"] for r in runs) / 1e9, flops / statistics.median(r["wall_s"] for r in runs) / 1e9
+
+
+def _spawn(args, case: str, folder: Path, n: int) -> dict:
+    cmd = [sys.executable, __file__, "--_child", case, str(folder), str(n), str(args.repeat), str(args.threads)]
+    out = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    if out.returncode:
+        sys.exit(f"{case} at N = {n} failed:\n{out.stderr[-3000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+if __name__ == "__main__":
+    main()
