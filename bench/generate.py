@@ -202,20 +202,11 @@ def run_genai(folder: Path, model: str, n: int, new: int, repeat: int, threads: 
 
 def run_bandwidth(threads: int, repeat: int = 20) -> dict:
     """GB/s of a [1, K] x [K, N] fp32 MatMul over 400 MB in onnxruntime (streams the matrix once)."""
-    import onnxruntime as ort
-    from onnx import TensorProto, helper, numpy_helper
+    from matmul_probe import matmul_session
 
     k, n = 768, 131072
     w = np.random.default_rng(0).standard_normal((k, n), dtype=np.float32)
-    g = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["y"])], "gemv",
-                          [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, k])],
-                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, n])],
-                          [numpy_helper.from_array(w, "w")])
-    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 21)])
-    m.ir_version = 10
-    o = ort.SessionOptions()
-    o.intra_op_num_threads, o.inter_op_num_threads = threads, 1
-    s = ort.InferenceSession(m.SerializeToString(), o, providers=["CPUExecutionProvider"])
+    s = matmul_session(w, 1, threads)
     x = np.ones((1, k), np.float32)
     s.run(None, {"x": x})
     times = []

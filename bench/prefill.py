@@ -108,21 +108,12 @@ def run_hf(folder: Path, attn: str, n: int, repeat: int, threads: int) -> dict:
 
 
 def run_ceiling(repeat: int, threads: int) -> dict:
-    import onnxruntime as ort
-    from onnx import TensorProto, helper, numpy_helper
+    from matmul_probe import matmul_session
 
     m, k, n = CEILING
     rng = np.random.default_rng(0)
     w = rng.standard_normal((k, n), dtype=np.float32)
-    g = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["y"])], "gemm",
-                          [helper.make_tensor_value_info("x", TensorProto.FLOAT, [m, k])],
-                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [m, n])],
-                          [numpy_helper.from_array(w, "w")])
-    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 21)])
-    model.ir_version = 10
-    opts = ort.SessionOptions()
-    opts.intra_op_num_threads, opts.inter_op_num_threads = threads, 1
-    sess = ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
+    sess = matmul_session(w, m, threads)
     x = rng.standard_normal((m, k), dtype=np.float32)
     return _timed(lambda: sess.run(None, {"x": x}), max(repeat, 20))
 

@@ -27,6 +27,8 @@ from __future__ import annotations
 import numpy as np
 from onnx import TensorProto, helper
 
+from tessera.compiler.backends.onnx.walk import all_nodes
+
 
 def _split(b, x: str) -> tuple[str, str | None]:
     """(past, new) when x is concat(past, new) along the sequence, else (x, None)."""
@@ -174,13 +176,7 @@ def lower_phased_attention(b, node, out: str) -> None:
 
 def _graph_reads(nodes) -> set[str]:
     """Names read by these nodes and by the nodes of their subgraphs, at any depth (If, Loop)."""
-    read: set[str] = set()
-    for n in nodes:
-        read.update(n.input)
-        for attr in n.attribute:
-            if attr.type == attr.GRAPH:
-                read |= _graph_reads(attr.g.node)
-    return read
+    return {name for n in all_nodes(nodes) for name in n.input}
 
 
 def prune_dead_nodes(model) -> int:

@@ -27,6 +27,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from tessera.compiler import ops
 from tessera.compiler.backends.atomic import OutputError, check_target, fsync_dir, staging
+from tessera.compiler.backends.onnx.walk import all_nodes
 from tessera.compiler.ir import dims
 from tessera.compiler.ir.graph import DTYPES, Graph
 
@@ -211,13 +212,7 @@ def _value_info(name: str, t) -> onnx.ValueInfoProto:
 
 def _domains(nodes) -> set[str]:
     """The op domains of these nodes and of the nodes of their subgraphs (If, Loop), at any depth."""
-    found = set()
-    for n in nodes:
-        found.add(n.domain)
-        for attr in n.attribute:
-            if attr.type == attr.GRAPH:
-                found |= _domains(attr.g.node)
-    return found
+    return {n.domain for n in all_nodes(nodes)}
 
 
 def build_model(graph: Graph, metadata: dict | None = None) -> onnx.ModelProto:
