@@ -144,7 +144,8 @@ def make_parser() -> argparse.ArgumentParser:
 
     c = sub.add_parser("compile", help="compile a spec to an ONNX file",
                        description="Elaborate a spec, fill its weights (seeded or from a checkpoint) and write "
-                                   "ONNX (opset 21, IR version 10) with batch and sequence as dynamic dims.")
+                                   "ONNX (opset 21, IR version 10; 23 for a KV-cached decoder with rotary positions) with "
+                                   "batch and sequence as dynamic dims.")
     _model_args(c, f"a spec file (.tsr) or a bundled spec's name ({_bundled()})")
     _weights_args(c)
     _optimize_args(c)

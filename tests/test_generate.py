@@ -415,6 +415,25 @@ def test_cached_graph_lowers_prefill_tiled_and_decode_plain():
     assert CacheInfo.from_json(info.to_json()).kernels == info.kernels
 
 
+@pytest.mark.parametrize("sets", [[], ["rope_factor=8.0"]])
+def test_cached_rope_is_one_rotary_embedding_with_shared_tables(sets):
+    """Each rope of the cached graph (explicit positions) is one ONNX RotaryEmbedding (opset 23), and
+    the cos/sin tables are computed once for every layer; a graph without one stays at opset 21."""
+    from tessera.compiler.backends.onnx import export as onnx_export
+
+    hyper = ["layers=2", "d=64", "heads=4", "kv_heads=2", "vocab=100", "d_ff=96"] + sets
+    built = pipeline.build(MODELS / "llama.tsr", None, hyper)
+    model, _ = compile_cached(built, pipeline.weights_for(built, None, 0))
+    ops = [n.op_type for n in model.graph.node]
+    assert ops.count("RotaryEmbedding") == 4  # q and k of two layers
+    assert ops.count("Sin") == 1 and ops.count("Cos") == 1 and "Neg" not in ops
+    assert {o.domain: o.version for o in model.opset_import}[""] == 23
+    plain = pipeline.build(MODELS / "llama.tsr", None, hyper)
+    full = onnx_export.to_onnx(plain.graph, pipeline.weights_for(plain, None, 0))
+    assert {o.domain: o.version for o in full.opset_import}[""] == 21
+    assert "RotaryEmbedding" not in [n.op_type for n in full.graph.node]
+
+
 @pytest.mark.parametrize("family", ["gpt2", "llama3"])
 def test_report_kv_cache_equals_the_bytes_generation_allocates(cases, family):
     """The report's KV-cache figure at batch B and N = prompt + new tokens is what the loop allocates

@@ -127,6 +127,8 @@ def _rope_lower(L):
     interleaved = bool(a.get("interleaved"))
     n = t.shape[-2]
     inv_freq = rope_inv_freq(r, a["theta"], a.get("scaling"))
+    if len(x) > 1 and t.rank == 4 and t.dtype in ("f32", "f16", "bf16"):
+        return _rope_lower_fused(L, r, hd, interleaved, inv_freq)
     zero = b.const(np.array(0, dtype=np.int64), "zero")
     one = b.const(np.array(1, dtype=np.int64), "one")
     if len(x) > 1:  # explicit positions [B, T] (a KV-cached graph): tables [B, 1, T, hd]
@@ -164,6 +166,33 @@ def _rope_lower(L):
     out = b.node("Add", [b.node("Mul", [xr, cos])[0], b.node("Mul", [rot, sin])[0]])[0]
     rest = b.node("Slice", [x[0], b.i64([r]), b.i64([hd]), b.i64([-1])])[0]
     L.emit("Concat", [out, rest], axis=-1)
+
+
+def _rope_lower_fused(L, r: int, hd: int, interleaved: bool, inv_freq: np.ndarray) -> None:
+    """Explicit positions on [B, H, T, hd] (the KV-cached graph): one ONNX RotaryEmbedding (opset 23)
+    per rope instead of six element-wise nodes. Its cos and sin tables are given per position,
+    [B, T, r/2], computed once from the positions and shared by every rope with the same
+    frequencies (a Llama decoding step has 24 ropes), so there is no table of maximum length
+    and no limit on the position."""
+    b, a, t, x = L.b, L.a, L.t_in[0], L.x
+    key = ("rope_tables", x[1], inv_freq.tobytes(), t.dtype)
+    if key not in b.shared:
+        saved, b.current = b.current, ""
+        try:
+            pos = b.node("Unsqueeze", [b.node("Cast", [x[1]], to=b.onnx_type("f32"))[0], b.i64([2])])[0]
+            freqs = b.node("Mul", [pos, b.const(inv_freq.astype(np.float32), "inv_freq")],
+                           [b.fresh("rope/freqs")])[0]  # [B, T, r/2]
+            tables = [b.node(f, [freqs], [b.fresh(f"rope/{f.lower()}")])[0] for f in ("Cos", "Sin")]
+            if t.dtype != "f32":  # computed in fp32, applied at the tensor's precision
+                tables = [b.node("Cast", [v], to=b.onnx_type(t.dtype))[0] for v in tables]
+            b.shared[key] = tables
+        finally:
+            b.current = saved
+    cos, sin = b.shared[key]
+    attrs = {"interleaved": int(interleaved)}
+    if r != hd:
+        attrs["rotary_embedding_dim"] = r
+    L.emit("RotaryEmbedding", [x[0], cos, sin], **attrs)
 
 
 def _rope_flops(c):

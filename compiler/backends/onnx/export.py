@@ -1,4 +1,5 @@
-"""Lower the IR to an ONNX model (standard ops, opset 21, IR version 10) and write it.
+"""Lower the IR to an ONNX model (standard ops, opset 21, or 23 where an op of NEWER_OPS is used;
+IR version 10) and write it.
 
 Names follow the spec: an initializer is named by its parameter path
 (``layers.0.attn.q.weight``) and every ONNX node by the IR node it lowers
@@ -37,6 +38,11 @@ from . import stream
 from tessera.compiler.ir.signature import InputLimits, input_limits
 
 OPSET = 21
+# Standard ops newer than OPSET, and the opset that brought each: a model using one is written at
+# that opset (the others keep 21, so their files do not change). Between 21 and 23 the ops already
+# in use only gained element types, and onnxruntime's fusions apply the same (checked on the
+# Llama-shaped decoder: the same 437 nodes after its optimiser at either opset).
+NEWER_OPS = {"RotaryEmbedding": 23}
 IR_VERSION = 10  # onnxruntime 1.31 loads IR versions up to 13; onnx 1.23 writes 14 unless told
 EXTERNAL_DATA_THRESHOLD = 2 * 1024**3 - 64 * 1024**2  # leave headroom below protobuf's 2 GiB limit
 
@@ -215,6 +221,12 @@ def _domains(nodes) -> set[str]:
     return {n.domain for n in all_nodes(nodes)}
 
 
+def model_opset(nodes) -> int:
+    """The default-domain opset these nodes need: OPSET unless one of NEWER_OPS is used."""
+    return max([OPSET] + [NEWER_OPS[n.op_type] for n in all_nodes(nodes)
+                          if n.domain in ("", "ai.onnx") and n.op_type in NEWER_OPS])
+
+
 def build_model(graph: Graph, metadata: dict | None = None) -> onnx.ModelProto:
     """The ONNX model of a graph without its parameters and graph constants (``tensors`` lists
     those): a skeleton of nodes, signature, metadata and the lowerings' small helper constants."""
@@ -230,7 +242,7 @@ def build_model(graph: Graph, metadata: dict | None = None) -> onnx.ModelProto:
         outputs=[_value_info(n, graph.type_of(n)) for n in graph.outputs],
         initializer=[i for i in b.initializers if i.name in used],  # helper constants a lowering did not need
     )
-    opsets = [helper.make_opsetid("", OPSET)]
+    opsets = [helper.make_opsetid("", model_opset(b.nodes))]
     if "com.microsoft" in _domains(b.nodes):
         opsets.append(helper.make_opsetid("com.microsoft", 1))
     model = helper.make_model(onnx_graph, opset_imports=opsets,
