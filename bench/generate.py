@@ -20,10 +20,13 @@ the same intra-op thread count through the config, which otherwise says 1).
 Every case runs in its own process and the cases alternate (round 1: each case once, round 2: ...);
 each process times ``--repeat`` generations after one warm-up. Per case: prefill (the prompt's forward
 pass up to the first new token) and decode (the mean time per later token), minimum and median over all
-runs; CPU time / wall time of the whole generation (how many cores were busy); RSS after loading and
-the peak RSS during the generations (the kernel's high-water mark, reset after loading)
-loading (the model is compiled beforehand in another process, as onnxruntime-genai's is built). Greedy,
-fp32.
+runs; CPU time / wall time of the whole generation (how many cores were busy); memory: RSS before
+loading (the interpreter and libraries), after loading (the model is compiled beforehand in another
+process, as onnxruntime-genai's is built) and the peak RSS during the generations (the kernel's
+high-water mark, reset after loading), split into what the process allocated (RssAnon) and pages of
+mapped files (RssFile: onnxruntime maps an external-data weights file and reads it on demand), both
+sampled after each token. For Tessera the peak is also given against the weights as written plus the
+preallocated cache. Greedy, fp32 unless --quantize.
 
 The memory-bound line: a decoding step must read every weight it multiplies by once (everything but
 the embedding rows it gathers) and the cache its attention reads (Tessera's buffer: the whole
@@ -61,11 +64,36 @@ def _prompt(n: int, vocab: int) -> list[int]:
     return np.random.default_rng(0).integers(3, vocab, n).tolist()
 
 
-def _rss_mib() -> float:
+def _rss_mib(key: str = "VmRSS") -> float:
+    """This process's resident memory in MiB: VmRSS (all of it), RssAnon (what it allocated) or RssFile
+    (mapped file pages: the weights file onnxruntime maps, read on demand; the kernel may drop them)."""
     for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
+        if line.startswith(key + ":"):
             return int(line.split()[1]) / 1024
     return 0.0
+
+
+class _AnonPeak:
+    """The peak of RssAnon and RssFile, sampled after each token (the kernel keeps a peak of VmRSS
+    only, VmHWM): how much of the peak the process allocated and how much is mapped weights."""
+
+    def __init__(self):
+        self.anon = self.file = 0.0
+
+    def sample(self) -> None:  # one read of /proc/self/status, about 30 us (0.2 % of a 15 ms step)
+        got = {}
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith(("RssAnon:", "RssFile:")):
+                got[line.split(":")[0]] = int(line.split()[1]) / 1024
+        self.anon, self.file = max(self.anon, got["RssAnon"]), max(self.file, got["RssFile"])
+
+    def fields(self, before: dict) -> dict:
+        return {"rss_before_mib": before["VmRSS"], "anon_before_mib": before["RssAnon"],
+                "peak_anon_mib": self.anon, "peak_file_mib": self.file}
+
+
+def _before() -> dict:
+    return {k: _rss_mib(k) for k in ("VmRSS", "RssAnon", "RssFile")}
 
 
 # ------------------------------------------------------------------ the cases (each in a child process)
@@ -93,7 +121,8 @@ def compile_tessera(folder: Path, model: str, mode: str, quantize: str = "none")
                    for k, q in built.graph.params.items() if k not in gathered or (tied and k == "wte.weight"))
     onnx_model, _ = gen.compile_cached(built, weights, mode=mode)
     onnx_export.save(onnx_model, folder / f"tessera-{mode}.onnx", external=True)  # as compile --kv-cache writes it
-    return {"weights_read_bytes": read}
+    stored = sum(f.stat().st_size for f in folder.glob(f"tessera-{mode}.onnx*"))  # the weights, as written
+    return {"weights_read_bytes": read, "weights_bytes": stored}
 
 
 def _reset_peak() -> None:
@@ -112,6 +141,7 @@ def run_tessera(folder: Path, model: str, mode: str, n: int, new: int, repeat: i
     from tessera.runtime import generate as gen
 
     m = MODELS[model]
+    before, peaks = _before(), _AnonPeak()
     cm = gen.CachedModel.from_onnx(folder / f"tessera-{mode}.onnx", threads=threads)
     rss_loaded = _rss_mib()
     _reset_peak()
@@ -120,13 +150,16 @@ def run_tessera(folder: Path, model: str, mode: str, n: int, new: int, repeat: i
     for i in range(repeat + 1):
         stats = gen.Stats()
         w0, c0 = time.perf_counter(), time.process_time()
-        out = [e[0] for e in gen.stream(cm, [prompt], new, gen.Sampling(), stats=stats)]
+        out = []
+        for e in gen.stream(cm, [prompt], new, gen.Sampling(), stats=stats):  # the step's time excludes this body
+            out.append(e[0])
+            peaks.sample()
         wall, cpu = time.perf_counter() - w0, time.process_time() - c0
         if i:  # the first run warms up
             runs.append({"prefill_s": stats.prefill_s, "decode_s": statistics.mean(stats.decode_s),
                          "decode_median_step_s": statistics.median(stats.decode_s), "wall_s": wall, "cpu_s": cpu})
     return {"runs": runs, "tokens": out, "cache_bytes": stats.cache_bytes,
-            "rss_loaded_mib": rss_loaded, "peak_rss_mib": _hwm_mib()}
+            "rss_loaded_mib": rss_loaded, "peak_rss_mib": _hwm_mib(), **peaks.fields(before)}
 
 
 def run_hf(folder: Path, model: str, attn: str, n: int, new: int, repeat: int, threads: int) -> dict:
@@ -134,6 +167,7 @@ def run_hf(folder: Path, model: str, attn: str, n: int, new: int, repeat: int, t
     import transformers
 
     torch.set_num_threads(threads)
+    before, peaks = _before(), _AnonPeak()
     cls = transformers.GPT2LMHeadModel if model == "gpt2" else transformers.LlamaForCausalLM
     hf = cls.from_pretrained(folder, attn_implementation=attn).eval()
     rss_loaded = _rss_mib()
@@ -146,6 +180,7 @@ def run_hf(folder: Path, model: str, attn: str, n: int, new: int, repeat: int, t
 
         def put(self, value):
             self.times.append(time.perf_counter())
+            peaks.sample()
 
         def end(self):
             pass
@@ -163,7 +198,8 @@ def run_hf(folder: Path, model: str, attn: str, n: int, new: int, repeat: int, t
             steps = np.diff(t[1:])
             runs.append({"prefill_s": t[1] - t[0], "decode_s": (t[-1] - t[1]) / (len(t) - 2),
                          "decode_median_step_s": float(np.median(steps)), "wall_s": wall, "cpu_s": cpu})
-    return {"runs": runs, "tokens": out[0, n:].tolist(), "rss_loaded_mib": rss_loaded, "peak_rss_mib": _hwm_mib()}
+    return {"runs": runs, "tokens": out[0, n:].tolist(), "rss_loaded_mib": rss_loaded, "peak_rss_mib": _hwm_mib(),
+            **peaks.fields(before)}
 
 
 def run_genai(folder: Path, model: str, n: int, new: int, repeat: int, threads: int) -> dict:
@@ -171,6 +207,7 @@ def run_genai(folder: Path, model: str, n: int, new: int, repeat: int, threads: 
     the model on it (the same work per token as one Tessera step)."""
     import onnxruntime_genai as og
 
+    before, peaks = _before(), _AnonPeak()
     cfg = og.Config(str(folder / "genai"))
     cfg.overlay(json.dumps({"model": {"decoder": {"session_options": {
         "intra_op_num_threads": threads, "inter_op_num_threads": 1}}}}))
@@ -191,13 +228,15 @@ def run_genai(folder: Path, model: str, n: int, new: int, repeat: int, threads: 
             g.generate_next_token()
             out.append(int(g.get_next_tokens()[0]))
             t.append(time.perf_counter())
+            peaks.sample()
         wall, cpu = time.perf_counter() - w0, time.process_time() - c0
         if i:
             steps = np.diff(t[1:])
             runs.append({"prefill_s": t[1] - w0, "decode_s": float(np.mean(steps)),
                          "decode_median_step_s": float(np.median(steps)), "wall_s": wall, "cpu_s": cpu})
         del g
-    return {"runs": runs, "tokens": out, "rss_loaded_mib": rss_loaded, "peak_rss_mib": _hwm_mib()}
+    return {"runs": runs, "tokens": out, "rss_loaded_mib": rss_loaded, "peak_rss_mib": _hwm_mib(),
+            **peaks.fields(before)}
 
 
 def run_bandwidth(threads: int, repeat: int = 20) -> dict:
@@ -340,19 +379,21 @@ def main() -> None:
                       f"ms/token", file=sys.stderr)
     first = cases[0]
     rows = [_row(c, runs, {"same_tokens_as_first_case": info[c]["tokens"] == info[first]["tokens"],
-                           "rss_loaded_mib": info[c]["rss_loaded_mib"], "peak_rss_mib": info[c]["peak_rss_mib"]})
+                           **{k: info[c][k] for k in ("rss_before_mib", "rss_loaded_mib", "peak_rss_mib",
+                                                      "anon_before_mib", "peak_anon_mib", "peak_file_mib")}})
             for c, runs in results.items()]
     gb_s = max(b["gb_s_best"] for b in bandwidth)
     print(f"{args.model}, B=1, prompt {args.prompt}, {args.new} new tokens, greedy, "
           f"{'fp32' if args.quantize == 'none' else args.quantize + ' weights'}, {args.threads} threads; "
           f"{machine}")
     print("| case | runs | prefill ms (min / median) | decode ms/token (min / median) | decode tok/s (median) "
-          "| CPU/wall | RSS loaded / peak MiB | same tokens |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
+          "| CPU/wall | RSS before / loaded / peak MiB | peak allocated / mapped MiB | same tokens |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
     for r in rows:
         print(f"| {r['case']} | {r['runs']} | {r['prefill_ms_min']:.1f} / {r['prefill_ms_median']:.1f} | "
               f"{r['decode_ms_min']:.2f} / {r['decode_ms_median']:.2f} | {r['decode_tok_s_median']:.1f} | "
-              f"{r['cpu_per_wall']:.2f} | {r['rss_loaded_mib']:.0f} / {r['peak_rss_mib']:.0f} | "
+              f"{r['cpu_per_wall']:.2f} | {r['rss_before_mib']:.0f} / {r['rss_loaded_mib']:.0f} / "
+              f"{r['peak_rss_mib']:.0f} | {r['peak_anon_mib']:.0f} / {r['peak_file_mib']:.0f} | "
               f"{'yes' if r['same_tokens_as_first_case'] else 'no'} |")
     base = {r["case"]: r for r in rows}
     summary = {}
@@ -375,6 +416,14 @@ def main() -> None:
               f"of cache) / {gb_s:.1f} GB/s (onnxruntime GEMV, best) = {floor_ms:.2f} ms; Tessera's decode step is "
               f"{summary['decode_over_bound_min']:.2f}x that (min), {summary['decode_over_bound_median']:.2f}x (median)")
         growth = ti["peak_rss_mib"] - ti["rss_loaded_mib"]
+        budget = (ti["weights_bytes"] + layers_bytes) / 2**20
+        summary["peak_over_weights_and_cache"] = (ti["peak_rss_mib"] - ti["rss_before_mib"]) / budget
+        summary["allocated_over_weights_and_cache"] = (ti["peak_anon_mib"] - ti["anon_before_mib"]) / budget
+        print(f"memory against the weights as written ({ti['weights_bytes'] / 2**20:.0f} MiB) plus the cache "
+              f"({layers_bytes / 2**20:.1f} MiB): the peak RSS over what the process held before loading is "
+              f"{summary['peak_over_weights_and_cache']:.3f}x that; the memory it allocated (RssAnon, peak over "
+              f"before) {summary['allocated_over_weights_and_cache']:.3f}x; the rest of the peak is pages of the "
+              f"mapped weights file ({ti['peak_file_mib']:.0f} MiB at most)")
         print(f"memory: RSS after loading {ti['rss_loaded_mib']:.0f} MiB, peak {ti['peak_rss_mib']:.0f} MiB "
               f"(+{growth:.0f} MiB during generation; the preallocated cache is {layers_bytes / 2**20:.1f} MiB)")
     if args.json:
