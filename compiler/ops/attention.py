@@ -127,7 +127,7 @@ def _rope_lower(L):
     interleaved = bool(a.get("interleaved"))
     n = t.shape[-2]
     inv_freq = rope_inv_freq(r, a["theta"], a.get("scaling"))
-    if len(x) > 1 and t.rank == 4 and t.dtype in ("f32", "f16", "bf16"):
+    if len(x) > 1 and t.rank == 4 and t.dtype in ("f32", "f16"):  # the types onnxruntime's CPU kernel takes
         return _rope_lower_fused(L, r, hd, interleaved, inv_freq)
     zero = b.const(np.array(0, dtype=np.int64), "zero")
     one = b.const(np.array(1, dtype=np.int64), "one")
