@@ -154,10 +154,10 @@ def _choose_long(node: Node, graph: Graph, target: Target) -> tuple[str, str]:
 
 CACHED_KERNELS = ("phased", "cached")
 
-# bench/decode_attention.py, one decoding step (T = 1), 12 heads of 64, fp32, 2 threads, ms (min of 300):
-# Tessera's cached lowering / GroupQueryAttention sharing the cache buffer / MultiHeadAttention with past.
-# At P = 128 MultiHeadAttention was as fast (0.10 against 0.12 ms), from P = 512 on the cached lowering wins.
-DECODE_MEASURED = "0.25 / 1.37 / 0.56 ms at P = 1024, 0.90 / 3.56 / 2.30 ms at P = 2048"
+# bench/decode_attention.py, one decoding step (T = 1), 12 heads of 64, fp32, 2 threads, ms (min of 300, two
+# runs on 2026-12-02): Tessera's cached lowering / GroupQueryAttention sharing the cache buffer (bound by
+# IOBinding) / MultiHeadAttention with past. Alone, GroupQueryAttention is as fast or faster.
+DECODE_MEASURED = "0.041 / 0.029 / 0.045 ms at P = 128, 0.119-0.195 / 0.129-0.173 / 0.152-0.168 ms at P = 1024"
 
 
 def choose_cached(node: Node, graph: Graph, target: Target) -> tuple[str, str]:
@@ -165,15 +165,17 @@ def choose_cached(node: Node, graph: Graph, target: Target) -> tuple[str, str]:
 
     ``phased`` is an If on T: the prompt (T > 1) goes through the portable tiled kernel, which never
     forms the T x (P+T) scores, and each decoding step (T = 1) through plain MatMul/Softmax over the
-    cache buffer (backends/onnx/cached_attention.py), which is faster there than onnxruntime's
-    contrib kernels on CPU. On CUDA the same choice stands unmeasured (no GPU was lent to measure
-    GroupQueryAttention's flash decoding against it)."""
+    cache buffer (backends/onnx/cached_attention.py), read in place from the numpy arrays the loop
+    feeds. onnxruntime's GroupQueryAttention is as fast alone but writes into the buffer only when it
+    is bound with IOBinding as its present output too, which the loop does not do yet
+    (bench/gqa_if_probe.py); MultiHeadAttention with past copies the past every step and has no
+    grouped key/value heads. On CUDA the same choice stands unmeasured (no GPU was lent)."""
     where = "CPU" if target.device == "cpu" else "CPU (not measured on CUDA)"
     return "phased", (f"prefill (T > 1): portable tiled kernel, the T x (P+T) scores never formed; decode (T = 1): "
-                      f"cached, plain MatMul/Softmax over the cache buffer, read in place; from 512 cached positions on "
-                      f"faster on {where} than GroupQueryAttention with a shared buffer and MultiHeadAttention with "
-                      f"past (which has no grouped key/value heads) "
-                      f"({DECODE_MEASURED}; bench/decode_attention.py)")
+                      f"cached, plain MatMul/Softmax over the cache buffer, read in place with no binding; "
+                      f"GroupQueryAttention with a shared buffer, as fast alone on {where}, needs the buffer bound as "
+                      f"its output, and MultiHeadAttention with past copies the past and has no grouped key/value "
+                      f"heads ({DECODE_MEASURED}; bench/decode_attention.py)")
 
 
 @dataclass(frozen=True)

@@ -10,8 +10,8 @@ sliding window when the spec has one. Two phases run through the same graph:
   softmax, ·V, with the past (the cache buffer) and the new columns read where they lie, so the
   cache is never copied. Grouped-query attention reads the cache's kv_heads directly: the query
   heads of one group are stacked as rows ([B, G, rep·T, hd]), so K and V are never repeated.
-  Measured faster on CPU than onnxruntime's GroupQueryAttention with a shared buffer and
-  MultiHeadAttention with past (bench/decode_attention.py, docs/BENCHMARKS.md).
+  Alone it is about as fast on CPU as onnxruntime's GroupQueryAttention with a shared buffer
+  (bench/decode_attention.py, docs/generate.md), which needs the buffer bound as its output too.
 - prefill (T > 1, the prompt): the portable tiled kernel (backends/onnx/attention.py), which never
   forms the T×(P+T) scores; ``cached`` would, for the whole prompt at once.
 
