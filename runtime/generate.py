@@ -175,14 +175,19 @@ class CachedModel:
                              f"one with tessera.load(...).compile(out, kv_cache=True)")
         return cls(str(path), CacheInfo.from_json(json.loads(meta[CacheInfo.METADATA_KEY])), provider, threads)
 
-    def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    def run(self, feeds: dict[str, np.ndarray], bound: "BoundStep | None" = None) -> dict[str, np.ndarray]:
+        """One step: through ``bound`` (the cache buffers bound in place, a decoding step of a graph whose
+        attention writes them: info.length_input) or with numpy feeds and outputs."""
         from .session import run_session
 
+        if bound is not None:
+            return bound.run(feeds)
         return run_session(self.session, feeds)
 
 
 def compile_cached(built, weights: dict[str, np.ndarray], last_only: bool = True, mode: str = "auto",
-                   target=None, dtype: str = "fp32", sparse_moe: bool = True, fuse_linears: bool = True):
+                   target=None, dtype: str = "fp32", sparse_moe: bool = True, fuse_linears: bool = True,
+                   decode: str = "auto"):
     """Fuse attention (and make experts sparse unless ``sparse_moe`` is False), add the KV cache, fuse
     the linears sharing an input (q/k/v, gate/up: compiler/passes/fuse_linears.py; ``fuse_linears=False``
     keeps them apart) and export: returns (onnx.ModelProto, CacheInfo). Rewrites built.graph."""
@@ -192,9 +197,12 @@ def compile_cached(built, weights: dict[str, np.ndarray], last_only: bool = True
     from tessera.compiler.passes.kv_cache import add_kv_cache
     from tessera.compiler.passes.pipeline import optimize
 
-    built.attention_sites = optimize(built.graph, target or Target("cpu", dtype), sparse_moe=sparse_moe)
+    target = target or Target("cpu", dtype)
+    built.attention_sites = optimize(built.graph, target, sparse_moe=sparse_moe)
+    if dtype != "fp32":  # GroupQueryAttention's decoding step is checked in float32 only (kv_cache._gqa_decodes)
+        decode = "plain"
     try:
-        info = add_kv_cache(built.graph, last_only=last_only, mode=mode)
+        info = add_kv_cache(built.graph, last_only=last_only, mode=mode, decode=decode, target=target)
     except CacheError as e:
         raise UsageError(str(e)) from None
     if fuse_linears:
@@ -315,6 +323,51 @@ def cache_window(info: CacheInfo) -> int:
     return windows.pop() if len(windows) == 1 and info.mode == "concat" else 0
 
 
+class BoundStep:
+    """A decoding step whose GroupQueryAttention writes the new keys and values into the cache
+    buffers itself: the buffers are bound once with IOBinding as both the past inputs and the
+    graph's buffer outputs (``cache_key.{i}``: onnxruntime then sees one memory and shares it), the
+    logits and the new columns go to arrays of their own, and each step binds only its inputs. No
+    step copies or reallocates the cache."""
+
+    def __init__(self, model: CachedModel, cache: dict[str, np.ndarray]):
+        self.model, self.io = model, model.session.io_binding()
+        info = model.info
+        for layer in info.layers:
+            for past, out in ((layer.past_key, layer.buffer_key), (layer.past_value, layer.buffer_value)):
+                buf = cache[past]
+                self.io.bind_cpu_input(past, buf)
+                self.io.bind_output(out, "cpu", 0, buf.dtype, list(buf.shape), buf.ctypes.data)
+        self.buffers = set(cache)
+        self.outputs: dict[str, np.ndarray] = {}
+        b = next(iter(cache.values())).shape[0]
+        shapes = {info.logits: (b, 1, model.vocab)}
+        for layer in info.layers:
+            shapes[layer.present_key] = (b, layer.kv_heads, 1, layer.head_size)
+            shapes[layer.present_value] = (b, layer.kv_heads, 1, layer.value_size)
+        for name, shape in shapes.items():
+            if None in shape:
+                raise UsageError(f"cannot bind output {name}: its size is not known ({shape})")
+            arr = np.empty(shape, dtype=np.float32 if name == info.logits else model.np_dtype)
+            self.io.bind_output(name, "cpu", 0, arr.dtype, list(arr.shape), arr.ctypes.data)
+            self.outputs[name] = arr
+        self.logits = info.logits
+
+    def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """One decoding step; returns the logits (a copy: the bound array is reused by the next step)."""
+        from .session import RunError
+
+        for name, value in feeds.items():
+            if name not in self.buffers:  # the buffers stay bound; the step's tokens, mask, positions rebind
+                self.io.bind_cpu_input(name, np.ascontiguousarray(value))
+        try:
+            self.model.session.run_with_iobinding(self.io)
+        except Exception as e:  # onnxruntime's own exception types
+            msg = str(e).split("] : ", 1)[-1].strip()
+            raise RunError(f"onnxruntime could not run a decoding step: {msg}") from None
+        return {self.logits: self.outputs[self.logits].copy()}
+
+
 def stream(model: CachedModel, prompts, max_new_tokens: int, sampling: Sampling | None = None,
            stop_tokens=(), pad_id: int = 0, stats: Stats | None = None,
            should_stop: Callable[[int, list[int]], bool] | None = None,
@@ -363,19 +416,25 @@ def stream(model: CachedModel, prompts, max_new_tokens: int, sampling: Sampling 
     # the prompt alone, not over the whole (still empty) buffer; its keys and values then fill the
     # buffer's first slots, and every later step reads the buffer in place.
     empty = {name: np.zeros(c.shape[:2] + (0,) + c.shape[3:], dtype=c.dtype) for name, c in cache.items()}
+    bound = BoundStep(model, cache) if buffer and info.length_input else None
     for step in range(max_new_tokens):
         t = tokens.shape[1]
         prefill = step == 0 and buffer
         feeds = {info.tokens: tokens, "attention_mask": mask if prefill else np.concatenate([slots, mask], axis=1),
                  "position_ids": positions, **(empty if prefill else cache), **(extra_feeds or {})}
+        if info.length_input:
+            feeds[info.length_input] = np.array([0 if prefill else filled], dtype=np.int64)
         start = time.perf_counter()
-        out = model.run(feeds)
-        for layer in info.layers:
-            if buffer:
-                cache[layer.past_key][:, :, filled:filled + t] = out[layer.present_key]
-                cache[layer.past_value][:, :, filled:filled + t] = out[layer.present_value]
-            else:
-                cache[layer.past_key], cache[layer.past_value] = out[layer.present_key], out[layer.present_value]
+        if bound is not None and not prefill:  # the kernel writes the new columns into the buffers itself
+            out = model.run(feeds, bound=bound)
+        else:
+            out = model.run(feeds)
+            for layer in info.layers:
+                if buffer:
+                    cache[layer.past_key][:, :, filled:filled + t] = out[layer.present_key]
+                    cache[layer.past_value][:, :, filled:filled + t] = out[layer.present_value]
+                else:
+                    cache[layer.past_key], cache[layer.past_value] = out[layer.present_key], out[layer.present_value]
         if buffer:
             slots[:, filled:filled + t] = mask
         else:

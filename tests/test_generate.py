@@ -187,6 +187,8 @@ def test_numpy_interpreter_runs_the_cached_graph(cases):
     for layer in info.layers:
         feeds[layer.past_key] = np.zeros((2, layer.kv_heads, 2, layer.head_size), np.float32)
         feeds[layer.past_value] = np.zeros((2, layer.kv_heads, 2, layer.value_size), np.float32)
+    assert info.length_input == "cache_length"  # decoding steps write the buffer in place (GroupQueryAttention)
+    feeds[info.length_input] = np.array([2], np.int64)  # read by the ONNX decode branch only
     ours = interpret.run(built.graph, weights, feeds)["logits"]
     full = case.full_session()
     for r, n in ((0, 3), (1, 2)):
@@ -364,10 +366,11 @@ class _Recording(CachedModel):
         self.past_lengths: list[int] = []
         self.mask_lengths: list[int] = []
 
-    def run(self, feeds):
+    def run(self, feeds, bound=None):
         self.past_lengths.append(feeds[self.info.layers[0].past_key].shape[2])
         self.mask_lengths.append(feeds["attention_mask"].shape[1])
-        return super().run(feeds)
+        self.bound_steps = getattr(self, "bound_steps", 0) + (bound is not None)
+        return super().run(feeds, bound)
 
 
 def test_sliding_window_cache_keeps_only_its_window(cases):
@@ -395,24 +398,41 @@ def test_buffer_cache_prefill_sees_an_empty_past_and_decode_the_buffer(cases):
     generate(model, prompts, 6)
     assert model.past_lengths == [0] + [11 + 6] * 5
     assert model.mask_lengths == [11] + [11 + 6 + 1] * 5
+    assert model.bound_steps == 5  # every decoding step through the bound buffers (GroupQueryAttention)
 
 
-def test_cached_graph_lowers_prefill_tiled_and_decode_plain():
+@pytest.mark.parametrize("decode", ["auto", "plain"])
+def test_cached_graph_lowers_prefill_tiled_and_decode_by_its_kernel(decode):
     """--explain's claim, checked on the exported graph: each cached attention is an If on T == 1 whose
-    prefill branch holds the portable kernel's Loop and whose decode branch has no Loop."""
+    prefill branch holds the portable kernel's Loop and whose decode branch has no Loop: on CPU by
+    default one GroupQueryAttention over the buffer, whose written buffers are also If outputs (and
+    graph outputs, for the loop to bind), with decode="plain" MatMul/Softmax."""
     from tessera.compiler.passes.kv_cache import CacheInfo
 
     built = pipeline.build(MODELS / "gpt2.tsr", None, ["layers=2", "d=64", "heads=4", "vocab=100", "ctx=64"])
-    model, info = compile_cached(built, pipeline.weights_for(built, None, 0))
+    model, info = compile_cached(built, pipeline.weights_for(built, None, 0), decode=decode)
     ifs = [n for n in model.graph.node if n.op_type == "If"]
     assert len(ifs) == 2
     for n in ifs:
         branches = {a.name: [m.op_type for m in a.g.node] for a in n.attribute}
         assert "Loop" in branches["else_branch"] and "Loop" not in branches["then_branch"]
-        assert "Softmax" in branches["then_branch"]
+        if decode == "auto":
+            assert branches["then_branch"].count("GroupQueryAttention") == 1 and "Softmax" not in branches["then_branch"]
+            assert len(n.output) == 3
+        else:
+            assert "Softmax" in branches["then_branch"] and "GroupQueryAttention" not in branches["then_branch"]
+    outputs = [o.name for o in model.graph.output]
+    if decode == "auto":
+        assert info.length_input == "cache_length" and "cache_length" in [i.name for i in model.graph.input]
+        assert [layer.buffer_key for layer in info.layers] == ["cache_key.0", "cache_key.1"]
+        assert {"cache_key.0", "cache_value.0", "cache_key.1", "cache_value.1"} <= set(outputs)
+        assert "decode (T = 1): GroupQueryAttention over the cache buffer" in info.explain()
+    else:
+        assert info.length_input is None and not any(o.startswith("cache_") for o in outputs)
     assert [k.impl for k in info.kernels] == ["phased", "phased"]
     assert "prefill (T > 1): portable tiled kernel" in info.explain()
-    assert CacheInfo.from_json(info.to_json()).kernels == info.kernels
+    back = CacheInfo.from_json(info.to_json())
+    assert back.kernels == info.kernels and back.length_input == info.length_input and back.layers == info.layers
 
 
 @pytest.mark.parametrize("sets", [[], ["rope_factor=8.0"]])

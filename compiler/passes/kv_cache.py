@@ -50,6 +50,7 @@ from tessera.compiler import ops
 from tessera.compiler.passes.attention_kernels import Target, choose_cached
 
 MASK, POSITIONS = "attention_mask", "position_ids"
+LENGTH = "cache_length"  # buffer mode with GroupQueryAttention decoding: the filled slots, i64 [1]
 
 
 class CacheError(Exception):
@@ -69,6 +70,10 @@ class CacheLayer:
     head_size: int
     value_size: int
     window: int = 0
+    # decode = "gqa": the outputs that are the cache buffer itself, written in place by
+    # GroupQueryAttention when the loop binds them to the past buffers (empty otherwise)
+    buffer_key: str = ""
+    buffer_value: str = ""
 
 
 @dataclass
@@ -92,6 +97,7 @@ class CacheInfo:
     mode: str = "buffer"
     dtype: str = "f32"
     kernels: list[CacheKernel] = field(default_factory=list)
+    length_input: str | None = None  # LENGTH when decoding steps write the buffer in place (decode = "gqa")
 
     def explain(self) -> str:
         """--explain's listing for a cached compile: every cached site's kernel per phase and why."""
@@ -106,13 +112,14 @@ class CacheInfo:
     def to_json(self) -> dict:
         return {"tokens": self.tokens, "logits": self.logits, "context": self.context, "last_only": self.last_only,
                 "mode": self.mode, "dtype": self.dtype, "layers": [vars(layer) for layer in self.layers],
-                "kernels": [vars(k) for k in self.kernels]}
+                "kernels": [vars(k) for k in self.kernels], "length_input": self.length_input}
 
     @classmethod
     def from_json(cls, data: dict) -> "CacheInfo":
         return cls(data["tokens"], data["logits"], [CacheLayer(**layer) for layer in data["layers"]],
                    data.get("context"), data.get("last_only", False), data.get("mode", "buffer"),
-                   data.get("dtype", "f32"), [CacheKernel(**k) for k in data.get("kernels", [])])
+                   data.get("dtype", "f32"), [CacheKernel(**k) for k in data.get("kernels", [])],
+                   data.get("length_input"))
 
     METADATA_KEY = "tessera.kv_cache"
 
@@ -144,8 +151,24 @@ def _propagate(g: Graph) -> None:
 CACHE_MODES = ("auto", "buffer", "concat")
 
 
+DECODE_KERNELS = ("auto", "gqa", "plain")
+
+
+def _gqa_decodes(node: Node, g: Graph) -> bool:
+    """Whether onnxruntime's GroupQueryAttention can be this site's decoding step: no sliding window
+    (buffer mode has none), keys and values of one head size, a multiple of 8 (its CPU kernel's
+    rule), float32 (its float16 is not checked here); the spec's scale and soft-cap become its
+    attributes."""
+    a = node.attrs
+    q_t, k_t, v_t = (g.type_of(x) for x in node.inputs[:3])
+    hd = int(k_t.shape[-1])
+    return (not a["window"] and q_t.dtype == "f32" and hd == int(v_t.shape[-1]) and hd % 8 == 0
+            and a["heads"] % a["kv_heads"] == 0)
+
+
 def add_kv_cache(g: Graph, last_only: bool = False, mode: str = "auto", impl: str | None = None,
-                 tokens: str | None = None, max_positions: int = 4096, target: Target = Target()) -> CacheInfo:
+                 tokens: str | None = None, max_positions: int = 4096, target: Target = Target(),
+                 decode: str = "auto") -> CacheInfo:
     """Rewrite a fused decoder-only graph in place into its cached form; returns what the runtime needs.
 
     ``mode`` says what the graph gives back per layer. ``concat``: the present keys and values
@@ -161,6 +184,10 @@ def add_kv_cache(g: Graph, last_only: bool = False, mode: str = "auto", impl: st
     place; they take concat, where the past is exactly the filled positions."""
     if mode not in CACHE_MODES:
         raise CacheError(f"unknown cache mode '{mode}' (choose from {', '.join(CACHE_MODES)})")
+    if decode not in DECODE_KERNELS:
+        raise CacheError(f"unknown decode kernel '{decode}' (choose from {', '.join(DECODE_KERNELS)})")
+    if decode == "auto":  # measured on CPU only (docs/BENCHMARKS.md); CUDA keeps the plain branch, unmeasured
+        decode = "gqa" if target.device == "cpu" else "plain"
     if tokens is None:  # a decoder-only model: its one input is the token ids
         int_inputs = [i for i in g.inputs if g.type_of(i).dtype in ("i64", "i32") and g.type_of(i).rank == 2]
         if len(g.inputs) != 1 or len(int_inputs) != 1:
@@ -265,9 +292,20 @@ def add_kv_cache(g: Graph, last_only: bool = False, mode: str = "auto", impl: st
         g.set_inputs(node, [q, full[0], full[1], MASK])
         node.attrs.update(padding=True, bias=False)
         node.attrs["impl"], reason = (impl, "forced") if impl else choose_cached(node, g, target)
+        if mode == "buffer" and decode == "gqa" and node.attrs["impl"] == "phased" and _gqa_decodes(node, g):
+            node.attrs["decode"] = "gqa"
+            layer.buffer_key, layer.buffer_value = f"cache_key.{i}", f"cache_value.{i}"
+            node.attrs["buffer_outputs"] = [layer.buffer_key, layer.buffer_value]
+            node.attrs["length_input"] = LENGTH
+            reason = reason.replace("decode (T = 1): cached, plain MatMul/Softmax over the cache buffer, read in "
+                                    "place with no binding", "decode (T = 1): GroupQueryAttention over the cache "
+                                    "buffer, bound as its past and present, the new column written in place")
         info.layers.append(layer)
         info.kernels.append(CacheKernel(node.scope or node.name, node.attrs["impl"], reason))
     g.symbols["P"] = SymbolSource(info.layers[0].past_key, 2)
+    if any(layer.buffer_key for layer in info.layers):
+        g.add_input(LENGTH, TensorType("i64", (dims.dim(1),)))
+        info.length_input = LENGTH
 
     # ---- last position only: slice the head's input
     if last_only:

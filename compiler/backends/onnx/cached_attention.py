@@ -158,6 +158,73 @@ def _branch(b, lower, node, hint: str, elem: int):
         b.nodes, b._dims = saved_nodes, saved_dims
 
 
+def _gqa_inputs(b, node) -> tuple[str, str, str]:
+    """GroupQueryAttention's seqlens_k (i32 [B]: the filled slots, where the new column goes),
+    total_sequence_length (i32 scalar: filled + 1) and attention_bias ([B, 1, 1, filled + 1]: the
+    decode mask's filled slots and the new token's column), built once in the main graph from the
+    cache_length input and shared by every layer."""
+    key = ("gqa_inputs", node.inputs[3])
+    if key not in b.shared:
+        bias = _decode_bias(b, node, np.float32)  # [B, 1, 1, C + 1]
+        saved, b.current = b.current, ""
+        try:
+            length = node.attrs["length_input"]
+            batch = b.node("Shape", [node.inputs[3]], start=0, end=1)[0]
+            seqlens = b.node("Cast", [b.node("Expand", [length, batch])[0]], [b.fresh("gqa/seqlens_k")],
+                             to=TensorProto.INT32)[0]
+            one = b.i64([1])
+            total = b.node("Cast", [b.node("Squeeze", [b.node("Add", [length, one])[0], b.i64([0])])[0]],
+                           [b.fresh("gqa/total")], to=TensorProto.INT32)[0]
+            axis = b.i64([3])
+            filled = b.node("Slice", [bias, b.i64([0]), length, axis])[0]
+            new = b.node("Slice", [bias, b.i64([-1]), b.i64([2**62]), axis])[0]
+            b.shared[key] = (seqlens, total, b.node("Concat", [filled, new], [b.fresh("gqa/bias")], axis=3)[0])
+        finally:
+            b.current = saved
+    return b.shared[key]
+
+
+def _lower_gqa_decode(b, node, outs: list[str], gqa_in) -> None:
+    """A decoding step (T = 1) as one com.microsoft GroupQueryAttention over the cache buffer: the past
+    inputs and the If's buffer outputs are the same memory when the loop binds them (runtime/generate.py),
+    and the kernel writes the new column into slot cache_length and attends over the filled slots and
+    it. At T = 1, [B, H, 1, hd] and GroupQueryAttention's [B, 1, H*hd] hold the same order, so the
+    head split needs only a Reshape each way. The rotary embedding was applied before (rope nodes)."""
+    a = node.attrs
+    q, k, v = node.inputs[:3]
+    (k_past, k_new), (v_past, v_new) = _split(b, k), _split(b, v)
+    seqlens, total, bias = gqa_in
+    flat = [b.node("Reshape", [x, b.i64([0, 1, -1])])[0] for x in (q, k_new, v_new)]
+    attrs = {"num_heads": a["heads"], "kv_num_heads": a["kv_heads"], "scale": float(a["scale"])}
+    if a.get("softcap"):  # GroupQueryAttention caps as c·tanh(scale·s / c); Tessera folds the 1/c into its scale
+        attrs["softcap"] = float(a["softcap"])
+        attrs["scale"] = float(a["scale"]) * float(a["softcap"])
+    o = b.node("GroupQueryAttention", flat + [k_past, v_past, seqlens, total, "", "", "", bias],
+               [b.fresh("gqa_out"), outs[1], outs[2]], domain="com.microsoft", **attrs)[0]
+    hd = int(b.graph.type_of(q).shape[-1])
+    b.node("Reshape", [o, b.i64([0, a["heads"], 1, hd])], [outs[0]])
+
+
+def _lower_prefill_keeping_buffers(b, node, outs: list[str]) -> None:
+    """The prompt (tiled kernel) and, for the If's buffer outputs, the past inputs as they are."""
+    _lower_prefill(b, node, outs[0])
+    for i, out in ((1, outs[1]), (2, outs[2])):
+        b.node("Identity", [_split(b, node.inputs[i])[0]], [out])
+
+
+def _branch_outputs(b, lower, node, hint: str, elems: list[int]):
+    """An If branch with several outputs (see _branch)."""
+    saved_nodes, saved_dims = b.nodes, dict(b._dims)
+    b.nodes = []
+    outs = [b.fresh(f"{hint}_{i}") for i in range(len(elems))]
+    try:
+        lower(b, node, outs)
+        return helper.make_graph(b.nodes, b.fresh(f"{hint}_branch"), [],
+                                 [helper.make_tensor_value_info(o, e, None) for o, e in zip(outs, elems)])
+    finally:
+        b.nodes, b._dims = saved_nodes, saved_dims
+
+
 def lower_phased_attention(b, node, out: str) -> None:
     """If T == 1 (a decoding step) the cached lowering, else (a prompt) the tiled one."""
     q_t = b.graph.type_of(node.inputs[0])
@@ -165,6 +232,16 @@ def lower_phased_attention(b, node, out: str) -> None:
     t = b.dim_scalar(q_t.shape[-2])
     decoding = b.node("Equal", [t, b.const(np.array(1, np.int64), "one")])[0]
     a = node.attrs
+    if a.get("decode") == "gqa":  # decoding writes the buffer in place: the If also gives the buffers
+        gqa_in = _gqa_inputs(b, node)
+        elems = [elem] * 3
+        then_g = _branch_outputs(b, lambda b, n, o: _lower_gqa_decode(b, n, o, gqa_in), node, "decode", elems)
+        else_g = _branch_outputs(b, _lower_prefill_keeping_buffers, node, "prefill", elems)
+        buffers = list(a["buffer_outputs"])
+        b.node("If", [decoding], [out] + buffers, then_branch=then_g, else_branch=else_g)
+        for name, past in zip(buffers, (_split(b, node.inputs[1])[0], _split(b, node.inputs[2])[0])):
+            b.extra_outputs.append((name, b.graph.type_of(past)))
+        return
     if a["padding"] and a["causal"] and not a["window"]:  # one mask for every layer's decoding step
         bias = _decode_bias(b, node, np.float16 if q_t.dtype == "f16" else np.float32)
         then_g = _branch(b, lambda b, n, o: lower_cached_attention(b, n, o, bias), node, "decode", elem)

@@ -80,6 +80,9 @@ class _Builder:
         self.current = ""  # IR node being lowered, for node names
         self.transposed = transposed_weights(graph)  # parameters written [in, out]
         self.shared: dict = {}  # values a lowering builds once for every node that needs them (a decode mask)
+        # graph outputs only the ONNX interface has, (name, IR type): the cache buffers a decoding
+        # step's GroupQueryAttention writes in place (backends/onnx/cached_attention.py)
+        self.extra_outputs: list[tuple[str, object]] = []
 
     def fresh(self, hint: str) -> str:
         base = f"{self.current}/{hint}" if self.current else hint
@@ -239,7 +242,7 @@ def build_model(graph: Graph, metadata: dict | None = None) -> onnx.ModelProto:
     onnx_graph = helper.make_graph(
         b.nodes, graph.name,
         inputs=[_value_info(n, graph.type_of(n)) for n in graph.inputs],
-        outputs=[_value_info(n, graph.type_of(n)) for n in graph.outputs],
+        outputs=[_value_info(n, graph.type_of(n)) for n in graph.outputs] + [_value_info(n, t) for n, t in b.extra_outputs],
         initializer=[i for i in b.initializers if i.name in used],  # helper constants a lowering did not need
     )
     opsets = [helper.make_opsetid("", model_opset(b.nodes))]
