@@ -20,8 +20,9 @@ step time (a copy of the 6 MiB buffer pair would take well over 100 us). On onnx
 this session's AMD EPYC (2026-12-02), two runs: written in place both ways, output within 2.4e-7,
 14-22 / 15-25 us alone and 15-23 / 16-26 us inside the If (min / median of 300 steps), against
 0.040 / 0.058 ms for Tessera's decode branch alone at 128 positions (bench/decode_attention.py,
-whose GroupQueryAttention case attends over its whole buffer). Not yet used by Tessera: the loop
-would bind the buffers in decoding steps and give the graph the filled length (docs/BENCHMARKS.md).
+which timed GroupQueryAttention with a binding rebuilt every step until 2026-12-02). Tessera's decode
+branch now does this (backends/onnx/cached_attention.py ``_lower_gqa_decode``; the loop's binding is
+runtime/generate.py ``BoundStep``).
 """
 import statistics
 import time

@@ -17,6 +17,9 @@ except the new columns (the ``concat`` mode, kept for comparison and used for
 sliding windows, feeds back the growing present tensors instead, trimmed to the
 window). The prompt itself runs against an empty past, so its attention is the
 tiled prefill kernel over the prompt alone (compiler/backends/onnx/cached_attention.py).
+When the graph's decoding steps are GroupQueryAttention (CacheInfo.length_input, the CPU
+default), the buffers are bound once per call with IOBinding as both the past inputs and the
+graph's buffer outputs (``BoundStep``): the kernel writes each step's new columns into them itself.
 
 A batch of prompts of different lengths is left-padded: the mask marks the
 padding, and each row's positions count only its real tokens (Hugging Face's

@@ -166,10 +166,10 @@ def choose_cached(node: Node, graph: Graph, target: Target) -> tuple[str, str]:
     ``phased`` is an If on T: the prompt (T > 1) goes through the portable tiled kernel, which never
     forms the T x (P+T) scores, and each decoding step (T = 1) through plain MatMul/Softmax over the
     cache buffer (backends/onnx/cached_attention.py), read in place from the numpy arrays the loop
-    feeds. onnxruntime's GroupQueryAttention is as fast alone but writes into the buffer only when it
-    is bound with IOBinding as its present output too, which the loop does not do yet
-    (bench/gqa_if_probe.py); MultiHeadAttention with past copies the past every step and has no
-    grouped key/value heads. On CUDA the same choice stands unmeasured (no GPU was lent)."""
+    feeds -- or, in buffer mode on CPU, through onnxruntime's GroupQueryAttention writing the buffer
+    in place (passes/kv_cache.py ``decode``, which rewrites this reason to say so); MultiHeadAttention
+    with past copies the past every step and has no grouped key/value heads. On CUDA the plain
+    branch stands, unmeasured (no GPU was lent)."""
     where = "CPU" if target.device == "cpu" else "CPU (not measured on CUDA)"
     return "phased", (f"prefill (T > 1): portable tiled kernel, the T x (P+T) scores never formed; decode (T = 1): "
                       f"cached, plain MatMul/Softmax over the cache buffer, read in place with no binding; "

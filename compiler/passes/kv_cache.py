@@ -32,9 +32,13 @@ the number of new ones (the prompt at prefill, 1 when decoding):
 
 The attention nodes are lowered per phase (backends/onnx/cached_attention.py,
 chosen by passes/attention_kernels.py ``choose_cached``): a prompt (T > 1) by the
-portable tiled kernel, a decoding step (T = 1) by plain matrix products over the
-cache; the numpy interpreter runs the rewritten graph unchanged, which is what
-the tests compare against.
+portable tiled kernel, a decoding step (T = 1) in buffer mode on CPU by one
+GroupQueryAttention that writes the new column into the buffer itself (``decode``
+"gqa": an input ``cache_length`` i64 [1], the filled slots, and per layer the ONNX
+outputs ``cache_key.{i}`` / ``cache_value.{i}``, the buffer as written, which the
+loop binds to the same memory as the past inputs), else by plain matrix products
+over the cache; the numpy interpreter runs the rewritten graph unchanged (it does
+not read ``cache_length``), which is what the tests compare against.
 """
 
 from __future__ import annotations
@@ -181,7 +185,9 @@ def add_kv_cache(g: Graph, last_only: bool = False, mode: str = "auto", impl: st
     ``cached``); by default passes/attention_kernels.py ``choose_cached`` picks it for ``target``. ``auto`` (the default) is buffer, except for models with a
     sliding window: the mask's causal offset is the past's length, which in buffer mode is the
     buffer's capacity rather than the filled slots, so a window would be measured from the wrong
-    place; they take concat, where the past is exactly the filled positions."""
+    place; they take concat, where the past is exactly the filled positions. ``decode`` picks the
+    decoding step's kernel in buffer mode: ``gqa`` (GroupQueryAttention writing the buffer in place,
+    where ``_gqa_decodes`` allows), ``plain``, or ``auto`` (gqa on CPU, plain elsewhere: unmeasured)."""
     if mode not in CACHE_MODES:
         raise CacheError(f"unknown cache mode '{mode}' (choose from {', '.join(CACHE_MODES)})")
     if decode not in DECODE_KERNELS:

@@ -11,7 +11,9 @@ sliding window when the spec has one. Two phases run through the same graph:
   cache is never copied. Grouped-query attention reads the cache's kv_heads directly: the query
   heads of one group are stacked as rows ([B, G, rep·T, hd]), so K and V are never repeated.
   Alone it is about as fast on CPU as onnxruntime's GroupQueryAttention with a shared buffer
-  (bench/decode_attention.py, docs/generate.md), which needs the buffer bound as its output too.
+  (bench/decode_attention.py, docs/generate.md); in the whole model one GroupQueryAttention is
+  faster than these dozen nodes, so in buffer mode on CPU the decode branch is that instead
+  (``_lower_gqa_decode``: attrs ``decode`` "gqa", the loop binds the buffers).
 - prefill (T > 1, the prompt): the portable tiled kernel (backends/onnx/attention.py), which never
   forms the T×(P+T) scores; ``cached`` would, for the whole prompt at once.
 
