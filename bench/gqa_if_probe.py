@@ -31,49 +31,79 @@ import numpy as np
 import onnxruntime as ort
 from onnx import TensorProto as TP, helper
 
-
 H, KV, HD, CAP = 12, 12, 64, 1024
-def vi(n, t, s): return helper.make_tensor_value_info(n, t, s)
-gqa = helper.make_node("GroupQueryAttention", ["q", "k", "v", "past_key", "past_value", "seqlens_k", "total_len"],
-                       ["o", "pk", "pv"], domain="com.microsoft", num_heads=H, kv_num_heads=KV, scale=0.125)
-then_g = helper.make_graph([gqa], "then", [], [vi("o", TP.FLOAT, None), vi("pk", TP.FLOAT, None), vi("pv", TP.FLOAT, None)])
-else_g = helper.make_graph([helper.make_node("Identity", ["q"], ["o2"]), helper.make_node("Identity", ["past_key"], ["pk2"]),
-                            helper.make_node("Identity", ["past_value"], ["pv2"])], "else", [],
-                           [vi("o2", TP.FLOAT, None), vi("pk2", TP.FLOAT, None), vi("pv2", TP.FLOAT, None)])
-def model(use_if):
-    nodes = [helper.make_node("If", ["cond"], ["out", "present_key", "present_value"], then_branch=then_g, else_branch=else_g)] if use_if else \
-            [helper.make_node("GroupQueryAttention", ["q", "k", "v", "past_key", "past_value", "seqlens_k", "total_len"],
-                              ["out", "present_key", "present_value"], domain="com.microsoft", num_heads=H, kv_num_heads=KV, scale=0.125)]
-    ins = [vi("cond", TP.BOOL, []), vi("q", TP.FLOAT, [1, 1, H * HD]), vi("k", TP.FLOAT, [1, 1, KV * HD]), vi("v", TP.FLOAT, [1, 1, KV * HD]),
-           vi("past_key", TP.FLOAT, [1, KV, CAP, HD]), vi("past_value", TP.FLOAT, [1, KV, CAP, HD]),
-           vi("seqlens_k", TP.INT32, [1]), vi("total_len", TP.INT32, [])]
-    if not use_if: ins = ins[1:]
-    g = helper.make_graph(nodes, "g", ins, [vi("out", TP.FLOAT, None), vi("present_key", TP.FLOAT, None), vi("present_value", TP.FLOAT, None)])
-    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)]); m.ir_version = 10
-    o = ort.SessionOptions(); o.intra_op_num_threads = 2; o.log_severity_level = 3
+GQA_INPUTS = ["q", "k", "v", "past_key", "past_value", "seqlens_k", "total_len"]
+
+
+def vi(name, elem, shape):
+    return helper.make_tensor_value_info(name, elem, shape)
+
+
+def gqa(outputs):
+    return helper.make_node("GroupQueryAttention", GQA_INPUTS, outputs, domain="com.microsoft",
+                            num_heads=H, kv_num_heads=KV, scale=1 / np.sqrt(HD))
+
+
+def session(inside_if: bool):
+    """The GQA node alone, or as the then-branch of an If whose else-branch passes the past through."""
+    outs = ["out", "present_key", "present_value"]
+    if inside_if:
+        then_g = helper.make_graph([gqa(["o", "pk", "pv"])], "then", [], [vi(n, TP.FLOAT, None) for n in ("o", "pk", "pv")])
+        else_g = helper.make_graph([helper.make_node("Identity", [i], [o]) for i, o in
+                                    (("q", "o2"), ("past_key", "pk2"), ("past_value", "pv2"))], "else", [],
+                                   [vi(n, TP.FLOAT, None) for n in ("o2", "pk2", "pv2")])
+        nodes = [helper.make_node("If", ["cond"], outs, then_branch=then_g, else_branch=else_g)]
+    else:
+        nodes = [gqa(outs)]
+    inputs = [vi("q", TP.FLOAT, [1, 1, H * HD]), vi("k", TP.FLOAT, [1, 1, KV * HD]), vi("v", TP.FLOAT, [1, 1, KV * HD]),
+              vi("past_key", TP.FLOAT, [1, KV, CAP, HD]), vi("past_value", TP.FLOAT, [1, KV, CAP, HD]),
+              vi("seqlens_k", TP.INT32, [1]), vi("total_len", TP.INT32, [])]
+    if inside_if:
+        inputs.insert(0, vi("cond", TP.BOOL, []))
+    g = helper.make_graph(nodes, "step", inputs, [vi(n, TP.FLOAT, None) for n in outs])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)])
+    m.ir_version = 10
+    o = ort.SessionOptions()
+    o.intra_op_num_threads, o.log_severity_level = 2, 3
     return ort.InferenceSession(m.SerializeToString(), o, providers=["CPUExecutionProvider"])
-rng = np.random.default_rng(0)
-for use_if in (False, True):
-    s = model(use_if)
-    kb = np.zeros((1, KV, CAP, HD), np.float32); vb = np.zeros_like(kb)
+
+
+def main() -> None:
+    rng = np.random.default_rng(0)
     filled = 100
-    kb[:, :, :filled] = rng.standard_normal((1, KV, filled, HD)); vb[:, :, :filled] = rng.standard_normal((1, KV, filled, HD))
-    q, k, v = (rng.standard_normal((1, 1, H * HD)).astype(np.float32) for _ in range(3))
-    b = s.io_binding()
-    feeds = dict(q=q, k=k, v=v, past_key=kb, past_value=vb, seqlens_k=np.array([filled], np.int32), total_len=np.array(filled + 1, np.int32))
-    if use_if: feeds["cond"] = np.array(True)
-    for n, a in feeds.items(): b.bind_cpu_input(n, a)
-    out = np.empty((1, 1, H * HD), np.float32)
-    b.bind_output("out", "cpu", 0, np.float32, list(out.shape), out.ctypes.data)
-    b.bind_output("present_key", "cpu", 0, np.float32, list(kb.shape), kb.ctypes.data)
-    b.bind_output("present_value", "cpu", 0, np.float32, list(vb.shape), vb.ctypes.data)
-    s.run_with_iobinding(b)
-    wrote = np.allclose(kb[0, :, filled], k.reshape(KV, HD))
-    # reference attention
-    K = kb[0, :, :filled + 1]; V = vb[0, :, :filled + 1]; Q = q.reshape(H, 1, HD)
-    sc = Q @ K.transpose(0, 2, 1) * 0.125; p = np.exp(sc - sc.max(-1, keepdims=True)); p /= p.sum(-1, keepdims=True)
-    ref = (p @ V).reshape(1, 1, H * HD)
-    t = []
-    for _ in range(300):
-        t0 = time.perf_counter(); s.run_with_iobinding(b); t.append(time.perf_counter() - t0)
-    print(f"if={use_if}: new column written into the bound buffer: {wrote}; output vs numpy {np.abs(out - ref).max():.1e}; step min {min(t)*1e6:.0f} median {statistics.median(t)*1e6:.0f} us (buffer {kb.nbytes/2**20:.1f} MiB)")
+    for inside_if in (False, True):
+        s = session(inside_if)
+        kb = np.zeros((1, KV, CAP, HD), np.float32)
+        vb = np.zeros_like(kb)
+        kb[:, :, :filled] = rng.standard_normal((1, KV, filled, HD))
+        vb[:, :, :filled] = rng.standard_normal((1, KV, filled, HD))
+        q, k, v = (rng.standard_normal((1, 1, H * HD)).astype(np.float32) for _ in range(3))
+        feeds = {"q": q, "k": k, "v": v, "past_key": kb, "past_value": vb,
+                 "seqlens_k": np.array([filled], np.int32), "total_len": np.array(filled + 1, np.int32)}
+        if inside_if:
+            feeds["cond"] = np.array(True)
+        io = s.io_binding()
+        for name, arr in feeds.items():
+            io.bind_cpu_input(name, arr)
+        out = np.empty((1, 1, H * HD), np.float32)
+        io.bind_output("out", "cpu", 0, np.float32, list(out.shape), out.ctypes.data)
+        io.bind_output("present_key", "cpu", 0, np.float32, list(kb.shape), kb.ctypes.data)  # the past's memory
+        io.bind_output("present_value", "cpu", 0, np.float32, list(vb.shape), vb.ctypes.data)
+        s.run_with_iobinding(io)
+        in_place = np.allclose(kb[0, :, filled], k.reshape(KV, HD)) and np.allclose(vb[0, :, filled], v.reshape(KV, HD))
+        keys, values = kb[0, :, :filled + 1], vb[0, :, :filled + 1]
+        scores = q.reshape(H, 1, HD) @ keys.transpose(0, 2, 1) / np.sqrt(HD)
+        p = np.exp(scores - scores.max(-1, keepdims=True))
+        ref = ((p / p.sum(-1, keepdims=True)) @ values).reshape(1, 1, H * HD)
+        times = []
+        for _ in range(300):  # the same step again: the new column lands in the same slot
+            t0 = time.perf_counter()
+            s.run_with_iobinding(io)
+            times.append(time.perf_counter() - t0)
+        print(f"{'inside an If' if inside_if else 'alone'}: new column written into the bound buffer: {in_place}; "
+              f"output against numpy {np.abs(out - ref).max():.1e}; step min {min(times) * 1e6:.0f} "
+              f"median {statistics.median(times) * 1e6:.0f} us (buffers {2 * kb.nbytes / 2**20:.0f} MiB)")
+
+
+if __name__ == "__main__":
+    main()

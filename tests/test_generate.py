@@ -435,6 +435,20 @@ def test_cached_graph_lowers_prefill_tiled_and_decode_by_its_kernel(decode):
     assert back.kernels == info.kernels and back.length_input == info.length_input and back.layers == info.layers
 
 
+def test_gqa_decoding_falls_back_where_it_cannot_and_says_why_when_forced():
+    """Head size 12 (not a multiple of 8): the default decodes with the plain branch (no cache_length
+    input); forcing decode='gqa' there, or with the concat cache, is an error naming the site."""
+    sets = ["layers=1", "d=48", "heads=4", "vocab=100", "ctx=64"]
+    built = pipeline.build(MODELS / "gpt2.tsr", None, sets)
+    weights = pipeline.weights_for(built, None, 0)
+    _, info = compile_cached(built, weights)
+    assert info.length_input is None and "plain MatMul/Softmax" in info.explain()
+    with pytest.raises(pipeline.UsageError, match=r"layers\.0\.attn.*multiple of 8"):
+        compile_cached(pipeline.build(MODELS / "gpt2.tsr", None, sets), weights, decode="gqa")
+    with pytest.raises(pipeline.UsageError, match="not the buffer cache"):
+        compile_cached(pipeline.build(MODELS / "gpt2.tsr", None, sets), weights, mode="concat", decode="gqa")
+
+
 @pytest.mark.parametrize("sets", [[], ["rope_factor=8.0"]])
 def test_cached_rope_is_one_rotary_embedding_with_shared_tables(sets):
     """Each rope of the cached graph (explicit positions) is one ONNX RotaryEmbedding (opset 23), and

@@ -158,16 +158,21 @@ CACHE_MODES = ("auto", "buffer", "concat")
 DECODE_KERNELS = ("auto", "gqa", "plain")
 
 
-def _gqa_decodes(node: Node, g: Graph) -> bool:
-    """Whether onnxruntime's GroupQueryAttention can be this site's decoding step: no sliding window
-    (buffer mode has none), keys and values of one head size, a multiple of 8 (its CPU kernel's
-    rule), float32 (its float16 is not checked here); the spec's scale and soft-cap become its
-    attributes."""
+def _gqa_unfit(node: Node, g: Graph) -> str | None:
+    """Why onnxruntime's GroupQueryAttention cannot be this site's decoding step, or None if it can:
+    it needs no sliding window (buffer mode has none), keys and values of one head size, a multiple
+    of 8 (its CPU kernel's rule), float32 (its float16 is not checked here); the spec's scale and
+    soft-cap become its attributes."""
     a = node.attrs
     q_t, k_t, v_t = (g.type_of(x) for x in node.inputs[:3])
-    hd = int(k_t.shape[-1])
-    return (not a["window"] and q_t.dtype == "f32" and hd == int(v_t.shape[-1]) and hd % 8 == 0
-            and a["heads"] % a["kv_heads"] == 0)
+    hd, hv = int(k_t.shape[-1]), int(v_t.shape[-1])
+    if a["window"]:
+        return "a sliding window"
+    if q_t.dtype != "f32":
+        return f"{q_t.dtype} (checked in float32 only)"
+    if hd != hv or hd % 8:
+        return f"head sizes {hd} (keys) and {hv} (values): GroupQueryAttention wants one, a multiple of 8"
+    return None
 
 
 def add_kv_cache(g: Graph, last_only: bool = False, mode: str = "auto", impl: str | None = None,
@@ -192,6 +197,7 @@ def add_kv_cache(g: Graph, last_only: bool = False, mode: str = "auto", impl: st
         raise CacheError(f"unknown cache mode '{mode}' (choose from {', '.join(CACHE_MODES)})")
     if decode not in DECODE_KERNELS:
         raise CacheError(f"unknown decode kernel '{decode}' (choose from {', '.join(DECODE_KERNELS)})")
+    forced_gqa = decode == "gqa"
     if decode == "auto":  # measured on CPU only (docs/BENCHMARKS.md); CUDA keeps the plain branch, unmeasured
         decode = "gqa" if target.device == "cpu" else "plain"
     if tokens is None:  # a decoder-only model: its one input is the token ids
@@ -298,7 +304,11 @@ def add_kv_cache(g: Graph, last_only: bool = False, mode: str = "auto", impl: st
         g.set_inputs(node, [q, full[0], full[1], MASK])
         node.attrs.update(padding=True, bias=False)
         node.attrs["impl"], reason = (impl, "forced") if impl else choose_cached(node, g, target)
-        if mode == "buffer" and decode == "gqa" and node.attrs["impl"] == "phased" and _gqa_decodes(node, g):
+        unfit = "not the buffer cache" if mode != "buffer" else (
+            f"the {node.attrs['impl']} kernel" if node.attrs["impl"] != "phased" else _gqa_unfit(node, g))
+        if forced_gqa and unfit:
+            raise CacheError(f"decode='gqa' cannot decode the attention at {node.scope or node.name}: {unfit}")
+        if decode == "gqa" and not unfit:
             node.attrs["decode"] = "gqa"
             layer.buffer_key, layer.buffer_value = f"cache_key.{i}", f"cache_value.{i}"
             node.attrs["buffer_outputs"] = [layer.buffer_key, layer.buffer_value]

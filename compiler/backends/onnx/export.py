@@ -242,7 +242,8 @@ def build_model(graph: Graph, metadata: dict | None = None) -> onnx.ModelProto:
     onnx_graph = helper.make_graph(
         b.nodes, graph.name,
         inputs=[_value_info(n, graph.type_of(n)) for n in graph.inputs],
-        outputs=[_value_info(n, graph.type_of(n)) for n in graph.outputs] + [_value_info(n, t) for n, t in b.extra_outputs],
+        outputs=[_value_info(n, graph.type_of(n)) for n in graph.outputs]
+        + [_value_info(n, t) for n, t in b.extra_outputs],
         initializer=[i for i in b.initializers if i.name in used],  # helper constants a lowering did not need
     )
     opsets = [helper.make_opsetid("", model_opset(b.nodes))]
