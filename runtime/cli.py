@@ -158,6 +158,11 @@ def make_parser() -> argparse.ArgumentParser:
     c.add_argument("--cache", choices=["auto", "buffer", "concat"], default="auto",
                    help="with --kv-cache: buffer (preallocated, written in place), concat (present = past + new), "
                         "or auto: buffer, or concat for sliding-window models (default)")
+    c.add_argument("--decode", choices=["auto", "gqa", "plain"], default="auto",
+                   help="with --kv-cache, the buffer cache: each decoding step's attention as onnxruntime's "
+                        "GroupQueryAttention writing the cache buffer in place (gqa), or plain MatMul/Softmax "
+                        "(plain); auto (default): gqa on CPU where it applies (float32, head size a multiple of "
+                        "8), else plain")
     c.add_argument("--genai", action="store_true",
                    help="write an onnxruntime-genai model folder at -o FOLDER: the KV-cached decoder (implies "
                         "--kv-cache; the concat cache) as model.onnx, its genai_config.json and the tokenizer "
@@ -288,6 +293,8 @@ def cmd_compile(args) -> int:
     else:
         if args.cache != "auto":
             raise pipeline.UsageError("--cache applies with --kv-cache")
+        if args.decode != "auto":
+            raise pipeline.UsageError("--decode applies with --kv-cache")
         sites = args.attention_probs
         pipeline.optimize(built, args, attention_probs=[s for s in sites if s != "all"], all_probs="all" in sites)
         files = pipeline.export(built, weights, args.output, check=not args.no_check)
@@ -318,7 +325,7 @@ def _compile_cached(built, weights, args) -> list[Path]:
     pipeline.quantize(built, pipeline.quant_config(args))  # the cached graph inherits the quantised linears
     model, info = gen.compile_cached(built, weights, mode=args.cache, target=Target(args.target, args.dtype),
                                      sparse_moe=not args.no_sparse_moe,
-                                     dtype=args.dtype)
+                                     dtype=args.dtype, decode=args.decode)
     if args.explain:
         print(explain(built.attention_sites) + "\n" + info.explain(), file=sys.stderr)
     verify = None if args.no_check else onnx_export.check

@@ -251,3 +251,25 @@ def test_bundled_rotary_contexts_are_the_published_ones():
                                ("llama", "llama3_1_8b", 131072), ("mixtral", "8x7b", 32768)):
         built = pipeline.build(MODELS / f"{spec}.tsr", variant, ["layers=1"])
         assert input_limits(built.graph).dims["T"][0] == ctx, (spec, variant)
+
+
+def test_compile_decode_option_picks_the_decode_kernel_and_is_refused_where_it_cannot_apply(tmp_path, capsys):
+    """--decode plain writes no cache_length input; --decode gqa on a head size of 12 is a usage error
+    naming the attention; --decode without --kv-cache is refused."""
+    import onnx
+
+    from tessera.runtime.cli import main
+
+    small = ["--set", "layers=1", "--set", "heads=4", "--set", "vocab=100", "--set", "ctx=64"]
+    out = tmp_path / "plain.onnx"
+    assert main(["compile", "gpt2", *small, "--set", "d=64", "--kv-cache", "--decode", "plain", "-o", str(out)]) == 0
+    assert "cache_length" not in [i.name for i in onnx.load(str(out), load_external_data=False).graph.input]
+    out = tmp_path / "gqa.onnx"
+    assert main(["compile", "gpt2", *small, "--set", "d=64", "--kv-cache", "-o", str(out)]) == 0
+    assert "cache_length" in [i.name for i in onnx.load(str(out), load_external_data=False).graph.input]
+    capsys.readouterr()
+    assert main(["compile", "gpt2", *small, "--set", "d=48", "--kv-cache", "--decode", "gqa",
+                 "-o", str(tmp_path / "x.onnx")]) == 2
+    assert "layers.0.attn" in capsys.readouterr().err
+    assert main(["compile", "gpt2", *small, "--set", "d=64", "--decode", "plain", "-o", str(tmp_path / "y.onnx")]) == 2
+    assert "--decode applies with --kv-cache" in capsys.readouterr().err

@@ -307,7 +307,8 @@ def add_kv_cache(g: Graph, last_only: bool = False, mode: str = "auto", impl: st
         unfit = "not the buffer cache" if mode != "buffer" else (
             f"the {node.attrs['impl']} kernel" if node.attrs["impl"] != "phased" else _gqa_unfit(node, g))
         if forced_gqa and unfit:
-            raise CacheError(f"decode='gqa' cannot decode the attention at {node.scope or node.name}: {unfit}")
+            raise CacheError(f"the gqa decode kernel (--decode gqa) cannot decode the attention at "
+                             f"{node.scope or node.name}: {unfit}")
         if decode == "gqa" and not unfit:
             node.attrs["decode"] = "gqa"
             layer.buffer_key, layer.buffer_value = f"cache_key.{i}", f"cache_value.{i}"
