@@ -64,13 +64,24 @@ def _prompt(n: int, vocab: int) -> list[int]:
     return np.random.default_rng(0).integers(3, vocab, n).tolist()
 
 
-def _rss_mib(key: str = "VmRSS") -> float:
-    """This process's resident memory in MiB: VmRSS (all of it), RssAnon (what it allocated) or RssFile
-    (mapped file pages: the weights file onnxruntime maps, read on demand; the kernel may drop them)."""
+def _memory_mib() -> dict[str, float]:
+    """This process's memory from /proc/self/status in MiB (one read, about 30 us): VmRSS (all
+    resident), VmHWM (its peak), RssAnon (what the process allocated) and RssFile (mapped file pages:
+    the weights file onnxruntime maps, read on demand; the kernel may drop them)."""
+    out = {}
     for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(key + ":"):
-            return int(line.split()[1]) / 1024
-    return 0.0
+        key = line.split(":", 1)[0]
+        if key in ("VmRSS", "VmHWM", "RssAnon", "RssFile"):
+            out[key] = int(line.split()[1]) / 1024
+    return out
+
+
+def _rss_mib() -> float:
+    return _memory_mib()["VmRSS"]
+
+
+def _hwm_mib() -> float:
+    return _memory_mib()["VmHWM"]
 
 
 class _AnonPeak:
@@ -80,20 +91,13 @@ class _AnonPeak:
     def __init__(self):
         self.anon = self.file = 0.0
 
-    def sample(self) -> None:  # one read of /proc/self/status, about 30 us (0.2 % of a 15 ms step)
-        got = {}
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith(("RssAnon:", "RssFile:")):
-                got[line.split(":")[0]] = int(line.split()[1]) / 1024
+    def sample(self) -> None:  # 0.2 % of a 15 ms step
+        got = _memory_mib()
         self.anon, self.file = max(self.anon, got["RssAnon"]), max(self.file, got["RssFile"])
 
     def fields(self, before: dict) -> dict:
         return {"rss_before_mib": before["VmRSS"], "anon_before_mib": before["RssAnon"],
                 "peak_anon_mib": self.anon, "peak_file_mib": self.file}
-
-
-def _before() -> dict:
-    return {k: _rss_mib(k) for k in ("VmRSS", "RssAnon", "RssFile")}
 
 
 # ------------------------------------------------------------------ the cases (each in a child process)
@@ -130,18 +134,11 @@ def _reset_peak() -> None:
     Path("/proc/self/clear_refs").write_text("5")
 
 
-def _hwm_mib() -> float:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) / 1024
-    return 0.0
-
-
 def run_tessera(folder: Path, model: str, mode: str, n: int, new: int, repeat: int, threads: int) -> dict:
     from tessera.runtime import generate as gen
 
     m = MODELS[model]
-    before, peaks = _before(), _AnonPeak()
+    before, peaks = _memory_mib(), _AnonPeak()
     cm = gen.CachedModel.from_onnx(folder / f"tessera-{mode}.onnx", threads=threads)
     rss_loaded = _rss_mib()
     _reset_peak()
@@ -167,7 +164,7 @@ def run_hf(folder: Path, model: str, attn: str, n: int, new: int, repeat: int, t
     import transformers
 
     torch.set_num_threads(threads)
-    before, peaks = _before(), _AnonPeak()
+    before, peaks = _memory_mib(), _AnonPeak()
     cls = transformers.GPT2LMHeadModel if model == "gpt2" else transformers.LlamaForCausalLM
     hf = cls.from_pretrained(folder, attn_implementation=attn).eval()
     rss_loaded = _rss_mib()
@@ -207,7 +204,7 @@ def run_genai(folder: Path, model: str, n: int, new: int, repeat: int, threads: 
     the model on it (the same work per token as one Tessera step)."""
     import onnxruntime_genai as og
 
-    before, peaks = _before(), _AnonPeak()
+    before, peaks = _memory_mib(), _AnonPeak()
     cfg = og.Config(str(folder / "genai"))
     cfg.overlay(json.dumps({"model": {"decoder": {"session_options": {
         "intra_op_num_threads": threads, "inter_op_num_threads": 1}}}}))

@@ -202,8 +202,6 @@ def compile_cached(built, weights: dict[str, np.ndarray], last_only: bool = True
 
     target = target or Target("cpu", dtype)
     built.attention_sites = optimize(built.graph, target, sparse_moe=sparse_moe)
-    if dtype != "fp32":  # GroupQueryAttention's decoding step is checked in float32 only (kv_cache._gqa_decodes)
-        decode = "plain"
     try:
         info = add_kv_cache(built.graph, last_only=last_only, mode=mode, decode=decode, target=target)
     except CacheError as e:
@@ -358,7 +356,7 @@ class BoundStep:
 
     def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """One decoding step; returns the logits (a copy: the bound array is reused by the next step)."""
-        from .session import RunError
+        from .session import RunError, ort_message
 
         for name, value in feeds.items():
             if name not in self.buffers:  # the buffers stay bound; the step's tokens, mask, positions rebind
@@ -366,8 +364,7 @@ class BoundStep:
         try:
             self.model.session.run_with_iobinding(self.io)
         except Exception as e:  # onnxruntime's own exception types
-            msg = str(e).split("] : ", 1)[-1].strip()
-            raise RunError(f"onnxruntime could not run a decoding step: {msg}") from None
+            raise RunError(f"onnxruntime could not run a decoding step: {ort_message(e)}") from None
         return {self.logits: self.outputs[self.logits].copy()}
 
 

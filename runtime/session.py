@@ -119,12 +119,17 @@ class RunError(Exception):
     """onnxruntime rejected the inputs at run time (e.g. a token id past the vocabulary)."""
 
 
+def ort_message(e: Exception) -> str:
+    """onnxruntime's message without its '[ONNXRuntimeError] : N : CODE :' prefix."""
+    return str(e).split("] : ", 1)[-1].strip()
+
+
 def run_session(sess, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     names = [o.name for o in sess.get_outputs()]
     try:
         return dict(zip(names, sess.run(names, feeds)))
     except Exception as e:  # onnxruntime raises its own exception types (InvalidArgument, Fail, ...)
-        msg = str(e).split("] : ", 1)[-1].strip()
+        msg = ort_message(e)
         shapes = ", ".join(f"{k}{list(v.shape)}" for k, v in feeds.items())
         raise RunError(f"onnxruntime could not run the model on the inputs given ({shapes}): {msg}. "
                        f"Check that token ids are below the vocabulary size and the sequence fits the "

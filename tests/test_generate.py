@@ -365,11 +365,12 @@ class _Recording(CachedModel):
         self.__dict__.update(inner.__dict__)
         self.past_lengths: list[int] = []
         self.mask_lengths: list[int] = []
+        self.bound_steps = 0  # steps run through the bound buffers (BoundStep)
 
     def run(self, feeds, bound=None):
         self.past_lengths.append(feeds[self.info.layers[0].past_key].shape[2])
         self.mask_lengths.append(feeds["attention_mask"].shape[1])
-        self.bound_steps = getattr(self, "bound_steps", 0) + (bound is not None)
+        self.bound_steps += bound is not None
         return super().run(feeds, bound)
 
 

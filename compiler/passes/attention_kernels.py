@@ -160,7 +160,7 @@ CACHED_KERNELS = ("phased", "cached")
 DECODE_MEASURED = "0.041 / 0.029 / 0.045 ms at P = 128, 0.119-0.195 / 0.129-0.173 / 0.152-0.168 ms at P = 1024"
 
 
-def choose_cached(node: Node, graph: Graph, target: Target) -> tuple[str, str]:
+def choose_cached(node: Node, graph: Graph, target: Target, gqa_decode: bool = False) -> tuple[str, str]:
     """The lowering of a KV-cached attention site (compiler/passes/kv_cache.py), both phases, and why.
 
     ``phased`` is an If on T: the prompt (T > 1) goes through the portable tiled kernel, which never
@@ -170,8 +170,12 @@ def choose_cached(node: Node, graph: Graph, target: Target) -> tuple[str, str]:
     in place (passes/kv_cache.py ``decode``, which rewrites this reason to say so); MultiHeadAttention
     with past copies the past every step and has no grouped key/value heads. On CUDA the plain
     branch stands, unmeasured (no GPU was lent)."""
+    prefill = "prefill (T > 1): portable tiled kernel, the T x (P+T) scores never formed"
+    if gqa_decode:  # passes/kv_cache.py found the site fit for it (buffer cache, float32, head size)
+        return "phased", (f"{prefill}; decode (T = 1): GroupQueryAttention over the cache buffer, bound as its "
+                          f"past and present, the new column written in place")
     where = "CPU" if target.device == "cpu" else "CPU (not measured on CUDA)"
-    return "phased", (f"prefill (T > 1): portable tiled kernel, the T x (P+T) scores never formed; decode (T = 1): "
+    return "phased", (f"{prefill}; decode (T = 1): "
                       f"cached, plain MatMul/Softmax over the cache buffer, read in place with no binding; "
                       f"GroupQueryAttention with a shared buffer, as fast alone on {where}, needs the buffer bound as "
                       f"its output, and MultiHeadAttention with past copies the past and has no grouped key/value "

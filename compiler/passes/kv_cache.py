@@ -158,18 +158,19 @@ CACHE_MODES = ("auto", "buffer", "concat")
 DECODE_KERNELS = ("auto", "gqa", "plain")
 
 
-def _gqa_unfit(node: Node, g: Graph) -> str | None:
+def _gqa_unfit(node: Node, g: Graph, target: Target) -> str | None:
     """Why onnxruntime's GroupQueryAttention cannot be this site's decoding step, or None if it can:
     it needs no sliding window (buffer mode has none), keys and values of one head size, a multiple
-    of 8 (its CPU kernel's rule), float32 (its float16 is not checked here); the spec's scale and
+    of 8 (its CPU kernel's rule), float32 (its float16 is not checked here: the graph is still in
+    float32 when the cache is added, so the target's precision decides); the spec's scale and
     soft-cap become its attributes."""
     a = node.attrs
     q_t, k_t, v_t = (g.type_of(x) for x in node.inputs[:3])
     hd, hv = int(k_t.shape[-1]), int(v_t.shape[-1])
     if a["window"]:
         return "a sliding window"
-    if q_t.dtype != "f32":
-        return f"{q_t.dtype} (checked in float32 only)"
+    if q_t.dtype != "f32" or target.dtype != "fp32":
+        return f"{target.dtype if q_t.dtype == 'f32' else q_t.dtype} (checked in float32 only)"
     if hd != hv or hd % 8:
         return f"head sizes {hd} (keys) and {hv} (values): GroupQueryAttention wants one, a multiple of 8"
     return None
@@ -192,7 +193,7 @@ def add_kv_cache(g: Graph, last_only: bool = False, mode: str = "auto", impl: st
     buffer's capacity rather than the filled slots, so a window would be measured from the wrong
     place; they take concat, where the past is exactly the filled positions. ``decode`` picks the
     decoding step's kernel in buffer mode: ``gqa`` (GroupQueryAttention writing the buffer in place,
-    where ``_gqa_decodes`` allows), ``plain``, or ``auto`` (gqa on CPU, plain elsewhere: unmeasured)."""
+    where ``_gqa_unfit`` finds nothing against it), ``plain``, or ``auto`` (gqa on CPU, plain elsewhere: unmeasured)."""
     if mode not in CACHE_MODES:
         raise CacheError(f"unknown cache mode '{mode}' (choose from {', '.join(CACHE_MODES)})")
     if decode not in DECODE_KERNELS:
@@ -303,20 +304,18 @@ def add_kv_cache(g: Graph, last_only: bool = False, mode: str = "auto", impl: st
         # causal over P+T keys (the queries are the last T), the spec's window, the mask as key padding
         g.set_inputs(node, [q, full[0], full[1], MASK])
         node.attrs.update(padding=True, bias=False)
-        node.attrs["impl"], reason = (impl, "forced") if impl else choose_cached(node, g, target)
         unfit = "not the buffer cache" if mode != "buffer" else (
-            f"the {node.attrs['impl']} kernel" if node.attrs["impl"] != "phased" else _gqa_unfit(node, g))
+            f"the {impl} kernel" if impl not in (None, "phased") else _gqa_unfit(node, g, target))
         if forced_gqa and unfit:
             raise CacheError(f"the gqa decode kernel (--decode gqa) cannot decode the attention at "
                              f"{node.scope or node.name}: {unfit}")
-        if decode == "gqa" and not unfit:
+        gqa = decode == "gqa" and not unfit
+        node.attrs["impl"], reason = (impl, "forced") if impl else choose_cached(node, g, target, gqa_decode=gqa)
+        if gqa:
             node.attrs["decode"] = "gqa"
             layer.buffer_key, layer.buffer_value = f"cache_key.{i}", f"cache_value.{i}"
             node.attrs["buffer_outputs"] = [layer.buffer_key, layer.buffer_value]
             node.attrs["length_input"] = LENGTH
-            reason = reason.replace("decode (T = 1): cached, plain MatMul/Softmax over the cache buffer, read in "
-                                    "place with no binding", "decode (T = 1): GroupQueryAttention over the cache "
-                                    "buffer, bound as its past and present, the new column written in place")
         info.layers.append(layer)
         info.kernels.append(CacheKernel(node.scope or node.name, node.attrs["impl"], reason))
     g.symbols["P"] = SymbolSource(info.layers[0].past_key, 2)

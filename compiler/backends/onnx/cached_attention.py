@@ -147,17 +147,8 @@ def _lower_prefill(b, node, out: str) -> None:
 
 
 def _branch(b, lower, node, hint: str, elem: int):
-    """An If branch: ``lower`` emitted into a graph of its own. Run-time dimensions computed inside
-    stay inside (the builder's cache of them is restored), so nothing outside reads a branch value."""
-    saved_nodes, saved_dims = b.nodes, dict(b._dims)
-    b.nodes = []
-    out = b.fresh(hint)
-    try:
-        lower(b, node, out)
-        return helper.make_graph(b.nodes, b.fresh(f"{hint}_branch"), [],
-                                 [helper.make_tensor_value_info(out, elem, None)])
-    finally:
-        b.nodes, b._dims = saved_nodes, saved_dims
+    """An If branch with one output: ``lower(b, node, out)`` emitted into a graph of its own."""
+    return _branch_outputs(b, lambda b, n, outs: lower(b, n, outs[0]), node, hint, [elem])
 
 
 def _gqa_inputs(b, node) -> tuple[str, str, str]:
@@ -215,10 +206,12 @@ def _lower_prefill_keeping_buffers(b, node, outs: list[str]) -> None:
 
 
 def _branch_outputs(b, lower, node, hint: str, elems: list[int]):
-    """An If branch with several outputs (see _branch)."""
+    """An If branch: ``lower(b, node, outs)`` emitted into a graph of its own, one output per element
+    type in ``elems``. Run-time dimensions computed inside stay inside (the builder's cache of them is
+    restored), so nothing outside reads a branch value."""
     saved_nodes, saved_dims = b.nodes, dict(b._dims)
     b.nodes = []
-    outs = [b.fresh(f"{hint}_{i}") for i in range(len(elems))]
+    outs = [b.fresh(hint) for _ in elems]
     try:
         lower(b, node, outs)
         return helper.make_graph(b.nodes, b.fresh(f"{hint}_branch"), [],
