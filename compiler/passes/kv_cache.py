@@ -8,8 +8,12 @@ positions, instead of recomputing the whole sequence. The cached form is
 derived from the spec's own graph, after attention fusion, so no spec has to
 be written twice: every causal ``fused_attention`` node is a cache site.
 
-The rewrite (``add_kv_cache``), with P the number of cached positions and T
-the number of new ones (the prompt at prefill, 1 when decoding):
+The rewrite is five passes (``cache_passes``, run in order by the cached
+pipelines of passes/pipeline.py, or alone by ``add_kv_cache``): kv-cache-inputs,
+kv-cache-positions, kv-cache-layers, kv-cache-kernels, last-position-logits. Each
+reads its options and the graph, never another pass's state; ``cache_info``
+assembles the runtime's CacheInfo from their notes. With P the number of cached
+positions and T the number of new ones (the prompt at prefill, 1 when decoding):
 
 - new inputs ``attention_mask`` i64 [B, P+T] (1 = a real token, 0 = padding:
   prompts of uneven length are left-padded), ``position_ids`` i64 [B, T], and per
