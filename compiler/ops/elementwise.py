@@ -17,13 +17,10 @@ from tessera.compiler.reference.numerics import erf, softmax
 # ------------------------------------------------------------------ binary arithmetic
 _BINARY = {"add": np.add, "sub": np.subtract, "mul": np.multiply, "pow": np.power,
            "minimum": np.minimum, "maximum": np.maximum}
-_ONNX_BINARY = {"add": "Add", "sub": "Sub", "mul": "Mul", "pow": "Pow", "minimum": "Min",
-                "maximum": "Max"}
 
 
 @op(*_BINARY,
     reference={n: (lambda f: lambda x, a, ev: f(x[0], x[1]))(f) for n, f in _BINARY.items()},
-    lower={n: (lambda t: lambda L: L.emit(t, L.x))(t) for n, t in _ONNX_BINARY.items()},
     cost=per_element("elementwise", 1),
     saved={"add": (), "sub": (), "mul": common.saved_product, "pow": (0,),
            "minimum": (0, 1), "maximum": (0, 1)},   # which operand won decides where the gradient goes
@@ -41,7 +38,7 @@ def _binary(t, a):
     return [TensorType(x.dtype, out)]
 
 
-@op("div", reference=lambda x, a, ev: np.divide(x[0], x[1]), lower=lambda L: L.emit("Div", L.x),
+@op("div", reference=lambda x, a, ev: np.divide(x[0], x[1]),
     cost=per_element("elementwise", 1), saved=common.saved_quotient, traits=("elementwise",))
 def _div(t, a):
     """a / b on floating-point tensors. Integer tensors are refused: ONNX's Div truncates them toward
@@ -57,22 +54,7 @@ def _floordiv_ref(x, a, ev):
     return np.floor(x[0] / x[1])   # ONNX's Floor(Div), not numpy's fmod-based floor_divide
 
 
-def _floordiv_lower(L):
-    b, (p, q) = L.b, L.x
-    if L.t_in[0].dtype in FLOAT_DTYPES:
-        return L.emit("Floor", [b.node("Div", [p, q])[0]])
-    # ONNX's integer Div truncates toward zero; floor division is one less when the remainder is
-    # non-zero and its sign differs from the divisor's
-    t = b.node("Div", [p, q])[0]
-    r = b.node("Sub", [p, b.node("Mul", [t, q])[0]])[0]
-    zero = b.const(np.array(0, dtype=DTYPES[L.t_in[0].dtype]), "zero")
-    inexact = b.node("Not", [b.node("Equal", [r, zero])[0]])[0]
-    signs = b.node("Xor", [b.node("Less", [r, zero])[0], b.node("Less", [q, zero])[0]])[0]
-    fix = b.node("Cast", [b.node("And", [inexact, signs])[0]], to=b.onnx_type(L.t_in[0].dtype))[0]
-    L.emit("Sub", [t, fix])
-
-
-@op("floordiv", reference=_floordiv_ref, lower=_floordiv_lower,
+@op("floordiv", reference=_floordiv_ref,
     cost=per_element("elementwise", 2), saved=(), traits=("elementwise",))   # divide, floor
 def _floordiv(t, a):
     """a // b: floor(a / b) for floats, division rounding toward minus infinity for integers (Python's //)."""
@@ -80,11 +62,6 @@ def _floordiv(t, a):
 
 
 # ------------------------------------------------------------------ unary math and activations
-def _silu(L):
-    s = L.b.node("Sigmoid", L.x)[0]
-    L.emit("Mul", [L.x[0], s])
-
-
 def _gelu(x, a, ev):
     v = x[0]
     if a["approx"] == "tanh":  # GPT-2's approximation
@@ -115,13 +92,6 @@ _UNARY_REF = {
     "ceil": lambda x, a, ev: np.ceil(x[0]),
     "round": lambda x, a, ev: np.round(x[0]),   # halves to even, as ONNX Round and torch.round
 }
-_ONNX_UNARY = {"neg": "Neg", "sqrt": "Sqrt", "exp": "Exp", "relu": "Relu", "sigmoid": "Sigmoid",
-               "tanh": "Tanh", "identity": "Identity", "sin": "Sin", "cos": "Cos",
-               "log": "Log", "abs": "Abs", "floor": "Floor", "ceil": "Ceil", "round": "Round"}
-_UNARY_LOWER = {n: (lambda t: lambda L: L.emit(t, L.x))(t) for n, t in _ONNX_UNARY.items()}
-_UNARY_LOWER["gelu"] = lambda L: L.emit("Gelu", L.x, approximate=L.a["approx"])
-_UNARY_LOWER["silu"] = _silu
-
 # A transcendental (exp, tanh, erf, sqrt) counts as one FLOP; docs/report.md lists the reasoning.
 _UNARY_COST = {
     "neg": per_element("elementwise", 1), "sqrt": per_element("elementwise", 1),
@@ -162,14 +132,13 @@ def _unary_rule(name: str):
 
 
 for _name in _UNARY_REF:
-    op(_name, reference=_UNARY_REF[_name], lower=_UNARY_LOWER[_name], cost=_UNARY_COST[_name],
+    op(_name, reference=_UNARY_REF[_name], cost=_UNARY_COST[_name],
        saved=_UNARY_SAVED[_name],
        traits=("elementwise", "alias") if _name == "identity" else ("elementwise",))(_unary_rule(_name))
 
 
 @op("cast",
     reference=lambda x, a, ev: x[0].astype(DTYPES[a["dtype"]]),
-    lower=lambda L: L.emit("Cast", L.x, to=L.b.onnx_type(L.a["dtype"])),
     cost=free(), saved=(), traits=("elementwise",))
 def _cast(t, a):
     """Convert the element type to attrs["dtype"]."""
@@ -179,7 +148,6 @@ def _cast(t, a):
 # ------------------------------------------------------------------ softmax and reductions
 @op("softmax",
     reference=lambda x, a, ev: softmax(x[0], a["axis"]),
-    lower=lambda L: L.emit("Softmax", L.x, axis=L.a["axis"]),
     cost=per_element("softmax", 5),                # max, subtract, exp, sum, divide
     saved=("out",))
 def _softmax(t, a):
@@ -196,8 +164,6 @@ def _reduce_flops(c):
 @op("mean", "sum",
     reference={"mean": lambda x, a, ev: np.mean(x[0], axis=tuple(a["axes"]), keepdims=a["keepdims"]),
                "sum": lambda x, a, ev: np.sum(x[0], axis=tuple(a["axes"]), keepdims=a["keepdims"])},
-    lower={n: (lambda t: lambda L: L.emit(t, [L.x[0], L.b.i64(L.a["axes"])], keepdims=int(L.a["keepdims"])))(t)
-           for n, t in (("mean", "ReduceMean"), ("sum", "ReduceSum"))},
     cost=custom(_reduce_flops), saved=())
 def _reduce(t, a):
     """Mean or sum over attrs["axes"], keeping them as size 1 with attrs["keepdims"]."""
@@ -212,7 +178,6 @@ def _reduce(t, a):
 
 @op("cumsum",
     reference=lambda x, a, ev: np.cumsum(x[0], axis=a["axis"]),
-    lower=lambda L: L.emit("CumSum", [L.x[0], L.b.const(np.array(L.a["axis"], dtype=np.int64), "axis")]),
     cost=per_element("elementwise", 1), saved=())   # one add per element; the gradient is a reversed cumsum
 def _cumsum(t, a):
     """Running sum along attrs["axis"] (inclusive: element i sums 0..i), for numbers, not bool."""
