@@ -395,7 +395,7 @@ def _float_of(call, x):
 
 
 # ------------------------------------------------------------------ elementwise on tensors: selection, extrema
-def _operands(call, args, names, dtype_from=None):
+def _operands(call, args, names):
     """Tensors (or numbers, made constants of the tensors' dtype) for an elementwise op; at least one a tensor."""
     values = [a[0] for a in args]
     ref = next((v for v in values if isinstance(v, Tensor)), None)
