@@ -55,17 +55,6 @@ def test_the_onnx_lowering_table_covers_every_registered_op_and_nothing_else():
         lowering("no_such_op")
 
 
-def test_ops_import_no_backend_analysis_or_pass():
-    """ops/ says what an op means; the backends, analyses and passes build on it, never the reverse
-    (also a contract of import-linter, tests/test_import_contracts.py; this one reads the source)."""
-    for path in (COMPILER / "ops").glob("*.py"):
-        for node in ast.walk(ast.parse(path.read_text())):
-            names = [node.module or ""] if isinstance(node, ast.ImportFrom) else \
-                [a.name for a in node.names] if isinstance(node, ast.Import) else []
-            for name in names:
-                assert not name.startswith(("tessera.compiler.backends", "tessera.compiler.analysis",
-                                            "tessera.compiler.passes")), f"{path.name} imports {name}"
-
 
 def test_traits_are_consistent():
     dense, mm = ops.with_trait("dense"), ops.with_trait("matmul_class")
