@@ -568,6 +568,8 @@ def _static_last(call, x: Tensor) -> int:
     return int(x.type.shape[-1])
 
 
-from tessera.compiler.frontend import recurrence as _recurrence  # noqa: E402,F401  (registers scan)
+from tessera.compiler.frontend import recurrence  # noqa: E402  (after the others: the table's order is the docs')
+
+builtin("scan", *recurrence.PARAMS)(recurrence.scan)
 
 __all__ = ["BUILTINS"]
