@@ -28,12 +28,12 @@ _ORDER = {"rnn": [0], "gru": [1, 0, 2], "lstm": [0, 3, 1, 2]}
 
 def choice(graph: Graph, node: Node) -> tuple[str, str]:
     """("rnn" | "gru" | "lstm" | "scan", why) for a scan node, honouring its ``lowering`` attribute."""
-    m, why = match(graph, node)
+    m = match(graph, node)
     if node.attrs.get("lowering") == "scan":
-        return "scan", "Scan forced" if m else why
-    if m is None:
-        return "scan", why
-    return m.cell, f"the body is exactly {m.cell}_cell"
+        return "scan", "Scan forced" if m else m.reason
+    if not m:
+        return "scan", m.reason
+    return m["cell"].cell, f"the body is exactly {m['cell'].cell}_cell"
 
 
 def lower_scan(L) -> None:
@@ -41,7 +41,7 @@ def lower_scan(L) -> None:
     if kind == "scan":
         _lower_as_scan(L)
     else:
-        _lower_cell(L, match(L.b.graph, L.node)[0])
+        _lower_cell(L, match(L.b.graph, L.node)["cell"])
 
 
 # ------------------------------------------------------------------ onnx's RNN / GRU / LSTM
