@@ -55,7 +55,6 @@ def test_the_onnx_lowering_table_covers_every_registered_op_and_nothing_else():
         lowering("no_such_op")
 
 
-
 def test_traits_are_consistent():
     dense, mm = ops.with_trait("dense"), ops.with_trait("matmul_class")
     assert {"linear", "conv1d", "conv2d"} <= dense <= mm
