@@ -4,6 +4,8 @@ mean/sum reductions, which work along axes but have no weights and no layout cha
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 import sympy
@@ -11,7 +13,7 @@ import sympy
 from tessera.compiler.ir import dims
 from tessera.compiler.ir.graph import DTYPES, FLOAT_DTYPES, TensorType
 from tessera.compiler.ops import common
-from tessera.compiler.ops.registry import ShapeError, custom, free, op, per_element
+from tessera.compiler.ops.registry import Cost, ShapeError, custom, free, op, per_element
 from tessera.compiler.reference.numerics import erf, softmax
 
 # ------------------------------------------------------------------ binary arithmetic
@@ -74,56 +76,51 @@ def _gelu_flops(c):
     return {"activation": c.out() * (9 if c.attrs.get("approx") == "tanh" else 5)}
 
 
-_UNARY_REF = {
-    "neg": lambda x, a, ev: -x[0],
-    "sqrt": lambda x, a, ev: np.sqrt(x[0]),
-    "exp": lambda x, a, ev: np.exp(x[0]),
-    "sin": lambda x, a, ev: np.sin(x[0]),
-    "cos": lambda x, a, ev: np.cos(x[0]),
-    "relu": lambda x, a, ev: np.maximum(x[0], 0),
-    "gelu": _gelu,
-    "silu": lambda x, a, ev: x[0] / (1 + np.exp(-x[0])),
-    "sigmoid": lambda x, a, ev: 1 / (1 + np.exp(-x[0])),
-    "tanh": lambda x, a, ev: np.tanh(x[0]),
-    "identity": lambda x, a, ev: x[0],
-    "log": lambda x, a, ev: np.log(x[0]),
-    "abs": lambda x, a, ev: np.abs(x[0]),
-    "floor": lambda x, a, ev: np.floor(x[0]),
-    "ceil": lambda x, a, ev: np.ceil(x[0]),
-    "round": lambda x, a, ev: np.round(x[0]),   # halves to even, as ONNX Round and torch.round
-}
+@dataclass(frozen=True)
+class Unary:
+    """One unary op's row: its numpy reference, cost, what backward keeps, and whether integer
+    tensors are allowed (the others need floats: ONNX defines them for floats only)."""
+
+    name: str
+    reference: Callable
+    cost: Cost
+    saved: tuple
+    ints: bool = False
+
+
 # A transcendental (exp, tanh, erf, sqrt) counts as one FLOP; docs/report.md lists the reasoning.
-_UNARY_COST = {
-    "neg": per_element("elementwise", 1), "sqrt": per_element("elementwise", 1),
-    "exp": per_element("elementwise", 1), "sin": per_element("elementwise", 1),
-    "cos": per_element("elementwise", 1),
-    "relu": per_element("activation", 1), "tanh": per_element("activation", 1),
-    "sigmoid": per_element("activation", 3),
-    "silu": per_element("activation", 4),          # sigmoid (exp, add, divide) and a multiply
-    "gelu": custom(_gelu_flops),
-    "identity": free(),
-    "log": per_element("elementwise", 1), "abs": per_element("elementwise", 1),
-    "floor": per_element("elementwise", 1), "ceil": per_element("elementwise", 1),
-    "round": per_element("elementwise", 1),
-}
-# Activations whose derivative needs the input keep it; those whose derivative is a function of
-# the output (sigmoid, tanh, exp, sqrt, relu) keep the output.
-_UNARY_SAVED = {"neg": (), "identity": (), "gelu": (0,), "silu": (0,), "sin": (0,), "cos": (0,),
-                "sigmoid": ("out",), "tanh": ("out",), "exp": ("out",), "sqrt": ("out",), "relu": ("out",),
-                "log": (0,), "abs": (0,), "floor": (), "ceil": (), "round": ()}   # steps: zero gradient
+# Activations whose derivative needs the input keep it (0,); those whose derivative is a function of
+# the output (sigmoid, tanh, exp, sqrt, relu) keep the output; steps (floor, ceil, round) have a zero
+# gradient and keep nothing.
+_E1 = per_element("elementwise", 1)
+UNARY = [
+    Unary("neg", lambda x, a, ev: -x[0], _E1, (), ints=True),
+    Unary("sqrt", lambda x, a, ev: np.sqrt(x[0]), _E1, ("out",)),
+    Unary("exp", lambda x, a, ev: np.exp(x[0]), _E1, ("out",)),
+    Unary("sin", lambda x, a, ev: np.sin(x[0]), _E1, (0,)),
+    Unary("cos", lambda x, a, ev: np.cos(x[0]), _E1, (0,)),
+    Unary("relu", lambda x, a, ev: np.maximum(x[0], 0), per_element("activation", 1), ("out",), ints=True),
+    Unary("gelu", _gelu, custom(_gelu_flops), (0,)),
+    Unary("silu", lambda x, a, ev: x[0] / (1 + np.exp(-x[0])),
+          per_element("activation", 4), (0,)),           # sigmoid (exp, add, divide) and a multiply
+    Unary("sigmoid", lambda x, a, ev: 1 / (1 + np.exp(-x[0])), per_element("activation", 3), ("out",)),
+    Unary("tanh", lambda x, a, ev: np.tanh(x[0]), per_element("activation", 1), ("out",)),
+    Unary("identity", lambda x, a, ev: x[0], free(), (), ints=True),
+    Unary("log", lambda x, a, ev: np.log(x[0]), _E1, (0,)),
+    Unary("abs", lambda x, a, ev: np.abs(x[0]), _E1, (0,), ints=True),
+    Unary("floor", lambda x, a, ev: np.floor(x[0]), _E1, ()),
+    Unary("ceil", lambda x, a, ev: np.ceil(x[0]), _E1, ()),
+    Unary("round", lambda x, a, ev: np.round(x[0]), _E1, ()),   # halves to even, as ONNX Round and torch.round
+]
 
 
-# Unary ops defined on integer tensors too; the others need floats (ONNX defines them for floats only).
-_INT_OK = {"neg", "abs", "identity", "relu"}
-
-
-def _unary_rule(name: str):
+def _unary_rule(row: Unary):
     def rule(t, a):
         x = t[0]
-        if name == "identity":  # outputs and pass-throughs of every dtype
+        if row.name == "identity":  # outputs and pass-throughs of every dtype
             return [x]
-        if x.dtype == "bool" or (x.dtype not in FLOAT_DTYPES and name not in _INT_OK):
-            raise ShapeError(f"{name} needs a {'number' if name in _INT_OK else 'floating-point'} tensor, "
+        if x.dtype == "bool" or (x.dtype not in FLOAT_DTYPES and not row.ints):
+            raise ShapeError(f"{row.name} needs a {'number' if row.ints else 'floating-point'} tensor, "
                              f"got {x} (cast it first)")
         return [x]
     rule.__doc__ = ("Unary math and activations (gelu: approx=\"none\" is erf, \"tanh\" GPT-2's approximation); "
@@ -131,10 +128,9 @@ def _unary_rule(name: str):
     return rule
 
 
-for _name in _UNARY_REF:
-    op(_name, reference=_UNARY_REF[_name], cost=_UNARY_COST[_name],
-       saved=_UNARY_SAVED[_name],
-       traits=("elementwise", "alias") if _name == "identity" else ("elementwise",))(_unary_rule(_name))
+for _row in UNARY:
+    op(_row.name, reference=_row.reference, cost=_row.cost, saved=_row.saved,
+       traits=("elementwise", "alias") if _row.name == "identity" else ("elementwise",))(_unary_rule(_row))
 
 
 @op("cast",
