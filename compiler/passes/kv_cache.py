@@ -356,7 +356,7 @@ class ReadPositionIds(Pass):
             elif node.op == "sinusoidal":
                 if not dims.equal(dims.dim(node.attrs["n"]), t_dim):
                     continue
-                from tessera.compiler.reference.interpret import sinusoidal_table
+                from tessera.compiler.reference.numerics import sinusoidal_table
 
                 # sinusoidal(T, d) -> rows position_ids of the fixed table, up to max_positions
                 out_t = g.type_of(node.outputs[0])
