@@ -105,7 +105,7 @@ def compile_tessera(folder: Path, model: str, mode: str, quantize: str = "none")
     """Compile the cached decoder to folder/tessera-{mode}.onnx (as tessera.load(...).compile(out,
     kv_cache=True) does), so the timed process only loads a file, as onnxruntime-genai's does."""
     from tessera.compiler.backends.onnx import export as onnx_export
-    from tessera.runtime import generate as gen
+    from tessera.runtime.generation import cached as gen
     from tessera.runtime import pipeline
 
     m = MODELS[model]
@@ -135,7 +135,7 @@ def _reset_peak() -> None:
 
 
 def run_tessera(folder: Path, model: str, mode: str, n: int, new: int, repeat: int, threads: int) -> dict:
-    from tessera.runtime import generate as gen
+    from tessera.runtime.generation import cached as gen
 
     m = MODELS[model]
     before, peaks = _memory_mib(), _AnonPeak()

@@ -27,8 +27,8 @@ from typing import Iterator
 
 import numpy as np
 
-from . import generate as gen
-from . import pipeline
+from tessera.runtime.generation import cached as gen
+from tessera.runtime import pipeline
 
 
 def _set_args(overrides: dict) -> list[str]:
@@ -69,7 +69,7 @@ class Model:
                sparse_moe: bool = True) -> dict:
         """The static cost report (parameters, MACs, memory, roofline) as ``tessera report --format json`` gives it
         (``sparse_moe=False``: --no-sparse-moe)."""
-        from . import report
+        from tessera.runtime.cli import report
 
         args = argparse.Namespace(spec=str(self.spec), variant=self.variant, sets=self.sets, batch=batch, seq=seq,
                                   dtype=dtype, device=device, plot=None, no_sparse_moe=not sparse_moe)
@@ -114,7 +114,7 @@ class Model:
         if genai:
             from tessera.compiler.passes.attention_kernels import Target
 
-            from . import genai as genai_mod
+            from tessera.runtime.packaging import genai as genai_mod
 
             genai_mod.check_options(argparse.Namespace(cache="concat", target=target, output=str(out),
                                                        context_length=context_length))
@@ -151,7 +151,7 @@ class Model:
 
     def run(self, **inputs) -> dict[str, np.ndarray]:
         """Run the model in onnxruntime (CPU) on named inputs (arrays or nested lists)."""
-        from .session import open_session, run_session
+        from tessera.runtime.session import open_session, run_session
 
         feeds = self._feeds(inputs)
         if self._session is None:
@@ -164,7 +164,7 @@ class Model:
     def alignment(self, layer: int | None = None, output: str | None = None, head: int | str | None = None,
                   batch_index: int = 0, tokenizer: str | Path | None = None, plot: str | Path | None = None,
                   **inputs):
-        """The attention matrix `tessera run --plot-attention` draws, as an ``Alignment`` (runtime/alignment.py:
+        """The attention matrix `tessera run --plot-attention` draws, as an ``Alignment`` (runtime/report/alignment.py:
         ``matrix`` [Tq, Tk], ``rows`` and ``cols`` the target and source tokens): of attention site
         ``layer`` (its probabilities exposed, that site unfused) or of the model output ``output``
         (default: the only one named as attention weights); ``head`` a head or "mean"; ``plot`` also
@@ -172,8 +172,8 @@ class Model:
         from tessera.compiler.backends.onnx import export as onnx_export
         from tessera.compiler.ir.signature import input_limits, specs_from_graph
 
-        from . import alignment as alignment_mod
-        from .session import open_session, run_session
+        from tessera.runtime.report import alignment as alignment_mod
+        from tessera.runtime.session import open_session, run_session
 
         if layer is not None and output is not None:
             raise pipeline.UsageError("layer and output both choose the weights to plot; give one")
@@ -184,13 +184,13 @@ class Model:
         sess = open_session(onnx_export.to_bytes(built.graph, self._weights, pipeline.metadata(built)), "cpu")
         tok = None
         if tokenizer is not None:
-            from . import text
+            from tessera.runtime.io import text
 
             tok = text.load_tokenizer(tokenizer)
         al = alignment_mod.from_run(sess, run_session(sess, feeds), specs_from_graph(built.graph), feeds,
                                     input_limits(built.graph), output, layer, batch_index, head, tok, str(self.spec))
         if plot is not None:
-            from . import alignment_plot
+            from tessera.runtime.report import alignment_plot
 
             alignment_plot.draw(al, str(plot))
         return al
@@ -205,7 +205,7 @@ class Model:
         return self._cached[key]
 
     def tokenizer(self, path: str | Path):
-        from . import text
+        from tessera.runtime.io import text
 
         if self._tokenizer is None or self._tokenizer[0] != str(path):
             self._tokenizer = (str(path), text.load_tokenizer(path))

@@ -17,7 +17,7 @@ from tessera.compiler.ir.graph import DTYPES, Graph
 from tessera.compiler.frontend.values import BlockRef
 from tessera.spec import Program, SpecError, did_you_mean, load_program
 
-from .weights import SeededWeights, init_weights, load_weights, name_map_for
+from tessera.runtime.io.weights import SeededWeights, init_weights, load_weights, name_map_for
 
 
 class UsageError(Exception):
@@ -82,7 +82,7 @@ def build(spec: str | Path, variant: str | None = None, sets: list[str] | None =
     """Elaborate a spec. When ``weights`` is a checkpoint folder with a config.json and the
     spec's mapping file has a [config] table, its hyperparameters are taken from there too
     (checkpoint_config.py: a value contradicting ``sets`` or the variant is an error)."""
-    from .checkpoint_config import config_overrides
+    from tessera.runtime.io.checkpoint_config import config_overrides
 
     path = resolve_spec(spec)
     program = load_program(path)

@@ -6,7 +6,7 @@ import pytest
 
 from conftest import build, ort_run
 from tessera.compiler.reference import interpret
-from tessera.runtime.weights import init_weights
+from tessera.runtime.io.weights import init_weights
 
 ALL_OPS = """
 block widen(x: [B, T, d], factor = 2) -> [B, T, d * factor] {

@@ -22,9 +22,10 @@ from tessera.spec import SpecError
 
 from tessera.compiler.passes.pipeline import ATTENTION_CHOICES
 
-from . import outputs as outputs_mod
-from . import pipeline, report
-from .weights import WeightsError
+from tessera.runtime.io import outputs as outputs_mod
+from tessera.runtime import pipeline
+from tessera.runtime.cli import report
+from tessera.runtime.io.weights import WeightsError
 from tessera.compiler.backends.onnx.export import OutputError
 
 EPILOG = """SPEC is a spec file (.tsr) or the name of a bundled spec ({bundled});
@@ -117,7 +118,7 @@ def _batch_index(text: str) -> int:
 
 
 def _plot_args(r: argparse.ArgumentParser) -> None:
-    g = r.add_argument_group("alignment plot (--plot-attention; runtime/alignment.py)")
+    g = r.add_argument_group("alignment plot (--plot-attention; runtime/report/alignment.py)")
     g.add_argument("--plot-attention", metavar="FILE.png",
                    help="also draw attention weights as an alignment heatmap (source tokens on x, target on "
                         "y, grey scale 0 to 1), as Bahdanau et al. 2015 fig. 3; needs the 'plot' extra "
@@ -219,7 +220,7 @@ def make_parser() -> argparse.ArgumentParser:
 
     ir = sub.add_parser("ir", help="print the elaborated IR graph of a spec")
     _model_args(ir, f"a spec file (.tsr) or a bundled spec's name ({_bundled()})")
-    from . import generate_cli
+    from tessera.runtime.cli import generate as generate_cli
 
     generate_cli.add_parser(sub)
     return parser
@@ -239,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _on_sigterm)
     try:
-        from .generate_cli import cmd_generate
+        from tessera.runtime.cli.generate import cmd_generate
 
         return {"compile": cmd_compile, "run": cmd_run, "report": report.cmd_report, "ir": cmd_ir,
                 "generate": cmd_generate}[args.command](args)
@@ -257,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
         sys.stderr.close()
         return 0
     except Exception as e:
-        from .session import ModelFileError, ProviderError, RunError
+        from tessera.runtime.session import ModelFileError, ProviderError, RunError
 
         if isinstance(e, (ProviderError, RunError, ModelFileError)):
             print(f"error: {e}", file=sys.stderr)
@@ -272,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
 def cmd_compile(args) -> int:
     t0 = time.perf_counter()
     if args.genai:
-        from . import genai
+        from tessera.runtime.packaging import genai
 
         genai.check_options(args)
         if not args.tokenizer:
@@ -311,7 +312,7 @@ def _compile_cached(built, weights, args) -> list[Path]:
     from tessera.compiler.passes.attention_kernels import Target
     from tessera.compiler.passes.pipeline import explain
 
-    from . import generate as gen
+    from tessera.runtime.generation import cached as gen
 
     if args.attention_probs:
         raise pipeline.UsageError("--attention-probs applies to the full model, not to --kv-cache's cached decoder")
@@ -330,7 +331,7 @@ def _compile_cached(built, weights, args) -> list[Path]:
         print(explain(built.attention_sites) + "\n" + info.explain(), file=sys.stderr)
     verify = None if args.no_check else onnx_export.check
     if args.genai:
-        from . import genai
+        from tessera.runtime.packaging import genai
 
         return genai.write_folder(args.output, built.graph, info, model, args.tokenizer, args.weights, verify,
                                   context=args.context_length)
@@ -340,8 +341,8 @@ def _compile_cached(built, weights, args) -> list[Path]:
 
 
 def cmd_run(args) -> int:
-    from .inputs import parse_inputs
-    from .session import onnx_signature, open_session, run_session
+    from tessera.runtime.io.inputs import parse_inputs
+    from tessera.runtime.session import onnx_signature, open_session, run_session
 
     _check_text_args(args)
     _check_plot_args(args)
@@ -350,7 +351,7 @@ def cmd_run(args) -> int:
     if args.save is not None:
         outputs_mod.check_folder(args.save)
     if args.plot_attention is not None:
-        from . import alignment_plot
+        from tessera.runtime.report import alignment_plot
 
         alignment_plot.check_path(args.plot_attention)  # before the model is built or run
     exposed: list = []
@@ -416,12 +417,13 @@ def _check_plot_args(args) -> None:
 
 
 def _plot_attention(args, sess, outputs, specs, feeds, limits, model: str) -> None:
-    """Choose the weights, compute the alignment (runtime/alignment.py) and draw it."""
-    from . import alignment, alignment_plot
+    """Choose the weights, compute the alignment (runtime/report/alignment.py) and draw it."""
+    from tessera.runtime.report import alignment
+    from tessera.runtime.report import alignment_plot
 
     tokenizer = None
     if args.tokenizer:
-        from . import text
+        from tessera.runtime.io import text
 
         tokenizer = text.load_tokenizer(args.tokenizer)
     al = alignment.from_run(sess, outputs, specs, feeds, limits, args.attention_output, args.layer,
@@ -440,7 +442,7 @@ def _add_text_and_image_inputs(args, specs, feeds: dict[str, np.ndarray]) -> np.
     new: dict[str, np.ndarray] = {}
     mask = None
     if args.texts:
-        from . import text
+        from tessera.runtime.io import text
 
         enc = text.encode(text.load_tokenizer(args.tokenizer), args.texts)
         new.update(text.text_feeds(enc, specs))
@@ -450,7 +452,7 @@ def _add_text_and_image_inputs(args, specs, feeds: dict[str, np.ndarray]) -> np.
                   f"{max(enc.lengths)}; the model has no mask input, so outputs past each text's length are "
                   f"padding", file=sys.stderr)
     if args.images:
-        from . import image
+        from tessera.runtime.io import image
 
         new.update(image.image_feeds(args.images, specs))
     for name, value in new.items():
@@ -462,7 +464,7 @@ def _add_text_and_image_inputs(args, specs, feeds: dict[str, np.ndarray]) -> np.
 
 
 def _pool(outputs: dict[str, np.ndarray], mask: np.ndarray | None) -> dict[str, np.ndarray]:
-    from . import text
+    from tessera.runtime.io import text
 
     hidden = outputs[text.hidden_output(outputs)]
     if mask is None:
@@ -495,6 +497,3 @@ def cmd_ir(args) -> int:
     print(built.graph.dump())
     return 0
 
-
-if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main())

@@ -26,8 +26,8 @@ from tessera.compiler.backends.onnx import export as onnx_export
 from tessera.compiler.ir.graph import Graph
 from tessera.compiler.passes.pipeline import build_pipeline
 
-from .generate import Sampling, choose
-from .pipeline import UsageError
+from tessera.runtime.generation.cached import Sampling, choose
+from tessera.runtime.pipeline import UsageError
 
 
 @dataclass
@@ -102,7 +102,7 @@ def wants(args) -> bool:
 
     from tessera.spec import SpecError, load_program
 
-    from .pipeline import resolve_spec
+    from tessera.runtime.pipeline import resolve_spec
 
     path = Path(args.spec)
     if path.suffix == ".onnx" or path.is_dir():
@@ -122,8 +122,8 @@ def cmd_generate(args) -> int:
 
     from tessera.compiler.ir.signature import check_limits, input_limits
 
-    from . import pipeline
-    from .generate_cli import _named_inputs
+    from tessera.runtime import pipeline
+    from tessera.runtime.cli.generate import _named_inputs
 
     for flag, given in [("--prompt", args.prompts), ("--tokenizer", args.tokenizer), ("--stop", args.stops)]:
         if given:

@@ -47,7 +47,7 @@ import numpy as np
 
 from tessera.compiler.passes.kv_cache import CacheError, CacheInfo
 
-from .pipeline import UsageError
+from tessera.runtime.pipeline import UsageError
 
 
 # ------------------------------------------------------------------ options
@@ -142,7 +142,7 @@ class CachedModel:
     """An onnxruntime session over a cached graph, with what the loop needs to feed it."""
 
     def __init__(self, source: str | bytes, info: CacheInfo, provider: str = "cpu", threads: int | None = None):
-        from .session import _ort, open_session
+        from tessera.runtime.session import _ort, open_session
 
         self.info = info
         if threads:
@@ -181,7 +181,7 @@ class CachedModel:
     def run(self, feeds: dict[str, np.ndarray], bound: "BoundStep | None" = None) -> dict[str, np.ndarray]:
         """One step: through ``bound`` (the cache buffers bound in place, a decoding step of a graph whose
         attention writes them: info.length_input) or with numpy feeds and outputs."""
-        from .session import run_session
+        from tessera.runtime.session import run_session
 
         if bound is not None:
             return bound.run(feeds)
@@ -217,7 +217,7 @@ def compile_cached(built, weights: dict[str, np.ndarray], last_only: bool = True
                                                         layer.present_value)}
         LowerPrecision(dtype, native)(built.graph)
         info.dtype = built.graph.type_of(info.layers[0].past_key).dtype
-    from .pipeline import _jsonable
+    from tessera.runtime.pipeline import _jsonable
 
     meta = {"tessera.model": built.info.model, "tessera.variant": built.info.variant or "",
             "tessera.hyperparams": {k: _jsonable(v) for k, v in built.info.hyperparams.items()},
@@ -233,7 +233,7 @@ class Seq2Seq:
 
     def __init__(self, encoder_source: str | bytes, decoder: CachedModel, boundary: list[str],
                  provider: str = "cpu"):
-        from .session import open_session
+        from tessera.runtime.session import open_session
 
         self.encoder = open_session(encoder_source, provider)
         self.decoder = decoder
@@ -241,7 +241,7 @@ class Seq2Seq:
 
     def encode(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """The decoder's fixed inputs for a source batch: the encoder's outputs and the inputs both read."""
-        from .session import run_session
+        from tessera.runtime.session import run_session
 
         enc_inputs = {i.name for i in self.encoder.get_inputs()}
         out = run_session(self.encoder, {k: v for k, v in feeds.items() if k in enc_inputs})
@@ -356,7 +356,7 @@ class BoundStep:
 
     def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """One decoding step; returns the logits (a copy: the bound array is reused by the next step)."""
-        from .session import RunError, ort_message
+        from tessera.runtime.session import RunError, ort_message
 
         for name, value in feeds.items():
             if name not in self.buffers:  # the buffers stay bound; the step's tokens, mask, positions rebind

@@ -38,7 +38,7 @@ import onnx
 from tessera.compiler.backends.atomic import write_folder_atomically
 from tessera.compiler.passes.kv_cache import CacheInfo
 
-from .pipeline import UsageError
+from tessera.runtime.pipeline import UsageError
 
 CONFIG_FILE = "genai_config.json"
 MODEL_FILE = "model.onnx"

@@ -2,7 +2,7 @@
 
 The numbers come from compiler/analysis/costreport.py (symbolic, from the graph alone);
 this module only reads the command line, picks the device and chooses a format
-(runtime/report_format.py, runtime/report_plot.py).
+(runtime/report/format.py, runtime/report/plot.py).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import json
 import sys
 from contextlib import contextmanager
 
-from . import pipeline
+from tessera.runtime import pipeline
 
 FORMATS = ["table", "json", "md", "csv"]
 # --dtype names the precision as fp32/fp16/bf16; the spec language spells element types f32/f16/bf16,
@@ -90,7 +90,7 @@ def build(args) -> dict:
     if args.seq < 1:
         raise pipeline.UsageError(f"--seq must be at least 1, got {args.seq}")
     if getattr(args, "plot", None) is not None:  # a bad path fails now, not after the report
-        from .report_plot import check_plot_path
+        from tessera.runtime.report.plot import check_plot_path
 
         check_plot_path(args.plot)
     try:
@@ -112,7 +112,7 @@ def build(args) -> dict:
             {k: pipeline._jsonable(v) for k, v in built.info.hyperparams.items()},
             batch=args.batch, seq=args.seq, dtype=args.dtype, device=device)
     if getattr(args, "plot", None) is not None:
-        from .report_plot import plot
+        from tessera.runtime.report.plot import plot
 
         with _no_gc():
             plot(graph, rep, args.plot)
@@ -130,7 +130,7 @@ def build(args) -> dict:
 
 
 def cmd_report(args) -> int:
-    from . import report_format
+    from tessera.runtime.report import format as report_format
 
     rep = build(args)
     if args.format == "json":

@@ -13,8 +13,8 @@ import sys
 import time
 from pathlib import Path
 
-from . import generate as gen
-from .pipeline import UsageError
+from tessera.runtime.generation import cached as gen
+from tessera.runtime.pipeline import UsageError
 
 EXAMPLES = """examples:
   tessera generate models/gpt2.tsr -V small --weights gpt2/model.safetensors \\
@@ -61,7 +61,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
     g.add_argument("--stop-token", dest="stop_tokens", action="append", default=[], type=int, metavar="ID",
                    help="end a prompt's generation at this token id (repeatable)")
     g.add_argument("--format", choices=["text", "json"], default="text", help="output format (default text)")
-    from .report import add_quant_arguments
+    from tessera.runtime.cli.report import add_quant_arguments
 
     add_quant_arguments(g)
     g.add_argument("--threads", type=int, default=None, help="onnxruntime intra-op threads (default: all cores)")
@@ -161,7 +161,7 @@ class EncoderDecoder:
 def load_model(args):
     """A CachedModel (decoder-only) or an EncoderDecoder, from a .tsr spec or a compiled .onnx file."""
     path = Path(args.spec)
-    from . import pipeline
+    from tessera.runtime import pipeline
 
     config = pipeline.quant_config(args)
     if path.suffix == ".onnx" or path.is_dir():
@@ -180,7 +180,7 @@ def load_model(args):
 
 
 def cmd_generate(args) -> int:
-    from . import recurrent
+    from tessera.runtime.generation import recurrent
 
     if recurrent.wants(args):  # a recurrent encoder-decoder (models/rnnsearch.tsr): its own loop
         return recurrent.cmd_generate(args)
@@ -198,7 +198,7 @@ def cmd_generate(args) -> int:
         raise UsageError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
     tokenizer = None
     if args.tokenizer:
-        from . import text
+        from tessera.runtime.io import text
 
         tokenizer = text.load_tokenizer(args.tokenizer)
     stop_tokens = list(args.stop_tokens) + gen.stop_token_ids(tokenizer, args.stops)
