@@ -1,48 +1,28 @@
-"""The ``tessera report`` command: the static cost report of a spec, rendered.
+"""``tessera report``: the static cost report of a spec, rendered.
 
-The numbers come from compiler/analysis/costreport.py (symbolic, from the graph alone);
-this module only reads the command line, picks the device and chooses a format
-(runtime/report/format.py, runtime/report/plot.py).
+The flags fill runtime/options.ReportOptions; runtime/driver.report builds the report
+(runtime/report/build.py); this module prints it in the format asked (runtime/report/format.py).
 """
 
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import sys
-from contextlib import contextmanager
 
-from tessera.runtime import pipeline
-
-FORMATS = ["table", "json", "md", "csv"]
-# --dtype names the precision as fp32/fp16/bf16; the spec language spells element types f32/f16/bf16,
-# so those spellings are accepted and mean the same.
-DTYPES = ["fp32", "fp16", "bf16"]
-_DTYPE_ALIASES = {"f32": "fp32", "f16": "fp16"}
+from tessera.runtime import driver, options
+from tessera.runtime.cli import args
+from tessera.runtime.options import ModelRef, ReportOptions
 
 
-def dtype_arg(text: str) -> str:
-    """--dtype's value in the command's spelling (f16 -> fp16); argparse checks it against DTYPES."""
-    return _DTYPE_ALIASES.get(text, text)
-
-
-def add_quant_arguments(p: argparse.ArgumentParser) -> None:
-    """--quantize, --quantize-block, --quantize-head (compile, run, generate and report share them)."""
-    p.add_argument("--quantize", choices=list(pipeline.QUANTIZE_CHOICES), default="none",
-                   help="quantise the weights of the linear layers to int8 or int4 with block-wise scales, "
-                        "run by onnxruntime's MatMulNBits (activations are stored in float; see "
-                        "--quantize-activations). The embedding tables stay float; the output head too unless "
-                        "--quantize-head (default none)")
-    p.add_argument("--quantize-block", type=int, metavar="N",
-                   help="input features per quantisation scale: a power of two, at least 16 (default 32)")
-    p.add_argument("--quantize-activations", choices=["int8", "float"],
-                   help="int8: MatMulNBits quantises the activations to int8 inside each product "
-                        "(accuracy_level 4, faster); float: the product runs in fp32 (accuracy_level 0) "
-                        "(default int8)")
-    p.add_argument("--quantize-head", action="store_true",
-                   help="quantise the output head as well (by default it stays float: its errors go "
-                        "straight into the logits)")
+def add_parser(sub) -> argparse.ArgumentParser:
+    rep = sub.add_parser("report", help="print the static cost report of a spec",
+                         description="Parameters, multiply-adds, FLOPs, memory and roofline times of a spec, "
+                                     "exact and symbolic in B and N, from the graph alone (no weights are "
+                                     "allocated). JSON keys: docs/report.md.")
+    args.model_args(rep, f"a spec file (.tsr) or a bundled spec's name ({args.bundled()})")
+    add_arguments(rep)
+    return rep
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -51,98 +31,38 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch", "-B", type=int, default=1, metavar="B", help="batch size B (default 1)")
     p.add_argument("--seq", "-N", type=int, default=1024, metavar="N",
                    help="sequence length N; binds every sequence symbol of the spec (T, S, ...) (default 1024)")
-    p.add_argument("--dtype", type=dtype_arg, choices=DTYPES, default="fp32",
+    p.add_argument("--dtype", type=args.dtype_arg, choices=args.DTYPES, default="fp32",
                    help="element type of weights and activations for memory and roofline; the spec "
                         "spellings f32 and f16 are accepted too (default fp32)")
     p.add_argument("--device", default="h200", metavar="NAME",
                    help=f"device for the roofline estimates: {', '.join(device_names())} "
                         f"(cpu is measured on the spot; default h200)")
-    add_quant_arguments(p)
+    args.add_quant_arguments(p)
     p.add_argument("--no-sparse-moe", action="store_true",
                    help="report mixtures of experts in their dense form, as compile --no-sparse-moe builds "
                         "them (by default they are counted as compile builds them: sparse, the top-k experts "
                         "of each token only, unless --quantize keeps the quantised experts dense)")
-    p.add_argument("--format", choices=FORMATS, default="table", help="output format (default table)")
+    p.add_argument("--format", choices=list(options.REPORT_FORMATS), default="table", help="output format (default table)")
     p.add_argument("--plot", metavar="FILE.png",
                    help="also draw MACs and memory against N, fused and unfused (needs matplotlib: "
                         "pip install 'tessera[plot]')")
 
 
-@contextmanager
-def _no_gc():
-    """Elaboration and the report build many long-lived objects and free almost none; the cyclic
-    garbage collector would rescan them over and over (half the run time for GPT-3)."""
-    was = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was:
-            gc.enable()
-
-
-def build(args) -> dict:
-    """Elaborate the spec and compute its report (a JSON-able dict)."""
-    from tessera.compiler.analysis import costreport, roofline
-
-    if args.batch < 1:
-        raise pipeline.UsageError(f"--batch must be at least 1, got {args.batch}")
-    if args.seq < 1:
-        raise pipeline.UsageError(f"--seq must be at least 1, got {args.seq}")
-    if getattr(args, "plot", None) is not None:  # a bad path fails now, not after the report
-        from tessera.runtime.report.plot import check_plot_path
-
-        check_plot_path(args.plot)
-    try:
-        device = roofline.get_device(args.device)
-    except roofline.DeviceError as e:
-        raise pipeline.UsageError(str(e)) from None
-    config = pipeline.quant_config(args)
-    with _no_gc():
-        built = pipeline.build(args.spec, args.variant, args.sets)
-        graph = built.graph
-        if (not getattr(args, "no_sparse_moe", False) and config is None
-                and any(n.op == "topk_gates" for n in graph.nodes.values())):
-            from tessera.compiler.passes.sparse_moe import SparseExperts
-
-            graph = graph.copy()  # as compile builds it: experts sparse (built.graph is left as written)
-            SparseExperts()(graph)
-        rep = costreport.build_report(
-            graph, built.info.model, built.info.variant,
-            {k: pipeline._jsonable(v) for k, v in built.info.hyperparams.items()},
-            batch=args.batch, seq=args.seq, dtype=args.dtype, device=device)
-    if getattr(args, "plot", None) is not None:
-        from tessera.runtime.report.plot import plot
-
-        with _no_gc():
-            plot(graph, rep, args.plot)
-    from tessera.compiler.analysis.attention_report import attention_section
-
-    with _no_gc():  # fuses a copy: built.graph is left as written
-        rep["attention"] = attention_section(graph, rep["settings"]["bindings"],
-                                             rep["settings"]["bytes_per_element"], device.name, args.dtype)
-    if config is not None:
-        from tessera.compiler.analysis.quant_report import quantization_section
-
-        with _no_gc():  # quantises a copy
-            rep["quantization"] = quantization_section(built.graph, config)
-    return rep
-
-
-def cmd_report(args) -> int:
+def cmd_report(ns: argparse.Namespace) -> int:
     from tessera.runtime.report import format as report_format
 
-    rep = build(args)
-    if args.format == "json":
+    o = ReportOptions.from_args(ns)
+    rep = driver.report(ModelRef.from_args(ns), o)
+    if o.format == "json":
         print(json.dumps(rep, indent=2))
-    elif args.format == "md":
+    elif o.format == "md":
         sys.stdout.write(report_format.markdown(rep))
-    elif args.format == "csv":
+    elif o.format == "csv":
         sys.stdout.write(report_format.csv_text(rep))
     else:
         from rich.console import Console
 
         report_format.print_table(rep, Console())
-    if args.plot is not None:
-        print(f"wrote {args.plot}", file=sys.stderr)
+    if o.plot is not None:
+        print(f"wrote {o.plot}", file=sys.stderr)
     return 0

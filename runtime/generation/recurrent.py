@@ -93,63 +93,59 @@ def decode(model: RecurrentSeq2Seq, src: np.ndarray, max_new_tokens: int, bos: i
     return Decoded(np.stack(tokens, 1), np.stack(aligns, 1), np.stack(logits, 1))
 
 
-# ------------------------------------------------------------------ tessera generate
-def wants(args) -> bool:
-    """Whether ``tessera generate`` runs this loop for ``args.spec``: a .tsr spec whose model has a
-    ``mode`` hyperparameter (the encode/step contract above). A spec that does not load is left to
-    the ordinary path, which reports the error."""
+# ------------------------------------------------------------------ generate (runtime/driver.py)
+def wants(spec) -> bool:
+    """Whether generation runs this loop for ``spec``: a .tsr spec whose model has a ``mode``
+    hyperparameter (the encode/step contract above). A spec that does not load is left to the
+    ordinary path, which reports the error."""
     from pathlib import Path
 
     from tessera.spec import SpecError, load_program
 
     from tessera.runtime.pipeline import resolve_spec
 
-    path = Path(args.spec)
+    path = Path(spec)
     if path.suffix == ".onnx" or path.is_dir():
         return False
     try:
-        model = load_program(resolve_spec(args.spec)).main_model
+        model = load_program(resolve_spec(spec)).main_model
     except (SpecError, UsageError, OSError):
         return False
     return model is not None and any(p.name == "mode" for p in model.params)
 
 
-def cmd_generate(args) -> int:
-    """``tessera generate`` for a recurrent encoder-decoder: --input src=[[...]] --start-token ID."""
-    import json
-    import sys
+@dataclass
+class Generated:
+    """What generate() decoded for a recurrent encoder-decoder, and how long it took."""
+
+    decoded: Decoded
+    rows: int
+    seconds: float
+
+
+def generate(ref, o) -> Generated:
+    """Decode --input src=[[...]] from --start-token for a recurrent encoder-decoder (``o`` already
+    checked for this kind: GenerateOptions.check("recurrent"))."""
     import time
 
     from tessera.compiler.ir.signature import check_limits, input_limits
 
     from tessera.runtime import pipeline
-    from tessera.runtime.cli.generate import _named_inputs
+    from tessera.runtime.generation.loop import named_inputs
 
-    for flag, given in [("--prompt", args.prompts), ("--tokenizer", args.tokenizer), ("--stop", args.stops)]:
-        if given:
-            raise UsageError(f"{flag}: a recurrent encoder-decoder takes token ids (--input src=[[...]] "
-                             f"--start-token ID); text is not supported for it yet")
-    if pipeline.quant_config(args) is not None:
-        raise UsageError("--quantize is not supported for recurrent encoder-decoders yet")
-    if any(s.partition("=")[0] == "mode" for s in args.sets):
+    if any(s.partition("=")[0] == "mode" for s in ref.sets):
         raise UsageError("--set mode: generate chooses the model's modes itself (encode, then step)")
-    if args.start_token is None:
-        raise UsageError("a recurrent encoder-decoder needs the decoder's start token: --start-token ID")
-    if args.max_new_tokens < 1:
-        raise UsageError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
-    sampling = Sampling(args.temperature, args.top_k, args.top_p, args.repetition_penalty, args.seed)
-    sampling.check()
-
-    built = pipeline.build(args.spec, args.variant, args.sets, args.weights)
-    weights = pipeline.weights_for(built, args.weights, args.seed)
-    encode = pipeline.build(args.spec, args.variant, args.sets + ["mode=encode"], args.weights).graph
-    step = pipeline.build(args.spec, args.variant, args.sets + ["mode=step"], args.weights).graph
+    sampling = o.sampling(ref.seed)
+    built = pipeline.build(ref.spec, ref.variant, ref.sets, ref.weights)
+    weights = pipeline.weights_for(built, ref.weights, ref.seed, ref.allow_large)
+    encode = pipeline.build(ref.spec, ref.variant, list(ref.sets) + ["mode=encode"], ref.weights).graph
+    step = pipeline.build(ref.spec, ref.variant, list(ref.sets) + ["mode=step"], ref.weights).graph
     try:
         model = RecurrentSeq2Seq(encode, step, weights)
     except ValueError as e:
-        raise UsageError(f"{args.spec} has a mode hyperparameter but not the encode/step graphs generate "
+        raise UsageError(f"{ref.spec} has a mode hyperparameter but not the encode/step graphs generate "
                          f"runs: {e}") from None
-    given = _named_inputs(args.inputs, list(encode.inputs))
+    given = named_inputs(o.inputs, list(encode.inputs))
     if "src" not in given:
         raise UsageError("no source: give --input 'src=[[...]]' (one list of token ids per row)")
     rows = given["src"]
@@ -158,21 +154,11 @@ def cmd_generate(args) -> int:
     src = np.array(rows, dtype=np.int64)
     check_limits(input_limits(encode), {"src": src}, {})
     vocab = int(step.type_of("logits").shape[-1])
-    for what, ids in [("--start-token", [args.start_token]), ("--stop-token", args.stop_tokens)]:
+    for what, ids in [("--start-token", [o.start_token]), ("--stop-token", o.stop_tokens)]:
         bad = [t for t in ids if not 0 <= t < vocab]
         if bad:
             raise UsageError(f"{what} {bad[0]} is outside the target vocabulary (0..{vocab - 1})")
     started = time.perf_counter()
-    out = decode(model, src, args.max_new_tokens, args.start_token, sampling,
-                 eos=args.stop_tokens[0] if args.stop_tokens else None)
-    elapsed = time.perf_counter() - started
-    if args.format == "json":
-        print(json.dumps({"outputs": [{"tokens": out.tokens[r].tolist(), "align": np.round(out.align[r], 6).tolist()}
-                                      for r in range(len(rows))]}))
-    else:
-        for r in range(len(rows)):
-            print(" ".join(map(str, out.tokens[r].tolist())))
-    if not args.quiet:
-        print(f"{out.tokens.size} new tokens in {elapsed * 1e3:.1f} ms (encoder once, then one decoder step "
-              f"per token)", file=sys.stderr)
-    return 0
+    out = decode(model, src, o.max_new_tokens, o.start_token, sampling,
+                 eos=o.stop_tokens[0] if o.stop_tokens else None)
+    return Generated(out, len(rows), time.perf_counter() - started)
