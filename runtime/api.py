@@ -172,10 +172,10 @@ class Model:
                             stop_tokens=list(stop_tokens), threads=threads, cache=cache, quantize=quantize,
                             quantize_block=quantize_block, quantize_head=quantize_head,
                             quantize_activations=quantize_activations).for_api()
-        o.check()
+        o.check()  # before the tokenizer is read
         tok = self.tokenizer(tokenizer) if tokenizer is not None else None
         # errors now, not at the first next()
-        run = loop.prepare(self.ref, o, None if is_text else prompt, self._weights, self._models, tok)
+        run = driver.generate(self.ref, o, None if is_text else prompt, self._weights, self._models, tok)
         if stream:
             return self._stream(run, is_text, single)
         out: list[list[int]] | None = None

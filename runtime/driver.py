@@ -262,9 +262,10 @@ def generation_kind(ref: ModelRef) -> str:
 
 
 def generate(ref: ModelRef, o: GenerateOptions, prompt_ids: list[list[int]] | None = None, weights=None,
-             models: dict | None = None):
+             models: dict | None = None, tokenizer=None):
     """Prepare a generation: the model loaded (or taken from ``models``, a cache the caller keeps),
-    the prompts encoded and every request rule checked; returns a generation.loop.Generation (or,
+    the prompts encoded (``tokenizer``: one the caller has loaded already) and every request rule
+    checked; returns a generation.loop.Generation (or,
     for a recurrent encoder-decoder, its decoded result) whose steps the caller drives."""
     from tessera.runtime.generation import loop
 
@@ -275,4 +276,4 @@ def generate(ref: ModelRef, o: GenerateOptions, prompt_ids: list[list[int]] | No
         from tessera.runtime.generation import recurrent
 
         return recurrent.generate(ref, o)
-    return loop.prepare(ref, o, prompt_ids, weights, models)
+    return loop.prepare(ref, o, prompt_ids, weights, models, tokenizer)

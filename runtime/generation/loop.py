@@ -9,50 +9,13 @@ the caller drives (printing as it goes, collecting, or streaming to a client).
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from tessera.runtime import pipeline
 from tessera.runtime.generation import cached as gen
+from tessera.runtime.io.inputs import named_token_rows
 from tessera.runtime.pipeline import UsageError
-
-
-# ------------------------------------------------------------------ --input NAME=JSON (token ids)
-def _json_rows(name: str, text: str) -> list[list[int]]:
-    """--input NAME=JSON: one list of integer ids per row (a flat list is one row)."""
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise UsageError(f"--input {name}: not a JSON list ({e.msg} at character {e.pos})") from None
-    if isinstance(data, list) and data and all(isinstance(t, int) and not isinstance(t, bool) for t in data):
-        data = [data]
-    if not isinstance(data, list) or not data or not all(isinstance(p, list) for p in data):
-        raise UsageError(f"--input {name} must be a list of rows, each a list of token ids, e.g. {name}=[[464, 2068]]")
-    for i, p in enumerate(data):
-        if not all(isinstance(t, int) and not isinstance(t, bool) for t in p):
-            raise UsageError(f"--input {name}: row {i} holds something other than integer token ids")
-    return data
-
-
-def named_inputs(items: list[str], allowed: list[str]) -> dict[str, list[list[int]]]:
-    """Every --input NAME=JSON, each NAME one of the model's inputs and given once."""
-    from tessera.spec.diagnostics import did_you_mean
-
-    out: dict[str, list[list[int]]] = {}
-    for item in items:
-        name, sep, text = item.partition("=")
-        if not sep:
-            raise UsageError(f"--input '{item}' must be NAME=JSON, e.g. '{allowed[0]}=[[464, 2068], [7586]]'")
-        if name not in allowed:
-            raise UsageError(f"--input {name}: the model has no such input (its inputs: {', '.join(allowed)})"
-                             + did_you_mean(name, allowed))
-        if name in out:
-            raise UsageError(f"--input {name} is given more than once; give every row in one list: "
-                             f"'{name}=[[...], [...]]'")
-        out[name] = _json_rows(name, text)
-    return out
-
 
 
 # ------------------------------------------------------------------ the model
@@ -180,7 +143,7 @@ def prepare(ref, o, prompt_ids: list[list[int]] | None = None, weights=None, mod
     fixed = None
     if isinstance(loaded, EncoderDecoder):
         model, target = loaded.s2s.decoder, loaded.target
-        given = named_inputs(o.inputs, [target] + loaded.sources)
+        given = named_token_rows(o.inputs, [target] + loaded.sources)
         if prompt_ids is not None:
             given[target] = prompt_ids
         if o.prompts and target in given:
@@ -210,6 +173,6 @@ def prepare(ref, o, prompt_ids: list[list[int]] | None = None, weights=None, mod
         elif prompt_ids is not None:
             prompts = prompt_ids
         else:
-            prompts = named_inputs(o.inputs, [model.info.tokens])[model.info.tokens]
+            prompts = named_token_rows(o.inputs, [model.info.tokens])[model.info.tokens]
     prompts = gen.check_request(model, prompts, o.max_new_tokens, sampling, stop_tokens)
     return Generation(model, prompts, o.max_new_tokens, sampling, stop_tokens, tokenizer, stopper, fixed)

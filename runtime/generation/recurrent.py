@@ -131,7 +131,7 @@ def generate(ref, o) -> Generated:
     from tessera.compiler.ir.signature import check_limits, input_limits
 
     from tessera.runtime import pipeline
-    from tessera.runtime.generation.loop import named_inputs
+    from tessera.runtime.io.inputs import named_token_rows
 
     if any(s.partition("=")[0] == "mode" for s in ref.sets):
         raise UsageError("--set mode: generate chooses the model's modes itself (encode, then step)")
@@ -145,7 +145,7 @@ def generate(ref, o) -> Generated:
     except ValueError as e:
         raise UsageError(f"{ref.spec} has a mode hyperparameter but not the encode/step graphs generate "
                          f"runs: {e}") from None
-    given = named_inputs(o.inputs, list(encode.inputs))
+    given = named_token_rows(o.inputs, list(encode.inputs))
     if "src" not in given:
         raise UsageError("no source: give --input 'src=[[...]]' (one list of token ids per row)")
     rows = given["src"]
