@@ -100,6 +100,17 @@ class Options:
         self.api = True
         return self
 
+    # field -> the API's keyword, where the API names it otherwise
+    API_NAMES: dict[str, str] = {}
+
+    def label(self, name: str) -> str:
+        """A field as the caller names it: the API's keyword, else the field."""
+        return self.API_NAMES.get(name, name) if self.api else name
+
+    def flag(self, name: str) -> str:
+        """A field as the caller spells it: --max-new-tokens on the command line, max_new_tokens in the API."""
+        return self.label(name) if self.api else "--" + name.replace("_", "-")
+
     def say(self, cli: str, api: str) -> str:
         """The message of a rule, in the words of the caller's entry point."""
         return api if self.api else cli
@@ -131,13 +142,13 @@ class ModelRef(Options):
     allow_large: bool = False
 
     def check(self) -> None:
-        check_path("spec", self.spec, optional=False)
+        check_path(self.label("spec"), self.spec, optional=False)
         if self.variant is not None and not isinstance(self.variant, str):
             raise UsageError(f"variant must be a string, got {self.variant!r}")
-        check_strings("sets", self.sets)
-        check_path("weights", self.weights)
-        check_int("seed", self.seed)
-        check_bool("allow_large", self.allow_large)
+        check_strings(self.label("sets"), self.sets)
+        check_path(self.label("weights"), self.weights)
+        check_int(self.label("seed"), self.seed)
+        check_bool(self.label("allow_large"), self.allow_large)
 
     @property
     def compiled(self) -> bool:
@@ -157,10 +168,10 @@ class QuantOptions(Options):
     quantize_activations: str | None = None
 
     def check(self) -> None:
-        check_choice("quantize", self.quantize, QUANTIZE_CHOICES)
-        check_int("quantize_block", self.quantize_block, optional=True)
-        check_bool("quantize_head", self.quantize_head)
-        check_choice("quantize_activations", self.quantize_activations, QUANT_ACTIVATIONS, optional=True)
+        check_choice(self.label("quantize"), self.quantize, QUANTIZE_CHOICES)
+        check_int(self.label("quantize_block"), self.quantize_block, optional=True)
+        check_bool(self.label("quantize_head"), self.quantize_head)
+        check_choice(self.label("quantize_activations"), self.quantize_activations, QUANT_ACTIVATIONS, optional=True)
         self.quant_config()  # the rules between them (--quantize-block needs --quantize, a power of two...)
 
     def quant_config(self):
@@ -184,13 +195,13 @@ class OptimizeOptions(QuantOptions):
 
     def check(self) -> None:
         super().check()
-        check_choice("target", self.target, TARGETS)
-        check_choice("attention", self.attention, attention_choices())
-        check_choice("dtype", self.dtype, DTYPES)
-        check_bool("no_fuse", self.no_fuse)
-        check_bool("sparse_moe", self.sparse_moe)
-        check_choice("recurrence", self.recurrence, RECURRENCES)
-        check_bool("explain", self.explain)
+        check_choice(self.label("target"), self.target, TARGETS)
+        check_choice(self.label("attention"), self.attention, attention_choices())
+        check_choice(self.label("dtype"), self.dtype, DTYPES)
+        check_bool(self.label("no_fuse"), self.no_fuse)
+        check_bool(self.label("sparse_moe"), self.sparse_moe)
+        check_choice(self.label("recurrence"), self.recurrence, RECURRENCES)
+        check_bool(self.label("explain"), self.explain)
         if self.no_fuse and self.attention not in ("auto", "unfused"):
             raise UsageError(f"--no-fuse contradicts --attention {self.attention}")
 
@@ -205,6 +216,7 @@ class CompileOptions(OptimizeOptions):
     """``tessera compile`` / ``Model.compile``."""
 
     CLI_NAMES = {"no_sparse_moe": "sparse_moe", "no_check": "check_model"}
+    API_NAMES = {"output": "out", "check_model": "check"}
 
     output: str | Path
     check_model: bool = True
@@ -218,13 +230,13 @@ class CompileOptions(OptimizeOptions):
 
     def check(self) -> None:
         super().check()
-        check_path("output", self.output, optional=False)
+        check_path(self.label("output"), self.output, optional=False)
         for name in ("check_model", "kv_cache", "genai"):
-            check_bool(name, getattr(self, name))
-        check_choice("cache", self.cache, CACHES)
-        check_choice("decode", self.decode, DECODES)
-        check_path("tokenizer", self.tokenizer)
-        check_int("context_length", self.context_length, optional=True)
+            check_bool(self.label(name), getattr(self, name))
+        check_choice(self.label("cache"), self.cache, CACHES)
+        check_choice(self.label("decode"), self.decode, DECODES)
+        check_path(self.label("tokenizer"), self.tokenizer)
+        check_int(self.label("context_length"), self.context_length, optional=True)
         if not isinstance(self.attention_probs, (list, tuple)) or not all(
                 s == "all" or (_is_int(s) and s >= 0) for s in self.attention_probs):
             raise UsageError(f"attention_probs must be a list of attention site numbers (0, 1, ...) or 'all', "
@@ -243,9 +255,9 @@ class CompileOptions(OptimizeOptions):
                                  "--no-fuse nor --attention")
         else:
             if self.cache != "auto":
-                raise UsageError("--cache applies with --kv-cache")
+                raise UsageError(self.say("--cache applies with --kv-cache", "cache applies with kv_cache=True"))
             if self.decode != "auto":
-                raise UsageError("--decode applies with --kv-cache")
+                raise UsageError(self.say("--decode applies with --kv-cache", "decode applies with kv_cache=True"))
 
     def _check_genai(self) -> None:
         """The compile options --genai cannot be combined with, before anything is built."""
@@ -256,7 +268,7 @@ class CompileOptions(OptimizeOptions):
             raise UsageError("--genai writes a CPU configuration (onnxruntime-genai's provider options); "
                              "--target cuda is not supported with it")
         if self.context_length is not None and self.context_length < 1:
-            raise UsageError(f"--context-length must be at least 1, got {self.context_length}")
+            raise UsageError(f"{self.flag('context_length')} must be at least 1, got {self.context_length}")
         if str(self.output).endswith(".onnx"):
             raise UsageError(f"with --genai, -o names the folder to write (e.g. {str(self.output)[:-5]}), not an "
                              f".onnx file")
@@ -276,6 +288,7 @@ class RunOptions(OptimizeOptions):
     """``tessera run`` / ``Model.run`` and ``Model.alignment``."""
 
     CLI_NAMES = {"no_sparse_moe": "sparse_moe"}
+    API_NAMES = {"attention_output": "output", "plot_attention": "plot"}
 
     inputs: list[str] = field(default_factory=list)
     tokenizer: str | Path | None = None
@@ -299,23 +312,23 @@ class RunOptions(OptimizeOptions):
 
     def check(self) -> None:
         super().check()
-        check_strings("inputs", self.inputs)
-        check_path("tokenizer", self.tokenizer)
-        check_strings("texts", self.texts)
-        check_strings("images", self.images)
-        check_choice("pool", self.pool, ("mean",), optional=True)
-        check_choice("provider", self.provider, PROVIDERS)
-        check_choice("format", self.format, ("table", "json"))
-        check_bool("full", self.full)
-        check_path("save", self.save)
-        check_path("plot_attention", self.plot_attention)
+        check_strings(self.label("inputs"), self.inputs)
+        check_path(self.label("tokenizer"), self.tokenizer)
+        check_strings(self.label("texts"), self.texts)
+        check_strings(self.label("images"), self.images)
+        check_choice(self.label("pool"), self.pool, ("mean",), optional=True)
+        check_choice(self.label("provider"), self.provider, PROVIDERS)
+        check_choice(self.label("format"), self.format, ("table", "json"))
+        check_bool(self.label("full"), self.full)
+        check_path(self.label("save"), self.save)
+        check_path(self.label("plot_attention"), self.plot_attention)
         if self.attention_output is not None and not isinstance(self.attention_output, str):
             raise UsageError(f"attention_output must be an output name, got {self.attention_output!r}")
-        check_int("layer", self.layer, minimum=0, optional=True)
+        check_int(self.label("layer"), self.layer, minimum=0, optional=True)
         if self.head is not None and self.head != "mean":
-            check_int("head", self.head, minimum=0)
-        check_int("batch_index", self.batch_index, minimum=0, optional=True)
-        check_bool("alignment", self.alignment)
+            check_int(self.label("head"), self.head, minimum=0)
+        check_int(self.label("batch_index"), self.batch_index, minimum=0, optional=True)
+        check_bool(self.label("alignment"), self.alignment)
         if self.texts and not self.tokenizer:
             raise UsageError("--text needs --tokenizer tokenizer.json to turn the text into token ids")
         if self.tokenizer and not self.texts and not self.wants_alignment:
@@ -349,24 +362,26 @@ class ReportOptions(QuantOptions):
 
     def check(self) -> None:
         super().check()
-        check_int("batch", self.batch)
-        check_int("seq", self.seq)
+        check_int(self.label("batch"), self.batch)
+        check_int(self.label("seq"), self.seq)
         if self.batch < 1:
-            raise UsageError(f"--batch must be at least 1, got {self.batch}")
+            raise UsageError(f"{self.flag('batch')} must be at least 1, got {self.batch}")
         if self.seq < 1:
-            raise UsageError(f"--seq must be at least 1, got {self.seq}")
-        check_choice("dtype", self.dtype, DTYPES)
+            raise UsageError(f"{self.flag('seq')} must be at least 1, got {self.seq}")
+        check_choice(self.label("dtype"), self.dtype, DTYPES)
         if not isinstance(self.device, str):
             raise UsageError(f"device must be a device name, got {self.device!r}")
-        check_bool("sparse_moe", self.sparse_moe)
-        check_choice("format", self.format, REPORT_FORMATS)
-        check_path("plot", self.plot)
+        check_bool(self.label("sparse_moe"), self.sparse_moe)
+        check_choice(self.label("format"), self.format, REPORT_FORMATS)
+        check_path(self.label("plot"), self.plot)
 
 
 @dataclass(kw_only=True)
 class GenerateOptions(QuantOptions):
     """``tessera generate`` / ``Model.generate``. ``sampling_seed`` None: the model's seed (the
     command line's --seed is both)."""
+
+    API_NAMES = {"prompts": "prompt", "stops": "stop", "sampling_seed": "seed"}
 
     max_new_tokens: int = 32
     tokenizer: str | Path | None = None
@@ -391,23 +406,23 @@ class GenerateOptions(QuantOptions):
         if kind == "recurrent":
             self._check_recurrent()
         super().check()
-        check_int("max_new_tokens", self.max_new_tokens)
+        check_int(self.label("max_new_tokens"), self.max_new_tokens)
         if self.max_new_tokens < 1:
-            raise UsageError(f"--max-new-tokens must be at least 1, got {self.max_new_tokens}")
-        check_path("tokenizer", self.tokenizer)
-        check_strings("prompts", self.prompts)
-        check_strings("inputs", self.inputs)
-        check_int("start_token", self.start_token, optional=True)
+            raise UsageError(f"{self.flag('max_new_tokens')} must be at least 1, got {self.max_new_tokens}")
+        check_path(self.label("tokenizer"), self.tokenizer)
+        check_strings(self.label("prompts"), self.prompts)
+        check_strings(self.label("inputs"), self.inputs)
+        check_int(self.label("start_token"), self.start_token, optional=True)
         for name in ("temperature", "top_p", "repetition_penalty"):
-            check_number(name, getattr(self, name))
-        check_int("top_k", self.top_k)
-        check_int("sampling_seed", self.sampling_seed, optional=True)
-        check_strings("stops", self.stops)
-        check_ints("stop_tokens", self.stop_tokens)
-        check_choice("format", self.format, ("text", "json"))
-        check_int("threads", self.threads, minimum=0, optional=True)
-        check_choice("cache", self.cache, CACHES)
-        check_bool("quiet", self.quiet)
+            check_number(self.label(name), getattr(self, name))
+        check_int(self.label("top_k"), self.top_k)
+        check_int(self.label("sampling_seed"), self.sampling_seed, optional=True)
+        check_strings(self.label("stops"), self.stops)
+        check_ints(self.label("stop_tokens"), self.stop_tokens)
+        check_choice(self.label("format"), self.format, ("text", "json"))
+        check_int(self.label("threads"), self.threads, minimum=0, optional=True)
+        check_choice(self.label("cache"), self.cache, CACHES)
+        check_bool(self.label("quiet"), self.quiet)
         self.sampling(0).check()
         if self.prompts and any(item.partition("=")[0] == "tokens" for item in self.inputs):
             raise UsageError("give the prompts either as --prompt text or as --input tokens, not both")

@@ -23,11 +23,8 @@ from tessera.runtime.options import (CompileOptions, GenerateOptions, ModelRef, 
 CLASSES = {"compile": CompileOptions, "run": RunOptions, "report": ReportOptions, "generate": GenerateOptions}
 METHODS = {"compile": [api.Model.compile], "run": [api.Model.run, api.Model.alignment],
            "report": [api.Model.report], "generate": [api.Model.generate]}
-# API keyword -> option field, where the API names it otherwise
-API_NAMES = {"compile": {"out": "output", "check": "check_model"},
-             "run": {"output": "attention_output", "plot": "plot_attention"},
-             "report": {},
-             "generate": {"prompt": "prompts", "stop": "stops", "seed": "sampling_seed"}}
+# API keyword -> option field, where the API names it otherwise (the option classes' API_NAMES, inverted)
+API_NAMES = {command: {k: f for f, k in cls.API_NAMES.items()} for command, cls in CLASSES.items()}
 
 # fields the command line has and the API deliberately lacks
 CLI_ONLY = {
@@ -157,6 +154,8 @@ def test_the_comparison_reports_a_keyword_without_an_option_and_an_option_withou
 
 @pytest.mark.parametrize("cls,kwargs,name", [
     (GenerateOptions, {"sampling_seed": "x"}, "sampling_seed"),
+    (GenerateOptions(sampling_seed="x").for_api, {}, "seed"),      # named as the API's keyword
+    (CompileOptions(output=3).for_api, {}, "out"),
     (ReportOptions, {"batch": 1.5}, "batch"),
     (ReportOptions, {"seq": True}, "seq"),
     (CompileOptions, {"output": "o.onnx", "kv_cache": "yes"}, "kv_cache"),
@@ -170,6 +169,13 @@ def test_the_comparison_reports_a_keyword_without_an_option_and_an_option_withou
 def test_raw_python_values_of_the_wrong_type_name_the_argument(cls, kwargs, name):
     with pytest.raises(UsageError, match=rf"^{name} must be"):
         cls(**kwargs).check()
+
+
+def test_the_api_names_its_keywords_and_the_command_line_its_flags():
+    with pytest.raises(UsageError, match="^max_new_tokens must be at least 1, got 0"):
+        GenerateOptions(max_new_tokens=0).for_api().check()
+    with pytest.raises(UsageError, match="^--max-new-tokens must be at least 1, got 0"):
+        GenerateOptions(max_new_tokens=0).check()
 
 
 def test_the_api_refuses_a_bad_seed_before_loading_anything(tmp_path):
