@@ -1,13 +1,12 @@
 """Decoding a recurrent encoder-decoder (models/rnnsearch.tsr): the encoder once, then one decoder
 step per token, the decoder state carried from step to step.
 
-Why not the KV-cache loop of generate.py: a recurrent decoder has no cache of keys and values to
-grow; its whole history is the state s (and the encoder's outputs it attends to, fixed once
-encoded). The spec provides the two graphs (``mode="encode"`` and ``mode="step"``, with the same
-parameter paths as the training graph), and this module runs them in onnxruntime. The next token
-is chosen by generate.py's ``choose`` (greedy at temperature 0, or its sampling), so the token
-rules are shared with transformer decoding and the loop can move into generate.py when that grows
-a state-carrying model kind.
+Why not the KV-cached decoder of generation/cached.py: a recurrent decoder has no cache of keys
+and values to grow; its whole history is the state s (and the encoder's outputs it attends to,
+fixed once encoded). The spec provides the two graphs (``mode="encode"`` and ``mode="step"``, with
+the same parameter paths as the training graph), and this module runs them in onnxruntime as a
+``RecurrentDecoder``; the loop (token choice, stop tokens, finished rows) is generation/decoding.py's,
+the one the cached decoder runs too.
 
 The step graph's contract (names as rnnsearch.tsr declares them): inputs ``s`` [B, dec],
 ``y_prev`` [B], ``enc`` and ``enc_keys`` (the encode graph's outputs of the same names); outputs
@@ -26,7 +25,8 @@ from tessera.compiler.backends.onnx import export as onnx_export
 from tessera.compiler.ir.graph import Graph
 from tessera.compiler.passes.pipeline import build_pipeline
 
-from tessera.runtime.generation.cached import Sampling, choose
+from tessera.runtime.generation.decoding import decode_steps
+from tessera.runtime.generation.sampling import Sampling
 from tessera.runtime.pipeline import UsageError
 
 
@@ -68,29 +68,36 @@ class RecurrentSeq2Seq:
                                            "enc_keys": enc_keys}))
 
 
+class RecurrentDecoder:
+    """A RecurrentSeq2Seq as a decoding.Decoder: the source encoded once, then one step per token
+    from ``bos``, the state carried; each step's attention weights and logits are kept."""
+
+    def __init__(self, model: RecurrentSeq2Seq, src: np.ndarray, bos: int):
+        self.model, self.rows = model, src.shape[0]
+        self.encoded = model.encode(src)
+        self.state = self.encoded["state"]
+        self.bos = bos
+        self.aligns: list[np.ndarray] = []
+        self.logits: list[np.ndarray] = []
+
+    def step(self, last: np.ndarray | None) -> np.ndarray:
+        y = np.full(self.rows, self.bos, dtype=np.int64) if last is None else last
+        self.state, lg, a = self.model.step(self.state, y, self.encoded["enc"], self.encoded["enc_keys"])
+        self.aligns.append(a)
+        self.logits.append(lg)
+        return lg
+
+
 def decode(model: RecurrentSeq2Seq, src: np.ndarray, max_new_tokens: int, bos: int,
            sampling: Sampling | None = None, eos: int | None = None) -> Decoded:
-    """Encode ``src`` [B, S] once and decode up to ``max_new_tokens`` from ``bos``; rows that chose
-    ``eos`` keep emitting it (the batch stops when every row has)."""
-    sampling = sampling or Sampling()
-    rng = np.random.default_rng(sampling.seed)
-    e = model.encode(src)
-    s = e["state"]
-    y = np.full(src.shape[0], bos, dtype=np.int64)
-    done = np.zeros(src.shape[0], dtype=bool)
-    tokens, aligns, logits = [], [], []
-    for _ in range(max_new_tokens):
-        s, lg, a = model.step(s, y, e["enc"], e["enc_keys"])
-        y = choose(lg, None, sampling, rng)
-        if eos is not None:
-            y = np.where(done, eos, y)
-            done |= y == eos
-        tokens.append(y)
-        aligns.append(a)
-        logits.append(lg)
-        if eos is not None and done.all():
-            break
-    return Decoded(np.stack(tokens, 1), np.stack(aligns, 1), np.stack(logits, 1))
+    """Encode ``src`` [B, S] once and decode up to ``max_new_tokens`` from ``bos`` (the loop of
+    generation/decoding.py); rows that chose ``eos`` keep emitting it (the batch stops when every row has)."""
+    decoder = RecurrentDecoder(model, src, bos)
+    stops = [eos] if eos is not None else []
+    fill = eos if eos is not None else 0
+    tokens = [[fill if t is None else t for t in emitted]
+              for emitted in decode_steps(decoder, max_new_tokens, sampling or Sampling(), stops, pad_id=fill)]
+    return Decoded(np.array(tokens, dtype=np.int64).T, np.stack(decoder.aligns, 1), np.stack(decoder.logits, 1))
 
 
 # ------------------------------------------------------------------ generate (runtime/driver.py)
