@@ -22,7 +22,7 @@ import pytest
 
 from conftest import MODELS, build, ort_run
 from tessera.compiler.reference import interpret
-from tessera.runtime.weights import WeightsError, load_weights, name_map_for
+from tessera.runtime.io.weights import WeightsError, load_weights, name_map_for
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 torch = pytest.importorskip("torch")

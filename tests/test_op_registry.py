@@ -17,7 +17,7 @@ from tessera.compiler.ir import dims
 from tessera.compiler.ir.graph import Graph, TensorType
 from tessera.compiler.ops import registry
 from tessera.compiler.reference import interpret
-from tessera.runtime.weights import init_weights
+from tessera.runtime.io.weights import init_weights
 from tessera.spec.diagnostics import SpecError
 
 COMPILER = ROOT / "compiler"

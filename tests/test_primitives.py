@@ -9,7 +9,7 @@ from tessera.compiler.ops.attention import causal
 from tessera.compiler.ops.norm import layernorm
 from tessera.compiler.reference import interpret
 from tessera.compiler.reference.numerics import erf, sinusoidal_table, softmax
-from tessera.runtime.weights import init_weights
+from tessera.runtime.io.weights import init_weights
 
 ALL_OPS = """
 block widen(x: [B, T, d], factor = 2) -> [B, T, d * factor] {
