@@ -15,7 +15,7 @@ from tessera.compiler.passes.attention_kernels import Target
 from tessera.compiler.passes.kv_cache import CacheError, CacheInfo
 from tessera.compiler.passes.pipeline import PIPELINES, PipelineOptions, build_pipeline, pipeline, run_report
 from tessera.compiler.passes.quantize import QuantConfig
-from tessera.runtime import generate as gen
+from tessera.runtime.generation import cached as gen
 from tessera.runtime import pipeline as rt
 
 GPT2 = ("gpt2", ["layers=2", "d=64", "heads=4", "vocab=50", "ctx=32"])
