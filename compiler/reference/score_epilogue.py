@@ -113,23 +113,28 @@ class Feature:
     stage: int                      # order in the epilogue; features of one stage commute
     attrs: dict = field(default_factory=dict)
     active: Callable[[dict], bool] = lambda a: True
+    what: str = ""                  # in words, for --explain ("padding mask"); the name if empty
+
+    @property
+    def words(self) -> str:
+        return self.what or self.name
 
 
 FEATURES: dict[str, Feature] = {f.name: f for f in (
-    Feature("scale", 0, {"scale": Attr((float,), "multiplies the scores", finite, required=True)}),
+    Feature("scale", 0, {"scale": Attr((float,), "multiplies the scores", finite, required=True)}, what="scale"),
     Feature("softcap", 1, {"softcap": Attr((float,), "tanh(s)·c on the scaled scores", positive)},
-            lambda a: bool(a.get("softcap"))),
+            lambda a: bool(a.get("softcap")), "logit soft-capping"),
     Feature("bias", 2, {"bias": Attr((bool,), "an additive bias tensor is an input (after the mask)",
                                      required=True)},
-            lambda a: bool(a.get("bias"))),
+            lambda a: bool(a.get("bias")), "additive bias"),
     Feature("causal", 2, {"causal": Attr((bool,), "hide keys after each query", required=True)},
-            lambda a: bool(a.get("causal"))),
+            lambda a: bool(a.get("causal")), "causal mask"),
     Feature("window", 2, {"window": Attr((int,), "with causal: also hide keys this far back (0: none)",
                                          non_negative, required=True)},
-            lambda a: bool(a.get("window"))),
+            lambda a: bool(a.get("window")), "sliding window"),
     Feature("padding", 2, {"padding": Attr((bool,), "a key padding mask [B, Tk] is an input (0 = padding)",
                                            required=True)},
-            lambda a: bool(a.get("padding"))),
+            lambda a: bool(a.get("padding")), "padding mask"),
 )}
 
 # The epilogue in order: (features a step computes, the step). Every feature has exactly one step.
@@ -144,6 +149,11 @@ STEPS: list[tuple[tuple[str, ...], Callable]] = [
 def used(attrs: dict) -> list[str]:
     """The features a fused node's attributes turn on, in epilogue order."""
     return [f.name for f in sorted(FEATURES.values(), key=lambda f: f.stage) if f.active(attrs)]
+
+
+def words(features) -> str:
+    """Features in words: "padding mask, additive bias"."""
+    return ", ".join(FEATURES[f].words if f in FEATURES else f for f in features)
 
 
 def apply(s: np.ndarray, attrs: dict, where: Where) -> np.ndarray:
