@@ -269,8 +269,8 @@ def _topk_gates(t, a):
 
 
 # ------------------------------------------------------------------ fused attention
-# The attribute schema of fused_attention: every attribute a node may carry, its type and allowed
-# values. The score epilogue's own (scale, softcap, bias, causal, window, padding) come from
+# The attribute schema of fused_attention (``fused_schema``): every attribute a node may carry, its
+# type and allowed values. The score epilogue's own (scale, softcap, bias, causal, window, padding) come from
 # reference/score_epilogue.py's FEATURES, so a new score option declares its attributes once; the
 # rest describe the heads and the kernel the lowering uses (set by passes/attention_kernels.py and
 # passes/kv_cache.py). An attribute not named here, or of the wrong type, is a ShapeError from the
@@ -294,7 +294,6 @@ def _names(n):
 
 
 FUSED_ATTRS: dict[str, Attr] = {
-    **{name: spec for f in score_epilogue.FEATURES.values() for name, spec in f.attrs.items()},
     "heads": Attr((int,), "query heads", _at_least(1), required=True),
     "kv_heads": Attr((int,), "key/value heads (grouped-query attention: fewer, dividing heads)", _at_least(1),
                      required=True),
@@ -310,15 +309,23 @@ FUSED_ATTRS: dict[str, Attr] = {
 }
 
 
+def fused_schema() -> dict[str, Attr]:
+    """Every fused_attention attribute: the score epilogue's (read from its table now, so a feature
+    added there is known here) and FUSED_ATTRS."""
+    return {**{name: spec for f in score_epilogue.FEATURES.values() for name, spec in f.attrs.items()},
+            **FUSED_ATTRS}
+
+
 def check_fused_attrs(a: dict) -> None:
     """Raise ShapeError for an unknown, missing or ill-typed fused_attention attribute, or a value
     outside its range."""
-    unknown = sorted(set(a) - set(FUSED_ATTRS))
+    schema = fused_schema()
+    unknown = sorted(set(a) - set(schema))
     if unknown:
         raise ShapeError(f"fused_attention: unknown attribute{'s' * (len(unknown) > 1)} {', '.join(unknown)} "
-                         f"(known: {', '.join(FUSED_ATTRS)}; a new score option is declared in "
+                         f"(known: {', '.join(schema)}; a new score option is declared in "
                          f"compiler/reference/score_epilogue.py)")
-    for name, spec in FUSED_ATTRS.items():
+    for name, spec in schema.items():
         if name not in a:
             if spec.required:
                 raise ShapeError(f"fused_attention: attribute {name} ({spec.doc}) is missing")

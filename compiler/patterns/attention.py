@@ -416,8 +416,12 @@ def match(g: Graph, softmax: Node) -> AttentionMatch:
         if reason:
             m.fail(reason)
         else:
+            before = (attributes(m), m.scaled)
             rule.absorb(g, node, m)
             m.features.append(rule.feature)
+            if (attributes(m), m.scaled) == before:
+                m.fail(f"the scores pass through {node.op} ({node.name}), but its ScoreRule's absorb records "
+                       f"nothing on the fused node ({rule.feature})")
         path.append(node.name)
         cur = rule.scores(g, node)
     qk = node

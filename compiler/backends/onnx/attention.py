@@ -28,6 +28,7 @@ import numpy as np
 from onnx import TensorProto, helper
 
 from tessera.compiler.backends.onnx import score_epilogue as epilogue
+from tessera.compiler.ops.attention import check_fused_attrs
 
 
 SCORE_BLOCK_BUDGET = 16 * 1024 * 1024  # bytes of scores one head's tile may hold
@@ -80,6 +81,7 @@ def _scalar(b, value, dtype=np.int64) -> str:
 
 
 def lower_fused_attention(b, node, out: str) -> None:
+    check_fused_attrs(node.attrs)  # an attribute no kernel reads is an error, never dropped
     impl = node.attrs.get("impl", "portable")
     if impl in ("cached", "phased"):  # attention over a KV cache (compiler/passes/kv_cache.py)
         from tessera.compiler.backends.onnx import cached_attention
