@@ -207,7 +207,7 @@ def _portable(b, node, out: str, names: list[str] | None = None) -> None:
     last_start = b.node("Sub", [tq, tile_c])[0]  # the last tile ends at Tq (it may overlap the one before)
     k_t_all = b.node("Transpose", [k], perm=[0, 1, 3, 2])[0]  # Kᵀ once: [B, G, d, Tk]
     offset = b.node("Sub", [tk, tq])[0]  # keys before the first query (0 for self-attention)
-    prep = epilogue.prepare(b, a, mask, bias, q_t, k_t, tiled=True, tile=tile_c, offset=offset)
+    prep = epilogue.prepare(b, a, mask, bias, q_t, k_t, tiled=True, tile=tile_c, positions=(tq, tk, offset))
 
     # ---- loop body: head h, query tile j (iteration i = h * n_tiles + j)
     outer_nodes = b.nodes
@@ -238,17 +238,19 @@ def _portable(b, node, out: str, names: list[str] | None = None) -> None:
     v_tile = b.node("Slice", [v, pair(kv_h, k_start), pair(kv_h1, k_end), axes_hr])[0]
     keys_t = lambda lo, hi: b.node("Slice", [k_t_all, pair(kv_h, lo), pair(kv_h1, hi), b.i64([1, 3])])[0]  # noqa: E731
 
-    def scores(lo, hi, causal):  # the tile's scores against keys [lo, hi), through the score epilogue
-        blk = epilogue.Block(rows=(start, end), cols=(lo, hi), head=(h, h1), scaled=True, causal=causal)
-        return epilogue.apply(b, a, b.node("MatMul", [q_tile, keys_t(lo, hi)])[0], prep, blk)
-
+    block = lambda lo, hi, causal="compute": epilogue.Block(rows=(start, end), cols=(lo, hi), head=(h, h1),  # noqa: E731
+                                                           scaled=True, causal=causal)
     if prep.triangle is not None:
         # Keys before the tile's first row are visible to every row of the tile; only the last
         # tile × tile block (the diagonal) needs the causal mask, a constant added to that block.
+        # The epilogue's steps before the masks run on each part, the rest once on the whole tile.
         d_start = b.node("Sub", [k_end, tile_c])[0]
-        s = b.node("Concat", [scores(zero, d_start, "visible"), scores(d_start, k_end, "triangle")], axis=-1)[0]
+        part = lambda lo, hi: epilogue.apply(b, a, b.node("MatMul", [q_tile, keys_t(lo, hi)])[0], prep,  # noqa: E731
+                                             block(lo, hi), epilogue.before_masks)
+        s = b.node("Concat", [part(zero, d_start), epilogue.add_triangle(b, part(d_start, k_end), prep)], axis=-1)[0]
+        s = epilogue.apply(b, a, s, prep, block(k_start, k_end, "visible"), epilogue.from_masks)
     else:
-        s = scores(k_start, k_end, "compute")
+        s = epilogue.apply(b, a, b.node("MatMul", [q_tile, keys_t(k_start, k_end)])[0], prep, block(k_start, k_end))
     p = b.node("Softmax", [s], axis=-1)[0]
     tile_out = b.node("MatMul", [p, v_tile])[0]  # [B, 1, tile, hv]
     b.node("Identity", [cond_in], [cond_out])

@@ -37,7 +37,7 @@ class Prepared:
     tk: str                       # (causal only)
     offset: str
     min_value: str
-    keep: str | None = None       # padding mask [B, 1, 1, Tk], True = visible
+    hidden: str | None = None     # padding mask [B, 1, 1, Tk], True = hidden
     bias: str | None = None       # the bias (rank 4 when tiled)
     bias_axes: tuple = (False, False, False)  # tiled: whether the bias varies over heads, rows, columns
     triangle: str | None = None   # tiled causal without window: [tile, tile] 0 on/below the diagonal, min above
@@ -52,29 +52,33 @@ class Block:
     cols: tuple[str, str] | None = None   # key indices [start, end); None: all Tk
     head: tuple[str, str] | None = None   # one head [h, h + 1) (tiled kernels slice the bias by it)
     scaled: bool = False                  # the queries were multiplied by the scale before the product
-    causal: str = "compute"               # compute | visible (no key of the block is after its rows) | triangle
+    causal: str = "compute"               # compute | visible (no key hidden by it, or add_triangle done)
     view: Callable[[str], str] | None = None  # a [B, 1|H, T, Tk] operand to the layout of the block
     extra: dict = field(default_factory=dict)  # for steps a new feature adds
 
 
 def prepare(b, a: dict, mask: str | None, bias: str | None, q_t, k_t, tiled: bool = False,
-            tile: str | None = None, additive: str | None = None, offset: str | None = None) -> Prepared:
+            tile: str | None = None, additive: str | None = None,
+            positions: tuple[str, str, str] | None = None) -> Prepared:
     """``mask``/``bias``: the node's padding mask and bias inputs (or None); ``tile``: the tiled kernel's
     square tile size, for the causal triangle; ``additive``: a mask the cache built (``decode_mask``);
-    ``offset``: Tk - Tq where the kernel has it already."""
+    ``positions``: (Tq, Tk, Tk - Tq) where the kernel has them already."""
     np_dtype = np.float16 if q_t.dtype == "f16" else np.float32
     p = Prepared(np_dtype, "", "", "", b.const(np.array(np.finfo(np_dtype).min, dtype=np_dtype), "min"),
                  additive=additive)
-    if a.get("causal") and additive is None:  # the causal mask's positions
+    if positions is not None:
+        p.tq, p.tk, p.offset = positions
+    elif a.get("causal") and additive is None:  # the causal mask's positions
         p.tq, p.tk = b.dim_scalar(q_t.shape[-2]), b.dim_scalar(k_t.shape[-2])
-        p.offset = offset or b.node("Sub", [p.tk, p.tq])[0]
+        p.offset = b.node("Sub", [p.tk, p.tq])[0]
     if mask is not None and additive is None:
         m_dtype = b.graph.type_of(mask).dtype
-        keep = mask
-        if m_dtype != "bool":
+        if m_dtype == "bool":
+            hidden = b.node("Not", [mask])[0]
+        else:
             zero_m = b.const(np.array(0, dtype=np.int64 if m_dtype == "i64" else np.int32), "zero")
-            keep = b.node("Not", [b.node("Equal", [mask, zero_m])[0]])[0]
-        p.keep = b.node("Unsqueeze", [keep, b.i64([1, 2])])[0]
+            hidden = b.node("Equal", [mask, zero_m])[0]
+        p.hidden = b.node("Unsqueeze", [hidden, b.i64([1, 2])])[0]
     if bias is not None:
         p.bias = bias
         if tiled:
@@ -128,9 +132,7 @@ def _masks(b, a, s, p: Prepared, blk: Block) -> str:
     """Causal, sliding window and padding: hidden scores become the dtype's minimum (weight 0)."""
     if p.additive is not None:  # one mask for all three, built by the cached kernel
         return b.node("Add", [s, blk.view(p.additive) if blk.view else p.additive])[0]
-    if a.get("causal") and blk.causal == "triangle":
-        s = b.node("Add", [s, p.triangle])[0]
-    elif a.get("causal") and blk.causal == "compute":
+    if a.get("causal") and blk.causal == "compute":
         zero, one = _scalar(b, 0), _scalar(b, 1)
         r0, r1 = blk.rows or (zero, p.tq)
         c0, c1 = blk.cols or (zero, p.tk)
@@ -141,12 +143,30 @@ def _masks(b, a, s, p: Prepared, blk: Block) -> str:
             far = b.node("LessOrEqual", [cols, b.node("Sub", [rows, _scalar(b, a["window"])])[0]])[0]
             hide = b.node("Or", [hide, far])[0]
         s = b.node("Where", [hide, p.min_value, s])[0]
-    if p.keep is not None:
-        keep = p.keep
+    if p.hidden is not None:
+        hidden = p.hidden
         if blk.cols is not None:
-            keep = b.node("Slice", [keep, _u(b, blk.cols[0]), _u(b, blk.cols[1]), b.i64([3])])[0]
-        s = b.node("Where", [blk.view(keep) if blk.view else keep, s, p.min_value])[0]
+            hidden = b.node("Slice", [hidden, _u(b, blk.cols[0]), _u(b, blk.cols[1]), b.i64([3])])[0]
+        s = b.node("Where", [blk.view(hidden) if blk.view else hidden, p.min_value, s])[0]
     return s
+
+
+def add_triangle(b, s: str, p: Prepared) -> str:
+    """The causal mask of a tiled kernel's diagonal block (the tile's last tile × tile scores): the
+    prepared triangle added. The tiled kernel then applies the rest with ``Block(causal="visible")``."""
+    return b.node("Add", [s, p.triangle])[0]
+
+
+# The stage of the masks (and the bias): steps before it run on each part of a split block.
+MASKS = reference.FEATURES["causal"].stage
+
+
+def before_masks(stage: int) -> bool:
+    return stage < MASKS
+
+
+def from_masks(stage: int) -> bool:
+    return stage >= MASKS
 
 
 # The epilogue's steps: (features a step computes, the step), as compiler/reference/score_epilogue.py's STEPS.
@@ -163,8 +183,10 @@ def computed() -> frozenset[str]:
     return frozenset(f for feats, _ in STEPS for f in feats)
 
 
-def apply(b, a: dict, s: str, p: Prepared, blk: Block) -> str:
-    """The epilogue on a block of raw scores q·kᵀ, in the reference's stage order."""
+def apply(b, a: dict, s: str, p: Prepared, blk: Block, stages: Callable[[int], bool] = lambda stage: True) -> str:
+    """The epilogue on a block of raw scores q·kᵀ, in the reference's stage order; ``stages``: only
+    the steps of these stages (a tiled kernel runs ``before_masks`` on each part of a split block,
+    then ``from_masks`` on their concatenation)."""
     on = set(reference.used(a))
     missing = on - computed()
     if missing:  # passes/attention_kernels.py never picks a kernel using this epilogue for such a node
@@ -172,6 +194,6 @@ def apply(b, a: dict, s: str, p: Prepared, blk: Block) -> str:
     stage = lambda step: min((reference.FEATURES[f].stage for f in step[0] if f in reference.FEATURES),  # noqa: E731
                              default=len(reference.FEATURES))
     for feats, step in sorted(STEPS, key=stage):
-        if on & set(feats):
+        if on & set(feats) and stages(stage((feats, step))):
             s = step(b, a, s, p, blk)
     return s
