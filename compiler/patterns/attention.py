@@ -4,18 +4,24 @@ Used by the fusion pass (passes/fuse_attention.py), the kernel choice
 (passes/attention_kernels.py) and the report's structure analysis
 (analysis/structure.py), so ``--explain`` and the report always agree on which
 softmax is attention and what it covers. It lives in patterns/, below both
-passes/ and analysis/, because neither may import the other.
+passes/ and analysis/, so that both read the one recogniser.
 
 A match starts at a softmax. Forward, the weights must reach a matmul as its
 left operand (the ·V matmul), optionally through pass-through ops. Backward,
 the walk follows the scores through ``SCORE_RULES`` to the Q·Kᵀ matmul. The
 table is tinygrad-pattern-matcher style, one row per op that may sit on the
-score path: (op, check, absorb, scores), where
+score path: (op, check, absorb, scores, feature), where
 
 - ``check`` says why the fused kernel cannot absorb that node (None: it can),
 - ``absorb`` records what the node contributes to the fused node (the
   rewrite description: scale, causal window, padding mask, additive bias),
-- ``scores`` names the operand that carries the scores, so the walk goes on.
+- ``scores`` names the operand that carries the scores, so the walk goes on,
+- ``feature`` names the score-epilogue feature (compiler/reference/score_epilogue.py
+  ``FEATURES``) the absorbed node becomes. A feature the epilogue does not know, a
+  rule with none, an absorb that records nothing, or features in an order the
+  epilogue does not apply them in keep the site unfused with that reason, so a new
+  rule can never be fused into a kernel that would ignore it (the kernels' allow-lists
+  and passes/attention_kernels.py ``no_kernel`` do the rest).
 
 An op missing from the table ends the walk: that softmax is not attention
 (``NoMatch`` with the reason). A failed ``check`` does not: the site is still
@@ -60,7 +66,6 @@ class AttentionMatch:
     q: str = ""
     k: str = ""                  # keys as the fused kernel takes them (no transpose, no absorbed repeat_kv)
     v: str = ""
-    k_operand: str = ""          # what the Q·Kᵀ matmul reads as Kᵀ (before fusion), for tracing the cache
     scale: float = 1.0
     causal: bool = False
     window: int = 0
@@ -429,7 +434,7 @@ def match(g: Graph, softmax: Node) -> AttentionMatch:
     m.fail(_epilogue_order(m.features))
     m.fail(_unrecorded(m))
     m.score, m.path = qk.name, path[::-1]
-    m.q, m.k_operand = qk.inputs[0], qk.inputs[1]
+    m.q = qk.inputs[0]
     m.covered = [qk.name, *m.path, softmax.name, *m.forward]
     kt = g.producer(qk.inputs[1])
     if kt is None or kt.op != "transpose" or list(kt.attrs["perm"][-2:]) != [rank - 1, rank - 2] \
@@ -475,7 +480,7 @@ def from_fused(g: Graph, n: Node) -> AttentionMatch:
     bias = extra.pop(0) if a.get("bias") else None
     return AttentionMatch(
         anchor=n.name, score=n.name, value=n.name, q=n.inputs[0], k=n.inputs[1], v=n.inputs[2],
-        k_operand=n.inputs[1], scale=float(a.get("scale", 1.0)), causal=bool(a.get("causal")),
+        scale=float(a.get("scale", 1.0)), causal=bool(a.get("causal")),
         window=int(a.get("window") or 0), mask=mask, bias=bias, heads=a.get("heads"),
         kv_heads=a.get("kv_heads"), covered=[n.name], fused=True,
         softcap=float(a["softcap"]) if a.get("softcap") else None, features=score_epilogue.used(a),
