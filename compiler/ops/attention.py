@@ -12,7 +12,7 @@ from tessera.compiler.ir import dims
 from tessera.compiler.ir.graph import TensorType
 from tessera.compiler.ops import common
 from tessera.compiler.ops.registry import ShapeError, custom, op, per_element
-from tessera.compiler.reference.flash import attention_reference
+from tessera.compiler.reference import score_epilogue
 from tessera.compiler.reference.numerics import min_value, rope_inv_freq, softmax
 
 
@@ -157,14 +157,85 @@ def _topk_gates(t, a):
 
 
 # ------------------------------------------------------------------ fused attention
+# The attribute schema of fused_attention (``fused_schema``): every attribute a node may carry, its
+# type and allowed values. The score epilogue's own (scale, softcap, bias, causal, window, padding) come from
+# reference/score_epilogue.py's FEATURES, so a new score option declares its attributes once; the
+# rest describe the heads and the kernel the lowering uses (set by passes/attention_kernels.py and
+# passes/kv_cache.py). An attribute not named here, or of the wrong type, is a ShapeError from the
+# type rule (ops.check_graph), never ignored by a kernel.
+Attr = score_epilogue.Attr
+# The lowerings backends/onnx/attention.py dispatches on (tests/test_attention_contract.py checks the two agree).
+IMPLS = ("gqa", "mha", "block", "portable", "cached", "phased")
+
+
+def _one_of(*allowed):
+    return lambda v: None if v in allowed else f"must be one of {', '.join(map(repr, allowed))}, got {v!r}"
+
+
+def _at_least(n):
+    return lambda v: None if v >= n else f"must be {n} or more, got {v}"
+
+
+def _names(n):
+    return lambda v: None if len(v) == n and all(isinstance(x, str) and x for x in v) else \
+        f"must be {n} value names, got {v!r}"
+
+
+FUSED_ATTRS: dict[str, Attr] = {
+    "heads": Attr((int,), "query heads", _at_least(1), required=True),
+    "kv_heads": Attr((int,), "key/value heads (grouped-query attention: fewer, dividing heads)", _at_least(1),
+                     required=True),
+    "impl": Attr((str,), "the kernel that lowers the node (passes/attention_kernels.py)", _one_of(*IMPLS)),
+    "q_tile": Attr((int,), "query rows per tile (portable kernel)", _at_least(1)),
+    "k_tile": Attr((int,), "key columns per tile", _at_least(1)),
+    "block_bytes": Attr((int,), "an If picks the block kernel while the scores fit this many bytes (0: never)",
+                        _at_least(0)),
+    "decode": Attr((str,), "the KV-cached decoding step's kernel (passes/kv_cache.py)", _one_of("gqa")),
+    "buffer_outputs": Attr((list, tuple), "the cache buffers a gqa decoding step writes", _names(2)),
+    "length_input": Attr((str,), "the cache_length input a gqa decoding step reads", lambda v: None if v else
+                         "must name an input"),
+}
+
+
+def fused_schema() -> dict[str, Attr]:
+    """Every fused_attention attribute: the score epilogue's (read from its table now, so a feature
+    added there is known here) and FUSED_ATTRS."""
+    return {**{name: spec for f in score_epilogue.FEATURES.values() for name, spec in f.attrs.items()},
+            **FUSED_ATTRS}
+
+
+def check_fused_attrs(a: dict) -> None:
+    """Raise ShapeError for an unknown, missing or ill-typed fused_attention attribute, or a value
+    outside its range."""
+    schema = fused_schema()
+    unknown = sorted(set(a) - set(schema))
+    if unknown:
+        raise ShapeError(f"fused_attention: unknown attribute{'s' * (len(unknown) > 1)} {', '.join(unknown)} "
+                         f"(known: {', '.join(schema)}; a new score option is declared in "
+                         f"compiler/reference/score_epilogue.py)")
+    for name, spec in schema.items():
+        if name not in a:
+            if spec.required:
+                raise ShapeError(f"fused_attention: attribute {name} ({spec.doc}) is missing")
+            continue
+        problem = spec.problem(a[name])
+        if problem:
+            raise ShapeError(f"fused_attention: attribute {name} ({spec.doc}) {problem}")
+    if a["window"] and not a["causal"]:
+        raise ShapeError("fused_attention: a sliding window (window > 0) needs causal")
+    if a["heads"] % a["kv_heads"]:
+        raise ShapeError(f"fused_attention: {a['heads']} query heads do not divide into {a['kv_heads']} groups")
+
+
 def _fused_ref(x, a, ev):
     rep = a["heads"] // a["kv_heads"]
-    k_, v_ = np.repeat(x[1], rep, axis=1), np.repeat(x[2], rep, axis=1)
+    q, k_, v_ = x[0], np.repeat(x[1], rep, axis=1), np.repeat(x[2], rep, axis=1)
     extra = x[3:]
     mask = extra.pop(0) if a["padding"] else None
     bias = extra.pop(0) if a["bias"] else None
-    return attention_reference(x[0], k_, v_, a["scale"], a["causal"], a["window"], mask, bias,
-                               a.get("softcap") or 0.0)
+    s = score_epilogue.apply(q @ np.swapaxes(k_, -1, -2), a,
+                             score_epilogue.Where(q.shape[-2], k_.shape[-2], key_mask=mask, bias=bias))
+    return softmax(s, -1) @ v_
 
 
 def _pairs(c):
@@ -201,6 +272,10 @@ def _fused_flops(c):
 def _fused_attention(t, a):
     """softmax(cap(q·kᵀ·scale) + masks + bias)·v on [B, H, T, hd] with kv_heads key/value heads; with
     attrs["softcap"] = c > 0, cap(s) = tanh(s)·c (logit soft-capping, the 1/c folded into the scale)."""
+    check_fused_attrs(a)
+    n_in = 3 + int(a["padding"]) + int(a["bias"])
+    if len(t) != n_in:
+        raise ShapeError(f"fused_attention: {len(t)} inputs, its attributes (padding, bias) say {n_in}")
     q, k, v = t[0], t[1], t[2]
     if q.rank != 4 or k.rank != 4 or v.rank != 4:
         raise ShapeError("fused_attention takes q, k, v as [B, H, T, hd]")
