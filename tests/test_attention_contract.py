@@ -30,7 +30,7 @@ from tessera.compiler.passes.pipeline import optimize
 from tessera.compiler.patterns import attention as pattern
 from tessera.compiler.reference import interpret
 from tessera.compiler.reference import score_epilogue as ref_epilogue
-from tessera.runtime.weights import init_weights
+from tessera.runtime.io.weights import init_weights
 
 HI = 0.5  # the clamp's upper bound: small enough that it bites (scores here reach about 3)
 
