@@ -1,0 +1,75 @@
+"""What the serving engine needs from the rest of the runtime, in one place: the cached decoder
+(compiled with the plain decoding branch, see ``load``), token choice, the tokenizer and the errors.
+
+Why one module: the engine and the server import the runtime only through here, so the runtime can
+be reorganised by changing these imports alone.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tessera.runtime import generate as _gen
+from tessera.runtime import pipeline as _pipeline
+from tessera.runtime.text import load_tokenizer  # noqa: F401  (re-exported)
+
+CachedModel = _gen.CachedModel
+Sampling = _gen.Sampling
+choose = _gen.choose
+UsageError = _pipeline.UsageError
+
+# Why the engine decodes with the plain branch: see ``DECODE_REASON``.
+DECODE = "plain"
+DECODE_REASON = (
+    "decode (T = 1): plain MatMul/Softmax over the cache buffer with a per-row slot mask and per-row "
+    "positions, so every row of one step has its own length and sequences join and leave at any step. "
+    "The GroupQueryAttention branch (the CPU default of `tessera generate`) takes one scalar cache_length "
+    "for all rows and writes every row's new column at that one slot, which cannot hold rows of different "
+    "lengths; the plain branch reads the buffer in place with no binding and the engine writes each row's "
+    "new column at that row's own slot.")
+
+
+def load(spec: str, variant: str | None = None, sets: list[str] | None = None, weights: str | None = None,
+         seed: int = 0, threads: int | None = None) -> CachedModel:
+    """The cached decoder for the engine: a .tsr spec (or a bundled spec's name) compiled now with the
+    plain decoding branch in buffer mode, or an .onnx file compiled with ``--kv-cache --decode plain``."""
+    path = Path(spec)
+    if path.suffix == ".onnx" or path.is_dir():
+        if variant or sets or weights:
+            raise UsageError("--variant, --set and --weights apply to .tsr specs; an .onnx file is already compiled")
+        model = CachedModel.from_onnx(path, threads=threads)
+    else:
+        built = _pipeline.build(spec, variant, sets or [], weights)
+        from tessera.runtime.generate_cli import target_input
+
+        if target_input(built.graph) is not None:
+            raise UsageError(f"{spec} is an encoder-decoder; `tessera serve` serves decoder-only models")
+        w = _pipeline.weights_for(built, weights, seed)
+        proto, info = _gen.compile_cached(built, w, mode="buffer", decode=DECODE)
+        model = CachedModel(proto.SerializeToString(), info, threads=threads)
+    check_fit(model)
+    return model
+
+
+def check_fit(model: CachedModel) -> None:
+    """The engine needs buffer mode (a preallocated cache, one row per slot) and the plain decoding
+    branch (per-row lengths); say how to recompile otherwise."""
+    info = model.info
+    if info.mode != "buffer":
+        raise UsageError("the engine needs a buffer-mode cache (sliding-window models compile to concat mode, "
+                         "which the engine does not serve); recompile with --kv-cache --cache buffer")
+    if info.length_input:
+        raise UsageError("this file decodes with GroupQueryAttention, one cache length for every row, so rows of "
+                         "different lengths cannot share a step; recompile it with "
+                         "`tessera compile --kv-cache --decode plain`, or serve the .tsr spec")
+    if model.vocab is None:
+        raise UsageError("the model's vocabulary size is not static; the engine needs it")
+
+
+def tokenizer_folder_file(tokenizer_path: str | Path, name: str) -> Path | None:
+    """A file next to tokenizer.json (tokenizer_config.json, generation_config.json), if present."""
+    p = Path(tokenizer_path).parent / name
+    return p if p.is_file() else None
+
+
+TextStopper = _gen.TextStopper
