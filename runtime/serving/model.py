@@ -73,3 +73,36 @@ def tokenizer_folder_file(tokenizer_path: str | Path, name: str) -> Path | None:
 
 
 TextStopper = _gen.TextStopper
+encode_prompts = _gen.encode_prompts
+stop_token_ids = _gen.stop_token_ids
+
+
+def eos_ids(tokenizer, tokenizer_path: str | Path | None) -> list[int]:
+    """The end-of-sequence tokens: ``eos_token`` of tokenizer_config.json and ``eos_token_id`` of
+    generation_config.json / config.json beside the tokenizer (a request stops there unless it
+    says ignore_eos). None found: no end-of-sequence token."""
+    import json
+
+    if tokenizer is None or tokenizer_path is None:
+        return []
+    out: list[int] = []
+    for name in ("tokenizer_config.json", "generation_config.json", "config.json"):
+        f = tokenizer_folder_file(tokenizer_path, name)
+        if f is None:
+            continue
+        try:
+            data = json.loads(f.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            continue
+        if not isinstance(data, dict):
+            continue
+        tok = data.get("eos_token")
+        if isinstance(tok, dict):
+            tok = tok.get("content")
+        if isinstance(tok, str) and tokenizer.token_to_id(tok) is not None:
+            out.append(int(tokenizer.token_to_id(tok)))
+        ids = data.get("eos_token_id")
+        for i in ids if isinstance(ids, list) else [ids]:
+            if isinstance(i, int) and not isinstance(i, bool) and i >= 0:
+                out.append(i)
+    return sorted(set(out))
