@@ -22,6 +22,7 @@ import json
 import time
 from typing import Annotated, Literal, Union
 
+from fastapi import Request as HttpRequest
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationError
 
 from .chat import ChatTemplate, ChatTemplateError
@@ -255,7 +256,7 @@ def _finish_reason(handle: Handle) -> str:
 
 def create_app(server: Server):
     """The FastAPI application over ``server`` (its engine must be started)."""
-    from fastapi import FastAPI, Request as HttpRequest
+    from fastapi import FastAPI
     from fastapi.exceptions import RequestValidationError
     from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
     from starlette.exceptions import HTTPException as StarletteHTTPException
