@@ -5,17 +5,18 @@ started. Here requests arrive at any time; each decoding step runs every active 
 onnxruntime call (a step reads the weights once for all its rows), a sequence that finishes leaves
 at once and a waiting one joins at the next step.
 
-The cache (allocated once, at start-up, and never again): per layer and key/value one array
-``[max_batch, kv_heads, capacity, hd]``, plus a slot mask ``[max_batch, capacity]``. Row i of the
-buffer is slot i; the active sequences always occupy the first n slots, so a step feeds the
-contiguous block ``[:n]`` with no copy. When a sequence leaves, the last one moves into its slot
-(its filled columns are copied: a few rows, once). Each row keeps its own length: its tokens fill
-its columns from 0, its positions count its own tokens, and the mask hides its unfilled columns, so
-rows of any lengths share a step -- that needs the plain decoding branch (serving/model.py
-``DECODE_REASON``). A step attends over the first W columns only (W = the longest active row,
-rounded up to ``WIDTH_STEP``): when W is at most half the capacity those columns are copied into a
-scratch buffer (allocated at start-up too, half the cache) -- cheaper than attending over
-``capacity`` mostly masked columns.
+The cache (allocated once, at start-up, and never again): per layer and key/value one flat array
+of ``max_batch * kv_heads * capacity * hd`` elements, plus a slot mask ``[max_batch, capacity]``.
+Its live view is the prefix reshaped to ``[max_batch, kv_heads, W, hd]`` -- contiguous, so a step
+feeds it to onnxruntime with no copy -- where the width W is the longest active row rounded up to
+``WIDTH_STEP``: a step attends over W columns, not over ``capacity`` mostly masked ones. When a row
+outgrows W the view is widened in place (``_relayout``: each (row, head) block moved to its new
+offset, last first; once per ``WIDTH_STEP`` tokens of growth), and narrowed when the long rows have
+left. Row i of the view is slot i; the active sequences always occupy the first n slots, so a step
+feeds the block ``[:n]``. When a sequence leaves, the last one moves into its slot (its filled
+columns are copied, once). Each row keeps its own length: its tokens fill its columns from 0, its
+positions count its own tokens, and the mask hides its unfilled columns, so rows of any lengths
+share a step -- that needs the plain decoding branch (serving/model.py ``DECODE_REASON``).
 
 Prompts are prefilled between decoding steps in chunks of at most ``prefill_chunk`` tokens, one
 chunk per iteration, so a long prompt delays the running streams by at most one chunk per step.
@@ -141,6 +142,10 @@ class Handle:
                 return
 
 
+def _round_up(columns: int) -> int:
+    return -(-columns // WIDTH_STEP) * WIDTH_STEP
+
+
 class _Sequence:
     """A request in a slot: how much of its prompt is in the cache, the token to feed next."""
 
@@ -192,16 +197,17 @@ class Engine:
         self.tokenizer, self.eos_ids = tokenizer, frozenset(int(t) for t in eos_ids)
         self.metrics = metrics or Metrics()
         self.vocab = model.vocab
-        # ---- the cache, once: [max_batch, kv_heads, capacity, hd] per layer and key/value
-        self.cache: dict[str, np.ndarray] = {}
-        self.scratch: dict[str, np.ndarray] = {}  # flat, half the cache: the first W columns of a step
+        # ---- the cache, once: max_batch x kv_heads x capacity x hd elements per layer and key/value
+        self.cache: dict[str, np.ndarray] = {}  # flat; viewed as [max_batch, kv_heads, width, hd]
+        self.dims: dict[str, tuple[int, int]] = {}  # (kv_heads, hd)
         self.empty: dict[str, np.ndarray] = {}  # [1, kv_heads, 0, hd]: a prompt's first chunk's past
-        self.half = capacity // 2
         for layer in info.layers:
             for name, size in ((layer.past_key, layer.head_size), (layer.past_value, layer.value_size)):
-                self.cache[name] = np.zeros((max_batch, layer.kv_heads, capacity, size), dtype=model.np_dtype)
-                self.scratch[name] = np.zeros(max_batch * layer.kv_heads * self.half * size, dtype=model.np_dtype)
+                self.cache[name] = np.zeros(max_batch * layer.kv_heads * capacity * size, dtype=model.np_dtype)
+                self.dims[name] = (layer.kv_heads, size)
                 self.empty[name] = np.zeros((1, layer.kv_heads, 0, size), dtype=model.np_dtype)
+        self.width = min(WIDTH_STEP, capacity)  # columns of the live view
+        self.relayouts = 0
         self.slots = np.zeros((max_batch, capacity), dtype=np.int64)
         self.cache_allocations = 1  # the tests check that no step adds to it
         self.rows: list[_Sequence] = []  # slot i holds rows[i]; the active ones are the first len(rows)
@@ -219,8 +225,8 @@ class Engine:
 
     @property
     def memory_bytes(self) -> int:
-        """The engine's whole preallocated state: cache, scratch and slot mask (the stated budget)."""
-        return self.cache_bytes + sum(a.nbytes for a in self.scratch.values()) + self.slots.nbytes
+        """The engine's whole preallocated state: the cache and the slot mask (the stated budget)."""
+        return self.cache_bytes + self.slots.nbytes
 
     def describe(self) -> str:
         """The start-up statement: slots, capacity, the memory budget and the decoding kernel."""
@@ -231,9 +237,9 @@ class Engine:
                 f"prefill chunk {self.prefill_chunk} tokens\n"
                 f"memory budget: {self.memory_bytes / 2**20:.1f} MiB allocated once at start "
                 f"(KV cache {self.cache_bytes / 2**20:.1f} MiB = {self.max_batch} slots x "
-                f"{per_slot / 2**20:.2f} MiB over {len(self.info.layers)} layers; step scratch "
-                f"{sum(a.nbytes for a in self.scratch.values()) / 2**20:.1f} MiB); per request "
-                f"{'a vocabulary-sized mask with repetition penalty' if self.vocab else 'nothing more'}\n"
+                f"{per_slot / 2**20:.2f} MiB over {len(self.info.layers)} layers, viewed {WIDTH_STEP} "
+                f"columns at a time as the longest row grows); no step allocates cache; per request only its "
+                f"tokens (and a vocabulary-sized mask with repetition_penalty)\n"
                 f"{DECODE_REASON}")
 
     @property
@@ -384,17 +390,19 @@ class Engine:
         chunk = req.prompt[start:start + self.prefill_chunk]
         t, r = len(chunk), seq.slot
         ones = np.ones((1, t), dtype=np.int64)
+        self._fit(start + t)
+        views = self._views()
         if start == 0:  # against an empty past: the tiled kernel over the chunk alone, as generate prefills
             past, mask = self.empty, ones
         else:  # the row's own buffer (a contiguous block), its filled columns unmasked
-            past = {name: buf[r:r + 1] for name, buf in self.cache.items()}
-            mask = np.concatenate([self.slots[r:r + 1], ones], axis=1)
+            past = {name: v[r:r + 1] for name, v in views.items()}
+            mask = np.concatenate([self.slots[r:r + 1, :self.width], ones], axis=1)
         feeds = {info.tokens: np.array([chunk], dtype=np.int64), "attention_mask": mask,
                  "position_ids": np.arange(start, start + t, dtype=np.int64)[None], **past}
         out = self.model.run(feeds)
         for layer in info.layers:
-            self.cache[layer.past_key][r, :, start:start + t] = out[layer.present_key][0]
-            self.cache[layer.past_value][r, :, start:start + t] = out[layer.present_value][0]
+            views[layer.past_key][r, :, start:start + t] = out[layer.present_key][0]
+            views[layer.past_value][r, :, start:start + t] = out[layer.present_value][0]
         self.slots[r, start:start + t] = 1
         seq.filled += t
         self.metrics.prompt_tokens += t
@@ -409,17 +417,9 @@ class Engine:
         info, rows = self.info, self.rows
         n = len(rows)
         decoding = [s for s in rows if not s.prefilling]
-        longest = max(s.filled for s in decoding)
-        width = min(self.capacity, -(-(longest + 1) // WIDTH_STEP) * WIDTH_STEP)
-        if width > self.half:
-            width, past = self.capacity, {name: buf[:n] for name, buf in self.cache.items()}
-        else:  # the first `width` columns, copied into the scratch buffer's prefix (a contiguous view)
-            past = {}
-            for name, buf in self.cache.items():
-                view = self.scratch[name][:n * buf.shape[1] * width * buf.shape[3]].reshape(
-                    n, buf.shape[1], width, buf.shape[3])
-                np.copyto(view, buf[:n, :, :width])
-                past[name] = view
+        self._fit(max(s.filled for s in decoding) + 1)  # each row's new column goes at its `filled`
+        views, width = self._views(), self.width
+        past = {name: v[:n] for name, v in views.items()}
         tokens = np.zeros((n, 1), dtype=np.int64)
         positions = np.zeros((n, 1), dtype=np.int64)
         for s in decoding:  # a row still prefilling rides along masked; its outputs are dropped
@@ -431,8 +431,8 @@ class Engine:
         idx = np.array([s.slot for s in decoding])
         cols = np.array([s.filled for s in decoding])
         for layer in info.layers:
-            self.cache[layer.past_key][idx, :, cols] = out[layer.present_key][idx, :, 0]
-            self.cache[layer.past_value][idx, :, cols] = out[layer.present_value][idx, :, 0]
+            views[layer.past_key][idx, :, cols] = out[layer.present_key][idx, :, 0]
+            views[layer.past_value][idx, :, cols] = out[layer.present_value][idx, :, 0]
         self.slots[idx, cols] = 1
         logits = out[info.logits][:, -1, :]
         greedy = [s for s in decoding if s.handle.request.sampling.greedy and s.seen is None]
@@ -485,10 +485,42 @@ class Engine:
         if r != last:
             moved = self.rows[last]
             f = moved.filled
-            for buf in self.cache.values():
-                buf[r, :, :f] = buf[last, :, :f]
+            for v in self._views().values():
+                v[r, :, :f] = v[last, :, :f]
             self.slots[r] = self.slots[last]
             moved.slot = r
             self.rows[r] = moved
         self.slots[last] = 0
         self.rows.pop()
+        longest = max((s.filled + 1 for s in self.rows), default=1)
+        if _round_up(longest) <= self.width // 2:  # the long rows left: attend over fewer columns
+            self._relayout(_round_up(longest))
+
+    # ------------------------------------------------------------------ the live view
+    def _views(self) -> dict[str, np.ndarray]:
+        """Every cache array's live view [max_batch, kv_heads, width, hd] (a contiguous prefix)."""
+        w, b = self.width, self.max_batch
+        return {name: flat[:b * kv * w * hd].reshape(b, kv, w, hd)
+                for name, flat in self.cache.items() for kv, hd in [self.dims[name]]}
+
+    def _fit(self, columns: int) -> None:
+        """Widen the view to hold ``columns`` columns per row."""
+        if columns > self.width:
+            self._relayout(min(self.capacity, _round_up(columns)))
+
+    def _relayout(self, width: int) -> None:
+        """Re-lay the active rows' columns for a view ``width`` wide, in place: every (row, head) block
+        of ``min(old, new)`` columns moves to its new offset -- last block first when widening (its new
+        place lies at or after its old one and past every earlier block's old place), first block first
+        when narrowing -- so nothing is overwritten before it has moved."""
+        old, n = self.width, len(self.rows)
+        if width == old:
+            return
+        keep = min(old, width)
+        for name, flat in self.cache.items():
+            kv, hd = self.dims[name]
+            blocks = range(n * kv - 1, 0, -1) if width > old else range(1, n * kv)
+            for i in blocks:
+                flat[i * width * hd:(i * width + keep) * hd] = flat[i * old * hd:(i * old + keep) * hd]
+        self.width = width
+        self.relayouts += 1
