@@ -4,6 +4,8 @@ Tessera's one-request-at-a-time ``generate`` and a static batch, on the same wei
     python bench/serve.py                                   # a small Llama-shaped model, quick
     python bench/serve.py --model llama --requests 32       # the issue's Llama shape (hidden 768, 12 layers)
     python bench/serve.py --model gpt2 --concurrency 1 4 16 32
+    python bench/serve.py --model tiny --concurrency 16 16 16 16 --requests 250 --new 16 --prompt-max 64
+                                                            # a soak: 1,000 requests, RSS after each 250
 
 What runs (weights seeded; a word-level tokenizer over the model's vocabulary, one word per id, so
 every new token is one streamed chunk of text):
@@ -17,8 +19,8 @@ every new token is one streamed chunk of text):
   are done (prompts of different lengths, uniform in [--prompt-min, --prompt-max], ``--new`` tokens
   each, greedy, ``ignore_eos``). Per level: aggregate output tokens/s (all completion tokens / the
   level's wall time), time to first token p50/p99 (from sending the request to its first text chunk),
-  inter-token latency p50/p99 (between successive chunks of one stream), and the server's CPU time
-  over wall time.
+  inter-token latency p50/p99 (between successive chunks of one stream), the server's CPU time
+  over wall time and its resident memory after the level.
 
 Not a timed test: the figures depend on the machine and what else runs on it.
 """
@@ -42,10 +44,11 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 MODELS = {
+    "tiny": {"spec": "gpt2", "sets": ["layers=2", "d=64", "heads=4", "vocab=1000", "ctx=512"]},
     "small": {"spec": "llama", "sets": ["vocab=4000", "d=256", "layers=4", "heads=8", "kv_heads=4", "d_ff=704",
                                         "ctx=1024"]},
     "llama": {"spec": "llama", "sets": ["vocab=32000", "d=768", "layers=12", "heads=12", "kv_heads=12", "d_ff=3072",
-                                        "ctx=1024"]},
+                                        "ctx=512"]},
     "gpt2": {"spec": "gpt2", "variant": "small", "sets": []},
 }
 
@@ -112,6 +115,13 @@ def baselines(args, model_args: dict, ps: list[list[int]]) -> list[dict]:
 def _cpu_s(pid: int) -> float:
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _rss_mib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
 
 
 def _free_port() -> int:
@@ -197,7 +207,7 @@ def serve_levels(args, model_args: dict, tokenizer: Path, ps: list[list[int]]) -
             rows.append({"case": f"serve-{c}", "requests": len(results), "errors": errors[0],
                          "tokens_per_s": total / wall, "wall_s": wall, "ttft_p50_ms": pct(ttft, 50),
                          "ttft_p99_ms": pct(ttft, 99), "itl_p50_ms": pct(itl, 50), "itl_p99_ms": pct(itl, 99),
-                         "cpu_per_wall": cpu / wall})
+                         "cpu_per_wall": cpu / wall, "server_rss_mib": _rss_mib(proc.pid)})
     finally:
         proc.send_signal(signal.SIGTERM)
         try:
@@ -232,7 +242,7 @@ def main() -> None:
         extra = ""
         if "ttft_p50_ms" in r:
             extra = (f"  TTFT p50 {r['ttft_p50_ms']:.0f} p99 {r['ttft_p99_ms']:.0f} ms  ITL p50 {r['itl_p50_ms']:.1f} "
-                     f"p99 {r['itl_p99_ms']:.1f} ms  CPU/wall {r['cpu_per_wall']:.2f}  "
+                     f"p99 {r['itl_p99_ms']:.1f} ms  CPU/wall {r['cpu_per_wall']:.2f}  RSS {r['server_rss_mib']:.0f} MiB  "
                      f"{r['requests']} requests, {r['errors']} errors")
         print(f"{r['case']:<48} {r['tokens_per_s']:8.1f} tokens/s{extra}")
     if args.json:
