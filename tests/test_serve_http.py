@@ -308,6 +308,11 @@ def test_bad_options(capsys, args, message):
     assert rc == 2 and message in err
 
 
+def test_a_taken_port_is_a_clear_error(server, capsys):
+    rc, out, err = cli(capsys, "serve", "gpt2", *SETS, "--port", server.port)
+    assert rc == 2 and f"cannot listen on 127.0.0.1:{server.port}" in err
+
+
 def test_explain_states_the_budget_and_the_kernel(capsys):
     rc, out, err = cli(capsys, "serve", "gpt2", *SETS, "--max-batch", 4, "--explain")
     assert rc == 0

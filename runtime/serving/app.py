@@ -108,6 +108,7 @@ class Server:
 
     # ---------------------------------------------------------------- request -> engine Request
     def _request(self, body: _Body, prompt_ids: list[int], max_tokens: int | None) -> Request:
+        """The engine's Request; ``max_tokens`` None: what the context leaves (the chat route's default)."""
         if body.model is not None and body.model != self.model_name:
             raise ApiError(404, f"the model '{body.model}' does not exist; this server serves '{self.model_name}'",
                            param="model", code="model_not_found")
@@ -161,7 +162,7 @@ class Server:
         if not ids:
             raise ApiError(400, "the prompt is empty: generation needs at least one token to start from",
                            param="prompt")
-        return body, self._request(body, ids, body.max_tokens)
+        return body, self._request(body, ids, 16 if body.max_tokens is None else body.max_tokens)  # OpenAI's default
 
     def chat_request(self, data) -> tuple[ChatBody, Request]:
         body = _parse(ChatBody, data)
@@ -292,7 +293,7 @@ def create_app(server: Server):
 
     @app.get("/health")
     async def health():
-        if not server.engine._accepting:
+        if not server.engine.accepting:
             return JSONResponse({"status": "draining"}, status_code=503)
         return {"status": "ok", "running": server.engine.running, "queued": server.engine.queued}
 

@@ -153,7 +153,13 @@ def cmd_serve(args) -> int:
     opts = ServeOptions.from_args(args)
     opts.check()
     _require_extra()
-    engine, server = build_server(opts)
+    sock = None if opts.explain else _listening_socket(opts.host, opts.port)  # a taken port fails before loading
+    try:
+        engine, server = build_server(opts)
+    except BaseException:
+        if sock is not None:
+            sock.close()
+        raise
     print(engine.describe(), file=sys.stderr)
     if opts.explain:
         return 0
@@ -167,7 +173,7 @@ def cmd_serve(args) -> int:
         def handle_exit(self, sig, frame):
             if sig != signal.SIGTERM or self.should_exit:
                 return super().handle_exit(sig, frame)
-            if not engine._accepting:
+            if not engine.accepting:
                 self.should_exit = True  # a second SIGTERM: stop now
                 return
             print("SIGTERM: draining (new requests get 503)", file=sys.stderr, flush=True)
@@ -179,13 +185,35 @@ def cmd_serve(args) -> int:
 
             threading.Thread(target=finish, daemon=True).start()
 
-    config = uvicorn.Config(create_app(server), host=opts.host, port=opts.port, log_level="warning",
-                            timeout_graceful_shutdown=max(1, int(opts.drain_timeout)), access_log=False)
+    config = uvicorn.Config(create_app(server), log_level="warning", access_log=False,
+                            timeout_graceful_shutdown=max(1, int(opts.drain_timeout)))
     engine.start()
-    print(f"serving {opts.served_name} on http://{opts.host}:{opts.port} (POST /v1/completions, "
+    port = sock.getsockname()[1]
+    print(f"serving {opts.served_name} on http://{opts.host}:{port} (POST /v1/completions, "
           f"/v1/chat/completions; GET /v1/models, /health, /metrics)", file=sys.stderr, flush=True)
     try:
-        DrainingServer(config).run()
+        DrainingServer(config).run(sockets=[sock])
     finally:
         engine.close()
+        sock.close()
     return 0
+
+
+def _listening_socket(host: str, port: int):
+    """The server's socket, bound here so that a taken port or an unknown host is a clear UsageError
+    (uvicorn would log it and exit 1)."""
+    import socket
+
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        sock = socket.socket(family, kind, proto)
+    except OSError as e:
+        raise UsageError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+    except OSError as e:
+        sock.close()
+        raise UsageError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    sock.set_inheritable(True)
+    return sock

@@ -243,6 +243,11 @@ class Engine:
                 f"{DECODE_REASON}")
 
     @property
+    def accepting(self) -> bool:
+        """False once draining or closed (new requests get Unavailable)."""
+        return self._accepting
+
+    @property
     def running(self) -> int:
         return len(self.rows)
 
