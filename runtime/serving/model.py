@@ -27,7 +27,8 @@ DECODE_REASON = (
     "The GroupQueryAttention branch (the CPU default of `tessera generate`) takes one scalar cache_length "
     "for all rows and writes every row's new column at that one slot, which cannot hold rows of different "
     "lengths; the plain branch reads the buffer in place with no binding and the engine writes each row's "
-    "new column at that row's own slot.")
+    "new column at that row's own slot. bench/serve.py measures one request at a time with both branches "
+    "(docs/BENCHMARKS.md).")
 
 
 def load(spec: str, variant: str | None = None, sets: list[str] | None = None, weights: str | None = None,
