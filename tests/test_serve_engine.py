@@ -231,3 +231,18 @@ def test_engine_options_and_compiled_files(gpt2, tmp_path):
     tessera.load("models/gpt2.tsr", layers=2, d=64, heads=4, vocab=50, ctx=128).compile(path, kv_cache=True)
     with pytest.raises(UsageError, match="--decode plain"):
         serving_model.load(str(path))
+
+
+def test_a_file_compiled_with_plain_decoding_serves_the_same(gpt2, tmp_path, capsys):
+    from conftest import cli
+
+    path = tmp_path / "plain.onnx"
+    rc, out, err = cli(capsys, "compile", "gpt2", *[a for x in GPT2 for a in ("--set", x)], "--kv-cache",
+                       "--decode", "plain", "-o", path)
+    assert rc == 0, err
+    loaded = serving_model.load(str(path), threads=1)
+    reqs = _requests(6, seed=2)
+    engine = Engine(loaded, max_batch=3, prefill_chunk=16)
+    handles = [engine.submit(r) for r in reqs]
+    _run_all(engine, handles)
+    assert [h.tokens for h in handles] == [_alone(gpt2, r) for r in reqs]

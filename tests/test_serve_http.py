@@ -14,9 +14,11 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 
@@ -318,3 +320,34 @@ def test_explain_states_the_budget_and_the_kernel(capsys):
     assert rc == 0
     assert "4 slots x 128 positions" in err and "memory budget" in err and "plain" in err
     assert "GroupQueryAttention" in err
+
+
+@pytest.mark.parametrize("kind", ["bytelevel", "metaspace", "wordlevel"])
+def test_incremental_detokenizer_equals_one_decode(kind):
+    """The stream's text, decoded a window at a time, is the text of one decode of all the tokens."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from tessera.runtime.serving.app import Detokenizer
+
+    corpus = ["The quick brown fox jumps over the lazy dog.", "Ünïcödé text, façade café 東京 ok?",
+              "Serving many callers at once with one model, step by step."] * 20
+    if kind == "wordlevel":
+        tok = Tokenizer.from_file(str(_tokenizer_folder(Path(tempfile.mkdtemp()), None)))
+    else:
+        tok = Tokenizer(models.BPE(unk_token=None if kind == "bytelevel" else "<unk>"))
+        if kind == "bytelevel":
+            tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+            tok.decoder = decoders.ByteLevel()
+            trainer = trainers.BpeTrainer(vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+        else:
+            tok.pre_tokenizer = pre_tokenizers.Metaspace()
+            tok.decoder = decoders.Metaspace()
+            trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>"])
+        tok.train_from_iterator(corpus, trainer)
+    for text in (corpus[0] + " " + corpus[1], corpus[2]) if kind != "wordlevel" else ("w1 w2 w30 w4 w5",):
+        ids = tok.encode(text).ids
+        detok = Detokenizer(tok)
+        for n in range(1, len(ids) + 1):
+            streamed = detok.update(ids[:n])
+            assert tok.decode(ids[:n], skip_special_tokens=True).startswith(streamed)
+        assert streamed == tok.decode(ids, skip_special_tokens=True)

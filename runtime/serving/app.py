@@ -189,27 +189,60 @@ class Server:
         return body, self._request(body, self._encode(text, special=False), limit)
 
     # ---------------------------------------------------------------- tokens -> text
-    def text_of(self, handle: Handle, final: bool, count: int | None = None) -> str:
-        """The completion text of the first ``count`` tokens: a final stop or end-of-sequence token left
-        out, trimmed at a stop string; while not final, the tail that could still become a stop string
-        or an incomplete character is held back."""
-        if self.tokenizer is None:
-            return ""
+    def text_tokens(self, handle: Handle, final: bool, count: int | None = None) -> list[int]:
+        """The first ``count`` tokens that make text: a last stop or end-of-sequence token is left out
+        (held back while the request runs: it may be the one that stops it)."""
         req = handle.request
         tokens = handle.tokens[:count] if count is not None else list(handle.tokens)
-        if final and handle.finish_reason == "stop" and tokens and (
-                tokens[-1] in req.stop_tokens or tokens[-1] in self.engine.eos_ids):
+        if tokens and (tokens[-1] in req.stop_tokens or tokens[-1] in self.engine.eos_ids) and (
+                not final or handle.finish_reason == "stop"):
             tokens = tokens[:-1]
-        text = self.tokenizer.decode(tokens, skip_special_tokens=True)
-        cut = min((text.find(s) for s in req.stop_strings if s in text), default=-1)
+        return tokens
+
+    @staticmethod
+    def visible(handle: Handle, text: str, final: bool) -> str:
+        """``text`` trimmed at a stop string; while not final, without the tail that could still become
+        a stop string or is an incomplete character."""
+        stops = handle.request.stop_strings
+        cut = min((text.find(s) for s in stops if s in text), default=-1)
         if cut >= 0:
             return text[:cut]
         if not final:
-            hold = max((len(s) - 1 for s in req.stop_strings), default=0)
+            hold = max((len(s) - 1 for s in stops), default=0)
             text = text[:len(text) - hold] if hold else text
             while text.endswith("\ufffd"):
                 text = text[:-1]
         return text
+
+    def text_of(self, handle: Handle) -> str:
+        """The finished request's completion text (one decode of all its tokens)."""
+        if self.tokenizer is None:
+            return ""
+        text = self.tokenizer.decode(self.text_tokens(handle, True), skip_special_tokens=True)
+        return self.visible(handle, text, True)
+
+
+class Detokenizer:
+    """The text of a growing token list, each update decoding a short window instead of the whole
+    completion (a stream would otherwise cost O(n^2) decodes): the window starts at the tokens of
+    the previous update, so word joins and spaces come out as in one decode (vLLM's prefix and read
+    offsets); an update whose text ends in an incomplete character waits for the next token."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.text, self.prefix, self.read = tokenizer, "", 0, 0
+
+    def update(self, tokens: list[int]) -> str:
+        if self.tokenizer is None or len(tokens) <= self.read:
+            return self.text
+        before = self.tokenizer.decode(tokens[self.prefix:self.read], skip_special_tokens=True)
+        after = self.tokenizer.decode(tokens[self.prefix:], skip_special_tokens=True)
+        if len(after) > len(before) and after.startswith(before) and not after.endswith("\ufffd"):
+            self.text += after[len(before):]
+            self.prefix, self.read = self.read, len(tokens)
+        elif not after.startswith(before):  # a tokenizer whose windows do not join: decode it all once
+            self.text = self.tokenizer.decode(tokens, skip_special_tokens=True)
+            self.prefix = self.read = len(tokens)
+        return self.text
 
 
 def _parse(model, data):
@@ -336,13 +369,14 @@ def create_app(server: Server):
     def stream(handle: Handle, chunk, usage_wanted: bool):
         """Server-sent events: ``chunk(delta_text, finish_reason)`` per new text, then usage, then [DONE]."""
         async def events():
-            shown = ""
+            shown, detok = "", Detokenizer(server.tokenizer)
             try:
                 first = chunk(None, None)
                 if first is not None:
                     yield f"data: {json.dumps(first)}\n\n"
                 async for count, done in _updates(handle):
-                    text = server.text_of(handle, done, count if not done else None)
+                    tokens = server.text_tokens(handle, done, None if done else count)
+                    text = server.visible(handle, detok.update(tokens), done)
                     if text.startswith(shown) and len(text) > len(shown):
                         yield f"data: {json.dumps(chunk(text[len(shown):], None))}\n\n"
                         shown = text
@@ -383,7 +417,7 @@ def create_app(server: Server):
         await wait_for(handle, request)
         check_outcome(handle)
         return {"id": rid, "object": "text_completion", "created": created, "model": server.model_name,
-                "choices": [{"index": 0, "text": server.text_of(handle, True), "logprobs": None,
+                "choices": [{"index": 0, "text": server.text_of(handle), "logprobs": None,
                              "finish_reason": _finish_reason(handle), "token_ids": list(handle.tokens)}],
                 "usage": _usage(handle)}
 
@@ -405,7 +439,7 @@ def create_app(server: Server):
         await wait_for(handle, request)
         check_outcome(handle)
         return {"id": rid, "object": "chat.completion", "created": created, "model": server.model_name,
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": server.text_of(handle, True)},
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": server.text_of(handle)},
                              "logprobs": None, "finish_reason": _finish_reason(handle),
                              "token_ids": list(handle.tokens)}],
                 "usage": _usage(handle)}
