@@ -160,6 +160,20 @@ def test_cancel_frees_the_slot_at_the_next_step(gpt2):
     assert b.tokens == _alone(gpt2, Request([6, 7], 4))
 
 
+def test_cancel_while_queued(gpt2):
+    engine = Engine(gpt2, max_batch=1, max_queue=2)
+    a = engine.submit(Request([1, 2, 3], 10))
+    b = engine.submit(Request([4], 10))
+    c = engine.submit(Request([5], 3))
+    engine.step()
+    b.cancel()
+    engine.step()
+    assert b.finish_reason == "cancelled" and not b.tokens and engine.queued == 1
+    assert engine.metrics.finished["cancelled"] == 1
+    _run_all(engine, [a, c])
+    assert c.tokens == _alone(gpt2, Request([5], 3))
+
+
 def test_a_leaving_row_moves_without_changing_the_others(gpt2):
     """Rows finish in the middle of the slots: the last row moves into the freed slot and goes on."""
     engine = Engine(gpt2, max_batch=3)

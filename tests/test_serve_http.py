@@ -253,10 +253,18 @@ def test_still_serving_after_malformed_requests_and_metrics(server, client):
     assert generated >= r.usage.completion_tokens
 
 
+def _wait_for_metric(server, line: str, timeout: float = 10) -> None:
+    end = time.monotonic() + timeout
+    while line not in httpx.get(server.url + "/metrics").text:
+        assert time.monotonic() < end, f"no '{line}' in /metrics within {timeout} s"
+        time.sleep(0.05)
+
+
 def test_bounds_disconnect_and_drain(tmp_path, capsys):
-    """One slot, one place in the queue: a third request gets 429; a client that goes away frees the
-    slot for the queued one; SIGTERM drains (503 for new requests, the running one finishes) and the
-    process exits 0. The chat route without a template says so."""
+    """One slot, one place in the queue: a third request gets 429; a queued client that goes away
+    leaves the queue; a running one that goes away frees the slot for the queued one; SIGTERM drains
+    (503 for new requests, the running one finishes) and the process exits 0. The chat route without
+    a template says so."""
     tok = _tokenizer_folder(tmp_path / "tok", None)
     sets = ["--set", "layers=2", "--set", "d=64", "--set", "heads=4", "--set", "vocab=50", "--set", "ctx=4096"]
     s = ServerProcess(["gpt2", *sets, "--tokenizer", tok, "--max-batch", 1, "--max-queue", 1], tmp_path / "log")
@@ -272,14 +280,16 @@ def test_bounds_disconnect_and_drain(tmp_path, capsys):
                     assert b.status_code == 200  # queued behind a
                     over = httpx.post(s.url + "/v1/completions", json={"prompt": "w3", "max_tokens": 2})
                     assert over.status_code == 429 and over.json()["error"]["code"] == "overloaded"
-                    a.close()  # the client goes away
+                _wait_for_metric(s, 'tessera_finished_requests_total{reason="cancelled"} 1')  # the queued one left
+                with cb.stream("POST", s.url + "/v1/completions", json={**long, "max_tokens": 2000}) as b:
+                    assert b.status_code == 200  # queued behind a, in the place the first b left
+                    a.close()  # the running client goes away
                     start = time.monotonic()
                     blines = b.iter_lines()
                     first = next(line for line in blines if line.startswith("data:"))
                     assert json.loads(first[5:])["choices"][0]["text"]
                     assert time.monotonic() - start < 10
-                    metrics = httpx.get(s.url + "/metrics").text
-                    assert 'tessera_finished_requests_total{reason="cancelled"} 1' in metrics
+                    _wait_for_metric(s, 'tessera_finished_requests_total{reason="cancelled"} 2')
                     s.proc.send_signal(signal.SIGTERM)  # b still has thousands of tokens to go
                     time.sleep(0.3)
                     refused = httpx.post(s.url + "/v1/completions", json={"prompt": "w3", "max_tokens": 2})

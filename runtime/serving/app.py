@@ -267,8 +267,10 @@ def _listen(handle: Handle) -> asyncio.Event:
     return event
 
 
-async def _updates(handle: Handle):
-    """Yield (tokens so far, finished) each time the engine adds a token or finishes the request."""
+async def _updates(handle: Handle, request: HttpRequest):
+    """Yield (tokens so far, finished) each time the engine adds a token or finishes the request; stop
+    early if the client goes away meanwhile (checked every half second: a request still queued sends
+    nothing, so a failed send cannot tell)."""
     event = _listen(handle)
     while True:
         event.clear()
@@ -276,7 +278,13 @@ async def _updates(handle: Handle):
         yield len(handle.tokens), done
         if done:
             return
-        await event.wait()
+        while True:
+            try:
+                await asyncio.wait_for(event.wait(), 0.5)
+                break
+            except asyncio.TimeoutError:
+                if await request.is_disconnected():
+                    return
 
 
 def _usage(handle: Handle) -> dict:
@@ -366,7 +374,7 @@ def create_app(server: Server):
         if handle.finish_reason == "cancelled":
             raise ApiError(503, "the request was cancelled: the server is shutting down", "service_unavailable")
 
-    def stream(handle: Handle, chunk, usage_wanted: bool):
+    def stream(handle: Handle, request: HttpRequest, chunk, usage_wanted: bool):
         """Server-sent events: ``chunk(delta_text, finish_reason)`` per new text, then usage, then [DONE]."""
         async def events():
             shown, detok = "", Detokenizer(server.tokenizer)
@@ -374,7 +382,7 @@ def create_app(server: Server):
                 first = chunk(None, None)
                 if first is not None:
                     yield f"data: {json.dumps(first)}\n\n"
-                async for count, done in _updates(handle):
+                async for count, done in _updates(handle, request):
                     tokens = server.text_tokens(handle, done, None if done else count)
                     text = server.visible(handle, detok.update(tokens), done)
                     if text.startswith(shown) and len(text) > len(shown):
@@ -413,7 +421,7 @@ def create_app(server: Server):
                 return {"id": rid, "object": "text_completion", "created": created, "model": server.model_name,
                         "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}]}
 
-            return stream(handle, chunk, bool((body.stream_options or {}).get("include_usage")))
+            return stream(handle, request, chunk, bool((body.stream_options or {}).get("include_usage")))
         await wait_for(handle, request)
         check_outcome(handle)
         return {"id": rid, "object": "text_completion", "created": created, "model": server.model_name,
@@ -435,7 +443,7 @@ def create_app(server: Server):
                     ({"content": text} if text else {})
                 return {**base, "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]}
 
-            return stream(handle, chunk, bool((body.stream_options or {}).get("include_usage")))
+            return stream(handle, request, chunk, bool((body.stream_options or {}).get("include_usage")))
         await wait_for(handle, request)
         check_outcome(handle)
         return {"id": rid, "object": "chat.completion", "created": created, "model": server.model_name,

@@ -362,6 +362,7 @@ class Engine:
             for h in [h for h in self.waiting if h.cancelled]:
                 self.waiting.remove(h)
                 h._finish("cancelled")
+                self.metrics.finished["cancelled"] += 1
             for seq in [s for s in self.rows if s.handle.cancelled]:
                 seq.handle._finish("cancelled")
                 self._release(seq)
