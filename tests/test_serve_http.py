@@ -216,6 +216,8 @@ MALFORMED = [
     ("/v1/completions", {"prompt": "w1", "stream": "yes"}, 400),
     ("/v1/completions", {"prompt": [1, True]}, 400),
     ("/v1/completions", {"prompt": "w1", "frequency_penalty": 0.5}, 400),
+    ("/v1/completions", {"prompt": "w1", "seed": -1}, 400),
+    ("/v1/completions", b'{"prompt": "w1", "temperature": NaN}', 400),
     ("/v1/completions", {"prompt": "w1", "model": "gpt-4"}, 404),
     ("/v1/chat/completions", {"messages": []}, 400),
     ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "w1"}]}, 400),

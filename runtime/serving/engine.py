@@ -279,6 +279,9 @@ class Engine:
             req.sampling.check()
         except UsageError as e:
             raise RequestError(str(e)) from None
+        seed = req.sampling.seed
+        if seed is not None and (not isinstance(seed, (int, np.integer)) or isinstance(seed, bool) or seed < 0):
+            raise RequestError(f"seed must be an integer >= 0, got {seed}")
         for t in req.stop_tokens:
             if not isinstance(t, (int, np.integer)) or t < 0 or t >= self.vocab:
                 raise RequestError(f"unknown stop token {t}: ids are in [0, {self.vocab})")
@@ -325,7 +328,12 @@ class Engine:
                 self._cond.wait_for(lambda: self._closed or self._has_work())
                 if self._closed:
                     return
-            self.step()
+            try:
+                self.step()
+            except Exception as e:  # a bug: the requests in hand end with it, the loop goes on
+                for seq in list(self.rows):
+                    seq.handle._finish("error", f"internal error: {type(e).__name__}: {e}")
+                self.rows.clear()
 
     def drain(self) -> None:
         """Refuse new requests (Unavailable); the running and queued ones go on."""
