@@ -47,7 +47,11 @@ def load(spec: str, variant: str | None = None, sets: list[str] | None = None, w
         if target_input(built.graph) is not None:
             raise UsageError(f"{spec} is an encoder-decoder; `tessera serve` serves decoder-only models")
         w = _pipeline.weights_for(built, weights, seed)
-        proto, info = _gen.compile_cached(built, w, mode="buffer", decode=DECODE)
+        try:
+            proto, info = _gen.compile_cached(built, w, mode="buffer", decode=DECODE)
+        except UsageError as e:  # e.g. a sliding window: no buffer-mode cache
+            raise UsageError(f"{e}; `tessera serve` needs the buffer cache (one row per slot), so it cannot serve "
+                             f"this model") from None
         model = CachedModel(proto.SerializeToString(), info, threads=threads)
     check_fit(model)
     return model
