@@ -427,14 +427,14 @@ class Engine:
 
     def _decode_step(self) -> None:
         info, rows = self.info, self.rows
-        n = len(rows)
         decoding = [s for s in rows if not s.prefilling]
+        n = max(s.slot for s in decoding) + 1  # rows past the last decoding one (new prompts) stay out
         self._fit(max(s.filled for s in decoding) + 1)  # each row's new column goes at its `filled`
         views, width = self._views(), self.width
         past = {name: v[:n] for name, v in views.items()}
         tokens = np.zeros((n, 1), dtype=np.int64)
         positions = np.zeros((n, 1), dtype=np.int64)
-        for s in decoding:  # a row still prefilling rides along masked; its outputs are dropped
+        for s in decoding:  # a row still prefilling among them rides along masked; its outputs are dropped
             tokens[s.slot, 0], positions[s.slot, 0] = s.next_token, s.filled
         mask = np.concatenate([self.slots[:n, :width], np.ones((n, 1), dtype=np.int64)], axis=1)
         feeds = {info.tokens: tokens, "attention_mask": mask, "position_ids": positions, **past}
