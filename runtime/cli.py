@@ -225,6 +225,9 @@ def make_parser() -> argparse.ArgumentParser:
     from .serving import cli as serve_cli
 
     serve_cli.add_parser(sub)
+    from .serving import batch as batch_cli
+
+    batch_cli.add_parser(sub)
     return parser
 
 
@@ -243,10 +246,11 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(signal.SIGTERM, _on_sigterm)
     try:
         from .generate_cli import cmd_generate
+        from .serving.batch import cmd_batch
         from .serving.cli import cmd_serve
 
         return {"compile": cmd_compile, "run": cmd_run, "report": report.cmd_report, "ir": cmd_ir,
-                "generate": cmd_generate, "serve": cmd_serve}[args.command](args)
+                "generate": cmd_generate, "serve": cmd_serve, "batch": cmd_batch}[args.command](args)
     except KeyboardInterrupt:
         print("interrupted; no output was changed", file=sys.stderr)
         return 130
