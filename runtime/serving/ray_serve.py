@@ -12,8 +12,12 @@ app so that every response names the replica and node that answered (``x-tessera
 ``x-tessera-node``), which is how a client (and the tests) see requests spread over replicas.
 
 Deployment settings and why:
-- ``max_ongoing_requests`` = max_batch + max_queue: Serve's default (5) would cap a replica below
-  its slots (ray#43288); past the engine's own bounds the replica answers 429 as the local server.
+- ``max_ongoing_requests`` = max_batch: Serve's default (5) would cap a replica below its slots
+  (ray#43288); no more, because Serve's router sends a request to a replica on its own node first
+  and moves on only when that replica is at ``max_ongoing_requests`` -- had a replica taken its
+  engine's queue too, requests would wait in one engine's queue while other replicas sat idle.
+  So the waiting happens in Serve's router instead, bounded by ``max_queued_requests`` = max_queue
+  (past it Serve answers 503), and every request a replica takes gets a slot at once.
 - each replica reserves ``threads`` CPUs (``--threads``, default 1) and runs that many onnxruntime
   intra-op threads (onnxruntime ignores OMP_NUM_THREADS).
 - ``--replicas N``, or ``--min-replicas A --max-replicas B`` for Serve's autoscaling (target
@@ -33,7 +37,7 @@ import sys
 import threading
 from dataclasses import dataclass, fields
 
-from .cli import ServeOptions
+from .cli import ServeOptions, _require_extra
 from .model import UsageError
 from .ray_support import connected, require_ray
 
@@ -133,7 +137,8 @@ class TesseraReplica:
 
 def deployment_options(opts: ServeOptions, ray_opts: RayOptions) -> dict:
     threads = opts.threads or 1
-    out = {"name": "TesseraEngine", "max_ongoing_requests": opts.max_batch + opts.max_queue,
+    out = {"name": "TesseraEngine", "max_ongoing_requests": opts.max_batch,
+           "max_queued_requests": max(1, opts.max_queue),
            "ray_actor_options": {"num_cpus": threads}, "graceful_shutdown_timeout_s": opts.drain_timeout}
     if ray_opts.min_replicas is not None:
         out["autoscaling_config"] = {"min_replicas": ray_opts.min_replicas, "max_replicas": ray_opts.max_replicas,
@@ -188,7 +193,7 @@ def options_from_args(args: dict) -> tuple[ServeOptions, RayOptions]:
         values[name] = raw
     if "spec" not in values:
         raise UsageError("the app needs model=... (a .tsr spec, a bundled spec's name or a compiled .onnx file)")
-    ray_opts = RayOptions(**{k: values.pop(k) for k in list(values) if k in ray_names})
+    ray_opts = RayOptions(**{k: values.pop(k) for k in list(values) if k in ("replicas", "min_replicas", "max_replicas")})
     opts = ServeOptions(**values)
     opts.check()
     ray_opts.check()
@@ -208,6 +213,7 @@ def cmd_serve_ray(args) -> int:
     opts.check()
     ray_opts.check()
     require_ray("`tessera serve --ray`", ("ray", "ray.serve"))
+    _require_extra()  # the replicas run the local server's routes (fastapi, uvicorn, jinja2)
     from ray import serve
 
     application = build(opts, ray_opts)
