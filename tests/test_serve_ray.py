@@ -217,6 +217,14 @@ def test_ray_data_batch_200_rows_equal_generate(cluster, model, tokenizer, tmp_p
         assert on_ray[i]["text"] == text_of(tokenizer, want)
 
 
+def test_ray_data_batch_with_a_bad_model_is_a_clear_error(cluster, tmp_path, capsys):
+    """The actors build the engine; their failure reaches the command as one line, not a traceback."""
+    src = _rows_file(tmp_path / "in.jsonl", [{"prompt": [1]}])
+    err = cli_error(capsys, "batch", "nosuch.tsr", "--input", src, "--output", tmp_path / "o.jsonl", "--ray")
+    assert "no spec file or bundled spec named 'nosuch.tsr'" in err.splitlines()[-1]
+    assert not (tmp_path / "o.jsonl").exists()
+
+
 # ------------------------------------------------------------------------------------ local batch
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 
 from .batch import BatchOptions, run_rows
+from .model import UsageError
 from .ray_support import connected, require_ray
 
 
@@ -56,7 +57,13 @@ def run_on_ray(opts: BatchOptions, rows: list[dict]) -> list[dict]:
         ds = ray.data.from_items([{"index": i, "row": json.dumps(r)} for i, r in enumerate(rows)])
         out = ds.map_batches(EngineActor, fn_constructor_args=(opts, threads), concurrency=opts.concurrency,
                              num_cpus=threads, batch_size=batch_size(opts, len(rows)), batch_format="numpy")
-        done = sorted(out.take_all(), key=lambda r: int(r["index"]))
+        try:
+            done = sorted(out.take_all(), key=lambda r: int(r["index"]))
+        except Exception as e:  # an actor failed to start (a bad spec or path): say why, no traceback
+            if not type(e).__module__.startswith("ray"):
+                raise
+            lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+            raise UsageError(f"Ray Data failed: {lines[-1] if lines else type(e).__name__}") from None
     if [int(r["index"]) for r in done] != list(range(len(rows))):
         raise RuntimeError(f"Ray Data returned {len(done)} results for {len(rows)} rows")
     return [json.loads(r["result"]) for r in done]

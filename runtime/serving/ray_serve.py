@@ -208,6 +208,17 @@ def app(args: dict):
 # ------------------------------------------------------------------------------------ the command
 
 
+def replica_failure(serve) -> str | None:
+    """The last line of the error a replica's constructor raised (from Serve's status), if any."""
+    try:
+        app_status = serve.status().applications.get(APP_NAME)
+        messages = [d.message for d in app_status.deployments.values() if d.message] if app_status else []
+    except Exception:  # the status is a courtesy; the caller still has Serve's own message
+        return None
+    lines = [line.strip() for m in messages for line in m.splitlines() if line.strip()]
+    return lines[-1] if lines else None
+
+
 def cmd_serve_ray(args) -> int:
     opts, ray_opts = ServeOptions.from_args(args), RayOptions.from_args(args)
     opts.check()
@@ -222,19 +233,26 @@ def cmd_serve_ray(args) -> int:
     if opts.explain:
         return 0
     stop = threading.Event()
-    previous = {s: signal.signal(s, lambda *_: stop.set()) for s in (signal.SIGTERM, signal.SIGINT)}
-    try:
-        with connected(ray_opts.address) as local:
+    with connected(ray_opts.address) as local:
+        # after connecting: ray.init installs its own SIGTERM handler, which kills the driver
+        previous = {s: signal.signal(s, lambda *_: stop.set()) for s in (signal.SIGTERM, signal.SIGINT)}
+        try:
             serve.start(http_options={"host": opts.host, "port": opts.port})
-            serve.run(application, name=APP_NAME, route_prefix="/")
+            try:
+                serve.run(application, name=APP_NAME, route_prefix="/")
+            except RuntimeError as e:  # a replica failed to start (a bad spec or path): say why, no traceback
+                why = replica_failure(serve) or str(e)
+                serve.delete(APP_NAME)
+                raise UsageError(f"the Ray Serve replicas did not start: {why}") from None
             print(f"serving {opts.served_name} on Ray Serve at http://{opts.host}:{opts.port} (POST /v1/completions, "
                   f"/v1/chat/completions; GET /v1/models, /health, /metrics per replica)", file=sys.stderr, flush=True)
-            stop.wait()
+            while not stop.wait(1):  # signals are handled between waits
+                pass
             print("stopping: replicas finish their running requests", file=sys.stderr, flush=True)
             serve.delete(APP_NAME)  # graceful: up to --drain-timeout for running requests
             if local:
                 serve.shutdown()
-    finally:
-        for s, h in previous.items():
-            signal.signal(s, h)
+        finally:
+            for s, h in previous.items():
+                signal.signal(s, h)
     return 0
