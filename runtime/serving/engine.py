@@ -43,7 +43,7 @@ from typing import Callable, Iterator
 import numpy as np
 
 from .metrics import Metrics
-from .model import CachedModel, Sampling, TextStopper, UsageError, choose
+from .model import CachedModel, Sampling, TextStopper, UsageError, choose, ort_message
 
 WIDTH_STEP = 64  # attention width granularity of a decoding step (fewer distinct shapes)
 
@@ -374,8 +374,6 @@ class Engine:
             if any(not s.prefilling for s in self.rows):
                 self._decode_step()
         except Exception as e:  # onnxruntime failed: every running request ends with the reason, the engine goes on
-            from tessera.runtime.session import ort_message
-
             msg = f"the model could not run a step: {ort_message(e)}"
             for seq in list(self.rows):
                 seq.handle._finish("error", msg)

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from tessera.runtime import generate as _gen
 from tessera.runtime import pipeline as _pipeline
+from tessera.runtime.session import ort_message  # noqa: F401  (re-exported)
 from tessera.runtime.text import load_tokenizer  # noqa: F401  (re-exported)
 
 CachedModel = _gen.CachedModel
