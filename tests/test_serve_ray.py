@@ -386,3 +386,20 @@ def test_serve_run_arguments():
         ray_serve.options_from_args({"model": "gpt2", "port": "80"})
     with pytest.raises(UsageError, match="max_batch must be an integer"):
         ray_serve.options_from_args({"model": "gpt2", "max_batch": "many"})
+
+
+def test_an_address_where_nothing_listens_is_refused_at_once():
+    """Ray itself retries for minutes; the command checks a HOST:PORT address first."""
+    from tessera.runtime.serving.model import UsageError
+    from tessera.runtime.serving.ray_support import check_reachable
+
+    port = _free_port()  # bound then closed: nothing listens there
+    with pytest.raises(UsageError, match=f"cannot reach Ray at 127.0.0.1:{port}"):
+        check_reachable(f"127.0.0.1:{port}")
+    with pytest.raises(UsageError, match="cannot reach Ray"):
+        check_reachable(f"ray://127.0.0.1:{port}")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        check_reachable(f"127.0.0.1:{s.getsockname()[1]}")  # something listens: left to Ray
+    check_reachable("auto")

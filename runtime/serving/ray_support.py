@@ -26,6 +26,21 @@ def require_ray(what: str, modules: tuple[str, ...] = RAY_MODULES) -> None:
                          f"(it includes ray[serve,data])")
 
 
+def check_reachable(address: str) -> None:
+    """A UsageError at once when nothing listens at a HOST:PORT address (Ray itself retries for
+    minutes before giving up); "auto" and other forms are left to Ray."""
+    import socket
+
+    host, sep, port = address.removeprefix("ray://").rpartition(":")
+    if not sep or not port.isdigit():
+        return
+    try:
+        socket.create_connection((host, int(port)), timeout=5).close()
+    except OSError as e:
+        raise UsageError(f"cannot reach Ray at {address}: {e.strerror or e} (start it with `ray start --head`, "
+                         f"or leave out --address for a local Ray)") from None
+
+
 @contextlib.contextmanager
 def connected(address: str | None):
     """Ray connected for the block: ``address`` None starts a local Ray (stopped at the end); "auto"
@@ -37,6 +52,8 @@ def connected(address: str | None):
     if ray.is_initialized():
         yield False
         return
+    if address is not None:
+        check_reachable(address)
     try:
         ray.init(address=address, log_to_driver=False, include_dashboard=False) if address is None else \
             ray.init(address=address, log_to_driver=False)
