@@ -1,5 +1,5 @@
-"""The ``tessera`` command: compile, run, report, ir, generate (one module per command here), and serve
-(runtime/serving/cli.py, beside the engine it starts).
+"""The ``tessera`` command: compile, run, report, ir, generate (one module per command here), serve and
+batch (runtime/serving/cli.py and batch.py, beside the engine they start).
 
 Every user error (a spec error, a bad --set, a weights file that does not
 fit, a run input of the wrong shape) prints a clear message and exits with
@@ -19,7 +19,7 @@ from tessera.spec import SpecError
 
 from tessera.runtime.cli import args as shared
 from tessera.runtime.cli import compile as compile_cmd, generate, ir, report, run
-from tessera.runtime.serving import cli as serve
+from tessera.runtime.serving import batch, cli as serve
 from tessera.runtime.io.weights import WeightsError
 from tessera.runtime.pipeline import UsageError
 
@@ -41,7 +41,7 @@ examples:
 # every subcommand: its module registers the parser (add_parser) and does the work (cmd_<name>)
 COMMANDS = {"compile": (compile_cmd, compile_cmd.cmd_compile), "run": (run, run.cmd_run),
             "report": (report, report.cmd_report), "ir": (ir, ir.cmd_ir), "generate": (generate, generate.cmd_generate),
-            "serve": (serve, serve.cmd_serve)}
+            "serve": (serve, serve.cmd_serve), "batch": (batch, batch.cmd_batch)}
 
 
 def make_parser() -> argparse.ArgumentParser:

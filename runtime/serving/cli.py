@@ -117,6 +117,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
     s.add_argument("--model-name", metavar="NAME", help="the model's id in /v1/models (default: the spec's name)")
     s.add_argument("--explain", action="store_true",
                    help="print the engine's plan (slots, memory budget, decoding kernel and why) and exit")
+    from .ray_serve import add_arguments as add_ray_arguments  # --ray, --replicas, ... (serving/ray_serve.py)
+
+    add_ray_arguments(s)
     return s
 
 
@@ -150,6 +153,10 @@ def build_server(opts: ServeOptions):
 
 
 def cmd_serve(args) -> int:
+    if getattr(args, "ray", False):
+        from .ray_serve import cmd_serve_ray
+
+        return cmd_serve_ray(args)
     opts = ServeOptions.from_args(args)
     opts.check()
     _require_extra()

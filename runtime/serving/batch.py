@@ -1,0 +1,322 @@
+"""``tessera batch MODEL --input prompts.jsonl --output results.jsonl``: offline generation for a file
+of prompts through the continuous-batching engine (locally, or on Ray Data with ``--ray``:
+serving/ray_batch.py).
+
+Input: JSON lines, each an object with ``prompt`` (text, which needs ``--tokenizer``, or a list of
+token ids) and the completion route's optional fields (``ROW_FIELDS``). Output: one JSON line per
+input line, in input order: ``tokens`` (the new token ids, a final stop token included, as the
+route's ``token_ids``), ``finish_reason`` and, with a tokenizer, ``text`` -- or ``error`` for a row
+that cannot run (a prompt past the context, a bad field). A bad row is reported on its line, not
+fatal; a bad file (missing, a line that is not JSON or not an object) is a UsageError naming the
+line before anything loads. The output is written atomically (a temporary file beside the target,
+renamed over it), so an interrupted run leaves no half-written file.
+
+Why rows go through the engine rather than ``generate``: rows of different lengths share every
+decoding step and a finished row frees its slot at once -- the same reason the server batches.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import math
+import os
+import sys
+import tempfile
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+
+from .engine import Engine, Handle, Overloaded, Request, RequestError, Unavailable
+from .model import Sampling, UsageError, encode_prompts, stop_token_ids
+
+ROW_FIELDS = ("prompt", "max_tokens", "temperature", "top_p", "top_k", "repetition_penalty", "seed", "stop")
+
+EXAMPLES = """examples:
+  tessera batch models/gpt2.tsr -V small --weights gpt2/model.safetensors --tokenizer gpt2/tokenizer.json \\
+      --input prompts.jsonl --output results.jsonl
+  tessera batch gpt2 --set layers=2 --input ids.jsonl --output out.jsonl --ray --concurrency 4
+input lines:  {"prompt": "Hello", "max_tokens": 20, "temperature": 0}   {"prompt": [464, 2068], "stop": ["."]}
+output lines: {"text": " world", "tokens": [995, ...], "finish_reason": "length"}   {"error": "..."}
+"""
+
+
+@dataclass
+class BatchOptions:
+    """`tessera batch`'s options: the model (as `tessera serve` takes it), the files, the engine's
+    bounds, and where it runs. Picklable: Ray Data's actors build their engines from it."""
+
+    spec: str
+    input: str = ""
+    output: str = ""
+    variant: str | None = None
+    sets: list[str] = field(default_factory=list)
+    weights: str | None = None
+    seed: int = 0
+    tokenizer: str | None = None
+    max_tokens: int = 16
+    max_batch: int = 8
+    max_queue: int = 64
+    threads: int | None = None
+    max_context: int | None = None
+    prefill_chunk: int = 256
+    ray: bool = False
+    concurrency: int = 1
+    address: str | None = None
+
+    def check(self) -> None:
+        for name, low in (("max_tokens", 1), ("max_batch", 1), ("max_queue", 0), ("prefill_chunk", 1),
+                          ("concurrency", 1), ("threads", 1), ("max_context", 2)):
+            value = getattr(self, name)
+            if value is None and name in ("threads", "max_context"):
+                continue
+            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+                raise UsageError(f"--{name.replace('_', '-')} must be an integer >= {low}, got {value}")
+        if (self.concurrency != 1 or self.address) and not self.ray:
+            raise UsageError("--concurrency and --address apply with --ray")
+        if Path(self.output).resolve() == Path(self.input).resolve():
+            raise UsageError("--output is the --input file; write the results elsewhere")
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> "BatchOptions":
+        return cls(**{f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)})
+
+
+def add_parser(sub) -> argparse.ArgumentParser:
+    d = BatchOptions("")
+    b = sub.add_parser("batch", help="generate for a JSON-lines file of prompts (continuous batching; Ray Data "
+                       "with --ray)", formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EXAMPLES,
+                       description="Run every prompt of --input through the serving engine (rows share each "
+                                   "decoding step) and write one result per line to --output, in input order, "
+                                   "atomically. A row that fails gets an error on its line. With --ray, "
+                                   "Ray Data runs --concurrency engines (one per actor). See docs/serve.md.")
+    b.add_argument("spec", metavar="MODEL", help="a .tsr spec (or a bundled spec's name), or an .onnx file compiled "
+                   "with --kv-cache --decode plain")
+    b.add_argument("--input", "-i", required=True, metavar="FILE.jsonl",
+                   help=f"one JSON object a line: prompt (text or token ids) and optionally "
+                        f"{', '.join(ROW_FIELDS[1:])}")
+    b.add_argument("--output", "-o", required=True, metavar="FILE.jsonl",
+                   help="one JSON object a line: text, tokens, finish_reason (or error)")
+    b.add_argument("--variant", "-V", help="a variant defined in the spec file (e.g. small)")
+    b.add_argument("--set", dest="sets", action="append", default=[], metavar="NAME=VALUE",
+                   help="override a hyperparameter (repeatable)")
+    b.add_argument("--weights", metavar="FILE", help="a .safetensors file or folder of shards (else seeded weights)")
+    b.add_argument("--seed", type=int, default=d.seed, help="seed of the weight initialiser without --weights")
+    b.add_argument("--tokenizer", metavar="tokenizer.json", help="a Hugging Face tokenizer.json: text prompts, "
+                   "stop strings, text in the results; its folder gives the end-of-sequence token")
+    b.add_argument("--max-tokens", type=int, default=d.max_tokens, metavar="N",
+                   help=f"new tokens for a row without max_tokens (default {d.max_tokens}, as OpenAI's completions)")
+    b.add_argument("--max-batch", type=int, default=d.max_batch, metavar="N",
+                   help=f"sequences decoded together per engine (default {d.max_batch})")
+    b.add_argument("--max-queue", type=int, default=d.max_queue, metavar="N",
+                   help=f"rows waiting for a slot per engine (default {d.max_queue})")
+    b.add_argument("--threads", type=int, default=None,
+                   help="onnxruntime intra-op threads (default: all cores; with --ray: 1), and with --ray the "
+                        "CPUs each actor reserves")
+    b.add_argument("--max-context", type=int, default=None, metavar="N",
+                   help="positions per slot, prompt and new tokens together (default: the model's context)")
+    b.add_argument("--prefill-chunk", type=int, default=d.prefill_chunk, metavar="N",
+                   help=f"prompt tokens prefilled between two decoding steps at most (default {d.prefill_chunk})")
+    b.add_argument("--ray", action="store_true", help="run on Ray Data: one engine per actor (the serve extra)")
+    b.add_argument("--concurrency", type=int, default=d.concurrency, metavar="N",
+                   help="with --ray: actors, each holding one engine (default 1)")
+    b.add_argument("--address", metavar="ADDR", help="with --ray: a running cluster ('auto', HOST:PORT or "
+                   "ray://HOST:10001); default: start a local Ray for this run")
+    return b
+
+
+# ---------------------------------------------------------------------------------------- input
+
+
+def read_rows(path: str) -> list[dict]:
+    """The input file's rows; a UsageError naming the line for a line that is not a JSON object.
+    Blank lines are skipped (they have no row, so they get no result line)."""
+    p = Path(path)
+    if not p.is_file():
+        raise UsageError(f"--input {path}: no such file")
+    rows = []
+    try:
+        with p.open(encoding="utf-8") as f:
+            for number, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                except ValueError as e:
+                    raise UsageError(f"{path}:{number}: not a JSON line ({e})") from None
+                if not isinstance(row, dict):
+                    raise UsageError(f"{path}:{number}: a line must be a JSON object with a prompt, "
+                                     f"got {type(row).__name__}")
+                rows.append(row)
+    except UnicodeDecodeError as e:
+        raise UsageError(f"--input {path}: not UTF-8 text ({e})") from None
+    except OSError as e:
+        raise UsageError(f"--input {path}: cannot read it ({e.strerror or e})") from None
+    if not rows:
+        raise UsageError(f"--input {path}: no rows (one JSON object a line)")
+    return rows
+
+
+class RowError(Exception):
+    """A row that cannot run; its message is the row's ``error``."""
+
+
+def _whole(row: dict, name: str, low: int | None = None) -> int | None:
+    v = row.get(name)
+    if v is None:
+        return None
+    if not isinstance(v, int) or isinstance(v, bool) or (low is not None and v < low):
+        raise RowError(f"{name} must be an integer" + (f" >= {low}" if low is not None else "") + f", got {v!r}")
+    return v
+
+
+def _number(row: dict, name: str, default: float) -> float:
+    v = row.get(name, default)
+    if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v):
+        raise RowError(f"{name} must be a number, got {v!r}")
+    return float(v)
+
+
+def row_request(row: dict, engine: Engine, default_max_tokens: int) -> Request:
+    """The engine Request for one input row (RowError for a bad field); the engine's own checks
+    (context, vocabulary, sampling values) run at submission."""
+    unknown = sorted(set(row) - set(ROW_FIELDS))
+    if unknown:
+        raise RowError(f"unknown field {unknown[0]!r} (a row takes {', '.join(ROW_FIELDS)})")
+    prompt, tokenizer = row.get("prompt"), engine.tokenizer
+    if isinstance(prompt, str):
+        if tokenizer is None:
+            raise RowError("a text prompt needs --tokenizer; give the prompt as token ids")
+        try:
+            ids = encode_prompts(tokenizer, [prompt])[0]
+        except UsageError as e:
+            raise RowError(str(e)) from None
+    elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        ids = list(prompt)
+    else:
+        raise RowError("prompt must be text or a list of token ids" if "prompt" in row else "the row has no prompt")
+    if not ids:
+        raise RowError("the prompt is empty: generation needs at least one token to start from")
+    stop = row.get("stop")
+    stops = [stop] if isinstance(stop, str) else stop if stop is not None else []
+    if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
+        raise RowError(f"stop must be a string or a list of strings, got {stop!r}")
+    if stops and tokenizer is None:
+        raise RowError("stop strings need --tokenizer")
+    max_tokens = _whole(row, "max_tokens", 1)
+    sampling = Sampling(_number(row, "temperature", 0.0),
+                        _whole(row, "top_k", 0) or 0, _number(row, "top_p", 1.0),
+                        _number(row, "repetition_penalty", 1.0), _whole(row, "seed"))
+    return Request(ids, max_tokens if max_tokens is not None else default_max_tokens, sampling,
+                   tuple(stop_token_ids(tokenizer, stops)), tuple(s for s in stops if s))
+
+
+# ---------------------------------------------------------------------------------------- results
+
+
+def result_of(handle: Handle, engine: Engine) -> dict:
+    """A finished request's output line: text as the completion route gives it (a final stop or
+    end-of-sequence token left out, cut at a stop string), all new token ids, the finish reason."""
+    if handle.finish_reason in ("error", "cancelled"):
+        return {"error": handle.error or f"the request was {handle.finish_reason}"}
+    out: dict = {}
+    tokenizer, req, tokens = engine.tokenizer, handle.request, list(handle.tokens)
+    if tokenizer is not None:
+        shown = tokens
+        if handle.finish_reason == "stop" and tokens and (tokens[-1] in req.stop_tokens or
+                                                           tokens[-1] in engine.eos_ids):
+            shown = tokens[:-1]
+        text = tokenizer.decode(shown, skip_special_tokens=True)
+        cut = min((text.find(s) for s in req.stop_strings if s in text), default=-1)
+        out["text"] = text[:cut] if cut >= 0 else text
+    out["tokens"] = tokens
+    out["finish_reason"] = handle.finish_reason
+    return out
+
+
+def run_rows(engine: Engine, rows: list[dict], default_max_tokens: int) -> list[dict]:
+    """Every row through a started engine, one result per row in row order. Rows are submitted as
+    fast as the engine's bounds allow: past them (Overloaded), wait for the oldest row in flight."""
+    results: list[dict | None] = [None] * len(rows)
+    in_flight: collections.deque[tuple[int, Handle]] = collections.deque()
+
+    def settle_oldest() -> None:
+        i, h = in_flight.popleft()
+        h.wait()
+        results[i] = result_of(h, engine)
+
+    for i, row in enumerate(rows):
+        try:
+            req = row_request(row, engine, default_max_tokens)
+            while True:
+                try:
+                    in_flight.append((i, engine.submit(req)))
+                    break
+                except Overloaded:
+                    if not in_flight:
+                        raise
+                    settle_oldest()
+        except (RowError, RequestError) as e:
+            results[i] = {"error": str(e)}
+        except Unavailable as e:
+            raise UsageError(f"the engine stopped: {e}") from None
+    while in_flight:
+        settle_oldest()
+    return results  # type: ignore[return-value]
+
+
+def load_engine(opts: BatchOptions, threads: int | None = None) -> Engine:
+    """The engine (not started) for ``opts``'s model, tokenizer and bounds."""
+    from . import model as serving_model
+
+    tokenizer = serving_model.load_tokenizer(opts.tokenizer) if opts.tokenizer else None
+    model = serving_model.load(opts.spec, opts.variant, opts.sets, opts.weights, opts.seed,
+                               threads if threads is not None else opts.threads)
+    return Engine(model, opts.max_batch, opts.max_queue, opts.max_context, opts.prefill_chunk, tokenizer,
+                  serving_model.eos_ids(tokenizer, opts.tokenizer))
+
+
+def run_local(opts: BatchOptions, rows: list[dict]) -> list[dict]:
+    engine = load_engine(opts).start()
+    try:
+        return run_rows(engine, rows, opts.max_tokens)
+    finally:
+        engine.close()
+
+
+def write_atomically(path: str, results: list[dict]) -> None:
+    """One JSON line per result, into a temporary file beside ``path`` renamed over it at the end."""
+    target = Path(path)
+    if not target.parent.is_dir():
+        raise UsageError(f"--output {path}: the folder {target.parent} does not exist")
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    except OSError as e:
+        raise UsageError(f"--output {path}: cannot write there ({e.strerror or e})") from None
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            for r in results:
+                f.write(json.dumps(r) + "\n")
+        os.replace(tmp, target)
+    except BaseException as e:
+        Path(tmp).unlink(missing_ok=True)
+        if isinstance(e, OSError):
+            raise UsageError(f"--output {path}: cannot write it ({e.strerror or e})") from None
+        raise
+
+
+def cmd_batch(args) -> int:
+    opts = BatchOptions.from_args(args)
+    opts.check()
+    rows = read_rows(opts.input)
+    if opts.ray:
+        from .ray_batch import run_on_ray
+
+        results = run_on_ray(opts, rows)
+    else:
+        results = run_local(opts, rows)
+    write_atomically(opts.output, results)
+    failed = sum("error" in r for r in results)
+    print(f"{len(results)} rows -> {opts.output}" + (f" ({failed} failed: see their error)" if failed else ""),
+          file=sys.stderr)
+    return 0

@@ -1,0 +1,258 @@
+"""`tessera serve MODEL --ray`: the same engine and the same OpenAI routes, one engine per Ray Serve
+replica, scaled over a Ray cluster.
+
+How it reuses `tessera serve`: a replica builds exactly what the local server builds
+(``cli.build_server``: tokenizer, chat template, the cached decoder, the engine) in its
+``__init__`` -- on the replica's node, from the model's path or spec, because onnxruntime sessions
+do not pickle -- and its HTTP ingress is ``app.create_app`` over that server, so every route,
+error shape, streaming and admission rule is the local server's. Serve's ``serve.ingress`` takes a
+builder function that it calls in the replica after ``__init__``; the builder reads the server the
+replica just built from ``_replica`` (one replica per actor process). The builder also wraps the
+app so that every response names the replica and node that answered (``x-tessera-replica``,
+``x-tessera-node``), which is how a client (and the tests) see requests spread over replicas.
+
+Deployment settings and why:
+- ``max_ongoing_requests`` = max_batch: Serve's default (5) would cap a replica below its slots
+  (ray#43288); no more, because Serve's router sends a request to a replica on its own node first
+  and moves on only when that replica is at ``max_ongoing_requests`` -- had a replica taken its
+  engine's queue too, requests would wait in one engine's queue while other replicas sat idle.
+  So the waiting happens in Serve's router instead, bounded by ``max_queued_requests`` = max_queue
+  (past it Serve answers 503), and every request a replica takes gets a slot at once.
+- each replica reserves ``threads`` CPUs (``--threads``, default 1) and runs that many onnxruntime
+  intra-op threads (onnxruntime ignores OMP_NUM_THREADS).
+- ``--replicas N``, or ``--min-replicas A --max-replicas B`` for Serve's autoscaling (target
+  ongoing requests per replica = max_batch).
+- ``graceful_shutdown_timeout_s`` = ``--drain-timeout``: a replica that stops lets its running
+  requests finish first.
+
+For ``serve run``: ``app`` is an application builder taking ``key=value`` arguments, e.g.
+``serve run tessera.runtime.serving.ray_serve:app model=gpt2 set=layers=2,d=64 replicas=2``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import threading
+from dataclasses import dataclass, fields
+
+from .cli import ServeOptions, _require_extra
+from .model import UsageError
+from .ray_support import connected, require_ray
+
+APP_NAME = "tessera"
+REPLICA_HEADER, NODE_HEADER = "x-tessera-replica", "x-tessera-node"
+
+
+@dataclass
+class RayOptions:
+    """The Ray side of `tessera serve --ray`."""
+
+    replicas: int | None = None
+    min_replicas: int | None = None
+    max_replicas: int | None = None
+    address: str | None = None
+
+    def check(self) -> None:
+        for name in ("replicas", "min_replicas", "max_replicas"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < (0 if "min" in name else 1)):
+                raise UsageError(f"--{name.replace('_', '-')} must be an integer >= {0 if 'min' in name else 1}, "
+                                 f"got {v}")
+        autoscaled = self.min_replicas is not None or self.max_replicas is not None
+        if autoscaled and self.replicas is not None:
+            raise UsageError("give --replicas N, or --min-replicas A --max-replicas B (autoscaling), not both")
+        if autoscaled and (self.min_replicas is None or self.max_replicas is None):
+            raise UsageError("autoscaling needs both --min-replicas and --max-replicas")
+        if autoscaled and self.min_replicas > self.max_replicas:
+            raise UsageError(f"--min-replicas {self.min_replicas} is more than --max-replicas {self.max_replicas}")
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> "RayOptions":
+        return cls(**{f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)})
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """`tessera serve`'s --ray options (registered by serving/cli.py's parser)."""
+    g = parser.add_argument_group("Ray Serve (--ray; the serve extra)")
+    g.add_argument("--ray", action="store_true", help="serve on Ray Serve: one engine per replica")
+    g.add_argument("--replicas", type=int, metavar="N", help="replicas (default 1)")
+    g.add_argument("--min-replicas", type=int, metavar="A", help="autoscaling: at least A replicas")
+    g.add_argument("--max-replicas", type=int, metavar="B", help="autoscaling: at most B replicas")
+    g.add_argument("--address", metavar="ADDR", help="a running Ray cluster: 'auto' (this machine's `ray start "
+                   "--head`), HOST:PORT, or ray://HOST:10001; default: start a local Ray")
+
+
+# ------------------------------------------------------------------------------------ the replica
+
+_replica: dict = {}  # the server this process's replica built (one replica per Ray actor)
+
+
+class _Tagged:
+    """The routes' ASGI app, with the answering replica and node in every response's headers."""
+
+    def __init__(self, app, replica: str, node: str):
+        self.app = app
+        self.headers = [(REPLICA_HEADER.encode(), replica.encode()), (NODE_HEADER.encode(), node.encode())]
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+
+        async def tagged_send(message):
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []), *self.headers]}
+            await send(message)
+
+        await self.app(scope, receive, tagged_send)
+
+
+def _replica_app():
+    """Serve's ingress builder: called in the replica after ``TesseraReplica.__init__``."""
+    import ray
+    from ray import serve
+
+    from .app import create_app
+
+    replica = serve.get_replica_context().replica_id.unique_id
+    return _Tagged(create_app(_replica["server"]), replica, ray.get_runtime_context().get_node_id())
+
+
+class TesseraReplica:
+    """One engine, started in the replica; closed when the replica stops."""
+
+    def __init__(self, opts: ServeOptions):
+        from .cli import build_server
+
+        self.engine, server = build_server(opts)
+        self.engine.start()
+        _replica["server"] = server
+
+    def __del__(self):
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            engine.close()
+
+
+def deployment_options(opts: ServeOptions, ray_opts: RayOptions) -> dict:
+    threads = opts.threads or 1
+    out = {"name": "TesseraEngine", "max_ongoing_requests": opts.max_batch,
+           "max_queued_requests": max(1, opts.max_queue),
+           "ray_actor_options": {"num_cpus": threads}, "graceful_shutdown_timeout_s": opts.drain_timeout}
+    if ray_opts.min_replicas is not None:
+        out["autoscaling_config"] = {"min_replicas": ray_opts.min_replicas, "max_replicas": ray_opts.max_replicas,
+                                     "target_ongoing_requests": opts.max_batch}
+    else:
+        out["num_replicas"] = ray_opts.replicas or 1
+    return out
+
+
+def build(opts: ServeOptions, ray_opts: RayOptions):
+    """The Serve application (bound, not running) for ``opts``; each replica runs ``threads`` threads."""
+    from dataclasses import replace
+
+    from ray import serve
+
+    opts = replace(opts, threads=opts.threads or 1)
+    ingress = serve.ingress(_replica_app)(TesseraReplica)
+    return serve.deployment(ingress, **deployment_options(opts, ray_opts)).bind(opts)
+
+
+# ------------------------------------------------------------------------------------ serve run
+
+_INT_ARGS = {"seed", "max_batch", "max_queue", "threads", "max_context", "prefill_chunk", "replicas",
+             "min_replicas", "max_replicas"}
+
+
+def options_from_args(args: dict) -> tuple[ServeOptions, RayOptions]:
+    """``serve run ...:app key=value ...`` arguments (strings) as the command's options: ``model``
+    (required), ``variant``, ``set`` (comma-separated NAME=VALUE), ``weights``, ``seed``,
+    ``tokenizer``, ``max_batch``, ``max_queue``, ``threads``, ``max_context``, ``prefill_chunk``,
+    ``drain_timeout``, ``model_name``, ``replicas``, ``min_replicas``, ``max_replicas``."""
+    names = {n: n for n in {f.name for f in fields(ServeOptions)} - {"spec", "sets", "host", "port", "explain"}}
+    names.update({"model": "spec", "set": "sets", "replicas": "replicas", "min_replicas": "min_replicas",
+                  "max_replicas": "max_replicas"})
+    values: dict = {}
+    for key, raw in dict(args).items():
+        name = names.get(key)
+        if name is None:
+            raise UsageError(f"unknown argument {key!r}; the app takes {', '.join(sorted(names))}")
+        if name == "sets":
+            raw = [s for s in raw.split(",") if s] if isinstance(raw, str) else list(raw)
+        elif name in _INT_ARGS and isinstance(raw, str):
+            try:
+                raw = int(raw)
+            except ValueError:
+                raise UsageError(f"{key} must be an integer, got {raw!r}") from None
+        elif name == "drain_timeout" and isinstance(raw, str):
+            try:
+                raw = float(raw)
+            except ValueError:
+                raise UsageError(f"{key} must be a number of seconds, got {raw!r}") from None
+        values[name] = raw
+    if "spec" not in values:
+        raise UsageError("the app needs model=... (a .tsr spec, a bundled spec's name or a compiled .onnx file)")
+    ray_opts = RayOptions(**{k: values.pop(k) for k in list(values) if k in ("replicas", "min_replicas", "max_replicas")})
+    opts = ServeOptions(**values)
+    opts.check()
+    ray_opts.check()
+    return opts, ray_opts
+
+
+def app(args: dict):
+    """The application builder for ``serve run tessera.runtime.serving.ray_serve:app model=... ...``."""
+    return build(*options_from_args(args))
+
+
+# ------------------------------------------------------------------------------------ the command
+
+
+def replica_failure(serve) -> str | None:
+    """The last line of the error a replica's constructor raised (from Serve's status), if any."""
+    try:
+        app_status = serve.status().applications.get(APP_NAME)
+        messages = [d.message for d in app_status.deployments.values() if d.message] if app_status else []
+    except Exception:  # the status is a courtesy; the caller still has Serve's own message
+        return None
+    lines = [line.strip() for m in messages for line in m.splitlines() if line.strip()]
+    return lines[-1] if lines else None
+
+
+def cmd_serve_ray(args) -> int:
+    opts, ray_opts = ServeOptions.from_args(args), RayOptions.from_args(args)
+    opts.check()
+    ray_opts.check()
+    require_ray("`tessera serve --ray`", ("ray", "ray.serve"))
+    _require_extra()  # the replicas run the local server's routes (fastapi, uvicorn, jinja2)
+    from ray import serve
+
+    application = build(opts, ray_opts)
+    described = deployment_options(opts, ray_opts)
+    print(f"Ray Serve deployment {described}", file=sys.stderr)
+    if opts.explain:
+        return 0
+    stop = threading.Event()
+    with connected(ray_opts.address) as local:
+        # after connecting: ray.init installs its own SIGTERM handler, which kills the driver
+        previous = {s: signal.signal(s, lambda *_: stop.set()) for s in (signal.SIGTERM, signal.SIGINT)}
+        try:
+            serve.start(http_options={"host": opts.host, "port": opts.port})
+            try:
+                serve.run(application, name=APP_NAME, route_prefix="/")
+            except RuntimeError as e:  # a replica failed to start (a bad spec or path): say why, no traceback
+                why = replica_failure(serve) or str(e)
+                serve.delete(APP_NAME)
+                raise UsageError(f"the Ray Serve replicas did not start: {why}") from None
+            print(f"serving {opts.served_name} on Ray Serve at http://{opts.host}:{opts.port} (POST /v1/completions, "
+                  f"/v1/chat/completions; GET /v1/models, /health, /metrics per replica)", file=sys.stderr, flush=True)
+            while not stop.wait(1):  # signals are handled between waits
+                pass
+            print("stopping: replicas finish their running requests", file=sys.stderr, flush=True)
+            serve.delete(APP_NAME)  # graceful: up to --drain-timeout for running requests
+            if local:
+                serve.shutdown()
+        finally:
+            for s, h in previous.items():
+                signal.signal(s, h)
+    return 0
