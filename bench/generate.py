@@ -114,14 +114,17 @@ def compile_tessera(folder: Path, model: str, mode: str, quantize: str = "none")
     gathered = {p for p in built.graph.params if p in ("wte.weight", "wpe.weight", "embed.weight")}
     tied = model == "gpt2"  # GPT-2's head is the token table: it is read whole every step
     read = sum(a.nbytes for k, a in weights.items() if k not in gathered or (tied and k == "wte.weight"))
+    config = None
     if quantize != "none":  # weight-only, block 32 (the defaults of --quantize), head and embedding in float
-        head = os.environ.get("BENCH_QUANTIZE_HEAD") == "1"
-        pipeline.quantize(built, pipeline.quant_config(quantize, head=head))
         from tessera.compiler.ir.graph import DTYPES
+        from tessera.compiler.passes.quantize import QuantizeWeights
 
+        config = pipeline.quant_config(quantize, head=os.environ.get("BENCH_QUANTIZE_HEAD") == "1")
+        packed = built.graph.copy()  # counted on a copy: the cached pipeline quantises as its first pass
+        QuantizeWeights(config)(packed)
         read = sum(int(np.prod(q.shape)) * np.dtype(DTYPES[q.dtype] or np.float32).itemsize  # packed bytes
-                   for k, q in built.graph.params.items() if k not in gathered or (tied and k == "wte.weight"))
-    onnx_model, _ = gen.compile_cached(built, weights, mode=mode)
+                   for k, q in packed.params.items() if k not in gathered or (tied and k == "wte.weight"))
+    onnx_model, _ = gen.compile_cached(built, weights, mode=mode, quantize=config)
     onnx_export.save(onnx_model, folder / f"tessera-{mode}.onnx", external=True)  # as compile --kv-cache writes it
     stored = sum(f.stat().st_size for f in folder.glob(f"tessera-{mode}.onnx*"))  # the weights, as written
     return {"weights_read_bytes": read, "weights_bytes": stored}

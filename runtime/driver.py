@@ -52,7 +52,7 @@ def compile(ref: ModelRef, o: CompileOptions, weights=None) -> Compiled:
         files = _compile_cached(built, weights, ref, o)
     else:
         sites = o.attention_probs
-        pipeline.optimize(built, o, attention_probs=[s for s in sites if s != "all"], all_probs="all" in sites)
+        pipeline.optimize(built, o.pipeline_options([s for s in sites if s != "all"], "all" in sites), o.explain)
         files = pipeline.export(built, weights, o.output, check=o.check_model)
     return Compiled(files, built, params, time.perf_counter() - t0)
 
@@ -60,7 +60,6 @@ def compile(ref: ModelRef, o: CompileOptions, weights=None) -> Compiled:
 def _compile_cached(built, weights, ref: ModelRef, o: CompileOptions) -> list[Path]:
     """--kv-cache: the cached decoder (compiler/passes/kv_cache.py), its kernels chosen per phase."""
     from tessera.compiler.backends.onnx import export as onnx_export
-    from tessera.compiler.passes.attention_kernels import Target
     from tessera.compiler.passes.pipeline import explain
 
     from tessera.runtime.generation import cached as gen
@@ -69,9 +68,7 @@ def _compile_cached(built, weights, ref: ModelRef, o: CompileOptions) -> list[Pa
         raise UsageError(f"--genai writes decoder-only models (one input, the token ids) for onnxruntime-genai's "
                          f"decoder state; {built.graph.name} takes {', '.join(built.graph.inputs)} "
                          f"(encoder-decoders are not supported)")
-    pipeline.quantize(built, o.quant_config())  # the cached graph inherits the quantised linears
-    model, info = gen.compile_cached(built, weights, mode=o.cache_mode, target=Target(o.target, o.dtype),
-                                     sparse_moe=o.sparse_moe, dtype=o.dtype, decode=o.decode)
+    model, info = gen.compile_cached(built, weights, o.cached_pipeline_options())
     if o.explain:
         print(explain(built.attention_sites) + "\n" + info.explain(), file=sys.stderr)
     verify = onnx_export.check if o.check_model else None
@@ -134,7 +131,7 @@ def prepare_run(ref: ModelRef, o: RunOptions, weights=None) -> Runnable:
     if weights is None:
         weights = pipeline.weights_for(built, ref.weights, ref.seed, ref.allow_large)
     probs = [o.layer] if o.wants_alignment and o.layer is not None else None
-    exposed = pipeline.optimize(built, o, attention_probs=probs)
+    exposed = pipeline.optimize(built, o.pipeline_options(probs or ()), o.explain)
     return Runnable(onnx_export.to_bytes(built.graph, weights, pipeline.metadata(built)), specs, limits, exposed)
 
 

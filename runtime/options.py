@@ -209,6 +209,16 @@ class OptimizeOptions(QuantOptions):
     def attention_lowering(self) -> str:
         return "unfused" if self.no_fuse else self.attention
 
+    def pipeline_options(self, attention_probs=(), all_probs: bool = False):
+        """The ``full`` pipeline's PipelineOptions for an export at the target's dtype (compile, run);
+        ``attention_probs`` (site indices) or ``all_probs``: those sites' probabilities as outputs."""
+        from tessera.compiler.passes.attention_kernels import Target
+        from tessera.compiler.passes.pipeline import PipelineOptions
+
+        return PipelineOptions(Target(self.target, self.dtype), self.attention_lowering, self.quant_config(),
+                               self.sparse_moe, self.recurrence, lower_precision=True,
+                               attention_probs=tuple(attention_probs), all_probs=all_probs)
+
 
 # ------------------------------------------------------------------ one class per command
 @dataclass(kw_only=True)
@@ -281,6 +291,16 @@ class CompileOptions(OptimizeOptions):
     def cache_mode(self) -> str:
         """--genai writes the concat cache (onnxruntime-genai feeds present back as past)."""
         return "concat" if self.genai else self.cache
+
+    def cached_pipeline_options(self):
+        """The ``cached_decoder`` pipeline's PipelineOptions (--kv-cache, --genai): quantised as its first
+        pass, kernels chosen per phase, the cache kept at the target's dtype."""
+        from tessera.compiler.passes.attention_kernels import Target
+        from tessera.compiler.passes.pipeline import PipelineOptions
+
+        return PipelineOptions(Target(self.target, self.dtype), quantize=self.quant_config(),
+                               sparse_moe=self.sparse_moe, recurrence=self.recurrence, cache=self.cache_mode,
+                               decode=self.decode)
 
 
 @dataclass(kw_only=True)
@@ -375,6 +395,12 @@ class ReportOptions(QuantOptions):
         check_choice(self.label("format"), self.format, REPORT_FORMATS)
         check_path(self.label("plot"), self.plot)
 
+    def pipeline_options(self):
+        """The ``report`` pipeline's PipelineOptions: experts sparse as compile makes them."""
+        from tessera.compiler.passes.pipeline import PipelineOptions
+
+        return PipelineOptions(quantize=self.quant_config(), sparse_moe=self.sparse_moe)
+
 
 @dataclass(kw_only=True)
 class GenerateOptions(QuantOptions):
@@ -442,6 +468,13 @@ class GenerateOptions(QuantOptions):
             raise UsageError("--quantize is not supported for recurrent encoder-decoders yet")
         if self.start_token is None:
             raise UsageError("a recurrent encoder-decoder needs the decoder's start token: --start-token ID")
+
+    def pipeline_options(self):
+        """The PipelineOptions generation compiles with (cached_decoder, or encoder_decoder with the
+        target input filled in by the loader): the quantisation and the cache mode."""
+        from tessera.compiler.passes.pipeline import PipelineOptions
+
+        return PipelineOptions(quantize=self.quant_config(), cache=self.cache)
 
     def sampling(self, model_seed: int):
         from tessera.runtime.generation.cached import Sampling

@@ -6,6 +6,7 @@ import os
 import re
 import shutil
 import sys
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -14,14 +15,10 @@ import numpy as np
 from tessera.compiler.backends.onnx import export as onnx_export
 from tessera.compiler.frontend.elaborate import ModelInfo, elaborate
 from tessera.compiler.ir.graph import DTYPES, Graph
-from tessera.compiler.frontend.values import BlockRef
 from tessera.spec import Program, SpecError, did_you_mean, load_program
 
+from tessera.runtime.errors import UsageError  # noqa: F401  (re-exported: callers import it from here)
 from tessera.runtime.io.weights import SeededWeights, init_weights, load_weights, name_map_for
-
-
-class UsageError(Exception):
-    """A bad command-line value (not a spec error)."""
 
 
 @dataclass
@@ -175,11 +172,22 @@ def weights_for(built: Built, weights: str | None, seed: int, allow_large: bool 
 QUANTIZE_CHOICES = ("none", "int8", "int4")
 
 
+@contextmanager
+def compiler_errors():
+    """The one place a compiler PassError (CacheError among them) becomes the runtime's UsageError:
+    an option the compiler refuses is the user's to change, reported without a traceback."""
+    from tessera.compiler.passes import PassError
+
+    try:
+        yield
+    except PassError as e:
+        raise UsageError(str(e)) from None
+
+
 def quant_config(scheme: str = "none", block: int | None = None, head: bool = False,
                  activations: str | None = None):
     """The QuantConfig that --quantize, --quantize-block, --quantize-head and --quantize-activations
     ask for (None for none)."""
-    from tessera.compiler.passes import PassError
     from tessera.compiler.passes.quantize import DEFAULT_BLOCK, QuantConfig
 
     scheme = scheme or "none"
@@ -190,51 +198,26 @@ def quant_config(scheme: str = "none", block: int | None = None, head: bool = Fa
             raise UsageError("--quantize-block, --quantize-head and --quantize-activations need --quantize int8 or int4")
         return None
     config = QuantConfig(scheme, DEFAULT_BLOCK if block is None else block, head, activations or "int8")
-    try:
+    with compiler_errors():
         config.check()
-    except PassError as e:
-        raise UsageError(str(e)) from None
     return config
 
 
-def quantize(built: Built, config) -> None:
-    """Quantise built.graph's linears now (for compile_cached, whose own pipeline then fuses and
-    adds the cache around them: the cached graph inherits the quantised linears)."""
-    from tessera.compiler.passes import PassError
-    from tessera.compiler.passes.quantize import QuantizeWeights
-
-    built.quantize = config
-    if config is None:
-        return
-    try:
-        QuantizeWeights(config)(built.graph)
-    except PassError as e:
-        raise UsageError(str(e)) from None
-
-
-def optimize(built: Built, o, attention_probs: list[int] | None = None, all_probs: bool = False) -> list:
-    """Fuse attention, choose kernels and quantise weights as ``o`` (runtime/options.OptimizeOptions) says; print
-    --explain's listing. ``attention_probs`` (site indices) or ``all_probs`` first makes those
-    attention sites' probabilities model outputs (kept unfused); returns their ExposedProbs notes."""
-    from tessera.compiler.passes.pipeline import (attention_sites, build_pipeline, expert_sites, explain,
-                                                  explain_experts)
-    from tessera.compiler.passes import PassError
-    from tessera.compiler.passes.attention_kernels import Target
+def optimize(built: Built, options, explain: bool = False) -> list:
+    """Run the ``full`` pipeline (compiler/passes/pipeline.py) on built.graph with ``options`` (a
+    PipelineOptions, from runtime/options.OptimizeOptions.pipeline_options); print --explain's
+    listing when asked. Returns the ExposedProbs notes of the sites whose probabilities became outputs."""
+    from tessera.compiler.passes.pipeline import attention_sites, expert_sites, explain as explain_sites, \
+        explain_experts, pipeline
     from tessera.compiler.passes.expose_attention import ExposeAttentionProbs
     from tessera.compiler.passes.quantize import QuantizeWeights
 
-    o.check()
-    built.quantize = o.quant_config()
-    try:
-        result = build_pipeline(Target(o.target, o.dtype), o.attention_lowering, lower_precision=True,
-                                quantize=built.quantize, attention_probs=attention_probs,
-                                all_probs=all_probs, recurrence=o.recurrence,
-                                sparse_moe=o.sparse_moe)(built.graph)
-    except PassError as e:
-        raise UsageError(str(e)) from None
+    built.quantize = options.quantize
+    with compiler_errors():
+        result = pipeline("full", options)(built.graph)
     exposed = result.notes(ExposeAttentionProbs.name)
-    if o.explain:
-        lines = [explain(attention_sites(result), exposed)]
+    if explain:
+        lines = [explain_sites(attention_sites(result), exposed)]
         notes = result.notes(QuantizeWeights.name)
         if built.quantize is not None:
             done = sum(n.quantized for n in notes)
@@ -254,24 +237,15 @@ def optimize(built: Built, o, attention_probs: list[int] | None = None, all_prob
 
 
 def metadata(built: Built) -> dict:
-    """The model file's metadata: model, variant, hyperparameters, and the quantisation if any."""
-    meta = {"tessera.model": built.info.model, "tessera.variant": built.info.variant or "",
-            "tessera.hyperparams": {k: _jsonable(v) for k, v in built.info.hyperparams.items()}}
-    q = built.quantize
-    if q is not None:
-        meta["tessera.quantize"] = {"scheme": q.scheme, "block_size": q.block_size, "head": q.head,
-                                    "activations": q.activations}
-    return meta
+    """The model file's metadata (compiler/build.py's model_metadata, the one place it is built)."""
+    from tessera.compiler.build import model_metadata
+
+    return model_metadata(built.info, built.quantize)
 
 
 def export(built: Built, weights, out: str | Path, check: bool = True) -> list[Path]:
     return onnx_export.write(built.graph, weights, out, metadata(built), verify=onnx_export.check if check else None)
 
 
-def _jsonable(v):
-    if isinstance(v, BlockRef):
-        return v.block.name
-    return v
-
-
-__all__ = ["Built", "resolve_spec", "build", "weights_for", "optimize", "export", "parse_set", "UsageError"]
+__all__ = ["Built", "resolve_spec", "build", "weights_for", "optimize", "export", "parse_set", "UsageError",
+           "compiler_errors"]

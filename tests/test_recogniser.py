@@ -16,7 +16,7 @@ import pytest
 
 from conftest import build, ort_run
 from tessera.compiler.analysis import costreport
-from tessera.compiler.analysis.attention_report import attention_section
+from tessera.compiler.report import attention_section
 from tessera.compiler.analysis.params import parameter_report
 from tessera.compiler.analysis.structure import analyse
 from tessera.compiler.passes.attention_kernels import Target

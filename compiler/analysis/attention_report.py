@@ -15,8 +15,6 @@ import os
 
 from tessera.compiler.ir import dims
 from tessera.compiler.ir.graph import Graph
-from tessera.compiler.passes.pipeline import optimize
-from tessera.compiler.passes.attention_kernels import Target
 
 
 def keys_read_by_tiles(tq: int, tk: int, br: int, causal: bool) -> int:
@@ -67,12 +65,9 @@ def _where(pos) -> str | None:
     return f"{path}:{pos.line}:{pos.col}"
 
 
-def attention_section(graph: Graph, bindings: dict, bytes_per_element: int, device: str, dtype: str) -> dict:
-    """Fuse attention on a copy of ``graph`` for the device's target and describe every site
-    (the caller's graph is left as it was)."""
-    target = Target("cpu" if device == "cpu" else "cuda", dtype)
-    graph = graph.copy()
-    sites = optimize(graph, target)
+def describe_sites(graph: Graph, sites: list, bindings: dict, bytes_per_element: int, target: str) -> dict:
+    """The section from the attention sites (passes' AttentionSite notes) of ``graph`` as the pipeline
+    left it, fused. The passes are run by compiler/report.py (analysis/ imports no pass)."""
     rows, total_u, total_f = [], 0, 0
     for s in sites:
         row = {"site": s.scope or "<model>", "at": _where(s.pos), "fused": s.fused}
@@ -87,7 +82,7 @@ def attention_section(graph: Graph, bindings: dict, bytes_per_element: int, devi
         else:
             row.update(reason=s.reason)
         rows.append(row)
-    return {"target": f"{target.device} {target.dtype}", "sites": rows,
+    return {"target": target, "sites": rows,
             "fused": sum(r["fused"] for r in rows), "not_fused": sum(not r["fused"] for r in rows),
             "traffic_bytes": {"unfused": total_u, "fused": total_f},
             "traffic_ratio": (total_u / total_f) if total_f else None}
@@ -102,4 +97,4 @@ def group_sites(section: dict) -> list[tuple[int, dict, list[str]]]:
     return [(len(v), v[0], [r["site"] for r in v]) for v in groups.values()]
 
 
-__all__ = ["attention_section", "group_sites", "keys_read_by_tiles"]
+__all__ = ["describe_sites", "group_sites", "keys_read_by_tiles"]

@@ -100,7 +100,7 @@ def full(o: PipelineOptions) -> list[Pass]:
 
 
 def cached_decoder(o: PipelineOptions) -> list[Pass]:
-    # quantised first, before fusion (as the command line always did): the cached graph inherits the
+    # quantised first, before fusion: the cached graph inherits the
     # quantised linears, and quantised experts stay dense
     o.check_cached()
     passes: list[Pass] = [QuantizeWeights(o.quantize)] if o.quantize is not None else []

@@ -1,5 +1,5 @@
 """The ``tessera`` command: compile, run, report, ir, generate (one module per command here), serve and
-batch (runtime/serving/cli.py and batch.py, beside the engine they start).
+batch (runtime/serving/cli.py and batch_cli.py, beside the engine they start).
 
 Every user error (a spec error, a bad --set, a weights file that does not
 fit, a run input of the wrong shape) prints a clear message and exits with
@@ -19,7 +19,7 @@ from tessera.spec import SpecError
 
 from tessera.runtime.cli import args as shared
 from tessera.runtime.cli import compile as compile_cmd, generate, ir, report, run
-from tessera.runtime.serving import batch, cli as serve
+from tessera.runtime.serving import batch_cli as batch, cli as serve
 from tessera.runtime.io.weights import WeightsError
 from tessera.runtime.pipeline import UsageError
 

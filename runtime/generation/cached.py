@@ -45,9 +45,9 @@ from typing import Callable, Iterator
 
 import numpy as np
 
-from tessera.compiler.passes.kv_cache import CacheError, CacheInfo
+from tessera.compiler.passes.kv_cache import CacheInfo
 
-from tessera.runtime.pipeline import UsageError
+from tessera.runtime.pipeline import UsageError, compiler_errors
 
 
 from tessera.runtime.generation.decoding import decode_steps  # noqa: E402
@@ -126,43 +126,31 @@ class CachedModel:
         return run_session(self.session, feeds)
 
 
-def compile_cached(built, weights: dict[str, np.ndarray], last_only: bool = True, mode: str = "auto",
-                   target=None, dtype: str = "fp32", sparse_moe: bool = True, fuse_linears: bool = True,
-                   decode: str = "auto"):
-    """Fuse attention (and make experts sparse unless ``sparse_moe`` is False), add the KV cache, fuse
-    the linears sharing an input (q/k/v, gate/up: compiler/passes/fuse_linears.py; ``fuse_linears=False``
-    keeps them apart) and export: returns (onnx.ModelProto, CacheInfo). Rewrites built.graph."""
-    from tessera.compiler.backends.onnx import export as onnx_export
-    from tessera.compiler.backends.onnx.cached_attention import prune_dead_nodes
+def cached_options(mode: str = "auto", dtype: str = "fp32", target=None, sparse_moe: bool = True,
+                   fuse_linears: bool = True, decode: str = "auto", last_only: bool = True, quantize=None):
+    """The cached_decoder pipeline's PipelineOptions from the keyword choices tests and benches name
+    (``mode``: the cache, buffer or concat; ``target`` a passes.attention_kernels.Target, else the CPU
+    at ``dtype``; ``quantize`` a QuantConfig)."""
     from tessera.compiler.passes.attention_kernels import Target
-    from tessera.compiler.passes.kv_cache import add_kv_cache
-    from tessera.compiler.passes.pipeline import optimize
+    from tessera.compiler.passes.pipeline import PipelineOptions
 
-    target = target or Target("cpu", dtype)
-    built.attention_sites = optimize(built.graph, target, sparse_moe=sparse_moe)
-    try:
-        info = add_kv_cache(built.graph, last_only=last_only, mode=mode, decode=decode, target=target)
-    except CacheError as e:
-        raise UsageError(str(e)) from None
-    if fuse_linears:
-        from tessera.compiler.passes.fuse_linears import FuseSharedInputLinears
+    return PipelineOptions(target or Target("cpu", dtype), quantize=quantize, sparse_moe=sparse_moe, cache=mode,
+                           decode=decode, last_only=last_only, fuse_linears=fuse_linears)
 
-        FuseSharedInputLinears()(built.graph)
-    if dtype != "fp32":
-        from tessera.compiler.passes.precision import LowerPrecision
 
-        native = {n for layer in info.layers for n in (layer.past_key, layer.past_value, layer.present_key,
-                                                        layer.present_value)}
-        LowerPrecision(dtype, native)(built.graph)
-        info.dtype = built.graph.type_of(info.layers[0].past_key).dtype
-    from tessera.runtime.pipeline import _jsonable
+def compile_cached(built, weights, options=None, **choices):
+    """The cached decoder of ``built`` (compiler/build.py's compile_cached, the ``cached_decoder``
+    pipeline: quantise, fuse attention, make experts sparse, add the KV cache, fuse the linears sharing
+    an input, lower the precision) as (onnx.ModelProto, CacheInfo). ``options``: a PipelineOptions
+    (the driver's, from the typed options); else ``choices``, cached_options' keywords. Rewrites
+    built.graph; records the attention sites (--explain) and the quantisation on ``built``."""
+    from tessera.compiler import build as compiler_build
 
-    meta = {"tessera.model": built.info.model, "tessera.variant": built.info.variant or "",
-            "tessera.hyperparams": {k: _jsonable(v) for k, v in built.info.hyperparams.items()},
-            CacheInfo.METADATA_KEY: info.to_json()}
-    model = onnx_export.to_onnx(built.graph, weights, meta)
-    prune_dead_nodes(model)
-    return model, info
+    options = options or cached_options(**choices)
+    with compiler_errors():
+        done = compiler_build.compile_cached(built.graph, weights, built.info, options)
+    built.attention_sites, built.quantize = done.sites, options.quantize
+    return done.model, done.info
 
 
 class Seq2Seq:
@@ -186,28 +174,23 @@ class Seq2Seq:
         return {b: out[b] if b in out else feeds[b] for b in self.boundary}
 
 
-def compile_seq2seq(built, weights: dict[str, np.ndarray], decoder_input: str, last_only: bool = True,
-                    max_positions: int = 4096):
-    """Fuse attention, split off the encoder part, add the KV cache to the decoder, export both:
-    returns (encoder ModelProto, decoder ModelProto, CacheInfo, boundary value names)."""
-    from tessera.compiler.backends.onnx import export as onnx_export
-    from tessera.compiler.backends.onnx.cached_attention import prune_dead_nodes
-    from tessera.compiler.passes.encdec import split_encoder
-    from tessera.compiler.passes.kv_cache import add_kv_cache
-    from tessera.compiler.passes.pipeline import optimize
+def compile_seq2seq(built, weights, decoder_input: str, last_only: bool = True, max_positions: int = 4096,
+                    options=None):
+    """An encoder-decoder for generation (compiler/build.py's compile_seq2seq, the ``encoder_decoder``
+    pipeline: fuse attention, split off the encoder part, add the KV cache to the decoder): returns
+    (encoder ModelProto, decoder ModelProto, CacheInfo, boundary value names). ``options``: a
+    PipelineOptions (the quantisation, the cache mode), its decoder input and the rest filled in here."""
+    import dataclasses
 
-    built.attention_sites = optimize(built.graph)
-    if decoder_input not in built.graph.inputs:
-        raise UsageError(f"the model has no input '{decoder_input}' (its inputs: {', '.join(built.graph.inputs)})")
-    enc, dec, boundary = split_encoder(built.graph, [decoder_input])
-    try:
-        info = add_kv_cache(dec, last_only=last_only, tokens=decoder_input, max_positions=max_positions)
-    except CacheError as e:
-        raise UsageError(str(e)) from None
-    enc_model = onnx_export.to_onnx(enc, {k: v for k, v in weights.items() if k in enc.params})
-    dec_model = onnx_export.to_onnx(dec, {k: v for k, v in weights.items() if k in dec.params})
-    prune_dead_nodes(dec_model)
-    return enc_model, dec_model, info, boundary
+    from tessera.compiler import build as compiler_build
+    from tessera.compiler.passes.pipeline import PipelineOptions
+
+    options = dataclasses.replace(options or PipelineOptions(), decoder_input=decoder_input, last_only=last_only,
+                                  max_positions=max_positions)
+    with compiler_errors():
+        done = compiler_build.compile_seq2seq(built.graph, weights, options, built.info)
+    built.quantize = options.quantize
+    return done.encoder, done.decoder, done.info, done.boundary
 
 
 # ------------------------------------------------------------------ the loop

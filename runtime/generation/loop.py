@@ -37,13 +37,13 @@ class EncoderDecoder:
     every layer's cross-attention keys and values), the cached decoder, and the names of the target
     input (the prompt the cache extends) and of the source inputs."""
 
-    def __init__(self, built, weights, target: str, threads: int | None):
+    def __init__(self, built, weights, target: str, threads: int | None, options=None):
         from tessera.compiler.ir.signature import input_limits
 
         self.target = target
         self.sources = [i for i in built.graph.inputs if i != target]
         self.limits = input_limits(built.graph)
-        enc, dec, info, boundary = gen.compile_seq2seq(built, weights, target)
+        enc, dec, info, boundary = gen.compile_seq2seq(built, weights, target, options=options)
         decoder = gen.CachedModel(dec.SerializeToString(), info, threads=threads)
         self.s2s = gen.Seq2Seq(enc.SerializeToString(), decoder, boundary)
 
@@ -86,12 +86,12 @@ def load_model(ref, o, weights=None, models: dict | None = None):
     built = pipeline.build(ref.spec, ref.variant, ref.sets, ref.weights)
     if weights is None:
         weights = pipeline.weights_for(built, ref.weights, ref.seed, ref.allow_large)
-    pipeline.quantize(built, config)
+    options = o.pipeline_options()  # quantised by the pipeline's first pass
     target = target_input(built.graph)
     if target is not None:
-        loaded = EncoderDecoder(built, weights, target, o.threads)
+        loaded = EncoderDecoder(built, weights, target, o.threads, options)
     else:
-        model, info = gen.compile_cached(built, weights, mode=o.cache)
+        model, info = gen.compile_cached(built, weights, options)
         loaded = gen.CachedModel(model.SerializeToString(), info, threads=o.threads)
     if models is not None:
         models[key] = loaded

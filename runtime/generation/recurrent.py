@@ -23,7 +23,7 @@ import numpy as np
 
 from tessera.compiler.backends.onnx import export as onnx_export
 from tessera.compiler.ir.graph import Graph
-from tessera.compiler.passes.pipeline import build_pipeline
+from tessera.compiler.passes.pipeline import PipelineOptions, pipeline
 
 from tessera.runtime.generation.decoding import decode_steps
 from tessera.runtime.generation.sampling import Sampling
@@ -53,7 +53,7 @@ class RecurrentSeq2Seq:
         self.sessions = []
         for g in (encode, step):
             g = g.copy()
-            build_pipeline(recurrence=recurrence)(g)
+            pipeline("full", PipelineOptions(recurrence=recurrence))(g)
             w = {p: weights[p] for p in g.params}
             model = onnx_export.to_bytes(g, w)
             self.sessions.append(ort.InferenceSession(model, providers=["CPUExecutionProvider"]))

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from tessera.spec import Program
 
-from tessera.runtime.io.files import stat_or_raise
+from tessera.runtime.files import stat_or_raise
 from tessera.runtime.io.weights import NameMap, WeightsError, _read_regular
 
 CONFIG_FILE = "config.json"

@@ -16,7 +16,7 @@ from tessera.compiler.ir.graph import DTYPES
 from tessera.compiler.ir.signature import InputError, InputSpec
 from tessera.spec.diagnostics import did_you_mean
 
-from tessera.runtime.pipeline import UsageError
+from tessera.runtime.errors import UsageError
 
 
 def parse_inputs(items: list[str], specs: list[InputSpec]) -> dict[str, np.ndarray]:

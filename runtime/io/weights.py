@@ -29,7 +29,7 @@ import numpy as np
 
 from tessera.compiler.ir.graph import DTYPES, Graph
 
-from tessera.runtime.io.files import stat_or_raise
+from tessera.runtime.files import stat_or_raise
 
 
 class WeightsError(Exception):

@@ -22,7 +22,7 @@ MAX_LABELS = 60  # more tokens than this on an axis: label every k-th, or the la
 
 
 def check_path(path: str) -> tuple[Path, str]:
-    """The plot's target and image format, checked before the model runs (see report_plot)."""
+    """The plot's target and image format, checked before the model runs (runtime/report/plot.py's check_plot_path)."""
     return check_plot_path(path, OPTION, EXAMPLE)
 
 

@@ -30,6 +30,8 @@ def _no_gc():
 def build_report(ref, o) -> dict:
     """The report of ``ref`` (runtime/options.ModelRef) as ``o`` (ReportOptions) asks, a JSON-able dict."""
     from tessera.compiler.analysis import costreport, roofline
+    from tessera.compiler.build import model_metadata
+    from tessera.compiler.passes.pipeline import run_report
 
     if o.plot is not None:  # a bad path fails now, not after the report
         from tessera.runtime.report.plot import check_plot_path
@@ -39,31 +41,27 @@ def build_report(ref, o) -> dict:
         device = roofline.get_device(o.device)
     except roofline.DeviceError as e:
         raise pipeline.UsageError(str(e)) from None
-    config = o.quant_config()
+    options = o.pipeline_options()
+    config = options.quantize
     with _no_gc():
         built = pipeline.build(ref.spec, ref.variant, ref.sets)
-        graph = built.graph
-        if o.sparse_moe and config is None and any(n.op == "topk_gates" for n in graph.nodes.values()):
-            from tessera.compiler.passes.sparse_moe import SparseExperts
-
-            graph = graph.copy()  # as compile builds it: experts sparse (built.graph is left as written)
-            SparseExperts()(graph)
+        with pipeline.compiler_errors():  # as compile builds it, on a copy (built.graph is left as written)
+            graph = run_report(built.graph, options).graph
         rep = costreport.build_report(
-            graph, built.info.model, built.info.variant,
-            {k: pipeline._jsonable(v) for k, v in built.info.hyperparams.items()},
+            graph, built.info.model, built.info.variant, model_metadata(built.info)["tessera.hyperparams"],
             batch=o.batch, seq=o.seq, dtype=o.dtype, device=device)
     if o.plot is not None:
         from tessera.runtime.report.plot import plot
 
         with _no_gc():
             plot(graph, rep, str(o.plot))
-    from tessera.compiler.analysis.attention_report import attention_section
+    from tessera.compiler.report import attention_section
 
     with _no_gc():  # fuses a copy: built.graph is left as written
         rep["attention"] = attention_section(graph, rep["settings"]["bindings"],
                                              rep["settings"]["bytes_per_element"], device.name, o.dtype)
     if config is not None:
-        from tessera.compiler.analysis.quant_report import quantization_section
+        from tessera.compiler.report import quantization_section
 
         with _no_gc():  # quantises a copy
             rep["quantization"] = quantization_section(built.graph, config)

@@ -12,6 +12,8 @@
       engine.close()
 
 - ``model.py``: the one bridge to the rest of the runtime (loading the cached decoder, tokenizers).
-- ``app.py`` (FastAPI), ``chat.py``, ``metrics.py``, ``cli.py``: ``tessera serve``'s OpenAI-compatible
-  HTTP server; they need the ``serve`` extra (fastapi, uvicorn, jinja2).
+- ``app.py`` (FastAPI), ``chat.py``, ``metrics.py``, ``server.py`` (the options and the build),
+  ``cli.py`` (the command): ``tessera serve``'s OpenAI-compatible HTTP server; they need the ``serve``
+  extra (fastapi, uvicorn, jinja2). ``ray_serve.py``: the same server on Ray Serve replicas.
+- ``batch.py`` (the work), ``batch_cli.py`` (the command), ``ray_batch.py`` (on Ray Data): ``tessera batch``.
 """

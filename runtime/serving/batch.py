@@ -22,7 +22,6 @@ import collections
 import json
 import math
 import os
-import sys
 import tempfile
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -31,15 +30,6 @@ from .engine import Engine, Handle, Overloaded, Request, RequestError, Unavailab
 from .model import Sampling, UsageError, encode_prompts, stop_token_ids
 
 ROW_FIELDS = ("prompt", "max_tokens", "temperature", "top_p", "top_k", "repetition_penalty", "seed", "stop")
-
-EXAMPLES = """examples:
-  tessera batch models/gpt2.tsr -V small --weights gpt2/model.safetensors --tokenizer gpt2/tokenizer.json \\
-      --input prompts.jsonl --output results.jsonl
-  tessera batch gpt2 --set layers=2 --input ids.jsonl --output out.jsonl --ray --concurrency 4
-input lines:  {"prompt": "Hello", "max_tokens": 20, "temperature": 0}   {"prompt": [464, 2068], "stop": ["."]}
-output lines: {"text": " world", "tokens": [995, ...], "finish_reason": "length"}   {"error": "..."}
-"""
-
 
 @dataclass
 class BatchOptions:
@@ -80,49 +70,6 @@ class BatchOptions:
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "BatchOptions":
         return cls(**{f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)})
-
-
-def add_parser(sub) -> argparse.ArgumentParser:
-    d = BatchOptions("")
-    b = sub.add_parser("batch", help="generate for a JSON-lines file of prompts (continuous batching; Ray Data "
-                       "with --ray)", formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EXAMPLES,
-                       description="Run every prompt of --input through the serving engine (rows share each "
-                                   "decoding step) and write one result per line to --output, in input order, "
-                                   "atomically. A row that fails gets an error on its line. With --ray, "
-                                   "Ray Data runs --concurrency engines (one per actor). See docs/serve.md.")
-    b.add_argument("spec", metavar="MODEL", help="a .tsr spec (or a bundled spec's name), or an .onnx file compiled "
-                   "with --kv-cache --decode plain")
-    b.add_argument("--input", "-i", required=True, metavar="FILE.jsonl",
-                   help=f"one JSON object a line: prompt (text or token ids) and optionally "
-                        f"{', '.join(ROW_FIELDS[1:])}")
-    b.add_argument("--output", "-o", required=True, metavar="FILE.jsonl",
-                   help="one JSON object a line: text, tokens, finish_reason (or error)")
-    b.add_argument("--variant", "-V", help="a variant defined in the spec file (e.g. small)")
-    b.add_argument("--set", dest="sets", action="append", default=[], metavar="NAME=VALUE",
-                   help="override a hyperparameter (repeatable)")
-    b.add_argument("--weights", metavar="FILE", help="a .safetensors file or folder of shards (else seeded weights)")
-    b.add_argument("--seed", type=int, default=d.seed, help="seed of the weight initialiser without --weights")
-    b.add_argument("--tokenizer", metavar="tokenizer.json", help="a Hugging Face tokenizer.json: text prompts, "
-                   "stop strings, text in the results; its folder gives the end-of-sequence token")
-    b.add_argument("--max-tokens", type=int, default=d.max_tokens, metavar="N",
-                   help=f"new tokens for a row without max_tokens (default {d.max_tokens}, as OpenAI's completions)")
-    b.add_argument("--max-batch", type=int, default=d.max_batch, metavar="N",
-                   help=f"sequences decoded together per engine (default {d.max_batch})")
-    b.add_argument("--max-queue", type=int, default=d.max_queue, metavar="N",
-                   help=f"rows waiting for a slot per engine (default {d.max_queue})")
-    b.add_argument("--threads", type=int, default=None,
-                   help="onnxruntime intra-op threads (default: all cores; with --ray: 1), and with --ray the "
-                        "CPUs each actor reserves")
-    b.add_argument("--max-context", type=int, default=None, metavar="N",
-                   help="positions per slot, prompt and new tokens together (default: the model's context)")
-    b.add_argument("--prefill-chunk", type=int, default=d.prefill_chunk, metavar="N",
-                   help=f"prompt tokens prefilled between two decoding steps at most (default {d.prefill_chunk})")
-    b.add_argument("--ray", action="store_true", help="run on Ray Data: one engine per actor (the serve extra)")
-    b.add_argument("--concurrency", type=int, default=d.concurrency, metavar="N",
-                   help="with --ray: actors, each holding one engine (default 1)")
-    b.add_argument("--address", metavar="ADDR", help="with --ray: a running cluster ('auto', HOST:PORT or "
-                   "ray://HOST:10001); default: start a local Ray for this run")
-    return b
 
 
 # ---------------------------------------------------------------------------------------- input
@@ -303,20 +250,3 @@ def write_atomically(path: str, results: list[dict]) -> None:
         if isinstance(e, OSError):
             raise UsageError(f"--output {path}: cannot write it ({e.strerror or e})") from None
         raise
-
-
-def cmd_batch(args) -> int:
-    opts = BatchOptions.from_args(args)
-    opts.check()
-    rows = read_rows(opts.input)
-    if opts.ray:
-        from .ray_batch import run_on_ray
-
-        results = run_on_ray(opts, rows)
-    else:
-        results = run_local(opts, rows)
-    write_atomically(opts.output, results)
-    failed = sum("error" in r for r in results)
-    print(f"{len(results)} rows -> {opts.output}" + (f" ({failed} failed: see their error)" if failed else ""),
-          file=sys.stderr)
-    return 0

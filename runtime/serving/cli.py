@@ -1,7 +1,7 @@
 """``tessera serve MODEL``: the engine behind an OpenAI-compatible HTTP server (FastAPI + uvicorn).
 
 Registered in runtime/cli.py by ``add_parser(sub)``; ``cmd_serve`` runs it. The options are the
-dataclass ``ServeOptions`` (``check()`` refuses bad values with a UsageError before anything
+dataclass ``ServeOptions`` (serving/server.py; ``check()`` refuses bad values with a UsageError before anything
 loads). SIGTERM drains: new requests get 503, running and queued ones finish (up to
 ``--drain-timeout`` seconds), then the process exits 0. Without the ``serve`` extra the command
 says which extra to install.
@@ -13,9 +13,9 @@ import argparse
 import signal
 import sys
 import threading
-from dataclasses import dataclass, field, fields
 
 from .model import UsageError
+from .server import ServeOptions, build_server, require_extra
 
 EXAMPLES = """examples:
   tessera serve models/gpt2.tsr -V small --weights gpt2/model.safetensors --tokenizer gpt2/tokenizer.json
@@ -23,63 +23,6 @@ EXAMPLES = """examples:
   curl http://127.0.0.1:8000/v1/completions -H 'Content-Type: application/json' \\
       -d '{"prompt": "Hello", "max_tokens": 20, "temperature": 0}'
 """
-
-EXTRA_MODULES = ("fastapi", "uvicorn", "jinja2")
-
-
-@dataclass
-class ServeOptions:
-    """Everything `tessera serve` takes (the model as `tessera generate` takes it, and the server's)."""
-
-    spec: str
-    variant: str | None = None
-    sets: list[str] = field(default_factory=list)
-    weights: str | None = None
-    seed: int = 0
-    tokenizer: str | None = None
-    host: str = "127.0.0.1"
-    port: int = 8000
-    max_batch: int = 8
-    max_queue: int = 64
-    threads: int | None = None
-    max_context: int | None = None
-    prefill_chunk: int = 256
-    drain_timeout: float = 30.0
-    model_name: str | None = None
-    explain: bool = False
-
-    def check(self) -> None:
-        def whole(name, value, low):
-            if not isinstance(value, int) or isinstance(value, bool) or value < low:
-                raise UsageError(f"--{name.replace('_', '-')} must be an integer >= {low}, got {value}")
-
-        whole("max_batch", self.max_batch, 1)
-        whole("max_queue", self.max_queue, 0)
-        whole("prefill_chunk", self.prefill_chunk, 1)
-        if self.threads is not None:
-            whole("threads", self.threads, 1)
-        if self.max_context is not None:
-            whole("max_context", self.max_context, 2)
-        if not isinstance(self.port, int) or not 0 <= self.port <= 65535:
-            raise UsageError(f"--port must be in [0, 65535], got {self.port}")
-        if not (self.drain_timeout >= 0):
-            raise UsageError(f"--drain-timeout must be >= 0 seconds, got {self.drain_timeout}")
-        if not self.host:
-            raise UsageError("--host is empty")
-
-    @classmethod
-    def from_args(cls, args: argparse.Namespace) -> "ServeOptions":
-        return cls(**{f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)})
-
-    @property
-    def served_name(self) -> str:
-        from pathlib import Path
-
-        if self.model_name:
-            return self.model_name
-        name = Path(self.spec).stem
-        return f"{name}-{self.variant}" if self.variant else name
-
 
 def add_parser(sub) -> argparse.ArgumentParser:
     d = ServeOptions("")
@@ -123,35 +66,6 @@ def add_parser(sub) -> argparse.ArgumentParser:
     return s
 
 
-def _require_extra() -> None:
-    import importlib.util
-
-    missing = [m for m in EXTRA_MODULES if importlib.util.find_spec(m) is None]
-    if missing:
-        raise UsageError(f"`tessera serve` needs the serve extra ({', '.join(missing)} not installed): "
-                         f"pip install 'tessera[serve]'")
-
-
-def build_server(opts: ServeOptions):
-    """The loaded model, its engine (not started) and the routes' shared state."""
-    from . import model as serving_model
-    from .app import Server
-    from .chat import ChatTemplate, ChatTemplateError
-    from .engine import Engine
-
-    tokenizer, template, template_error = None, None, None
-    if opts.tokenizer:
-        tokenizer = serving_model.load_tokenizer(opts.tokenizer)
-        try:
-            template = ChatTemplate.from_tokenizer_folder(opts.tokenizer)
-        except ChatTemplateError as e:  # the completion route still works; the chat route says why
-            template_error = str(e)
-    model = serving_model.load(opts.spec, opts.variant, opts.sets, opts.weights, opts.seed, opts.threads)
-    engine = Engine(model, opts.max_batch, opts.max_queue, opts.max_context, opts.prefill_chunk, tokenizer,
-                    serving_model.eos_ids(tokenizer, opts.tokenizer))
-    return engine, Server(engine, opts.served_name, tokenizer, template, template_error)
-
-
 def cmd_serve(args) -> int:
     if getattr(args, "ray", False):
         from .ray_serve import cmd_serve_ray
@@ -159,7 +73,7 @@ def cmd_serve(args) -> int:
         return cmd_serve_ray(args)
     opts = ServeOptions.from_args(args)
     opts.check()
-    _require_extra()
+    require_extra()
     sock = None if opts.explain else _listening_socket(opts.host, opts.port)  # a taken port fails before loading
     try:
         engine, server = build_server(opts)

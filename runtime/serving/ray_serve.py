@@ -2,7 +2,7 @@
 replica, scaled over a Ray cluster.
 
 How it reuses `tessera serve`: a replica builds exactly what the local server builds
-(``cli.build_server``: tokenizer, chat template, the cached decoder, the engine) in its
+(``server.build_server``: tokenizer, chat template, the cached decoder, the engine) in its
 ``__init__`` -- on the replica's node, from the model's path or spec, because onnxruntime sessions
 do not pickle -- and its HTTP ingress is ``app.create_app`` over that server, so every route,
 error shape, streaming and admission rule is the local server's. Serve's ``serve.ingress`` takes a
@@ -37,7 +37,7 @@ import sys
 import threading
 from dataclasses import dataclass, fields
 
-from .cli import ServeOptions, _require_extra
+from .server import ServeOptions, require_extra
 from .model import UsageError
 from .ray_support import connected, require_ray
 
@@ -123,7 +123,7 @@ class TesseraReplica:
     """One engine, started in the replica; closed when the replica stops."""
 
     def __init__(self, opts: ServeOptions):
-        from .cli import build_server
+        from .server import build_server
 
         self.engine, server = build_server(opts)
         self.engine.start()
@@ -224,7 +224,7 @@ def cmd_serve_ray(args) -> int:
     opts.check()
     ray_opts.check()
     require_ray("`tessera serve --ray`", ("ray", "ray.serve"))
-    _require_extra()  # the replicas run the local server's routes (fastapi, uvicorn, jinja2)
+    require_extra()  # the replicas run the local server's routes (fastapi, uvicorn, jinja2)
     from ray import serve
 
     application = build(opts, ray_opts)

@@ -176,7 +176,7 @@ def _gqa_inputs(b, node) -> tuple[str, str, str]:
 
 def _lower_gqa_decode(b, node, outs: list[str], gqa_in) -> None:
     """A decoding step (T = 1) as one com.microsoft GroupQueryAttention over the cache buffer: the past
-    inputs and the If's buffer outputs are the same memory when the loop binds them (runtime/generate.py),
+    inputs and the If's buffer outputs are the same memory when the loop binds them (runtime/generation/cached.py, BoundStep),
     and the kernel writes the new column into slot cache_length and attends over the filled slots and
     it. At T = 1, [B, H, 1, hd] and GroupQueryAttention's [B, 1, H*hd] hold the same order, so the
     head split needs only a Reshape each way. The rotary embedding was applied before (rope nodes)."""

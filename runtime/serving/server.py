@@ -1,0 +1,98 @@
+"""What `tessera serve` builds, whatever starts it: its options (``ServeOptions``), the check for the
+serve extra, and the loaded model with its engine and the routes' state (``build_server``).
+
+Why apart from cli.py: the command line (serving/cli.py) and a Ray Serve replica
+(serving/ray_serve.py) both build a server from the same options, and neither may import the other.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, field, fields
+
+from .model import UsageError
+
+EXTRA_MODULES = ("fastapi", "uvicorn", "jinja2")
+
+
+@dataclass
+class ServeOptions:
+    """Everything `tessera serve` takes (the model as `tessera generate` takes it, and the server's)."""
+
+    spec: str
+    variant: str | None = None
+    sets: list[str] = field(default_factory=list)
+    weights: str | None = None
+    seed: int = 0
+    tokenizer: str | None = None
+    host: str = "127.0.0.1"
+    port: int = 8000
+    max_batch: int = 8
+    max_queue: int = 64
+    threads: int | None = None
+    max_context: int | None = None
+    prefill_chunk: int = 256
+    drain_timeout: float = 30.0
+    model_name: str | None = None
+    explain: bool = False
+
+    def check(self) -> None:
+        def whole(name, value, low):
+            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+                raise UsageError(f"--{name.replace('_', '-')} must be an integer >= {low}, got {value}")
+
+        whole("max_batch", self.max_batch, 1)
+        whole("max_queue", self.max_queue, 0)
+        whole("prefill_chunk", self.prefill_chunk, 1)
+        if self.threads is not None:
+            whole("threads", self.threads, 1)
+        if self.max_context is not None:
+            whole("max_context", self.max_context, 2)
+        if not isinstance(self.port, int) or not 0 <= self.port <= 65535:
+            raise UsageError(f"--port must be in [0, 65535], got {self.port}")
+        if not (self.drain_timeout >= 0):
+            raise UsageError(f"--drain-timeout must be >= 0 seconds, got {self.drain_timeout}")
+        if not self.host:
+            raise UsageError("--host is empty")
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> "ServeOptions":
+        return cls(**{f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)})
+
+    @property
+    def served_name(self) -> str:
+        from pathlib import Path
+
+        if self.model_name:
+            return self.model_name
+        name = Path(self.spec).stem
+        return f"{name}-{self.variant}" if self.variant else name
+
+
+def require_extra() -> None:
+    import importlib.util
+
+    missing = [m for m in EXTRA_MODULES if importlib.util.find_spec(m) is None]
+    if missing:
+        raise UsageError(f"`tessera serve` needs the serve extra ({', '.join(missing)} not installed): "
+                         f"pip install 'tessera[serve]'")
+
+
+def build_server(opts: ServeOptions):
+    """The loaded model, its engine (not started) and the routes' shared state."""
+    from . import model as serving_model
+    from .app import Server
+    from .chat import ChatTemplate, ChatTemplateError
+    from .engine import Engine
+
+    tokenizer, template, template_error = None, None, None
+    if opts.tokenizer:
+        tokenizer = serving_model.load_tokenizer(opts.tokenizer)
+        try:
+            template = ChatTemplate.from_tokenizer_folder(opts.tokenizer)
+        except ChatTemplateError as e:  # the completion route still works; the chat route says why
+            template_error = str(e)
+    model = serving_model.load(opts.spec, opts.variant, opts.sets, opts.weights, opts.seed, opts.threads)
+    engine = Engine(model, opts.max_batch, opts.max_queue, opts.max_context, opts.prefill_chunk, tokenizer,
+                    serving_model.eos_ids(tokenizer, opts.tokenizer))
+    return engine, Server(engine, opts.served_name, tokenizer, template, template_error)
