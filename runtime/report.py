@@ -45,12 +45,44 @@ def add_quant_arguments(p: argparse.ArgumentParser) -> None:
                         "straight into the logits)")
 
 
+def int_list(text: str) -> list[int]:
+    """--seq 128,1024 and --batch 1,8: one value, or several separated by commas (a sweep)."""
+    try:
+        return [int(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer or integers separated by commas, got '{text}'")
+
+
+def _values(x) -> list[int]:
+    return list(x) if isinstance(x, (list, tuple)) else [x]
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    from tessera.compiler.analysis.plan import RECOMPUTE
     from tessera.compiler.analysis.roofline import device_names
 
-    p.add_argument("--batch", "-B", type=int, default=1, metavar="B", help="batch size B (default 1)")
-    p.add_argument("--seq", "-N", type=int, default=1024, metavar="N",
-                   help="sequence length N; binds every sequence symbol of the spec (T, S, ...) (default 1024)")
+    p.add_argument("--batch", "-B", type=int_list, default=[1], metavar="B",
+                   help="batch size B, the micro-batch of one data-parallel replica; several separated by "
+                        "commas sweep (default 1)")
+    p.add_argument("--seq", "-N", type=int_list, default=[1024], metavar="N",
+                   help="sequence length N; binds every sequence symbol of the spec (T, S, ...); several "
+                        "separated by commas sweep: one row per (B, N) (default 1024)")
+    g = p.add_argument_group("deployment (docs/report.md, \"Parallel splits, training, serving\")")
+    g.add_argument("--tp", type=int, default=1, metavar="T", help="tensor-parallel degree (default 1)")
+    g.add_argument("--pp", type=int, default=1, metavar="P", help="pipeline stages (default 1)")
+    g.add_argument("--dp", type=int, default=1, metavar="D", help="data-parallel replicas (default 1)")
+    g.add_argument("--ep", type=int, default=1, metavar="E", help="expert-parallel degree (default 1)")
+    g.add_argument("--train", action="store_true",
+                   help="training memory per device: states under --zero, activations under --recompute")
+    g.add_argument("--zero", type=int, choices=[0, 1, 2, 3], default=0,
+                   help="ZeRO stage with --train: 1 shards the optimizer over --dp, 2 also gradients, "
+                        "3 also weights (default 0)")
+    g.add_argument("--recompute", choices=list(RECOMPUTE), default="none",
+                   help="activation recomputation with --train (Korthikanti et al. 2022) (default none)")
+    g.add_argument("--serve", action="store_true",
+                   help="serving capacity on --device: largest batch at --context, decode tokens/s, "
+                        "time to first token")
+    g.add_argument("--context", type=int, metavar="N", help="tokens per sequence with --serve")
     p.add_argument("--dtype", type=dtype_arg, choices=DTYPES, default="fp32",
                    help="element type of weights and activations for memory and roofline; the spec "
                         "spellings f32 and f16 are accepted too (default fp32)")
@@ -85,10 +117,12 @@ def build(args) -> dict:
     """Elaborate the spec and compute its report (a JSON-able dict)."""
     from tessera.compiler.analysis import costreport, roofline
 
-    if args.batch < 1:
-        raise pipeline.UsageError(f"--batch must be at least 1, got {args.batch}")
-    if args.seq < 1:
-        raise pipeline.UsageError(f"--seq must be at least 1, got {args.seq}")
+    from tessera.compiler.analysis.plan import PlanError
+
+    batches, seqs = _values(args.batch), _values(args.seq)
+    for name, values in (("--batch", batches), ("--seq", seqs)):
+        if any(v < 1 for v in values):
+            raise pipeline.UsageError(f"{name} must be at least 1, got {min(values)}")
     if getattr(args, "plot", None) is not None:  # a bad path fails now, not after the report
         from .report_plot import check_plot_path
 
@@ -107,10 +141,16 @@ def build(args) -> dict:
 
             graph = graph.copy()  # as compile builds it: experts sparse (built.graph is left as written)
             SparseExperts()(graph)
-        rep = costreport.build_report(
-            graph, built.info.model, built.info.variant,
-            {k: pipeline._jsonable(v) for k, v in built.info.hyperparams.items()},
-            batch=args.batch, seq=args.seq, dtype=args.dtype, device=device)
+        plan = deployment_plan(args)
+        try:
+            rep = costreport.build_report(
+                graph, built.info.model, built.info.variant,
+                {k: pipeline._jsonable(v) for k, v in built.info.hyperparams.items()},
+                batch=batches[0], seq=seqs[0], dtype=args.dtype, device=device, plan=plan)
+            if len(batches) * len(seqs) > 1:
+                rep["sweep"] = costreport.sweep_rows(graph, batches, seqs, args.dtype, device, plan)
+        except PlanError as e:
+            raise pipeline.UsageError(str(e)) from None
     if getattr(args, "plot", None) is not None:
         from .report_plot import plot
 
@@ -127,6 +167,18 @@ def build(args) -> dict:
         with _no_gc():  # quantises a copy
             rep["quantization"] = quantization_section(built.graph, config)
     return rep
+
+
+def deployment_plan(args):
+    """The --tp/--pp/--dp/--ep/--train/--zero/--recompute/--serve/--context flags as one Plan,
+    or None when none of them is given (the report then has no deployment sections)."""
+    from tessera.compiler.analysis.plan import Plan
+
+    plan = Plan(tp=getattr(args, "tp", 1), pp=getattr(args, "pp", 1), dp=getattr(args, "dp", 1),
+                ep=getattr(args, "ep", 1), train=getattr(args, "train", False), zero=getattr(args, "zero", 0),
+                recompute=getattr(args, "recompute", "none"), serve=getattr(args, "serve", False),
+                context=getattr(args, "context", None))
+    return None if plan == Plan() else plan
 
 
 def cmd_report(args) -> int:
