@@ -115,7 +115,7 @@ def _no_gc():
 
 def build(args) -> dict:
     """Elaborate the spec and compute its report (a JSON-able dict)."""
-    from tessera.compiler.analysis import costreport, roofline
+    from tessera.compiler.analysis import costreport, deployment, roofline
 
     from tessera.compiler.analysis.plan import PlanError
 
@@ -148,7 +148,7 @@ def build(args) -> dict:
                 {k: pipeline._jsonable(v) for k, v in built.info.hyperparams.items()},
                 batch=batches[0], seq=seqs[0], dtype=args.dtype, device=device, plan=plan)
             if len(batches) * len(seqs) > 1:
-                rep["sweep"] = costreport.sweep_rows(graph, batches, seqs, args.dtype, device, plan)
+                rep["sweep"] = deployment.sweep_rows(graph, batches, seqs, args.dtype, device, plan)
         except PlanError as e:
             raise pipeline.UsageError(str(e)) from None
     if getattr(args, "plot", None) is not None:
