@@ -238,17 +238,19 @@ def deployment_sections(rep: dict) -> list[tuple[str, list[str], list[list[str]]
                     ["figure", "bytes", "≈", "formula"], rows))
     sv = rep.get("serving")
     if sv:
-        rows = [_bytes_row("device memory", int(sv["device_memory"])),
-                _bytes_row(f"usable after {100 * sv['headroom']:.0f}% headroom and the weights", sv["usable_bytes"]),
-                _bytes_row("weights per device", sv["weights_bytes"]),
-                _bytes_row("KV cache per sequence at the context", sv["kv_cache_bytes_per_sequence"]),
-                _bytes_row("activations per sequence (one decoding step)", sv["activations_bytes_per_sequence"]),
-                ["max batch", exact(sv["max_batch"]), "", ""],
-                ["decode tokens/s at max batch", exact(sv["decode_tokens_per_s"]), "", ""],
-                ["decode tokens/s per sequence", exact(sv["decode_tokens_per_s_per_sequence"]), "", ""],
-                ["decode step", seconds(sv["decode_step_s"]), "", ""],
-                ["time to first token (prompt of the context)", seconds(sv["ttft_s"]), "", ""]]
-        out.append((f"Serving on {sv['device']} at context {sv['context']:,}", ["figure", "value", "≈", ""], rows))
+        rows = [_bytes_row("device memory", int(sv["device_memory"]))[:3],
+                _bytes_row(f"usable after {100 * sv['headroom']:.0f}% headroom and the weights",
+                           sv["usable_bytes"])[:3],
+                _bytes_row("weights per device", sv["weights_bytes"])[:3],
+                _bytes_row("KV cache per sequence at the context", sv["kv_cache_bytes_per_sequence"])[:3],
+                _bytes_row("activations per sequence (one decoding step)",
+                           sv["activations_bytes_per_sequence"])[:3],
+                ["max batch", exact(sv["max_batch"]), ""],
+                ["decode tokens/s at max batch", exact(sv["decode_tokens_per_s"]), ""],
+                ["decode tokens/s per sequence", exact(sv["decode_tokens_per_s_per_sequence"]), ""],
+                ["decode step", seconds(sv["decode_step_s"]), ""],
+                ["time to first token (prompt of the context)", seconds(sv["ttft_s"]), ""]]
+        out.append((f"Serving on {sv['device']} at context {sv['context']:,}", ["figure", "value", "≈"], rows))
     sw = rep.get("sweep")
     if sw:
         cols = list(sw[0])
