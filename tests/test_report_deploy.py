@@ -39,6 +39,9 @@ def test_llama2_7b_tp2_pp2(capsys):
     # inference activations: the peak of one pass, at the SwiGLU product: the residual stream (h), the gate
     # and up projections and silu(gate) (3 x f) per token (more than the logits' 32,000), split T ways
     assert par["per_device"]["activations_bytes_fused"] == B * N * (h + 3 * f) * e // t
+    # as written, the peak is at the softmax: the scores and the probabilities (2 x a x N² per sequence),
+    # the residual stream and V (2 x h per token)
+    assert par["per_device"]["activations_bytes"] == B * (2 * h * N + 2 * a * N * N) * e // t
     assert par["formulas"]["per_device.kv_cache_bytes"] == "131072·B·N"
 
 
@@ -80,10 +83,15 @@ def test_gpt3_training_zero1(capsys, recompute):
 
 @pytest.mark.parametrize("zero", [2, 3])
 def test_gpt3_zero_stages(capsys, zero):
-    tr = report(capsys, *GPT3, "--zero", str(zero), "--seq", "2048")["memory"]["training"]["per_device"]
+    r = report(capsys, *GPT3, "--zero", str(zero), "--seq", "2048")
+    tr = r["memory"]["training"]["per_device"]
     phi, d = gpt3_params_per_device(), 4
     assert tr["gradients"] == -(-2 * phi // d)
     assert tr["weights"] == (-(-2 * phi // d) if zero == 3 else 2 * phi)
+    # ZeRO-2 reduce-scatters the gradients and all-gathers the updated weights: a ring all-reduce's bytes;
+    # ZeRO-3 also all-gathers the weights for forward and backward: 1.5 times that (the ZeRO paper)
+    factor = 3 if zero == 3 else 2
+    assert r["parallel"]["comm_bytes_per_step"]["data_parallel"] == factor * (d - 1) * 2 * phi // d
 
 
 # ------------------------------------------------------------------ Mixtral at --ep 8
