@@ -168,6 +168,7 @@ def test_formats_show_the_deployment_figures(capsys):
      "--context 2048 is longer than the 1024 positions"),
     (["gpt2", "--variant", "small", "--serve"], "--serve needs --context"),
     (["mixtral", "--ep", "3"], "--ep 3 does not divide the 8 experts"),
+    (["bert", "--serve", "--context", "128"], "the model has no causal attention"),
     (["gpt2", "--variant", "small", "--ep", "2"], "the model has no mixture of experts"),
     (["gpt2", "--variant", "small", "--recompute", "full"], "add --train"),
     (["gpt2", "--variant", "small", "--tp", "0"], "--tp must be at least 1"),

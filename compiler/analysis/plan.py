@@ -61,6 +61,7 @@ class ModelShape:
     experts: int                # experts per MoE block (0 without)
     top: int                    # experts each token runs
     context: int | None         # longest sequence the model's positions support, if it says
+    decodes: bool = False       # has causal self-attention or cross-attention: keeps a KV cache
 
 
 def _int(d) -> int | None:
@@ -101,7 +102,8 @@ def model_shape(graph: Graph, st: Structure) -> ModelShape:
     else:
         ffn = max(widths, default=0)
         gated = widths.count(ffn) >= 2
-    return ModelShape(layers, heads or 0, kv or 0, hd, hidden, ffn, gated, experts, top, model_context(graph))
+    return ModelShape(layers, heads or 0, kv or 0, hd, hidden, ffn, gated, experts, top, model_context(graph),
+                      any(a.causal or a.cross for a in st.attention))
 
 
 def model_context(graph: Graph) -> int | None:
@@ -156,8 +158,9 @@ def check(plan: Plan, shape: ModelShape) -> None:
             errors.append("--serve needs --context N (tokens per sequence, at least 1)")
         elif shape.context is not None and plan.context > shape.context:
             errors.append(f"--context {plan.context} is longer than the {shape.context} positions the model supports")
-        if not shape.heads:
-            errors.append("--serve: the model has no attention to keep a KV cache for")
+        if not shape.decodes:
+            errors.append("--serve: the model has no causal attention: it does not decode token by token "
+                          "(no KV cache to size)")
     elif plan.context is not None:
         errors.append("--context is the serving context: add --serve")
     if errors:
