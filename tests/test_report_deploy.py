@@ -182,3 +182,26 @@ def test_bad_sweep_list_is_an_argument_error(capsys):
         cli(capsys, "report", "gpt2", "--variant", "small", "--seq", "128,x")
     assert e.value.code == 2
     assert "integers separated by commas, got '128,x'" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------ --plot with a plan
+TINY_GPT2 = ["gpt2", "--set", "layers=2", "--set", "d=64", "--set", "heads=4", "--set", "vocab=100", "--set", "ctx=64"]
+
+
+def test_plot_draws_the_largest_device(capsys, tmp_path):
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "p.png"
+    rc, _, err = cli(capsys, "report", *TINY_GPT2, "--seq", "32", "--tp", "2", "--pp", "2", "--plot", png)
+    assert rc == 0 and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", err
+
+
+def test_plot_curve_at_n_is_the_reported_device(capsys):
+    """The plotted per-device memory at the report's own N is the sum the JSON reports (two code paths)."""
+    from tessera.compiler.analysis.deployment import curves
+    from tessera.runtime import pipeline
+
+    r = report(capsys, *TINY_GPT2, "--seq", "32", "--tp", "2", "--pp", "2", "--dp", "2", "--train", "--zero", "2")
+    graph = pipeline.build("gpt2", None, ["layers=2", "d=64", "heads=4", "vocab=100", "ctx=64"]).graph
+    c = curves(graph, r, [16, 32])
+    assert c["device_memory"][1] == r["memory"]["training"]["per_device"]["total"]
+    assert c["prefill_seconds"][1] == pytest.approx(r["roofline"]["prefill_seconds"]["fused"] / 2)

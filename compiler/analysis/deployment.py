@@ -148,3 +148,44 @@ def sweep_rows(graph: Graph, batches: list[int], seqs: list[int], dtype: str = "
                     row["training_per_device_total"] = training_per_device(ctx, dep)["total"]
             rows.append(row)
     return rows
+
+
+def plan_of(rep: dict) -> Plan | None:
+    """The split and training plan a report was built with (from its ``parallel`` and
+    ``memory.training.per_device`` entries), or None without one; serving is left out."""
+    par = rep.get("parallel")
+    if par is None:
+        return None
+    p, tr = par["plan"], rep["memory"]["training"].get("per_device")
+    return Plan(tp=p["tp"], pp=p["pp"], dp=p["dp"], ep=p["ep"], train=tr is not None,
+                zero=tr["zero"] if tr else 0, recompute=tr["recompute"] if tr else "none")
+
+
+def device_of(rep: dict) -> roofline.Device | None:
+    """The roofline device a report used, rebuilt from its ``roofline.device`` entry (the CPU is not re-probed)."""
+    r = rep.get("roofline")
+    if not r:
+        return None
+    d = r["device"]
+    return roofline.Device(d["name"], d["label"], {rep["settings"]["dtype"]: d["peak_flops"]}, d["vector_flops"],
+                           d["bandwidth"], d["memory"], d["source"], d["measured"])
+
+
+def curves(graph: Graph, rep: dict, seqs: list[int]) -> dict[str, list]:
+    """Against N at the report's B, for --plot: the largest device's memory under the report's plan
+    (training total with --train, else weights + KV cache + activations) and the roofline times of
+    one device (prefill with attention fused, one decoding step), divided by T under a split."""
+    s, plan, device = rep["settings"], plan_of(rep), device_of(rep)
+    rows = sweep_rows(graph, [s["batch"]], seqs, s["dtype"], device, plan)
+    tp = plan.tp if plan else 1
+    out: dict[str, list] = {"seq": seqs, "device_memory": [], "prefill_seconds": [], "decode_seconds": []}
+    for r in rows:
+        if plan is not None:
+            out["device_memory"].append(r["training_per_device_total"] if plan.train else
+                                        r["per_device_weights_bytes"] + r["per_device_kv_cache_bytes"]
+                                        + r["per_device_activations_bytes"])
+        if device is not None:
+            out["prefill_seconds"].append(r["prefill_seconds_fused"] / tp)
+            d = r["decode_seconds_per_token"]
+            out["decode_seconds"].append(d / tp if d is not None else None)
+    return out
