@@ -28,7 +28,7 @@ def compiled(target: str, dtype: str) -> tuple[bytes, list]:
     from tessera.compiler.frontend.elaborate import elaborate
     from tessera.compiler.passes.pipeline import optimize
     from tessera.compiler.passes.attention_kernels import Target
-    from tessera.runtime.weights import init_weights
+    from tessera.runtime.io.weights import init_weights
     from tessera.spec import load_program
 
     graph, _ = elaborate(load_program(ROOT / "models" / "gpt2.tsr"), "small")

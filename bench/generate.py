@@ -105,7 +105,7 @@ def compile_tessera(folder: Path, model: str, mode: str, quantize: str = "none")
     """Compile the cached decoder to folder/tessera-{mode}.onnx (as tessera.load(...).compile(out,
     kv_cache=True) does), so the timed process only loads a file, as onnxruntime-genai's does."""
     from tessera.compiler.backends.onnx import export as onnx_export
-    from tessera.runtime import generate as gen
+    from tessera.runtime.generation import cached as gen
     from tessera.runtime import pipeline
 
     m = MODELS[model]
@@ -115,10 +115,8 @@ def compile_tessera(folder: Path, model: str, mode: str, quantize: str = "none")
     tied = model == "gpt2"  # GPT-2's head is the token table: it is read whole every step
     read = sum(a.nbytes for k, a in weights.items() if k not in gathered or (tied and k == "wte.weight"))
     if quantize != "none":  # weight-only, block 32 (the defaults of --quantize), head and embedding in float
-        import argparse
-
         head = os.environ.get("BENCH_QUANTIZE_HEAD") == "1"
-        pipeline.quantize(built, pipeline.quant_config(argparse.Namespace(quantize=quantize, quantize_head=head)))
+        pipeline.quantize(built, pipeline.quant_config(quantize, head=head))
         from tessera.compiler.ir.graph import DTYPES
 
         read = sum(int(np.prod(q.shape)) * np.dtype(DTYPES[q.dtype] or np.float32).itemsize  # packed bytes
@@ -135,7 +133,7 @@ def _reset_peak() -> None:
 
 
 def run_tessera(folder: Path, model: str, mode: str, n: int, new: int, repeat: int, threads: int) -> dict:
-    from tessera.runtime import generate as gen
+    from tessera.runtime.generation import cached as gen
 
     m = MODELS[model]
     before, peaks = _memory_mib(), _AnonPeak()

@@ -22,7 +22,7 @@ this session's AMD EPYC (2026-12-02), two runs: written in place both ways, outp
 0.040 / 0.058 ms for Tessera's decode branch alone at 128 positions (bench/decode_attention.py,
 which timed GroupQueryAttention with a binding rebuilt every step until 2026-12-02). Tessera's decode
 branch now does this (backends/onnx/cached_attention.py ``_lower_gqa_decode``; the loop's binding is
-runtime/generate.py ``BoundStep``).
+runtime/generation/cached.py ``BoundStep``).
 """
 import statistics
 import time

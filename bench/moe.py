@@ -120,7 +120,7 @@ def decode(args) -> int:
     import tessera
     from tessera.compiler.backends.onnx import export as onnx_export
     from tessera.compiler.passes import sparse_moe
-    from tessera.runtime.generate import CachedModel, compile_cached, generate
+    from tessera.runtime.generation.cached import CachedModel, compile_cached, generate
 
     sets = FULL if args.full else TINY if args.tiny else HALF
     m = tessera.load(ROOT / "models" / "mixtral.tsr", variant="8x7b", **sets)

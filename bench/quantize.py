@@ -80,7 +80,7 @@ def child(model: str, scheme: str, ns: list[int], repeat: int, threads: int, out
                                       "cpu_over_wall": sum(cpus) / sum(times)}
         del sess
     if model == "gpt2_small":
-        from tessera.runtime import generate as gen
+        from tessera.runtime.generation import cached as gen
 
         with tempfile.TemporaryDirectory(dir=ROOT / "out") as tmp:
             path = Path(tmp) / "dec.onnx"
@@ -109,7 +109,8 @@ def minilm() -> dict:
 
     from tessera.compiler.backends.onnx import export as onnx_export
     from tessera.compiler.passes.quantize import QuantConfig, QuantizeWeights
-    from tessera.runtime import pipeline, text
+    from tessera.runtime import pipeline
+    from tessera.runtime.io import text
 
     folder = pkg.get_model_path()
     sentences = ["A man is eating food.", "A man is eating a meal.", "The sky is blue today.",

@@ -46,7 +46,7 @@ def _sessions(threads: int, seed: int = 0):
     from tessera.compiler.backends.onnx import export
     from tessera.compiler.frontend.elaborate import elaborate
     from tessera.compiler.passes.pipeline import build_pipeline
-    from tessera.runtime.weights import init_weights
+    from tessera.runtime.io.weights import init_weights
     from tessera.spec import load_program
 
     with tempfile.TemporaryDirectory() as tmp:

@@ -17,7 +17,7 @@ from tessera.compiler.ir.graph import DTYPES, Graph
 from tessera.compiler.frontend.values import BlockRef
 from tessera.spec import Program, SpecError, did_you_mean, load_program
 
-from .weights import SeededWeights, init_weights, load_weights, name_map_for
+from tessera.runtime.io.weights import SeededWeights, init_weights, load_weights, name_map_for
 
 
 class UsageError(Exception):
@@ -82,7 +82,7 @@ def build(spec: str | Path, variant: str | None = None, sets: list[str] | None =
     """Elaborate a spec. When ``weights`` is a checkpoint folder with a config.json and the
     spec's mapping file has a [config] table, its hyperparameters are taken from there too
     (checkpoint_config.py: a value contradicting ``sets`` or the variant is an error)."""
-    from .checkpoint_config import config_overrides
+    from tessera.runtime.io.checkpoint_config import config_overrides
 
     path = resolve_spec(spec)
     program = load_program(path)
@@ -175,15 +175,14 @@ def weights_for(built: Built, weights: str | None, seed: int, allow_large: bool 
 QUANTIZE_CHOICES = ("none", "int8", "int4")
 
 
-def quant_config(args):
-    """The QuantConfig that --quantize, --quantize-block and --quantize-head ask for (None for none)."""
+def quant_config(scheme: str = "none", block: int | None = None, head: bool = False,
+                 activations: str | None = None):
+    """The QuantConfig that --quantize, --quantize-block, --quantize-head and --quantize-activations
+    ask for (None for none)."""
     from tessera.compiler.passes import PassError
     from tessera.compiler.passes.quantize import DEFAULT_BLOCK, QuantConfig
 
-    scheme = getattr(args, "quantize", None) or "none"
-    block = getattr(args, "quantize_block", None)
-    head = getattr(args, "quantize_head", False)
-    activations = getattr(args, "quantize_activations", None)
+    scheme = scheme or "none"
     if scheme not in QUANTIZE_CHOICES:
         raise UsageError(f"quantize must be one of {', '.join(QUANTIZE_CHOICES)}, got {scheme!r}")
     if scheme == "none":
@@ -213,8 +212,8 @@ def quantize(built: Built, config) -> None:
         raise UsageError(str(e)) from None
 
 
-def optimize(built: Built, args, attention_probs: list[int] | None = None, all_probs: bool = False) -> list:
-    """Fuse attention, choose kernels and quantise weights as the command-line flags say; print
+def optimize(built: Built, o, attention_probs: list[int] | None = None, all_probs: bool = False) -> list:
+    """Fuse attention, choose kernels and quantise weights as ``o`` (runtime/options.OptimizeOptions) says; print
     --explain's listing. ``attention_probs`` (site indices) or ``all_probs`` first makes those
     attention sites' probabilities model outputs (kept unfused); returns their ExposedProbs notes."""
     from tessera.compiler.passes.pipeline import (attention_sites, build_pipeline, expert_sites, explain,
@@ -224,21 +223,17 @@ def optimize(built: Built, args, attention_probs: list[int] | None = None, all_p
     from tessera.compiler.passes.expose_attention import ExposeAttentionProbs
     from tessera.compiler.passes.quantize import QuantizeWeights
 
-    attention = "unfused" if getattr(args, "no_fuse", False) else getattr(args, "attention", "auto")
-    if getattr(args, "no_fuse", False) and getattr(args, "attention", "auto") not in ("auto", "unfused"):
-        raise UsageError(f"--no-fuse contradicts --attention {args.attention}")
-    dtype = getattr(args, "dtype", "fp32")
-    built.quantize = quant_config(args)
+    o.check()
+    built.quantize = o.quant_config()
     try:
-        result = build_pipeline(Target(getattr(args, "target", "cpu"), dtype), attention, lower_precision=True,
+        result = build_pipeline(Target(o.target, o.dtype), o.attention_lowering, lower_precision=True,
                                 quantize=built.quantize, attention_probs=attention_probs,
-                                all_probs=all_probs,
-                                recurrence=getattr(args, "recurrence", "auto"),
-                                sparse_moe=not getattr(args, "no_sparse_moe", False))(built.graph)
+                                all_probs=all_probs, recurrence=o.recurrence,
+                                sparse_moe=o.sparse_moe)(built.graph)
     except PassError as e:
         raise UsageError(str(e)) from None
     exposed = result.notes(ExposeAttentionProbs.name)
-    if getattr(args, "explain", False):
+    if o.explain:
         lines = [explain(attention_sites(result), exposed)]
         notes = result.notes(QuantizeWeights.name)
         if built.quantize is not None:
@@ -262,7 +257,7 @@ def metadata(built: Built) -> dict:
     """The model file's metadata: model, variant, hyperparameters, and the quantisation if any."""
     meta = {"tessera.model": built.info.model, "tessera.variant": built.info.variant or "",
             "tessera.hyperparams": {k: _jsonable(v) for k, v in built.info.hyperparams.items()}}
-    q = getattr(built, "quantize", None)
+    q = built.quantize
     if q is not None:
         meta["tessera.quantize"] = {"scheme": q.scheme, "block_size": q.block_size, "head": q.head,
                                     "activations": q.activations}

@@ -12,7 +12,7 @@ import onnx
 from tessera.compiler.backends.onnx.export import ONNX_DTYPES
 from tessera.compiler.ir.signature import InputLimits, InputSpec
 
-from .files import stat_or_raise
+from tessera.runtime.io.files import stat_or_raise
 
 _FROM_ONNX = {v: k for k, v in ONNX_DTYPES.items()}
 

@@ -20,8 +20,10 @@ from conftest import MODELS, ROOT, cli, cli_error
 
 pytest.importorskip("matplotlib")
 
-from tessera.runtime import alignment, alignment_plot, pipeline  # noqa: E402
-from tessera.runtime.weights import SeededWeights  # noqa: E402
+from tessera.runtime.report import alignment
+from tessera.runtime.report import alignment_plot
+from tessera.runtime import pipeline  # noqa: E402
+from tessera.runtime.io.weights import SeededWeights  # noqa: E402
 
 SETS = ["--set", "layers=2", "--set", "d=32", "--set", "heads=4", "--set", "vocab=64", "--set", "ctx=16"]
 GPT2 = [MODELS / "gpt2.tsr", *SETS]

@@ -17,7 +17,7 @@ from conftest import build, ort_run, Recomputation
 from tessera.compiler.passes.attention_kernels import Target
 from tessera.compiler.passes.pipeline import optimize
 from tessera.compiler.reference import interpret
-from tessera.runtime.weights import init_weights
+from tessera.runtime.io.weights import init_weights
 from tessera.spec.diagnostics import SpecError
 
 torch = pytest.importorskip("torch")
@@ -361,7 +361,7 @@ def test_cached_generation_with_partial_interleaved_rope_and_softcap_equals_reco
 
     from tessera.compiler.backends.onnx import export as onnx_export
     from tessera.runtime import pipeline
-    from tessera.runtime.generate import CachedModel, compile_cached, generate
+    from tessera.runtime.generation.cached import CachedModel, compile_cached, generate
 
     p = tmp_path / "dec.tsr"
     p.write_text(DECODER)

@@ -9,7 +9,7 @@ from conftest import MODELS, cli, cli_error
 from tessera.models import bundled_names, bundled_spec
 from tessera.runtime import pipeline
 from tessera.runtime.cli import make_parser
-from tessera.runtime.weights import name_map_for
+from tessera.runtime.io.weights import name_map_for
 
 TINY = ["--set", "layers=1", "--set", "d=8", "--set", "heads=2", "--set", "vocab=16", "--set", "ctx=8"]
 

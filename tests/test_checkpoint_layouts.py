@@ -18,7 +18,7 @@ from safetensors.numpy import save_file
 
 from conftest import MODELS, build, cli, cli_error
 from tessera.runtime import pipeline
-from tessera.runtime.weights import NameMap, WeightsError, load_weights
+from tessera.runtime.io.weights import NameMap, WeightsError, load_weights
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 

@@ -15,7 +15,7 @@ from conftest import cli, cli_error
 from safetensors.numpy import save_file
 
 from tessera.runtime import pipeline
-from tessera.runtime.weights import init_weights
+from tessera.runtime.io.weights import init_weights
 
 MODELS = Path(__file__).resolve().parents[1] / "models"
 GPT2 = MODELS / "gpt2.tsr"

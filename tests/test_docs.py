@@ -17,7 +17,7 @@ block; the rendered page does not show them):
 - ``<!-- first error lines -->``: each line ``FILE:L:C: error: ...`` is the first line that
   ``tessera ir FILE`` prints;
 - ``<!-- params of: NAME -->``: the block lists the parameter paths of that saved spec;
-- a ```toml block is a checkpoint mapping ([names] and/or [config]) and must load as one (runtime/weights.py);
+- a ```toml block is a checkpoint mapping ([names] and/or [config]) and must load as one (runtime/io/weights.py);
 - ``<!-- not checked: REASON -->``: skipped, for the reason given (syntax summaries, outputs of
   files the document does not show).
 
@@ -245,7 +245,7 @@ def test_language_reference_block(block, workdir, monkeypatch):
     if block.lang == "tsr":
         _check_tsr(block, workdir)
     elif block.lang == "toml":
-        from tessera.runtime.weights import NameMap
+        from tessera.runtime.io.weights import NameMap
 
         path = workdir / f"mapping_{block.line}.hf.toml"
         path.write_text(block.text)

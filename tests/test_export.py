@@ -10,7 +10,7 @@ from conftest import MODELS, SMALL_MODELS, build, feeds_for, ort_run
 from tessera.compiler.reference import interpret
 from tessera.compiler.backends.onnx import export as onnx_export
 from tessera.runtime.cli import main
-from tessera.runtime.weights import init_weights
+from tessera.runtime.io.weights import init_weights
 
 TINY_GPT2 = ["--set", "layers=2", "--set", "d=64", "--set", "heads=4", "--set", "vocab=1000", "--set", "ctx=128"]
 

@@ -22,7 +22,7 @@ import pytest
 
 from conftest import MODELS, build, ort_run
 from tessera.compiler.reference import interpret
-from tessera.runtime.weights import WeightsError, load_weights, name_map_for
+from tessera.runtime.io.weights import WeightsError, load_weights, name_map_for
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 torch = pytest.importorskip("torch")
@@ -291,7 +291,7 @@ def test_llama31_rope_scaling_matters(cases):
     inverse frequencies are those of transformers' own llama3 rope function."""
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    from tessera.compiler.reference.interpret import rope_inv_freq
+    from tessera.compiler.reference.numerics import rope_inv_freq
 
     case = cases("llama31")
     want, _ = ROPE_INIT_FUNCTIONS["llama3"](case.model.config, "cpu")

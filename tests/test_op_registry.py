@@ -17,7 +17,7 @@ from tessera.compiler.ir import dims
 from tessera.compiler.ir.graph import Graph, TensorType
 from tessera.compiler.ops import registry
 from tessera.compiler.reference import interpret
-from tessera.runtime.weights import init_weights
+from tessera.runtime.io.weights import init_weights
 from tessera.spec.diagnostics import SpecError
 
 COMPILER = ROOT / "compiler"
@@ -29,7 +29,7 @@ def test_every_registered_op_has_every_facet():
     assert len(defs) >= 40
     for name, d in defs.items():
         assert d.name == name
-        for facet in ("rule", "reference", "lower"):
+        for facet in ("rule", "reference"):
             assert callable(getattr(d, facet)), (name, facet)
         assert isinstance(d.cost, registry.Cost), name
         assert d.cost.kind in ("free", "per_element", "product", "custom"), name
@@ -42,6 +42,17 @@ def test_every_registered_op_has_every_facet():
         assert callable(d.saved) or all(p == "out" or isinstance(p, int) for p in d.saved), name
         assert set(d.traits) <= set(registry.TRAITS), name
         assert d.doc, f"op '{name}' has no docstring on its type rule"
+
+
+def test_the_onnx_lowering_table_covers_every_registered_op_and_nothing_else():
+    from tessera.compiler.backends.onnx.lowerings import LOWERINGS, lowering
+
+    registered = set(ops.all_ops())
+    assert registered - set(LOWERINGS) == set(), "ops without an ONNX lowering"
+    assert set(LOWERINGS) - registered == set(), "lowerings of ops the registry does not define"
+    assert all(callable(f) for f in LOWERINGS.values())
+    with pytest.raises(KeyError, match="no_such_op"):
+        lowering("no_such_op")
 
 
 def test_traits_are_consistent():
@@ -120,8 +131,8 @@ def test_an_op_without_a_cost_or_memory_facet_is_refused_at_registration():
         """x"""
         return [t[0]]
 
-    for missing in ("cost", "saved", "lower", "reference"):
-        facets = dict(reference=lambda x, a, ev: x[0], lower=lambda L: None, cost=registry.free(), saved=())
+    for missing in ("cost", "saved", "reference"):
+        facets = dict(reference=lambda x, a, ev: x[0], cost=registry.free(), saved=())
         del facets[missing]
         with pytest.raises(registry.RegistryError, match=missing):
             registry.op("test_incomplete_op", **facets)(rule)
@@ -132,7 +143,7 @@ def test_bad_definitions_are_refused():
     def rule(t, a):
         return [t[0]]
 
-    ok = dict(reference=lambda x, a, ev: x[0], lower=lambda L: None, cost=registry.free(), saved=())
+    ok = dict(reference=lambda x, a, ev: x[0], cost=registry.free(), saved=())
     with pytest.raises(registry.RegistryError, match="defined twice"):
         registry.op("linear", **ok)(rule)
     with pytest.raises(registry.RegistryError, match="unknown trait"):

@@ -13,7 +13,7 @@ import pytest
 
 from conftest import build, ort_run
 from tessera.compiler.reference import interpret
-from tessera.runtime.weights import init_weights
+from tessera.runtime.io.weights import init_weights
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")

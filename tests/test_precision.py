@@ -9,7 +9,7 @@ from tessera.compiler.backends.onnx import export as onnx_export
 from tessera.compiler.passes.pipeline import optimize
 from tessera.compiler.passes.attention_kernels import Target
 from tessera.compiler.passes.precision import LowerPrecision
-from tessera.runtime.weights import init_weights
+from tessera.runtime.io.weights import init_weights
 from conftest import SMALL_MODELS as SMALL, feeds_for
 
 

@@ -5,8 +5,11 @@ import numpy as np
 import pytest
 
 from conftest import build, ort_run
+from tessera.compiler.ops.attention import causal
+from tessera.compiler.ops.norm import layernorm
 from tessera.compiler.reference import interpret
-from tessera.runtime.weights import init_weights
+from tessera.compiler.reference.numerics import erf, sinusoidal_table, softmax
+from tessera.runtime.io.weights import init_weights
 
 ALL_OPS = """
 block widen(x: [B, T, d], factor = 2) -> [B, T, d * factor] {
@@ -80,24 +83,24 @@ def test_numpy_ops_match_pytorch(rng):
     x = rng.standard_normal((2, 5, 8)).astype(np.float32)
     t = torch.from_numpy(x)
     close = dict(rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(interpret.erf(x), torch.erf(t).numpy(), **close)
+    np.testing.assert_allclose(erf(x), torch.erf(t).numpy(), **close)
     v = x
-    gelu_exact = 0.5 * v * (1 + interpret.erf(v / np.sqrt(2)))
+    gelu_exact = 0.5 * v * (1 + erf(v / np.sqrt(2)))
     np.testing.assert_allclose(gelu_exact, F.gelu(t).numpy(), **close)
     w = rng.standard_normal(8).astype(np.float32)
     b = rng.standard_normal(8).astype(np.float32)
-    np.testing.assert_allclose(interpret._layernorm(x, w, b, 1e-5),
+    np.testing.assert_allclose(layernorm(x, w, b, 1e-5),
                                F.layer_norm(t, (8,), torch.from_numpy(w), torch.from_numpy(b), 1e-5).numpy(), **close)
-    np.testing.assert_allclose(interpret._softmax(x, -1), torch.softmax(t, -1).numpy(), **close)
-    pe = interpret.sinusoidal_table(3, 4)
+    np.testing.assert_allclose(softmax(x, -1), torch.softmax(t, -1).numpy(), **close)
+    pe = sinusoidal_table(3, 4)
     np.testing.assert_allclose(pe[1], [0.841, 0.540, 0.010, 1.000], atol=1e-3)  # the seed's D=4, position 1
 
 
 def test_causal_and_sliding_window_attention_match_pytorch(rng):
     q, k, v = (rng.standard_normal((1, 2, 6, 4)).astype(np.float32) for _ in range(3))
     for window in (0, 3):
-        s = interpret._causal(q @ np.swapaxes(k, -1, -2) / 2.0, window)
-        ours = interpret._softmax(s, -1) @ v
+        s = causal(q @ np.swapaxes(k, -1, -2) / 2.0, window)
+        ours = softmax(s, -1) @ v
         i, j = np.arange(6)[:, None], np.arange(6)[None, :]
         allowed = (j <= i) & ((j > i - window) if window else True)
         ref = F.scaled_dot_product_attention(torch.from_numpy(q), torch.from_numpy(k), torch.from_numpy(v),

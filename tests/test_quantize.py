@@ -16,7 +16,7 @@ from conftest import MODELS, build, cli, cli_error, feeds_for
 from tessera.compiler.backends.onnx import export as onnx_export
 from tessera.compiler.passes.quantize import QuantConfig, QuantizeWeights
 from tessera.compiler.reference import interpret, quant
-from tessera.runtime.weights import SeededWeights, init_weights
+from tessera.runtime.io.weights import SeededWeights, init_weights
 
 TINY = dict(layers=2, d=64, heads=4, vocab=1000, ctx=128)
 
@@ -185,7 +185,7 @@ def test_generate_with_int8_weights_mostly_agrees_with_fp32(capsys):
 
 def test_api_compiles_a_cached_int4_decoder(tmp_path):
     import tessera
-    from tessera.runtime import generate as gen
+    from tessera.runtime.generation import cached as gen
 
     m = tessera.load(MODELS / "gpt2.tsr", layers=2, d=128, heads=4, vocab=500, ctx=64)
     files = m.compile(tmp_path / "dec.onnx", kv_cache=True, quantize="int4")

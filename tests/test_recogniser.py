@@ -22,7 +22,7 @@ from tessera.compiler.analysis.structure import analyse
 from tessera.compiler.passes.attention_kernels import Target
 from tessera.compiler.passes.pipeline import optimize
 from tessera.compiler.reference import interpret
-from tessera.runtime.weights import init_weights
+from tessera.runtime.io.weights import init_weights
 
 SPECS = Path(__file__).resolve().parent / "specs"
 SHIFT = str(SPECS / "score_shift.tsr")

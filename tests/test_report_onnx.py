@@ -18,7 +18,7 @@ import onnx_counter
 from conftest import MODELS, build
 from tessera.compiler.analysis import cost, costreport
 from tessera.compiler.backends.onnx import export as onnx_export
-from tessera.runtime.weights import init_weights
+from tessera.runtime.io.weights import init_weights
 from tessera.spec import load_program
 
 VARIANTS = [(path.stem, v) for path in sorted(MODELS.glob("*.tsr"))

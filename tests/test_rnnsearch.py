@@ -13,7 +13,7 @@ from tessera.compiler.analysis import cost
 from tessera.compiler.analysis.poly import Poly
 from tessera.compiler.passes.pipeline import attention_sites, build_pipeline
 from tessera.compiler.reference import interpret
-from tessera.runtime.weights import load_weights, name_map_for
+from tessera.runtime.io.weights import load_weights, name_map_for
 
 torch = pytest.importorskip("torch")
 nn = torch.nn
@@ -125,7 +125,7 @@ def test_attention_weights_sum_to_one_over_the_source(weights, rng):
 
 
 def test_greedy_decoding_20_steps_equals_pytorch(ref, weights, rng):
-    from tessera.runtime.recurrent import RecurrentSeq2Seq, decode
+    from tessera.runtime.generation.recurrent import RecurrentSeq2Seq, decode
 
     src, _ = _src_tgt(rng, b=2, s=7)
     bos = 1
@@ -295,7 +295,7 @@ def test_plot_attention_draws_the_pytorch_alignment(capsys, monkeypatch, tmp_pat
     import torch
 
     from conftest import cli
-    from tessera.runtime import alignment_plot
+    from tessera.runtime.report import alignment_plot
 
     seen = []
     real = alignment_plot.draw

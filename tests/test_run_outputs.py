@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from conftest import cli, cli_error
-from tessera.runtime import outputs
+from tessera.runtime.io import outputs
 
 # Cheap but large: 4-wide embeddings projected to 50,257 logits (GPT-2's vocabulary).
 WIDE = """model Wide(vocab = 50257) {

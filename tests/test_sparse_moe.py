@@ -14,7 +14,7 @@ from tessera.compiler.ir.graph import Graph, TensorType
 from tessera.compiler.ir import dims
 from tessera.compiler.passes.sparse_moe import DISABLED, SparseExperts
 from tessera.compiler.reference import interpret
-from tessera.runtime.weights import init_weights
+from tessera.runtime.io.weights import init_weights
 
 SMALL = dict(layers=2, d=32, heads=4, kv_heads=2, vocab=50, d_ff=48, experts=4, top=2)
 TOL = 1e-5
@@ -226,7 +226,7 @@ def test_cached_decoder_runs_sparse_experts_and_equals_dense_recomputation(rng, 
 
     from tessera.compiler.backends.onnx import export as onnx_export
     from tessera.runtime import pipeline
-    from tessera.runtime.generate import CachedModel, compile_cached, generate
+    from tessera.runtime.generation.cached import CachedModel, compile_cached, generate
 
     sets = [f"{k}={v}" for k, v in SMALL.items()]
     built = pipeline.build(MODELS / "mixtral.tsr", None, sets)

@@ -14,7 +14,7 @@ import pytest
 from conftest import MODELS, build, cli, cli_error
 from tessera.compiler.backends.onnx import export as onnx_export
 from tessera.compiler.backends.onnx import stream
-from tessera.runtime.weights import SeededWeights, init_weights
+from tessera.runtime.io.weights import SeededWeights, init_weights
 
 SETS = dict(layers=6, d=256, heads=4, vocab=2000, ctx=64)  # about 5 M parameters, none over 2 MB
 

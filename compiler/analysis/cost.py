@@ -53,6 +53,13 @@ class CostContext:
     def numel(shape) -> Poly:
         return numel(shape)
 
+    @staticmethod
+    def subgraph(graph: Graph) -> tuple[Poly, dict[str, Poly]]:
+        """(MACs, FLOPs by category) of one run of a subgraph (a scan's step body), so that an op
+        holding one can count it without importing this module (ops/ sits below analysis/)."""
+        costs, _ = node_costs(graph)
+        return total(costs, "macs"), flops_by_category(costs)
+
 
 def _out(graph: Graph, node: Node) -> Poly:
     return numel(graph.type_of(node.outputs[0]).shape)
@@ -85,12 +92,6 @@ class NodeCost:
     # by kind, {kind: (macs, macs_causal)}, which ``total`` reads instead of ``kind``.
     split: dict[str, tuple[Poly, Poly]] | None = None
 
-    def flops_total(self, causal: bool = False) -> Poly:
-        key = "_total_causal" if causal else "_total"
-        cached = self.__dict__.get(key)
-        if cached is None:
-            cached = self.__dict__[key] = Poly.sum((self.flops_causal if causal else self.flops).values())
-        return cached
 
 
 def score_pairs(a: Attention) -> Poly:

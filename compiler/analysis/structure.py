@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from tessera.compiler import ops
 from tessera.compiler.ir.graph import Graph, Node
 from tessera.compiler.patterns.attention import AttentionMatch, recognise
+from tessera.compiler.patterns.experts import routing
 from tessera.compiler.patterns.norm import norm_parameters
 
 # Ops that only move or relabel data: followed when tracing keys and values back.
@@ -214,14 +215,8 @@ def find_experts(graph: Graph, consumers) -> list[Experts]:
         if g.op != "topk_gates":
             continue
         e = Experts(gate=g.name, top=int(g.attrs["k"]), count=int(graph.type_of(g.inputs[0]).shape[-1]))
-        branch_outputs = []
-        for s in consumers.get(g.outputs[0], []):
-            if s.op != "slice":
-                continue
-            for m in consumers.get(s.outputs[0], []):
-                other = [v for v in m.inputs if v != s.outputs[0]]
-                if m.op == "mul" and len(other) == 1:
-                    branch_outputs.append(other[0])
+        routed = routing(graph, g)  # the recogniser passes/sparse_moe.py builds on
+        branch_outputs = [out for _, _, out in routed["experts"]] if routed else []
         for branch in _exclusive_upstream(graph, pos, g.outputs[0], branch_outputs):
             order = sorted(branch, key=pos.__getitem__)
             e.branches.append(order)

@@ -395,7 +395,7 @@ def _float_of(call, x):
 
 
 # ------------------------------------------------------------------ elementwise on tensors: selection, extrema
-def _operands(call, args, names, dtype_from=None):
+def _operands(call, args, names):
     """Tensors (or numbers, made constants of the tensors' dtype) for an elementwise op; at least one a tensor."""
     values = [a[0] for a in args]
     ref = next((v for v in values if isinstance(v, Tensor)), None)
@@ -568,6 +568,8 @@ def _static_last(call, x: Tensor) -> int:
     return int(x.type.shape[-1])
 
 
-from tessera.compiler.frontend import recurrence as _recurrence  # noqa: E402,F401  (registers scan)
+from tessera.compiler.frontend import recurrence  # noqa: E402  (after the others: the table's order is the docs')
+
+builtin("scan", *recurrence.PARAMS)(recurrence.scan)
 
 __all__ = ["BUILTINS"]

@@ -10,7 +10,8 @@ per-step outputs the states themselves are the outputs. ``scan`` returns a list:
 outputs stacked on axis 1 ([B, T, ...]), then the final states.
 
 Why elaborate once into a separate graph: the length ``T`` is symbolic, so the step cannot be
-unrolled, and one body is what ONNX's Scan and the RNN/GRU/LSTM ops take. The step's parameters
+unrolled, and one body is what ONNX's Scan and the RNN/GRU/LSTM ops take. builtins.py registers it,
+so the dependency runs one way (builtins -> recurrence). The step's parameters
 (its linears) are created once, in the scan's scope, and belong to the model; inside the body they
 are captured inputs.
 """
@@ -19,8 +20,7 @@ from __future__ import annotations
 
 from tessera.compiler.ir import dims
 from tessera.compiler.ir.graph import Graph
-from tessera.compiler.frontend.builtins import R, builtin
-from tessera.compiler.frontend.values import BlockRef, Tensor, describe
+from tessera.compiler.frontend.values import REQUIRED, BlockRef, Tensor, describe
 from tessera.compiler.ops.recurrence import Body, step_type
 
 # The standard library's cells, which the ONNX lowering may replace by onnx's own op
@@ -39,8 +39,11 @@ def _tensors(call, arg, what: str, allow_empty: bool = False) -> list[Tensor]:
     return items
 
 
-@builtin("scan", ("step", R), ("init", R), ("xs", R), ("args", []), ("reverse", False))
-def _scan(call, step, init, xs, args, reverse):
+# the parameters of the ``scan`` builtin, which builtins.py registers (this module does not import it)
+PARAMS = (("step", REQUIRED), ("init", REQUIRED), ("xs", REQUIRED), ("args", []), ("reverse", False))
+
+
+def scan(call, step, init, xs, args, reverse):
     """Carry the block `step` over axis 1 of `xs` from the state(s) `init` (reverse=true: from the end). Returns [per-step outputs stacked on axis 1..., final states...]."""
     elab = call.elab
     block, bpos = step

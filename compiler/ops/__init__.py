@@ -1,5 +1,6 @@
-"""Primitive ops: each op's definition (type rule, reference semantics, ONNX lowering, cost,
-backward memory, traits), looked up by name by every consumer through ``registry.get``.
+"""Primitive ops: each op's definition (type rule, reference semantics, cost, backward memory,
+traits), looked up by name by every consumer through ``registry.get``. Their ONNX lowerings are
+the backend's table (backends/onnx/lowerings/).
 
 Importing this package registers every op family; ``infer``, ``check_graph`` and ``ShapeError``
 are the type-checking entry points the frontend and the passes use."""

@@ -3,8 +3,6 @@ for backward, and small numpy pieces of reference semantics."""
 
 from __future__ import annotations
 
-import numpy as np
-
 from tessera.compiler.ir.graph import FLOAT_DTYPES, TensorType
 from tessera.compiler.ops.registry import ShapeError
 
@@ -55,14 +53,3 @@ def saved_quotient(node, needs_grad) -> list:
         kept.append(b)
     return kept
 
-
-# ------------------------------------------------------------------ ONNX lowering
-def np_float(dtype: str):
-    """The numpy type of constants for a tensor of this IR dtype (fp16 or fp32)."""
-    return np.float16 if dtype == "f16" else np.float32
-
-
-def min_const(b, dtype: str) -> str:
-    """The dtype's most negative finite value, the fill of masked scores."""
-    np_dtype = np_float(dtype)
-    return b.const(np.array(np.finfo(np_dtype).min, dtype=np_dtype), "min")

@@ -4,6 +4,8 @@ mean/sum reductions, which work along axes but have no weights and no layout cha
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 import sympy
@@ -11,19 +13,16 @@ import sympy
 from tessera.compiler.ir import dims
 from tessera.compiler.ir.graph import DTYPES, FLOAT_DTYPES, TensorType
 from tessera.compiler.ops import common
-from tessera.compiler.ops.registry import ShapeError, custom, free, op, per_element
+from tessera.compiler.ops.registry import Cost, ShapeError, custom, free, op, per_element
 from tessera.compiler.reference.numerics import erf, softmax
 
 # ------------------------------------------------------------------ binary arithmetic
 _BINARY = {"add": np.add, "sub": np.subtract, "mul": np.multiply, "pow": np.power,
            "minimum": np.minimum, "maximum": np.maximum}
-_ONNX_BINARY = {"add": "Add", "sub": "Sub", "mul": "Mul", "pow": "Pow", "minimum": "Min",
-                "maximum": "Max"}
 
 
 @op(*_BINARY,
     reference={n: (lambda f: lambda x, a, ev: f(x[0], x[1]))(f) for n, f in _BINARY.items()},
-    lower={n: (lambda t: lambda L: L.emit(t, L.x))(t) for n, t in _ONNX_BINARY.items()},
     cost=per_element("elementwise", 1),
     saved={"add": (), "sub": (), "mul": common.saved_product, "pow": (0,),
            "minimum": (0, 1), "maximum": (0, 1)},   # which operand won decides where the gradient goes
@@ -41,7 +40,7 @@ def _binary(t, a):
     return [TensorType(x.dtype, out)]
 
 
-@op("div", reference=lambda x, a, ev: np.divide(x[0], x[1]), lower=lambda L: L.emit("Div", L.x),
+@op("div", reference=lambda x, a, ev: np.divide(x[0], x[1]),
     cost=per_element("elementwise", 1), saved=common.saved_quotient, traits=("elementwise",))
 def _div(t, a):
     """a / b on floating-point tensors. Integer tensors are refused: ONNX's Div truncates them toward
@@ -57,22 +56,7 @@ def _floordiv_ref(x, a, ev):
     return np.floor(x[0] / x[1])   # ONNX's Floor(Div), not numpy's fmod-based floor_divide
 
 
-def _floordiv_lower(L):
-    b, (p, q) = L.b, L.x
-    if L.t_in[0].dtype in FLOAT_DTYPES:
-        return L.emit("Floor", [b.node("Div", [p, q])[0]])
-    # ONNX's integer Div truncates toward zero; floor division is one less when the remainder is
-    # non-zero and its sign differs from the divisor's
-    t = b.node("Div", [p, q])[0]
-    r = b.node("Sub", [p, b.node("Mul", [t, q])[0]])[0]
-    zero = b.const(np.array(0, dtype=DTYPES[L.t_in[0].dtype]), "zero")
-    inexact = b.node("Not", [b.node("Equal", [r, zero])[0]])[0]
-    signs = b.node("Xor", [b.node("Less", [r, zero])[0], b.node("Less", [q, zero])[0]])[0]
-    fix = b.node("Cast", [b.node("And", [inexact, signs])[0]], to=b.onnx_type(L.t_in[0].dtype))[0]
-    L.emit("Sub", [t, fix])
-
-
-@op("floordiv", reference=_floordiv_ref, lower=_floordiv_lower,
+@op("floordiv", reference=_floordiv_ref,
     cost=per_element("elementwise", 2), saved=(), traits=("elementwise",))   # divide, floor
 def _floordiv(t, a):
     """a // b: floor(a / b) for floats, division rounding toward minus infinity for integers (Python's //)."""
@@ -80,11 +64,6 @@ def _floordiv(t, a):
 
 
 # ------------------------------------------------------------------ unary math and activations
-def _silu(L):
-    s = L.b.node("Sigmoid", L.x)[0]
-    L.emit("Mul", [L.x[0], s])
-
-
 def _gelu(x, a, ev):
     v = x[0]
     if a["approx"] == "tanh":  # GPT-2's approximation
@@ -97,63 +76,51 @@ def _gelu_flops(c):
     return {"activation": c.out() * (9 if c.attrs.get("approx") == "tanh" else 5)}
 
 
-_UNARY_REF = {
-    "neg": lambda x, a, ev: -x[0],
-    "sqrt": lambda x, a, ev: np.sqrt(x[0]),
-    "exp": lambda x, a, ev: np.exp(x[0]),
-    "sin": lambda x, a, ev: np.sin(x[0]),
-    "cos": lambda x, a, ev: np.cos(x[0]),
-    "relu": lambda x, a, ev: np.maximum(x[0], 0),
-    "gelu": _gelu,
-    "silu": lambda x, a, ev: x[0] / (1 + np.exp(-x[0])),
-    "sigmoid": lambda x, a, ev: 1 / (1 + np.exp(-x[0])),
-    "tanh": lambda x, a, ev: np.tanh(x[0]),
-    "identity": lambda x, a, ev: x[0],
-    "log": lambda x, a, ev: np.log(x[0]),
-    "abs": lambda x, a, ev: np.abs(x[0]),
-    "floor": lambda x, a, ev: np.floor(x[0]),
-    "ceil": lambda x, a, ev: np.ceil(x[0]),
-    "round": lambda x, a, ev: np.round(x[0]),   # halves to even, as ONNX Round and torch.round
-}
-_ONNX_UNARY = {"neg": "Neg", "sqrt": "Sqrt", "exp": "Exp", "relu": "Relu", "sigmoid": "Sigmoid",
-               "tanh": "Tanh", "identity": "Identity", "sin": "Sin", "cos": "Cos",
-               "log": "Log", "abs": "Abs", "floor": "Floor", "ceil": "Ceil", "round": "Round"}
-_UNARY_LOWER = {n: (lambda t: lambda L: L.emit(t, L.x))(t) for n, t in _ONNX_UNARY.items()}
-_UNARY_LOWER["gelu"] = lambda L: L.emit("Gelu", L.x, approximate=L.a["approx"])
-_UNARY_LOWER["silu"] = _silu
+@dataclass(frozen=True)
+class Unary:
+    """One unary op's row: its numpy reference, cost, what backward keeps, and whether integer
+    tensors are allowed (the others need floats: ONNX defines them for floats only)."""
+
+    name: str
+    reference: Callable
+    cost: Cost
+    saved: tuple
+    ints: bool = False
+
 
 # A transcendental (exp, tanh, erf, sqrt) counts as one FLOP; docs/report.md lists the reasoning.
-_UNARY_COST = {
-    "neg": per_element("elementwise", 1), "sqrt": per_element("elementwise", 1),
-    "exp": per_element("elementwise", 1), "sin": per_element("elementwise", 1),
-    "cos": per_element("elementwise", 1),
-    "relu": per_element("activation", 1), "tanh": per_element("activation", 1),
-    "sigmoid": per_element("activation", 3),
-    "silu": per_element("activation", 4),          # sigmoid (exp, add, divide) and a multiply
-    "gelu": custom(_gelu_flops),
-    "identity": free(),
-    "log": per_element("elementwise", 1), "abs": per_element("elementwise", 1),
-    "floor": per_element("elementwise", 1), "ceil": per_element("elementwise", 1),
-    "round": per_element("elementwise", 1),
-}
-# Activations whose derivative needs the input keep it; those whose derivative is a function of
-# the output (sigmoid, tanh, exp, sqrt, relu) keep the output.
-_UNARY_SAVED = {"neg": (), "identity": (), "gelu": (0,), "silu": (0,), "sin": (0,), "cos": (0,),
-                "sigmoid": ("out",), "tanh": ("out",), "exp": ("out",), "sqrt": ("out",), "relu": ("out",),
-                "log": (0,), "abs": (0,), "floor": (), "ceil": (), "round": ()}   # steps: zero gradient
+# Activations whose derivative needs the input keep it (0,); those whose derivative is a function of
+# the output (sigmoid, tanh, exp, sqrt, relu) keep the output; steps (floor, ceil, round) have a zero
+# gradient and keep nothing.
+_E1 = per_element("elementwise", 1)
+UNARY = [
+    Unary("neg", lambda x, a, ev: -x[0], _E1, (), ints=True),
+    Unary("sqrt", lambda x, a, ev: np.sqrt(x[0]), _E1, ("out",)),
+    Unary("exp", lambda x, a, ev: np.exp(x[0]), _E1, ("out",)),
+    Unary("sin", lambda x, a, ev: np.sin(x[0]), _E1, (0,)),
+    Unary("cos", lambda x, a, ev: np.cos(x[0]), _E1, (0,)),
+    Unary("relu", lambda x, a, ev: np.maximum(x[0], 0), per_element("activation", 1), ("out",), ints=True),
+    Unary("gelu", _gelu, custom(_gelu_flops), (0,)),
+    Unary("silu", lambda x, a, ev: x[0] / (1 + np.exp(-x[0])),
+          per_element("activation", 4), (0,)),           # sigmoid (exp, add, divide) and a multiply
+    Unary("sigmoid", lambda x, a, ev: 1 / (1 + np.exp(-x[0])), per_element("activation", 3), ("out",)),
+    Unary("tanh", lambda x, a, ev: np.tanh(x[0]), per_element("activation", 1), ("out",)),
+    Unary("identity", lambda x, a, ev: x[0], free(), (), ints=True),
+    Unary("log", lambda x, a, ev: np.log(x[0]), _E1, (0,)),
+    Unary("abs", lambda x, a, ev: np.abs(x[0]), _E1, (0,), ints=True),
+    Unary("floor", lambda x, a, ev: np.floor(x[0]), _E1, ()),
+    Unary("ceil", lambda x, a, ev: np.ceil(x[0]), _E1, ()),
+    Unary("round", lambda x, a, ev: np.round(x[0]), _E1, ()),   # halves to even, as ONNX Round and torch.round
+]
 
 
-# Unary ops defined on integer tensors too; the others need floats (ONNX defines them for floats only).
-_INT_OK = {"neg", "abs", "identity", "relu"}
-
-
-def _unary_rule(name: str):
+def _unary_rule(row: Unary):
     def rule(t, a):
         x = t[0]
-        if name == "identity":  # outputs and pass-throughs of every dtype
+        if row.name == "identity":  # outputs and pass-throughs of every dtype
             return [x]
-        if x.dtype == "bool" or (x.dtype not in FLOAT_DTYPES and name not in _INT_OK):
-            raise ShapeError(f"{name} needs a {'number' if name in _INT_OK else 'floating-point'} tensor, "
+        if x.dtype == "bool" or (x.dtype not in FLOAT_DTYPES and not row.ints):
+            raise ShapeError(f"{row.name} needs a {'number' if row.ints else 'floating-point'} tensor, "
                              f"got {x} (cast it first)")
         return [x]
     rule.__doc__ = ("Unary math and activations (gelu: approx=\"none\" is erf, \"tanh\" GPT-2's approximation); "
@@ -161,15 +128,13 @@ def _unary_rule(name: str):
     return rule
 
 
-for _name in _UNARY_REF:
-    op(_name, reference=_UNARY_REF[_name], lower=_UNARY_LOWER[_name], cost=_UNARY_COST[_name],
-       saved=_UNARY_SAVED[_name],
-       traits=("elementwise", "alias") if _name == "identity" else ("elementwise",))(_unary_rule(_name))
+for _row in UNARY:
+    op(_row.name, reference=_row.reference, cost=_row.cost, saved=_row.saved,
+       traits=("elementwise", "alias") if _row.name == "identity" else ("elementwise",))(_unary_rule(_row))
 
 
 @op("cast",
     reference=lambda x, a, ev: x[0].astype(DTYPES[a["dtype"]]),
-    lower=lambda L: L.emit("Cast", L.x, to=L.b.onnx_type(L.a["dtype"])),
     cost=free(), saved=(), traits=("elementwise",))
 def _cast(t, a):
     """Convert the element type to attrs["dtype"]."""
@@ -179,7 +144,6 @@ def _cast(t, a):
 # ------------------------------------------------------------------ softmax and reductions
 @op("softmax",
     reference=lambda x, a, ev: softmax(x[0], a["axis"]),
-    lower=lambda L: L.emit("Softmax", L.x, axis=L.a["axis"]),
     cost=per_element("softmax", 5),                # max, subtract, exp, sum, divide
     saved=("out",))
 def _softmax(t, a):
@@ -196,8 +160,6 @@ def _reduce_flops(c):
 @op("mean", "sum",
     reference={"mean": lambda x, a, ev: np.mean(x[0], axis=tuple(a["axes"]), keepdims=a["keepdims"]),
                "sum": lambda x, a, ev: np.sum(x[0], axis=tuple(a["axes"]), keepdims=a["keepdims"])},
-    lower={n: (lambda t: lambda L: L.emit(t, [L.x[0], L.b.i64(L.a["axes"])], keepdims=int(L.a["keepdims"])))(t)
-           for n, t in (("mean", "ReduceMean"), ("sum", "ReduceSum"))},
     cost=custom(_reduce_flops), saved=())
 def _reduce(t, a):
     """Mean or sum over attrs["axes"], keeping them as size 1 with attrs["keepdims"]."""
@@ -212,7 +174,6 @@ def _reduce(t, a):
 
 @op("cumsum",
     reference=lambda x, a, ev: np.cumsum(x[0], axis=a["axis"]),
-    lower=lambda L: L.emit("CumSum", [L.x[0], L.b.const(np.array(L.a["axis"], dtype=np.int64), "axis")]),
     cost=per_element("elementwise", 1), saved=())   # one add per element; the gradient is a reversed cumsum
 def _cumsum(t, a):
     """Running sum along attrs["axis"] (inclusive: element i sums 0..i), for numbers, not bool."""

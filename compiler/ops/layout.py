@@ -13,7 +13,6 @@ from tessera.compiler.ops.registry import ShapeError, free, op
 
 
 @op("reshape", reference=lambda x, a, ev: x[0].reshape([ev(d) for d in a["shape"]]),
-    lower=lambda L: L.emit("Reshape", [L.x[0], L.b.shape_vec(L.a["shape"])]),
     cost=free(), saved=(), traits=("alias",))
 def _reshape(t, a):
     """Reshape to attrs["shape"] (dimensions may be symbolic); sizes must agree."""
@@ -24,8 +23,7 @@ def _reshape(t, a):
     return [TensorType(x.dtype, new)]
 
 
-@op("transpose", reference=lambda x, a, ev: np.transpose(x[0], a["perm"]),
-    lower=lambda L: L.emit("Transpose", L.x, perm=list(L.a["perm"])), cost=free(), saved=())
+@op("transpose", reference=lambda x, a, ev: np.transpose(x[0], a["perm"]), cost=free(), saved=())
 def _transpose(t, a):
     """Permute axes by attrs["perm"]."""
     x = t[0]
@@ -41,17 +39,7 @@ def _split_heads_ref(x, a, ev):
     return np.swapaxes(x[0].reshape(*lead, t, h, d // h), -2, -3)
 
 
-def _split_heads_lower(L):
-    r = L.t_in[0].rank
-    hd = L.t_out.shape[-1]
-    tail = [L.a["heads"], int(hd)] if dims.is_static(hd) else [L.a["heads"], -1]
-    rs = L.b.node("Reshape", [L.x[0], L.b.i64([0] * (r - 1) + tail)])[0]
-    perm = list(range(r + 1))
-    perm[-3], perm[-2] = perm[-2], perm[-3]
-    L.emit("Transpose", [rs], perm=perm)
-
-
-@op("split_heads", reference=_split_heads_ref, lower=_split_heads_lower, cost=free(), saved=())
+@op("split_heads", reference=_split_heads_ref, cost=free(), saved=())
 def _split_heads(t, a):
     """[..., T, H*hd] -> [..., H, T, hd] with H = attrs["heads"]."""
     x, h = t[0], a["heads"]
@@ -68,15 +56,7 @@ def _merge_heads_ref(x, a, ev):
     return np.swapaxes(x[0], -2, -3).reshape(*lead, t, h * hd)
 
 
-def _merge_heads_lower(L):
-    r = L.t_in[0].rank
-    perm = list(range(r))
-    perm[-3], perm[-2] = perm[-2], perm[-3]
-    tr = L.b.node("Transpose", L.x, perm=perm)[0]
-    L.emit("Reshape", [tr, L.b.i64([0] * (r - 2) + [-1])])
-
-
-@op("merge_heads", reference=_merge_heads_ref, lower=_merge_heads_lower, cost=free(), saved=())
+@op("merge_heads", reference=_merge_heads_ref, cost=free(), saved=())
 def _merge_heads(t, a):
     """[..., H, T, hd] -> [..., T, H*hd]."""
     x = t[0]
@@ -85,17 +65,7 @@ def _merge_heads(t, a):
     return [TensorType(x.dtype, x.shape[:-3] + (x.shape[-2], x.shape[-3] * x.shape[-1]))]
 
 
-def _repeat_kv_lower(L):
-    b, t = L.b, L.t_in[0]
-    r = t.rank
-    n = L.a["times"]
-    un = b.node("Unsqueeze", [L.x[0], b.i64([r - 2])])[0]
-    ex = b.node("Expand", [un, b.i64([1] * (r - 2) + [n, 1, 1])])[0]
-    g_heads, hd = t.shape[-3], t.shape[-1]
-    L.emit("Reshape", [ex, b.shape_vec(list(t.shape[:-3]) + [g_heads * n, t.shape[-2], hd])])
-
-
-@op("repeat_kv", reference=lambda x, a, ev: np.repeat(x[0], a["times"], axis=-3), lower=_repeat_kv_lower,
+@op("repeat_kv", reference=lambda x, a, ev: np.repeat(x[0], a["times"], axis=-3),
     cost=free(), saved=())
 def _repeat_kv(t, a):
     """Repeat each head attrs["times"] times along axis -3 (grouped-query attention)."""
@@ -105,8 +75,7 @@ def _repeat_kv(t, a):
     return [TensorType(x.dtype, x.shape[:-3] + (x.shape[-3] * a["times"],) + x.shape[-2:])]
 
 
-@op("concat", reference=lambda x, a, ev: np.concatenate(x, axis=a["axis"]),
-    lower=lambda L: L.emit("Concat", L.x, axis=L.a["axis"]), cost=free(), saved=())
+@op("concat", reference=lambda x, a, ev: np.concatenate(x, axis=a["axis"]), cost=free(), saved=())
 def _concat(t, a):
     """Join the inputs along attrs["axis"]; they agree on every other axis."""
     first = t[0]
@@ -129,7 +98,6 @@ def _slice_ref(x, a, ev):
 
 
 @op("slice", reference=_slice_ref,
-    lower=lambda L: L.emit("Slice", [L.x[0], L.b.dim(L.a["start"]), L.b.dim(L.a["end"]), L.b.i64([L.a["axis"]])]),
     cost=free(), saved=())
 def _slice(t, a):
     """x[start:end] along attrs["axis"] (start and end may be symbolic)."""
@@ -146,8 +114,6 @@ def _slice(t, a):
 
 
 @op("select", reference=lambda x, a, ev: np.take(x[0], a["index"], axis=a["axis"]),
-    lower=lambda L: L.emit("Gather", [L.x[0], L.b.const(np.array(L.a["index"], dtype=np.int64), "index")],
-                           axis=L.a["axis"]),
     cost=free(), saved=())
 def _select(t, a):
     """Take position attrs["index"] along attrs["axis"], removing that axis."""
@@ -157,7 +123,6 @@ def _select(t, a):
 
 
 @op("expand", reference=lambda x, a, ev: np.broadcast_to(x[0], [ev(d) for d in a["shape"]]).copy(),
-    lower=lambda L: L.emit("Expand", [L.x[0], L.b.shape_vec(L.a["shape"])]),
     cost=free(), saved=(), traits=("alias",))
 def _expand(t, a):
     """Broadcast to attrs["shape"]."""

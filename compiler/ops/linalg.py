@@ -23,21 +23,7 @@ def _linear_ref(x, a, ev):
     return y + x[2] if len(x) == 3 else y
 
 
-def _linear_lower(L):
-    # A weight only linears read is written [in, out] (export.transposed_weights), so MatMul takes it
-    # as it lies; a Transpose of the [out, in] parameter would be folded by onnxruntime into a second
-    # copy of the weight. Any other weight (a computed one, GPT-2's head tied to the token table) is
-    # transposed here.
-    w = L.x[1]
-    wt = w if w in L.b.transposed else L.b.node("Transpose", [w], perm=[1, 0])[0]
-    if len(L.x) == 3:
-        mm = L.b.node("MatMul", [L.x[0], wt])[0]
-        L.emit("Add", [mm, L.x[2]])
-    else:
-        L.emit("MatMul", [L.x[0], wt])
-
-
-@op("linear", reference=_linear_ref, lower=_linear_lower,
+@op("linear", reference=_linear_ref,
     # y[..., out] = x[..., in] W^T: one multiply-add per output element and input feature
     cost=product(lambda c: c.out() * c.dim(c.type(1).shape[1])),
     saved=common.saved_weight_product, traits=("dense", "matmul_class"))
@@ -63,13 +49,7 @@ def _linear_nbits_ref(x, a, ev):
     return y + x[3] if len(x) == 4 else y
 
 
-def _linear_nbits_lower(L):
-    inputs = list(L.x[:3]) + (["", "", L.x[3]] if len(L.x) == 4 else [])  # bias is MatMulNBits' input 5
-    L.emit("MatMulNBits", inputs, domain="com.microsoft", K=L.a["K"], N=L.a["N"], bits=L.a["bits"],
-           block_size=L.a["block_size"], accuracy_level=L.a.get("accuracy_level", 0))
-
-
-@op("linear_nbits", reference=_linear_nbits_ref, lower=_linear_nbits_lower,
+@op("linear_nbits", reference=_linear_nbits_ref,
     # the same products as the linear it replaces: y[..., N] = x[..., K] W^T
     cost=product(lambda c: c.out() * c.attrs["K"]),
     saved=common.saved_weight_product, traits=("dense", "matmul_class"))
@@ -101,7 +81,7 @@ def _linear_nbits(t, a):
 
 
 # ------------------------------------------------------------------ matmul
-@op("matmul", reference=lambda x, a, ev: np.matmul(x[0], x[1]), lower=lambda L: L.emit("MatMul", L.x),
+@op("matmul", reference=lambda x, a, ev: np.matmul(x[0], x[1]),
     # [..., m, k] @ [..., k, n]: one per output element and inner index
     cost=product(lambda c: c.out() * c.dim(c.type(0).shape[-1])),
     saved=common.saved_product, traits=("matmul_class",))
@@ -120,7 +100,7 @@ def _matmul(t, a):
 
 
 # ------------------------------------------------------------------ embedding
-@op("embedding", reference=lambda x, a, ev: x[1][x[0]], lower=lambda L: L.emit("Gather", [L.x[1], L.x[0]], axis=0),
+@op("embedding", reference=lambda x, a, ev: x[1][x[0]],
     cost=free(),          # a gather: no arithmetic
     saved=(0,))           # the ids, to scatter the gradient into the table
 def _embedding(t, a):
@@ -165,12 +145,7 @@ def _conv2d_ref(x, a, ev):
     return y + x[2][None, :, None, None] if len(x) == 3 else y
 
 
-def _conv2d_lower(L):
-    k = L.a["kernel"]
-    L.emit("Conv", L.x, kernel_shape=[k, k], strides=[L.a["stride"], L.a["stride"]])
-
-
-@op("conv2d", reference=_conv2d_ref, lower=_conv2d_lower,
+@op("conv2d", reference=_conv2d_ref,
     # one per output element, input channel and kernel tap
     cost=product(lambda c: c.out() * c.dim(c.type(1).shape[1]) * (c.attrs["kernel"] * c.attrs["kernel"])),
     saved=common.saved_weight_product, traits=("dense", "matmul_class", "conv"))
@@ -196,12 +171,7 @@ def _conv1d_ref(x, a, ev):
     return y + x[2][None, :, None] if len(x) == 3 else y
 
 
-def _conv1d_lower(L):
-    p = L.a["padding"]
-    L.emit("Conv", L.x, kernel_shape=[L.a["kernel"]], strides=[L.a["stride"]], pads=[p, p])
-
-
-@op("conv1d", reference=_conv1d_ref, lower=_conv1d_lower,
+@op("conv1d", reference=_conv1d_ref,
     # one per output element, input channel and kernel tap
     cost=product(lambda c: c.out() * c.dim(c.type(1).shape[1]) * c.attrs["kernel"]),
     saved=common.saved_weight_product, traits=("dense", "matmul_class", "conv"))

@@ -33,13 +33,8 @@ _COMPARE = {"less": (np.less, "Less"), "less_equal": (np.less_equal, "LessOrEqua
             "equal": (np.equal, "Equal"), "not_equal": (np.not_equal, None)}
 
 
-def _not_equal_lower(L):
-    L.emit("Not", [L.b.node("Equal", L.x)[0]])
-
-
 @op(*_COMPARE,
     reference={n: (lambda f: lambda x, a, ev: f(x[0], x[1]))(f) for n, (f, _) in _COMPARE.items()},
-    lower={n: ((lambda t: lambda L: L.emit(t, L.x))(t) if t else _not_equal_lower) for n, (_, t) in _COMPARE.items()},
     cost=per_element("elementwise", 1), saved=(), traits=("elementwise",))
 def _compare(t, a):
     """Elementwise comparison of two tensors of one dtype (numbers, or bool for equal/not_equal): a bool tensor."""
@@ -54,7 +49,6 @@ _LOGIC = {"logical_and": (np.logical_and, "And"), "logical_or": (np.logical_or, 
 
 @op(*_LOGIC,
     reference={n: (lambda f: lambda x, a, ev: f(x[0], x[1]))(f) for n, (f, _) in _LOGIC.items()},
-    lower={n: (lambda t: lambda L: L.emit(t, L.x))(t) for n, (_, t) in _LOGIC.items()},
     cost=per_element("elementwise", 1), saved=(), traits=("elementwise",))
 def _logic(t, a):
     """Elementwise and / or of two bool tensors."""
@@ -64,7 +58,7 @@ def _logic(t, a):
     return [TensorType("bool", _broadcast(*t))]
 
 
-@op("logical_not", reference=lambda x, a, ev: np.logical_not(x[0]), lower=lambda L: L.emit("Not", L.x),
+@op("logical_not", reference=lambda x, a, ev: np.logical_not(x[0]),
     cost=per_element("elementwise", 1), saved=(), traits=("elementwise",))
 def _logical_not(t, a):
     """Elementwise not of a bool tensor."""
@@ -74,7 +68,7 @@ def _logical_not(t, a):
 
 
 # ------------------------------------------------------------------ selection
-@op("where", reference=lambda x, a, ev: np.where(x[0], x[1], x[2]), lower=lambda L: L.emit("Where", L.x),
+@op("where", reference=lambda x, a, ev: np.where(x[0], x[1], x[2]),
     cost=per_element("elementwise", 1), saved=(0,), traits=("elementwise",))
 def _where(t, a):
     """where(cond, a, b): a where the bool cond holds, else b; a and b share a dtype; all three broadcast."""

@@ -21,20 +21,6 @@ def _rmsnorm_ref(x, a, ev):
     return v / np.sqrt((v * v).mean(-1, keepdims=True) + a["eps"]) * x[1]
 
 
-def _rmsnorm_lower(L):
-    """x / sqrt(mean(x^2) + eps) * w in standard ops, written as Pow(x, 2) -> ReduceMean -> Add -> Sqrt
-    -> Div -> Mul: the pattern onnxruntime fuses into one SimplifiedLayerNormalization kernel (with
-    Mul(x, x) it does not, and the six nodes cost more than the norm's arithmetic when decoding)."""
-    b, x = L.b, L.x
-    two = b.const(np.array(2.0, dtype=common.np_float(L.t_in[0].dtype)), "two")
-    sq = b.node("Pow", [x[0], two])[0]
-    ms = b.node("ReduceMean", [sq, b.i64([-1])], keepdims=1)[0]
-    eps = b.const(np.array(L.a["eps"], dtype=common.np_float(L.t_in[0].dtype)), "eps")
-    rms = b.node("Sqrt", [b.node("Add", [ms, eps])[0]])[0]
-    normed = b.node("Div", [x[0], rms])[0]
-    L.emit("Mul", [normed, x[1]])
-
-
 def _layernorm_flops(c):
     # mean, subtract, square, sum, normalise, scale (+ shift): 7 or 8 per element
     return {"norm": c.out() * (8 if len(c.node.inputs) == 3 else 7)}
@@ -43,8 +29,6 @@ def _layernorm_flops(c):
 @op("layernorm", "rmsnorm",
     reference={"layernorm": lambda x, a, ev: layernorm(x[0], x[1], x[2] if len(x) == 3 else None, a["eps"]),
                "rmsnorm": _rmsnorm_ref},
-    lower={"layernorm": lambda L: L.emit("LayerNormalization", L.x, axis=-1, epsilon=L.a["eps"]),
-           "rmsnorm": _rmsnorm_lower},
     cost={"layernorm": custom(_layernorm_flops),
           "rmsnorm": per_element("norm", 4)},      # square, sum, scale by 1/rms, weight
     saved=(0,))                                    # the input (its statistics are recomputed)

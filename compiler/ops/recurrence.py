@@ -11,10 +11,10 @@ states and then the per-step outputs stacked along axis 1, as ONNX's ``Scan``.
 Why a body graph and not an unrolled loop: the sequence length ``T`` is symbolic, so the step
 cannot be repeated at compile time; one body serves every length and is costed once (× T).
 
-Lowering (attribute ``lowering``, set by compiler/passes/recurrence.py, else decided here):
+Lowering (backends/onnx/recurrence.py; attribute ``lowering``, set by compiler/passes/recurrence.py):
 onnx's own ``RNN``/``GRU``/``LSTM`` op when the body is exactly the standard library's cell
 (compiler/patterns/recurrence.py says when), otherwise ONNX ``Scan`` with the body lowered op by
-op through the registry.
+op through the lowering table.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ import numpy as np
 
 from tessera.compiler.ir import dims
 from tessera.compiler.ir.graph import Graph, TensorType
+from tessera.compiler.ops.execute import execute
 from tessera.compiler.ops.registry import ShapeError, custom, op
 
 
@@ -96,8 +97,6 @@ def _scan_rule(t, a):
 
 # ------------------------------------------------------------------ numpy reference
 def _scan_ref(x, a, ev):
-    from tessera.compiler.reference.interpret import execute
-
     body = a["body"].graph
     states, seqs, caps = parts(a, list(x))
     k = a["n_state"]
@@ -114,26 +113,20 @@ def _scan_ref(x, a, ev):
 
 
 # ------------------------------------------------------------------ cost: the body's, once per step
-def _body_costs(c):
-    from tessera.compiler.analysis.cost import node_costs
-
-    costs, _ = node_costs(c.attrs["body"].graph)
-    length = c.dim(c.type(c.attrs["n_state"]).shape[1])
-    return costs, length
+# (analysis/cost.py counts a scan node from its body itself, splitting its MACs by kind; these
+# facets give the same totals through the cost context's ``subgraph``)
+def _steps(c):
+    return c.dim(c.type(c.attrs["n_state"]).shape[1])
 
 
 def _scan_macs(c):
-    from tessera.compiler.analysis.cost import total
-
-    costs, length = _body_costs(c)
-    return total(costs, "macs") * length
+    macs, _ = c.subgraph(c.attrs["body"].graph)
+    return macs * _steps(c)
 
 
 def _scan_flops(c):
-    from tessera.compiler.analysis.cost import flops_by_category
-
-    costs, length = _body_costs(c)
-    return {k: v * length for k, v in flops_by_category(costs).items()}
+    _, flops = c.subgraph(c.attrs["body"].graph)
+    return {k: v * _steps(c) for k, v in flops.items()}
 
 
 def _scan_saved(node, needs_grad) -> list:
@@ -142,13 +135,7 @@ def _scan_saved(node, needs_grad) -> list:
     return list(node.inputs[:k + m]) + list(node.outputs)
 
 
-def _scan_lower(L):
-    from tessera.compiler.backends.onnx.recurrence import lower_scan
-
-    lower_scan(L)
-
-
-@op("scan", reference=_scan_ref, lower=_scan_lower, cost=custom(_scan_flops, macs=_scan_macs),
+@op("scan", reference=_scan_ref, cost=custom(_scan_flops, macs=_scan_macs),
     saved=_scan_saved, traits=("matmul_class",))
 def _scan(t, a):
     """Carry attrs["n_state"] states over axis 1 of attrs["n_seq"] per-step inputs through attrs["body"];

@@ -7,15 +7,16 @@ consumer keeps its own table keyed by op names:
   raising ``ShapeError`` with a message that says what did not fit;
 - ``reference``: numpy semantics, ``(input arrays, attrs, ev) -> array``, where ``ev``
   evaluates a (symbolic) dimension at the run's bindings; the interpreter runs these;
-- ``lower``: the ONNX lowering, ``(L) -> None``; ``L`` (backends/onnx/export.py's
-  ``Lowering``) carries the builder ``L.b``, the node, its inputs ``L.x``, attrs ``L.a``,
-  input/output types and ``L.emit(op_type, inputs, **attrs)`` that writes the result;
 - ``cost``: a ``Cost`` (see ``free``, ``per_element``, ``product``, ``custom``): the
   multiply-adds and FLOPs by category that analysis/cost.py reports;
 - ``saved``: what the backward pass keeps (analysis/memory.py): a tuple of input
   positions and ``"out"`` (``()``: nothing), or a function ``(node, needs_grad) -> values``
   for products, whose operands are kept only when the other one needs a gradient;
 - ``traits``: facts other modules ask about (see ``TRAITS``).
+
+How an op becomes ONNX is not here but in the backend: backends/onnx/lowerings/ maps each op
+name to its lowering (tests/test_op_registry.py checks that it covers every op), so this package
+imports no backend, no analysis and no pass.
 
 Every facet is required: registering an op without one raises ``RegistryError``
 at import, so an op can no longer be silently free in the cost report or keep
@@ -27,14 +28,16 @@ How to add an op (say ``conv1d``)
    ``ops/elementwise.py``, ``ops/norm.py``, ``ops/layout.py``, ``ops/attention.py``,
    ``ops/generators.py``), with ``@op("name", ...)`` on its type rule and every facet
    given; a new family module must be imported in ``ops/__init__.py``.
-2. If the language should expose it, add a builtin in ``frontend/builtins.py`` that
+2. Add its ONNX lowering to the table of its family in ``backends/onnx/lowerings/``
+   (``LOWERINGS["name"] = lower``, a function of ``L``, builder.Lowering).
+3. If the language should expose it, add a builtin in ``frontend/builtins.py`` that
    checks the arguments, creates parameters and calls ``call.emit("name", ...)``.
-3. Test it against an independent reference (tests/test_op_registry.py already checks
-   that every op has every facet and that every op the builtins and passes emit is
-   registered), and document it: docs/language.md for a builtin, docs/report.md's
+4. Test it against an independent reference (tests/test_op_registry.py already checks
+   that every op has every facet and a lowering, and that every op the builtins and passes
+   emit is registered), and document it: docs/language.md for a builtin, docs/report.md's
    cost tables for its MACs/FLOPs.
-Nothing else: the interpreter, the ONNX exporter, the cost and memory analyses and the
-structure/parameter reports dispatch through ``get(name)`` and trait queries.
+Nothing else: the interpreter, the cost and memory analyses and the structure/parameter
+reports dispatch through ``get(name)`` and trait queries, the ONNX exporter through its table.
 """
 
 from __future__ import annotations
@@ -119,7 +122,6 @@ class OpDef:
     name: str
     rule: Rule
     reference: Callable
-    lower: Callable
     cost: Cost
     saved: tuple | Callable
     traits: frozenset = field(default_factory=frozenset)
@@ -130,7 +132,7 @@ _OPS: dict[str, OpDef] = {}
 _MISSING = object()
 
 
-def op(*names: str, reference=_MISSING, lower=_MISSING, cost=_MISSING, saved=_MISSING, traits=()):
+def op(*names: str, reference=_MISSING, cost=_MISSING, saved=_MISSING, traits=()):
     """Decorate a type rule to register ops under ``names`` with the given facets.
 
     Several names may share a rule; a facet (or ``traits``) may then be a dict {name: facet}
@@ -138,12 +140,12 @@ def op(*names: str, reference=_MISSING, lower=_MISSING, cost=_MISSING, saved=_MI
     def deco(rule: Rule) -> Rule:
         for n in names:
             tr = traits.get(n, ()) if isinstance(traits, dict) else traits
-            facets = {"reference": reference, "lower": lower, "cost": cost, "saved": saved}
+            facets = {"reference": reference, "cost": cost, "saved": saved}
             facets = {k: (v.get(n, _MISSING) if isinstance(v, dict) else v) for k, v in facets.items()}
             missing = [k for k, v in facets.items() if v is _MISSING]
             if missing:
                 raise RegistryError(f"op '{n}' is missing its {', '.join(missing)} facet(s)")
-            register(OpDef(n, rule, facets["reference"], facets["lower"], facets["cost"], facets["saved"],
+            register(OpDef(n, rule, facets["reference"], facets["cost"], facets["saved"],
                            frozenset(tr), (rule.__doc__ or "").strip()))
         return rule
     return deco
@@ -162,7 +164,7 @@ def register(d: OpDef) -> OpDef:
     if not (callable(d.saved) or (isinstance(d.saved, tuple)
                                   and all(p == "out" or isinstance(p, int) for p in d.saved))):
         raise RegistryError(f"op '{d.name}': saved must be a tuple of input positions and 'out', or a function")
-    for facet in ("rule", "reference", "lower"):
+    for facet in ("rule", "reference"):
         if not callable(getattr(d, facet)):
             raise RegistryError(f"op '{d.name}': its {facet} facet is not callable")
     _OPS[d.name] = d

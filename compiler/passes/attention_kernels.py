@@ -31,10 +31,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from tessera.compiler.backends.onnx.attention import kernel_features
 from tessera.compiler.ir import dims
 from tessera.compiler.ir.graph import PRECISION_BYTES, Graph, Node
 from tessera.compiler.passes.base import Pass, PassError, PassResult
 from tessera.compiler.patterns.attention import recognise
+from tessera.compiler.reference import score_epilogue
 
 KERNELS = ("gqa", "mha", "block", "portable")
 
@@ -64,18 +66,46 @@ def tile_sizes(target: Target, head_size: int) -> tuple[int, int]:
     return pow2(br), pow2(bc)
 
 
+_NAMES = {"gqa": "GroupQueryAttention", "mha": "MultiHeadAttention", "block": "the block kernel",
+          "portable": "the portable kernel", "cached": "the cached kernel", "phased": "the phased kernel"}
+
+
+def unsupported(kernel: str, attrs: dict) -> str | None:
+    """Why ``kernel`` cannot compute the score epilogue these attributes ask for: the features the node
+    uses that the kernel's allow-list (backends/onnx/attention.py KERNEL_FEATURES) lacks; None if none."""
+    have = kernel_features(kernel, attrs.get("decode"))
+    missing = [f for f in score_epilogue.used(attrs) if f not in have]
+    if not missing:
+        return None
+    return (f"{_NAMES.get(kernel, kernel)} computes no {score_epilogue.words(missing)} "
+            f"(of the score epilogue it computes {score_epilogue.words(sorted(have)) or 'nothing'})")
+
+
+def no_kernel(attrs: dict) -> str | None:
+    """Why no kernel can lower a fused attention with these attributes (None: one can). Fusion
+    (passes/fuse_attention.py) leaves such a site unfused with this reason."""
+    reasons = [unsupported(k, attrs) for k in KERNELS]
+    if all(reasons):
+        missing = [f for f in score_epilogue.used(attrs) if all(f not in kernel_features(k) for k in KERNELS)]
+        return f"no attention kernel computes the {score_epilogue.words(missing) or 'score epilogue'} of these " \
+               f"scores ({'; '.join(reasons)})"
+    return None
+
+
 def why_not(kernel: str, node: Node, graph: Graph, target: Target) -> str | None:
-    """Why ``kernel`` cannot lower this fused attention (None: it can)."""
+    """Why ``kernel`` cannot lower this fused attention (None: it can): first what it computes
+    (its allow-list of score-epilogue features), then its limits on shapes and targets."""
     a = node.attrs
+    if kernel not in KERNELS:
+        return f"unknown kernel '{kernel}'"
+    missing = unsupported(kernel, a)
+    if missing:
+        return missing
     q_t, k_t = graph.type_of(node.inputs[0]), graph.type_of(node.inputs[1])
     hd = q_t.shape[-1]
     same_len = dims.equal(q_t.shape[-2], k_t.shape[-2])
     if kernel in ("portable", "block"):
         return None
-    if a["padding"] or a["bias"]:
-        return "it takes no padding mask or additive bias on a tiled path"
-    if a.get("softcap"):
-        return "it has no logit soft-capping"
     if not dims.is_static(hd):
         return "the head size is not fixed"
     if not dims.equal(graph.type_of(node.inputs[2]).shape[-1], hd):
@@ -95,8 +125,7 @@ def why_not(kernel: str, node: Node, graph: Graph, target: Target) -> str | None
             return "MultiHeadAttention materialises the N×N scores when causal (unidirectional)"
         if a["kv_heads"] != a["heads"]:
             return "MultiHeadAttention has no grouped key/value heads"
-        return None
-    return f"unknown kernel '{kernel}'"
+    return None
 
 
 def score_bytes(node: Node, graph: Graph, target: Target):
@@ -152,8 +181,6 @@ def _choose_long(node: Node, graph: Graph, target: Target) -> tuple[str, str]:
     return "portable", f"Tessera's tiled kernel: onnxruntime's contrib kernels would not be tiled here ({reason})"
 
 
-CACHED_KERNELS = ("phased", "cached")
-
 # bench/decode_attention.py, one decoding step (T = 1), 12 heads of 64, fp32, 2 threads, ms (min of 300, two
 # runs on 2026-12-02): Tessera's cached lowering / GroupQueryAttention sharing the cache buffer (bound by
 # IOBinding) / MultiHeadAttention with past. Alone, GroupQueryAttention is as fast or faster.
@@ -170,6 +197,9 @@ def choose_cached(node: Node, graph: Graph, target: Target, gqa_decode: bool = F
     in place (passes/kv_cache.py ``decode``, which rewrites this reason to say so); MultiHeadAttention
     with past copies the past every step and has no grouped key/value heads. On CUDA the plain
     branch stands, unmeasured (no GPU was lent)."""
+    missing = unsupported("phased", {**node.attrs, "decode": "gqa" if gqa_decode else None})
+    if missing:  # the cache adds no score feature fusion did not check (no_kernel); a bug if reached
+        raise PassError(f"the cached attention at {node.scope}: {missing}")
     prefill = "prefill (T > 1): portable tiled kernel, the T x (P+T) scores never formed"
     if gqa_decode:  # passes/kv_cache.py found the site fit for it (buffer cache, float32, head size)
         return "phased", (f"{prefill}; decode (T = 1): GroupQueryAttention over the cache buffer, bound as its "
@@ -216,6 +246,10 @@ class ChooseAttentionKernels(Pass):
             else:
                 impl, reason = choose(node, graph, self.target)
                 block = block_for(node, graph, self.target, impl)
+                problem = why_not(impl, node, graph, self.target) or (block and why_not("block", node, graph,
+                                                                                       self.target))
+                if problem:  # fusion leaves a site no kernel computes unfused (no_kernel): a bug if reached
+                    raise PassError(f"the attention at {node.scope} ({node.origin}) was fused, but {problem}")
             hd = graph.type_of(cand.match.q).shape[-1]
             br, bc = tile_sizes(self.target, int(hd) if dims.is_static(hd) else 64)
             chosen = {"impl": impl, "q_tile": br, "k_tile": bc}

@@ -13,14 +13,19 @@ input binds (``sinusoidal(T, d)``); every other node is on the encoder side.
 The values the decoder side reads from the encoder side (per layer, the
 cross-attention K and V; and inputs both sides read, such as the source mask)
 become the encoder graph's outputs and the decoder graph's inputs. The decoder
-graph then goes through ``add_kv_cache`` like any decoder-only model.
+graph then goes through the KV cache passes like any decoder-only model: in the
+``encoder_decoder`` pipeline (passes/pipeline.py), ``SplitEncoder`` is the pass that
+hands the rest of the pipeline the decoder graph and keeps the encoder in its note.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from tessera.compiler.ir import dims
 from tessera.compiler.ir.graph import Graph, SymbolSource, Value
 from tessera.compiler import ops
+from tessera.compiler.passes.base import Pass, PassError, PassResult
 
 
 def _subgraph(g: Graph, name: str, nodes: list, inputs: list[str], outputs: list[str]) -> Graph:
@@ -86,3 +91,33 @@ def split_encoder(g: Graph, decoder_inputs: list[str]) -> tuple[Graph, Graph, li
     enc = _subgraph(g, f"{g.name}_encoder", enc_nodes, shared_inputs, [b for b in boundary if b in enc_outputs])
     dec = _subgraph(g, f"{g.name}_decoder", dec_nodes, list(decoder_inputs) + boundary, list(g.outputs))
     return enc, dec, boundary
+
+
+@dataclass(frozen=True)
+class EncoderPart:
+    """SplitEncoder's note: the encoder graph and the values it passes to the decoder."""
+
+    graph: Graph
+    boundary: tuple[str, ...]
+
+
+class SplitEncoder(Pass):
+    """Split off the encoder part; the pipeline goes on with the decoder graph (the result's graph),
+    the encoder travels in the note."""
+
+    name = "split-encoder"
+
+    def __init__(self, decoder_inputs: list[str]):
+        self.decoder_inputs = list(decoder_inputs)
+
+    def requires(self, graph: Graph) -> None:
+        for i in self.decoder_inputs:
+            if i not in graph.inputs:
+                raise PassError(f"the model has no input '{i}' (its inputs: {', '.join(graph.inputs)})")
+
+    def run(self, graph: Graph) -> PassResult:
+        try:
+            enc, dec, boundary = split_encoder(graph, self.decoder_inputs)
+        except ValueError as e:
+            raise PassError(str(e)) from None
+        return PassResult(dec, True, [EncoderPart(enc, tuple(boundary))])

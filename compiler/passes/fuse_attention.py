@@ -4,7 +4,9 @@ The matching is not here: compiler/patterns/attention.py is the one recogniser
 (the report's structure analysis uses it too). This pass is its rewrite: for
 each match with no reason against it, put the fused node in the ·V matmul's
 place and drop the nodes the match covers; for every other softmax, keep the
-reason as an ``AttentionSite`` note, which ``--explain`` prints.
+reason as an ``AttentionSite`` note, which ``--explain`` prints. A match whose score
+epilogue no kernel computes (passes/attention_kernels.py ``no_kernel``: each kernel's
+allow-list of score features) stays unfused too, with that reason.
 
 Grouped-query attention is recognised by ``repeat_kv`` feeding both K and V;
 the fused node then takes the un-repeated K and V and records kv_heads.
@@ -17,6 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from tessera.compiler.ir.graph import DTYPES, Graph
+from tessera.compiler.passes.attention_kernels import no_kernel
 from tessera.compiler.passes.base import Pass, PassResult
 from tessera.compiler.patterns import attention as pattern
 
@@ -84,8 +87,9 @@ class FuseAttention(Pass):
             n, m = cand.node, cand.match
             if n.op == pattern.FUSED_OP:
                 continue
-            if not cand.fusable or not self.enabled:
-                reason = cand.reason if not cand.fusable else DISABLED
+            reason = cand.reason if not cand.fusable else (DISABLED if not self.enabled else
+                                                          no_kernel(pattern.attributes(m)))
+            if reason:
                 sites.append(AttentionSite(n.name, n.scope, n.origin, False, reason))
                 continue
             if m.bias_const is not None:

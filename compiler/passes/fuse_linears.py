@@ -5,10 +5,10 @@ reading its weight; three GEMVs over [d, d] weights cost the same bytes as one o
 three kernel launches, three reads of the input and three sets of threads. onnxruntime-genai's
 builder exports q, k and v as one MatMul for this reason.
 
-Pattern: two or more ``linear`` nodes (or ``linear_nbits``, the quantised form, with the same bits,
-block and K) with the same input value, each weight a parameter of the same dtype and input width
-that nothing but that one linear reads (a tied head is left alone), all with a bias parameter or all
-without. Rewrite: one linear over the concatenated weight ([sum of outs, in]; for linear_nbits the
+Pattern (compiler/patterns/linears.py): two or more ``linear`` nodes (or ``linear_nbits``, the
+quantised form, with the same bits, block and K) with the same input value, each weight a parameter
+of the same dtype and input width that nothing but that one linear reads (a tied head is left
+alone), all with a bias parameter or all without. Rewrite: one linear over the concatenated weight ([sum of outs, in]; for linear_nbits the
 packed values and the scales, which are per output row, so concatenating them quantises nothing
 differently), a derived parameter (``Param.derive`` = ("concat", sources, 0, the sources' own recipes),
 computed from the sources when the model is written; the biases likewise), followed by a ``slice`` of the last axis
@@ -27,6 +27,8 @@ import sympy
 
 from tessera.compiler.ir.graph import Graph, Param, TensorType
 from tessera.compiler.passes.base import Pass, PassResult
+from tessera.compiler.patterns.linears import OWN_WEIGHT_LINEAR
+from tessera.compiler.patterns.matcher import match
 
 
 @dataclass(frozen=True)
@@ -58,28 +60,15 @@ class FuseSharedInputLinears(Pass):
 
     name = "fuse-linears"
 
-    def _own_param(self, graph: Graph, value: str, node) -> Param | None:
-        """The parameter at ``value`` when only this node reads it, and only once."""
-        v = graph.values.get(value)
-        if v is None or v.kind != "param":
-            return None
-        users = graph.consumers(value)
-        if len(users) != 1 or users[0] is not node or node.inputs.count(value) != 1:
-            return None
-        return graph.params[value]
-
     def _key(self, graph: Graph, node):
-        if node.op not in WEIGHT_INPUTS:
+        """What linears must share to be fused (input, op, weight shapes but the outputs, attributes,
+        bias or not), or None for a linear that is not one of patterns/linears.py's."""
+        pat = OWN_WEIGHT_LINEAR.get(node.op)
+        if pat is None or not match(graph, pat, node.outputs[0]):
             return None
         idx, bias_idx = WEIGHT_INPUTS[node.op]
-        params = [self._own_param(graph, node.inputs[i], node) for i in idx]
-        if any(p is None for p in params):
-            return None
+        params = [graph.params[node.inputs[i]] for i in idx]
         has_bias = len(node.inputs) > bias_idx
-        if has_bias:
-            b = self._own_param(graph, node.inputs[bias_idx], node)
-            if b is None or len(b.shape) != 1:
-                return None
         shapes = tuple((p.dtype,) + tuple(int(s) for s in p.shape[1:]) for p in params)  # all but the outputs
         attrs = tuple(sorted((k, v) for k, v in node.attrs.items() if k != "N"))
         return (node.inputs[0], node.op, shapes, attrs, has_bias)

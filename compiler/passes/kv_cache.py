@@ -8,8 +8,12 @@ positions, instead of recomputing the whole sequence. The cached form is
 derived from the spec's own graph, after attention fusion, so no spec has to
 be written twice: every causal ``fused_attention`` node is a cache site.
 
-The rewrite (``add_kv_cache``), with P the number of cached positions and T
-the number of new ones (the prompt at prefill, 1 when decoding):
+The rewrite is five passes (``cache_passes``, run in order by the cached
+pipelines of passes/pipeline.py, or alone by ``add_kv_cache``): kv-cache-inputs,
+kv-cache-positions, kv-cache-layers, kv-cache-kernels, last-position-logits. Each
+reads its options and the graph, never another pass's state; ``cache_info``
+assembles the runtime's CacheInfo from their notes. With P the number of cached
+positions and T the number of new ones (the prompt at prefill, 1 when decoding):
 
 - new inputs ``attention_mask`` i64 [B, P+T] (1 = a real token, 0 = padding:
   prompts of uneven length are left-padded), ``position_ids`` i64 [B, T], and per
@@ -43,6 +47,7 @@ not read ``cache_length``), which is what the tests compare against.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -52,12 +57,13 @@ from tessera.compiler.ir.graph import Graph, Node, TensorType
 from tessera.compiler.ir.graph import SymbolSource
 from tessera.compiler import ops
 from tessera.compiler.passes.attention_kernels import Target, choose_cached
+from tessera.compiler.passes.base import Pass, PassError, PassManager, PassResult, PipelineResult
 
 MASK, POSITIONS = "attention_mask", "position_ids"
 LENGTH = "cache_length"  # buffer mode with GroupQueryAttention decoding: the filled slots, i64 [1]
 
 
-class CacheError(Exception):
+class CacheError(PassError):
     """The graph has no cached form (not a decoder-only model with causal attention)."""
 
 
@@ -176,10 +182,367 @@ def _gqa_unfit(node: Node, g: Graph, target: Target) -> str | None:
     return None
 
 
+@dataclass(frozen=True)
+class CacheOptions:
+    """How the cache is added (the options every kv-cache pass reads; see ``add_kv_cache``)."""
+
+    last_only: bool = False
+    mode: str = "auto"
+    impl: str | None = None
+    tokens: str | None = None
+    max_positions: int = 4096
+    target: Target = Target()
+    decode: str = "auto"
+
+    def check(self) -> None:
+        if self.mode not in CACHE_MODES:
+            raise CacheError(f"unknown cache mode '{self.mode}' (choose from {', '.join(CACHE_MODES)})")
+        if self.decode not in DECODE_KERNELS:
+            raise CacheError(f"unknown decode kernel '{self.decode}' (choose from {', '.join(DECODE_KERNELS)})")
+
+    @property
+    def decode_kernel(self) -> str:
+        """``decode`` with auto resolved: measured on CPU only (docs/BENCHMARKS.md); CUDA keeps the
+        plain branch, unmeasured."""
+        if self.decode == "auto":
+            return "gqa" if self.target.device == "cpu" else "plain"
+        return self.decode
+
+
+# ---- what every pass reads from the graph itself (passes never hand each other state)
+def _token_input(g: Graph, tokens: str | None) -> str:
+    if tokens is not None:
+        return tokens
+    # a decoder-only model: its one input is the token ids
+    int_inputs = [i for i in g.inputs if g.type_of(i).dtype in ("i64", "i32") and g.type_of(i).rank == 2]
+    if len(g.inputs) != 1 or len(int_inputs) != 1:
+        raise CacheError(f"generation needs a decoder-only model whose only input is token ids [B, T]; "
+                         f"{g.name} takes " + ", ".join(f"{i}: {g.type_of(i)}" for i in g.inputs))
+    return int_inputs[0]
+
+
+def _batch_and_time(g: Graph) -> tuple:
+    """(B, T) as the cache inputs pass declared them: position_ids is [B, T]."""
+    return g.type_of(POSITIONS).shape
+
+
+def _self_attention(g: Graph, t_dim) -> list[Node]:
+    """The cache sites: fused attention whose keys grow with the tokens. Attention over keys that do
+    not (an encoder-decoder's cross-attention, whose K and V are inputs here) is left as it is."""
+    t_sym = {str(s) for s in dims.dim(t_dim).free_symbols}
+    fused = [n for n in g.nodes.values() if n.op == "fused_attention"]
+    fixed = [n for n in fused if not ({str(x) for x in dims.dim(g.type_of(n.inputs[1]).shape[-2]).free_symbols}
+                                      & t_sym) and n.inputs[1] in g.inputs and n.inputs[2] in g.inputs]
+    return [n for n in fused if n not in fixed]
+
+
+def cached_sites(g: Graph) -> list[Node]:
+    """The attention nodes the cache layers pass rewrote: they read the cache's mask as key padding."""
+    return [n for n in g.nodes.values() if n.op == "fused_attention" and n.inputs[3:4] == [MASK]]
+
+
+def _mode(requested: str, sites: list[Node]) -> str:
+    """``auto`` is buffer, except with a sliding window (see ``add_kv_cache``)."""
+    if requested == "auto":
+        return "concat" if any(n.attrs["window"] for n in sites) else "buffer"
+    return requested
+
+
+def cache_tensors(g: Graph) -> set[str]:
+    """The cache's past inputs and present outputs: held by the runtime at the graph's own precision
+    (passes/precision.py ``native``)."""
+    return {i for i in g.inputs if i.startswith(("past_key.", "past_value."))} | set(g.outputs[1:])
+
+
+def _settle(g: Graph) -> None:
+    """After a rewrite: the graph store rebuilt, every type re-inferred, unread constants dropped."""
+    g.reindex()
+    _propagate(g)
+    g.prune_constants()
+
+
+def _needs(g: Graph, name: str, what: str) -> None:
+    if name not in g.inputs:
+        raise PassError(f"{what} needs the input {name}: run kv-cache-inputs first")
+
+
+# ---- the passes, in the order CACHE_PASSES runs them
+@dataclass(frozen=True)
+class CacheInterface:
+    """The cache inputs pass's note: the graph's token input and logits, the resolved cache mode."""
+
+    tokens: str
+    logits: str
+    mode: str
+    last_only: bool
+
+
+class AddCacheInputs(Pass):
+    """Check the graph has a cached form; add ``attention_mask`` [B, P+T] and ``position_ids`` [B, T]."""
+
+    name = "kv-cache-inputs"
+
+    def __init__(self, options: CacheOptions):
+        options.check()
+        self.options = options
+
+    def requires(self, g: Graph) -> None:
+        tokens = _token_input(g, self.options.tokens)
+        _, t_dim = g.type_of(tokens).shape
+        sites = _self_attention(g, t_dim)
+        if not sites:
+            raise CacheError(f"model {g.name} has no fused attention to cache (is attention fused? --no-fuse "
+                             f"leaves nothing to cache)")
+        bad = [n for n in sites if not n.attrs["causal"] or n.attrs["padding"] or n.attrs["bias"]]
+        if bad:
+            n = bad[0]
+            why = "not causal (an encoder or cross-attention)" if not n.attrs["causal"] else \
+                "already masked or biased by the spec"
+            raise CacheError(f"the attention at {n.scope} is {why}; generation with a KV cache supports "
+                             f"decoder-only models whose attention is causal")
+        if len(g.outputs) != 1 or g.type_of(g.outputs[0]).rank != 3:
+            raise CacheError(f"generation needs one output of logits [B, T, vocab]; {g.name} gives "
+                             + ", ".join(f"{o}: {g.type_of(o)}" for o in g.outputs))
+        if self.options.mode == "buffer" and any(n.attrs["window"] for n in sites):
+            raise CacheError("a sliding-window model cannot use the buffer cache (the window would be measured "
+                             "from the buffer's end); use the concat cache")
+        if "P" in g.symbols:
+            raise CacheError("the model already uses a dimension named P, which the cache needs for past "
+                             "positions")
+
+    def run(self, g: Graph) -> PassResult:
+        tokens = _token_input(g, self.options.tokens)
+        b_dim, t_dim = g.type_of(tokens).shape
+        mode = _mode(self.options.mode, _self_attention(g, t_dim))
+        g.add_input(MASK, TensorType("i64", (b_dim, dims.symbol("P") + t_dim)))
+        g.add_input(POSITIONS, TensorType("i64", (b_dim, t_dim)))
+        return PassResult(g, True, [CacheInterface(tokens, g.outputs[0], mode, self.options.last_only)])
+
+
+@dataclass(frozen=True)
+class CacheContext:
+    """The positions pass's note: the positions a prompt and its new tokens may span (None: unbounded)."""
+
+    positions: int | None
+
+
+class ReadPositionIds(Pass):
+    """Learned position tables, sinusoidal tables and rotary embeddings read ``position_ids``, so
+    positions stay right with P > 0 and with left padding."""
+
+    name = "kv-cache-positions"
+
+    def __init__(self, options: CacheOptions):
+        self.options = options
+
+    def requires(self, g: Graph) -> None:
+        _needs(g, POSITIONS, self.name)
+
+    def run(self, g: Graph) -> PassResult:
+        b_dim, t_dim = _batch_and_time(g)
+        context = None
+        for node in list(g.nodes.values()):
+            if node.op == "arange":
+                if not dims.equal(dims.dim(node.attrs["n"]), t_dim):
+                    continue
+                users = g.consumers(node.outputs[0])
+                if not users or any(u.op != "embedding" or u.inputs[0] != node.outputs[0] for u in users):
+                    raise CacheError(f"arange({dims.fmt(t_dim)}) at {node.scope or '<model>'} is used for something "
+                                     f"other than a position table; its cached form is not known")
+                for u in users:
+                    g.set_inputs(u, [POSITIONS] + u.inputs[1:])
+                    context = dims.static_int(g.type_of(u.inputs[1]).shape[0])
+                g.remove_nodes([node.name])
+            elif node.op == "sinusoidal":
+                if not dims.equal(dims.dim(node.attrs["n"]), t_dim):
+                    continue
+                from tessera.compiler.reference.numerics import sinusoidal_table
+
+                # sinusoidal(T, d) -> rows position_ids of the fixed table, up to max_positions
+                out_t = g.type_of(node.outputs[0])
+                table = g.add_const("cache/sinusoidal", sinusoidal_table(self.options.max_positions,
+                                                                         node.attrs["d"]).astype(
+                    np.float16 if out_t.dtype == "f16" else np.float32), out_t.dtype)
+                emb = g.add_node("embedding", [POSITIONS, table.name],
+                                 [TensorType(out_t.dtype, (b_dim, t_dim) + out_t.shape[1:])],
+                                 {}, node.scope, node.pos, name=f"{node.name}/positions", origin=node.origin)
+                _insert_before(g, emb, node.name)
+                for u in g.consumers(node.outputs[0]):
+                    g.set_inputs(u, [emb.outputs[0] if i == node.outputs[0] else i for i in u.inputs])
+                g.remove_nodes([node.name])
+                context = self.options.max_positions
+            elif node.op == "rope":
+                g.set_inputs(node, [node.inputs[0], POSITIONS])
+                if node.attrs.get("max_ctx"):  # the trained context bounds prompt + new tokens
+                    context = min(context or node.attrs["max_ctx"], node.attrs["max_ctx"])
+        _settle(g)
+        return PassResult(g, True, [CacheContext(context)])
+
+
+class AddCacheLayers(Pass):
+    """Per attention layer: past keys and values in, the attention over past + new, the mask as its key
+    padding (causal over P+T keys, the queries being the last T; the spec's window kept), and the cache
+    outputs (concat: the present keys and values; buffer: the new columns). Notes: a CacheLayer each."""
+
+    name = "kv-cache-layers"
+
+    def __init__(self, options: CacheOptions):
+        self.options = options
+
+    def requires(self, g: Graph) -> None:
+        _needs(g, MASK, self.name)
+
+    def run(self, g: Graph) -> PassResult:
+        b_dim, t_dim = _batch_and_time(g)
+        p_dim = dims.symbol("P")
+        sites = _self_attention(g, t_dim)
+        mode = _mode(self.options.mode, sites)
+        dtype = g.type_of(sites[0].inputs[0]).dtype
+        layers = []
+        for i, node in enumerate(sites):
+            q, k, v = node.inputs[:3]
+            k_t, v_t = g.type_of(k), g.type_of(v)
+            kv_heads, hd, hv = node.attrs["kv_heads"], int(k_t.shape[-1]), int(v_t.shape[-1])
+            out_k, out_v = (f"present_key.{i}", f"present_value.{i}") if mode == "concat" else \
+                (f"key.{i}", f"value.{i}")
+            layer = CacheLayer(node.name, f"past_key.{i}", f"past_value.{i}", out_k, out_v, kv_heads, hd, hv,
+                               node.attrs["window"])
+            full = []
+            for past, new, out, size in ((layer.past_key, k, out_k, hd), (layer.past_value, v, out_v, hv)):
+                g.add_input(past, TensorType(dtype, (b_dim, dims.dim(kv_heads), p_dim, dims.dim(size))))
+                cat = g.add_node("concat", [past, new],
+                                 [TensorType(dtype, (b_dim, dims.dim(kv_heads), p_dim + t_dim, dims.dim(size)))],
+                                 {"axis": 2}, node.scope, node.pos, name=out if mode == "concat" else f"{out}/all",
+                                 origin=node.origin)
+                _insert_before(g, cat, node.name)
+                full.append(cat.outputs[0])
+                if mode == "buffer":  # the new columns only; the runtime writes them into its buffer
+                    ident = g.add_node("identity", [new], [g.type_of(new)], {}, node.scope, node.pos, name=out,
+                                       origin=node.origin)
+                    _insert_before(g, ident, node.name)
+            g.set_inputs(node, [q, full[0], full[1], MASK])
+            node.attrs.update(padding=True, bias=False)
+            layers.append(layer)
+        g.symbols["P"] = SymbolSource(layers[0].past_key, 2)
+        g.outputs = [g.outputs[0]] + [n for layer in layers for n in (layer.present_key, layer.present_value)]
+        _settle(g)
+        return PassResult(g, True, layers)
+
+
+@dataclass(frozen=True)
+class CachedKernel:
+    """The cache kernels pass's note for one site: its lowering and, with the gqa decode kernel, the
+    outputs that are the cache buffer itself (written in place when bound to the past buffers)."""
+
+    node: str
+    kernel: CacheKernel
+    buffer_key: str = ""
+    buffer_value: str = ""
+
+
+class ChooseCacheKernels(Pass):
+    """Each cached site's lowering per phase (passes/attention_kernels.py ``choose_cached``), and in
+    buffer mode the decoding step's kernel (``decode``); gqa adds the ``cache_length`` input."""
+
+    name = "kv-cache-kernels"
+
+    def __init__(self, options: CacheOptions):
+        self.options = options
+
+    def requires(self, g: Graph) -> None:
+        if not cached_sites(g):
+            raise PassError(f"{self.name} needs cached attention sites: run kv-cache-layers first")
+
+    def run(self, g: Graph) -> PassResult:
+        impl, target = self.options.impl, self.options.target
+        sites = cached_sites(g)
+        mode = _mode(self.options.mode, sites)
+        decode = self.options.decode_kernel
+        notes = []
+        for i, node in enumerate(sites):
+            unfit = "not the buffer cache" if mode != "buffer" else (
+                f"the {impl} kernel" if impl not in (None, "phased") else _gqa_unfit(node, g, target))
+            if self.options.decode == "gqa" and unfit:
+                raise CacheError(f"the gqa decode kernel (--decode gqa) cannot decode the attention at "
+                                 f"{node.scope or node.name}: {unfit}")
+            gqa = decode == "gqa" and not unfit
+            node.attrs["impl"], reason = (impl, "forced") if impl else choose_cached(node, g, target, gqa_decode=gqa)
+            note = CachedKernel(node.name, CacheKernel(node.scope or node.name, node.attrs["impl"], reason))
+            if gqa:
+                node.attrs["decode"] = "gqa"
+                note = dataclasses.replace(note, buffer_key=f"cache_key.{i}", buffer_value=f"cache_value.{i}")
+                node.attrs["buffer_outputs"] = [note.buffer_key, note.buffer_value]
+                node.attrs["length_input"] = LENGTH
+            notes.append(note)
+        if any(n.buffer_key for n in notes):
+            g.add_input(LENGTH, TensorType("i64", (dims.dim(1),)))
+        _settle(g)
+        return PassResult(g, True, notes)
+
+
+@dataclass(frozen=True)
+class LastPosition:
+    """The last-position pass's note: the slice it put before the output head."""
+
+    node: str
+
+
+class LastPositionLogits(Pass):
+    """The output head applied to the last position only (logits [B, 1, vocab]): all a decoding step
+    needs. The head is found through identities and pointwise ops with constant operands (Gemma 2's
+    tanh(l / c) * c); it is a linear, float or quantised (--quantize-head)."""
+
+    name = "last-position-logits"
+
+    def requires(self, g: Graph) -> None:
+        _needs(g, POSITIONS, self.name)
+
+    def run(self, g: Graph) -> PassResult:
+        _, t_dim = _batch_and_time(g)
+        head = g.producer(g.outputs[0])
+        while head is not None and (head.op == "identity" or (ops.has_trait(head.op, "elementwise") and
+                                                              all(v in g.consts for v in head.inputs[1:]))):
+            head = g.producer(head.inputs[0])
+        if head is None or head.op not in ("linear", "linear_nbits"):
+            raise CacheError("last_only needs the logits to come from a linear output head")
+        x = head.inputs[0]
+        xt = g.type_of(x)
+        sl = g.add_node("slice", [x], [TensorType(xt.dtype, (xt.shape[0], dims.dim(1)) + xt.shape[2:])],
+                        {"axis": 1, "start": t_dim - 1, "end": t_dim}, head.scope, head.pos, name="cache/last")
+        _insert_before(g, sl, head.name)
+        g.set_inputs(head, [sl.outputs[0]] + head.inputs[1:])
+        _settle(g)
+        return PassResult(g, True, [LastPosition(sl.name)])
+
+
+def cache_passes(options: CacheOptions) -> list[Pass]:
+    """The KV cache as passes, in order (the cached pipelines in passes/pipeline.py splice them in)."""
+    passes = [AddCacheInputs(options), ReadPositionIds(options), AddCacheLayers(options), ChooseCacheKernels(options)]
+    if options.last_only:
+        passes.append(LastPositionLogits())
+    return passes
+
+
+def cache_info(result: PipelineResult) -> CacheInfo:
+    """What the runtime needs, read from the cache passes' notes and the final graph (whose cache
+    dtype is the one a later precision lowering left)."""
+    (face,) = result.notes(AddCacheInputs.name)
+    (context,) = result.notes(ReadPositionIds.name)
+    kernels = {k.node: k for k in result.notes(ChooseCacheKernels.name)}
+    layers = [dataclasses.replace(layer, buffer_key=kernels[layer.node].buffer_key,
+                                  buffer_value=kernels[layer.node].buffer_value)
+              for layer in result.notes(AddCacheLayers.name)]
+    return CacheInfo(face.tokens, face.logits, layers, context.positions, face.last_only, face.mode,
+                     result.graph.type_of(layers[0].past_key).dtype,
+                     [kernels[layer.node].kernel for layer in layers],
+                     LENGTH if any(layer.buffer_key for layer in layers) else None)
+
+
 def add_kv_cache(g: Graph, last_only: bool = False, mode: str = "auto", impl: str | None = None,
                  tokens: str | None = None, max_positions: int = 4096, target: Target = Target(),
                  decode: str = "auto") -> CacheInfo:
-    """Rewrite a fused decoder-only graph in place into its cached form; returns what the runtime needs.
+    """Rewrite a fused decoder-only graph in place into its cached form (the ``cache_passes``, run by a
+    PassManager); returns what the runtime needs.
 
     ``mode`` says what the graph gives back per layer. ``concat``: the present keys and values
     [B, kv_heads, P+T, hd] (past and new concatenated), to be fed back as the next past -- simple,
@@ -188,160 +551,12 @@ def add_kv_cache(g: Graph, last_only: bool = False, mode: str = "auto", impl: st
     capacity), the runtime writes each step's new columns into it in place and the mask hides
     the slots not filled yet. The attention kernel reads the past and the new columns separately,
     so the cache is never copied. ``impl`` forces the cached sites' lowering (``phased`` or
-    ``cached``); by default passes/attention_kernels.py ``choose_cached`` picks it for ``target``. ``auto`` (the default) is buffer, except for models with a
-    sliding window: the mask's causal offset is the past's length, which in buffer mode is the
-    buffer's capacity rather than the filled slots, so a window would be measured from the wrong
-    place; they take concat, where the past is exactly the filled positions. ``decode`` picks the
-    decoding step's kernel in buffer mode: ``gqa`` (GroupQueryAttention writing the buffer in place,
-    where ``_gqa_unfit`` finds nothing against it), ``plain``, or ``auto`` (gqa on CPU, plain elsewhere: unmeasured)."""
-    if mode not in CACHE_MODES:
-        raise CacheError(f"unknown cache mode '{mode}' (choose from {', '.join(CACHE_MODES)})")
-    if decode not in DECODE_KERNELS:
-        raise CacheError(f"unknown decode kernel '{decode}' (choose from {', '.join(DECODE_KERNELS)})")
-    forced_gqa = decode == "gqa"
-    if decode == "auto":  # measured on CPU only (docs/BENCHMARKS.md); CUDA keeps the plain branch, unmeasured
-        decode = "gqa" if target.device == "cpu" else "plain"
-    if tokens is None:  # a decoder-only model: its one input is the token ids
-        int_inputs = [i for i in g.inputs if g.type_of(i).dtype in ("i64", "i32") and g.type_of(i).rank == 2]
-        if len(g.inputs) != 1 or len(int_inputs) != 1:
-            raise CacheError(f"generation needs a decoder-only model whose only input is token ids [B, T]; "
-                             f"{g.name} takes " + ", ".join(f"{i}: {g.type_of(i)}" for i in g.inputs))
-        tokens = int_inputs[0]
-    b_dim, t_dim = g.type_of(tokens).shape
-    t_sym = {str(s) for s in dims.dim(t_dim).free_symbols}
-    fused = [n for n in g.nodes.values() if n.op == "fused_attention"]
-    # cache sites: causal self-attention. Attention over keys that do not grow with the tokens (an
-    # encoder-decoder's cross-attention, whose K and V are inputs here) is left as it is.
-    fixed = [n for n in fused if not ({str(x) for x in dims.dim(g.type_of(n.inputs[1]).shape[-2]).free_symbols}
-                                      & t_sym) and n.inputs[1] in g.inputs and n.inputs[2] in g.inputs]
-    sites = [n for n in fused if n not in fixed]
-    if not sites:
-        raise CacheError(f"model {g.name} has no fused attention to cache (is attention fused? --no-fuse "
-                         f"leaves nothing to cache)")
-    bad = [n for n in sites if not n.attrs["causal"] or n.attrs["padding"] or n.attrs["bias"]]
-    if bad:
-        n = bad[0]
-        why = "not causal (an encoder or cross-attention)" if not n.attrs["causal"] else \
-            "already masked or biased by the spec"
-        raise CacheError(f"the attention at {n.scope} is {why}; generation with a KV cache supports decoder-only "
-                         f"models whose attention is causal")
-    if len(g.outputs) != 1 or g.type_of(g.outputs[0]).rank != 3:
-        raise CacheError(f"generation needs one output of logits [B, T, vocab]; {g.name} gives "
-                         + ", ".join(f"{o}: {g.type_of(o)}" for o in g.outputs))
-    logits = g.outputs[0]
-    if mode == "auto":
-        mode = "concat" if any(n.attrs["window"] for n in sites) else "buffer"
-    elif mode == "buffer" and any(n.attrs["window"] for n in sites):
-        raise CacheError("a sliding-window model cannot use the buffer cache (the window would be measured from "
-                         "the buffer's end); use the concat cache")
-    p_dim = dims.symbol("P")
-    if "P" in g.symbols:
-        raise CacheError("the model already uses a dimension named P, which the cache needs for past positions")
-
-    g.add_input(MASK, TensorType("i64", (b_dim, p_dim + t_dim)))
-    g.add_input(POSITIONS, TensorType("i64", (b_dim, t_dim)))
-    info = CacheInfo(tokens, logits, last_only=last_only, mode=mode)
-
-    # ---- positions: learned tables and rotary embeddings read position_ids
-    for node in list(g.nodes.values()):
-        if node.op == "arange":
-            if not dims.equal(dims.dim(node.attrs["n"]), t_dim):
-                continue
-            users = g.consumers(node.outputs[0])
-            if not users or any(u.op != "embedding" or u.inputs[0] != node.outputs[0] for u in users):
-                raise CacheError(f"arange({dims.fmt(t_dim)}) at {node.scope or '<model>'} is used for something other "
-                                 f"than a position table; its cached form is not known")
-            for u in users:
-                g.set_inputs(u, [POSITIONS] + u.inputs[1:])
-                info.context = dims.static_int(g.type_of(u.inputs[1]).shape[0])
-            g.remove_nodes([node.name])
-        elif node.op == "sinusoidal":
-            if not dims.equal(dims.dim(node.attrs["n"]), t_dim):
-                continue
-            from tessera.compiler.reference.interpret import sinusoidal_table
-
-            # sinusoidal(T, d) -> rows position_ids of the fixed table, up to max_positions
-            out_t = g.type_of(node.outputs[0])
-            table = g.add_const("cache/sinusoidal", sinusoidal_table(max_positions, node.attrs["d"]).astype(
-                np.float16 if out_t.dtype == "f16" else np.float32), out_t.dtype)
-            emb = g.add_node("embedding", [POSITIONS, table.name], [TensorType(out_t.dtype, (b_dim, t_dim) +
-                                                                              out_t.shape[1:])],
-                             {}, node.scope, node.pos, name=f"{node.name}/positions", origin=node.origin)
-            _insert_before(g, emb, node.name)
-            for u in g.consumers(node.outputs[0]):
-                g.set_inputs(u, [emb.outputs[0] if i == node.outputs[0] else i for i in u.inputs])
-            g.remove_nodes([node.name])
-            info.context = max_positions
-        elif node.op == "rope":
-            g.set_inputs(node, [node.inputs[0], POSITIONS])
-            if node.attrs.get("max_ctx"):  # the trained context bounds prompt + new tokens
-                info.context = min(info.context or node.attrs["max_ctx"], node.attrs["max_ctx"])
-
-    dtype = g.type_of(sites[0].inputs[0]).dtype
-    info.dtype = dtype
-
-    # ---- per layer: past + new -> present, attention over present
-    for i, node in enumerate(sites):
-        q, k, v = node.inputs[:3]
-        k_t, v_t = g.type_of(k), g.type_of(v)
-        kv_heads, hd, hv = node.attrs["kv_heads"], int(k_t.shape[-1]), int(v_t.shape[-1])
-        out_k, out_v = (f"present_key.{i}", f"present_value.{i}") if mode == "concat" else (f"key.{i}", f"value.{i}")
-        layer = CacheLayer(node.name, f"past_key.{i}", f"past_value.{i}", out_k, out_v, kv_heads, hd, hv,
-                           node.attrs["window"])
-        full = []
-        for past, new, out, size in ((layer.past_key, k, out_k, hd), (layer.past_value, v, out_v, hv)):
-            g.add_input(past, TensorType(dtype, (b_dim, dims.dim(kv_heads), p_dim, dims.dim(size))))
-            cat = g.add_node("concat", [past, new],
-                             [TensorType(dtype, (b_dim, dims.dim(kv_heads), p_dim + t_dim, dims.dim(size)))],
-                             {"axis": 2}, node.scope, node.pos, name=out if mode == "concat" else f"{out}/all",
-                             origin=node.origin)
-            _insert_before(g, cat, node.name)
-            full.append(cat.outputs[0])
-            if mode == "buffer":  # the new columns only; the runtime writes them into its buffer
-                ident = g.add_node("identity", [new], [g.type_of(new)], {}, node.scope, node.pos, name=out,
-                                   origin=node.origin)
-                _insert_before(g, ident, node.name)
-        # causal over P+T keys (the queries are the last T), the spec's window, the mask as key padding
-        g.set_inputs(node, [q, full[0], full[1], MASK])
-        node.attrs.update(padding=True, bias=False)
-        unfit = "not the buffer cache" if mode != "buffer" else (
-            f"the {impl} kernel" if impl not in (None, "phased") else _gqa_unfit(node, g, target))
-        if forced_gqa and unfit:
-            raise CacheError(f"the gqa decode kernel (--decode gqa) cannot decode the attention at "
-                             f"{node.scope or node.name}: {unfit}")
-        gqa = decode == "gqa" and not unfit
-        node.attrs["impl"], reason = (impl, "forced") if impl else choose_cached(node, g, target, gqa_decode=gqa)
-        if gqa:
-            node.attrs["decode"] = "gqa"
-            layer.buffer_key, layer.buffer_value = f"cache_key.{i}", f"cache_value.{i}"
-            node.attrs["buffer_outputs"] = [layer.buffer_key, layer.buffer_value]
-            node.attrs["length_input"] = LENGTH
-        info.layers.append(layer)
-        info.kernels.append(CacheKernel(node.scope or node.name, node.attrs["impl"], reason))
-    g.symbols["P"] = SymbolSource(info.layers[0].past_key, 2)
-    if any(layer.buffer_key for layer in info.layers):
-        g.add_input(LENGTH, TensorType("i64", (dims.dim(1),)))
-        info.length_input = LENGTH
-
-    # ---- last position only: slice the head's input
-    if last_only:
-        head = g.producer(logits)
-        # through identities and pointwise ops with constant operands (Gemma 2's tanh(l / c) * c)
-        while head is not None and (head.op == "identity" or (ops.has_trait(head.op, "elementwise") and
-                                                              all(v in g.consts for v in head.inputs[1:]))):
-            head = g.producer(head.inputs[0])
-        if head is None or head.op not in ("linear", "linear_nbits"):  # float or quantised (--quantize-head)
-            raise CacheError("last_only needs the logits to come from a linear output head")
-        x = head.inputs[0]
-        xt = g.type_of(x)
-        sl = g.add_node("slice", [x], [TensorType(xt.dtype, (xt.shape[0], dims.dim(1)) + xt.shape[2:])],
-                        {"axis": 1, "start": t_dim - 1, "end": t_dim}, head.scope, head.pos, name="cache/last")
-        _insert_before(g, sl, head.name)
-        g.set_inputs(head, [sl.outputs[0]] + head.inputs[1:])
-
-    g.outputs = [logits] + [n for layer in info.layers for n in (layer.present_key, layer.present_value)]
-    g.reindex()
-    _propagate(g)
-    g.prune_constants()
-    ops.check_graph(g)
-    return info
+    ``cached``); by default passes/attention_kernels.py ``choose_cached`` picks it for ``target``.
+    ``auto`` (the default) is buffer, except for models with a sliding window: the mask's causal
+    offset is the past's length, which in buffer mode is the buffer's capacity rather than the
+    filled slots, so a window would be measured from the wrong place; they take concat, where the
+    past is exactly the filled positions. ``decode`` picks the decoding step's kernel in buffer
+    mode: ``gqa`` (GroupQueryAttention writing the buffer in place, where ``_gqa_unfit`` finds
+    nothing against it), ``plain``, or ``auto`` (gqa on CPU, plain elsewhere: unmeasured)."""
+    options = CacheOptions(last_only, mode, impl, tokens, max_positions, target, decode)
+    return cache_info(PassManager(cache_passes(options))(g))

@@ -1,21 +1,37 @@
-"""The one declared optimisation pipeline: fuse attention, drop dead nodes, choose each fused kernel
-for the target, quantise weights (--quantize), make mixtures of experts sparse (unless
---no-sparse-moe), and (for export at a lower precision) lower the precision.
+"""The named pipelines, declared as data: each is a list of passes for a PipelineOptions, run by
+a PassManager under the pass contract (requires -> run -> ensures).
 
-Every pass runs under its contract in a PassManager; the attention sites ``--explain`` prints are read
-from the passes' results (the fusion pass's AttentionSite notes, completed by the kernel pass's
-KernelChoice notes), never handed from one pass to the next.
+- ``full``: the model as written, for export and analysis: fuse attention, drop dead nodes, choose
+  each fused kernel for the target, quantise weights (--quantize), make mixtures of experts sparse
+  (unless --no-sparse-moe), lower the precision (when exporting at a lower one), choose how scans
+  are lowered.
+- ``cached_decoder``: a decoder-only model for generation: quantise, then ``full``'s passes (at
+  fp32, without the kernel override), the KV cache passes (passes/kv_cache.py), one linear for
+  each group reading one input (passes/fuse_linears.py), and the precision lowering with the
+  cache kept at the lower precision.
+- ``encoder_decoder``: ``full``'s passes, the encoder split off (passes/encdec.py: the pipeline
+  goes on with the decoder graph), the KV cache passes on the decoder.
+- ``report``: the rewrites the report applies before it counts (sparse experts), run on a copy.
+
+The attention sites ``--explain`` prints are read from the passes' results (the fusion pass's
+AttentionSite notes, completed by the kernel pass's KernelChoice notes), never handed from one
+pass to the next; so is the CacheInfo (kv_cache.cache_info) and the encoder (EncoderPart).
 """
 
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
+from typing import Callable
 
 from tessera.compiler.ir.graph import Graph
 from tessera.compiler.passes.attention_kernels import ChooseAttentionKernels, Target
-from tessera.compiler.passes.base import EliminateDeadNodes, PassManager, PipelineResult
+from tessera.compiler.passes.base import EliminateDeadNodes, Pass, PassError, PassManager, PipelineResult
+from tessera.compiler.passes.encdec import SplitEncoder
 from tessera.compiler.passes.expose_attention import ExposeAttentionProbs
 from tessera.compiler.passes.fuse_attention import AttentionSite, FuseAttention
+from tessera.compiler.passes.fuse_linears import FuseSharedInputLinears
+from tessera.compiler.passes.kv_cache import CacheOptions, cache_passes, cache_tensors
 from tessera.compiler.passes.precision import LowerPrecision
 from tessera.compiler.passes.quantize import QuantConfig, QuantizeWeights
 from tessera.compiler.passes.recurrence import ChooseRecurrenceLowering
@@ -24,29 +40,115 @@ from tessera.compiler.passes.sparse_moe import SparseExperts
 ATTENTION_CHOICES = ("auto", "gqa", "mha", "block", "portable", "unfused")
 
 
+@dataclass(frozen=True)
+class PipelineOptions:
+    """Every choice a pipeline reads, in one typed value (the command line's and the API's compile
+    options map onto it). ``target`` holds the device and the dtype; ``attention`` the kernel
+    override (auto, or unfused for --no-fuse); ``quantize`` the weight-only quantisation (None: off);
+    ``lower_precision`` adds full's fp32 -> target.dtype lowering (export does; analyses that only
+    ask what fuses do not; the cached pipelines lower whenever the dtype is not fp32);
+    ``attention_probs`` (site indices) or ``all_probs`` make those sites' probabilities outputs (kept
+    unfused); ``recurrence`` how scans are lowered; ``cache``, ``decode``, ``last_only`` and
+    ``max_positions`` the KV cache's (passes/kv_cache.py); ``fuse_linears`` the cached decoder's
+    linear fusion; ``decoder_input`` the encoder-decoder's target tokens."""
+
+    target: Target = Target()
+    attention: str = "auto"
+    quantize: QuantConfig | None = None
+    sparse_moe: bool = True
+    recurrence: str = "auto"
+    lower_precision: bool = False
+    attention_probs: tuple[int, ...] = ()
+    all_probs: bool = False
+    cache: str = "auto"
+    decode: str = "auto"
+    last_only: bool = True
+    fuse_linears: bool = True
+    max_positions: int = 4096
+    decoder_input: str | None = None
+
+    def cache_options(self) -> CacheOptions:
+        return CacheOptions(self.last_only, self.cache, None, self.decoder_input, self.max_positions, self.target,
+                            self.decode)
+
+    def check_cached(self) -> None:
+        """The cached pipelines choose the attention kernels per phase themselves."""
+        if self.attention != "auto" or self.attention_probs or self.all_probs:
+            raise PassError("the KV cache chooses the attention kernels per phase itself: it takes no attention "
+                            "override and exposes no attention probabilities")
+
+
+def _optimize(o: PipelineOptions, lower_precision: bool, quantize: QuantConfig | None) -> list[Pass]:
+    """full's passes, in order."""
+    fuse = o.attention != "unfused"
+    passes: list[Pass] = [FuseAttention(enabled=fuse), EliminateDeadNodes()]
+    if o.attention_probs or o.all_probs:
+        passes.insert(0, ExposeAttentionProbs(None if o.all_probs else list(o.attention_probs)))
+    if fuse:
+        passes.append(ChooseAttentionKernels(o.target, None if o.attention == "auto" else o.attention))
+    if quantize is not None:
+        passes.append(QuantizeWeights(quantize))
+    passes.append(SparseExperts(enabled=o.sparse_moe))  # after quantisation: quantised experts stay dense
+    if lower_precision and o.target.dtype != "fp32":
+        passes.append(LowerPrecision(o.target.dtype))
+    passes.append(ChooseRecurrenceLowering(o.recurrence))  # last: onnx's cell ops are fp32 only
+    return passes
+
+
+def full(o: PipelineOptions) -> list[Pass]:
+    return _optimize(o, o.lower_precision, o.quantize)
+
+
+def cached_decoder(o: PipelineOptions) -> list[Pass]:
+    # quantised first, before fusion (as the command line always did): the cached graph inherits the
+    # quantised linears, and quantised experts stay dense
+    o.check_cached()
+    passes: list[Pass] = [QuantizeWeights(o.quantize)] if o.quantize is not None else []
+    passes += _optimize(o, False, None) + cache_passes(o.cache_options())
+    if o.fuse_linears:
+        passes.append(FuseSharedInputLinears())
+    if o.target.dtype != "fp32":  # the cache crosses the interface at the lower precision
+        passes.append(LowerPrecision(o.target.dtype, native=cache_tensors))
+    return passes
+
+
+def encoder_decoder(o: PipelineOptions) -> list[Pass]:
+    """As generation has compiled encoder-decoders so far: fp32, linears unfused."""
+    o.check_cached()
+    if o.decoder_input is None:
+        raise PassError("the encoder_decoder pipeline needs the decoder's input (decoder_input)")
+    passes: list[Pass] = [QuantizeWeights(o.quantize)] if o.quantize is not None else []
+    return passes + _optimize(o, False, None) + [SplitEncoder([o.decoder_input])] + cache_passes(o.cache_options())
+
+
+def report(o: PipelineOptions) -> list[Pass]:
+    """The rewrites the report counts after: experts sparse as compile makes them (not when quantised:
+    quantised experts stay dense)."""
+    return [SparseExperts(enabled=o.sparse_moe and o.quantize is None)]
+
+
+PIPELINES: dict[str, Callable[[PipelineOptions], list[Pass]]] = {
+    "full": full, "cached_decoder": cached_decoder, "encoder_decoder": encoder_decoder, "report": report}
+
+
+def pipeline(name: str, options: PipelineOptions = PipelineOptions()) -> PassManager:
+    """The named pipeline for these options."""
+    if name not in PIPELINES:
+        raise PassError(f"unknown pipeline '{name}' (choose from {', '.join(PIPELINES)})")
+    return PassManager(PIPELINES[name](options))
+
+
+def run_report(graph: Graph, options: PipelineOptions = PipelineOptions()) -> PipelineResult:
+    """The report pipeline on a copy of ``graph`` (the graph as written is left as it is)."""
+    return pipeline("report", options)(graph.copy())
+
+
 def build_pipeline(target: Target = Target(), attention: str = "auto", lower_precision: bool = False,
                    quantize: QuantConfig | None = None, attention_probs: list[int] | None = None,
                    all_probs: bool = False, recurrence: str = "auto", sparse_moe: bool = True) -> PassManager:
-    """The passes, in order, for a target and an --attention choice; ``lower_precision`` adds the
-    fp32 -> target.dtype lowering (export does; analyses that only ask what fuses do not);
-    ``quantize`` the weight-only quantisation of the linears (before the precision is lowered);
-    ``attention_probs`` (site indices) or ``all_probs`` first makes those sites' probabilities model
-    outputs, which keeps them unfused (passes/expose_attention.py); ``recurrence`` how scans are
-    lowered (auto: onnx's RNN/GRU/LSTM op where the body is that cell; scan: always a Scan);
-    ``sparse_moe`` False (--no-sparse-moe) keeps mixtures of experts dense."""
-    fuse = attention != "unfused"
-    passes = [FuseAttention(enabled=fuse), EliminateDeadNodes()]
-    if attention_probs or all_probs:
-        passes.insert(0, ExposeAttentionProbs(None if all_probs else list(attention_probs)))
-    if fuse:
-        passes.append(ChooseAttentionKernels(target, None if attention == "auto" else attention))
-    if quantize is not None:
-        passes.append(QuantizeWeights(quantize))
-    passes.append(SparseExperts(enabled=sparse_moe))  # after quantisation: quantised experts stay dense
-    if lower_precision and target.dtype != "fp32":
-        passes.append(LowerPrecision(target.dtype))
-    passes.append(ChooseRecurrenceLowering(recurrence))  # last: onnx's cell ops are fp32 only
-    return PassManager(passes)
+    """The ``full`` pipeline from keyword arguments (kept for its callers; see PipelineOptions)."""
+    return pipeline("full", PipelineOptions(target, attention, quantize, sparse_moe, recurrence, lower_precision,
+                                            tuple(attention_probs or ()), all_probs))
 
 
 def attention_sites(result: PipelineResult) -> list[AttentionSite]:

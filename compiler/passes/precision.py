@@ -7,10 +7,13 @@ they leave, so callers feed and read the same arrays at either precision.
 Integer tensors (token ids, masks, positions) are untouched. Values named in
 ``native`` cross the interface at the lower precision instead: a KV cache's past
 inputs and present outputs, which the runtime holds in fp16 (half the bytes, and
-no cast of the whole cache at every step).
+no cast of the whole cache at every step); ``native`` may be a function of the graph
+(passes/kv_cache.py ``cache_tensors``), so a declared pipeline names the rule, not the values.
 """
 
 from __future__ import annotations
+
+from typing import Callable
 
 from tessera.compiler.ir.graph import Graph, TensorType, Value
 from tessera.compiler.passes.base import Pass, PassError, PassResult
@@ -21,11 +24,11 @@ SUPPORTED = {"fp16": "f16"}
 class LowerPrecision(Pass):
     name = "lower-precision"
 
-    def __init__(self, dtype: str, native: tuple[str, ...] | set[str] = ()):
+    def __init__(self, dtype: str, native: tuple[str, ...] | set[str] | Callable[[Graph], set[str]] = ()):
         if dtype not in SUPPORTED:
             raise PassError(f"--dtype {dtype}: export supports fp32 and {', '.join(SUPPORTED)}")
         self.dtype = SUPPORTED[dtype]
-        self.native = set(native)
+        self.native = native if callable(native) else set(native)
 
     def requires(self, graph: Graph) -> None:
         # the frontend makes every parameter f32: one at the lower precision means this pass ran already
@@ -36,6 +39,7 @@ class LowerPrecision(Pass):
     def run(self, graph: Graph) -> PassResult:
         low = self.dtype
         changed = False
+        native = self.native(graph) if callable(self.native) else self.native
 
         def lower(t: TensorType) -> TensorType:
             return TensorType(low, t.shape) if t.dtype == "f32" else t
@@ -44,7 +48,7 @@ class LowerPrecision(Pass):
         for name in list(graph.inputs):
             if graph.type_of(name).dtype != "f32":
                 continue
-            if name in self.native:
+            if name in native:
                 graph.values[name].type = lower(graph.type_of(name))
                 changed = True
                 continue
@@ -72,7 +76,7 @@ class LowerPrecision(Pass):
                 node.attrs["dtype"] = low
             for o in node.outputs:
                 v = graph.values[o]
-                if o in outputs and v.type.dtype == "f32" and o not in self.native:
+                if o in outputs and v.type.dtype == "f32" and o not in native:
                     node.op, node.attrs = "cast", {"dtype": "f32"}  # the output identity casts back
                     continue
                 v.type = lower(v.type)

@@ -42,13 +42,13 @@ class ChooseRecurrenceLowering(Pass):
         for node in graph.nodes.values():
             if node.op != "scan":
                 continue
-            m, why = match(graph, node)
+            m = match(graph, node)
             if self.mode == "scan":
-                lowering, reason = "scan", "Scan forced (--recurrence scan)" + (f"; {why}" if why else "")
-            elif m is None:
-                lowering, reason = "scan", why
+                lowering, reason = "scan", "Scan forced (--recurrence scan)" + (f"; {m.reason}" if m.reason else "")
+            elif not m:
+                lowering, reason = "scan", m.reason
             else:
-                lowering, reason = m.cell, f"the body is exactly {m.cell}_cell"
+                lowering, reason = m["cell"].cell, f"the body is exactly {m['cell'].cell}_cell"
             node.attrs["lowering"] = lowering
             notes.append(RecurrenceChoice(node.name, lowering, reason))
         return PassResult(graph, bool(notes), notes)

@@ -4,18 +4,24 @@ Used by the fusion pass (passes/fuse_attention.py), the kernel choice
 (passes/attention_kernels.py) and the report's structure analysis
 (analysis/structure.py), so ``--explain`` and the report always agree on which
 softmax is attention and what it covers. It lives in patterns/, below both
-passes/ and analysis/, because neither may import the other.
+passes/ and analysis/, so that both read the one recogniser.
 
 A match starts at a softmax. Forward, the weights must reach a matmul as its
 left operand (the ·V matmul), optionally through pass-through ops. Backward,
 the walk follows the scores through ``SCORE_RULES`` to the Q·Kᵀ matmul. The
 table is tinygrad-pattern-matcher style, one row per op that may sit on the
-score path: (op, check, absorb, scores), where
+score path: (op, check, absorb, scores, feature), where
 
 - ``check`` says why the fused kernel cannot absorb that node (None: it can),
 - ``absorb`` records what the node contributes to the fused node (the
   rewrite description: scale, causal window, padding mask, additive bias),
-- ``scores`` names the operand that carries the scores, so the walk goes on.
+- ``scores`` names the operand that carries the scores, so the walk goes on,
+- ``feature`` names the score-epilogue feature (compiler/reference/score_epilogue.py
+  ``FEATURES``) the absorbed node becomes. A feature the epilogue does not know, a
+  rule with none, an absorb that records nothing, or features in an order the
+  epilogue does not apply them in keep the site unfused with that reason, so a new
+  rule can never be fused into a kernel that would ignore it (the kernels' allow-lists
+  and passes/attention_kernels.py ``no_kernel`` do the rest).
 
 An op missing from the table ends the walk: that softmax is not attention
 (``NoMatch`` with the reason). A failed ``check`` does not: the site is still
@@ -41,6 +47,7 @@ import numpy as np
 
 from tessera.compiler.ir import dims
 from tessera.compiler.ir.graph import Graph, Node
+from tessera.compiler.reference import score_epilogue
 
 # Local op traits (kept here until ops/ has a registry). Ops that only convert or relabel a tensor:
 # the weights may pass through them on the way to ·V (the site is still attention, not fusable).
@@ -59,7 +66,6 @@ class AttentionMatch:
     q: str = ""
     k: str = ""                  # keys as the fused kernel takes them (no transpose, no absorbed repeat_kv)
     v: str = ""
-    k_operand: str = ""          # what the Q·Kᵀ matmul reads as Kᵀ (before fusion), for tracing the cache
     scale: float = 1.0
     causal: bool = False
     window: int = 0
@@ -76,6 +82,8 @@ class AttentionMatch:
     reason: str = ""             # the first reason no fused kernel can replace it ("" when one can)
     scaled: bool = False         # walking back, a scale was passed (a bias before it is not absorbable)
     softcap: float | None = None  # tanh(s)·c on the scaled scores (logit soft-capping): c
+    features: list[str] = field(default_factory=list)  # score-epilogue features the path's rules produced
+    attrs: dict = field(default_factory=dict)  # fused-node attributes of features with no field above
 
     @property
     def fusable(self) -> bool:
@@ -249,22 +257,58 @@ Scores = Callable[[Graph, Node], str]
 @dataclass(frozen=True)
 class ScoreRule:
     check: Check    # why the fused kernel cannot absorb this node (None: it can)
-    absorb: Absorb  # what the node contributes to the fused node
+    absorb: Absorb  # what the node contributes to the fused node: the attributes of its feature
     scores: Scores  # the operand carrying the scores: where the walk goes next
+    # The score-epilogue feature (compiler/reference/score_epilogue.py FEATURES) an absorbed node
+    # becomes; None: never absorbed. A feature the epilogue does not know, or one whose attributes
+    # ``absorb`` did not set, keeps the site unfused (with that reason) instead of letting a kernel drop it.
+    feature: str | None
 
 
 SCORE_RULES: dict[str, ScoreRule] = {
-    "mul": ScoreRule(_check_scale, _absorb_scale, _scores_of_binary),
-    "div": ScoreRule(_check_scale, _absorb_scale, _scores_of_binary),
-    "causal_mask": ScoreRule(_check_causal, _absorb_causal, _first),
-    "padding_mask": ScoreRule(_check_padding, _absorb_padding, _first),
-    "add": ScoreRule(_check_bias, _absorb_bias, _scores_of_binary),
-    "sub": ScoreRule(_check_sub, _absorb_sub, _scores_of_binary),
-    "tanh": ScoreRule(_check_softcap, _absorb_softcap, _first),   # logit soft-capping: tanh(s / c) · c
+    "mul": ScoreRule(_check_scale, _absorb_scale, _scores_of_binary, "scale"),
+    "div": ScoreRule(_check_scale, _absorb_scale, _scores_of_binary, "scale"),
+    "causal_mask": ScoreRule(_check_causal, _absorb_causal, _first, "causal"),  # its window: the window feature
+    "padding_mask": ScoreRule(_check_padding, _absorb_padding, _first, "padding"),
+    "add": ScoreRule(_check_bias, _absorb_bias, _scores_of_binary, "bias"),
+    "sub": ScoreRule(_check_sub, _absorb_sub, _scores_of_binary, "bias"),
+    "tanh": ScoreRule(_check_softcap, _absorb_softcap, _first, "softcap"),   # logit soft-capping: tanh(s / c) · c
     # attention all the same, but no fused kernel converts or renames its scores
-    "cast": ScoreRule(_check_pass_through, _absorb_nothing, _first),
-    "identity": ScoreRule(_check_pass_through, _absorb_nothing, _first),
+    "cast": ScoreRule(_check_pass_through, _absorb_nothing, _first, None),
+    "identity": ScoreRule(_check_pass_through, _absorb_nothing, _first, None),
 }
+
+
+def _unknown_feature(rule: ScoreRule, n: Node) -> str | None:
+    """Why an absorbable node still cannot be fused: its rule names no feature the epilogue computes."""
+    if rule.feature is None:
+        return f"the scores pass through {n.op} ({n.name}), which is no feature of the score epilogue"
+    if rule.feature not in score_epilogue.FEATURES:
+        return f"the scores pass through {n.op} ({n.name}): {rule.feature}, which the score epilogue " \
+               f"(compiler/reference/score_epilogue.py) does not compute"
+    return None
+
+
+def _epilogue_order(features: list[str]) -> str | None:
+    """Why features applied in this graph order (scale aside: it folds anywhere before a bias) differ
+    from the epilogue's order, in which features of one stage commute."""
+    staged = [f for f in features if f != "scale"]
+    for before, after in zip(staged, staged[1:]):
+        if score_epilogue.FEATURES[after].stage < score_epilogue.FEATURES[before].stage:
+            return f"the {score_epilogue.words([before])} is applied before the {score_epilogue.words([after])}; " \
+                   f"the score epilogue applies the {score_epilogue.words([after])} first"
+    return None
+
+
+def _unrecorded(m: AttentionMatch) -> str | None:
+    """Why the fused node would not say what the path does: a feature a rule produced that its
+    attributes do not turn on (the rule's ``absorb`` recorded nothing)."""
+    on = set(score_epilogue.used(attributes(m)))
+    lost = [f for f in m.features if f not in on]
+    if lost:
+        return f"the score path's {score_epilogue.words(lost)} left no attribute on the fused node " \
+               f"(its ScoreRule's absorb records nothing)"
+    return None
 
 
 # ------------------------------------------------------------------ checks on the whole match
@@ -373,16 +417,24 @@ def match(g: Graph, softmax: Node) -> AttentionMatch:
         rule = SCORE_RULES.get(node.op)
         if rule is None:
             raise NoMatch(f"the scores pass through {node.op} ({node.name}), which the fused kernel cannot express")
-        reason = rule.check(g, node, m)
+        reason = rule.check(g, node, m) or _unknown_feature(rule, node)
         if reason:
             m.fail(reason)
         else:
+            before = (attributes(m), m.scaled)
             rule.absorb(g, node, m)
+            m.features.append(rule.feature)
+            if (attributes(m), m.scaled) == before:
+                m.fail(f"the scores pass through {node.op} ({node.name}), but its ScoreRule's absorb records "
+                       f"nothing on the fused node ({rule.feature})")
         path.append(node.name)
         cur = rule.scores(g, node)
     qk = node
+    m.features.reverse()  # graph order
+    m.fail(_epilogue_order(m.features))
+    m.fail(_unrecorded(m))
     m.score, m.path = qk.name, path[::-1]
-    m.q, m.k_operand = qk.inputs[0], qk.inputs[1]
+    m.q = qk.inputs[0]
     m.covered = [qk.name, *m.path, softmax.name, *m.forward]
     kt = g.producer(qk.inputs[1])
     if kt is None or kt.op != "transpose" or list(kt.attrs["perm"][-2:]) != [rank - 1, rank - 2] \
@@ -428,10 +480,17 @@ def from_fused(g: Graph, n: Node) -> AttentionMatch:
     bias = extra.pop(0) if a.get("bias") else None
     return AttentionMatch(
         anchor=n.name, score=n.name, value=n.name, q=n.inputs[0], k=n.inputs[1], v=n.inputs[2],
-        k_operand=n.inputs[1], scale=float(a.get("scale", 1.0)), causal=bool(a.get("causal")),
+        scale=float(a.get("scale", 1.0)), causal=bool(a.get("causal")),
         window=int(a.get("window") or 0), mask=mask, bias=bias, heads=a.get("heads"),
         kv_heads=a.get("kv_heads"), covered=[n.name], fused=True,
-        softcap=float(a["softcap"]) if a.get("softcap") else None)
+        softcap=float(a["softcap"]) if a.get("softcap") else None, features=score_epilogue.used(a),
+        attrs={k: v for k, v in a.items() if k in _extra_attrs()})
+
+
+def _extra_attrs() -> set[str]:
+    """Epilogue attributes of features added after the ones AttentionMatch has fields for."""
+    return {name for f in score_epilogue.FEATURES.values() for name in f.attrs} - \
+        {"scale", "causal", "window", "padding", "bias", "softcap"}
 
 
 def recognise(g: Graph) -> list[Candidate]:
@@ -455,12 +514,17 @@ def rewrite(m: AttentionMatch) -> tuple[str, list[str], dict]:
     if m.bias_const is not None and m.bias is None:
         raise ValueError("make the scalar bias a constant first")
     inputs = [m.q, m.k, m.v] + ([m.mask] if m.mask else []) + ([m.bias] if m.bias else [])
+    return FUSED_OP, inputs, attributes(m)
+
+
+def attributes(m: AttentionMatch) -> dict:
+    """The fused node's attributes for a match (ops/attention.py FUSED_ATTRS is their schema)."""
     attrs = {"scale": m.scale, "causal": m.causal, "window": m.window, "padding": m.mask is not None,
-             "bias": m.bias is not None, "heads": m.heads, "kv_heads": m.kv_heads}
+             "bias": m.bias is not None or m.bias_const is not None, "heads": m.heads, "kv_heads": m.kv_heads}
     if m.softcap is not None:  # only when capped: the fused nodes of other models keep their attributes
         attrs["softcap"] = m.softcap
-    return FUSED_OP, inputs, attrs
+    return {**attrs, **m.attrs}
 
 
-__all__ = ["AttentionMatch", "Candidate", "NoMatch", "SCORE_RULES", "ScoreRule", "match", "from_fused",
-           "recognise", "rewrite"]
+__all__ = ["AttentionMatch", "Candidate", "NoMatch", "SCORE_RULES", "ScoreRule", "attributes", "match",
+           "from_fused", "recognise", "rewrite"]

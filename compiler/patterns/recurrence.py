@@ -5,8 +5,9 @@ kernel (docs/BENCHMARKS.md measures it against the ``Scan`` lowering). The op on
 equations, so the body must be that cell and nothing else: the standard library's block (the
 ``cell`` attribute the ``scan`` builtin sets), with the primitive ops that block elaborates to, one
 per-step input [B, I], states [B, H] and exactly the four parameters W_ih [g·H, I], b_ih [g·H],
-W_hh [g·H, H], b_hh [g·H] in f32 (onnxruntime's CPU kernels are fp32). ``match`` keeps the reason a
-scan does not qualify, for ``--explain``.
+W_hh [g·H, H], b_hh [g·H] in f32 (onnxruntime's CPU kernels are fp32). ``match`` gives a
+``MatchResult`` (patterns/matcher.py): the ``cell`` on success, else the reason a scan does not
+qualify and the node (the scan, or the body node that is not the cell's) for ``--explain``.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from dataclasses import dataclass
 from tessera.compiler.ir import dims
 from tessera.compiler.ir.graph import Graph, Node
 from tessera.compiler.ops.recurrence import parts
+from tessera.compiler.patterns.matcher import MatchResult
 
 # gates per cell, and the primitive ops of the standard library's cell (spec/stdlib/nn.tsr);
 # tests/test_recurrence.py checks these against a fresh elaboration of each block.
@@ -39,28 +41,33 @@ class CellMatch:
     b_hh: str
 
 
-def match(graph: Graph, node: Node) -> tuple[CellMatch | None, str]:
-    """(the cell, "") when onnx's op computes exactly this scan, else (None, why not)."""
+def match(graph: Graph, node: Node) -> MatchResult:
+    """``cell``: the CellMatch when onnx's op computes exactly this scan; else the reason why not."""
     a = node.attrs
     cell = a.get("cell")
     if cell not in GATES:
-        return None, "the step is not one of the standard library's cells (rnn_cell, gru_cell, lstm_cell)"
+        return MatchResult.fail("the step is not one of the standard library's cells (rnn_cell, gru_cell, lstm_cell)",
+                                node)
     body = a["body"].graph
     ops = Counter(n.op for n in body.nodes.values())
     if ops != CELL_OPS[cell]:
-        return None, f"the body is not exactly {cell}_cell (its ops differ: {dict(ops)})"
+        extra = ops - CELL_OPS[cell]
+        odd = next((n for n in body.nodes.values() if n.op in extra), node)
+        return MatchResult.fail(f"the body is not exactly {cell}_cell (its ops differ: {dict(ops)})", odd)
     states, seqs, caps = parts(a, list(node.inputs))
     if len(states) != STATES[cell] or len(seqs) != 1 or len(caps) != 4:
-        return None, f"{cell}_cell takes {STATES[cell]} state(s), one per-step input and four parameters"
+        return MatchResult.fail(f"{cell}_cell takes {STATES[cell]} state(s), one per-step input and four parameters", node)
     t_x, t_h = graph.type_of(seqs[0]), graph.type_of(states[0])
     if t_x.rank != 3 or t_h.rank != 2 or not dims.is_static(t_h.shape[1]):
-        return None, f"onnx's {cell.upper()} takes x [B, T, I] and states [B, H], got {t_x} and {t_h}"
+        return MatchResult.fail(f"onnx's {cell.upper()} takes x [B, T, I] and states [B, H], got {t_x} and {t_h}",
+                                node)
     if any(graph.type_of(v).dtype != "f32" for v in [*states, *seqs, *caps]):
-        return None, f"onnxruntime's {cell.upper()} kernel is fp32 only"
+        return MatchResult.fail(f"onnxruntime's {cell.upper()} kernel is fp32 only", node)
     h, g = int(t_h.shape[1]), GATES[cell]
     w_ih, b_ih, w_hh, b_hh = caps
     want = {w_ih: (g * h, t_x.shape[2]), b_ih: (g * h,), w_hh: (g * h, h), b_hh: (g * h,)}
     for v, shape in want.items():
         if not dims.shapes_equal(graph.type_of(v).shape, tuple(dims.dim(s) for s in shape)):
-            return None, f"parameter {v} is {graph.type_of(v)}, onnx's {cell.upper()} wants {list(shape)}"
-    return CellMatch(cell, h, w_ih, b_ih, w_hh, b_hh), ""
+            return MatchResult.fail(f"parameter {v} is {graph.type_of(v)}, onnx's {cell.upper()} wants {list(shape)}",
+                                    node)
+    return MatchResult(True, {"cell": CellMatch(cell, h, w_ih, b_ih, w_hh, b_hh)}, [node])

@@ -15,46 +15,35 @@ from __future__ import annotations
 
 import numpy as np
 
+from tessera.compiler.reference import score_epilogue
+
+
+def _attrs(scale, causal, window, key_mask, bias, softcap) -> dict:
+    """The fused node's attributes for these arguments (reference/score_epilogue.py reads them)."""
+    a = {"scale": float(scale), "causal": bool(causal), "window": int(window or 0),
+         "padding": key_mask is not None, "bias": bias is not None}
+    if softcap:
+        a["softcap"] = float(softcap)
+    return a
+
 
 def attention_reference(q, k, v, scale, causal=False, window=0, key_mask=None, bias=None, softcap=0.0):
-    """Plain attention, [.., Tq, hd] x [.., Tk, hd]: softmax over keys, masked scores filled with min.
-    With softcap = c > 0 the scaled scores are capped to (-c, c) as tanh(s)·c before the bias and
-    masks (Gemma 2's logit soft-capping, its 1/c already folded into ``scale``)."""
-    s = (q @ np.swapaxes(k, -1, -2)) * np.asarray(scale, q.dtype)
-    if softcap:
-        s = np.tanh(s) * np.asarray(softcap, q.dtype)
-    if bias is not None:
-        s = s + bias
-    hide = _hidden(q.shape[-2], k.shape[-2], causal, window)
-    fill = np.finfo(q.dtype).min
-    if hide is not None:
-        s = np.where(hide, fill, s)
-    if key_mask is not None:
-        s = np.where((key_mask != 0)[:, None, None, :], s, fill)
+    """Plain attention, [.., Tq, hd] x [.., Tk, hd]: softmax over keys of the score epilogue
+    (reference/score_epilogue.py: scale, soft-cap, bias, masks filled with the dtype's minimum)."""
+    a = _attrs(scale, causal, window, key_mask, bias, softcap)
+    s = score_epilogue.apply(q @ np.swapaxes(k, -1, -2), a,
+                             score_epilogue.Where(q.shape[-2], k.shape[-2], key_mask=key_mask, bias=bias))
     s = s - s.max(-1, keepdims=True)
     p = np.exp(s)
     return (p / p.sum(-1, keepdims=True)) @ v
-
-
-def _hidden(tq, tk, causal, window, row0=0, col0=0, rows=None, cols=None):
-    if not causal:
-        return None
-    rows = tq if rows is None else rows
-    cols = tk if cols is None else cols
-    i = np.arange(row0, row0 + rows)[:, None] + (tk - tq)
-    j = np.arange(col0, col0 + cols)[None, :]
-    hide = j > i
-    if window:
-        hide |= j <= i - window
-    return hide
 
 
 def tiled_attention(q, k, v, scale, causal=False, window=0, key_mask=None, q_tile=64, k_tile=64):
     """Online-softmax attention over tiles; memory O(q_tile * k_tile) per head for the scores."""
     *lead, tq, _ = q.shape
     tk = k.shape[-2]
+    a = _attrs(scale, causal, window, key_mask, None, 0.0)
     out = np.zeros((*lead, tq, v.shape[-1]), dtype=np.float32)
-    fill = np.float32(np.finfo(np.float32).min)
     for r0 in range(0, tq, q_tile):
         r1 = min(r0 + q_tile, tq)
         qt = q[..., r0:r1, :].astype(np.float32)
@@ -67,12 +56,8 @@ def tiled_attention(q, k, v, scale, causal=False, window=0, key_mask=None, q_til
             first_key = max(0, r0 + (tk - tq) - window + 1)
         for c0 in range((first_key // k_tile) * k_tile, last_key, k_tile):
             c1 = min(c0 + k_tile, tk)
-            s = (qt @ np.swapaxes(k[..., c0:c1, :], -1, -2).astype(np.float32)) * np.float32(scale)
-            hide = _hidden(tq, tk, causal, window, r0, c0, r1 - r0, c1 - c0)
-            if hide is not None:
-                s = np.where(hide, fill, s)
-            if key_mask is not None:
-                s = np.where((key_mask[:, c0:c1] != 0)[:, None, None, :], s, fill)
+            where = score_epilogue.Where(tq, tk, r0, c0, None if key_mask is None else key_mask[:, c0:c1])
+            s = score_epilogue.apply(qt @ np.swapaxes(k[..., c0:c1, :], -1, -2).astype(np.float32), a, where)
             m_new = np.maximum(m, s.max(-1, keepdims=True))
             correction = np.exp(m - m_new)
             p = np.exp(s - m_new)

@@ -44,14 +44,6 @@ def rope_inv_freq(hd: int, theta: float, scaling: tuple | None = None) -> np.nda
     return np.where(medium, smoothed, scaled).astype(np.float32)
 
 
-def rope_tables(n: int, hd: int, theta: float, dtype=np.float32, scaling: tuple | None = None):
-    """cos and sin tables [n, hd] for rotate-half rotary embedding (Hugging Face Llama's layout)."""
-    inv_freq = rope_inv_freq(hd, theta, scaling)
-    freqs = np.arange(n, dtype=np.float32)[:, None] * inv_freq[None, :]
-    emb = np.concatenate([freqs, freqs], axis=-1)
-    return np.cos(emb).astype(dtype), np.sin(emb).astype(dtype)
-
-
 def sinusoidal_div(d: int) -> np.ndarray:
     """10000^(2i/d) for i < d/2, in fp32: the divisors of the sinusoidal table's angles."""
     return np.power(np.float32(10000.0), np.arange(0, d, 2, dtype=np.float32) / np.float32(d))

@@ -27,12 +27,39 @@ from __future__ import annotations
 import numpy as np
 from onnx import TensorProto, helper
 
-from tessera.compiler.ir import dims
+from tessera.compiler.backends.onnx import score_epilogue as epilogue
+from tessera.compiler.ops.attention import check_fused_attrs
 
 
 SCORE_BLOCK_BUDGET = 16 * 1024 * 1024  # bytes of scores one head's tile may hold
 MAX_TILE = 256
 MIN_CAUSAL_TILES = 4  # a causal tile holds at most 1/MIN_CAUSAL_TILES of the queries (unless q_tile is more)
+
+
+# Which score-epilogue features (compiler/reference/score_epilogue.py FEATURES) each lowering computes:
+# an allow-list. passes/attention_kernels.py picks only a kernel that computes every feature a node
+# uses, and fusion leaves a site unfused when none does. Tessera's own kernels (block, portable, and
+# the cached decode/prefill in cached_attention.py) compute scores through the one ONNX epilogue
+# (score_epilogue.py), so they compute exactly what it computes; the contrib ops have their own.
+EPILOGUE = "every feature backends/onnx/score_epilogue.py computes"
+KERNEL_FEATURES: dict[str, frozenset | str] = {
+    "gqa": frozenset({"scale", "causal", "window"}),   # scale, local_window_size; no mask, bias or cap here
+    "mha": frozenset({"scale"}),                        # no mask, bias, cap (not causal: see attention_kernels)
+    "block": EPILOGUE,
+    "portable": EPILOGUE,
+    "cached": EPILOGUE,
+    "phased": EPILOGUE,
+}
+# A phased node's decoding step as one GroupQueryAttention (cached_attention.py ``_lower_gqa_decode``):
+# its scale and softcap attributes, and the cache's mask (padding, causal) as its attention_bias.
+GQA_DECODE_FEATURES = frozenset({"scale", "softcap", "causal", "padding"})
+
+
+def kernel_features(impl: str, decode: str | None = None) -> frozenset[str]:
+    """The score-epilogue features lowering ``impl`` computes (with ``decode`` "gqa": both branches)."""
+    have = KERNEL_FEATURES[impl]
+    have = epilogue.computed() if have == EPILOGUE else have
+    return have & GQA_DECODE_FEATURES if decode == "gqa" else have
 
 
 def _to_bsd(b, x: str) -> str:
@@ -54,6 +81,7 @@ def _scalar(b, value, dtype=np.int64) -> str:
 
 
 def lower_fused_attention(b, node, out: str) -> None:
+    check_fused_attrs(node.attrs)  # an attribute no kernel reads is an error, never dropped
     impl = node.attrs.get("impl", "portable")
     if impl in ("cached", "phased"):  # attention over a KV cache (compiler/passes/kv_cache.py)
         from tessera.compiler.backends.onnx import cached_attention
@@ -98,11 +126,10 @@ def _block(b, node, out: str) -> None:
     mask = extra.pop(0) if a["padding"] else None
     bias = extra.pop(0) if a["bias"] else None
     q_t, k_t, v_t = (g.type_of(x) for x in node.inputs[:3])
-    np_dtype = np.float16 if q_t.dtype == "f16" else np.float32
     heads, kv_heads = a["heads"], a["kv_heads"]
     rep = heads // kv_heads
     hd, hv = q_t.shape[-1], int(v_t.shape[-1])
-    min_value = b.const(np.array(np.finfo(np_dtype).min, dtype=np_dtype), "min")
+    prep = epilogue.prepare(b, a, mask, bias, q_t, k_t)
     k_t_all = b.node("Transpose", [k], perm=[0, 1, 3, 2])[0]  # [B, G, d, Tk]
     if rep > 1:  # queries [B, G, rep, Tq, d] against keys [B, G, 1, d, Tk]
         q5 = b.node("Reshape", [q, b.shape_vec([q_t.shape[0], kv_heads, rep, q_t.shape[-2], hd])])[0]
@@ -111,29 +138,7 @@ def _block(b, node, out: str) -> None:
                                b.shape_vec([q_t.shape[0], heads, q_t.shape[-2], k_t.shape[-2]])])[0]
     else:
         s = b.node("MatMul", [q, k_t_all])[0]
-    s = b.node("Mul", [s, b.const(np.array(a["scale"], dtype=np_dtype), "scale")])[0]
-    if a.get("softcap"):
-        s = b.node("Mul", [b.node("Tanh", [s])[0], b.const(np.array(a["softcap"], dtype=np_dtype), "softcap")])[0]
-    if bias is not None:
-        s = b.node("Add", [s, bias])[0]
-    if a["causal"]:
-        zero, one = _scalar(b, 0), _scalar(b, 1)
-        tq, tk = b.dim_scalar(q_t.shape[-2]), b.dim_scalar(k_t.shape[-2])
-        rows = b.node("Add", [b.node("Range", [zero, tq, one])[0], b.node("Sub", [tk, tq])[0]])[0]
-        rows = b.node("Unsqueeze", [rows, b.i64([1])])[0]
-        cols = b.node("Unsqueeze", [b.node("Range", [zero, tk, one])[0], b.i64([0])])[0]
-        hide = b.node("Greater", [cols, rows])[0]
-        if a["window"]:
-            far = b.node("LessOrEqual", [cols, b.node("Sub", [rows, _scalar(b, a["window"])])[0]])[0]
-            hide = b.node("Or", [hide, far])[0]
-        s = b.node("Where", [hide, min_value, s])[0]
-    if mask is not None:
-        m_dtype = g.type_of(mask).dtype
-        keep = mask
-        if m_dtype != "bool":
-            zero_m = b.const(np.array(0, dtype=np.int64 if m_dtype == "i64" else np.int32), "zero")
-            keep = b.node("Not", [b.node("Equal", [mask, zero_m])[0]])[0]
-        s = b.node("Where", [b.node("Unsqueeze", [keep, b.i64([1, 2])])[0], s, min_value])[0]
+    s = epilogue.apply(b, a, s, prep, epilogue.Block())
     p = b.node("Softmax", [s], axis=-1)[0]
     if rep > 1:
         p5 = b.node("Reshape", [p, b.shape_vec([q_t.shape[0], kv_heads, rep, q_t.shape[-2], k_t.shape[-2]])])[0]
@@ -200,40 +205,9 @@ def _portable(b, node, out: str, names: list[str] | None = None) -> None:
     tile_c = b.node("Min", [tile_c, tq])[0]
     n_tiles = b.node("Div", [b.node("Add", [tq, b.node("Sub", [tile_c, one])[0]])[0], tile_c])[0]
     last_start = b.node("Sub", [tq, tile_c])[0]  # the last tile ends at Tq (it may overlap the one before)
-    scale = b.const(np.array(a["scale"], dtype=np_dtype), "scale")
-    # logit soft-capping: tanh(scores)·c on each block of scores, before bias and masks
-    softcap = b.const(np.array(a["softcap"], dtype=np_dtype), "softcap") if a.get("softcap") else None
     k_t_all = b.node("Transpose", [k], perm=[0, 1, 3, 2])[0]  # Kᵀ once: [B, G, d, Tk]
     offset = b.node("Sub", [tk, tq])[0]  # keys before the first query (0 for self-attention)
-    keep = None
-    if mask is not None:
-        m_dtype = g.type_of(mask).dtype
-        if m_dtype == "bool":
-            keep = mask
-        else:
-            zero_m = b.const(np.array(0, dtype=np.int64 if m_dtype == "i64" else np.int32), "zero")
-            keep = b.node("Not", [b.node("Equal", [mask, zero_m])[0]])[0]
-        keep = b.node("Unsqueeze", [keep, b.i64([1, 2])])[0]
-    bias4 = None
-    bias_heads = bias_rows = bias_cols = False
-    if bias is not None:
-        bt = g.type_of(bias)
-        bias4 = bias
-        if bt.rank < 4:
-            bias4 = b.node("Unsqueeze", [bias, b.i64(list(range(4 - bt.rank)))])[0]
-        shape4 = (1,) * (4 - bt.rank) + tuple(bt.shape)
-        not_one = lambda d: not (dims.is_static(dims.dim(d)) and int(d) == 1)  # noqa: E731
-        bias_heads, bias_rows, bias_cols = not_one(shape4[1]), not_one(shape4[2]), not_one(shape4[3])
-    min_value = b.const(np.array(np.finfo(np_dtype).min, dtype=np_dtype), "min")
-    triangle = None
-    if a["causal"] and not a["window"]:
-        # [tile, tile]: 0 on and below the diagonal, the dtype's minimum above it. Added to a score,
-        # it gives the minimum (fp32: |score| is far below the float spacing there) or -inf (fp16,
-        # for scores below -16); either way the weight is exactly 0, and the diagonal itself stays
-        # visible, so no row's maximum is -inf.
-        r = b.node("Range", [zero, tile_c, one])[0]
-        above = b.node("Greater", [b.node("Unsqueeze", [r, b.i64([0])])[0], b.node("Unsqueeze", [r, b.i64([1])])[0]])[0]
-        triangle = b.node("Where", [above, min_value, b.const(np.array(0, dtype=np_dtype), "zero")])[0]
+    prep = epilogue.prepare(b, a, mask, bias, q_t, k_t, tiled=True, tile=tile_c, positions=(tq, tk, offset))
 
     # ---- loop body: head h, query tile j (iteration i = h * n_tiles + j)
     outer_nodes = b.nodes
@@ -252,7 +226,7 @@ def _portable(b, node, out: str, names: list[str] | None = None) -> None:
     axes_hr = b.i64([1, 2])
     # the tile's queries, scaled (tile·d work rather than tile·N on the scores)
     q_tile = b.node("Slice", [q, pair(h, start), pair(h1, end), axes_hr])[0]
-    q_tile = b.node("Mul", [q_tile, scale])[0]
+    q_tile = b.node("Mul", [q_tile, b.const(np.array(a["scale"], dtype=np_dtype), "scale")])[0]
     k_start = zero
     if a["causal"]:
         k_end = b.node("Min", [b.node("Add", [end, offset])[0], tk])[0]
@@ -263,34 +237,20 @@ def _portable(b, node, out: str, names: list[str] | None = None) -> None:
         k_end = tk
     v_tile = b.node("Slice", [v, pair(kv_h, k_start), pair(kv_h1, k_end), axes_hr])[0]
     keys_t = lambda lo, hi: b.node("Slice", [k_t_all, pair(kv_h, lo), pair(kv_h1, hi), b.i64([1, 3])])[0]  # noqa: E731
-    cap = (lambda x: b.node("Mul", [b.node("Tanh", [x])[0], softcap])[0]) if softcap else (lambda x: x)  # noqa: E731
-    if triangle is not None:
+
+    block = lambda lo, hi, causal="compute": epilogue.Block(rows=(start, end), cols=(lo, hi), head=(h, h1),  # noqa: E731
+                                                           scaled=True, causal=causal)
+    if prep.triangle is not None:
         # Keys before the tile's first row are visible to every row of the tile; only the last
         # tile × tile block (the diagonal) needs the causal mask, a constant added to that block.
+        # The epilogue's steps before the masks run on each part, the rest once on the whole tile.
         d_start = b.node("Sub", [k_end, tile_c])[0]
-        s_past = cap(b.node("MatMul", [q_tile, keys_t(zero, d_start)])[0])
-        s_diag = b.node("Add", [cap(b.node("MatMul", [q_tile, keys_t(d_start, k_end)])[0]), triangle])[0]
-        s = b.node("Concat", [s_past, s_diag], axis=-1)[0]
+        part = lambda lo, hi: epilogue.apply(b, a, b.node("MatMul", [q_tile, keys_t(lo, hi)])[0], prep,  # noqa: E731
+                                             block(lo, hi), epilogue.before_masks)
+        s = b.node("Concat", [part(zero, d_start), epilogue.add_triangle(b, part(d_start, k_end), prep)], axis=-1)[0]
+        s = epilogue.apply(b, a, s, prep, block(k_start, k_end, "visible"), epilogue.from_masks)
     else:
-        s = cap(b.node("MatMul", [q_tile, keys_t(k_start, k_end)])[0])
-    if bias4 is not None:
-        bt = bias4
-        if bias_heads:
-            bt = b.node("Slice", [bt, u(h), u(h1), b.i64([1])])[0]
-        if bias_rows:
-            bt = b.node("Slice", [bt, u(start), u(end), b.i64([2])])[0]
-        if bias_cols:
-            bt = b.node("Slice", [bt, u(k_start), u(k_end), b.i64([3])])[0]
-        s = b.node("Add", [s, bt])[0]
-    if a["causal"] and a["window"]:
-        rows = b.node("Add", [b.node("Range", [start, end, one])[0], offset])[0]
-        rows = b.node("Unsqueeze", [rows, b.i64([1])])[0]
-        cols = b.node("Unsqueeze", [b.node("Range", [k_start, k_end, one])[0], b.i64([0])])[0]
-        hide = b.node("Greater", [cols, rows])[0]
-        far = b.node("LessOrEqual", [cols, b.node("Sub", [rows, _scalar(b, a["window"])])[0]])[0]
-        s = b.node("Where", [b.node("Or", [hide, far])[0], min_value, s])[0]
-    if keep is not None:
-        s = b.node("Where", [b.node("Slice", [keep, u(k_start), u(k_end), b.i64([3])])[0], s, min_value])[0]
+        s = epilogue.apply(b, a, b.node("MatMul", [q_tile, keys_t(k_start, k_end)])[0], prep, block(k_start, k_end))
     p = b.node("Softmax", [s], axis=-1)[0]
     tile_out = b.node("MatMul", [p, v_tile])[0]  # [B, 1, tile, hv]
     b.node("Identity", [cond_in], [cond_out])

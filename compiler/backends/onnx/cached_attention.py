@@ -29,6 +29,7 @@ from __future__ import annotations
 import numpy as np
 from onnx import TensorProto, helper
 
+from tessera.compiler.backends.onnx import score_epilogue as epilogue
 from tessera.compiler.backends.onnx.walk import all_nodes
 
 
@@ -40,28 +41,24 @@ def _split(b, x: str) -> tuple[str, str | None]:
     return x, None
 
 
-def _mask_bias(b, node, np_dtype) -> str:
+def _mask_bias(b, node, np_dtype) -> str | None:
     """The additive mask [B, 1, T, P+T] (0 visible, the dtype's minimum hidden) from the node's
-    attention mask [B, P+T]: padding and unfilled slots, causal with offset P, the sliding window."""
-    g, a = b.graph, node.attrs
-    q_t, k_t = g.type_of(node.inputs[0]), g.type_of(node.inputs[1])
-    mask = node.inputs[3]
-    zero_m = b.const(np.array(0, dtype=np.int64 if g.type_of(mask).dtype == "i64" else np.int32), "zero")
-    visible = b.node("Unsqueeze", [b.node("Not", [b.node("Equal", [mask, zero_m])[0]])[0], b.i64([1, 2])])[0]
-    if a["causal"]:
-        zero, one = b.const(np.array(0, np.int64), "zero"), b.const(np.array(1, np.int64), "one")
-        tq, tk = b.dim_scalar(q_t.shape[-2]), b.dim_scalar(k_t.shape[-2])
-        rows = b.node("Add", [b.node("Range", [zero, tq, one])[0], b.node("Sub", [tk, tq])[0]])[0]
-        rows = b.node("Unsqueeze", [rows, b.i64([1])])[0]  # [T, 1]: each query's position among the keys
-        cols = b.node("Unsqueeze", [b.node("Range", [zero, tk, one])[0], b.i64([0])])[0]  # [1, P+T]
-        hide = b.node("Greater", [cols, rows])[0]
-        if a["window"]:
-            far = b.node("LessOrEqual", [cols, b.node("Sub", [rows, b.const(np.array(a["window"], np.int64),
-                                                                            "window")])[0]])[0]
-            hide = b.node("Or", [hide, far])[0]
-        visible = b.node("And", [visible, b.node("Not", [hide])[0]])[0]
-    return b.node("Where", [visible, b.const(np.array(0, dtype=np_dtype), "zero"),
-                            b.const(np.array(np.finfo(np_dtype).min, dtype=np_dtype), "min")])[0]
+    attention mask [B, P+T] (padding and unfilled slots), causal with offset P, the sliding window:
+    the score epilogue's masks applied to zeros (None when the node has none of them)."""
+    a = node.attrs
+    if not (a["padding"] or a["causal"]):
+        return None
+    masks = {k: v for k, v in a.items() if k in ("causal", "window", "padding")}
+    return _masks_on_zeros(b, masks, node.inputs[3] if a["padding"] else None, node, np_dtype)
+
+
+def _masks_on_zeros(b, masks: dict, mask: str | None, node, np_dtype) -> str:
+    """The score epilogue's masks (attributes ``masks``: causal, window, padding) applied to zeros:
+    an additive mask, 0 where visible and the dtype's minimum where hidden."""
+    q_t, k_t = b.graph.type_of(node.inputs[0]), b.graph.type_of(node.inputs[1])
+    zero = b.const(np.zeros((1, 1, 1, 1), dtype=np_dtype), "zero")
+    prep = epilogue.prepare(b, masks, mask, None, q_t, k_t)
+    return epilogue.apply(b, {"scale": 1.0, **masks}, zero, prep, epilogue.Block(scaled=True))
 
 
 def _decode_bias(b, node, np_dtype) -> str:
@@ -75,28 +72,22 @@ def _decode_bias(b, node, np_dtype) -> str:
     if key not in cache:
         saved, b.current = b.current, ""
         try:
-            zero_m = b.const(np.array(0, dtype=np.int64 if b.graph.type_of(mask).dtype == "i64" else np.int32), "zero")
-            hidden = b.node("Unsqueeze", [b.node("Equal", [mask, zero_m], [b.fresh("decode_mask/hidden")])[0],
-                                          b.i64([1, 2])], [b.fresh("decode_mask/hidden4")])[0]
-            cache[key] = b.node("Where", [hidden, b.const(np.array(np.finfo(np_dtype).min, dtype=np_dtype), "min"),
-                                          b.const(np.array(0, dtype=np_dtype), "zero")], [b.fresh("decode_mask")])[0]
+            cache[key] = _masks_on_zeros(b, {"padding": True}, mask, node, np_dtype)
         finally:
             b.current = saved
     return cache[key]
 
 
 def lower_cached_attention(b, node, out: str, bias: str | None = None) -> None:
-    """``bias``: the additive mask built outside (``_decode_bias``), instead of from the attention mask here."""
+    """A decoding step: (Q·scale)·Kᵀ over the cache where it lies, the score epilogue (soft-cap, bias,
+    masks: ``bias`` is the additive mask built outside, ``_decode_bias``, else it is built here from the
+    attention mask), softmax, ·V."""
     g, a = b.graph, node.attrs
     q, k, v = node.inputs[:3]
     q_t, v_t = g.type_of(q), g.type_of(v)
     np_dtype = np.float16 if q_t.dtype == "f16" else np.float32
-    if bias is None and a["padding"]:  # the attention mask [B, P+T]: build the additive mask here (small when T = 1)
-        bias = _mask_bias(b, node, np_dtype)
-    elif bias is None and a["bias"]:  # an additive mask [B, 1, T, P+T] built by the caller
-        bias = node.inputs[3]
-    elif bias is None:
-        raise ValueError(f"cached attention at {node.scope} has neither an attention mask nor a bias")
+    additive = bias if bias is not None else _mask_bias(b, node, np_dtype)  # causal, window, padding
+    user_bias = node.inputs[3 + int(a["padding"])] if a["bias"] else None
     heads, groups = a["heads"], a["kv_heads"]
     rep = heads // groups
     hd, hv = int(q_t.shape[-1]), int(v_t.shape[-1])
@@ -110,13 +101,19 @@ def lower_cached_attention(b, node, out: str, bias: str | None = None) -> None:
     parts = [k_past] if k_new is None or v_new is None else [k_past, k_new]
     scores = [b.node("MatMul", [qs, b.node("Transpose", [kp], perm=[0, 1, 3, 2])[0]])[0] for kp in parts]
     s = scores[0] if len(scores) == 1 else b.node("Concat", scores, axis=-1)[0]  # [B, G, rep·T, Tk]
-    if a.get("softcap"):  # logit soft-capping, before the mask
-        s = b.node("Mul", [b.node("Tanh", [s])[0], b.const(np.array(a["softcap"], dtype=np_dtype), "softcap")])[0]
     tk = b.node("Shape", [s], start=3, end=4)[0]
-    if rep > 1:
+    view = None
+    if rep > 1:  # scores [B, G, rep, T, Tk]; a mask or bias [B, 1|H, T, Tk] viewed as [B, 1|G, 1|rep, T, Tk]
         s = b.node("Reshape", [s, b.node("Concat", [b.i64([0, groups, rep, -1]), tk], axis=0)[0]])[0]
-        bias = b.node("Unsqueeze", [bias, b.i64([1])])[0]  # [B, 1, 1, T, Tk]
-    p = b.node("Softmax", [b.node("Add", [s, bias])[0]], axis=-1)[0]
+
+        def grouped(x):
+            x5 = b.node("Unsqueeze", [x, b.i64([1])])[0]
+            per_head = x == user_bias and g.type_of(x).rank == 4 and str(g.type_of(x).shape[1]) != "1"
+            return b.node("Reshape", [x5, b.i64([0, groups, rep, 0, 0])])[0] if per_head else x5
+        view = grouped
+    prep = epilogue.prepare(b, a, None, user_bias, q_t, g.type_of(k), additive=additive)
+    s = epilogue.apply(b, a, s, prep, epilogue.Block(scaled=True, view=view))
+    p = b.node("Softmax", [s], axis=-1)[0]
     if rep > 1:
         p = b.node("Reshape", [p, b.node("Concat", [b.i64([0, groups, -1]), tk], axis=0)[0]])[0]
     target = [out] if rep == 1 else 1

@@ -6,8 +6,8 @@ is not implemented by onnxruntime's CPU kernels), so the lowering transposes aro
 reorders PyTorch's gates into onnx's (GRU: r z n -> z r h; LSTM: i f g o -> i o f c) with
 Split/Concat on the weights, which onnxruntime folds once at session start.
 
-The Scan lowering builds the body as an ONNX subgraph through the same op registry. Body values are
-renamed under the scan node's name (ONNX names are one scope across subgraphs); the captured
+The Scan lowering builds the body as an ONNX subgraph through the same lowerings (``L.lower_node``).
+Body values are renamed under the scan node's name (ONNX names are one scope across subgraphs); the captured
 parameters and tensors keep their outer names and are read from the enclosing graph, and the body's
 constants become initializers of the main graph.
 """
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from onnx import helper
 
+from tessera.compiler.backends.onnx.builder import Builder, value_info
 from tessera.compiler.ir.graph import Graph, Node, Value
 from tessera.compiler.ops.recurrence import parts
 from tessera.compiler.patterns.recurrence import CellMatch, match
@@ -27,12 +28,12 @@ _ORDER = {"rnn": [0], "gru": [1, 0, 2], "lstm": [0, 3, 1, 2]}
 
 def choice(graph: Graph, node: Node) -> tuple[str, str]:
     """("rnn" | "gru" | "lstm" | "scan", why) for a scan node, honouring its ``lowering`` attribute."""
-    m, why = match(graph, node)
+    m = match(graph, node)
     if node.attrs.get("lowering") == "scan":
-        return "scan", "Scan forced" if m else why
-    if m is None:
-        return "scan", why
-    return m.cell, f"the body is exactly {m.cell}_cell"
+        return "scan", "Scan forced" if m else m.reason
+    if not m:
+        return "scan", m.reason
+    return m["cell"].cell, f"the body is exactly {m['cell'].cell}_cell"
 
 
 def lower_scan(L) -> None:
@@ -40,7 +41,7 @@ def lower_scan(L) -> None:
     if kind == "scan":
         _lower_as_scan(L)
     else:
-        _lower_cell(L, match(L.b.graph, L.node)[0])
+        _lower_cell(L, match(L.b.graph, L.node)["cell"])
 
 
 # ------------------------------------------------------------------ onnx's RNN / GRU / LSTM
@@ -74,8 +75,6 @@ def _lower_cell(L, m: CellMatch) -> None:
 
 # ------------------------------------------------------------------ Scan
 def _lower_as_scan(L) -> None:
-    from tessera.compiler.backends.onnx.export import _Builder, _lower, _value_info
-
     b, node, a = L.b, L.node, L.a
     body = a["body"].graph
     k, m = a["n_state"], a["n_seq"]
@@ -96,13 +95,13 @@ def _lower_as_scan(L) -> None:
     g.symbols = b.graph.symbols
     g.reindex()
 
-    sub = _Builder(g)
+    sub = Builder(g)
     sub._names, sub._consts, sub.initializers = b._names, b._consts, b.initializers  # one name scope
     sub._names.update(g.values)
     sub._dims = {}  # sizes are read inside the body from the graph inputs (Shape), so the body stands alone
     for n in g.nodes.values():
         sub.current = n.name
-        _lower(sub, n, n.outputs[0])
+        L.lower_node(sub, n, n.outputs[0])
     sub.current = prefix + "out"
     outs = []
     for i, v in enumerate(body.outputs):
@@ -110,8 +109,8 @@ def _lower_as_scan(L) -> None:
     step_inputs = [prefix + v for v in body.inputs[:k + m]]
     onnx_body = helper.make_graph(
         sub.nodes, prefix + "step",
-        inputs=[_value_info(n, g.type_of(n)) for n in step_inputs],
-        outputs=[_value_info(o, body.type_of(v)) for o, v in zip(outs, body.outputs)])
+        inputs=[value_info(n, g.type_of(n)) for n in step_inputs],
+        outputs=[value_info(o, body.type_of(v)) for o, v in zip(outs, body.outputs)])
     n_y = len(body.outputs) - k
     direction = 1 if a["reverse"] else 0
     b.node("Scan", list(node.inputs[:k + m]), list(L.outs), body=onnx_body, num_scan_inputs=m,

@@ -139,10 +139,6 @@ def write_inline(model: ModelProto, tensors: list[Streamed], f: BinaryIO) -> Non
     f.write(rest.SerializeToString())
 
 
-def inline_size(model: ModelProto, tensors: list[Streamed]) -> int:
-    return model.ByteSize() + sum(len(_initializer_prefix(t)) + t.nbytes for t in tensors) + 16
-
-
 def external_layout(model: ModelProto, tensors: list[Streamed], location: str) -> tuple[ModelProto, list[tuple[int, Streamed]]]:
     """The model file's proto (small tensors inline, the others referenced at aligned offsets of
     ``location``) and the (offset, tensor) list of the data file."""

@@ -38,7 +38,7 @@ import onnx
 from tessera.compiler.backends.atomic import write_folder_atomically
 from tessera.compiler.passes.kv_cache import CacheInfo
 
-from .pipeline import UsageError
+from tessera.runtime.pipeline import UsageError
 
 CONFIG_FILE = "genai_config.json"
 MODEL_FILE = "model.onnx"
@@ -50,20 +50,6 @@ TOKENIZER_MODELS = ("BPE", "Unigram", "WordPiece")
 EOS_NAMES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "<|eot_id|>", "[SEP]")
 BOS_NAMES = ("<s>", "<|begin_of_text|>", "<bos>", "<|endoftext|>", "[CLS]")
 PAD_NAMES = ("<pad>", "[PAD]", "<|pad|>")
-
-
-def check_options(args) -> None:
-    """The compile options --genai cannot be combined with, before anything is built."""
-    if args.cache == "buffer":
-        raise UsageError("--genai writes the concat cache (onnxruntime-genai feeds present = past + new back as "
-                         "the next past; it has no slot for the buffer cache's new columns): drop --cache buffer")
-    if args.target != "cpu":
-        raise UsageError("--genai writes a CPU configuration (onnxruntime-genai's provider options); "
-                         "--target cuda is not supported with it")
-    if args.context_length is not None and args.context_length < 1:
-        raise UsageError(f"--context-length must be at least 1, got {args.context_length}")
-    if args.output.endswith(".onnx"):
-        raise UsageError(f"with --genai, -o names the folder to write (e.g. {args.output[:-5]}), not an .onnx file")
 
 
 # ------------------------------------------------------------------ the tokenizer
@@ -242,4 +228,4 @@ def write_folder(out: str | Path, graph, info: CacheInfo, model: onnx.ModelProto
     return write_folder_atomically(out, write, CONFIG_FILE)
 
 
-__all__ = ["CONFIG_FILE", "MODEL_FILE", "check_options", "genai_config", "special_ids", "write_folder"]
+__all__ = ["CONFIG_FILE", "MODEL_FILE", "genai_config", "special_ids", "write_folder"]

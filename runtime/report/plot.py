@@ -12,7 +12,7 @@ from pathlib import Path
 from tessera.compiler.backends.atomic import OutputError, check_target, write_atomically
 from tessera.compiler.ir.graph import Graph
 
-from .pipeline import UsageError
+from tessera.runtime.pipeline import UsageError
 
 
 def _lengths(seq: int, crossover: float | None) -> list[int]:

@@ -1,9 +1,9 @@
 """``tessera run --plot-attention FILE.png``: an alignment heatmap as in Bahdanau et al. (2015), fig. 3.
 
 Source (key) tokens along the top, target (query) tokens down the left, each pixel one weight in
-grey scale from 0 (black) to 1 (white). The matrix is an ``Alignment`` from runtime/alignment.py,
+grey scale from 0 (black) to 1 (white). The matrix is an ``Alignment`` from runtime/report/alignment.py,
 drawn as it is. The path checks, the matplotlib-missing message and the atomic write are those of
-``tessera report --plot`` (runtime/report_plot.py, compiler/backends/atomic.py): the path is refused
+``tessera report --plot`` (runtime/report/plot.py, compiler/backends/atomic.py): the path is refused
 before the model runs, and a failed write leaves any previous file in place.
 """
 
@@ -13,8 +13,8 @@ from pathlib import Path
 
 from tessera.compiler.backends.atomic import write_atomically
 
-from .alignment import Alignment
-from .report_plot import _pyplot, check_plot_path
+from tessera.runtime.report.alignment import Alignment
+from tessera.runtime.report.plot import _pyplot, check_plot_path
 
 OPTION = "--plot-attention"
 EXAMPLE = "alignment.png"

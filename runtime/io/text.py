@@ -19,7 +19,8 @@ as all-MiniLM-L6-v2: the mean of the hidden states over the real tokens,
 L2-normalised. ``embed`` runs a whole text batch through an ONNX session and
 returns those embeddings::
 
-    from tessera.runtime import pipeline, text
+    from tessera.runtime import pipeline
+    from tessera.runtime.io import text
     from tessera.runtime.session import open_session
     from tessera.compiler.backends.onnx import export as onnx_export
 
@@ -149,7 +150,7 @@ def hidden_output(outputs: dict[str, np.ndarray]) -> str:
 
 def embed(session, tokenizer, texts: list[str]) -> np.ndarray:
     """Sentence embeddings [N, d] of texts: run the model, mean-pool its hidden states, L2-normalise."""
-    from .session import run_session
+    from tessera.runtime.session import run_session
 
     enc = encode(tokenizer, texts)
     dtypes = {"tensor(int64)": "i64", "tensor(int32)": "i32"}

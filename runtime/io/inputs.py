@@ -1,4 +1,9 @@
-"""Parse ``--input NAME=VALUE`` arguments (a JSON array or a .npy file) into arrays."""
+"""Parse ``--input NAME=VALUE`` arguments: every command's --input parser.
+
+``tessera run`` takes arrays (``parse_inputs``: a JSON array or a .npy file, checked against the
+input's element type). ``tessera generate`` takes token ids (``named_token_rows``: one list per
+prompt, rows of any lengths, since prompts are left-padded by the loop). Bad values are clear
+errors (InputError for run, UsageError for generate), never a traceback."""
 
 from __future__ import annotations
 
@@ -9,6 +14,9 @@ import numpy as np
 
 from tessera.compiler.ir.graph import DTYPES
 from tessera.compiler.ir.signature import InputError, InputSpec
+from tessera.spec.diagnostics import did_you_mean
+
+from tessera.runtime.pipeline import UsageError
 
 
 def parse_inputs(items: list[str], specs: list[InputSpec]) -> dict[str, np.ndarray]:
@@ -65,3 +73,36 @@ def _value(name: str, text: str, spec: InputSpec) -> np.ndarray:
     if not np.can_cast(arr.dtype, want, "same_kind") and not (arr.dtype.kind in "iub" and want.kind in "iuf"):
         raise InputError(f"input '{name}' has dtype {arr.dtype}, expected {spec.dtype} (shape {spec})")
     return arr.astype(want)
+
+
+def _json_rows(name: str, text: str) -> list[list[int]]:
+    """--input NAME=JSON: one list of integer ids per row (a flat list is one row)."""
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise UsageError(f"--input {name}: not a JSON list ({e.msg} at character {e.pos})") from None
+    if isinstance(data, list) and data and all(isinstance(t, int) and not isinstance(t, bool) for t in data):
+        data = [data]
+    if not isinstance(data, list) or not data or not all(isinstance(p, list) for p in data):
+        raise UsageError(f"--input {name} must be a list of rows, each a list of token ids, e.g. {name}=[[464, 2068]]")
+    for i, p in enumerate(data):
+        if not all(isinstance(t, int) and not isinstance(t, bool) for t in p):
+            raise UsageError(f"--input {name}: row {i} holds something other than integer token ids")
+    return data
+
+
+def named_token_rows(items: list[str], allowed: list[str]) -> dict[str, list[list[int]]]:
+    """Every --input NAME=JSON, each NAME one of the model's inputs and given once."""
+    out: dict[str, list[list[int]]] = {}
+    for item in items:
+        name, sep, text = item.partition("=")
+        if not sep:
+            raise UsageError(f"--input '{item}' must be NAME=JSON, e.g. '{allowed[0]}=[[464, 2068], [7586]]'")
+        if name not in allowed:
+            raise UsageError(f"--input {name}: the model has no such input (its inputs: {', '.join(allowed)})"
+                             + did_you_mean(name, allowed))
+        if name in out:
+            raise UsageError(f"--input {name} is given more than once; give every row in one list: "
+                             f"'{name}=[[...], [...]]'")
+        out[name] = _json_rows(name, text)
+    return out

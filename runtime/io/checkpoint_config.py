@@ -20,8 +20,8 @@ from pathlib import Path
 
 from tessera.spec import Program
 
-from .files import stat_or_raise
-from .weights import NameMap, WeightsError, _read_regular
+from tessera.runtime.io.files import stat_or_raise
+from tessera.runtime.io.weights import NameMap, WeightsError, _read_regular
 
 CONFIG_FILE = "config.json"
 

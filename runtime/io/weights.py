@@ -10,7 +10,7 @@ own paths, a mapping file beside the spec (``<spec>.hf.toml``) translates
 them: plain renames with ``{i}`` placeholders, plus splits (a fused QKV
 matrix, side by side or laid out per head: ``groups``) and transposes (GPT-2's
 Conv1D layout). Its ``[config]`` table maps a checkpoint folder's config.json to
-hyperparameters (runtime/checkpoint_config.py). Any mismatch is reported as one
+hyperparameters (runtime/io/checkpoint_config.py). Any mismatch is reported as one
 error listing the missing, unexpected and mis-shaped tensors.
 """
 
@@ -29,7 +29,7 @@ import numpy as np
 
 from tessera.compiler.ir.graph import DTYPES, Graph
 
-from .files import stat_or_raise
+from tessera.runtime.io.files import stat_or_raise
 
 
 class WeightsError(Exception):

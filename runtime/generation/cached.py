@@ -47,73 +47,11 @@ import numpy as np
 
 from tessera.compiler.passes.kv_cache import CacheError, CacheInfo
 
-from .pipeline import UsageError
+from tessera.runtime.pipeline import UsageError
 
 
-# ------------------------------------------------------------------ options
-@dataclass
-class Sampling:
-    """How each next token is chosen; temperature 0 means greedy."""
-
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    repetition_penalty: float = 1.0
-    seed: int | None = 0
-
-    def check(self) -> None:
-        t, k, p, r = self.temperature, self.top_k, self.top_p, self.repetition_penalty
-        if not (isinstance(t, (int, float)) and np.isfinite(t) and t >= 0):
-            raise UsageError(f"temperature must be a number >= 0 (0 is greedy), got {t}")
-        if not (isinstance(k, (int, np.integer)) and not isinstance(k, bool) and k >= 0):
-            raise UsageError(f"top_k must be an integer >= 0 (0 keeps every token), got {k}")
-        if not (isinstance(p, (int, float)) and 0 < p <= 1):
-            raise UsageError(f"top_p must be in (0, 1] (1 keeps every token), got {p}")
-        if not (isinstance(r, (int, float)) and np.isfinite(r) and r > 0):
-            raise UsageError(f"repetition_penalty must be a number > 0 (1 is none), got {r}")
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0
-
-
-def process_logits(logits: np.ndarray, seen: np.ndarray | None, s: Sampling) -> np.ndarray:
-    """Scores [B, V] after repetition penalty, temperature, top-k and top-p (filtered entries -inf)."""
-    x = np.array(logits, dtype=np.float32, copy=True)
-    if seen is not None and s.repetition_penalty != 1.0:
-        pen = np.float32(s.repetition_penalty)
-        x = np.where(seen, np.where(x < 0, x * pen, x / pen), x)
-    if s.greedy:
-        return x
-    x = x / np.float32(s.temperature)
-    if s.top_k and s.top_k < x.shape[-1]:
-        kth = np.partition(x, -s.top_k, axis=-1)[:, -s.top_k][:, None]
-        x = np.where(x < kth, -np.inf, x)
-    if s.top_p < 1.0:
-        order = np.argsort(-x, axis=-1, kind="stable")
-        sorted_x = np.take_along_axis(x, order, axis=-1).astype(np.float64)
-        probs = np.exp(sorted_x - sorted_x[:, :1])
-        probs /= probs.sum(-1, keepdims=True)
-        before = np.cumsum(probs, axis=-1) - probs  # probability of the more likely tokens
-        drop_sorted = before >= s.top_p
-        drop_sorted[:, 0] = False
-        drop = np.zeros_like(drop_sorted)
-        np.put_along_axis(drop, order, drop_sorted, axis=-1)
-        x = np.where(drop, -np.inf, x)
-    return x
-
-
-def choose(logits: np.ndarray, seen: np.ndarray | None, s: Sampling, rng: np.random.Generator) -> np.ndarray:
-    """The next token of every row [B]."""
-    x = process_logits(logits, seen, s)
-    if s.greedy:
-        return np.argmax(x, axis=-1).astype(np.int64)
-    x = x.astype(np.float64)
-    p = np.exp(x - x.max(-1, keepdims=True))
-    cdf = np.cumsum(p, axis=-1)
-    u = rng.random(len(x)) * cdf[:, -1]
-    picked = np.array([np.searchsorted(cdf[i], u[i], side="right") for i in range(len(x))], dtype=np.int64)
-    return np.minimum(picked, x.shape[-1] - 1)
+from tessera.runtime.generation.decoding import decode_steps  # noqa: E402
+from tessera.runtime.generation.sampling import Sampling, choose, process_logits  # noqa: E402,F401  (this module's API)
 
 
 # ------------------------------------------------------------------ the compiled model
@@ -142,7 +80,7 @@ class CachedModel:
     """An onnxruntime session over a cached graph, with what the loop needs to feed it."""
 
     def __init__(self, source: str | bytes, info: CacheInfo, provider: str = "cpu", threads: int | None = None):
-        from .session import _ort, open_session
+        from tessera.runtime.session import _ort, open_session
 
         self.info = info
         if threads:
@@ -181,7 +119,7 @@ class CachedModel:
     def run(self, feeds: dict[str, np.ndarray], bound: "BoundStep | None" = None) -> dict[str, np.ndarray]:
         """One step: through ``bound`` (the cache buffers bound in place, a decoding step of a graph whose
         attention writes them: info.length_input) or with numpy feeds and outputs."""
-        from .session import run_session
+        from tessera.runtime.session import run_session
 
         if bound is not None:
             return bound.run(feeds)
@@ -217,7 +155,7 @@ def compile_cached(built, weights: dict[str, np.ndarray], last_only: bool = True
                                                         layer.present_value)}
         LowerPrecision(dtype, native)(built.graph)
         info.dtype = built.graph.type_of(info.layers[0].past_key).dtype
-    from .pipeline import _jsonable
+    from tessera.runtime.pipeline import _jsonable
 
     meta = {"tessera.model": built.info.model, "tessera.variant": built.info.variant or "",
             "tessera.hyperparams": {k: _jsonable(v) for k, v in built.info.hyperparams.items()},
@@ -233,7 +171,7 @@ class Seq2Seq:
 
     def __init__(self, encoder_source: str | bytes, decoder: CachedModel, boundary: list[str],
                  provider: str = "cpu"):
-        from .session import open_session
+        from tessera.runtime.session import open_session
 
         self.encoder = open_session(encoder_source, provider)
         self.decoder = decoder
@@ -241,7 +179,7 @@ class Seq2Seq:
 
     def encode(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """The decoder's fixed inputs for a source batch: the encoder's outputs and the inputs both read."""
-        from .session import run_session
+        from tessera.runtime.session import run_session
 
         enc_inputs = {i.name for i in self.encoder.get_inputs()}
         out = run_session(self.encoder, {k: v for k, v in feeds.items() if k in enc_inputs})
@@ -356,7 +294,7 @@ class BoundStep:
 
     def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """One decoding step; returns the logits (a copy: the bound array is reused by the next step)."""
-        from .session import RunError, ort_message
+        from tessera.runtime.session import RunError, ort_message
 
         for name, value in feeds.items():
             if name not in self.buffers:  # the buffers stay bound; the step's tokens, mask, positions rebind
@@ -368,6 +306,84 @@ class BoundStep:
         return {self.logits: self.outputs[self.logits].copy()}
 
 
+class CachedDecoder:
+    """The KV-cached model as a decoding.Decoder: the first step runs the left-padded prompts (against
+    an empty past), each later one the last tokens against the cache, which it keeps (buffer: written
+    in place or by the bound kernel; concat: the present tensors fed back, trimmed to a sliding window)."""
+
+    def __init__(self, model: CachedModel, prompts: list[list[int]], max_new_tokens: int, pad_id: int,
+                 stats: Stats, extra_feeds: dict[str, np.ndarray] | None = None):
+        info = model.info
+        self.model, self.info, self.stats, self.extra_feeds = model, info, stats, extra_feeds or {}
+        b, t0 = len(prompts), max(len(p) for p in prompts)
+        self.rows = b
+        ids = np.full((b, t0), pad_id, dtype=np.int64)
+        mask = np.zeros((b, t0), dtype=np.int64)
+        for r, p in enumerate(prompts):
+            ids[r, t0 - len(p):] = p
+            mask[r, t0 - len(p):] = 1
+        self.tokens, self.mask = ids, mask
+        self.lengths = np.array([len(p) for p in prompts], dtype=np.int64)  # real tokens per row so far
+        self.buffer = info.mode == "buffer"
+        self.window = cache_window(info)
+        capacity = t0 + max_new_tokens
+        self.cache: dict[str, np.ndarray] = {}
+        for layer in info.layers:
+            for name, size in ((layer.past_key, layer.head_size), (layer.past_value, layer.value_size)):
+                self.cache[name] = np.zeros((b, layer.kv_heads, capacity if self.buffer else 0, size),
+                                            dtype=model.np_dtype)
+        self.slots = np.zeros((b, capacity if self.buffer else 0), dtype=np.int64)  # mask of the cache's slots
+        stats.cache_bytes = sum(c.nbytes for c in self.cache.values())
+        self.filled = 0
+        self.positions = np.maximum(np.cumsum(mask, axis=1) - 1, 0)
+        # The prompt goes in against an empty past (P = 0): its attention is the tiled prefill kernel over
+        # the prompt alone, not over the whole (still empty) buffer; its keys and values then fill the
+        # buffer's first slots, and every later step reads the buffer in place.
+        self.empty = {name: np.zeros(c.shape[:2] + (0,) + c.shape[3:], dtype=c.dtype) for name, c in self.cache.items()}
+        self.bound = BoundStep(model, self.cache) if self.buffer and info.length_input else None
+        self.first = True
+
+    def step(self, last: np.ndarray | None) -> np.ndarray:
+        info, cache = self.info, self.cache
+        if last is not None:
+            self.tokens = last[:, None].astype(np.int64)
+            self.mask = np.ones((self.rows, 1), dtype=np.int64)
+            self.positions = self.lengths[:, None].copy()
+            self.lengths += 1
+        tokens, mask = self.tokens, self.mask
+        t = tokens.shape[1]
+        prefill = self.first and self.buffer
+        self.first = False
+        feeds = {info.tokens: tokens,
+                 "attention_mask": mask if prefill else np.concatenate([self.slots, mask], axis=1),
+                 "position_ids": self.positions, **(self.empty if prefill else cache), **self.extra_feeds}
+        if info.length_input:
+            feeds[info.length_input] = np.array([0 if prefill else self.filled], dtype=np.int64)
+        if self.bound is not None and not prefill:  # the kernel writes the new columns into the buffers itself
+            out = self.model.run(feeds, bound=self.bound)
+        else:
+            out = self.model.run(feeds)
+            filled = self.filled
+            for layer in info.layers:
+                if self.buffer:
+                    cache[layer.past_key][:, :, filled:filled + t] = out[layer.present_key]
+                    cache[layer.past_value][:, :, filled:filled + t] = out[layer.present_value]
+                else:
+                    cache[layer.past_key], cache[layer.past_value] = out[layer.present_key], out[layer.present_value]
+        if self.buffer:
+            self.slots[:, self.filled:self.filled + t] = mask
+        else:
+            self.slots = np.concatenate([self.slots, mask], axis=1)
+            if self.window and self.slots.shape[1] > self.window:  # a sliding window keeps only its window
+                self.slots = self.slots[:, -self.window:]
+                for layer in info.layers:
+                    for name in (layer.past_key, layer.past_value):
+                        cache[name] = np.ascontiguousarray(cache[name][:, :, -self.window:])
+            self.stats.cache_bytes = max(self.stats.cache_bytes, sum(c.nbytes for c in cache.values()))
+        self.filled += t
+        return out[info.logits][:, -1, :]
+
+
 def stream(model: CachedModel, prompts, max_new_tokens: int, sampling: Sampling | None = None,
            stop_tokens=(), pad_id: int = 0, stats: Stats | None = None,
            should_stop: Callable[[int, list[int]], bool] | None = None,
@@ -377,104 +393,19 @@ def stream(model: CachedModel, prompts, max_new_tokens: int, sampling: Sampling 
 
     ``should_stop(row, tokens so far)`` may end a row (e.g. on a stop text); ``on_logits(step, logits
     [B, V])`` sees the scores each token was chosen from (tests compare them with a full recomputation);
-    ``extra_feeds`` go to every step unchanged (an encoder-decoder's encoder outputs, see Seq2Seq)."""
+    ``extra_feeds`` go to every step unchanged (an encoder-decoder's encoder outputs, see Seq2Seq).
+    The loop itself is generation/decoding.py's, shared with the recurrent decoder."""
     sampling = sampling or Sampling()
     prompts = check_request(model, prompts, max_new_tokens, sampling, stop_tokens)
-    info, stats = model.info, stats if stats is not None else Stats()
-    rng = np.random.default_rng(sampling.seed)
-    stop = set(int(t) for t in stop_tokens)
-    b, t0 = len(prompts), max(len(p) for p in prompts)
-    ids = np.full((b, t0), pad_id, dtype=np.int64)
-    mask = np.zeros((b, t0), dtype=np.int64)
-    for r, p in enumerate(prompts):
-        ids[r, t0 - len(p):] = p
-        mask[r, t0 - len(p):] = 1
-    vocab = model.vocab
+    stats = stats if stats is not None else Stats()
     seen = None
     if sampling.repetition_penalty != 1.0:
-        seen = np.zeros((b, vocab), dtype=bool)
+        seen = np.zeros((len(prompts), model.vocab), dtype=bool)
         for r, p in enumerate(prompts):
             seen[r, p] = True
     stats.prompt_tokens = sum(len(p) for p in prompts)
-    lengths = np.array([len(p) for p in prompts], dtype=np.int64)  # real tokens per row so far
-
-    buffer = info.mode == "buffer"
-    window = cache_window(info)
-    capacity = t0 + max_new_tokens
-    cache: dict[str, np.ndarray] = {}
-    for layer in info.layers:
-        for name, size in ((layer.past_key, layer.head_size), (layer.past_value, layer.value_size)):
-            cache[name] = np.zeros((b, layer.kv_heads, capacity if buffer else 0, size), dtype=model.np_dtype)
-    slots = np.zeros((b, capacity if buffer else 0), dtype=np.int64)  # mask of the cache's slots
-    stats.cache_bytes = sum(c.nbytes for c in cache.values())
-    filled = 0
-    positions = np.maximum(np.cumsum(mask, axis=1) - 1, 0)
-    generated: list[list[int]] = [[] for _ in prompts]
-    done = np.zeros(b, dtype=bool)
-    tokens = ids
-    # The prompt goes in against an empty past (P = 0): its attention is the tiled prefill kernel over
-    # the prompt alone, not over the whole (still empty) buffer; its keys and values then fill the
-    # buffer's first slots, and every later step reads the buffer in place.
-    empty = {name: np.zeros(c.shape[:2] + (0,) + c.shape[3:], dtype=c.dtype) for name, c in cache.items()}
-    bound = BoundStep(model, cache) if buffer and info.length_input else None
-    for step in range(max_new_tokens):
-        t = tokens.shape[1]
-        prefill = step == 0 and buffer
-        feeds = {info.tokens: tokens, "attention_mask": mask if prefill else np.concatenate([slots, mask], axis=1),
-                 "position_ids": positions, **(empty if prefill else cache), **(extra_feeds or {})}
-        if info.length_input:
-            feeds[info.length_input] = np.array([0 if prefill else filled], dtype=np.int64)
-        start = time.perf_counter()
-        if bound is not None and not prefill:  # the kernel writes the new columns into the buffers itself
-            out = model.run(feeds, bound=bound)
-        else:
-            out = model.run(feeds)
-            for layer in info.layers:
-                if buffer:
-                    cache[layer.past_key][:, :, filled:filled + t] = out[layer.present_key]
-                    cache[layer.past_value][:, :, filled:filled + t] = out[layer.present_value]
-                else:
-                    cache[layer.past_key], cache[layer.past_value] = out[layer.present_key], out[layer.present_value]
-        if buffer:
-            slots[:, filled:filled + t] = mask
-        else:
-            slots = np.concatenate([slots, mask], axis=1)
-            if window and slots.shape[1] > window:  # a sliding window keeps only its window
-                slots = slots[:, -window:]
-                for layer in info.layers:
-                    for name in (layer.past_key, layer.past_value):
-                        cache[name] = np.ascontiguousarray(cache[name][:, :, -window:])
-            stats.cache_bytes = max(stats.cache_bytes, sum(c.nbytes for c in cache.values()))
-        filled += t
-        logits = out[info.logits][:, -1, :]
-        if on_logits is not None:
-            on_logits(step, logits)
-        nxt = choose(logits, seen, sampling, rng)
-        elapsed = time.perf_counter() - start
-        if step == 0:
-            stats.prefill_s = elapsed
-        else:
-            stats.decode_s.append(elapsed)
-        emitted: list[int | None] = []
-        for r in range(b):
-            if done[r]:
-                emitted.append(None)
-                continue
-            tok = int(nxt[r])
-            generated[r].append(tok)
-            emitted.append(tok)
-            if seen is not None:
-                seen[r, tok] = True
-            if tok in stop or (should_stop is not None and should_stop(r, generated[r])):
-                done[r] = True
-        stats.new_tokens += sum(e is not None for e in emitted)
-        yield emitted
-        if done.all() or step == max_new_tokens - 1:
-            return
-        tokens = np.where(done, pad_id, nxt)[:, None].astype(np.int64)
-        mask = np.ones((b, 1), dtype=np.int64)
-        positions = lengths[:, None].copy()
-        lengths += 1
+    decoder = CachedDecoder(model, prompts, max_new_tokens, pad_id, stats, extra_feeds)
+    return decode_steps(decoder, max_new_tokens, sampling, stop_tokens, stats, should_stop, on_logits, seen, pad_id)
 
 
 def generate(model: CachedModel, prompts, max_new_tokens: int, sampling: Sampling | None = None,

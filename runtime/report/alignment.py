@@ -1,7 +1,7 @@
 """The alignment matrix ``tessera run --plot-attention`` draws: which output, which row and head,
 and which tokens label its axes.
 
-Kept apart from the drawing (runtime/alignment_plot.py, which needs matplotlib) so that the matrix
+Kept apart from the drawing (runtime/report/alignment_plot.py, which needs matplotlib) so that the matrix
 can be computed and tested on its own: the plot is made from exactly the ``Alignment`` returned here.
 
 The weights come from a model output: one the user names (``--attention-output``), the
@@ -25,7 +25,7 @@ import numpy as np
 from tessera.compiler.ir.signature import InputLimits, InputSpec
 from tessera.compiler.passes.expose_attention import PREFIX, output_name
 
-from .pipeline import UsageError
+from tessera.runtime.pipeline import UsageError
 
 # An output whose name holds one of these words (as a word part: ``align``, ``cross_attn``,
 # ``attention_probs.0``, ``weights``) is taken to hold attention weights.

@@ -1,0 +1,253 @@
+"""Serving throughput and latency: `tessera serve` under a bounded load on loopback, against
+Tessera's one-request-at-a-time ``generate`` and a static batch, on the same weights and threads.
+
+    python bench/serve.py                                   # a small Llama-shaped model, quick
+    python bench/serve.py --model llama --requests 32       # the issue's Llama shape (hidden 768, 12 layers)
+    python bench/serve.py --model gpt2 --concurrency 1 4 16 32
+    python bench/serve.py --model tiny --concurrency 16 16 16 16 --requests 250 --new 16 --prompt-max 64
+                                                            # a soak: 1,000 requests, RSS after each 250
+
+What runs (weights seeded; a word-level tokenizer over the model's vocabulary, one word per id, so
+every new token is one streamed chunk of text):
+
+- ``generate-1``: the engine's compiled decoder (plain decoding branch) through ``generate``, one
+  request at a time: aggregate tokens/s = all new tokens / all the time; and the same with the
+  ``tessera generate`` default (GroupQueryAttention decoding) for the cost of the plain branch at B = 1;
+- ``static-C``: ``generate`` over C prompts at once (left-padded, every row to the end);
+- ``serve-C``: the server in its own process (``tessera serve``, --max-batch = the largest C), C
+  client threads each sending streaming completions one after another until the level's requests
+  are done (prompts of different lengths, uniform in [--prompt-min, --prompt-max], ``--new`` tokens
+  each, greedy, ``ignore_eos``). Per level: aggregate output tokens/s (all completion tokens / the
+  level's wall time), time to first token p50/p99 (from sending the request to its first text chunk),
+  inter-token latency p50/p99 (between successive chunks of one stream), the server's CPU time
+  over wall time and its resident memory after the level.
+
+Not a timed test: the figures depend on the machine and what else runs on it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+MODELS = {
+    "tiny": {"spec": "gpt2", "sets": ["layers=2", "d=64", "heads=4", "vocab=1000", "ctx=512"]},
+    "small": {"spec": "llama", "sets": ["vocab=4000", "d=256", "layers=4", "heads=8", "kv_heads=4", "d_ff=704",
+                                        "ctx=1024"]},
+    "llama": {"spec": "llama", "sets": ["vocab=32000", "d=768", "layers=12", "heads=12", "kv_heads=12", "d_ff=3072",
+                                        "ctx=512"]},
+    "gpt2": {"spec": "gpt2", "variant": "small", "sets": []},
+}
+
+
+def _vocab(sets: list[str], default: int = 50257) -> int:
+    for s in sets:
+        if s.startswith("vocab="):
+            return int(s.split("=")[1])
+    return default
+
+
+def make_tokenizer(folder: Path, vocab: int) -> Path:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(vocab)}, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##")
+    path = folder / "tokenizer.json"
+    tok.save(str(path))
+    return path
+
+
+def prompts(n: int, lo: int, hi: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(1, vocab, int(rng.integers(lo, hi + 1))).tolist() for _ in range(n)]
+
+
+def pct(xs: list[float], q: float) -> float:
+    return float(np.percentile(xs, q)) * 1e3 if xs else float("nan")
+
+
+def baselines(args, model_args: dict, ps: list[list[int]]) -> list[dict]:
+    from tessera.runtime.generation import cached as gen
+    from tessera.runtime import pipeline
+    from tessera.runtime.serving import model as serving_model
+
+    rows = []
+    plain = serving_model.load(model_args["spec"], model_args.get("variant"), model_args["sets"], threads=args.threads)
+    built = pipeline.build(model_args["spec"], model_args.get("variant"), model_args["sets"])
+    proto, info = gen.compile_cached(built, pipeline.weights_for(built, None, 0))
+    default = gen.CachedModel(proto.SerializeToString(), info, threads=args.threads)
+    for name, m in (("generate-1 (plain decode, the engine's)", plain),
+                    (f"generate-1 ({'GroupQueryAttention' if info.length_input else 'plain'} decode, the default)",
+                     default)):
+        gen.generate(m, [ps[0]], 4)  # warm-up
+        start, new = time.perf_counter(), 0
+        for p in ps[:args.baseline_requests]:
+            new += len(gen.generate(m, [p], args.new).tokens[0])
+        wall = time.perf_counter() - start
+        rows.append({"case": name, "tokens_per_s": new / wall, "wall_s": wall})
+    for c in args.concurrency:
+        if c == 1:
+            continue
+        batch = ps[:c]
+        gen.generate(plain, batch, 2)
+        start = time.perf_counter()
+        res = gen.generate(plain, batch, args.new)
+        wall = time.perf_counter() - start
+        rows.append({"case": f"static-{c} (generate, left-padded)", "tokens_per_s": res.stats.new_tokens / wall,
+                     "wall_s": wall})
+    return rows
+
+
+def _cpu_s(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _rss_mib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def serve_levels(args, model_args: dict, tokenizer: Path, ps: list[list[int]]) -> list[dict]:
+    import httpx
+
+    port = _free_port()
+    cmd = [sys.executable, "-c", "import sys; from tessera.runtime.cli import main; sys.exit(main())", "serve",
+           model_args["spec"], *sum((["--set", s] for s in model_args["sets"]), []), "--tokenizer", str(tokenizer),
+           "--port", str(port), "--max-batch", str(max(args.concurrency)), "--max-queue", "256",
+           "--prefill-chunk", str(args.prefill_chunk)]
+    if model_args.get("variant"):
+        cmd += ["--variant", model_args["variant"]]
+    if args.threads:
+        cmd += ["--threads", str(args.threads)]
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+    rows = []
+    try:
+        while True:
+            if proc.poll() is not None:
+                raise SystemExit(f"the server exited: {proc.stderr.read()}")
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        texts = [" ".join(f"w{t}" for t in p) for p in ps]
+
+        def one(client, text):
+            sent = time.perf_counter()
+            stamps, tokens = [], 0
+            body = {"prompt": text, "max_tokens": args.new, "temperature": 0, "ignore_eos": True, "stream": True,
+                    "stream_options": {"include_usage": True}}
+            with client.stream("POST", url + "/v1/completions", json=body) as r:
+                if r.status_code != 200:
+                    return None
+                for line in r.iter_lines():
+                    if not line.startswith("data:") or "[DONE]" in line:
+                        continue
+                    data = json.loads(line[5:])
+                    if data.get("usage"):
+                        tokens = data["usage"]["completion_tokens"]
+                    elif data["choices"] and data["choices"][0]["text"]:
+                        stamps.append(time.perf_counter())
+            return sent, stamps, tokens
+
+        one(httpx.Client(timeout=600), texts[0])  # warm-up
+        for c in args.concurrency:
+            n = max(args.requests, c)
+            todo = list(range(n))
+            lock, results, errors = threading.Lock(), [], [0]
+
+            def worker():
+                with httpx.Client(timeout=600) as client:
+                    while True:
+                        with lock:
+                            if not todo:
+                                return
+                            i = todo.pop(0)
+                        r = one(client, texts[i % len(texts)])
+                        with lock:
+                            if r is None:
+                                errors[0] += 1
+                            else:
+                                results.append(r)
+
+            cpu0, start = _cpu_s(proc.pid), time.perf_counter()
+            threads = [threading.Thread(target=worker) for _ in range(c)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            wall, cpu = time.perf_counter() - start, _cpu_s(proc.pid) - cpu0
+            ttft = [s[0] - sent for sent, s, _ in results if s]
+            itl = [b - a for _, s, _ in results for a, b in zip(s, s[1:])]
+            total = sum(t for _, _, t in results)
+            rows.append({"case": f"serve-{c}", "requests": len(results), "errors": errors[0],
+                         "tokens_per_s": total / wall, "wall_s": wall, "ttft_p50_ms": pct(ttft, 50),
+                         "ttft_p99_ms": pct(ttft, 99), "itl_p50_ms": pct(itl, 50), "itl_p99_ms": pct(itl, 99),
+                         "cpu_per_wall": cpu / wall, "server_rss_mib": _rss_mib(proc.pid)})
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    return rows
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", choices=list(MODELS), default="small")
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
+    p.add_argument("--requests", type=int, default=16, help="requests per concurrency level (at least the level)")
+    p.add_argument("--baseline-requests", type=int, default=4, help="requests run one at a time by generate")
+    p.add_argument("--prompt-min", type=int, default=32)
+    p.add_argument("--prompt-max", type=int, default=256)
+    p.add_argument("--new", type=int, default=64, help="new tokens per request (default 64)")
+    p.add_argument("--prefill-chunk", type=int, default=128)
+    p.add_argument("--threads", type=int, default=None, help="onnxruntime intra-op threads (default: all cores)")
+    p.add_argument("--json", metavar="FILE")
+    args = p.parse_args()
+    model_args = MODELS[args.model]
+    vocab = _vocab(model_args["sets"])
+    ps = prompts(max(max(args.concurrency), args.requests), args.prompt_min, args.prompt_max, vocab)
+    with tempfile.TemporaryDirectory() as tmp:
+        tokenizer = make_tokenizer(Path(tmp), vocab)
+        rows = baselines(args, model_args, ps) + serve_levels(args, model_args, tokenizer, ps)
+    print(f"model {args.model} ({' '.join(model_args['sets']) or model_args.get('variant')}), prompts "
+          f"{args.prompt_min}-{args.prompt_max} tokens, {args.new} new, threads {args.threads or os.cpu_count()}")
+    for r in rows:
+        extra = ""
+        if "ttft_p50_ms" in r:
+            extra = (f"  TTFT p50 {r['ttft_p50_ms']:.0f} p99 {r['ttft_p99_ms']:.0f} ms  ITL p50 {r['itl_p50_ms']:.1f} "
+                     f"p99 {r['itl_p99_ms']:.1f} ms  CPU/wall {r['cpu_per_wall']:.2f}  RSS {r['server_rss_mib']:.0f} MiB  "
+                     f"{r['requests']} requests, {r['errors']} errors")
+        print(f"{r['case']:<48} {r['tokens_per_s']:8.1f} tokens/s{extra}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()

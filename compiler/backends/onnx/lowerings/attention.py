@@ -1,0 +1,134 @@
+"""ONNX lowerings of the attention pieces of compiler/ops/attention.py: the masks, rotary embedding
+(six element-wise nodes, or one RotaryEmbedding on explicit positions) and the top-k gates.
+``fused_attention``'s kernels live in backends/onnx/attention.py and cached_attention.py; this
+table only names its entry point."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from tessera.compiler.backends.onnx.attention import lower_fused_attention
+from tessera.compiler.backends.onnx.lowerings.common import min_const, np_float
+from tessera.compiler.ir import dims
+from tessera.compiler.ops.attention import rotated_dims
+from tessera.compiler.reference.numerics import rope_inv_freq
+
+
+def _causal_mask(L):
+    b, a, t = L.b, L.a, L.t_in[0]
+    tq, tk = t.shape[-2], t.shape[-1]
+    zero = b.const(np.array(0, dtype=np.int64), "zero")
+    one = b.const(np.array(1, dtype=np.int64), "one")
+    rows = b.node("Range", [zero, b.dim_scalar(tq), one])[0]
+    offset = tk - tq
+    if not (dims.is_static(offset) and int(offset) == 0):
+        rows = b.node("Add", [rows, b.dim_scalar(offset)])[0]
+    rows = b.node("Unsqueeze", [rows, b.i64([1])])[0]
+    cols = b.node("Range", [zero, b.dim_scalar(tk), one])[0]
+    hide = b.node("Greater", [cols, rows])[0]
+    if a["window"]:
+        lim = b.node("Sub", [rows, b.const(np.array(a["window"], dtype=np.int64), "window")])[0]
+        far = b.node("LessOrEqual", [cols, lim])[0]
+        hide = b.node("Or", [hide, far])[0]
+    L.emit("Where", [hide, min_const(b, t.dtype), L.x[0]])
+
+
+def _padding_mask(L):
+    b, x, t_in = L.b, L.x, L.t_in
+    zero = b.const(np.array(0, dtype=np.int64 if t_in[1].dtype == "i64" else np.int32), "zero")
+    keep = b.node("Not", [b.node("Equal", [x[1], zero])[0]])[0] if t_in[1].dtype != "bool" else x[1]
+    keep = b.node("Unsqueeze", [keep, b.i64([1, 2])])[0]
+    L.emit("Where", [keep, x[0], min_const(b, t_in[0].dtype)])
+
+
+def _rope(L):
+    b, a, t, x = L.b, L.a, L.t_in[0], L.x
+    hd = int(t.shape[-1])
+    r = rotated_dims(a, hd)
+    interleaved = bool(a.get("interleaved"))
+    n = t.shape[-2]
+    inv_freq = rope_inv_freq(r, a["theta"], a.get("scaling"))
+    if len(x) > 1 and t.rank == 4 and t.dtype in ("f32", "f16"):  # the types onnxruntime's CPU kernel takes
+        return _rope_fused(L, r, hd, interleaved, inv_freq)
+    zero = b.const(np.array(0, dtype=np.int64), "zero")
+    one = b.const(np.array(1, dtype=np.int64), "one")
+    if len(x) > 1:  # explicit positions [B, T] (a KV-cached graph): tables [B, 1, T, hd]
+        pos = b.node("Unsqueeze", [b.node("Cast", [x[1]], to=b.onnx_type("f32"))[0], b.i64([1, 3])])[0]
+        lead = 3
+    else:
+        pos = b.node("Cast", [b.node("Range", [zero, b.dim_scalar(n), one])[0]], to=b.onnx_type("f32"))[0]
+        pos = b.node("Unsqueeze", [pos, b.i64([1])])[0]
+        lead = 1
+    freqs = b.node("Mul", [pos, b.const(inv_freq[None, :], "inv_freq")])[0]
+    if interleaved:  # f0 f0 f1 f1 ...
+        pair = b.node("Unsqueeze", [freqs, b.i64([-1])])[0]
+        emb = b.node("Reshape", [b.node("Concat", [pair, pair], axis=-1)[0], b.i64([0] * lead + [r])])[0]
+    else:
+        emb = b.node("Concat", [freqs, freqs], axis=-1)[0]
+    cos, sin = b.node("Cos", [emb])[0], b.node("Sin", [emb])[0]
+    if t.dtype != "f32":  # tables in fp32, applied at the tensor's precision
+        cos = b.node("Cast", [cos], to=b.onnx_type(t.dtype))[0]
+        sin = b.node("Cast", [sin], to=b.onnx_type(t.dtype))[0]
+    xr = x[0] if r == hd else b.node("Slice", [x[0], b.i64([0]), b.i64([r]), b.i64([-1])])[0]
+    if interleaved:  # (x0, x1) -> (-x1, x0) per pair
+        keep = [0] * (t.rank - 1)
+        pairs = b.node("Reshape", [xr, b.i64(keep + [r // 2, 2])])[0]
+        even = b.node("Slice", [pairs, b.i64([0]), b.i64([1]), b.i64([-1])])[0]
+        odd = b.node("Slice", [pairs, b.i64([1]), b.i64([2]), b.i64([-1])])[0]
+        rot = b.node("Reshape", [b.node("Concat", [b.node("Neg", [odd])[0], even], axis=-1)[0],
+                                 b.i64(keep + [r])])[0]
+    else:
+        half = b.i64([r // 2])
+        x1 = b.node("Slice", [xr, b.i64([0]), half, b.i64([-1])])[0]
+        x2 = b.node("Slice", [xr, half, b.i64([r]), b.i64([-1])])[0]
+        rot = b.node("Concat", [b.node("Neg", [x2])[0], x1], axis=-1)[0]
+    if r == hd:
+        return L.emit("Add", [b.node("Mul", [x[0], cos])[0], b.node("Mul", [rot, sin])[0]])
+    out = b.node("Add", [b.node("Mul", [xr, cos])[0], b.node("Mul", [rot, sin])[0]])[0]
+    rest = b.node("Slice", [x[0], b.i64([r]), b.i64([hd]), b.i64([-1])])[0]
+    L.emit("Concat", [out, rest], axis=-1)
+
+
+def _rope_fused(L, r: int, hd: int, interleaved: bool, inv_freq: np.ndarray) -> None:
+    """Explicit positions on [B, H, T, hd] (the KV-cached graph): one ONNX RotaryEmbedding (opset 23)
+    per rope instead of six element-wise nodes. Its cos and sin tables are given per position,
+    [B, T, r/2], computed once from the positions and shared by every rope with the same
+    frequencies (a Llama decoding step has 24 ropes), so there is no table of maximum length
+    and no limit on the position."""
+    b, t, x = L.b, L.t_in[0], L.x
+    key = ("rope_tables", x[1], inv_freq.tobytes(), t.dtype)
+    if key not in b.shared:
+        saved, b.current = b.current, ""
+        try:
+            pos = b.node("Unsqueeze", [b.node("Cast", [x[1]], to=b.onnx_type("f32"))[0], b.i64([2])])[0]
+            freqs = b.node("Mul", [pos, b.const(inv_freq.astype(np.float32), "inv_freq")],
+                           [b.fresh("rope/freqs")])[0]  # [B, T, r/2]
+            tables = [b.node(f, [freqs], [b.fresh(f"rope/{f.lower()}")])[0] for f in ("Cos", "Sin")]
+            if t.dtype != "f32":  # computed in fp32, applied at the tensor's precision
+                tables = [b.node("Cast", [v], to=b.onnx_type(t.dtype))[0] for v in tables]
+            b.shared[key] = tables
+        finally:
+            b.current = saved
+    cos, sin = b.shared[key]
+    attrs = {"interleaved": int(interleaved)}
+    if r != hd:
+        attrs["rotary_embedding_dim"] = r
+    L.emit("RotaryEmbedding", [x[0], cos, sin], **attrs)
+
+
+def _topk_gates(L):
+    b, x = L.b, L.x
+    vals, idx = b.node("TopK", [x[0], b.i64([L.a["k"]])], 2, axis=-1, largest=1, sorted=1)
+    w = b.node("Softmax", [vals], axis=-1)[0]
+    zeros = b.node("ConstantOfShape", [b.node("Shape", [x[0]])[0]],
+                   value=b.tensor_value(np.zeros(1, dtype=np_float(L.t_in[0].dtype))))[0]
+    L.emit("ScatterElements", [zeros, idx, w], axis=-1)
+
+
+LOWERINGS = {
+    "causal_mask": _causal_mask,
+    "padding_mask": _padding_mask,
+    "rope": _rope,
+    "topk_gates": _topk_gates,
+    "fused_attention": lambda L: lower_fused_attention(L.b, L.node, L.out),
+}

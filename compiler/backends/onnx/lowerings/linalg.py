@@ -1,0 +1,48 @@
+"""ONNX lowerings of the products (compiler/ops/linalg.py): linear (MatMul on weights written
+[in, out]), the block-quantised linear (com.microsoft MatMulNBits), matmul, embedding, convolutions."""
+
+from __future__ import annotations
+
+
+def _linear(L):
+    # A weight only linears read is written [in, out] (builder.transposed_weights), so MatMul takes it
+    # as it lies; a Transpose of the [out, in] parameter would be folded by onnxruntime into a second
+    # copy of the weight. Any other weight (a computed one, GPT-2's head tied to the token table) is
+    # transposed here.
+    w = L.x[1]
+    wt = w if w in L.b.transposed else L.b.node("Transpose", [w], perm=[1, 0])[0]
+    if len(L.x) == 3:
+        mm = L.b.node("MatMul", [L.x[0], wt])[0]
+        L.emit("Add", [mm, L.x[2]])
+    else:
+        L.emit("MatMul", [L.x[0], wt])
+
+
+
+def _linear_nbits(L):
+    inputs = list(L.x[:3]) + (["", "", L.x[3]] if len(L.x) == 4 else [])  # bias is MatMulNBits' input 5
+    L.emit("MatMulNBits", inputs, domain="com.microsoft", K=L.a["K"], N=L.a["N"], bits=L.a["bits"],
+           block_size=L.a["block_size"], accuracy_level=L.a.get("accuracy_level", 0))
+
+
+
+def _conv2d(L):
+    k = L.a["kernel"]
+    L.emit("Conv", L.x, kernel_shape=[k, k], strides=[L.a["stride"], L.a["stride"]])
+
+
+
+def _conv1d(L):
+    p = L.a["padding"]
+    L.emit("Conv", L.x, kernel_shape=[L.a["kernel"]], strides=[L.a["stride"]], pads=[p, p])
+
+
+
+LOWERINGS = {
+    "linear": _linear,
+    "linear_nbits": _linear_nbits,
+    "matmul": lambda L: L.emit("MatMul", L.x),
+    "embedding": lambda L: L.emit("Gather", [L.x[1], L.x[0]], axis=0),
+    "conv2d": _conv2d,
+    "conv1d": _conv1d,
+}

@@ -1,0 +1,199 @@
+"""The score epilogue in ONNX: scale, logit soft-cap, bias and masks on a block of Q·Kᵀ, for every
+Tessera kernel that computes scores itself (backends/onnx/attention.py's block and portable
+kernels, backends/onnx/cached_attention.py's decoding step and prefill).
+
+It mirrors compiler/reference/score_epilogue.py step for step (``STEPS``: the features each
+step computes), so the features a kernel using it supports are exactly ``computed()``; the
+contrib-op kernels (GroupQueryAttention, MultiHeadAttention) declare their own, smaller
+allow-lists in backends/onnx/attention.py.
+
+A kernel calls ``prepare`` once, outside any Loop or If (what every block shares: the mask
+made boolean, the bias brought to rank 4, a causal triangle for equal tiles), then ``apply``
+on each block of scores with a ``Block`` saying where the block lies and what the kernel has
+applied already (queries scaled before the product, a mask the cache built once).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+
+from tessera.compiler.ir import dims
+from tessera.compiler.reference import score_epilogue as reference
+
+
+def _scalar(b, value, dtype=np.int64) -> str:
+    return b.const(np.array(value, dtype=dtype), "scalar")
+
+
+@dataclass
+class Prepared:
+    """What every block of one node's scores shares, built once in the enclosing graph."""
+
+    np_dtype: type
+    tq: str                       # the run-time lengths, and Tk - Tq: keys before the first query
+    tk: str                       # (causal only)
+    offset: str
+    min_value: str
+    hidden: str | None = None     # padding mask [B, 1, 1, Tk], True = hidden
+    bias: str | None = None       # the bias (rank 4 when tiled)
+    bias_axes: tuple = (False, False, False)  # tiled: whether the bias varies over heads, rows, columns
+    triangle: str | None = None   # tiled causal without window: [tile, tile] 0 on/below the diagonal, min above
+    additive: str | None = None   # an additive mask covering causal, window and padding (cached kernels)
+
+
+@dataclass
+class Block:
+    """Where a block of scores lies in the [B, H, Tq, Tk] scores and what its kernel already did."""
+
+    rows: tuple[str, str] | None = None   # query indices [start, end); None: all Tq
+    cols: tuple[str, str] | None = None   # key indices [start, end); None: all Tk
+    head: tuple[str, str] | None = None   # one head [h, h + 1) (tiled kernels slice the bias by it)
+    scaled: bool = False                  # the queries were multiplied by the scale before the product
+    causal: str = "compute"               # compute | visible (no key hidden by it, or add_triangle done)
+    view: Callable[[str], str] | None = None  # a [B, 1|H, T, Tk] operand to the layout of the block
+    extra: dict = field(default_factory=dict)  # for steps a new feature adds
+
+
+def prepare(b, a: dict, mask: str | None, bias: str | None, q_t, k_t, tiled: bool = False,
+            tile: str | None = None, additive: str | None = None,
+            positions: tuple[str, str, str] | None = None) -> Prepared:
+    """``mask``/``bias``: the node's padding mask and bias inputs (or None); ``tile``: the tiled kernel's
+    square tile size, for the causal triangle; ``additive``: a mask the cache built (``decode_mask``);
+    ``positions``: (Tq, Tk, Tk - Tq) where the kernel has them already."""
+    np_dtype = np.float16 if q_t.dtype == "f16" else np.float32
+    p = Prepared(np_dtype, "", "", "", b.const(np.array(np.finfo(np_dtype).min, dtype=np_dtype), "min"),
+                 additive=additive)
+    if positions is not None:
+        p.tq, p.tk, p.offset = positions
+    elif a.get("causal") and additive is None:  # the causal mask's positions
+        p.tq, p.tk = b.dim_scalar(q_t.shape[-2]), b.dim_scalar(k_t.shape[-2])
+        p.offset = b.node("Sub", [p.tk, p.tq])[0]
+    if mask is not None and additive is None:
+        m_dtype = b.graph.type_of(mask).dtype
+        if m_dtype == "bool":
+            hidden = b.node("Not", [mask])[0]
+        else:
+            zero_m = b.const(np.array(0, dtype=np.int64 if m_dtype == "i64" else np.int32), "zero")
+            hidden = b.node("Equal", [mask, zero_m])[0]
+        p.hidden = b.node("Unsqueeze", [hidden, b.i64([1, 2])])[0]
+    if bias is not None:
+        p.bias = bias
+        if tiled:
+            bt = b.graph.type_of(bias)
+            if bt.rank < 4:
+                p.bias = b.node("Unsqueeze", [bias, b.i64(list(range(4 - bt.rank)))])[0]
+            shape4 = (1,) * (4 - bt.rank) + tuple(bt.shape)
+            not_one = lambda d: not (dims.is_static(dims.dim(d)) and int(d) == 1)  # noqa: E731
+            p.bias_axes = (not_one(shape4[1]), not_one(shape4[2]), not_one(shape4[3]))
+    if tile is not None and a.get("causal") and not a.get("window") and additive is None:
+        # [tile, tile]: 0 on and below the diagonal, the dtype's minimum above it. Added to a score,
+        # it gives the minimum (fp32: |score| is far below the float spacing there) or -inf (fp16,
+        # for scores below -16); either way the weight is exactly 0, and the diagonal itself stays
+        # visible, so no row's maximum is -inf.
+        zero, one = _scalar(b, 0), _scalar(b, 1)
+        r = b.node("Range", [zero, tile, one])[0]
+        above = b.node("Greater", [b.node("Unsqueeze", [r, b.i64([0])])[0],
+                                   b.node("Unsqueeze", [r, b.i64([1])])[0]])[0]
+        p.triangle = b.node("Where", [above, p.min_value, b.const(np.array(0, dtype=np_dtype), "zero")])[0]
+    return p
+
+
+def _u(b, x: str) -> str:
+    return b.node("Unsqueeze", [x, b.i64([0])])[0]
+
+
+def _scale(b, a, s, p: Prepared, blk: Block) -> str:
+    if blk.scaled:
+        return s
+    return b.node("Mul", [s, b.const(np.array(a["scale"], dtype=p.np_dtype), "scale")])[0]
+
+
+def _softcap(b, a, s, p: Prepared, blk: Block) -> str:
+    cap = b.const(np.array(a["softcap"], dtype=p.np_dtype), "softcap")
+    return b.node("Mul", [b.node("Tanh", [s])[0], cap])[0]
+
+
+def _bias(b, a, s, p: Prepared, blk: Block) -> str:
+    bt = p.bias
+    heads, rows, cols = p.bias_axes
+    if heads and blk.head is not None:
+        bt = b.node("Slice", [bt, _u(b, blk.head[0]), _u(b, blk.head[1]), b.i64([1])])[0]
+    if rows and blk.rows is not None:
+        bt = b.node("Slice", [bt, _u(b, blk.rows[0]), _u(b, blk.rows[1]), b.i64([2])])[0]
+    if cols and blk.cols is not None:
+        bt = b.node("Slice", [bt, _u(b, blk.cols[0]), _u(b, blk.cols[1]), b.i64([3])])[0]
+    return b.node("Add", [s, blk.view(bt) if blk.view else bt])[0]
+
+
+def _masks(b, a, s, p: Prepared, blk: Block) -> str:
+    """Causal, sliding window and padding: hidden scores become the dtype's minimum (weight 0)."""
+    if p.additive is not None:  # one mask for all three, built by the cached kernel
+        return b.node("Add", [s, blk.view(p.additive) if blk.view else p.additive])[0]
+    if a.get("causal") and blk.causal == "compute":
+        zero, one = _scalar(b, 0), _scalar(b, 1)
+        r0, r1 = blk.rows or (zero, p.tq)
+        c0, c1 = blk.cols or (zero, p.tk)
+        rows = b.node("Unsqueeze", [b.node("Add", [b.node("Range", [r0, r1, one])[0], p.offset])[0], b.i64([1])])[0]
+        cols = b.node("Unsqueeze", [b.node("Range", [c0, c1, one])[0], b.i64([0])])[0]
+        hide = b.node("Greater", [cols, rows])[0]
+        if a.get("window"):
+            far = b.node("LessOrEqual", [cols, b.node("Sub", [rows, _scalar(b, a["window"])])[0]])[0]
+            hide = b.node("Or", [hide, far])[0]
+        s = b.node("Where", [hide, p.min_value, s])[0]
+    if p.hidden is not None:
+        hidden = p.hidden
+        if blk.cols is not None:
+            hidden = b.node("Slice", [hidden, _u(b, blk.cols[0]), _u(b, blk.cols[1]), b.i64([3])])[0]
+        s = b.node("Where", [blk.view(hidden) if blk.view else hidden, p.min_value, s])[0]
+    return s
+
+
+def add_triangle(b, s: str, p: Prepared) -> str:
+    """The causal mask of a tiled kernel's diagonal block (the tile's last tile × tile scores): the
+    prepared triangle added. The tiled kernel then applies the rest with ``Block(causal="visible")``."""
+    return b.node("Add", [s, p.triangle])[0]
+
+
+# The stage of the masks (and the bias): steps before it run on each part of a split block.
+MASKS = reference.FEATURES["causal"].stage
+
+
+def before_masks(stage: int) -> bool:
+    return stage < MASKS
+
+
+def from_masks(stage: int) -> bool:
+    return stage >= MASKS
+
+
+# The epilogue's steps: (features a step computes, the step), as compiler/reference/score_epilogue.py's STEPS.
+STEPS: list[tuple[tuple[str, ...], Callable]] = [
+    (("scale",), _scale),
+    (("softcap",), _softcap),
+    (("bias",), _bias),
+    (("causal", "window", "padding"), _masks),
+]
+
+
+def computed() -> frozenset[str]:
+    """The features this epilogue computes: the allow-list of every kernel that uses it."""
+    return frozenset(f for feats, _ in STEPS for f in feats)
+
+
+def apply(b, a: dict, s: str, p: Prepared, blk: Block, stages: Callable[[int], bool] = lambda stage: True) -> str:
+    """The epilogue on a block of raw scores q·kᵀ, in the reference's stage order; ``stages``: only
+    the steps of these stages (a tiled kernel runs ``before_masks`` on each part of a split block,
+    then ``from_masks`` on their concatenation)."""
+    on = set(reference.used(a))
+    missing = on - computed()
+    if missing:  # passes/attention_kernels.py never picks a kernel using this epilogue for such a node
+        raise ValueError(f"the ONNX score epilogue does not compute {', '.join(sorted(missing))}")
+    stage = lambda step: min((reference.FEATURES[f].stage for f in step[0] if f in reference.FEATURES),  # noqa: E731
+                             default=len(reference.FEATURES))
+    for feats, step in sorted(STEPS, key=stage):
+        if on & set(feats) and stages(stage((feats, step))):
+            s = step(b, a, s, p, blk)
+    return s

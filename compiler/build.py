@@ -1,0 +1,101 @@
+"""From a graph, its weights and one PipelineOptions to ONNX models: the compiler's export entry points.
+
+Why here and not in the runtime: which passes run, in which order, and what the model file records
+about itself are the compiler's business; the runtime (the command line, the Python API) only says
+what it wants (PipelineOptions) and maps a PassError to its UsageError. Every export's metadata
+(``tessera.model``, ``tessera.variant``, ``tessera.hyperparams``, ``tessera.quantize``, the KV cache's
+``CacheInfo``) is built by ``model_metadata``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import onnx
+
+from tessera.compiler.frontend.elaborate import ModelInfo
+from tessera.compiler.frontend.values import BlockRef
+from tessera.compiler.ir.graph import Graph
+from tessera.compiler.passes.base import PipelineResult
+from tessera.compiler.passes.encdec import SplitEncoder
+from tessera.compiler.passes.kv_cache import CacheInfo, cache_info
+from tessera.compiler.passes.pipeline import PipelineOptions, attention_sites, pipeline
+
+
+def jsonable(value):
+    """A hyperparameter as JSON can hold it: a block reference by its name."""
+    return value.block.name if isinstance(value, BlockRef) else value
+
+
+def model_metadata(info: ModelInfo, quantize=None, cache: CacheInfo | None = None) -> dict:
+    """The model file's metadata: model, variant, hyperparameters, the quantisation if any (a
+    QuantConfig), and the KV cache's interface for a cached decoder."""
+    meta = {"tessera.model": info.model, "tessera.variant": info.variant or "",
+            "tessera.hyperparams": {k: jsonable(v) for k, v in info.hyperparams.items()}}
+    if quantize is not None:
+        meta["tessera.quantize"] = {"scheme": quantize.scheme, "block_size": quantize.block_size,
+                                    "head": quantize.head, "activations": quantize.activations}
+    if cache is not None:
+        meta[CacheInfo.METADATA_KEY] = cache.to_json()
+    return meta
+
+
+@dataclass
+class CachedDecoder:
+    """A compiled cached decoder: the ONNX model, what the runtime needs to feed it, and every pass's
+    result (for --explain: ``sites``)."""
+
+    model: onnx.ModelProto
+    info: CacheInfo
+    result: PipelineResult
+
+    @property
+    def sites(self) -> list:
+        return attention_sites(self.result)
+
+
+@dataclass
+class EncoderDecoder:
+    """A compiled encoder-decoder for generation: the encoder (run once per source batch), the cached
+    decoder, its CacheInfo, and the values the encoder hands the decoder."""
+
+    encoder: onnx.ModelProto
+    decoder: onnx.ModelProto
+    info: CacheInfo
+    boundary: list[str]
+    result: PipelineResult
+
+
+def _export(graph: Graph, weights, metadata: dict | None, prune: bool = True) -> onnx.ModelProto:
+    """The model in memory (only the graph's parameters are read from ``weights``); ``prune``: drop the
+    nodes a cached graph leaves unread (backends/onnx/cached_attention.py)."""
+    from tessera.compiler.backends.onnx import export as onnx_export
+    from tessera.compiler.backends.onnx.cached_attention import prune_dead_nodes
+
+    model = onnx_export.to_onnx(graph, weights, metadata)
+    if prune:
+        prune_dead_nodes(model)
+    return model
+
+
+def compile_cached(graph: Graph, weights, model: ModelInfo, options: PipelineOptions = PipelineOptions()
+                   ) -> CachedDecoder:
+    """Run the ``cached_decoder`` pipeline on ``graph`` (in place) and export it. Raises PassError
+    (CacheError among them) when the graph has no cached form or an option does not apply."""
+    result = pipeline("cached_decoder", options)(graph)
+    info = cache_info(result)
+    onnx_model = _export(result.graph, weights, model_metadata(model, options.quantize, info))
+    return CachedDecoder(onnx_model, info, result)
+
+
+def compile_seq2seq(graph: Graph, weights, options: PipelineOptions, model: ModelInfo | None = None
+                    ) -> EncoderDecoder:
+    """Run the ``encoder_decoder`` pipeline on ``graph`` and export both parts (with ``model``, each
+    with its metadata; without, none, as generation has compiled them so far). Raises PassError."""
+    result = pipeline("encoder_decoder", options)(graph)
+    (part,) = result.notes(SplitEncoder.name)  # an EncoderPart
+    info = cache_info(result)
+    encoder = _export(part.graph, weights, None if model is None else model_metadata(model, options.quantize),
+                      prune=False)
+    decoder = _export(result.graph, weights, None if model is None else model_metadata(model, options.quantize, info))
+    return EncoderDecoder(encoder, decoder, info, list(part.boundary), result)

@@ -1,0 +1,7 @@
+"""``python -m tessera.runtime.cli``: the ``tessera`` command."""
+
+import sys
+
+from tessera.runtime.cli import main
+
+sys.exit(main())

@@ -1,0 +1,134 @@
+"""Argument groups more than one command shares, and the value parsers argparse uses.
+
+Why one module: a flag that compile, run and generate all take is declared once here, so its
+spelling, default and help cannot differ between them. Each group only fills fields of the
+option objects (runtime/options.py); no rule about the values lives here.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from tessera.runtime import options
+
+# --dtype names the precision as fp32/fp16/bf16; the spec language spells element types f32/f16/bf16,
+# so those spellings are accepted and mean the same.
+DTYPES = list(options.DTYPES)
+_DTYPE_ALIASES = {"f32": "fp32", "f16": "fp16"}
+
+
+def dtype_arg(text: str) -> str:
+    """--dtype's value in the command's spelling (f16 -> fp16); argparse checks it against DTYPES."""
+    return _DTYPE_ALIASES.get(text, text)
+
+
+def add_quant_arguments(p: argparse.ArgumentParser) -> None:
+    """--quantize, --quantize-block, --quantize-head (compile, run, generate and report share them)."""
+    p.add_argument("--quantize", choices=list(options.QUANTIZE_CHOICES), default="none",
+                   help="quantise the weights of the linear layers to int8 or int4 with block-wise scales, "
+                        "run by onnxruntime's MatMulNBits (activations are stored in float; see "
+                        "--quantize-activations). The embedding tables stay float; the output head too unless "
+                        "--quantize-head (default none)")
+    p.add_argument("--quantize-block", type=int, metavar="N",
+                   help="input features per quantisation scale: a power of two, at least 16 (default 32)")
+    p.add_argument("--quantize-activations", choices=["int8", "float"],
+                   help="int8: MatMulNBits quantises the activations to int8 inside each product "
+                        "(accuracy_level 4, faster); float: the product runs in fp32 (accuracy_level 0) "
+                        "(default int8)")
+    p.add_argument("--quantize-head", action="store_true",
+                   help="quantise the output head as well (by default it stays float: its errors go "
+                        "straight into the logits)")
+
+
+def model_args(p: argparse.ArgumentParser, spec_help: str, metavar: str = "SPEC") -> None:
+    p.add_argument("spec", metavar=metavar, help=spec_help)
+    p.add_argument("--variant", "-V", help="a variant defined in the spec file (e.g. small, medium)")
+    p.add_argument("--set", dest="sets", action="append", default=[], metavar="NAME=VALUE",
+                   help="override a hyperparameter (repeatable), checked like the spec's own values")
+
+
+def optimize_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--target", choices=["cpu", "cuda"], default="cpu",
+                   help="where the model will run: picks the attention kernels and tile sizes (default cpu)")
+    p.add_argument("--attention", choices=list(options.attention_choices()), default="auto",
+                   help="attention lowering: auto picks a tiled kernel per site and target; gqa/mha force "
+                        "onnxruntime's contrib kernels, portable Tessera's tiled Loop kernel, unfused the "
+                        "primitive graph (default auto)")
+    p.add_argument("--dtype", type=dtype_arg, choices=DTYPES, default="fp32",
+                   help="precision of weights and computation (the model's inputs and outputs stay fp32); "
+                        "also picks the attention kernels; the spec spellings f32 and f16 are accepted too "
+                        "(default fp32; bf16 is not exported yet)")
+    p.add_argument("--no-fuse", action="store_true", help="do not fuse attention (same as --attention unfused)")
+    p.add_argument("--no-sparse-moe", action="store_true",
+                   help="keep mixtures of experts dense (every expert runs on every token, the unselected "
+                        "ones weighed by zero) instead of running each token's top-k experts only")
+    p.add_argument("--recurrence", choices=["auto", "scan"], default="auto",
+                   help="lowering of scans (recurrent layers): auto uses onnx's RNN/GRU/LSTM op where the step "
+                        "is exactly that cell, scan always an ONNX Scan of the step (default auto)")
+    add_quant_arguments(p)
+    p.add_argument("--explain", action="store_true",
+                   help="list every attention site: fused or not and why, and the kernel chosen; and how each "
+                        "recurrence (scan) is lowered")
+
+
+def weights_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--seed", type=int, default=0, help="seed of the weight initialiser (default 0)")
+    p.add_argument("--weights", metavar="FILE",
+                   help="a .safetensors file or folder of shards; Hugging Face names are mapped by the "
+                        "<spec>.hf.toml file beside the spec, and a folder's config.json gives the "
+                        "hyperparameters its [config] table names (a value contradicting --set or the "
+                        "variant is an error)")
+    p.add_argument("--allow-large", action="store_true",
+                   help="go ahead even when the weights look too large for the memory available (compile "
+                        "streams them to the file one tensor at a time, so there only its largest tensor "
+                        "and the free disk count) (by default such a model is refused before anything is "
+                        "allocated or written)")
+
+
+def site_index(text: str) -> int:
+    """An attention site's number (the sites over heads in graph order), for --layer and --attention-probs."""
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"'{text}' is not an attention site number (0, 1, ...)")
+    return int(text)
+
+
+def probs_sites(text: str) -> int | str:
+    return "all" if text == "all" else site_index(text)
+
+
+def head_arg(text: str) -> int | str:
+    if text == "mean" or text.isdigit():
+        return text if text == "mean" else int(text)
+    raise argparse.ArgumentTypeError(f"'{text}' is neither a head number (0, 1, ...) nor 'mean'")
+
+
+def batch_index_arg(text: str) -> int:
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"'{text}' is not a batch row (0, 1, ...)")
+    return int(text)
+
+
+def plot_args(r: argparse.ArgumentParser) -> None:
+    g = r.add_argument_group("alignment plot (--plot-attention; runtime/report/alignment.py)")
+    g.add_argument("--plot-attention", metavar="FILE.png",
+                   help="also draw attention weights as an alignment heatmap (source tokens on x, target on "
+                        "y, grey scale 0 to 1), as Bahdanau et al. 2015 fig. 3; needs the 'plot' extra "
+                        "(matplotlib); format from the suffix; written atomically")
+    g.add_argument("--attention-output", metavar="NAME",
+                   help="the model output holding the weights, [B, Tq, Tk] (or [Tq, Tk], [B, H, Tq, Tk]); "
+                        "default: the only output named with align, attn, attention, probs or weights")
+    g.add_argument("--layer", type=site_index, metavar="L",
+                   help="plot transformer attention site L (the sites over heads numbered in graph order; "
+                        "layer L of GPT-2, BERT, Llama): from a spec its probabilities are exposed as an extra output and that "
+                        "site is left unfused; an .onnx file must have been compiled with --attention-probs L")
+    g.add_argument("--head", type=head_arg, metavar="H|mean",
+                   help="for weights over heads [B, H, Tq, Tk]: head H, or mean (default) over the heads")
+    g.add_argument("--batch-index", type=batch_index_arg, metavar="N",
+                   help="which batch row to plot (default 0)")
+
+
+def bundled() -> str:
+    """The bundled specs' names, for the help texts."""
+    from tessera.models import bundled_names
+
+    return ", ".join(bundled_names())

@@ -1,0 +1,144 @@
+"""``tessera generate``: text or token ids in, generated tokens out, with a KV cache.
+
+The flags fill runtime/options.GenerateOptions; runtime/driver.generate loads the model and
+checks the request (runtime/generation/loop.py); this module drives the steps and prints, live
+for a single text prompt. Every bad value is a UsageError: a clear message and exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+from tessera.runtime import driver
+from tessera.runtime.cli import args
+from tessera.runtime.generation import cached as gen
+from tessera.runtime.generation.loop import Generation
+from tessera.runtime.options import GenerateOptions, ModelRef
+
+EXAMPLES = """examples:
+  tessera generate models/gpt2.tsr -V small --weights gpt2/model.safetensors \\
+      --tokenizer gpt2/tokenizer.json --prompt "The quick brown fox" --max-new-tokens 40
+  tessera generate models/gpt2.tsr --set layers=2 --input 'tokens=[[464, 2068], [7586]]' --max-new-tokens 8
+  tessera generate models/llama.tsr -V llama3_8b --weights llama3/ --tokenizer llama3/tokenizer.json \\
+      --prompt "Hello" --max-new-tokens 64 --temperature 0.7 --top-p 0.9 --seed 1 --stop "<|eot_id|>"
+"""
+
+
+def add_parser(sub) -> argparse.ArgumentParser:
+    g = sub.add_parser("generate", help="generate text or tokens with a KV cache",
+                       formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EXAMPLES,
+                       description="Compile a decoder-only spec with a KV cache (or load one compiled so) and "
+                                   "generate: prefill the prompts once, then one token per step. Prompts of "
+                                   "different lengths are left-padded and masked.")
+    g.add_argument("spec", metavar="MODEL", help="a .tsr spec, or an .onnx file (or folder) compiled with a KV cache")
+    g.add_argument("--variant", "-V", help="a variant defined in the spec file (e.g. small)")
+    g.add_argument("--set", dest="sets", action="append", default=[], metavar="NAME=VALUE",
+                   help="override a hyperparameter (repeatable)")
+    g.add_argument("--weights", metavar="FILE", help="a .safetensors file or folder of shards (else seeded weights); "
+                   "a folder's config.json gives the hyperparameters the mapping file's [config] table names")
+    g.add_argument("--seed", type=int, default=0,
+                   help="seed of the sampler, and of the weight initialiser without --weights (default 0)")
+    g.add_argument("--tokenizer", metavar="tokenizer.json", help="a Hugging Face tokenizer.json for --prompt and "
+                   "for printing text")
+    g.add_argument("--prompt", dest="prompts", action="append", default=[], metavar="TEXT",
+                   help="a prompt (repeatable: a batch); needs --tokenizer")
+    g.add_argument("--input", "-i", dest="inputs", action="append", default=[], metavar="NAME=JSON",
+                   help="token ids as JSON, a list of lists: the prompts (tokens=..., one list per prompt, of any "
+                        "lengths); for an encoder-decoder also its source inputs (e.g. src=... and src_mask=..., "
+                        "rows of one length) and optionally the target prompts (e.g. tgt=...)")
+    g.add_argument("--start-token", type=int, metavar="ID",
+                   help="an encoder-decoder's decoder start token, when no target prompt is given")
+    g.add_argument("--max-new-tokens", type=int, required=True, metavar="N", help="tokens to generate per prompt")
+    g.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default); > 0 samples")
+    g.add_argument("--top-k", type=int, default=0, metavar="K", help="sample from the K most likely tokens (0: all)")
+    g.add_argument("--top-p", type=float, default=1.0, metavar="P",
+                   help="sample from the smallest set of tokens whose probability reaches P, in (0, 1] (default 1)")
+    g.add_argument("--repetition-penalty", type=float, default=1.0, metavar="R",
+                   help="divide the scores of tokens already present by R (> 0; 1 is none)")
+    g.add_argument("--stop", dest="stops", action="append", default=[], metavar="TEXT",
+                   help="end a prompt's generation at this text (repeatable; needs --tokenizer)")
+    g.add_argument("--stop-token", dest="stop_tokens", action="append", default=[], type=int, metavar="ID",
+                   help="end a prompt's generation at this token id (repeatable)")
+    g.add_argument("--format", choices=["text", "json"], default="text", help="output format (default text)")
+    args.add_quant_arguments(g)
+    g.add_argument("--threads", type=int, default=None, help="onnxruntime intra-op threads (default: all cores)")
+    g.add_argument("--cache", choices=["auto", "buffer", "concat"], default="auto",
+                   help="buffer: preallocated cache, written in place; concat: present = past + new, fed back; "
+                        "auto: buffer, or concat for sliding-window models (default)")
+    g.add_argument("--quiet", "-q", action="store_true", help="no progress line on stderr")
+    return g
+
+
+def cmd_generate(ns: argparse.Namespace) -> int:
+    o = GenerateOptions.from_args(ns)
+    run = driver.generate(ModelRef.from_args(ns), o)
+    if not isinstance(run, Generation):
+        return _print_recurrent(run, o)
+    prompts, tokenizer, stats = run.prompts, run.tokenizer, run.stats
+    out: list[list[int]] = [[] for _ in prompts]
+    live = o.format == "text" and tokenizer is not None and len(prompts) == 1
+    shown = ""
+    if live:
+        print(tokenizer.decode(prompts[0], skip_special_tokens=False), end="", flush=True)
+    started, last_note = time.perf_counter(), 0.0
+    show_progress = not o.quiet
+    for emitted in run.steps():
+        for r, tok in enumerate(emitted):
+            if tok is not None:
+                out[r].append(tok)
+        if live:
+            now = run.text(out[0])
+            if now.startswith(shown):
+                print(now[len(shown):], end="", flush=True)
+                shown = now
+        elapsed = time.perf_counter() - started
+        if show_progress and elapsed > 2.0 and elapsed - last_note > 0.5 and not live:
+            gen.progress(stats)
+            last_note = elapsed
+    if show_progress and last_note:
+        print(file=sys.stderr)
+    texts = [run.text(row) for row in out] if tokenizer is not None else None
+    if o.format == "json":
+        rows = []
+        for r, p in enumerate(prompts):
+            row = {"prompt_tokens": p, "tokens": out[r]}
+            if texts is not None:
+                row["text"] = texts[r]
+            rows.append(row)
+        print(json.dumps({"outputs": rows, "stats": {
+            "prompt_tokens": stats.prompt_tokens, "new_tokens": stats.new_tokens,
+            "prefill_ms": round(stats.prefill_s * 1e3, 3),
+            "decode_tokens_per_s": round(stats.decode_tokens_per_s, 2)}}))
+    elif live:
+        print()
+    else:
+        for r, p in enumerate(prompts):
+            if texts is not None:
+                print(tokenizer.decode(p, skip_special_tokens=False) + texts[r])
+            else:
+                print(" ".join(map(str, out[r])))
+    if show_progress:
+        print(f"{stats.new_tokens} new tokens; prefill {stats.prefill_s * 1e3:.1f} ms "
+              f"({stats.prompt_tokens} prompt tokens), decode {stats.decode_tokens_per_s:.1f} steps/s",
+              file=sys.stderr)
+    return 0
+
+
+def _print_recurrent(run, o: GenerateOptions) -> int:
+    """A recurrent encoder-decoder's tokens (and, as JSON, each step's alignment over the source)."""
+    import numpy as np
+
+    out = run.decoded
+    if o.format == "json":
+        print(json.dumps({"outputs": [{"tokens": out.tokens[r].tolist(), "align": np.round(out.align[r], 6).tolist()}
+                                      for r in range(run.rows)]}))
+    else:
+        for r in range(run.rows):
+            print(" ".join(map(str, out.tokens[r].tolist())))
+    if not o.quiet:
+        print(f"{out.tokens.size} new tokens in {run.seconds * 1e3:.1f} ms (encoder once, then one decoder step "
+              f"per token)", file=sys.stderr)
+    return 0

@@ -1,0 +1,279 @@
+"""The driver: what ``compile``, ``run``, ``report`` and ``generate`` do, for every entry point.
+
+Why one module: the command line (runtime/cli/), the Python API (runtime/api.py) and the server
+(runtime/serving/) are three ways to ask for the same work. Each fills the same option objects
+(runtime/options.py) and calls these functions, which check the options, do the work and return
+what was made; printing belongs to the caller. So an option added here reaches every entry point,
+and a rule checked here holds for all of them.
+
+``weights`` (a mapping by parameter path) lets a caller that keeps a model loaded (the API's
+``Model``, the server) skip reading or drawing them again.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from tessera.runtime import pipeline
+from tessera.runtime.options import CompileOptions, GenerateOptions, ModelRef, ReportOptions, RunOptions
+from tessera.runtime.pipeline import UsageError
+
+
+# ------------------------------------------------------------------ compile
+@dataclass
+class Compiled:
+    files: list[Path]
+    built: pipeline.Built
+    params: int            # parameters before quantisation packed them
+    seconds: float
+
+
+def compile(ref: ModelRef, o: CompileOptions, weights=None) -> Compiled:
+    """Build the spec, fill its weights and write the ONNX file (or the cached decoder, or the
+    onnxruntime-genai folder), the weights streamed one tensor at a time."""
+    t0 = time.perf_counter()
+    ref.check()
+    o.check()
+    if o.genai:
+        from tessera.runtime.packaging import genai
+
+        genai.Tokenizer(Path(o.tokenizer))  # a tokenizer genai cannot read is refused before the compile
+    built = pipeline.build(ref.spec, ref.variant, ref.sets, ref.weights)
+    params = built.graph.param_count()  # before quantisation packs them
+    pipeline.check_disk(built, o.output, ref.allow_large)
+    if weights is None:
+        weights = pipeline.weights_for(built, ref.weights, ref.seed, ref.allow_large, streaming=True)
+    if o.kv_cache or o.genai:
+        files = _compile_cached(built, weights, ref, o)
+    else:
+        sites = o.attention_probs
+        pipeline.optimize(built, o, attention_probs=[s for s in sites if s != "all"], all_probs="all" in sites)
+        files = pipeline.export(built, weights, o.output, check=o.check_model)
+    return Compiled(files, built, params, time.perf_counter() - t0)
+
+
+def _compile_cached(built, weights, ref: ModelRef, o: CompileOptions) -> list[Path]:
+    """--kv-cache: the cached decoder (compiler/passes/kv_cache.py), its kernels chosen per phase."""
+    from tessera.compiler.backends.onnx import export as onnx_export
+    from tessera.compiler.passes.attention_kernels import Target
+    from tessera.compiler.passes.pipeline import explain
+
+    from tessera.runtime.generation import cached as gen
+
+    if o.genai and len(built.graph.inputs) != 1:
+        raise UsageError(f"--genai writes decoder-only models (one input, the token ids) for onnxruntime-genai's "
+                         f"decoder state; {built.graph.name} takes {', '.join(built.graph.inputs)} "
+                         f"(encoder-decoders are not supported)")
+    pipeline.quantize(built, o.quant_config())  # the cached graph inherits the quantised linears
+    model, info = gen.compile_cached(built, weights, mode=o.cache_mode, target=Target(o.target, o.dtype),
+                                     sparse_moe=o.sparse_moe, dtype=o.dtype, decode=o.decode)
+    if o.explain:
+        print(explain(built.attention_sites) + "\n" + info.explain(), file=sys.stderr)
+    verify = onnx_export.check if o.check_model else None
+    if o.genai:
+        from tessera.runtime.packaging import genai
+
+        return genai.write_folder(o.output, built.graph, info, model, str(o.tokenizer), ref.weights, verify,
+                                  context=o.context_length)
+    # external data always: onnxruntime maps the weights from the .data file instead of copying them out of
+    # the parsed model, so the generating process holds them once (docs/generate.md)
+    return onnx_export.save(model, o.output, verify=verify, external=True)
+
+
+# ------------------------------------------------------------------ run
+@dataclass
+class Runnable:
+    """A model ready to run: its ONNX (bytes or a file), input signature, the attention outputs
+    exposed only to be drawn, and its onnxruntime session once opened."""
+
+    source: str | bytes
+    specs: list
+    limits: object
+    exposed: list = field(default_factory=list)
+    session: object = None
+
+    def open(self, provider: str):
+        from tessera.runtime import session
+
+        if self.session is None:
+            self.session = session.open_session(self.source, provider)
+        return self.session
+
+
+@dataclass
+class RunResult:
+    outputs: dict[str, np.ndarray]
+    provider: str
+    feeds: dict[str, np.ndarray]
+    alignment: object = None   # runtime/report/alignment.Alignment, when one was asked for
+    written: list[Path] = field(default_factory=list)
+
+
+def prepare_run(ref: ModelRef, o: RunOptions, weights=None) -> Runnable:
+    """The model to run: an .onnx file as it is, or a spec built, optimised and exported to bytes."""
+    from tessera.compiler.ir.signature import input_limits, specs_from_graph
+    from tessera.runtime.session import onnx_signature
+
+    path = Path(ref.spec)
+    if ref.compiled:
+        if ref.variant or ref.sets or ref.weights:
+            raise UsageError("--variant, --set and --weights apply to .tsr specs; an .onnx file is already compiled")
+        if not path.exists():
+            raise UsageError(f"model file not found: {path}")
+        specs, limits = onnx_signature(path)
+        return Runnable(str(path), specs, limits)
+    from tessera.compiler.backends.onnx import export as onnx_export
+
+    built = pipeline.build(ref.spec, ref.variant, ref.sets, ref.weights)
+    specs, limits = specs_from_graph(built.graph), input_limits(built.graph)
+    if weights is None:
+        weights = pipeline.weights_for(built, ref.weights, ref.seed, ref.allow_large)
+    probs = [o.layer] if o.wants_alignment and o.layer is not None else None
+    exposed = pipeline.optimize(built, o, attention_probs=probs)
+    return Runnable(onnx_export.to_bytes(built.graph, weights, pipeline.metadata(built)), specs, limits, exposed)
+
+
+def run(ref: ModelRef, o: RunOptions, arrays: dict | None = None, weights=None,
+        runnable: Runnable | None = None) -> RunResult:
+    """Run the model on the inputs (--input texts, --text, --image, and ``arrays``: named arrays or
+    nested lists, from the API); compute the alignment, pool and save as the options say."""
+    from tessera.compiler.ir.signature import bind_inputs
+    from tessera.runtime.io import inputs as inputs_mod, outputs as outputs_mod
+    from tessera.runtime.session import run_session
+
+    ref.check()
+    o.check()
+    if o.save is not None:
+        outputs_mod.check_folder(str(o.save))
+    if o.plot_attention is not None:
+        from tessera.runtime.report import alignment_plot
+
+        alignment_plot.check_path(str(o.plot_attention))  # before the model is built or run
+    runnable = runnable or prepare_run(ref, o, weights)
+    feeds = inputs_mod.parse_inputs(o.inputs, runnable.specs)
+    _add_arrays(arrays or {}, runnable.specs, feeds)
+    text_mask = _add_text_and_image_inputs(o, runnable.specs, feeds)
+    bind_inputs(runnable.specs, feeds, runnable.limits)
+    sess = runnable.open(o.provider)
+    outputs = run_session(sess, feeds)
+    result = RunResult(outputs, sess.get_providers()[0], feeds)
+    if o.wants_alignment:
+        result.alignment = _alignment(o, sess, outputs, runnable, feeds, model=str(ref.spec))
+        for e in runnable.exposed:  # exposed only to be drawn: the outputs returned are the model's own
+            outputs.pop(e.output, None)
+    if o.pool:
+        result.outputs = _pool(outputs, feeds.get("mask", text_mask))
+    if o.save is not None:
+        result.written = outputs_mod.save_npy(result.outputs, str(o.save))
+    return result
+
+
+def _add_arrays(arrays: dict, specs, feeds: dict[str, np.ndarray]) -> None:
+    """Named arrays (or nested lists, converted to the input's element type)."""
+    from tessera.compiler.ir.graph import DTYPES
+
+    by_name = {s.name: s for s in specs}
+    for name, value in arrays.items():
+        if name in feeds:
+            raise UsageError(f"input '{name}' is given twice")
+        spec = by_name.get(name)
+        feeds[name] = np.asarray(value, dtype=DTYPES[spec.dtype]) if spec is not None else np.asarray(value)
+
+
+def _alignment(o: RunOptions, sess, outputs, runnable: Runnable, feeds, model: str):
+    """Choose the weights, compute the alignment (runtime/report/alignment.py) and draw it if asked."""
+    from tessera.runtime.report import alignment, alignment_plot
+
+    tokenizer = None
+    if o.tokenizer:
+        from tessera.runtime.io import text
+
+        tokenizer = text.load_tokenizer(o.tokenizer)
+    al = alignment.from_run(sess, outputs, runnable.specs, feeds, runnable.limits, o.attention_output, o.layer,
+                            o.batch_index or 0, o.head, tokenizer, model)
+    if o.plot_attention is not None:
+        lo, hi = float(al.matrix.min(initial=0.0)), float(al.matrix.max(initial=0.0))
+        if lo < -1e-6 or hi > 1 + 1e-6:
+            print(f"note: {al.output} holds values from {lo:.4g} to {hi:.4g}, not attention weights in [0, 1]; the "
+                  f"grey scale clips them to [0, 1]", file=sys.stderr)
+        written = alignment_plot.draw(al, str(o.plot_attention))
+        print(f"wrote {written}: alignment of {al.output} ({al.what}), {al.matrix.shape[0]} x {al.matrix.shape[1]}",
+              file=sys.stderr)
+    return al
+
+
+def _add_text_and_image_inputs(o: RunOptions, specs, feeds: dict[str, np.ndarray]) -> np.ndarray | None:
+    """Fill inputs from --tokenizer/--text and --image; returns the text batch's mask (None without text)."""
+    new: dict[str, np.ndarray] = {}
+    mask = None
+    if o.texts:
+        from tessera.runtime.io import text
+
+        enc = text.encode(text.load_tokenizer(o.tokenizer), o.texts)
+        new.update(text.text_feeds(enc, specs))
+        mask = enc.mask
+        if "mask" not in new and len(set(enc.lengths)) > 1:
+            print(f"note: the texts have {', '.join(map(str, enc.lengths))} tokens and are right-padded to "
+                  f"{max(enc.lengths)}; the model has no mask input, so outputs past each text's length are "
+                  f"padding", file=sys.stderr)
+    if o.images:
+        from tessera.runtime.io import image
+
+        new.update(image.image_feeds(o.images, specs))
+    for name, value in new.items():
+        if name in feeds:
+            source = "--image" if o.images and value.ndim == 4 else "--text"
+            raise UsageError(f"input '{name}' is given both by --input and by {source}")
+        feeds[name] = value
+    return mask
+
+
+def _pool(outputs: dict[str, np.ndarray], mask: np.ndarray | None) -> dict[str, np.ndarray]:
+    from tessera.runtime.io import text
+
+    hidden = outputs[text.hidden_output(outputs)]
+    if mask is None:
+        print("note: --pool mean without --text or a mask input averages over every position", file=sys.stderr)
+    emb = text.mean_pool(hidden, mask)
+    return {"embedding": emb, "similarity": (emb @ emb.T).astype(np.float32)}
+
+
+# ------------------------------------------------------------------ report
+def report(ref: ModelRef, o: ReportOptions) -> dict:
+    """Elaborate the spec and compute its cost report (a JSON-able dict); draw --plot if asked."""
+    from tessera.runtime.report.build import build_report
+
+    ref.check()
+    o.check()
+    return build_report(ref, o)
+
+
+# ------------------------------------------------------------------ generate
+def generation_kind(ref: ModelRef) -> str:
+    """'recurrent' for a recurrent encoder-decoder spec (its own loop), else 'cached'."""
+    from tessera.runtime.generation import recurrent
+
+    return "recurrent" if recurrent.wants(ref.spec) else "cached"
+
+
+def generate(ref: ModelRef, o: GenerateOptions, prompt_ids: list[list[int]] | None = None, weights=None,
+             models: dict | None = None, tokenizer=None):
+    """Prepare a generation: the model loaded (or taken from ``models``, a cache the caller keeps),
+    the prompts encoded (``tokenizer``: one the caller has loaded already) and every request rule
+    checked; returns a generation.loop.Generation (or,
+    for a recurrent encoder-decoder, its decoded result) whose steps the caller drives."""
+    from tessera.runtime.generation import loop
+
+    ref.check()
+    kind = generation_kind(ref)
+    o.check(kind)
+    if kind == "recurrent":
+        from tessera.runtime.generation import recurrent
+
+        return recurrent.generate(ref, o)
+    return loop.prepare(ref, o, prompt_ids, weights, models, tokenizer)

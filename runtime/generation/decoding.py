@@ -1,0 +1,71 @@
+"""The one decoding loop: a Decoder gives each step's logits, this loop chooses, stops and emits.
+
+Why one loop: the KV-cached decoder (decoder-only, or an encoder-decoder's decoder with the
+encoder's outputs fed to every step: generation/cached.py ``CachedDecoder``) and the recurrent
+encoder-decoder (generation/recurrent.py ``RecurrentDecoder``) differ only in how a step is run:
+what they carry from step to step (a cache of keys and values, or a state). Token choice
+(generation/sampling.py), stop tokens and texts, finished rows and timing are the same for all of
+them, so they live here once.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable, Iterator, Protocol
+
+import numpy as np
+
+from tessera.runtime.generation.sampling import Sampling, choose
+
+
+class Decoder(Protocol):
+    rows: int
+
+    def step(self, last: np.ndarray | None) -> np.ndarray:
+        """The logits [rows, vocab] of the next token: the first call runs the prompt (``last`` None),
+        each later one the tokens chosen last [rows] (a finished row's is the pad id)."""
+
+
+def decode_steps(decoder: Decoder, max_new_tokens: int, sampling: Sampling, stop_tokens=(), stats=None,
+                 should_stop: Callable[[int, list[int]], bool] | None = None,
+                 on_logits: Callable[[int, np.ndarray], None] | None = None, seen: np.ndarray | None = None,
+                 pad_id: int = 0) -> Iterator[list[int | None]]:
+    """Yield, step by step, the new token of every row (None for rows already finished). ``seen``
+    [rows, vocab] marks the tokens the repetition penalty applies to (updated as tokens are chosen);
+    ``stats`` (generation/cached.Stats), when given, gets the prefill and decoding times."""
+    rng = np.random.default_rng(sampling.seed)
+    stop = set(int(t) for t in stop_tokens)
+    b = decoder.rows
+    generated: list[list[int]] = [[] for _ in range(b)]
+    done = np.zeros(b, dtype=bool)
+    last = None
+    for step in range(max_new_tokens):
+        start = time.perf_counter()
+        logits = decoder.step(last)
+        if on_logits is not None:
+            on_logits(step, logits)
+        nxt = choose(logits, seen, sampling, rng)
+        if stats is not None:
+            elapsed = time.perf_counter() - start
+            if step == 0:
+                stats.prefill_s = elapsed
+            else:
+                stats.decode_s.append(elapsed)
+        emitted: list[int | None] = []
+        for r in range(b):
+            if done[r]:
+                emitted.append(None)
+                continue
+            tok = int(nxt[r])
+            generated[r].append(tok)
+            emitted.append(tok)
+            if seen is not None:
+                seen[r, tok] = True
+            if tok in stop or (should_stop is not None and should_stop(r, generated[r])):
+                done[r] = True
+        if stats is not None:
+            stats.new_tokens += sum(e is not None for e in emitted)
+        yield emitted
+        if done.all() or step == max_new_tokens - 1:
+            return
+        last = np.where(done, pad_id, nxt).astype(np.int64)

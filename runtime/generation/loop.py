@@ -1,0 +1,178 @@
+"""The decoding loop's driver side: load the cached model, turn the request into prompts, run the steps.
+
+Why here and not in the command: the command line, the Python API and the server all generate
+from the same request (runtime/options.GenerateOptions): prompts as text or token ids, a
+decoder-only model or an encoder-decoder (its source inputs encoded once), stop texts and ids.
+``prepare`` checks all of it before the first step and returns a ``Generation`` whose ``steps()``
+the caller drives (printing as it goes, collecting, or streaming to a client).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tessera.runtime import pipeline
+from tessera.runtime.generation import cached as gen
+from tessera.runtime.io.inputs import named_token_rows
+from tessera.runtime.pipeline import UsageError
+
+
+# ------------------------------------------------------------------ the model
+def target_input(graph) -> str | None:
+    """An encoder-decoder's target input: the integer [B, T] input whose T is the logits' sequence
+    axis (the other inputs are the source). None for a decoder-only model (a single input)."""
+    from tessera.compiler.ir import dims
+
+    if len(graph.inputs) < 2 or len(graph.outputs) != 1 or graph.type_of(graph.outputs[0]).rank != 3:
+        return None
+    t = graph.type_of(graph.outputs[0]).shape[1]
+    hits = [i for i in graph.inputs if graph.type_of(i).dtype in ("i64", "i32") and graph.type_of(i).rank == 2
+            and dims.equal(graph.type_of(i).shape[1], t)]
+    return hits[0] if len(hits) == 1 else None
+
+
+class EncoderDecoder:
+    """An encoder-decoder spec compiled for generation: the encoder part (run once per source batch, with
+    every layer's cross-attention keys and values), the cached decoder, and the names of the target
+    input (the prompt the cache extends) and of the source inputs."""
+
+    def __init__(self, built, weights, target: str, threads: int | None):
+        from tessera.compiler.ir.signature import input_limits
+
+        self.target = target
+        self.sources = [i for i in built.graph.inputs if i != target]
+        self.limits = input_limits(built.graph)
+        enc, dec, info, boundary = gen.compile_seq2seq(built, weights, target)
+        decoder = gen.CachedModel(dec.SerializeToString(), info, threads=threads)
+        self.s2s = gen.Seq2Seq(enc.SerializeToString(), decoder, boundary)
+
+    def fixed_feeds(self, given: dict[str, list[list[int]]], rows: int) -> dict:
+        """The decoder's fixed inputs (the encoder's outputs) for the source rows given."""
+        import numpy as np
+
+        missing = [s for s in self.sources if s not in given]
+        if missing:
+            raise UsageError(f"an encoder-decoder needs its source inputs: give --input {missing[0]}=[[...]] "
+                             f"(the model's source inputs: {', '.join(self.sources)})")
+        feeds = {}
+        for name in self.sources:
+            data = given[name]
+            if len({len(r) for r in data}) != 1 or not data[0]:
+                raise UsageError(f"--input {name}: the rows must have one length, at least 1 (pad them, and mark "
+                                 f"the padding in the source mask)")
+            if len(data) != rows:
+                raise UsageError(f"--input {name} has {len(data)} rows but there are {rows} target prompts")
+            feeds[name] = np.array(data, dtype=np.int64)
+        from tessera.compiler.ir.signature import check_limits
+
+        check_limits(self.limits, feeds, {})  # ids within their tables (InputError: a clear message)
+        return self.s2s.encode(feeds)
+
+
+def load_model(ref, o, weights=None, models: dict | None = None):
+    """A CachedModel (decoder-only) or an EncoderDecoder, from a .tsr spec or a compiled .onnx file;
+    ``models`` (a dict the caller keeps) holds those already compiled, by the options that shape them."""
+    path = Path(ref.spec)
+    config = o.quant_config()
+    if path.suffix == ".onnx" or path.is_dir():
+        if ref.variant or ref.sets or ref.weights or config is not None:
+            raise UsageError("--variant, --set, --weights and --quantize apply to .tsr specs; an .onnx file is "
+                             "already compiled")
+        return gen.CachedModel.from_onnx(path, threads=o.threads)
+    key = (o.threads, o.cache, o.quantize, o.quantize_block, o.quantize_head, o.quantize_activations)
+    if models is not None and key in models:
+        return models[key]
+    built = pipeline.build(ref.spec, ref.variant, ref.sets, ref.weights)
+    if weights is None:
+        weights = pipeline.weights_for(built, ref.weights, ref.seed, ref.allow_large)
+    pipeline.quantize(built, config)
+    target = target_input(built.graph)
+    if target is not None:
+        loaded = EncoderDecoder(built, weights, target, o.threads)
+    else:
+        model, info = gen.compile_cached(built, weights, mode=o.cache)
+        loaded = gen.CachedModel(model.SerializeToString(), info, threads=o.threads)
+    if models is not None:
+        models[key] = loaded
+    return loaded
+
+
+# ------------------------------------------------------------------ the request
+@dataclass
+class Generation:
+    """A checked request on a loaded model: ``steps()`` yields each step's new token per prompt
+    (None once a prompt has stopped); ``stats`` fills as it runs; ``text(tokens)`` decodes a row."""
+
+    model: gen.CachedModel
+    prompts: list[list[int]]
+    max_new_tokens: int
+    sampling: gen.Sampling
+    stop_ids: list[int]
+    tokenizer: object = None
+    stopper: gen.TextStopper | None = None
+    fixed: dict | None = None       # an encoder-decoder's encoder outputs, fed to every step
+    stats: gen.Stats = field(default_factory=gen.Stats)
+
+    def steps(self):
+        return gen.stream(self.model, self.prompts, self.max_new_tokens, self.sampling, self.stop_ids,
+                          stats=self.stats, should_stop=self.stopper, extra_feeds=self.fixed)
+
+    def text(self, tokens: list[int]) -> str:
+        text = self.tokenizer.decode(tokens, skip_special_tokens=True)
+        return self.stopper.trim(text) if self.stopper is not None else text
+
+
+def prepare(ref, o, prompt_ids: list[list[int]] | None = None, weights=None, models: dict | None = None,
+            tokenizer=None) -> Generation:
+    """Load the model and check the request (``o`` already checked): the prompts from --prompt texts,
+    --input token ids or ``prompt_ids`` (the API's), and an encoder-decoder's source inputs."""
+    if not o.prompts and not o.inputs and prompt_ids is None:
+        raise UsageError("no prompt: give --prompt TEXT (with --tokenizer) or --input 'tokens=[[...]]'")
+    if o.prompts and prompt_ids is not None:
+        raise UsageError("give the prompts either as text or as token ids, not both")
+    if tokenizer is None and o.tokenizer:
+        from tessera.runtime.io import text
+
+        tokenizer = text.load_tokenizer(o.tokenizer)
+    sampling = o.sampling(ref.seed)
+    stop_tokens = list(o.stop_tokens) + gen.stop_token_ids(tokenizer, o.stops)
+    stopper = gen.TextStopper(tokenizer, o.stops) if tokenizer is not None and o.stops else None
+
+    loaded = load_model(ref, o, weights, models)
+    fixed = None
+    if isinstance(loaded, EncoderDecoder):
+        model, target = loaded.s2s.decoder, loaded.target
+        given = named_token_rows(o.inputs, [target] + loaded.sources)
+        if prompt_ids is not None:
+            given[target] = prompt_ids
+        if o.prompts and target in given:
+            raise UsageError(f"give the target prompts either as --prompt text or as --input {target}, not both")
+        if o.prompts:
+            prompts = gen.encode_prompts(tokenizer, o.prompts)
+        elif target in given:
+            prompts = given[target]
+        elif o.start_token is not None:
+            rows = len(next(iter(given.values()))) if given else 1
+            prompts = [[o.start_token] for _ in range(rows)]
+        else:
+            raise UsageError(f"an encoder-decoder needs the target's first tokens: --start-token ID (the decoder's "
+                             f"start token) or --input {target}=[[...]]")
+        if o.start_token is not None and (o.prompts or target in given):
+            raise UsageError(f"--start-token and a target prompt (--prompt or --input {target}) exclude each other")
+        gen.check_request(model, prompts, o.max_new_tokens, sampling, stop_tokens)
+        fixed = loaded.fixed_feeds(given, len(prompts))
+    else:
+        model = loaded
+        if o.start_token is not None:
+            raise UsageError("--start-token applies to encoder-decoders; a decoder-only model starts from its prompt")
+        if o.prompts and o.inputs:
+            raise UsageError("give the prompts either as --prompt text or as --input tokens, not both")
+        if o.prompts:
+            prompts = gen.encode_prompts(tokenizer, o.prompts)
+        elif prompt_ids is not None:
+            prompts = prompt_ids
+        else:
+            prompts = named_token_rows(o.inputs, [model.info.tokens])[model.info.tokens]
+    prompts = gen.check_request(model, prompts, o.max_new_tokens, sampling, stop_tokens)
+    return Generation(model, prompts, o.max_new_tokens, sampling, stop_tokens, tokenizer, stopper, fixed)

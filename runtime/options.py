@@ -1,0 +1,453 @@
+"""Typed options: one dataclass per command, shared by the command line, the Python API and the server.
+
+Why: the command line, ``tessera.load(...).compile(...)`` and the server must take the same options
+with the same rules. Each command's options are one dataclass with typed, defaulted fields, and
+one ``check()`` holds every rule about them: a value's type and range (the API and the server pass
+raw Python values, so ``seed="x"`` or ``batch=1.5`` must be refused here, naming the argument) and
+the rules between options (``--decode`` needs ``--kv-cache``, ``--full`` needs ``--format json``).
+argparse only fills these objects (``from_args``); runtime/driver.py does the work. A new option is
+one field here, one flag in runtime/cli/ and one keyword in runtime/api.py, and
+tests/test_options_parity.py fails until all three exist.
+
+Rules that need the model itself (its inputs, its graph) are checked by the driver once it is built.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+
+from tessera.runtime.pipeline import QUANTIZE_CHOICES, UsageError
+
+TARGETS = ("cpu", "cuda")
+DTYPES = ("fp32", "fp16", "bf16")
+RECURRENCES = ("auto", "scan")
+CACHES = ("auto", "buffer", "concat")
+DECODES = ("auto", "gqa", "plain")
+PROVIDERS = ("auto", "cpu", "cuda")
+QUANT_ACTIVATIONS = ("int8", "float")
+REPORT_FORMATS = ("table", "json", "md", "csv")
+
+
+def attention_choices() -> tuple[str, ...]:
+    from tessera.compiler.passes.pipeline import ATTENTION_CHOICES
+
+    return tuple(ATTENTION_CHOICES)
+
+
+# ------------------------------------------------------------------ value checks (raw Python values)
+def _is_int(v) -> bool:
+    import numpy as np
+
+    return isinstance(v, (int, np.integer)) and not isinstance(v, bool)
+
+
+def check_int(name: str, v, minimum: int | None = None, optional: bool = False) -> None:
+    if v is None and optional:
+        return
+    if not _is_int(v):
+        raise UsageError(f"{name} must be an integer, got {v!r}")
+    if minimum is not None and v < minimum:
+        raise UsageError(f"{name} must be at least {minimum}, got {v}")
+
+
+def check_number(name: str, v) -> None:
+    if not (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)):
+        raise UsageError(f"{name} must be a finite number, got {v!r}")
+
+
+def check_bool(name: str, v) -> None:
+    if not isinstance(v, bool):
+        raise UsageError(f"{name} must be True or False, got {v!r}")
+
+
+def check_choice(name: str, v, choices, optional: bool = False) -> None:
+    if v is None and optional:
+        return
+    if not isinstance(v, str) or v not in choices:
+        raise UsageError(f"{name} must be one of {', '.join(choices)}, got {v!r}")
+
+
+def check_path(name: str, v, optional: bool = True) -> None:
+    if v is None and optional:
+        return
+    if not isinstance(v, (str, Path)):  # an empty or unusable path is refused where it is used, with its reason
+        raise UsageError(f"{name} must be a path (a str or pathlib.Path), got {v!r}")
+
+
+def check_strings(name: str, v) -> None:
+    if not isinstance(v, (list, tuple)) or not all(isinstance(s, str) for s in v):
+        raise UsageError(f"{name} must be a list of strings, got {v!r}")
+
+
+def check_ints(name: str, v) -> None:
+    if not isinstance(v, (list, tuple)) or not all(_is_int(t) for t in v):
+        raise UsageError(f"{name} must be a list of integers, got {v!r}")
+
+
+class Options:
+    """What every options class shares: filled from argparse, then checked."""
+
+    # command-line dest -> field, where the flag is the negation or another name of the field
+    CLI_NAMES: dict[str, str] = {}
+    NEGATED = ("no_sparse_moe", "no_check")
+    # set by for_api(): a message then names the API's keyword (tokenizer=...) instead of the flag
+    api = False
+
+    def for_api(self):
+        self.api = True
+        return self
+
+    # field -> the API's keyword, where the API names it otherwise
+    API_NAMES: dict[str, str] = {}
+
+    def label(self, name: str) -> str:
+        """A field as the caller names it: the API's keyword, else the field."""
+        return self.API_NAMES.get(name, name) if self.api else name
+
+    def flag(self, name: str) -> str:
+        """A field as the caller spells it: --max-new-tokens on the command line, max_new_tokens in the API."""
+        return self.label(name) if self.api else "--" + name.replace("_", "-")
+
+    def say(self, cli: str, api: str) -> str:
+        """The message of a rule, in the words of the caller's entry point."""
+        return api if self.api else cli
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace):
+        """The options an argparse namespace holds (the fields its flags fill; nothing else)."""
+        names = {f.name for f in fields(cls)}
+        values = {}
+        for dest, value in vars(args).items():
+            name = cls.CLI_NAMES.get(dest, dest)
+            if name not in names:
+                continue
+            values[name] = (not value) if dest in cls.NEGATED else value
+        return cls(**values)
+
+
+# ------------------------------------------------------------------ the model a command is about
+@dataclass(kw_only=True)
+class ModelRef(Options):
+    """The model: a spec (path or bundled name) or a compiled .onnx file, its variant, --set
+    overrides (NAME=VALUE texts), its weights (else seeded with ``seed``) and --allow-large."""
+
+    spec: str | Path
+    variant: str | None = None
+    sets: list[str] = field(default_factory=list)
+    weights: str | Path | None = None
+    seed: int = 0
+    allow_large: bool = False
+
+    def check(self) -> None:
+        check_path(self.label("spec"), self.spec, optional=False)
+        if self.variant is not None and not isinstance(self.variant, str):
+            raise UsageError(f"variant must be a string, got {self.variant!r}")
+        check_strings(self.label("sets"), self.sets)
+        check_path(self.label("weights"), self.weights)
+        check_int(self.label("seed"), self.seed)
+        check_bool(self.label("allow_large"), self.allow_large)
+
+    @property
+    def compiled(self) -> bool:
+        """An .onnx file (or a folder of one) rather than a spec."""
+        p = Path(self.spec)
+        return p.suffix == ".onnx"
+
+
+# ------------------------------------------------------------------ shared groups
+@dataclass(kw_only=True)
+class QuantOptions(Options):
+    """--quantize and its details (compile, run, report and generate share them)."""
+
+    quantize: str = "none"
+    quantize_block: int | None = None
+    quantize_head: bool = False
+    quantize_activations: str | None = None
+
+    def check(self) -> None:
+        check_choice(self.label("quantize"), self.quantize, QUANTIZE_CHOICES)
+        check_int(self.label("quantize_block"), self.quantize_block, optional=True)
+        check_bool(self.label("quantize_head"), self.quantize_head)
+        check_choice(self.label("quantize_activations"), self.quantize_activations, QUANT_ACTIVATIONS, optional=True)
+        self.quant_config()  # the rules between them (--quantize-block needs --quantize, a power of two...)
+
+    def quant_config(self):
+        """The QuantConfig these options ask for (None for none)."""
+        from tessera.runtime.pipeline import quant_config
+
+        return quant_config(self.quantize, self.quantize_block, self.quantize_head, self.quantize_activations)
+
+
+@dataclass(kw_only=True)
+class OptimizeOptions(QuantOptions):
+    """How a spec is optimised for a target (compile and run share them)."""
+
+    target: str = "cpu"
+    attention: str = "auto"
+    dtype: str = "fp32"
+    no_fuse: bool = False
+    sparse_moe: bool = True
+    recurrence: str = "auto"
+    explain: bool = False
+
+    def check(self) -> None:
+        super().check()
+        check_choice(self.label("target"), self.target, TARGETS)
+        check_choice(self.label("attention"), self.attention, attention_choices())
+        check_choice(self.label("dtype"), self.dtype, DTYPES)
+        check_bool(self.label("no_fuse"), self.no_fuse)
+        check_bool(self.label("sparse_moe"), self.sparse_moe)
+        check_choice(self.label("recurrence"), self.recurrence, RECURRENCES)
+        check_bool(self.label("explain"), self.explain)
+        if self.no_fuse and self.attention not in ("auto", "unfused"):
+            raise UsageError(f"--no-fuse contradicts --attention {self.attention}")
+
+    @property
+    def attention_lowering(self) -> str:
+        return "unfused" if self.no_fuse else self.attention
+
+
+# ------------------------------------------------------------------ one class per command
+@dataclass(kw_only=True)
+class CompileOptions(OptimizeOptions):
+    """``tessera compile`` / ``Model.compile``."""
+
+    CLI_NAMES = {"no_sparse_moe": "sparse_moe", "no_check": "check_model"}
+    API_NAMES = {"output": "out", "check_model": "check"}
+
+    output: str | Path
+    check_model: bool = True
+    kv_cache: bool = False
+    cache: str = "auto"
+    decode: str = "auto"
+    genai: bool = False
+    tokenizer: str | Path | None = None
+    context_length: int | None = None
+    attention_probs: list[int | str] = field(default_factory=list)
+
+    def check(self) -> None:
+        super().check()
+        check_path(self.label("output"), self.output, optional=False)
+        for name in ("check_model", "kv_cache", "genai"):
+            check_bool(self.label(name), getattr(self, name))
+        check_choice(self.label("cache"), self.cache, CACHES)
+        check_choice(self.label("decode"), self.decode, DECODES)
+        check_path(self.label("tokenizer"), self.tokenizer)
+        check_int(self.label("context_length"), self.context_length, optional=True)
+        if not isinstance(self.attention_probs, (list, tuple)) or not all(
+                s == "all" or (_is_int(s) and s >= 0) for s in self.attention_probs):
+            raise UsageError(f"attention_probs must be a list of attention site numbers (0, 1, ...) or 'all', "
+                             f"got {self.attention_probs!r}")
+        if self.genai:
+            self._check_genai()
+        elif self.tokenizer or self.context_length is not None:
+            raise UsageError(self.say(f"{'--tokenizer' if self.tokenizer else '--context-length'} applies to --genai "
+                                      f"(the folder for onnxruntime-genai)",
+                                      "tokenizer and context_length apply to genai=True"))
+        if self.kv_cache or self.genai:
+            if self.attention_probs:
+                raise UsageError("--attention-probs applies to the full model, not to --kv-cache's cached decoder")
+            if self.no_fuse or self.attention != "auto":
+                raise UsageError("--kv-cache chooses the attention kernels per phase itself: it takes neither "
+                                 "--no-fuse nor --attention")
+        else:
+            if self.cache != "auto":
+                raise UsageError(self.say("--cache applies with --kv-cache", "cache applies with kv_cache=True"))
+            if self.decode != "auto":
+                raise UsageError(self.say("--decode applies with --kv-cache", "decode applies with kv_cache=True"))
+
+    def _check_genai(self) -> None:
+        """The compile options --genai cannot be combined with, before anything is built."""
+        if self.cache == "buffer":
+            raise UsageError("--genai writes the concat cache (onnxruntime-genai feeds present = past + new back as "
+                             "the next past; it has no slot for the buffer cache's new columns): drop --cache buffer")
+        if self.target != "cpu":
+            raise UsageError("--genai writes a CPU configuration (onnxruntime-genai's provider options); "
+                             "--target cuda is not supported with it")
+        if self.context_length is not None and self.context_length < 1:
+            raise UsageError(f"{self.flag('context_length')} must be at least 1, got {self.context_length}")
+        if str(self.output).endswith(".onnx"):
+            raise UsageError(f"with --genai, -o names the folder to write (e.g. {str(self.output)[:-5]}), not an "
+                             f".onnx file")
+        if not self.tokenizer:
+            why = "onnxruntime-genai reads the tokenizer and the end-of-sequence token from the folder"
+            raise UsageError(self.say(f"--genai needs --tokenizer tokenizer.json: {why}",
+                                      f"genai=True needs tokenizer='tokenizer.json' ({why})"))
+
+    @property
+    def cache_mode(self) -> str:
+        """--genai writes the concat cache (onnxruntime-genai feeds present back as past)."""
+        return "concat" if self.genai else self.cache
+
+
+@dataclass(kw_only=True)
+class RunOptions(OptimizeOptions):
+    """``tessera run`` / ``Model.run`` and ``Model.alignment``."""
+
+    CLI_NAMES = {"no_sparse_moe": "sparse_moe"}
+    API_NAMES = {"attention_output": "output", "plot_attention": "plot"}
+
+    inputs: list[str] = field(default_factory=list)
+    tokenizer: str | Path | None = None
+    texts: list[str] = field(default_factory=list)
+    images: list[str] = field(default_factory=list)
+    pool: str | None = None
+    provider: str = "auto"
+    format: str = "table"
+    full: bool = False
+    save: str | Path | None = None
+    plot_attention: str | Path | None = None
+    attention_output: str | None = None
+    layer: int | None = None
+    head: int | str | None = None
+    batch_index: int | None = None
+    alignment: bool = False  # compute the attention alignment even without --plot-attention (the API's alignment())
+
+    @property
+    def wants_alignment(self) -> bool:
+        return self.alignment or self.plot_attention is not None
+
+    def check(self) -> None:
+        super().check()
+        check_strings(self.label("inputs"), self.inputs)
+        check_path(self.label("tokenizer"), self.tokenizer)
+        check_strings(self.label("texts"), self.texts)
+        check_strings(self.label("images"), self.images)
+        check_choice(self.label("pool"), self.pool, ("mean",), optional=True)
+        check_choice(self.label("provider"), self.provider, PROVIDERS)
+        check_choice(self.label("format"), self.format, ("table", "json"))
+        check_bool(self.label("full"), self.full)
+        check_path(self.label("save"), self.save)
+        check_path(self.label("plot_attention"), self.plot_attention)
+        if self.attention_output is not None and not isinstance(self.attention_output, str):
+            raise UsageError(f"attention_output must be an output name, got {self.attention_output!r}")
+        check_int(self.label("layer"), self.layer, minimum=0, optional=True)
+        if self.head is not None and self.head != "mean":
+            check_int(self.label("head"), self.head, minimum=0)
+        check_int(self.label("batch_index"), self.batch_index, minimum=0, optional=True)
+        check_bool(self.label("alignment"), self.alignment)
+        if self.texts and not self.tokenizer:
+            raise UsageError("--text needs --tokenizer tokenizer.json to turn the text into token ids")
+        if self.tokenizer and not self.texts and not self.wants_alignment:
+            raise UsageError("--tokenizer is given but no --text to tokenize")
+        if not self.wants_alignment:
+            given = [flag for flag, value in (("--attention-output", self.attention_output), ("--layer", self.layer),
+                                              ("--head", self.head), ("--batch-index", self.batch_index))
+                     if value is not None]
+            if given:
+                raise UsageError(f"{given[0]} applies with --plot-attention FILE.png")
+        elif self.layer is not None and self.attention_output is not None:
+            raise UsageError(self.say("--layer and --attention-output both choose the weights to plot; give one",
+                                      "layer and output both choose the weights to plot; give one"))
+        if self.full and self.format != "json":
+            raise UsageError("--full applies to --format json (the table always summarises)")
+
+
+@dataclass(kw_only=True)
+class ReportOptions(QuantOptions):
+    """``tessera report`` / ``Model.report``."""
+
+    CLI_NAMES = {"no_sparse_moe": "sparse_moe"}
+
+    batch: int = 1
+    seq: int = 1024
+    dtype: str = "fp32"
+    device: str = "h200"
+    sparse_moe: bool = True
+    format: str = "table"
+    plot: str | Path | None = None
+
+    def check(self) -> None:
+        super().check()
+        check_int(self.label("batch"), self.batch)
+        check_int(self.label("seq"), self.seq)
+        if self.batch < 1:
+            raise UsageError(f"{self.flag('batch')} must be at least 1, got {self.batch}")
+        if self.seq < 1:
+            raise UsageError(f"{self.flag('seq')} must be at least 1, got {self.seq}")
+        check_choice(self.label("dtype"), self.dtype, DTYPES)
+        if not isinstance(self.device, str):
+            raise UsageError(f"device must be a device name, got {self.device!r}")
+        check_bool(self.label("sparse_moe"), self.sparse_moe)
+        check_choice(self.label("format"), self.format, REPORT_FORMATS)
+        check_path(self.label("plot"), self.plot)
+
+
+@dataclass(kw_only=True)
+class GenerateOptions(QuantOptions):
+    """``tessera generate`` / ``Model.generate``. ``sampling_seed`` None: the model's seed (the
+    command line's --seed is both)."""
+
+    API_NAMES = {"prompts": "prompt", "stops": "stop", "sampling_seed": "seed"}
+
+    max_new_tokens: int = 32
+    tokenizer: str | Path | None = None
+    prompts: list[str] = field(default_factory=list)
+    inputs: list[str] = field(default_factory=list)
+    start_token: int | None = None
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    repetition_penalty: float = 1.0
+    sampling_seed: int | None = None
+    stops: list[str] = field(default_factory=list)
+    stop_tokens: list[int] = field(default_factory=list)
+    format: str = "text"
+    threads: int | None = None
+    cache: str = "auto"
+    quiet: bool = False
+
+    def check(self, kind: str = "cached") -> None:
+        """``kind`` "recurrent" (a recurrent encoder-decoder, generation/recurrent.py) first refuses
+        what that loop does not take, with its own reasons."""
+        if kind == "recurrent":
+            self._check_recurrent()
+        super().check()
+        check_int(self.label("max_new_tokens"), self.max_new_tokens)
+        if self.max_new_tokens < 1:
+            raise UsageError(f"{self.flag('max_new_tokens')} must be at least 1, got {self.max_new_tokens}")
+        check_path(self.label("tokenizer"), self.tokenizer)
+        check_strings(self.label("prompts"), self.prompts)
+        check_strings(self.label("inputs"), self.inputs)
+        check_int(self.label("start_token"), self.start_token, optional=True)
+        for name in ("temperature", "top_p", "repetition_penalty"):
+            check_number(self.label(name), getattr(self, name))
+        check_int(self.label("top_k"), self.top_k)
+        check_int(self.label("sampling_seed"), self.sampling_seed, optional=True)
+        check_strings(self.label("stops"), self.stops)
+        check_ints(self.label("stop_tokens"), self.stop_tokens)
+        check_choice(self.label("format"), self.format, ("text", "json"))
+        check_int(self.label("threads"), self.threads, minimum=0, optional=True)
+        check_choice(self.label("cache"), self.cache, CACHES)
+        check_bool(self.label("quiet"), self.quiet)
+        self.sampling(0).check()
+        if self.prompts and any(item.partition("=")[0] == "tokens" for item in self.inputs):
+            raise UsageError("give the prompts either as --prompt text or as --input tokens, not both")
+        if self.prompts and not self.tokenizer:
+            raise UsageError(self.say("--prompt needs --tokenizer tokenizer.json to turn the text into token ids",
+                                      "a text prompt needs tokenizer='tokenizer.json'"))
+        if self.stops and not self.tokenizer:
+            raise UsageError(self.say("--stop TEXT needs --tokenizer; use --stop-token ID for token ids",
+                                      "stop strings need a tokenizer; use stop_tokens=[ids] for token ids"))
+
+    def _check_recurrent(self) -> None:
+        for flag, given in [("--prompt", self.prompts), ("--tokenizer", self.tokenizer), ("--stop", self.stops)]:
+            if given:
+                raise UsageError(f"{flag}: a recurrent encoder-decoder takes token ids (--input src=[[...]] "
+                                 f"--start-token ID); text is not supported for it yet")
+        if self.quantize != "none":
+            raise UsageError("--quantize is not supported for recurrent encoder-decoders yet")
+        if self.start_token is None:
+            raise UsageError("a recurrent encoder-decoder needs the decoder's start token: --start-token ID")
+
+    def sampling(self, model_seed: int):
+        from tessera.runtime.generation.cached import Sampling
+
+        seed = model_seed if self.sampling_seed is None else self.sampling_seed
+        return Sampling(self.temperature, self.top_k, self.top_p, self.repetition_penalty, seed)
+
+
+COMMANDS = {"compile": CompileOptions, "run": RunOptions, "report": ReportOptions, "generate": GenerateOptions}

@@ -1,0 +1,1 @@
+"""Writing compiled models in other runtimes' layouts: onnxruntime-genai model folders (genai)."""

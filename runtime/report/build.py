@@ -1,0 +1,70 @@
+"""Building the cost report of a spec: elaborate it and ask compiler/analysis for the numbers.
+
+The numbers come from compiler/analysis/costreport.py (symbolic, from the graph alone; no weights
+are allocated); this module picks the device, counts mixtures of experts as compile builds them,
+adds the attention and quantisation sections and draws --plot (runtime/report/plot.py).
+runtime/report/format.py renders the result.
+"""
+
+from __future__ import annotations
+
+import gc
+from contextlib import contextmanager
+
+from tessera.runtime import pipeline
+
+
+@contextmanager
+def _no_gc():
+    """Elaboration and the report build many long-lived objects and free almost none; the cyclic
+    garbage collector would rescan them over and over (half the run time for GPT-3)."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
+def build_report(ref, o) -> dict:
+    """The report of ``ref`` (runtime/options.ModelRef) as ``o`` (ReportOptions) asks, a JSON-able dict."""
+    from tessera.compiler.analysis import costreport, roofline
+
+    if o.plot is not None:  # a bad path fails now, not after the report
+        from tessera.runtime.report.plot import check_plot_path
+
+        check_plot_path(str(o.plot))
+    try:
+        device = roofline.get_device(o.device)
+    except roofline.DeviceError as e:
+        raise pipeline.UsageError(str(e)) from None
+    config = o.quant_config()
+    with _no_gc():
+        built = pipeline.build(ref.spec, ref.variant, ref.sets)
+        graph = built.graph
+        if o.sparse_moe and config is None and any(n.op == "topk_gates" for n in graph.nodes.values()):
+            from tessera.compiler.passes.sparse_moe import SparseExperts
+
+            graph = graph.copy()  # as compile builds it: experts sparse (built.graph is left as written)
+            SparseExperts()(graph)
+        rep = costreport.build_report(
+            graph, built.info.model, built.info.variant,
+            {k: pipeline._jsonable(v) for k, v in built.info.hyperparams.items()},
+            batch=o.batch, seq=o.seq, dtype=o.dtype, device=device)
+    if o.plot is not None:
+        from tessera.runtime.report.plot import plot
+
+        with _no_gc():
+            plot(graph, rep, str(o.plot))
+    from tessera.compiler.analysis.attention_report import attention_section
+
+    with _no_gc():  # fuses a copy: built.graph is left as written
+        rep["attention"] = attention_section(graph, rep["settings"]["bindings"],
+                                             rep["settings"]["bytes_per_element"], device.name, o.dtype)
+    if config is not None:
+        from tessera.compiler.analysis.quant_report import quantization_section
+
+        with _no_gc():  # quantises a copy
+            rep["quantization"] = quantization_section(built.graph, config)
+    return rep

@@ -1,0 +1,455 @@
+"""The OpenAI-compatible HTTP routes over the engine (FastAPI).
+
+Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (server-sent events when
+``stream`` is true), ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus text).
+
+Why the body is parsed by hand (json.loads, then a pydantic model with unknown fields forbidden and
+strict types) rather than by FastAPI's signature binding: every malformed request must get a 4xx
+in OpenAI's error shape ``{"error": {"message", "type", "param", "code"}}``, not FastAPI's 422
+detail list, and nothing a client sends may reach a traceback. Admission: the engine refuses past
+its bounds with Overloaded (429) and while draining with Unavailable (503).
+
+The engine runs in its own thread; a route waits for its request's tokens through an asyncio Event
+the engine's listener sets (``_updates``). A streaming client that goes away is noticed when the
+next chunk cannot be sent (the response generator is closed) and a waiting non-streaming one by
+polling; either way the request is cancelled and its slot is free at the next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from typing import Annotated, Literal, Union
+
+from fastapi import Request as HttpRequest
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationError
+
+from .chat import ChatTemplate, ChatTemplateError
+from .engine import Engine, Handle, Overloaded, Request, RequestError, Unavailable
+from .model import Sampling, UsageError, encode_prompts, stop_token_ids
+
+Number = Union[StrictInt, StrictFloat]
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: StrictStr | None = None
+    max_tokens: StrictInt | None = None
+    temperature: Number = 1.0  # OpenAI's default; 0 is greedy
+    top_p: Number = 1.0
+    top_k: StrictInt = 0  # an extension (as vLLM and llama.cpp take it)
+    repetition_penalty: Number = 1.0  # an extension
+    seed: StrictInt | None = None
+    stop: StrictStr | Annotated[list[StrictStr], Field(max_length=4)] | None = None
+    stream: StrictBool = False
+    stream_options: dict | None = None
+    n: StrictInt = 1
+    user: StrictStr | None = None
+    presence_penalty: Number = 0.0
+    frequency_penalty: Number = 0.0
+    logprobs: Literal[None, False] = None
+    ignore_eos: StrictBool = False  # an extension
+
+
+class CompletionBody(_Body):
+    prompt: StrictStr | list[StrictInt] | Annotated[list[StrictStr], Field(min_length=1, max_length=1)] | \
+        Annotated[list[list[StrictInt]], Field(min_length=1, max_length=1)]
+    echo: Literal[False] = False
+    suffix: None = None
+    best_of: Literal[1, None] = None
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    role: Literal["system", "user", "assistant", "developer", "tool"]
+    content: StrictStr | list[dict]
+    name: StrictStr | None = None
+
+
+class ChatBody(_Body):
+    messages: Annotated[list[Message], Field(min_length=1)]
+    max_completion_tokens: StrictInt | None = None
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+
+
+def _error_response(e: ApiError):
+    from fastapi.responses import JSONResponse
+
+    return JSONResponse({"error": {"message": e.message, "type": e.type, "param": e.param, "code": e.code}},
+                        status_code=e.status)
+
+
+def _validation_error(e: ValidationError) -> ApiError:
+    first = e.errors()[0]
+    loc = ".".join(str(x) for x in first.get("loc", ()))
+    msg = first.get("msg", "invalid value")
+    if first.get("type") == "extra_forbidden":
+        msg = f"unrecognized request argument supplied: {loc}"
+    return ApiError(400, f"{loc}: {msg}" if loc else msg, param=loc or None)
+
+
+class Server:
+    """What the routes share: the engine, the tokenizer, the chat template, the served model's name."""
+
+    def __init__(self, engine: Engine, model_name: str, tokenizer=None, chat_template: ChatTemplate | None = None,
+                 chat_template_error: str | None = None):
+        self.engine, self.model_name, self.tokenizer = engine, model_name, tokenizer
+        self.chat_template, self.chat_template_error = chat_template, chat_template_error
+        self.created = int(time.time())
+
+    # ---------------------------------------------------------------- request -> engine Request
+    def _request(self, body: _Body, prompt_ids: list[int], max_tokens: int | None) -> Request:
+        """The engine's Request; ``max_tokens`` None: what the context leaves (the chat route's default)."""
+        if body.model is not None and body.model != self.model_name:
+            raise ApiError(404, f"the model '{body.model}' does not exist; this server serves '{self.model_name}'",
+                           param="model", code="model_not_found")
+        if body.n != 1:
+            raise ApiError(400, "only n=1 is supported", param="n")
+        if body.presence_penalty or body.frequency_penalty:
+            raise ApiError(400, "presence_penalty and frequency_penalty are not supported; use repetition_penalty",
+                           param="presence_penalty" if body.presence_penalty else "frequency_penalty")
+        stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+        if stops and self.tokenizer is None:
+            raise ApiError(400, "stop strings need the server to have a tokenizer (--tokenizer)", param="stop")
+        if max_tokens is None:  # as much as the context leaves, as OpenAI's chat route does
+            max_tokens = max(1, self.engine.capacity - len(prompt_ids)) if prompt_ids else 1
+        sampling = Sampling(float(body.temperature), body.top_k, float(body.top_p), float(body.repetition_penalty),
+                            body.seed)
+        return Request(prompt_ids, max_tokens, sampling, tuple(stop_token_ids(self.tokenizer, stops)),
+                       tuple(s for s in stops if s), body.ignore_eos)
+
+    def _encode(self, text: str, special: bool = True) -> list[int]:
+        if self.tokenizer is None:
+            raise ApiError(400, "this server has no tokenizer (--tokenizer): give the prompt as token ids",
+                           param="prompt")
+        if not text:
+            raise ApiError(400, "the prompt is empty: generation needs at least one token to start from",
+                           param="prompt")
+        try:
+            if special:
+                return encode_prompts(self.tokenizer, [text])[0]
+            return list(self.tokenizer.encode(text, add_special_tokens=False).ids)
+        except UsageError as e:
+            raise ApiError(400, str(e), param="prompt") from None
+
+    def _submit(self, req: Request) -> Handle:
+        try:
+            return self.engine.submit(req)
+        except RequestError as e:
+            raise ApiError(400, str(e), param="prompt" if "prompt" in str(e) else None) from None
+        except Overloaded as e:
+            raise ApiError(429, str(e), "rate_limit_exceeded", code="overloaded") from None
+        except Unavailable as e:
+            raise ApiError(503, str(e), "service_unavailable") from None
+
+    def completion_request(self, data) -> tuple[CompletionBody, Request]:
+        body = _parse(CompletionBody, data)
+        p = body.prompt
+        if isinstance(p, list) and p and isinstance(p[0], list):
+            p = p[0]
+        elif isinstance(p, list) and p and isinstance(p[0], str):
+            p = p[0]
+        ids = self._encode(p) if isinstance(p, str) else list(p)
+        if not ids:
+            raise ApiError(400, "the prompt is empty: generation needs at least one token to start from",
+                           param="prompt")
+        return body, self._request(body, ids, 16 if body.max_tokens is None else body.max_tokens)  # OpenAI's default
+
+    def chat_request(self, data) -> tuple[ChatBody, Request]:
+        body = _parse(ChatBody, data)
+        if self.chat_template is None:
+            why = self.chat_template_error or ("this model has no chat template (no chat_template in the "
+                                               "tokenizer folder's tokenizer_config.json); use /v1/completions")
+            raise ApiError(400, why, param="messages", code="no_chat_template")
+        messages = []
+        for m in body.messages:
+            content = m.content
+            if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
+                if not all(isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)
+                           for part in content):
+                    raise ApiError(400, "only text content parts are supported", param="messages")
+                content = "".join(part["text"] for part in content)
+            messages.append({"role": m.role, "content": content, **({"name": m.name} if m.name else {})})
+        try:
+            text = self.chat_template.render(messages)
+        except ChatTemplateError as e:
+            raise ApiError(400, str(e), param="messages") from None
+        if body.max_tokens is not None and body.max_completion_tokens is not None:
+            raise ApiError(400, "give max_tokens or max_completion_tokens, not both", param="max_tokens")
+        limit = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        return body, self._request(body, self._encode(text, special=False), limit)
+
+    # ---------------------------------------------------------------- tokens -> text
+    def text_tokens(self, handle: Handle, final: bool, count: int | None = None) -> list[int]:
+        """The first ``count`` tokens that make text: a last stop or end-of-sequence token is left out
+        (held back while the request runs: it may be the one that stops it)."""
+        req = handle.request
+        tokens = handle.tokens[:count] if count is not None else list(handle.tokens)
+        if tokens and (tokens[-1] in req.stop_tokens or tokens[-1] in self.engine.eos_ids) and (
+                not final or handle.finish_reason == "stop"):
+            tokens = tokens[:-1]
+        return tokens
+
+    @staticmethod
+    def visible(handle: Handle, text: str, final: bool) -> str:
+        """``text`` trimmed at a stop string; while not final, without the tail that could still become
+        a stop string or is an incomplete character."""
+        stops = handle.request.stop_strings
+        cut = min((text.find(s) for s in stops if s in text), default=-1)
+        if cut >= 0:
+            return text[:cut]
+        if not final:
+            hold = max((len(s) - 1 for s in stops), default=0)
+            text = text[:len(text) - hold] if hold else text
+            while text.endswith("\ufffd"):
+                text = text[:-1]
+        return text
+
+    def text_of(self, handle: Handle) -> str:
+        """The finished request's completion text (one decode of all its tokens)."""
+        if self.tokenizer is None:
+            return ""
+        text = self.tokenizer.decode(self.text_tokens(handle, True), skip_special_tokens=True)
+        return self.visible(handle, text, True)
+
+
+class Detokenizer:
+    """The text of a growing token list, each update decoding a short window instead of the whole
+    completion (a stream would otherwise cost O(n^2) decodes): the window starts at the tokens of
+    the previous update, so word joins and spaces come out as in one decode (vLLM's prefix and read
+    offsets); an update whose text ends in an incomplete character waits for the next token."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.text, self.prefix, self.read = tokenizer, "", 0, 0
+
+    def update(self, tokens: list[int]) -> str:
+        if self.tokenizer is None or len(tokens) <= self.read:
+            return self.text
+        before = self.tokenizer.decode(tokens[self.prefix:self.read], skip_special_tokens=True)
+        after = self.tokenizer.decode(tokens[self.prefix:], skip_special_tokens=True)
+        if len(after) > len(before) and after.startswith(before) and not after.endswith("\ufffd"):
+            self.text += after[len(before):]
+            self.prefix, self.read = self.read, len(tokens)
+        elif not after.startswith(before):  # a tokenizer whose windows do not join: decode it all once
+            self.text = self.tokenizer.decode(tokens, skip_special_tokens=True)
+            self.prefix = self.read = len(tokens)
+        return self.text
+
+
+def _parse(model, data):
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        raise _validation_error(e) from None
+
+
+def _listen(handle: Handle) -> asyncio.Event:
+    """An asyncio Event the engine's thread sets after each change of ``handle``."""
+    loop = asyncio.get_running_loop()
+    event = asyncio.Event()
+
+    def wake():
+        try:
+            loop.call_soon_threadsafe(event.set)
+        except RuntimeError:  # the loop is closed: nobody is waiting any more
+            pass
+
+    handle.add_listener(wake)
+    return event
+
+
+async def _updates(handle: Handle, request: HttpRequest):
+    """Yield (tokens so far, finished) each time the engine adds a token or finishes the request; stop
+    early if the client goes away meanwhile (checked every half second: a request still queued sends
+    nothing, so a failed send cannot tell)."""
+    event = _listen(handle)
+    while True:
+        event.clear()
+        done = handle.finished
+        yield len(handle.tokens), done
+        if done:
+            return
+        while True:
+            try:
+                await asyncio.wait_for(event.wait(), 0.5)
+                break
+            except asyncio.TimeoutError:
+                if await request.is_disconnected():
+                    return
+
+
+def _usage(handle: Handle) -> dict:
+    p, c = len(handle.request.prompt), len(handle.tokens)
+    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+
+
+def _finish_reason(handle: Handle) -> str:
+    return {"stop": "stop", "length": "length"}.get(handle.finish_reason, handle.finish_reason)
+
+
+def create_app(server: Server):
+    """The FastAPI application over ``server`` (its engine must be started)."""
+    from fastapi import FastAPI
+    from fastapi.exceptions import RequestValidationError
+    from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+    from starlette.exceptions import HTTPException as StarletteHTTPException
+
+    app = FastAPI(title="tessera serve", docs_url=None, redoc_url=None, openapi_url=None)
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request, e: ApiError):
+        return _error_response(e)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request, e):
+        return _error_response(ApiError(e.status_code, str(e.detail), "invalid_request_error"
+                                        if e.status_code < 500 else "server_error"))
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request, e):
+        return _error_response(ApiError(400, "the request is not valid"))
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request, e):  # a bug: the client gets a message, never a traceback
+        return _error_response(ApiError(500, f"internal error: {type(e).__name__}", "server_error"))
+
+    async def read_json(request: HttpRequest):
+        raw = await request.body()
+        try:
+            data = json.loads(raw)
+        except (ValueError, UnicodeDecodeError) as e:
+            raise ApiError(400, f"the body is not valid JSON: {e}") from None
+        if not isinstance(data, dict):
+            raise ApiError(400, "the body must be a JSON object")
+        return data
+
+    @app.get("/health")
+    async def health():
+        if not server.engine.accepting:
+            return JSONResponse({"status": "draining"}, status_code=503)
+        return {"status": "ok", "running": server.engine.running, "queued": server.engine.queued}
+
+    @app.get("/metrics")
+    async def metrics():
+        return PlainTextResponse(server.engine.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": server.model_name, "object": "model", "created": server.created,
+                                            "owned_by": "tessera"}]}
+
+    async def wait_for(handle: Handle, request: HttpRequest) -> None:
+        """Until the request finishes; cancel it if the client goes away meanwhile (checked every 0.25 s)."""
+        event, loop = _listen(handle), asyncio.get_running_loop()
+        checked = loop.time()
+        try:
+            while True:
+                event.clear()
+                if handle.finished:
+                    return
+                try:
+                    await asyncio.wait_for(event.wait(), 0.25)
+                except asyncio.TimeoutError:
+                    pass
+                if loop.time() - checked >= 0.25:
+                    checked = loop.time()
+                    if await request.is_disconnected():
+                        return
+        finally:
+            if not handle.finished:
+                handle.cancel()
+
+    def check_outcome(handle: Handle) -> None:
+        if handle.finish_reason == "error":
+            raise ApiError(500, handle.error or "the model failed", "server_error")
+        if handle.finish_reason == "cancelled":
+            raise ApiError(503, "the request was cancelled: the server is shutting down", "service_unavailable")
+
+    def stream(handle: Handle, request: HttpRequest, chunk, usage_wanted: bool):
+        """Server-sent events: ``chunk(delta_text, finish_reason)`` per new text, then usage, then [DONE]."""
+        async def events():
+            shown, detok = "", Detokenizer(server.tokenizer)
+            try:
+                first = chunk(None, None)
+                if first is not None:
+                    yield f"data: {json.dumps(first)}\n\n"
+                async for count, done in _updates(handle, request):
+                    tokens = server.text_tokens(handle, done, None if done else count)
+                    text = server.visible(handle, detok.update(tokens), done)
+                    if text.startswith(shown) and len(text) > len(shown):
+                        yield f"data: {json.dumps(chunk(text[len(shown):], None))}\n\n"
+                        shown = text
+                    if done:
+                        if handle.finish_reason in ("error", "cancelled"):
+                            err = handle.error or "the request was cancelled: the server is shutting down"
+                            yield f"data: {json.dumps({'error': {'message': err, 'type': 'server_error'}})}\n\n"
+                        else:
+                            yield f"data: {json.dumps(chunk('', _finish_reason(handle)))}\n\n"
+                            if usage_wanted:
+                                final = chunk(None, None, usage=_usage(handle))
+                                yield f"data: {json.dumps(final)}\n\n"
+                        yield "data: [DONE]\n\n"
+                        return
+            finally:
+                if not handle.finished:  # the client went away (or the server stops): free the slot
+                    handle.cancel()
+
+        return StreamingResponse(events(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    @app.post("/v1/completions")
+    async def completions(request: HttpRequest):
+        body, req = server.completion_request(await read_json(request))
+        handle = server._submit(req)
+        rid, created = f"cmpl-{handle.id}", int(time.time())
+        if body.stream:
+            def chunk(text, finish, usage=None):
+                if usage is not None:
+                    return {"id": rid, "object": "text_completion", "created": created, "model": server.model_name,
+                            "choices": [], "usage": usage}
+                if text is None:
+                    return None
+                return {"id": rid, "object": "text_completion", "created": created, "model": server.model_name,
+                        "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}]}
+
+            return stream(handle, request, chunk, bool((body.stream_options or {}).get("include_usage")))
+        await wait_for(handle, request)
+        check_outcome(handle)
+        return {"id": rid, "object": "text_completion", "created": created, "model": server.model_name,
+                "choices": [{"index": 0, "text": server.text_of(handle), "logprobs": None,
+                             "finish_reason": _finish_reason(handle), "token_ids": list(handle.tokens)}],
+                "usage": _usage(handle)}
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: HttpRequest):
+        body, req = server.chat_request(await read_json(request))
+        handle = server._submit(req)
+        rid, created = f"chatcmpl-{handle.id}", int(time.time())
+        if body.stream:
+            def chunk(text, finish, usage=None):
+                base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": server.model_name}
+                if usage is not None:
+                    return {**base, "choices": [], "usage": usage}
+                delta = {"role": "assistant", "content": ""} if text is None else \
+                    ({"content": text} if text else {})
+                return {**base, "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]}
+
+            return stream(handle, request, chunk, bool((body.stream_options or {}).get("include_usage")))
+        await wait_for(handle, request)
+        check_outcome(handle)
+        return {"id": rid, "object": "chat.completion", "created": created, "model": server.model_name,
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": server.text_of(handle)},
+                             "logprobs": None, "finish_reason": _finish_reason(handle),
+                             "token_ids": list(handle.tokens)}],
+                "usage": _usage(handle)}
+
+    return app

@@ -1,0 +1,70 @@
+"""Chat requests to prompt text: the tokenizer folder's chat template, rendered in jinja2's sandbox.
+
+Why the sandbox: a chat template is code that came with a downloaded model; jinja2's
+``ImmutableSandboxedEnvironment`` lets it format messages but not reach Python objects' internals
+or mutate anything, as transformers renders templates. The template is ``chat_template`` of
+``tokenizer_config.json`` next to tokenizer.json (a string, or a list of named templates of which
+"default" is used); ``bos_token`` and ``eos_token`` come from the same file.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+
+class ChatTemplateError(Exception):
+    """No template, or one that cannot be read or rendered (a message for the client)."""
+
+
+def _token_text(value) -> str:
+    if isinstance(value, dict):  # {"content": "<s>", ...} in older tokenizer_config.json files
+        return str(value.get("content", ""))
+    return "" if value is None else str(value)
+
+
+class ChatTemplate:
+    def __init__(self, source: str, bos_token: str = "", eos_token: str = ""):
+        from jinja2 import TemplateError
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        def raise_exception(message):
+            raise ChatTemplateError(str(message))
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env.globals["raise_exception"] = raise_exception
+        try:
+            self.template = env.from_string(source)
+        except TemplateError as e:
+            raise ChatTemplateError(f"the chat template does not parse: {e}") from None
+        self.bos_token, self.eos_token = bos_token, eos_token
+
+    @classmethod
+    def from_tokenizer_folder(cls, tokenizer_path: str | Path) -> "ChatTemplate | None":
+        """The template of tokenizer_config.json beside ``tokenizer_path``; None when there is none."""
+        config = Path(tokenizer_path).parent / "tokenizer_config.json"
+        if not config.is_file():
+            return None
+        try:
+            data = json.loads(config.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as e:
+            raise ChatTemplateError(f"cannot read {config}: {e}") from None
+        source = data.get("chat_template") if isinstance(data, dict) else None
+        if isinstance(source, list):  # [{"name": "default", "template": "..."}, ...]
+            named = {t.get("name"): t.get("template") for t in source if isinstance(t, dict)}
+            source = named.get("default")
+        if not isinstance(source, str) or not source:
+            return None
+        return cls(source, _token_text(data.get("bos_token")), _token_text(data.get("eos_token")))
+
+    def render(self, messages: list[dict]) -> str:
+        """The prompt text for ``messages`` (role/content dicts), ending with the assistant's turn."""
+        from jinja2 import TemplateError
+
+        try:
+            return self.template.render(messages=messages, add_generation_prompt=True, bos_token=self.bos_token,
+                                        eos_token=self.eos_token)
+        except ChatTemplateError:
+            raise
+        except (TemplateError, TypeError, ValueError, KeyError, AttributeError) as e:
+            raise ChatTemplateError(f"the chat template could not render these messages: {e}") from None

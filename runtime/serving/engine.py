@@ -1,0 +1,538 @@
+"""The continuous-batching engine: many requests, one cached decoder, one onnxruntime call per step.
+
+Why: ``generate`` runs a static batch -- every row until the longest ends, and nothing joins once it
+started. Here requests arrive at any time; each decoding step runs every active sequence in ONE
+onnxruntime call (a step reads the weights once for all its rows), a sequence that finishes leaves
+at once and a waiting one joins at the next step.
+
+The cache (allocated once, at start-up, and never again): per layer and key/value one flat array
+of ``max_batch * kv_heads * capacity * hd`` elements, plus a slot mask ``[max_batch, capacity]``.
+Its live view is the prefix reshaped to ``[max_batch, kv_heads, W, hd]`` -- contiguous, so a step
+feeds it to onnxruntime with no copy -- where the width W is the longest active row rounded up to
+``WIDTH_STEP``: a step attends over W columns, not over ``capacity`` mostly masked ones. When a row
+outgrows W the view is widened in place (``_relayout``: each (row, head) block moved to its new
+offset, last first; once per ``WIDTH_STEP`` tokens of growth), and narrowed when the long rows have
+left. Row i of the view is slot i; the active sequences always occupy the first n slots, so a step
+feeds the block ``[:n]``. When a sequence leaves, the last one moves into its slot (its filled
+columns are copied, once). Each row keeps its own length: its tokens fill its columns from 0, its
+positions count its own tokens, and the mask hides its unfilled columns, so rows of any lengths
+share a step -- that needs the plain decoding branch (serving/model.py ``DECODE_REASON``).
+
+Prompts are prefilled between decoding steps in chunks of at most ``prefill_chunk`` tokens, one
+chunk per iteration, so a long prompt delays the running streams by at most one chunk per step.
+A prompt's first chunk runs against an empty past (the tiled prefill kernel over the chunk alone,
+exactly as ``generate`` prefills), later chunks against the row's filled columns (the tiled kernel
+with the causal offset of the past and the mask hiding the unfilled columns).
+
+Each request keeps its own sampling parameters and random generator (seeded per request, so a
+sampled request gives the tokens ``generate`` gives it alone with that seed), stop tokens, stop
+strings, end-of-sequence tokens and max tokens; greedy tokens equal ``generate``'s whatever else is
+in the batch. Admission control: at most ``max_batch`` running and ``max_queue`` waiting; past
+that ``submit`` raises ``Overloaded`` at once; after ``drain()`` it raises ``Unavailable``.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterator
+
+import numpy as np
+
+from .metrics import Metrics
+from .model import CachedModel, Sampling, TextStopper, UsageError, choose, ort_message
+
+WIDTH_STEP = 64  # attention width granularity of a decoding step (fewer distinct shapes)
+
+
+class RequestError(UsageError):
+    """A request that can never run (an empty prompt, past the context, bad sampling values): HTTP 400."""
+
+
+class Overloaded(Exception):
+    """Running and waiting requests are at their bounds: refused at once (HTTP 429)."""
+
+
+class Unavailable(Exception):
+    """The engine is draining or closed (HTTP 503)."""
+
+
+@dataclass
+class Request:
+    """One generation request: prompt token ids and how to continue them."""
+
+    prompt: list[int]
+    max_tokens: int
+    sampling: Sampling = field(default_factory=Sampling)
+    stop_tokens: tuple[int, ...] = ()
+    stop_strings: tuple[str, ...] = ()
+    ignore_eos: bool = False
+
+
+class Handle:
+    """A submitted request as it runs: its new tokens so far, and why it finished.
+
+    Iterate it (blocking) for the token ids as they come; ``add_listener(fn)`` calls ``fn()`` (from the
+    engine's thread) after each change, which is how an asyncio server wakes up; ``cancel()`` ends it
+    and frees its slot at the next step. ``finish_reason``: "stop" (a stop token, stop string or the
+    end-of-sequence token), "length" (max_tokens), "cancelled", "error" (``error`` says why)."""
+
+    _ids = itertools.count(1)
+
+    def __init__(self, request: Request):
+        self.id = next(self._ids)
+        self.request = request
+        self.tokens: list[int] = []
+        self.finish_reason: str | None = None
+        self.error: str | None = None
+        self.submitted = time.perf_counter()
+        self.first_token_at: float | None = None
+        self.cancelled = False
+        self._cond = threading.Condition()
+        self._listeners: list[Callable[[], None]] = []
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def add_listener(self, fn: Callable[[], None]) -> None:
+        with self._cond:
+            self._listeners.append(fn)
+        fn()  # whatever happened before the listener came
+
+    def cancel(self) -> None:
+        self.cancelled = True
+        engine = getattr(self, "_engine", None)
+        if engine is not None:
+            engine._wake()
+
+    def _changed(self) -> None:
+        with self._cond:
+            self._cond.notify_all()
+            listeners = list(self._listeners)
+        for fn in listeners:
+            fn()
+
+    def _push(self, token: int) -> None:
+        self.tokens.append(token)
+        self._changed()
+
+    def _finish(self, reason: str, error: str | None = None) -> None:
+        if self.finish_reason is None:
+            self.finish_reason, self.error = reason, error
+            self._changed()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until finished (or timeout); returns whether it finished."""
+        with self._cond:
+            return self._cond.wait_for(lambda: self.finished, timeout)
+
+    def __iter__(self) -> Iterator[int]:
+        seen = 0
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: len(self.tokens) > seen or self.finished)
+                new, done = self.tokens[seen:], self.finished
+            yield from new
+            seen += len(new)
+            if done and seen == len(self.tokens):
+                return
+
+
+def _round_up(columns: int) -> int:
+    return -(-columns // WIDTH_STEP) * WIDTH_STEP
+
+
+class _Sequence:
+    """A request in a slot: how much of its prompt is in the cache, the token to feed next."""
+
+    def __init__(self, handle: Handle, slot: int, vocab: int):
+        self.handle, self.slot = handle, slot
+        req = handle.request
+        self.filled = 0  # cache columns written (prompt and fed tokens)
+        self.next_token: int | None = None  # None while the prompt is being prefilled
+        self.rng = np.random.default_rng(req.sampling.seed)
+        self.seen = None
+        if req.sampling.repetition_penalty != 1.0:  # as generate: over the prompt and the new tokens
+            self.seen = np.zeros((1, vocab), dtype=bool)
+            self.seen[0, req.prompt] = True
+        self.last_token_at = 0.0
+
+    @property
+    def prefilling(self) -> bool:
+        return self.next_token is None
+
+
+class Engine:
+    """The scheduler, the slots and the step; see the module docstring.
+
+    ``start()`` runs the loop in a thread of its own; ``step()`` runs one iteration by hand instead
+    (tests, offline batches). ``capacity``: cache columns per slot (default the model's context);
+    every request needs prompt + max_tokens <= capacity."""
+
+    def __init__(self, model: CachedModel, max_batch: int = 8, max_queue: int = 64, capacity: int | None = None,
+                 prefill_chunk: int = 256, tokenizer=None, eos_ids=(), metrics: Metrics | None = None):
+        info = model.info
+        for name, v in (("max_batch", max_batch), ("prefill_chunk", prefill_chunk)):
+            if not isinstance(v, int) or v < 1:
+                raise UsageError(f"{name} must be an integer >= 1, got {v}")
+        if not isinstance(max_queue, int) or max_queue < 0:
+            raise UsageError(f"max_queue must be an integer >= 0, got {max_queue}")
+        ctx = info.context
+        if capacity is None:
+            if ctx is None:
+                raise UsageError("the model has no context length of its own; give the engine a capacity "
+                                 "(--max-context N)")
+            capacity = ctx
+        if not isinstance(capacity, int) or capacity < 2:
+            raise UsageError(f"the capacity must be an integer >= 2, got {capacity}")
+        if ctx is not None and capacity > ctx:
+            raise UsageError(f"--max-context {capacity} is past the model's context of {ctx} positions")
+        self.model, self.info = model, info
+        self.max_batch, self.max_queue, self.capacity = max_batch, max_queue, capacity
+        self.prefill_chunk = prefill_chunk
+        self.tokenizer, self.eos_ids = tokenizer, frozenset(int(t) for t in eos_ids)
+        self.metrics = metrics or Metrics()
+        self.vocab = model.vocab
+        # ---- the cache, once: max_batch x kv_heads x capacity x hd elements per layer and key/value
+        self.cache: dict[str, np.ndarray] = {}  # flat; viewed as [max_batch, kv_heads, width, hd]
+        self.dims: dict[str, tuple[int, int]] = {}  # (kv_heads, hd)
+        self.empty: dict[str, np.ndarray] = {}  # [1, kv_heads, 0, hd]: a prompt's first chunk's past
+        for layer in info.layers:
+            for name, size in ((layer.past_key, layer.head_size), (layer.past_value, layer.value_size)):
+                self.cache[name] = np.zeros(max_batch * layer.kv_heads * capacity * size, dtype=model.np_dtype)
+                self.dims[name] = (layer.kv_heads, size)
+                self.empty[name] = np.zeros((1, layer.kv_heads, 0, size), dtype=model.np_dtype)
+        self.width = min(WIDTH_STEP, capacity)  # columns of the live view
+        self.relayouts = 0
+        self.slots = np.zeros((max_batch, capacity), dtype=np.int64)
+        self.cache_allocations = 1  # the tests check that no step adds to it
+        self.rows: list[_Sequence] = []  # slot i holds rows[i]; the active ones are the first len(rows)
+        self.waiting: collections.deque[Handle] = collections.deque()
+        self._cond = threading.Condition()
+        self._accepting, self._closed = True, False
+        self._thread: threading.Thread | None = None
+        self.steps = 0  # decoding steps run (one onnxruntime call each)
+        self.metrics.cache_bytes = self.memory_bytes
+
+    # ------------------------------------------------------------------ what it holds
+    @property
+    def cache_bytes(self) -> int:
+        return sum(a.nbytes for a in self.cache.values())
+
+    @property
+    def memory_bytes(self) -> int:
+        """The engine's whole preallocated state: the cache and the slot mask (the stated budget)."""
+        return self.cache_bytes + self.slots.nbytes
+
+    def describe(self) -> str:
+        """The start-up statement: slots, capacity, the memory budget and the decoding kernel."""
+        from .model import DECODE_REASON
+
+        per_slot = self.cache_bytes // self.max_batch
+        return (f"engine: {self.max_batch} slots x {self.capacity} positions, up to {self.max_queue} queued; "
+                f"prefill chunk {self.prefill_chunk} tokens\n"
+                f"memory budget: {self.memory_bytes / 2**20:.1f} MiB allocated once at start "
+                f"(KV cache {self.cache_bytes / 2**20:.1f} MiB = {self.max_batch} slots x "
+                f"{per_slot / 2**20:.2f} MiB over {len(self.info.layers)} layers, viewed {WIDTH_STEP} "
+                f"columns at a time as the longest row grows); no step allocates cache; per request only its "
+                f"tokens (and a vocabulary-sized mask with repetition_penalty)\n"
+                f"{DECODE_REASON}")
+
+    @property
+    def accepting(self) -> bool:
+        """False once draining or closed (new requests get Unavailable)."""
+        return self._accepting
+
+    @property
+    def running(self) -> int:
+        return len(self.rows)
+
+    @property
+    def queued(self) -> int:
+        return len(self.waiting)
+
+    # ------------------------------------------------------------------ requests
+    def check(self, req: Request) -> None:
+        """Every reason a request can never run, as a RequestError (before it takes a place)."""
+        p = req.prompt
+        if not isinstance(p, (list, tuple)) or not p:
+            raise RequestError("the prompt is empty: generation needs at least one token to start from")
+        if not all(isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in p):
+            raise RequestError("the prompt must be a list of integer token ids")
+        bad = [t for t in p if t < 0 or t >= self.vocab]
+        if bad:
+            raise RequestError(f"the prompt holds token id {bad[0]}, outside the vocabulary [0, {self.vocab})")
+        m = req.max_tokens
+        if not isinstance(m, (int, np.integer)) or isinstance(m, bool) or m < 1:
+            raise RequestError(f"max_tokens must be an integer >= 1, got {m}")
+        if len(p) >= self.capacity:
+            raise RequestError(f"the prompt has {len(p)} tokens; this server's context is {self.capacity} positions "
+                               f"(prompt and new tokens together)")
+        if len(p) + m > self.capacity:
+            raise RequestError(f"max_tokens={m} goes past the context: the prompt has {len(p)} tokens and the "
+                               f"server's context is {self.capacity} positions, so at most {self.capacity - len(p)}")
+        try:
+            req.sampling.check()
+        except UsageError as e:
+            raise RequestError(str(e)) from None
+        seed = req.sampling.seed
+        if seed is not None and (not isinstance(seed, (int, np.integer)) or isinstance(seed, bool) or seed < 0):
+            raise RequestError(f"seed must be an integer >= 0, got {seed}")
+        for t in req.stop_tokens:
+            if not isinstance(t, (int, np.integer)) or t < 0 or t >= self.vocab:
+                raise RequestError(f"unknown stop token {t}: ids are in [0, {self.vocab})")
+        if req.stop_strings and self.tokenizer is None:
+            raise RequestError("stop strings need the server to have a tokenizer (--tokenizer)")
+
+    def submit(self, req: Request) -> Handle:
+        """Queue a request; raises RequestError (never runnable), Overloaded (bounds reached) or
+        Unavailable (draining or closed) at once."""
+        self.check(req)
+        req.prompt = [int(t) for t in req.prompt]
+        handle = Handle(req)
+        handle._engine = self
+        with self._cond:
+            if not self._accepting:
+                raise Unavailable("the server is shutting down")
+            if len(self.waiting) + len(self.rows) >= self.max_batch + self.max_queue:
+                self.metrics.rejected += 1
+                raise Overloaded(f"the server is at capacity ({self.max_batch} running, {self.max_queue} queued); "
+                                 f"retry later")
+            self.waiting.append(handle)
+            self.metrics.queue_depth = len(self.waiting)
+            self._cond.notify_all()
+        return handle
+
+    def _wake(self) -> None:
+        with self._cond:
+            self._cond.notify_all()
+
+    # ------------------------------------------------------------------ the loop
+    def start(self) -> "Engine":
+        """Run the scheduling loop in a daemon thread until ``close()``."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="tessera-engine", daemon=True)
+            self._thread.start()
+        return self
+
+    def _has_work(self) -> bool:
+        return bool(self.waiting or self.rows)
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._closed or self._has_work())
+                if self._closed:
+                    return
+            try:
+                self.step()
+            except Exception as e:  # a bug: the requests in hand end with it, the loop goes on
+                for seq in list(self.rows):
+                    seq.handle._finish("error", f"internal error: {type(e).__name__}: {e}")
+                self.rows.clear()
+
+    def drain(self) -> None:
+        """Refuse new requests (Unavailable); the running and queued ones go on."""
+        with self._cond:
+            self._accepting = False
+
+    def wait_idle(self, timeout: float | None = None) -> bool:
+        """Block until nothing runs or waits (or timeout); returns whether it is idle."""
+        end = None if timeout is None else time.monotonic() + timeout
+        while self._has_work():
+            if end is not None and time.monotonic() > end:
+                return False
+            time.sleep(0.01)
+        return True
+
+    def close(self) -> None:
+        """Stop the loop; whatever still runs or waits ends as "cancelled"."""
+        with self._cond:
+            self._accepting, self._closed = False, True
+            self._cond.notify_all()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join()
+        for seq in self.rows:
+            seq.handle._finish("cancelled")
+        self.rows.clear()
+        while self.waiting:
+            self.waiting.popleft()._finish("cancelled")
+
+    def step(self) -> bool:
+        """One iteration: drop cancelled requests, admit waiting ones into free slots, prefill one chunk
+        of the oldest prompt not yet in the cache, then one decoding step for every row that has its
+        next token. Returns whether anything ran."""
+        with self._cond:
+            for h in [h for h in self.waiting if h.cancelled]:
+                self.waiting.remove(h)
+                h._finish("cancelled")
+                self.metrics.finished["cancelled"] += 1
+            for seq in [s for s in self.rows if s.handle.cancelled]:
+                seq.handle._finish("cancelled")
+                self._release(seq)
+            while self.waiting and len(self.rows) < self.max_batch:
+                seq = _Sequence(self.waiting.popleft(), len(self.rows), self.vocab)
+                self.slots[seq.slot] = 0
+                self.rows.append(seq)
+            self.metrics.queue_depth, self.metrics.running = len(self.waiting), len(self.rows)
+        if not self.rows:
+            return False
+        try:
+            prefilling = [s for s in self.rows if s.prefilling]
+            if prefilling:
+                self._prefill_chunk(prefilling[0])
+            if any(not s.prefilling for s in self.rows):
+                self._decode_step()
+        except Exception as e:  # onnxruntime failed: every running request ends with the reason, the engine goes on
+            msg = f"the model could not run a step: {ort_message(e)}"
+            for seq in list(self.rows):
+                seq.handle._finish("error", msg)
+            self.rows.clear()
+        self.metrics.running = len(self.rows)
+        return True
+
+    # ------------------------------------------------------------------ prefill and decode
+    def _prefill_chunk(self, seq: _Sequence) -> None:
+        info, req = self.info, seq.handle.request
+        start = seq.filled
+        chunk = req.prompt[start:start + self.prefill_chunk]
+        t, r = len(chunk), seq.slot
+        ones = np.ones((1, t), dtype=np.int64)
+        self._fit(start + t)
+        views = self._views()
+        if start == 0:  # against an empty past: the tiled kernel over the chunk alone, as generate prefills
+            past, mask = self.empty, ones
+        else:  # the row's own buffer (a contiguous block), its filled columns unmasked
+            past = {name: v[r:r + 1] for name, v in views.items()}
+            mask = np.concatenate([self.slots[r:r + 1, :self.width], ones], axis=1)
+        feeds = {info.tokens: np.array([chunk], dtype=np.int64), "attention_mask": mask,
+                 "position_ids": np.arange(start, start + t, dtype=np.int64)[None], **past}
+        out = self.model.run(feeds)
+        for layer in info.layers:
+            views[layer.past_key][r, :, start:start + t] = out[layer.present_key][0]
+            views[layer.past_value][r, :, start:start + t] = out[layer.present_value][0]
+        self.slots[r, start:start + t] = 1
+        seq.filled += t
+        self.metrics.prompt_tokens += t
+        if seq.filled == len(req.prompt):  # the whole prompt is in: its last logits give the first token
+            tok = self._choose(seq, out[info.logits][:, -1, :])
+            seq.next_token = tok
+            self._emit(seq, tok)
+            if seq.handle.finished:
+                self._release(seq)
+
+    def _decode_step(self) -> None:
+        info, rows = self.info, self.rows
+        decoding = [s for s in rows if not s.prefilling]
+        n = max(s.slot for s in decoding) + 1  # rows past the last decoding one (new prompts) stay out
+        self._fit(max(s.filled for s in decoding) + 1)  # each row's new column goes at its `filled`
+        views, width = self._views(), self.width
+        past = {name: v[:n] for name, v in views.items()}
+        tokens = np.zeros((n, 1), dtype=np.int64)
+        positions = np.zeros((n, 1), dtype=np.int64)
+        for s in decoding:  # a row still prefilling among them rides along masked; its outputs are dropped
+            tokens[s.slot, 0], positions[s.slot, 0] = s.next_token, s.filled
+        mask = np.concatenate([self.slots[:n, :width], np.ones((n, 1), dtype=np.int64)], axis=1)
+        feeds = {info.tokens: tokens, "attention_mask": mask, "position_ids": positions, **past}
+        out = self.model.run(feeds)
+        self.steps += 1
+        idx = np.array([s.slot for s in decoding])
+        cols = np.array([s.filled for s in decoding])
+        for layer in info.layers:
+            views[layer.past_key][idx, :, cols] = out[layer.present_key][idx, :, 0]
+            views[layer.past_value][idx, :, cols] = out[layer.present_value][idx, :, 0]
+        self.slots[idx, cols] = 1
+        logits = out[info.logits][:, -1, :]
+        greedy = [s for s in decoding if s.handle.request.sampling.greedy and s.seen is None]
+        picks = {}
+        if greedy:
+            g = np.array([s.slot for s in greedy])
+            picks = dict(zip(g.tolist(), np.argmax(logits[g], axis=-1).tolist()))
+        finished = []
+        for s in decoding:
+            s.filled += 1
+            tok = picks[s.slot] if s.slot in picks else self._choose(s, logits[s.slot:s.slot + 1])
+            s.next_token = tok
+            self._emit(s, tok)
+            if s.handle.finished:
+                finished.append(s)
+        for s in sorted(finished, key=lambda s: -s.slot):
+            self._release(s)
+
+    def _choose(self, seq: _Sequence, logits: np.ndarray) -> int:
+        tok = int(choose(logits, seq.seen, seq.handle.request.sampling, seq.rng)[0])
+        if seq.seen is not None:
+            seq.seen[0, tok] = True
+        return tok
+
+    def _emit(self, seq: _Sequence, tok: int) -> None:
+        h, req, now = seq.handle, seq.handle.request, time.perf_counter()
+        if h.first_token_at is None:
+            h.first_token_at = now
+            self.metrics.ttft.observe(now - h.submitted)
+        else:
+            self.metrics.itl.observe(now - seq.last_token_at)
+        seq.last_token_at = now
+        self.metrics.generated_tokens += 1
+        h._push(tok)
+        if tok in req.stop_tokens or (tok in self.eos_ids and not req.ignore_eos):
+            reason = "stop"
+        elif req.stop_strings and TextStopper(self.tokenizer, list(req.stop_strings))(0, h.tokens):
+            reason = "stop"
+        elif len(h.tokens) >= req.max_tokens:
+            reason = "length"
+        else:
+            return
+        h._finish(reason)
+
+    def _release(self, seq: _Sequence) -> None:
+        """Free seq's slot: the last active row moves into it (its filled columns copied), so the
+        active rows stay the first n slots."""
+        r, last = seq.slot, len(self.rows) - 1
+        self.metrics.finished[seq.handle.finish_reason or "cancelled"] += 1
+        if r != last:
+            moved = self.rows[last]
+            f = moved.filled
+            for v in self._views().values():
+                v[r, :, :f] = v[last, :, :f]
+            self.slots[r] = self.slots[last]
+            moved.slot = r
+            self.rows[r] = moved
+        self.slots[last] = 0
+        self.rows.pop()
+        longest = max((s.filled + 1 for s in self.rows), default=1)
+        if _round_up(longest) <= self.width // 2:  # the long rows left: attend over fewer columns
+            self._relayout(_round_up(longest))
+
+    # ------------------------------------------------------------------ the live view
+    def _views(self) -> dict[str, np.ndarray]:
+        """Every cache array's live view [max_batch, kv_heads, width, hd] (a contiguous prefix)."""
+        w, b = self.width, self.max_batch
+        return {name: flat[:b * kv * w * hd].reshape(b, kv, w, hd)
+                for name, flat in self.cache.items() for kv, hd in [self.dims[name]]}
+
+    def _fit(self, columns: int) -> None:
+        """Widen the view to hold ``columns`` columns per row."""
+        if columns > self.width:
+            self._relayout(min(self.capacity, _round_up(columns)))
+
+    def _relayout(self, width: int) -> None:
+        """Re-lay the active rows' columns for a view ``width`` wide, in place: every (row, head) block
+        of ``min(old, new)`` columns moves to its new offset -- last block first when widening (its new
+        place lies at or after its old one and past every earlier block's old place), first block first
+        when narrowing -- so nothing is overwritten before it has moved."""
+        old, n = self.width, len(self.rows)
+        if width == old:
+            return
+        keep = min(old, width)
+        for name, flat in self.cache.items():
+            kv, hd = self.dims[name]
+            blocks = range(n * kv - 1, 0, -1) if width > old else range(1, n * kv)
+            for i in blocks:
+                flat[i * width * hd:(i * width + keep) * hd] = flat[i * old * hd:(i * old + keep) * hd]
+        self.width = width
+        self.relayouts += 1

@@ -1,0 +1,262 @@
+"""The continuous-batching engine (runtime/serving/engine.py), in process.
+
+The reference for every token is ``generate`` run alone on the request (one prompt, its own
+sampling), over the same compiled decoder; chunked prefill is checked against one unchunked prompt
+(tokens and logits). Scheduling (joins, leaves, cancellation, bounds) is checked by stepping the
+engine by hand, so nothing depends on timing.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tessera.runtime.generation import cached as gen
+from tessera.runtime.serving import model as serving_model
+from tessera.runtime.serving.engine import Engine, Overloaded, Request, RequestError, Unavailable
+
+GPT2 = ["layers=2", "d=64", "heads=4", "vocab=50", "ctx=128"]
+LLAMA = ["layers=2", "d=64", "heads=4", "kv_heads=2", "d_ff=128", "vocab=50", "ctx=128"]
+
+
+@pytest.fixture(scope="module")
+def gpt2():
+    return serving_model.load("gpt2", sets=GPT2, threads=1)
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return serving_model.load("llama", sets=LLAMA, threads=1)
+
+
+def _alone(model, req: Request) -> list[int]:
+    return gen.generate(model, [req.prompt], req.max_tokens, req.sampling, req.stop_tokens).tokens[0]
+
+
+def _requests(n: int, seed: int, vocab: int = 50, longest: int = 60, sampled: bool = False) -> list[Request]:
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(n):
+        prompt = rng.integers(0, vocab, int(rng.integers(1, longest))).tolist()
+        sampling = gen.Sampling()
+        if sampled and i % 2:
+            sampling = gen.Sampling(temperature=0.8, top_k=int(rng.integers(0, 20)), top_p=0.9,
+                                    repetition_penalty=1.3 if i % 4 == 1 else 1.0, seed=i)
+        out.append(Request(prompt, int(rng.integers(1, 40)), sampling))
+    return out
+
+
+def _run_all(engine: Engine, handles) -> None:
+    while any(not h.finished for h in handles):
+        assert engine.step()
+
+
+@pytest.mark.parametrize("which", ["gpt2", "llama"])
+def test_32_concurrent_requests_each_equal_generate_alone(which, request):
+    """Different prompt lengths (some longer than a prefill chunk) and max_tokens, 8 slots: every
+    request's tokens equal generate run on it alone, greedy and sampled (each with its own seed)."""
+    model = request.getfixturevalue(which)
+    reqs = _requests(32, seed=7, sampled=True)
+    engine = Engine(model, max_batch=8, max_queue=32, prefill_chunk=16)
+    handles = [engine.submit(r) for r in reqs]
+    _run_all(engine, handles)
+    for r, h in zip(reqs, handles):
+        assert h.finish_reason == "length"
+        assert h.tokens == _alone(model, r), r
+    assert engine.running == 0 and engine.queued == 0
+
+
+def test_threaded_engine_streams_the_same(gpt2):
+    """The engine's own thread, requests iterated as they stream (the server's way)."""
+    reqs = _requests(12, seed=3)
+    engine = Engine(gpt2, max_batch=4, prefill_chunk=8).start()
+    try:
+        handles = [engine.submit(r) for r in reqs]
+        streamed = [list(h) for h in handles]
+    finally:
+        engine.close()
+    assert streamed == [_alone(gpt2, r) for r in reqs]
+
+
+def test_cache_allocated_once(gpt2):
+    """The cache arrays are the same memory from start to end, however the live view is widened and
+    narrowed (rows of up to 100 positions against a view 64 columns wide at first)."""
+    engine = Engine(gpt2, max_batch=4, prefill_chunk=8)
+    before = {name: (id(a), a.ctypes.data, a.shape) for name, a in engine.cache.items()}
+    budget = engine.memory_bytes
+    assert budget == sum(a.nbytes for a in engine.cache.values()) + engine.slots.nbytes
+    # the stated budget is what it holds: 4 slots x 128 positions x 2 layers x (key + value) x 64 floats
+    assert engine.cache_bytes == 4 * 128 * 2 * 2 * 64 * 4
+    reqs = _requests(16, seed=11) + [Request(list(range(1, 50)) * 2, 20)]
+    handles = [engine.submit(r) for r in reqs]
+    _run_all(engine, handles)
+    assert engine.relayouts >= 2  # widened past 64 columns, narrowed when the long rows left
+    assert {name: (id(a), a.ctypes.data, a.shape) for name, a in engine.cache.items()} == before
+    assert engine.cache_allocations == 1 and engine.memory_bytes == budget
+    assert [h.tokens for h in handles] == [_alone(gpt2, r) for r in reqs]
+
+
+def test_chunked_prefill_equals_unchunked(gpt2, llama):
+    """A prompt of 100 tokens in chunks of 7 (T > 1 against a filled past) gives the logits of the
+    whole prompt at once (to float rounding) and the same tokens."""
+    for model in (gpt2, llama):
+        prompt = np.random.default_rng(5).integers(0, 50, 100).tolist()
+        whole = []
+        want = gen.generate(model, [prompt], 5, on_logits=lambda s, lg: whole.append(lg.copy())).tokens[0]
+        info = model.info
+        engine = Engine(model, max_batch=2, prefill_chunk=7)
+        seen = []
+        run = model.run
+
+        def spy(feeds, bound=None):
+            out = run(feeds)
+            if feeds[info.tokens].shape[1] > 1 or len(seen) < 1:
+                seen.append((feeds[info.tokens].shape[1], out[info.logits][:, -1].copy()))
+            return out
+
+        model.run = spy
+        try:
+            h = engine.submit(Request(prompt, 5))
+            _run_all(engine, [h])
+        finally:
+            del model.run
+        assert [t for t, _ in seen][:15] == [7] * 14 + [2]  # 100 = 14 chunks of 7 and one of 2
+        np.testing.assert_allclose(seen[14][1], whole[0], atol=1e-5)
+        assert h.tokens == want
+
+
+def test_short_request_after_long_one_finishes_first(gpt2):
+    """Continuous, not static: a short request submitted while a long one decodes joins at the next
+    step and leaves when done, long before the long one ends."""
+    engine = Engine(gpt2, max_batch=4)
+    long = engine.submit(Request([1, 2, 3], 100))
+    for _ in range(5):
+        engine.step()
+    assert len(long.tokens) == 6  # the first iteration prefills, then decodes the new row at once
+    short = engine.submit(Request([4, 5], 3))
+    steps = 0
+    while not short.finished:
+        engine.step()
+        steps += 1
+    assert steps == 2  # joined at once: prefill (first token) and a decoding step, then one more step
+    assert not long.finished and len(long.tokens) == 8
+    _run_all(engine, [long])
+    assert long.tokens == _alone(gpt2, Request([1, 2, 3], 100))
+    assert short.tokens == _alone(gpt2, Request([4, 5], 3))
+
+
+def test_cancel_frees_the_slot_at_the_next_step(gpt2):
+    engine = Engine(gpt2, max_batch=1, max_queue=4)
+    a = engine.submit(Request([1, 2, 3], 100))
+    b = engine.submit(Request([6, 7], 4))
+    for _ in range(3):
+        engine.step()
+    assert engine.running == 1 and engine.queued == 1 and not b.tokens
+    a.cancel()
+    engine.step()  # a leaves, b joins and is prefilled in the same iteration
+    assert a.finish_reason == "cancelled" and len(a.tokens) == 4
+    assert len(b.tokens) == 2
+    _run_all(engine, [b])
+    assert b.tokens == _alone(gpt2, Request([6, 7], 4))
+
+
+def test_cancel_while_queued(gpt2):
+    engine = Engine(gpt2, max_batch=1, max_queue=2)
+    a = engine.submit(Request([1, 2, 3], 10))
+    b = engine.submit(Request([4], 10))
+    c = engine.submit(Request([5], 3))
+    engine.step()
+    b.cancel()
+    engine.step()
+    assert b.finish_reason == "cancelled" and not b.tokens and engine.queued == 1
+    assert engine.metrics.finished["cancelled"] == 1
+    _run_all(engine, [a, c])
+    assert c.tokens == _alone(gpt2, Request([5], 3))
+
+
+def test_a_leaving_row_moves_without_changing_the_others(gpt2):
+    """Rows finish in the middle of the slots: the last row moves into the freed slot and goes on."""
+    engine = Engine(gpt2, max_batch=3)
+    reqs = [Request([1, 2], 30), Request([3, 4, 5], 2), Request([6], 25)]
+    hs = [engine.submit(r) for r in reqs]
+    _run_all(engine, hs)
+    assert [h.tokens for h in hs] == [_alone(gpt2, r) for r in reqs]
+
+
+def test_admission_bounds_and_drain(gpt2):
+    engine = Engine(gpt2, max_batch=1, max_queue=1)
+    engine.submit(Request([1], 5))
+    engine.submit(Request([2], 5))
+    with pytest.raises(Overloaded, match="capacity"):
+        engine.submit(Request([3], 5))
+    assert engine.metrics.rejected == 1
+    engine.drain()
+    with pytest.raises(Unavailable):
+        engine.submit(Request([3], 5))
+    assert engine.wait_idle(timeout=0) is False
+    while engine.step():
+        pass
+    assert engine.wait_idle(timeout=0)
+
+
+def test_stop_tokens_and_end_of_sequence(gpt2):
+    free = _alone(gpt2, Request([9, 8, 7], 20))
+    stop = free[4]
+    first = free.index(stop)
+    engine = Engine(gpt2, max_batch=2, eos_ids=[stop])
+    h1 = engine.submit(Request([9, 8, 7], 20, stop_tokens=(stop,)))
+    h2 = engine.submit(Request([9, 8, 7], 20, ignore_eos=True))
+    _run_all(engine, [h1, h2])
+    assert h1.tokens == free[:first + 1] and h1.finish_reason == "stop"
+    assert h2.tokens == free and h2.finish_reason == "length"
+    engine3 = Engine(gpt2, max_batch=2, eos_ids=[stop])
+    h3 = engine3.submit(Request([9, 8, 7], 20))
+    _run_all(engine3, [h3])
+    assert h3.tokens == free[:first + 1] and h3.finish_reason == "stop"
+
+
+@pytest.mark.parametrize("req, message", [
+    (Request([], 5), "empty"),
+    (Request([1, 50], 5), "outside the vocabulary"),
+    (Request(list(range(1, 50)) * 3, 5), "context is 128"),
+    (Request([1, 2], 127), "at most 126"),
+    (Request([1, 2], 0), "max_tokens must be"),
+    (Request([1, 2], 4, gen.Sampling(temperature=-1)), "temperature"),
+    (Request([1, 2], 4, stop_tokens=(99,)), "unknown stop token"),
+    (Request([1, 2], 4, stop_strings=("x",)), "need the server to have a tokenizer"),
+])
+def test_bad_requests_are_refused_before_they_queue(gpt2, req, message):
+    engine = Engine(gpt2, max_batch=1, max_queue=0)
+    with pytest.raises(RequestError, match=message):
+        engine.submit(req)
+    assert engine.queued == 0
+
+
+def test_engine_options_and_compiled_files(gpt2, tmp_path):
+    from tessera.runtime.pipeline import UsageError
+
+    with pytest.raises(UsageError, match="past the model's context"):
+        Engine(gpt2, capacity=1000)
+    with pytest.raises(UsageError, match="max_batch"):
+        Engine(gpt2, max_batch=0)
+    import tessera
+
+    path = tmp_path / "gqa.onnx"
+    tessera.load("models/gpt2.tsr", layers=2, d=64, heads=4, vocab=50, ctx=128).compile(path, kv_cache=True)
+    with pytest.raises(UsageError, match="--decode plain"):
+        serving_model.load(str(path))
+
+
+def test_a_file_compiled_with_plain_decoding_serves_the_same(gpt2, tmp_path, capsys):
+    from conftest import cli
+
+    path = tmp_path / "plain.onnx"
+    rc, out, err = cli(capsys, "compile", "gpt2", *[a for x in GPT2 for a in ("--set", x)], "--kv-cache",
+                       "--decode", "plain", "-o", path)
+    assert rc == 0, err
+    loaded = serving_model.load(str(path), threads=1)
+    reqs = _requests(6, seed=2)
+    engine = Engine(loaded, max_batch=3, prefill_chunk=16)
+    handles = [engine.submit(r) for r in reqs]
+    _run_all(engine, handles)
+    assert [h.tokens for h in handles] == [_alone(gpt2, r) for r in reqs]
