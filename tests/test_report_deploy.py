@@ -205,3 +205,66 @@ def test_plot_curve_at_n_is_the_reported_device(capsys):
     c = curves(graph, r, [16, 32])
     assert c["device_memory"][1] == r["memory"]["training"]["per_device"]["total"]
     assert c["prefill_seconds"][1] == pytest.approx(r["roofline"]["prefill_seconds"]["fused"] / 2)
+
+
+# ------------------------------------------------------------------ the Python API takes the same plan
+TINY_SETS = {"layers": 2, "d": 64, "heads": 4, "vocab": 100, "ctx": 64}
+
+
+def test_the_api_report_takes_the_plan_and_the_sweep(capsys):
+    """Model.report's keywords are the command's flags (runtime/options.ReportOptions): the same plan gives
+    the same deployment sections, and lists for batch and seq sweep."""
+    import tessera
+
+    args = ["--seq", "32", "--tp", "2", "--pp", "2", "--dp", "2", "--train", "--zero", "2", "--recompute", "selective"]
+    cli_rep = report(capsys, *TINY_GPT2, *args)
+    model = tessera.load("gpt2", **TINY_SETS)
+    py = model.report(seq=32, tp=2, pp=2, dp=2, train=True, zero=2, recompute="selective")
+    assert py["parallel"] == cli_rep["parallel"]
+    assert py["memory"]["training"] == cli_rep["memory"]["training"]
+    assert py["parallel"]["plan"]["layers_per_stage"] == [1, 1] and py["parallel"]["plan"]["devices"] == 8
+    rows = model.report(batch=[1, 3], seq=[16, 32])["sweep"]
+    assert [(x["batch"], x["seq"]) for x in rows] == [(1, 16), (1, 32), (3, 16), (3, 32)]
+    for x in rows:  # K and V: 2 layers x 64 wide x N x B, fp32
+        assert x["kv_cache_bytes"] == 2 * 2 * 64 * x["seq"] * x["batch"] * 4
+    sv = model.report(serve=True, context=64, dtype="fp16")["serving"]
+    assert sv["context"] == 64 and sv["kv_cache_bytes_per_sequence"] == 2 * 2 * 64 * 64 * 2
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"train": True, "zero": 1}, "zero 1 shards over data-parallel replicas: it needs dp 2 or more"),
+    ({"recompute": "full"}, "zero and recompute describe training: add train"),
+    ({"serve": True}, "serve needs context N"),
+    ({"context": 32}, "context is the serving context: add serve"),
+    ({"train": True, "serve": True, "context": 8}, "train and serve plan different things"),
+    ({"tp": 0}, "tp must be at least 1, got 0"),
+    ({"tp": 1.5}, "tp must be an integer, got 1.5"),
+    ({"zero": "1"}, "zero must be an integer, got '1'"),
+    ({"recompute": "some"}, "recompute must be one of none, selective, full, got 'some'"),
+    ({"train": "yes"}, "train must be True or False, got 'yes'"),
+    ({"batch": [1, "x"]}, "batch must be an integer or a non-empty list of integers"),
+    ({"seq": []}, "seq must be an integer or a non-empty list of integers"),
+    ({"seq": [16, 0]}, "seq must be at least 1, got 0"),
+])
+def test_bad_options_are_refused_before_the_spec_is_built(kwargs, message):
+    """The rules between the options (runtime/options.ReportOptions.check) name the API's keywords."""
+    from tessera.runtime.options import ReportOptions, UsageError
+
+    with pytest.raises(UsageError, match="^" + message.replace("(", r"\(")):
+        ReportOptions(**kwargs).for_api().check()
+
+
+def test_bad_sweep_value_is_a_usage_error(capsys):
+    assert "--batch must be at least 1, got 0" in cli_error(capsys, "report", *TINY_GPT2, "--batch", "1,0")
+
+
+def test_the_flags_fill_the_options():
+    from tessera.runtime.cli import make_parser
+    from tessera.runtime.options import ReportOptions
+
+    ns = make_parser().parse_args(["report", "gpt2", "--seq", "128,1024", "--batch", "4", "--tp", "2", "--dp", "4",
+                                   "--train", "--zero", "3", "--recompute", "full"])
+    o = ReportOptions.from_args(ns)
+    assert (o.seq, o.batch, o.seqs, o.batches, o.sweep) == ([128, 1024], 4, [128, 1024], [4], True)
+    assert (o.plan.tp, o.plan.pp, o.plan.dp, o.plan.zero, o.plan.recompute, o.plan.train) == (2, 1, 4, 3, "full", True)
+    assert ReportOptions().plan is None and not ReportOptions().sweep

@@ -10,7 +10,7 @@ and turns their polynomials into numbers and formulas, as costreport.py does for
 from __future__ import annotations
 
 from tessera.compiler.analysis import capacity, cost, memory, parallel, roofline, training
-from tessera.compiler.analysis.costreport import Context
+from tessera.compiler.analysis.context import Context
 from tessera.compiler.analysis.plan import Plan, PlanError, check, model_shape
 from tessera.compiler.analysis.poly import Poly
 from tessera.compiler.ir.graph import Graph

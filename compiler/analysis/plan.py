@@ -6,7 +6,8 @@ pipeline, data and expert parallel degrees, ZeRO stage, recomputation, serving
 context) and what the graph is (``ModelShape``: layers, heads, key/value heads,
 widths, experts, context), read from the graph's structure, not from
 hyperparameter names. ``check`` turns the combinations that cannot be deployed
-into one clear ``PlanError`` before anything is computed.
+into one clear ``PlanError`` before anything is computed; ``check_options``, its
+part that needs no model, is what the report's options run before a spec is built.
 """
 
 from __future__ import annotations
@@ -119,14 +120,50 @@ def model_context(graph: Graph) -> int | None:
     return None
 
 
-def check(plan: Plan, shape: ModelShape) -> None:
-    """Every reason the plan cannot run on this model, as one PlanError."""
+def cli_flag(name: str) -> str:
+    """A plan field as the command line spells it (--tp); the Python API passes its own naming."""
+    return "--" + name
+
+
+def option_errors(plan: Plan, flag=cli_flag) -> list[str]:
+    """The reasons the options contradict each other, whatever the model (``flag`` names a field
+    as the caller spells it: --zero on the command line, zero in the Python API)."""
     errors = []
     for name in ("tp", "pp", "dp", "ep"):
         if getattr(plan, name) < 1:
-            errors.append(f"--{name} must be at least 1, got {getattr(plan, name)}")
+            errors.append(f"{flag(name)} must be at least 1, got {getattr(plan, name)}")
+    if plan.zero not in ZERO_STAGES:
+        errors.append(f"{flag('zero')} must be one of 0, 1, 2, 3, got {plan.zero}")
+    elif plan.zero and plan.dp < 2:
+        errors.append(f"{flag('zero')} {plan.zero} shards over data-parallel replicas: it needs {flag('dp')} 2 "
+                      f"or more")
+    if plan.recompute not in RECOMPUTE:
+        errors.append(f"{flag('recompute')} must be one of {', '.join(RECOMPUTE)}, got {plan.recompute}")
+    if (plan.zero or plan.recompute != "none") and not plan.train:
+        errors.append(f"{flag('zero')} and {flag('recompute')} describe training: add {flag('train')}")
+    if plan.train and plan.serve:
+        errors.append(f"{flag('train')} and {flag('serve')} plan different things: choose one")
+    if plan.serve:
+        if plan.context is None or plan.context < 1:
+            errors.append(f"{flag('serve')} needs {flag('context')} N (tokens per sequence, at least 1)")
+    elif plan.context is not None:
+        errors.append(f"{flag('context')} is the serving context: add {flag('serve')}")
+    return errors
+
+
+def check_options(plan: Plan, flag=cli_flag) -> None:
+    """The rules between the options alone, as one PlanError (runtime/options.ReportOptions.check
+    runs them before any spec is built)."""
+    errors = option_errors(plan, flag)
     if errors:
         raise PlanError("; ".join(errors))
+
+
+def check(plan: Plan, shape: ModelShape) -> None:
+    """Every reason the plan cannot run on this model, as one PlanError: the option rules, then
+    those of the model's shape (heads, layers, experts, positions)."""
+    check_options(plan)
+    errors = []
     if plan.tp > 1:
         if not shape.heads:
             errors.append(f"--tp {plan.tp}: the model has no attention heads to split")
@@ -143,25 +180,11 @@ def check(plan: Plan, shape: ModelShape) -> None:
             errors.append(f"--ep {plan.ep}: the model has no mixture of experts")
         elif shape.experts % plan.ep:
             errors.append(f"--ep {plan.ep} does not divide the {shape.experts} experts")
-    if plan.zero not in ZERO_STAGES:
-        errors.append(f"--zero must be one of 0, 1, 2, 3, got {plan.zero}")
-    elif plan.zero and plan.dp < 2:
-        errors.append(f"--zero {plan.zero} shards over data-parallel replicas: it needs --dp 2 or more")
-    if plan.recompute not in RECOMPUTE:
-        errors.append(f"--recompute must be one of {', '.join(RECOMPUTE)}, got {plan.recompute}")
-    if (plan.zero or plan.recompute != "none") and not plan.train:
-        errors.append("--zero and --recompute describe training: add --train")
-    if plan.train and plan.serve:
-        errors.append("--train and --serve plan different things: choose one")
     if plan.serve:
-        if plan.context is None or plan.context < 1:
-            errors.append("--serve needs --context N (tokens per sequence, at least 1)")
-        elif shape.context is not None and plan.context > shape.context:
+        if plan.context is not None and shape.context is not None and plan.context > shape.context:
             errors.append(f"--context {plan.context} is longer than the {shape.context} positions the model supports")
         if not shape.decodes:
             errors.append("--serve: the model has no causal attention: it does not decode token by token "
                           "(no KV cache to size)")
-    elif plan.context is not None:
-        errors.append("--context is the serving context: add --serve")
     if errors:
         raise PlanError("; ".join(errors))

@@ -2,7 +2,8 @@
 
 The numbers come from compiler/analysis/costreport.py (symbolic, from the graph alone; no weights
 are allocated); this module picks the device, counts mixtures of experts as compile builds them,
-adds the attention and quantisation sections and draws --plot (runtime/report/plot.py).
+passes the deployment plan and the sweep on (compiler/analysis/deployment.py), adds the attention
+and quantisation sections and draws --plot (runtime/report/plot.py).
 runtime/report/format.py renders the result.
 """
 
@@ -29,7 +30,8 @@ def _no_gc():
 
 def build_report(ref, o) -> dict:
     """The report of ``ref`` (runtime/options.ModelRef) as ``o`` (ReportOptions) asks, a JSON-able dict."""
-    from tessera.compiler.analysis import costreport, roofline
+    from tessera.compiler.analysis import costreport, deployment, roofline
+    from tessera.runtime.options import plan_errors
 
     if o.plot is not None:  # a bad path fails now, not after the report
         from tessera.runtime.report.plot import check_plot_path
@@ -48,10 +50,14 @@ def build_report(ref, o) -> dict:
 
             graph = graph.copy()  # as compile builds it: experts sparse (built.graph is left as written)
             SparseExperts()(graph)
-        rep = costreport.build_report(
-            graph, built.info.model, built.info.variant,
-            {k: pipeline._jsonable(v) for k, v in built.info.hyperparams.items()},
-            batch=o.batch, seq=o.seq, dtype=o.dtype, device=device)
+        batches, seqs, plan = o.batches, o.seqs, o.plan
+        with plan_errors():  # the plan against this model: heads, layers, experts, positions
+            rep = costreport.build_report(
+                graph, built.info.model, built.info.variant,
+                {k: pipeline._jsonable(v) for k, v in built.info.hyperparams.items()},
+                batch=batches[0], seq=seqs[0], dtype=o.dtype, device=device, plan=plan)
+            if o.sweep:
+                rep["sweep"] = deployment.sweep_rows(graph, batches, seqs, o.dtype, device, plan)
     if o.plot is not None:
         from tessera.runtime.report.plot import plot
 

@@ -1,4 +1,6 @@
-"""``tessera report --plot``: MACs and memory against sequence length, fused and unfused attention.
+"""``tessera report --plot``: MACs, memory and roofline time against sequence length, fused and
+unfused attention; with a deployment plan, the largest device's memory against the device's
+(the curves come from compiler/analysis/deployment.curves).
 
 matplotlib is an optional extra (``pip install 'tessera[plot]'``); without it
 the command says how to get it instead of failing with an import error. The figure is written
@@ -59,14 +61,13 @@ def plot(graph: Graph, rep: dict, path: str) -> None:
     target, fmt = check_plot_path(path)
     plt = _pyplot()
     from tessera.compiler.analysis.costreport import sweep
+    from tessera.compiler.analysis.deployment import curves
 
     s = rep["settings"]
     if not s["sequence_symbols"]:
         raise UsageError("--plot draws costs against N, but this spec has no sequence symbol")
     data = sweep(graph, _lengths(s["seq"], rep["macs"]["crossover_seq"]), s["batch"], s["dtype"])
     n = data["seq"]
-    from tessera.compiler.analysis.deployment import curves
-
     dev = curves(graph, rep, n)  # the plan's largest device and the roofline times (docs/report.md)
     timed = bool(dev["prefill_seconds"])
     fig, axes = plt.subplots(1, 3 if timed else 2, figsize=(18 if timed else 12, 4.8), constrained_layout=True)
