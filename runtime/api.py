@@ -67,15 +67,21 @@ class Model:
     def weights(self) -> dict[str, np.ndarray]:
         return self._weights
 
-    def report(self, batch: int = 1, seq: int = 1024, dtype: str = "fp32", device: str = "h200",
-               sparse_moe: bool = True, quantize: str = "none", quantize_block: int | None = None,
-               quantize_head: bool = False, quantize_activations: str | None = None,
-               plot: str | Path | None = None) -> dict:
+    def report(self, batch: int | list[int] = 1, seq: int | list[int] = 1024, dtype: str = "fp32",
+               device: str = "h200", sparse_moe: bool = True, quantize: str = "none",
+               quantize_block: int | None = None, quantize_head: bool = False,
+               quantize_activations: str | None = None, plot: str | Path | None = None,
+               tp: int = 1, pp: int = 1, dp: int = 1, ep: int = 1, train: bool = False, zero: int = 0,
+               recompute: str = "none", serve: bool = False, context: int | None = None) -> dict:
         """The static cost report (parameters, MACs, memory, roofline) as ``tessera report --format json`` gives it
-        (``sparse_moe=False``: --no-sparse-moe; ``quantize``...: --quantize...; ``plot``: also draw --plot's figure)."""
+        (``sparse_moe=False``: --no-sparse-moe; ``quantize``...: --quantize...; ``plot``: also draw --plot's figure).
+        Lists for ``batch`` or ``seq`` sweep (the ``sweep`` rows); ``tp``, ``pp``, ``dp``, ``ep``, ``train``,
+        ``zero``, ``recompute``, ``serve`` and ``context`` are --tp ... --context's deployment plan."""
         o = ReportOptions(batch=batch, seq=seq, dtype=dtype, device=device, sparse_moe=sparse_moe, quantize=quantize,
                           quantize_block=quantize_block, quantize_head=quantize_head,
-                          quantize_activations=quantize_activations, plot=plot).for_api()
+                          quantize_activations=quantize_activations, plot=plot,
+                          tp=tp, pp=pp, dp=dp, ep=ep, train=train, zero=zero, recompute=recompute, serve=serve,
+                          context=context).for_api()
         return driver.report(self.ref, o)
 
     # ---------------------------------------------------------------- compile and run

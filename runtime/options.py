@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import math
+from contextlib import contextmanager
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
@@ -366,34 +367,97 @@ class RunOptions(OptimizeOptions):
             raise UsageError("--full applies to --format json (the table always summarises)")
 
 
+@contextmanager
+def plan_errors():
+    """A deployment plan's PlanError (compiler/analysis/plan.py, which cannot know the runtime's
+    errors) as the UsageError every entry point reports: the one place the two meet, used by
+    ReportOptions.check (the rules between the options) and runtime/report/build.py (those of the model)."""
+    from tessera.compiler.analysis.plan import PlanError
+
+    try:
+        yield
+    except PlanError as e:
+        raise UsageError(str(e)) from None
+
+
 @dataclass(kw_only=True)
 class ReportOptions(QuantOptions):
-    """``tessera report`` / ``Model.report``."""
+    """``tessera report`` / ``Model.report``. ``batch`` and ``seq`` are one value, or a list of
+    them for a sweep (one row per (B, N); the other sections use the first values). ``tp`` ...
+    ``context`` are the deployment plan (compiler/analysis/plan.Plan; docs/report.md, "Parallel
+    splits, training, serving"): with none of them the report has no deployment sections."""
 
     CLI_NAMES = {"no_sparse_moe": "sparse_moe"}
 
-    batch: int = 1
-    seq: int = 1024
+    batch: int | list[int] = 1
+    seq: int | list[int] = 1024
     dtype: str = "fp32"
     device: str = "h200"
     sparse_moe: bool = True
     format: str = "table"
     plot: str | Path | None = None
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+    ep: int = 1
+    train: bool = False
+    zero: int = 0
+    recompute: str = "none"
+    serve: bool = False
+    context: int | None = None
+
+    @property
+    def batches(self) -> list[int]:
+        return list(self.batch) if isinstance(self.batch, (list, tuple)) else [self.batch]
+
+    @property
+    def seqs(self) -> list[int]:
+        return list(self.seq) if isinstance(self.seq, (list, tuple)) else [self.seq]
+
+    @property
+    def sweep(self) -> bool:
+        """Several values of B or N: the report adds one row per (B, N)."""
+        return len(self.batches) * len(self.seqs) > 1
+
+    @property
+    def plan(self):
+        """The deployment plan these options ask for (compiler/analysis/plan.Plan), None if none."""
+        from tessera.compiler.analysis.plan import Plan
+
+        plan = Plan(tp=self.tp, pp=self.pp, dp=self.dp, ep=self.ep, train=self.train, zero=self.zero,
+                    recompute=self.recompute, serve=self.serve, context=self.context)
+        return None if plan == Plan() else plan
+
+    def _check_sizes(self, name: str) -> None:
+        """--batch and --seq: an integer, or a non-empty list of them (a sweep), each at least 1."""
+        v = getattr(self, name)
+        values = list(v) if isinstance(v, (list, tuple)) else [v]
+        if not values or not all(_is_int(x) for x in values):
+            raise UsageError(f"{self.label(name)} must be an integer or a non-empty list of integers, got {v!r}")
+        if min(values) < 1:
+            raise UsageError(f"{self.flag(name)} must be at least 1, got {min(values)}")
 
     def check(self) -> None:
+        from tessera.compiler.analysis.plan import RECOMPUTE, check_options
+
         super().check()
-        check_int(self.label("batch"), self.batch)
-        check_int(self.label("seq"), self.seq)
-        if self.batch < 1:
-            raise UsageError(f"{self.flag('batch')} must be at least 1, got {self.batch}")
-        if self.seq < 1:
-            raise UsageError(f"{self.flag('seq')} must be at least 1, got {self.seq}")
+        self._check_sizes("batch")
+        self._check_sizes("seq")
         check_choice(self.label("dtype"), self.dtype, DTYPES)
         if not isinstance(self.device, str):
             raise UsageError(f"device must be a device name, got {self.device!r}")
         check_bool(self.label("sparse_moe"), self.sparse_moe)
         check_choice(self.label("format"), self.format, REPORT_FORMATS)
         check_path(self.label("plot"), self.plot)
+        for name in ("tp", "pp", "dp", "ep", "zero"):
+            check_int(self.label(name), getattr(self, name))
+        check_int(self.label("context"), self.context, optional=True)
+        check_bool(self.label("train"), self.train)
+        check_bool(self.label("serve"), self.serve)
+        check_choice(self.label("recompute"), self.recompute, RECOMPUTE)
+        if self.plan is not None:  # the rules between them (--zero needs --dp 2 or more, --serve --context...)
+            with plan_errors():
+                check_options(self.plan, self.flag)
 
     def pipeline_options(self):
         """The ``report`` pipeline's PipelineOptions: experts sparse as compile makes them."""

@@ -19,18 +19,48 @@ def add_parser(sub) -> argparse.ArgumentParser:
     rep = sub.add_parser("report", help="print the static cost report of a spec",
                          description="Parameters, multiply-adds, FLOPs, memory and roofline times of a spec, "
                                      "exact and symbolic in B and N, from the graph alone (no weights are "
-                                     "allocated). JSON keys: docs/report.md.")
+                                     "allocated); with a deployment plan, the figures per device of a parallel "
+                                     "split, of training and of serving. JSON keys: docs/report.md.")
     args.model_args(rep, f"a spec file (.tsr) or a bundled spec's name ({args.bundled()})")
     add_arguments(rep)
     return rep
 
 
+def sizes(text: str) -> int | list[int]:
+    """--batch and --seq: one integer, or several separated by commas (a sweep: a list)."""
+    try:
+        values = [int(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer or integers separated by commas, got '{text}'")
+    return values[0] if len(values) == 1 else values
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    from tessera.compiler.analysis.plan import RECOMPUTE, ZERO_STAGES
     from tessera.compiler.analysis.roofline import device_names
 
-    p.add_argument("--batch", "-B", type=int, default=1, metavar="B", help="batch size B (default 1)")
-    p.add_argument("--seq", "-N", type=int, default=1024, metavar="N",
-                   help="sequence length N; binds every sequence symbol of the spec (T, S, ...) (default 1024)")
+    p.add_argument("--batch", "-B", type=sizes, default=1, metavar="B",
+                   help="batch size B, the micro-batch of one data-parallel replica; several separated by "
+                        "commas sweep (default 1)")
+    p.add_argument("--seq", "-N", type=sizes, default=1024, metavar="N",
+                   help="sequence length N; binds every sequence symbol of the spec (T, S, ...); several "
+                        "separated by commas sweep: one row per (B, N) (default 1024)")
+    g = p.add_argument_group("deployment (docs/report.md, \"Parallel splits, training, serving\")")
+    g.add_argument("--tp", type=int, default=1, metavar="T", help="tensor-parallel degree (default 1)")
+    g.add_argument("--pp", type=int, default=1, metavar="P", help="pipeline stages (default 1)")
+    g.add_argument("--dp", type=int, default=1, metavar="D", help="data-parallel replicas (default 1)")
+    g.add_argument("--ep", type=int, default=1, metavar="E", help="expert-parallel degree (default 1)")
+    g.add_argument("--train", action="store_true",
+                   help="training memory per device: states under --zero, activations under --recompute")
+    g.add_argument("--zero", type=int, choices=list(ZERO_STAGES), default=0,
+                   help="ZeRO stage with --train: 1 shards the optimizer over --dp, 2 also gradients, "
+                        "3 also weights (default 0)")
+    g.add_argument("--recompute", choices=list(RECOMPUTE), default="none",
+                   help="activation recomputation with --train (Korthikanti et al. 2022) (default none)")
+    g.add_argument("--serve", action="store_true",
+                   help="serving capacity on --device: largest batch at --context, decode tokens/s, "
+                        "time to first token")
+    g.add_argument("--context", type=int, metavar="N", help="tokens per sequence with --serve")
     p.add_argument("--dtype", type=args.dtype_arg, choices=args.DTYPES, default="fp32",
                    help="element type of weights and activations for memory and roofline; the spec "
                         "spellings f32 and f16 are accepted too (default fp32)")
@@ -44,8 +74,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "of each token only, unless --quantize keeps the quantised experts dense)")
     p.add_argument("--format", choices=list(options.REPORT_FORMATS), default="table", help="output format (default table)")
     p.add_argument("--plot", metavar="FILE.png",
-                   help="also draw MACs and memory against N, fused and unfused (needs matplotlib: "
-                        "pip install 'tessera[plot]')")
+                   help="also draw MACs, memory and roofline time against N, fused and unfused, and with "
+                        "--tp/--pp/--dp/--ep the largest device's memory against the device's (needs "
+                        "matplotlib: pip install 'tessera[plot]')")
 
 
 def cmd_report(ns: argparse.Namespace) -> int:

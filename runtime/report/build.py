@@ -2,7 +2,8 @@
 
 The numbers come from compiler/analysis/costreport.py (symbolic, from the graph alone; no weights
 are allocated); this module picks the device, counts mixtures of experts as compile builds them,
-adds the attention and quantisation sections and draws --plot (runtime/report/plot.py).
+passes the deployment plan and the sweep on (compiler/analysis/deployment.py), adds the attention
+and quantisation sections and draws --plot (runtime/report/plot.py).
 runtime/report/format.py renders the result.
 """
 
@@ -29,9 +30,10 @@ def _no_gc():
 
 def build_report(ref, o) -> dict:
     """The report of ``ref`` (runtime/options.ModelRef) as ``o`` (ReportOptions) asks, a JSON-able dict."""
-    from tessera.compiler.analysis import costreport, roofline
+    from tessera.compiler.analysis import costreport, deployment, roofline
     from tessera.compiler.build import model_metadata
     from tessera.compiler.passes.pipeline import run_report
+    from tessera.runtime.options import plan_errors
 
     if o.plot is not None:  # a bad path fails now, not after the report
         from tessera.runtime.report.plot import check_plot_path
@@ -47,9 +49,13 @@ def build_report(ref, o) -> dict:
         built = pipeline.build(ref.spec, ref.variant, ref.sets)
         with pipeline.compiler_errors():  # as compile builds it, on a copy (built.graph is left as written)
             graph = run_report(built.graph, options).graph
-        rep = costreport.build_report(
-            graph, built.info.model, built.info.variant, model_metadata(built.info)["tessera.hyperparams"],
-            batch=o.batch, seq=o.seq, dtype=o.dtype, device=device)
+        batches, seqs, plan = o.batches, o.seqs, o.plan
+        with plan_errors():  # the plan against this model: heads, layers, experts, positions
+            rep = costreport.build_report(
+                graph, built.info.model, built.info.variant, model_metadata(built.info)["tessera.hyperparams"],
+                batch=batches[0], seq=seqs[0], dtype=o.dtype, device=device, plan=plan)
+            if o.sweep:
+                rep["sweep"] = deployment.sweep_rows(graph, batches, seqs, o.dtype, device, plan)
     if o.plot is not None:
         from tessera.runtime.report.plot import plot
 

@@ -138,6 +138,7 @@ def sections(rep: dict) -> list[tuple[str, list[str], list[list[str]]]]:
     ]
     out.append((f"Memory ({dt}, bytes)", ["figure", "bytes", "≈", "formula"], rows))
 
+    out += deployment_sections(rep)
     r = rep.get("roofline")
     if r:
         d = r["device"]
@@ -191,6 +192,72 @@ def sections(rep: dict) -> list[tuple[str, list[str], list[list[str]]]]:
             rows.append([f"  ... and {len(q['kept_in_float']) - 8} more kept in float", "", ""])
         out.append((f"Quantisation ({q['scheme']}, block {q['block_size']}, head "
                     f"{'quantised' if q['head'] else 'float'})", ["", "bytes", ""], rows))
+    return out
+
+
+def _bytes_row(label: str, v, formula: str = "") -> list[str]:
+    return [label, exact(v), si(v, "B"), formula]
+
+
+SWEEP_LABELS = {"macs_total": "MACs", "flops_total": "FLOPs", "kv_cache_bytes": "KV cache B",
+                "activations_peak_bytes_fused": "peak act. B (fused)", "prefill_seconds_fused": "prefill (fused)",
+                "decode_seconds_per_token": "decode step", "per_device_weights_bytes": "dev. weights B",
+                "per_device_kv_cache_bytes": "dev. KV B", "per_device_activations_bytes": "dev. act. B",
+                "comm_bytes_per_step": "dev. sent B", "training_per_device_total": "dev. training B"}
+
+
+def deployment_sections(rep: dict) -> list[tuple[str, list[str], list[list[str]]]]:
+    """Parallel split, training per device, serving capacity and the sweep, when the report has them."""
+    out = []
+    par = rep.get("parallel")
+    if par:
+        pl, d, c, f = par["plan"], par["per_device"], par["comm_bytes_per_step"], par["formulas"]
+        rows = [["parameters", exact(d["params"]), si(d["params"]), ""],
+                _bytes_row("weights", d["weights_bytes"]),
+                _bytes_row("KV cache at N", d["kv_cache_bytes"], f["per_device.kv_cache_bytes"]),
+                _bytes_row("activations (graph as written)", d["activations_bytes"],
+                           f["per_device.activations_bytes"]),
+                _bytes_row("activations, fused attention", d["activations_bytes_fused"],
+                           f["per_device.activations_bytes_fused"])]
+        for k in ("tensor_parallel", "pipeline", "data_parallel", "expert_parallel", "total"):
+            rows.append(_bytes_row(f"sent per step: {k.replace('_', ' ')}", c[k], f[f"comm_bytes_per_step.{k}"]))
+        out.append((f"Parallel split: tp {pl['tp']} × pp {pl['pp']} × dp {pl['dp']}, ep {pl['ep']} "
+                    f"({pl['devices']} devices; layers per stage {', '.join(map(str, pl['layers_per_stage']))}); "
+                    f"the largest device", ["figure", "bytes", "≈", "formula"], rows))
+    t = rep["memory"]["training"].get("per_device")
+    if t:
+        f = t["formulas"]
+        rows = [_bytes_row("weights", t["weights"]), _bytes_row("gradients", t["gradients"]),
+                _bytes_row("optimizer (Adam moments, fp32)", t["optimizer"]),
+                _bytes_row("master weights (fp32)", t["master_weights"]),
+                _bytes_row("activations (Korthikanti et al. 2022)", t["activations"], f["activations"]),
+                _bytes_row("activations, fused attention", t["activations_fused"], f["activations_fused"]),
+                _bytes_row("total", t["total"], f["total"]),
+                _bytes_row("total, fused attention", t["total_fused"], f["total_fused"])]
+        out.append((f"Training per device (ZeRO {t['zero']}, recompute {t['recompute']})",
+                    ["figure", "bytes", "≈", "formula"], rows))
+    sv = rep.get("serving")
+    if sv:
+        rows = [_bytes_row("device memory", int(sv["device_memory"]))[:3],
+                _bytes_row(f"usable after {100 * sv['headroom']:.0f}% headroom and the weights",
+                           sv["usable_bytes"])[:3],
+                _bytes_row("weights per device", sv["weights_bytes"])[:3],
+                _bytes_row("KV cache per sequence at the context", sv["kv_cache_bytes_per_sequence"])[:3],
+                _bytes_row("activations per sequence (one decoding step)",
+                           sv["activations_bytes_per_sequence"])[:3],
+                ["max batch", exact(sv["max_batch"]), ""],
+                ["decode tokens/s at max batch", exact(sv["decode_tokens_per_s"]), ""],
+                ["decode tokens/s per sequence", exact(sv["decode_tokens_per_s_per_sequence"]), ""],
+                ["decode step", seconds(sv["decode_step_s"]), ""],
+                ["time to first token (prompt of the context)", seconds(sv["ttft_s"]), ""]]
+        out.append((f"Serving on {sv['device']} at context {sv['context']:,}", ["figure", "value", "≈"], rows))
+    sw = rep.get("sweep")
+    if sw:
+        cols = list(sw[0])
+        rows = [[exact(r[c]) if c in ("batch", "seq") else seconds(r[c]) if "seconds" in c
+                 else si(r[c]) for c in cols] for r in sw]
+        out.append(("Sweep: one row per (B, N); the JSON keys of sweep[i]",
+                    [SWEEP_LABELS.get(c, c) for c in cols], rows))
     return out
 
 

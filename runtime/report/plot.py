@@ -1,4 +1,6 @@
-"""``tessera report --plot``: MACs and memory against sequence length, fused and unfused attention.
+"""``tessera report --plot``: MACs, memory and roofline time against sequence length, fused and
+unfused attention; with a deployment plan, the largest device's memory against the device's
+(the curves come from compiler/analysis/deployment.curves).
 
 matplotlib is an optional extra (``pip install 'tessera[plot]'``); without it
 the command says how to get it instead of failing with an import error. The figure is written
@@ -59,13 +61,17 @@ def plot(graph: Graph, rep: dict, path: str) -> None:
     target, fmt = check_plot_path(path)
     plt = _pyplot()
     from tessera.compiler.analysis.costreport import sweep
+    from tessera.compiler.analysis.deployment import curves
 
     s = rep["settings"]
     if not s["sequence_symbols"]:
         raise UsageError("--plot draws costs against N, but this spec has no sequence symbol")
     data = sweep(graph, _lengths(s["seq"], rep["macs"]["crossover_seq"]), s["batch"], s["dtype"])
     n = data["seq"]
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.8), constrained_layout=True)
+    dev = curves(graph, rep, n)  # the plan's largest device and the roofline times (docs/report.md)
+    timed = bool(dev["prefill_seconds"])
+    fig, axes = plt.subplots(1, 3 if timed else 2, figsize=(18 if timed else 12, 4.8), constrained_layout=True)
+    ax1, ax2 = axes[0], axes[1]
     name = f"{rep['model']}{' (' + rep['variant'] + ')' if rep['variant'] else ''}"
     fig.suptitle(f"{name}, B={s['batch']}, {s['dtype']}: static cost against sequence length N")
 
@@ -88,11 +94,30 @@ def plot(graph: Graph, rep: dict, path: str) -> None:
     if any(data["kv_cache"]):
         ax2.loglog(n, data["kv_cache"], "^-", label="KV cache")
     ax2.axhline(rep["memory"]["weights_bytes"], color="gray", linestyle=":", label=f"weights ({s['dtype']})")
+    if dev["device_memory"]:
+        p = rep["parallel"]["plan"]
+        what = "training total" if rep["memory"]["training"].get("per_device") else "weights + KV + activations"
+        ax2.loglog(n, dev["device_memory"], "d-", color="C3",
+                   label=f"largest device, tp {p['tp']} pp {p['pp']} dp {p['dp']} ep {p['ep']}: {what}")
+        if rep["roofline"] and rep["roofline"]["device"]["memory"]:
+            ax2.axhline(rep["roofline"]["device"]["memory"], color="C3", linestyle="--",
+                        label=f"memory of one {rep['roofline']['device']['name']}")
     ax2.axvline(s["seq"], color="black", linewidth=0.8, alpha=0.5)
     ax2.set_xlabel("sequence length N")
     ax2.set_ylabel("bytes")
     ax2.legend(fontsize=8)
     ax2.grid(True, which="both", alpha=0.3)
+    if timed:
+        ax3, split = axes[2], rep.get("parallel")
+        per = f" (one of tp {split['plan']['tp']})" if split else ""
+        ax3.loglog(n, dev["prefill_seconds"], "o-", label=f"prefill, attention fused{per}")
+        if any(d is not None for d in dev["decode_seconds"]):
+            ax3.loglog(n, dev["decode_seconds"], "s--", label=f"one decoding step at context N{per}")
+        ax3.axvline(s["seq"], color="black", linewidth=0.8, alpha=0.5)
+        ax3.set_xlabel("sequence length N")
+        ax3.set_ylabel(f"seconds, roofline on {rep['roofline']['device']['name']}")
+        ax3.legend(fontsize=8)
+        ax3.grid(True, which="both", alpha=0.3)
     try:
         write_atomically(target, lambda tmp: fig.savefig(tmp, dpi=120, format=fmt), "report.png")
     finally:
