@@ -65,6 +65,9 @@ CASES = {
     "only_v_bias": dict(qkv_bias=False, v_bias=True),
     "rmsnorm_across_heads": dict(qk_norm="rmsnorm", qk_norm_scope="all"),
     "layernorm_across_heads": dict(qk_norm="layernorm", qk_norm_scope="all", rope_theta=0.0),
+    # ModernBERT's local attention: a two-sided window over bidirectional attention
+    "two_sided_window": dict(causal=False, window=5, rope_theta=160000.0),
+    "two_sided_window_bias": dict(causal=False, window=9, biased=True, softcap=4.0),
 }
 
 
@@ -136,6 +139,9 @@ def numpy_attention(x, w, bias, o):
         i, j = np.arange(t)[:, None], np.arange(t)[None, :]
         hide = (j > i) | ((j <= i - o["window"]) if o["window"] else False)
         s = np.where(hide, -np.inf, s)
+    elif o["window"]:  # two-sided: keys less than `window` away on either side
+        i, j = np.arange(t)[:, None], np.arange(t)[None, :]
+        s = np.where(np.abs(j - i) >= o["window"], -np.inf, s)
     p = np.exp(s - s.max(-1, keepdims=True))
     p = p / p.sum(-1, keepdims=True)
     y = (p @ v).transpose(0, 2, 1, 3).reshape(bsz, t, heads * hd) @ w["attn.o.weight"].T
@@ -203,6 +209,12 @@ def torch_attention(x, w, bias, o):
         i, j = torch.arange(t)[:, None], torch.arange(t)[None, :]
         hide = (j > i) | ((j <= i - o["window"]) if o["window"] else torch.zeros_like(j > i))
         mask = mask.masked_fill(hide, torch.finfo(torch.float32).min)
+    elif o["window"]:  # transformers' ModernBERT mask: |q - kv| <= sliding_window, which is window - 1
+        from transformers.masking_utils import sliding_window_bidirectional_overlay
+
+        see = sliding_window_bidirectional_overlay(o["window"] - 1)
+        keep = torch.tensor([[see(0, 0, i, j) for j in range(t)] for i in range(t)])
+        mask = mask.masked_fill(~keep, torch.finfo(torch.float32).min)
     mask = mask[None, None]
     if o["biased"]:
         mask = mask + torch.from_numpy(bias)[None]
@@ -269,6 +281,39 @@ def test_per_projection_bias_and_norm_width_set_the_parameters(spec_path):
                       "attn.q_norm.weight": (32,), "attn.k_norm.weight": (16,)}
     with pytest.raises(SpecError, match="unknown qk_norm_scope layer"):
         build(spec_path, qk_norm="rmsnorm", qk_norm_scope="layer")
+
+
+def test_two_sided_window_unfused_in_onnx_and_refused_where_no_kernel_computes_it(spec_path, rng):
+    """The local_mask op's own lowering (no fusion) equals the numpy reference; the contrib kernels
+    and the cached ones (whose one additive mask is causal) do not list the feature, and a causal
+    mask on top of a two-sided window stays unfused."""
+    from tessera.compiler.backends.onnx.attention import kernel_features
+    sets = dict(causal=False, window=4, rope_theta=0.0)
+    g = build(spec_path, **sets)
+    w = init_weights(g, seed=5)
+    x = rng.standard_normal((2, 13, 32)).astype(np.float32)
+    want = numpy_attention(x, w, None, {**DEFAULTS, **sets})
+    bias = np.zeros((4, 13, 13), np.float32)  # declared by the test's model, unused here
+    np.testing.assert_allclose(ort_run(g, w, {"x": x, "bias": bias})["y"], want, atol=2e-5, rtol=1e-4)
+    for impl in ("gqa", "mha", "cached", "phased"):
+        assert "local_window" not in kernel_features(impl), impl
+    assert "local_window" in kernel_features("portable") and "local_window" in kernel_features("block")
+
+
+def test_a_causal_mask_over_a_two_sided_window_is_not_fused(tmp_path):
+    p = tmp_path / "both.tsr"
+    p.write_text("""
+model M() {
+  in q: f32[B, 2, T, 8]
+  in k: f32[B, 2, T, 8]
+  in v: f32[B, 2, T, 8]
+  out y: f32[B, 2, T, 8]
+  y = matmul(softmax(causal_mask(local_window_mask(matmul(q, transpose(k)), 3)), axis=-1), v)
+}
+""")
+    sites = optimize(build(str(p)))
+    assert len(sites) == 1 and not sites[0].fused
+    assert "two-sided local window" in sites[0].describe()
 
 
 def test_softcap_is_fused_with_its_cap_and_scale(spec_path):

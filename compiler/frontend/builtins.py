@@ -496,6 +496,12 @@ def _sliding_window(call, scores, window):
     return call.emit("causal_mask", [_tensor(call, scores, "scores")], {"window": _int(call, window, "window", 1)})
 
 
+@builtin("local_window_mask", ("scores", R), ("window", R))
+def _local_window(call, scores, window):
+    """Two-sided (non-causal) window: each query sees the keys less than `window` positions away on either side."""
+    return call.emit("local_mask", [_tensor(call, scores, "scores")], {"window": _int(call, window, "window", 1)})
+
+
 @builtin("padding_mask", ("scores", R), ("mask", R))
 def _padding_mask(call, scores, mask):
     """Hide padded keys: mask [B, Tk] holds 1 for real tokens and 0 for padding."""

@@ -41,6 +41,29 @@ def _causal_mask(t, a):
     return [s]
 
 
+def local(s, window):
+    """Hide keys ``window`` or more positions from each query, on either side (ModernBERT's local
+    attention: a two-sided window over a bidirectional encoder; queries are the last Tq of Tk)."""
+    tq, tk = s.shape[-2], s.shape[-1]
+    i = np.arange(tq)[:, None] + (tk - tq)
+    j = np.arange(tk)[None, :]
+    return np.where(np.abs(j - i) >= window, min_value(s.dtype), s).astype(s.dtype)
+
+
+@op("local_mask", reference=lambda x, a, ev: local(x[0], a["window"]),
+    cost=per_element("mask", 1),     # one select per score
+    saved=())                        # a static pattern: nothing to keep
+def _local_mask(t, a):
+    """Two-sided window on scores [..., Tq, Tk]: keys at distance attrs["window"] (>= 1) or more hidden."""
+    s = t[0]
+    if s.rank < 2:
+        raise ShapeError(f"a mask applies to scores [..., Tq, Tk], got {dims.fmt_shape(s.shape)}")
+    common.need_float(s, "local_mask")
+    if not isinstance(a.get("window"), int) or a["window"] < 1:
+        raise ShapeError(f"local_mask: window must be 1 or more, got {a.get('window')!r}")
+    return [s]
+
+
 def _padding_ref(x, a, ev):
     keep = (x[1] != 0)[:, None, None, :]
     return np.where(keep, x[0], min_value(x[0].dtype)).astype(x[0].dtype)
@@ -223,6 +246,9 @@ def check_fused_attrs(a: dict) -> None:
             raise ShapeError(f"fused_attention: attribute {name} ({spec.doc}) {problem}")
     if a["window"] and not a["causal"]:
         raise ShapeError("fused_attention: a sliding window (window > 0) needs causal")
+    if a.get("local_window") and a["causal"]:
+        raise ShapeError("fused_attention: a two-sided local window (local_window > 0) is for non-causal "
+                         "attention; causal attention takes a sliding window")
     if a["heads"] % a["kv_heads"]:
         raise ShapeError(f"fused_attention: {a['heads']} query heads do not divide into {a['kv_heads']} groups")
 

@@ -33,6 +33,23 @@ def _causal_mask(L):
     L.emit("Where", [hide, min_const(b, t.dtype), L.x[0]])
 
 
+def _local_mask(L):
+    """|key - query| >= window hidden (queries are the last Tq of Tk positions)."""
+    b, a, t = L.b, L.a, L.t_in[0]
+    tq, tk = t.shape[-2], t.shape[-1]
+    zero = b.const(np.array(0, dtype=np.int64), "zero")
+    one = b.const(np.array(1, dtype=np.int64), "one")
+    rows = b.node("Range", [zero, b.dim_scalar(tq), one])[0]
+    offset = tk - tq
+    if not (dims.is_static(offset) and int(offset) == 0):
+        rows = b.node("Add", [rows, b.dim_scalar(offset)])[0]
+    rows = b.node("Unsqueeze", [rows, b.i64([1])])[0]
+    cols = b.node("Unsqueeze", [b.node("Range", [zero, b.dim_scalar(tk), one])[0], b.i64([0])])[0]
+    far = b.node("GreaterOrEqual", [b.node("Abs", [b.node("Sub", [cols, rows])[0]])[0],
+                                    b.const(np.array(a["window"], dtype=np.int64), "window")])[0]
+    L.emit("Where", [far, min_const(b, t.dtype), L.x[0]])
+
+
 def _padding_mask(L):
     b, x, t_in = L.b, L.x, L.t_in
     zero = b.const(np.array(0, dtype=np.int64 if t_in[1].dtype == "i64" else np.int32), "zero")
@@ -127,6 +144,7 @@ def _topk_gates(L):
 
 LOWERINGS = {
     "causal_mask": _causal_mask,
+    "local_mask": _local_mask,
     "padding_mask": _padding_mask,
     "rope": _rope,
     "topk_gates": _topk_gates,
