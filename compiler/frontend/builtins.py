@@ -16,6 +16,7 @@ import sympy
 from tessera.compiler.ir import dims
 from tessera.compiler.ir.graph import DTYPES
 from tessera.compiler.frontend.values import REQUIRED, Builtin, Tensor, describe
+from tessera.compiler.reference.numerics import ROPE_TYPES
 
 BUILTINS: dict[str, Builtin] = {}
 
@@ -509,15 +510,22 @@ def _padding_mask(call, scores, mask):
 
 
 @builtin("rope", ("x", R), ("theta", 10000.0), ("factor", 1.0), ("low_freq", 1.0), ("high_freq", 4.0),
-         ("original_ctx", 8192), ("dims", 0), ("layout", "half"), ("max_ctx", 0))
-def _rope(call, x, theta, factor, low_freq, high_freq, original_ctx, dims, layout, max_ctx):
+         ("original_ctx", 8192), ("dims", 0), ("layout", "half"), ("max_ctx", 0), ("scaling", "llama3"),
+         ("beta_fast", 32.0), ("beta_slow", 1.0), ("attention_factor", 0.0), ("truncate", True))
+def _rope(call, x, theta, factor, low_freq, high_freq, original_ctx, dims, layout, max_ctx, scaling,
+          beta_fast, beta_slow, attention_factor, truncate):
     """Rotary position embedding on [..., T, hd].
 
     layout="half" pairs feature i with i + r/2 (rotate-half: GPT-NeoX, Llama); "interleaved" pairs
     2i with 2i+1 (GPT-J). dims=r > 0 rotates only the first r features (partial rotary; 0: all of
     them) with frequencies theta^(-2i/r). factor > 1 turns on Llama 3.1's frequency scaling
     ("llama3" rope_type) with low_freq, high_freq and original_ctx as in a checkpoint's
-    rope_scaling; factor = 1 (the default) is plain RoPE and ignores the other three. max_ctx > 0
+    rope_scaling; factor = 1 (the default) is plain RoPE and ignores the other three. scaling picks
+    another rope_type of transformers' for factor > 1: "linear" (frequencies / factor), "dynamic"
+    (dynamic NTK: the base grows with the run's length past original_ctx, the checkpoint's
+    max_position_embeddings; no KV-cached form) or "yarn" (beta_fast, beta_slow, original_ctx =
+    original_max_position_embeddings, truncate; cos and sin times attention_factor, 0: derived from
+    factor as transformers does). max_ctx > 0
     declares the positions the model was trained for: `run` and `generate` refuse longer sequences
     (0: no limit declared)."""
     attrs = {"theta": _float(call, theta, "theta")}
@@ -537,7 +545,24 @@ def _rope(call, x, theta, factor, low_freq, high_freq, original_ctx, dims, layou
     f = _float(call, factor, "factor")
     if f < 1.0:
         raise call.error(f"'factor' must be at least 1.0 (1.0 is no scaling), got {f}", factor[1])
-    if f > 1.0:
+    kind = _choice(call, scaling, "scaling", ROPE_TYPES)
+    if f > 1.0 and kind != "llama3":
+        ctx = _int(call, original_ctx, "original_ctx", 1)
+        if kind == "linear":
+            attrs["scaling"] = (f,)
+        elif kind == "dynamic":
+            attrs["scaling"] = (f, ctx)
+        else:
+            fast, slow = _float(call, beta_fast, "beta_fast"), _float(call, beta_slow, "beta_slow")
+            if not 0.0 < slow < fast:
+                raise call.error(f"yarn needs 0 < beta_slow < beta_fast, got beta_fast={fast}, beta_slow={slow}",
+                                 beta_fast[1] or beta_slow[1])
+            af = _float(call, attention_factor, "attention_factor")
+            if af < 0.0:
+                raise call.error(f"'attention_factor' must be 0 (derived) or more, got {af}", attention_factor[1])
+            attrs["scaling"] = (f, fast, slow, ctx, af, int(_bool(call, truncate, "truncate")))
+        attrs["rope_type"] = kind
+    elif f > 1.0:
         low, high = _float(call, low_freq, "low_freq"), _float(call, high_freq, "high_freq")
         if not 0.0 < low < high:
             raise call.error(f"rope scaling needs 0 < low_freq < high_freq, got low_freq={low}, high_freq={high}",

@@ -13,7 +13,7 @@ from tessera.compiler.ir.graph import TensorType
 from tessera.compiler.ops import common
 from tessera.compiler.ops.registry import ShapeError, custom, op, per_element
 from tessera.compiler.reference import score_epilogue
-from tessera.compiler.reference.numerics import min_value, rope_inv_freq, softmax
+from tessera.compiler.reference.numerics import min_value, rope_attention_factor, rope_inv_freq, softmax
 
 
 # ------------------------------------------------------------------ masks
@@ -85,7 +85,8 @@ def _padding_mask(t, a):
 
 
 # ------------------------------------------------------------------ rotary embedding
-# attrs: theta, optional scaling (Llama 3.1), and -- only when not the default, so graphs of
+# attrs: theta, optional scaling (its parameters; rope_type says which: Llama 3.1's when absent,
+# else linear, dynamic or yarn, see reference/numerics.rope_inv_freq), and -- only when not the default, so graphs of
 # existing specs keep their attributes -- dims (rotate the first `dims` features of the head,
 # pass the rest through: partial rotary as in GPT-NeoX, Phi, GPT-J) and interleaved (pair
 # features (0, 1), (2, 3), ... as GPT-J does, instead of the halves (i, i + dims/2) of NeoX
@@ -94,10 +95,10 @@ def rotated_dims(a, hd: int) -> int:
     return int(a.get("dims") or hd)
 
 
-def rope(x, theta, scaling=None, positions=None, dims_=None, interleaved=False):
+def rope(x, theta, scaling=None, positions=None, dims_=None, interleaved=False, kind="llama3"):
     n, hd = x.shape[-2], x.shape[-1]
     r = dims_ or hd
-    inv_freq = rope_inv_freq(r, theta, scaling)
+    inv_freq = rope_inv_freq(r, theta, scaling, kind, seq_len=n)
     if positions is None:
         freqs = np.arange(n, dtype=np.float32)[:, None] * inv_freq[None, :]
     else:  # explicit positions [B, T] (a KV-cached graph: past length P > 0, left padding)
@@ -106,7 +107,11 @@ def rope(x, theta, scaling=None, positions=None, dims_=None, interleaved=False):
         emb = np.repeat(freqs, 2, axis=-1)
     else:
         emb = np.concatenate([freqs, freqs], axis=-1)
-    cos, sin = np.cos(emb).astype(x.dtype), np.sin(emb).astype(x.dtype)
+    cos, sin = np.cos(emb), np.sin(emb)
+    factor = rope_attention_factor(scaling, kind)
+    if factor != 1.0:  # YaRN: cos and sin scaled in fp32, as transformers' rotary embedding
+        cos, sin = cos * np.float32(factor), sin * np.float32(factor)
+    cos, sin = cos.astype(x.dtype), sin.astype(x.dtype)
     xr, rest = x[..., :r], x[..., r:]
     if interleaved:
         rotated = np.stack([-xr[..., 1::2], xr[..., 0::2]], axis=-1).reshape(xr.shape)
@@ -127,7 +132,8 @@ def _rope_flops(c):
 
 
 @op("rope", reference=lambda x, a, ev: rope(x[0], a["theta"], a.get("scaling"), x[1] if len(x) > 1 else None,
-                                            a.get("dims"), bool(a.get("interleaved"))),
+                                            a.get("dims"), bool(a.get("interleaved")),
+                                            a.get("rope_type", "llama3")),
     cost=custom(_rope_flops),
     saved=())                          # a fixed rotation: its backward needs no activation
 def _rope(t, a):
