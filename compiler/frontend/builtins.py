@@ -183,13 +183,20 @@ def _conv2d(call, x, out, kernel, stride, bias):
 
 
 @builtin("conv1d", ("x", R), ("out", R), ("kernel", R), ("stride", 1), ("padding", 0), ("bias", True),
-         doc="1-D convolution over x [B, C, L], zero-padded at both ends: weight [out, C, kernel] (PyTorch's "
-             "Conv1d), output [B, out, (L + 2*padding - kernel) // stride + 1]. Whisper's audio front end: "
-             "kernel=3, padding=1, then stride=2. (GPT-2's \"Conv1D\" is a linear layer: write linear.)")
-def _conv1d(call, x, out, kernel, stride, padding, bias):
+         ("groups", 1),
+         doc="1-D convolution over x [B, C, L], zero-padded at both ends: weight [out, C / groups, kernel] "
+             "(PyTorch's Conv1d), output [B, out, (L + 2*padding - kernel) // stride + 1]. Whisper's audio front "
+             "end: kernel=3, padding=1, then stride=2. groups=G convolves G groups of channels apart (G = C = out: "
+             "depthwise, Mamba's). (GPT-2's \"Conv1D\" is a linear layer: write linear.)")
+def _conv1d(call, x, out, kernel, stride, padding, bias, groups):
     x, c, n_out, k = _conv_operands(call, x, out, kernel, 3, "[B, C, L]")
     attrs = {"kernel": k, "stride": _int(call, stride, "stride", 1), "padding": _int(call, padding, "padding", 0)}
-    inputs = [x, call.param("weight", (n_out, c, k), "normal")]
+    g = _int(call, groups, "groups", 1)
+    if g > 1:
+        if c % g or n_out % g:
+            raise call.error(f"groups={g} must divide the input channels ({c}) and out ({n_out})", groups[1])
+        attrs["groups"] = g
+    inputs = [x, call.param("weight", (n_out, c // g, k), "normal")]
     if _bool(call, bias, "bias"):
         inputs.append(call.param("bias", (n_out,), "zeros"))
     return call.emit("conv1d", inputs, attrs)
@@ -349,6 +356,7 @@ _unary_builtin("relu", "max(x, 0).")
 _unary_builtin("silu", "x * sigmoid(x) (also called swish).")
 _unary_builtin("sigmoid", "1 / (1 + exp(-x)).")
 _unary_builtin("tanh", "Hyperbolic tangent.")
+_unary_builtin("softplus", "log(1 + exp(x)), computed without overflow (Mamba's time step).")
 
 builtin("sqrt", ("x", R), doc="Square root of a number or, elementwise, of a tensor.")(
     _scalar_math(math.sqrt, "sqrt"))
