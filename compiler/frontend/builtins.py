@@ -579,10 +579,14 @@ def _rope(call, x, theta, factor, low_freq, high_freq, original_ctx, dims, layou
     return call.emit("rope", [t], attrs)
 
 
-@builtin("topk_gates", ("logits", R), ("k", R))
-def _topk_gates(call, logits, k):
-    """Mixture-of-experts routing: softmax over the top-k logits, zero elsewhere, shape kept [..., E]."""
-    return call.emit("topk_gates", [_tensor(call, logits, "logits")], {"k": _int(call, k, "k", 1)})
+@builtin("topk_gates", ("logits", R), ("k", R), ("normalize", True))
+def _topk_gates(call, logits, k, normalize):
+    """Mixture-of-experts routing: softmax over the top-k logits, zero elsewhere, shape kept [..., E];
+    normalize=false: the softmax over all logits, kept at the top k (Qwen-MoE's norm_topk_prob=false)."""
+    attrs = {"k": _int(call, k, "k", 1)}
+    if not _bool(call, normalize, "normalize"):
+        attrs["normalize"] = False
+    return call.emit("topk_gates", [_tensor(call, logits, "logits")], attrs)
 
 
 # ------------------------------------------------------------------ positions

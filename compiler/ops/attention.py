@@ -156,10 +156,12 @@ def _rope(t, a):
 
 
 # ------------------------------------------------------------------ mixture-of-experts gates
-def topk_gates(x, k):
+def topk_gates(x, k, normalize=True):
+    """normalize: the softmax over the k chosen (Mixtral's renormalised gates); else the softmax over
+    all logits, taken at the k chosen (Qwen-MoE's norm_topk_prob=false: the gates sum to less than 1)."""
     idx = np.argsort(-x, axis=-1, kind="stable")[..., :k]
     top = np.take_along_axis(x, idx, axis=-1)
-    w = softmax(top, -1)
+    w = softmax(top, -1) if normalize else np.take_along_axis(softmax(x, -1), idx, axis=-1)
     out = np.zeros_like(x)
     np.put_along_axis(out, idx, w, axis=-1)
     return out
@@ -170,13 +172,16 @@ def _topk_flops(c):
     x = c.numel(c.type(0).shape)
     e = int(c.type(0).shape[-1])
     k = int(c.attrs["k"])
+    if c.attrs.get("normalize") is False:  # the softmax over every logit
+        return {"routing": x * k + x * 5}
     return {"routing": x * k + x * Fraction(5 * k, e)}
 
 
-@op("topk_gates", reference=lambda x, a, ev: topk_gates(x[0], a["k"]),
+@op("topk_gates", reference=lambda x, a, ev: topk_gates(x[0], a["k"], a.get("normalize", True)),
     cost=custom(_topk_flops), saved=("out",))
 def _topk_gates(t, a):
-    """Softmax over the top attrs["k"] logits of the last axis, zero elsewhere (shape kept)."""
+    """Softmax over the top attrs["k"] logits of the last axis, zero elsewhere (shape kept);
+    attrs["normalize"] False: the softmax over all logits at the top k."""
     x = t[0]
     common.need_float(x, "topk_gates")
     e = x.shape[-1]

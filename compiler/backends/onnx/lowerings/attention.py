@@ -166,8 +166,12 @@ def _rope_fused(L, r: int, hd: int, interleaved: bool, inv_freq: np.ndarray) -> 
 
 def _topk_gates(L):
     b, x = L.b, L.x
-    vals, idx = b.node("TopK", [x[0], b.i64([L.a["k"]])], 2, axis=-1, largest=1, sorted=1)
-    w = b.node("Softmax", [vals], axis=-1)[0]
+    if L.a.get("normalize") is False:  # the softmax over all logits, at the top k (the same indices)
+        w, idx = b.node("TopK", [b.node("Softmax", [x[0]], axis=-1)[0], b.i64([L.a["k"]])], 2, axis=-1,
+                        largest=1, sorted=1)
+    else:
+        vals, idx = b.node("TopK", [x[0], b.i64([L.a["k"]])], 2, axis=-1, largest=1, sorted=1)
+        w = b.node("Softmax", [vals], axis=-1)[0]
     zeros = b.node("ConstantOfShape", [b.node("Shape", [x[0]])[0]],
                    value=b.tensor_value(np.zeros(1, dtype=np_float(L.t_in[0].dtype))))[0]
     L.emit("ScatterElements", [zeros, idx, w], axis=-1)
