@@ -25,6 +25,7 @@ from tessera.compiler.ir import dims
 
 from tessera.compiler import ops
 from tessera.compiler.frontend.builtins import BUILTINS
+from tessera.compiler.frontend import shadowing
 from tessera.compiler.ir.graph import DTYPES, Graph, Param, SymbolSource, TensorType
 from tessera.compiler.frontend.values import REQUIRED, BlockRef, Builtin, Tensor, describe
 
@@ -97,6 +98,9 @@ class Elaborator:
             self.globals.vars[name] = b
         for name, block in program.blocks.items():
             self.globals.vars[name] = BlockRef(block)
+            shadowing.check(block, "block", BUILTINS)
+        for model in program.models.values():
+            shadowing.check(model, "model", BUILTINS)
 
     # ================================================================ model
     def elaborate(self, variant: str | None = None, overrides: dict[str, Any] | None = None,
