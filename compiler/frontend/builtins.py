@@ -210,6 +210,15 @@ def _parameter(call, shape, init, std):
     return call.raw_param("param", shp, init_kind, _float(call, std, "std"))
 
 
+@builtin("buffer", ("shape", R), ("init", "zeros"))
+def _buffer(call, shape, init):
+    """A checkpoint tensor that is not trained (a PyTorch buffer: BART's final_logits_bias): loaded by
+    its path (name=) like a parameter, not counted in the parameter totals."""
+    shp = _shape(call, shape, "shape")
+    init_kind = _choice(call, init, "init", ("zeros", "ones", "normal"))
+    return call.raw_param("buffer", shp, init_kind, 0.02, buffer=True)
+
+
 @builtin("weight", ("path", R))
 def _weight(call, path):
     """An existing parameter by its full path, e.g. weight("wte.weight") to tie an output head."""

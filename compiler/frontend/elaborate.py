@@ -646,7 +646,8 @@ class Elaborator:
         _, _, local = rest.partition(".")
         return f"{prefix}.{local}" if local else prefix
 
-    def new_param(self, path: str, shape: tuple, init: str, pos: Pos, std: float = 0.02, dtype: str = "f32"):
+    def new_param(self, path: str, shape: tuple, init: str, pos: Pos, std: float = 0.02, dtype: str = "f32",
+                  buffer: bool = False):
         shared = self._shared_path(path)
         reuse = shared is not None and shared in self.graph.params  # share=: made by the first call
         path = shared if shared is not None else path
@@ -668,7 +669,7 @@ class Elaborator:
                                 f"made, but this call needs {dtype}{int_shape}", pos)
             v = self.graph.values[path]
             return Tensor(v.name, v.type)
-        v = self.graph.add_param(Param(path, tuple(int_shape), dtype, init, std, pos))
+        v = self.graph.add_param(Param(path, tuple(int_shape), dtype, init, std, pos, buffer=buffer))
         return Tensor(v.name, v.type)
 
     def as_tensor(self, value, pos: Pos, dtype: str = "f32", hint: str = "const", scope: str | None = None) -> Tensor:
@@ -721,9 +722,9 @@ class BuiltinCall:
     def param(self, local: str, shape, init: str, std: float = 0.02) -> Tensor:
         return self.elab.new_param(self.elab.scope_path(self.segment(), local), tuple(shape), init, self.pos, std)
 
-    def raw_param(self, default_name: str, shape, init: str, std: float) -> Tensor:
+    def raw_param(self, default_name: str, shape, init: str, std: float, buffer: bool = False) -> Tensor:
         name = self.segment() if self.explicit_name else self.elab._claim(default_name, None, self.pos)
-        return self.elab.new_param(self.elab.scope_path(name), tuple(shape), init, self.pos, std)
+        return self.elab.new_param(self.elab.scope_path(name), tuple(shape), init, self.pos, std, buffer=buffer)
 
     def emit(self, op: str, inputs: list[Tensor], attrs: dict | None = None, n_out: int = 1):
         if self.explicit_name and self._segment is None:
