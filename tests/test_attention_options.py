@@ -35,7 +35,8 @@ block alibi_like(heads, n) -> [heads, n, n] {
 model A(d = 32, heads = 4, kv_heads = 2, head_dim = 0, qkv_bias = true, o_bias = false,
         rope_theta = 10000.0, rope_dims = 0, rope_fraction = 1.0, rope_layout = "half",
         scale = 0.0, softcap = 0.0, qk_norm = "none", causal = true, window = 0, biased = false,
-        bias_block = false) {
+        bias_block = false, q_bias = qkv_bias, k_bias = qkv_bias, v_bias = qkv_bias,
+        qk_norm_scope = "head") {
   in x: f32[B, T, d]
   in bias: f32[heads, T, T]
   out y: f32[B, T, d]
@@ -46,7 +47,8 @@ model A(d = 32, heads = 4, kv_heads = 2, head_dim = 0, qkv_bias = true, o_bias =
   y = attention(x, heads, kv_heads=kv_heads, causal=causal, window=window, rope_theta=rope_theta,
                 qkv_bias=qkv_bias, o_bias=o_bias, head_dim=head_dim, rope_dims=rope_dims,
                 rope_fraction=rope_fraction, rope_layout=rope_layout, scale=scale, softcap=softcap,
-                qk_norm=qk_norm, score_bias=sb, score_bias_block=blk, name="attn")
+                qk_norm=qk_norm, score_bias=sb, score_bias_block=blk, q_bias=q_bias, k_bias=k_bias,
+                v_bias=v_bias, qk_norm_scope=qk_norm_scope, name="attn")
 }
 """
 
@@ -58,6 +60,14 @@ CASES = {
     "softcap_window_scale": dict(softcap=5.0, scale=0.4, window=5),
     "bias_tensor_bidirectional": dict(biased=True, causal=False, rope_theta=0.0),
     "bias_block_layernorm": dict(bias_block=True, qk_norm="layernorm", rope_theta=0.0),
+    # issue 24: Whisper's k projection has no bias; OLMo-2 normalises q and k over all heads at once
+    "no_k_bias": dict(k_bias=False, o_bias=True),
+    "only_v_bias": dict(qkv_bias=False, v_bias=True),
+    "rmsnorm_across_heads": dict(qk_norm="rmsnorm", qk_norm_scope="all"),
+    "layernorm_across_heads": dict(qk_norm="layernorm", qk_norm_scope="all", rope_theta=0.0),
+    # ModernBERT's local attention: a two-sided window over bidirectional attention
+    "two_sided_window": dict(causal=False, window=5, rope_theta=160000.0),
+    "two_sided_window_bias": dict(causal=False, window=9, biased=True, softcap=4.0),
 }
 
 
@@ -104,10 +114,12 @@ def numpy_attention(x, w, bias, o):
         y = x @ w[f"attn.{name}.weight"].T
         if f"attn.{name}.bias" in w:
             y = y + w[f"attn.{name}.bias"]
+        if o.get("qk_norm_scope") == "all" and name in ("q", "k") and o["qk_norm"] != "none":
+            y = _np_norm(y, w[f"attn.{name}_norm.weight"], w.get(f"attn.{name}_norm.bias"), 1e-6, o["qk_norm"])
         return y.reshape(bsz, t, n, hd).transpose(0, 2, 1, 3)
 
     q, k, v = proj("q", heads), proj("k", kvh), proj("v", kvh)
-    if o["qk_norm"] != "none":
+    if o["qk_norm"] != "none" and o.get("qk_norm_scope") != "all":
         q = _np_norm(q, w["attn.q_norm.weight"], w.get("attn.q_norm.bias"), 1e-6, o["qk_norm"])
         k = _np_norm(k, w["attn.k_norm.weight"], w.get("attn.k_norm.bias"), 1e-6, o["qk_norm"])
     if o["rope_theta"] > 0:
@@ -127,6 +139,9 @@ def numpy_attention(x, w, bias, o):
         i, j = np.arange(t)[:, None], np.arange(t)[None, :]
         hide = (j > i) | ((j <= i - o["window"]) if o["window"] else False)
         s = np.where(hide, -np.inf, s)
+    elif o["window"]:  # two-sided: keys less than `window` away on either side
+        i, j = np.arange(t)[:, None], np.arange(t)[None, :]
+        s = np.where(np.abs(j - i) >= o["window"], -np.inf, s)
     p = np.exp(s - s.max(-1, keepdims=True))
     p = p / p.sum(-1, keepdims=True)
     y = (p @ v).transpose(0, 2, 1, 3).reshape(bsz, t, heads * hd) @ w["attn.o.weight"].T
@@ -140,6 +155,7 @@ def torch_attention(x, w, bias, o):
     from transformers.models.gpt_neox.modeling_gpt_neox import apply_rotary_pos_emb as neox_rope
     from transformers.models.gptj.modeling_gptj import apply_rotary_pos_emb as gptj_rope
     from transformers.models.gptj.modeling_gptj import create_sinusoidal_positions
+    from transformers.models.olmo2.modeling_olmo2 import Olmo2RMSNorm
     from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
 
     tw = {k: torch.from_numpy(v) for k, v in w.items()}
@@ -150,10 +166,19 @@ def torch_attention(x, w, bias, o):
     F = torch.nn.functional
 
     def proj(name, n):  # [B, T, n, hd]
-        return F.linear(x, tw[f"attn.{name}.weight"], tw.get(f"attn.{name}.bias")).view(bsz, t, n, hd)
+        y = F.linear(x, tw[f"attn.{name}.weight"], tw.get(f"attn.{name}.bias"))
+        if o.get("qk_norm_scope") == "all" and name in ("q", "k") and o["qk_norm"] == "rmsnorm":
+            norm = Olmo2RMSNorm(n * hd, eps=1e-6)  # OLMo-2: q_norm over the whole projection
+            norm.weight.data = tw[f"attn.{name}_norm.weight"]
+            y = norm(y)
+        elif o.get("qk_norm_scope") == "all" and name in ("q", "k") and o["qk_norm"] == "layernorm":
+            y = F.layer_norm(y, (n * hd,), tw[f"attn.{name}_norm.weight"], tw[f"attn.{name}_norm.bias"], 1e-6)
+        return y.view(bsz, t, n, hd)
 
     q, k, v = proj("q", heads), proj("k", kvh), proj("v", kvh)
-    if o["qk_norm"] == "rmsnorm":
+    if o.get("qk_norm_scope") == "all":
+        pass
+    elif o["qk_norm"] == "rmsnorm":
         for name in ("q", "k"):
             norm = Qwen3RMSNorm(hd, eps=1e-6)
             norm.weight.data = tw[f"attn.{name}_norm.weight"]
@@ -184,6 +209,12 @@ def torch_attention(x, w, bias, o):
         i, j = torch.arange(t)[:, None], torch.arange(t)[None, :]
         hide = (j > i) | ((j <= i - o["window"]) if o["window"] else torch.zeros_like(j > i))
         mask = mask.masked_fill(hide, torch.finfo(torch.float32).min)
+    elif o["window"]:  # transformers' ModernBERT mask: |q - kv| <= sliding_window, which is window - 1
+        from transformers.masking_utils import sliding_window_bidirectional_overlay
+
+        see = sliding_window_bidirectional_overlay(o["window"] - 1)
+        keep = torch.tensor([[see(0, 0, i, j) for j in range(t)] for i in range(t)])
+        mask = mask.masked_fill(~keep, torch.finfo(torch.float32).min)
     mask = mask[None, None]
     if o["biased"]:
         mask = mask + torch.from_numpy(bias)[None]
@@ -200,7 +231,7 @@ def torch_attention(x, w, bias, o):
 
 DEFAULTS = dict(d=32, heads=4, kv_heads=2, head_dim=0, qkv_bias=True, o_bias=False, rope_theta=10000.0,
                 rope_dims=0, rope_fraction=1.0, rope_layout="half", scale=0.0, softcap=0.0, qk_norm="none",
-                causal=True, window=0, biased=False, bias_block=False)
+                causal=True, window=0, biased=False, bias_block=False, qk_norm_scope="head")
 
 
 @pytest.mark.parametrize("kernel", ["portable", "block"])
@@ -240,6 +271,49 @@ def test_parameters_follow_the_options(spec_path):
     assert shapes == {"attn.q.weight": (64, 32), "attn.k.weight": (32, 32), "attn.v.weight": (32, 32),
                       "attn.o.weight": (32, 64), "attn.o.bias": (32,), "attn.q_norm.weight": (16,),
                       "attn.k_norm.weight": (16,)}
+
+
+def test_per_projection_bias_and_norm_width_set_the_parameters(spec_path):
+    g = build(spec_path, qkv_bias=True, k_bias=False, qk_norm="rmsnorm", qk_norm_scope="all")
+    shapes = {p: v.shape for p, v in g.params.items()}
+    assert shapes == {"attn.q.weight": (32, 32), "attn.q.bias": (32,), "attn.k.weight": (16, 32),
+                      "attn.v.weight": (16, 32), "attn.v.bias": (16,), "attn.o.weight": (32, 32),
+                      "attn.q_norm.weight": (32,), "attn.k_norm.weight": (16,)}
+    with pytest.raises(SpecError, match="unknown qk_norm_scope layer"):
+        build(spec_path, qk_norm="rmsnorm", qk_norm_scope="layer")
+
+
+def test_two_sided_window_unfused_in_onnx_and_refused_where_no_kernel_computes_it(spec_path, rng):
+    """The local_mask op's own lowering (no fusion) equals the numpy reference; the contrib kernels
+    and the cached ones (whose one additive mask is causal) do not list the feature, and a causal
+    mask on top of a two-sided window stays unfused."""
+    from tessera.compiler.backends.onnx.attention import kernel_features
+    sets = dict(causal=False, window=4, rope_theta=0.0)
+    g = build(spec_path, **sets)
+    w = init_weights(g, seed=5)
+    x = rng.standard_normal((2, 13, 32)).astype(np.float32)
+    want = numpy_attention(x, w, None, {**DEFAULTS, **sets})
+    bias = np.zeros((4, 13, 13), np.float32)  # declared by the test's model, unused here
+    np.testing.assert_allclose(ort_run(g, w, {"x": x, "bias": bias})["y"], want, atol=2e-5, rtol=1e-4)
+    for impl in ("gqa", "mha", "cached", "phased"):
+        assert "local_window" not in kernel_features(impl), impl
+    assert "local_window" in kernel_features("portable") and "local_window" in kernel_features("block")
+
+
+def test_a_causal_mask_over_a_two_sided_window_is_not_fused(tmp_path):
+    p = tmp_path / "both.tsr"
+    p.write_text("""
+model M() {
+  in q: f32[B, 2, T, 8]
+  in k: f32[B, 2, T, 8]
+  in v: f32[B, 2, T, 8]
+  out y: f32[B, 2, T, 8]
+  y = matmul(softmax(causal_mask(local_window_mask(matmul(q, transpose(k)), 3)), axis=-1), v)
+}
+""")
+    sites = optimize(build(str(p)))
+    assert len(sites) == 1 and not sites[0].fused
+    assert "two-sided local window" in sites[0].describe()
 
 
 def test_softcap_is_fused_with_its_cap_and_scale(spec_path):
@@ -353,8 +427,13 @@ model Dec(vocab = 97, d = 32, heads = 4, kv_heads = 2, layers = 2) {
 """
 
 
+# issue 24: OLMo-2's q/k norm over all heads, and no k bias, in the cached decoder
+DECODER_ALL_HEADS = DECODER.replace('qk_norm="rmsnorm"', 'qk_norm="rmsnorm", qk_norm_scope="all", k_bias=false')
+
+
+@pytest.mark.parametrize("spec", [DECODER, DECODER_ALL_HEADS], ids=["per_head", "all_heads"])
 @pytest.mark.parametrize("mode", ["buffer", "concat"])
-def test_cached_generation_with_partial_interleaved_rope_and_softcap_equals_recomputation(tmp_path, mode):
+def test_cached_generation_with_partial_interleaved_rope_and_softcap_equals_recomputation(tmp_path, mode, spec):
     """The cache pass hands rope nodes position_ids; partial interleaved rotary and the soft-cap must
     give, at every step, the logits of the uncached model over the whole sequence so far."""
     import onnxruntime as ort
@@ -364,7 +443,7 @@ def test_cached_generation_with_partial_interleaved_rope_and_softcap_equals_reco
     from tessera.runtime.generation.cached import CachedModel, compile_cached, generate
 
     p = tmp_path / "dec.tsr"
-    p.write_text(DECODER)
+    p.write_text(spec)
     built = pipeline.build(p)
     weights = init_weights(built.graph, 7)
     rng = np.random.default_rng(0)

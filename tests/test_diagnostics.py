@@ -371,3 +371,44 @@ def test_cli_spec_error_end_to_end_has_no_traceback(tmp_path):
     assert proc.stderr.splitlines()[0] == f"{path}:4:34: error: unknown name 'hedas'; did you mean 'heads'?"
     assert "Traceback" not in proc.stderr
     assert not (tmp_path / "out.onnx").exists()
+
+
+# ---------------------------------------------------------------- builtins hidden by hyperparameters (issue 24)
+SHADOW = """model M(expand = 2, d = 8) {
+  in x: f32[B, T, d]
+  out y: f32[B, T, d]
+  y = linear(linear(x, d * expand, name="up"), d, name="down") + expand([[0.0]], [1, 1, d])
+}
+"""
+
+
+def test_a_hyperparameter_hiding_a_called_builtin_is_an_error_at_its_definition(tmp_path):
+    file, err = spec_error(tmp_path, SHADOW)
+    message = ("hyperparameter 'expand' of model M hides the builtin expand(), which its body calls: "
+               "rename the hyperparameter (e.g. 'expand_')")
+    lines = err.render().splitlines()
+    assert lines[0] == f"{file}:1:9: error: {message}"
+    assert lines[1:3] == ["    1 | model M(expand = 2, d = 8) {", "      |         ^^^^^^"]
+    assert lines[3] == f"note: expand(...) is called at {file}:4:66"
+    assert SHADOW.splitlines()[3][65:72] == "expand("
+
+
+def test_the_same_in_a_block_and_an_uncalled_builtin_name_is_fine(tmp_path):
+    block = """block up(x: [B, T, d], max = 2) {
+  return linear(x, d * max(max, 1), name="fc")
+}
+model M(d = 8) {
+  in x: f32[B, T, d]
+  out y: f32[B, T, 2 * d]
+  y = up(x)
+}
+"""
+    file, err = spec_error(tmp_path, block)
+    assert err.render().splitlines()[0].startswith(f"{file}:1:24: error: hyperparameter 'max' of block up hides")
+    fine = """model M(max = 2, d = 8, weight = 1.5) {
+  in x: f32[B, T, d]
+  out y: f32[B, T, d]
+  y = linear(x, d, name="fc") * weight + float(max)
+}
+"""
+    elaborate(load_program(write(tmp_path, fine, "fine.tsr")))

@@ -147,6 +147,32 @@ def test_greedy_decoding_20_steps_equals_pytorch(ref, weights, rng):
     assert len(set(out.tokens.ravel().tolist())) > 1  # not one token repeated: the state is carried
 
 
+def test_repetition_penalty_reaches_the_recurrent_loop_like_transformers(ref, weights, rng):
+    """Issue 24: the recurrent loop once called the sampler with no history. The reference is
+    transformers' own RepetitionPenaltyLogitsProcessor over the decoder's inputs (start token included)."""
+    from transformers import RepetitionPenaltyLogitsProcessor
+
+    from tessera.runtime.generation.recurrent import RecurrentSeq2Seq, decode
+    from tessera.runtime.generation.sampling import Sampling
+
+    src, _ = _src_tgt(rng, b=2, s=7)
+    bos, n = 1, 20
+    model = RecurrentSeq2Seq(build("rnnsearch", "small", mode="encode"), build("rnnsearch", "small", mode="step"),
+                             weights)
+    got = {}
+    for penalty in (1.0, 3.0):
+        proc = RepetitionPenaltyLogitsProcessor(penalty)
+        with torch.no_grad():
+            h, keys, s = ref.encode(torch.from_numpy(src))
+            ids = torch.full((2, 1), bos, dtype=torch.long)
+            for _ in range(n):
+                s, lg, _a = ref.step(s, ids[:, -1], h, keys)
+                ids = torch.cat([ids, proc(ids, lg).argmax(-1, keepdim=True)], 1)
+        got[penalty] = decode(model, src, n, bos, Sampling(repetition_penalty=penalty)).tokens
+        np.testing.assert_array_equal(got[penalty], ids[:, 1:].numpy(), err_msg=str(penalty))
+    assert (got[1.0] != got[3.0]).any()  # the penalty changed the choice somewhere
+
+
 def _paper_params(attention: bool, vs=30000, vt=30000, e=620, h=1000, n=1000, da=1000, lo=500) -> int:
     """Counted from the paper's architecture (appendix A) with PyTorch-style biases: a GRU has
     W [3H, in], U [3H, H] and two biases [3H]; alignment W_a, U_a, v_a and V_o, C_o without bias."""

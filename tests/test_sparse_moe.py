@@ -283,3 +283,42 @@ model M(d = 16) {
     w = _weights(graph, rng)
     x = rng.standard_normal((1, 3, 16)).astype(np.float32)
     assert ort_run(graph, w, {"x": x})["y"].shape == (1, 3, 16)
+
+
+def qwen_moe(x, router, experts, k):
+    """Qwen2-MoE's routing with norm_topk_prob=false (transformers' Qwen2MoeSparseMoeBlock, shared
+    expert aside): softmax over all router logits, the top k kept as they are (not renormalised)."""
+    flat = x.reshape(-1, x.shape[-1]).astype(np.float64)
+    logits = flat @ router.T
+    p = np.exp(logits - logits.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    out = np.zeros_like(flat)
+    for t in range(flat.shape[0]):
+        for e in np.argsort(-p[t])[:k]:
+            w1, w3, w2 = experts[e]
+            g = flat[t] @ w1.T
+            out[t] += p[t, e] * ((g / (1 + np.exp(-g)) * (flat[t] @ w3.T)) @ w2.T)
+    return out.reshape(x.shape)
+
+
+@pytest.mark.parametrize("impl", ["gather", "moe"])
+def test_unnormalised_gates_stay_sparse_and_equal_qwen_moe(rng, tmp_path, impl):
+    """Issue 24: moe(..., normalize=false) once needed a dense router the sparse pass refused."""
+    spec = build_spec(tmp_path, """
+model M(d = 16, normalize = false) {
+  in x: f32[B, T, d]
+  out y: f32[B, T, d]
+  y = moe(x, 6, 2, 20, normalize=normalize, name="moe")
+}""")
+    sparse, notes = _sparse(spec, impl)
+    assert notes[0].sparse and notes[0].impl == impl
+    (node,) = [n for n in sparse.nodes.values() if n.op == "sparse_moe"]
+    assert node.attrs["normalize"] is False
+    w = _weights(spec, rng, 0.4)
+    x = rng.standard_normal((2, 9, 16)).astype(np.float32)
+    experts = [tuple(w[f"moe.experts.{e}.ffn.{p}.weight"] for p in ("gate", "up", "down")) for e in range(6)]
+    want = qwen_moe(x, w["moe.router.weight"], experts, 2)
+    assert np.abs(want - mixtral_moe(x, w["moe.router.weight"], experts, 2)).max() > 1e-2  # not the renormalised
+    for g in (spec, sparse):  # dense (topk_gates normalize=false) and sparse, numpy and onnxruntime
+        assert np.abs(interpret.run(g, w, {"x": x})["y"] - want).max() <= TOL
+        assert np.abs(ort_run(g, w, {"x": x})["y"] - want).max() <= TOL

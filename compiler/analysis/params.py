@@ -37,6 +37,12 @@ def _split_layer(path: str) -> tuple[str, str] | None:
     return key, path[len(key) + 1:].split(".")[0]
 
 
+def _counted(graph: Graph) -> dict:
+    """The parameters a count includes: not the checkpoint buffers (Param.buffer), which transformers'
+    sum(p.numel()) does not count either."""
+    return {path: p for path, p in graph.params.items() if not p.buffer}
+
+
 def parameter_report(graph: Graph, st: Structure | None = None) -> dict:
     """{'total', 'by_component', 'per_layer', 'tied', 'active_per_token', 'moe', 'table'}.
 
@@ -45,14 +51,14 @@ def parameter_report(graph: Graph, st: Structure | None = None) -> dict:
     st = st or analyse(graph)
     by_component: dict[str, int] = {}
     per_layer: dict[str, dict[str, int]] = {}
-    for path, p in graph.params.items():
+    for path, p in _counted(graph).items():
         head = path.split(".")[0]
         by_component[head] = by_component.get(head, 0) + math.prod(p.shape)
         split = _split_layer(path)
         if split:
             inner = per_layer.setdefault(split[0], {})
             inner[split[1]] = inner.get(split[1], 0) + math.prod(p.shape)
-    total = sum(math.prod(p.shape) for p in graph.params.values())
+    total = sum(math.prod(p.shape) for p in _counted(graph).values())
     moe = moe_parameters(graph, st)
     return {
         "total": total,
@@ -164,7 +170,7 @@ def parameter_table(graph: Graph, st: Structure, per_layer: dict[str, dict[str, 
     for key in per_layer:
         stacks.setdefault(key.rsplit(".", 1)[0], []).append(key)
     others: dict[str, int] = {}
-    for path, p in graph.params.items():
+    for path, p in _counted(graph).items():
         if _split_layer(path):
             continue
         comp = path.rsplit(".", 1)[0] if "." in path else path
@@ -191,7 +197,8 @@ def parameter_table(graph: Graph, st: Structure, per_layer: dict[str, dict[str, 
         what = role(graph, st, comp, index)
         shape = _shape_text(graph, comp)
         rows.append({"label": f"{comp} ({what}{' ' + shape if shape else ''})", "params": n, "kind": "component"})
-    rows.append({"label": "total", "params": sum(math.prod(p.shape) for p in graph.params.values()), "kind": "total"})
+    rows.append({"label": "total", "params": sum(math.prod(p.shape) for p in _counted(graph).values()),
+                 "kind": "total"})
     return rows
 
 

@@ -16,6 +16,7 @@ import sympy
 from tessera.compiler.ir import dims
 from tessera.compiler.ir.graph import DTYPES
 from tessera.compiler.frontend.values import REQUIRED, Builtin, Tensor, describe
+from tessera.compiler.reference.numerics import ROPE_TYPES
 
 BUILTINS: dict[str, Builtin] = {}
 
@@ -182,13 +183,20 @@ def _conv2d(call, x, out, kernel, stride, bias):
 
 
 @builtin("conv1d", ("x", R), ("out", R), ("kernel", R), ("stride", 1), ("padding", 0), ("bias", True),
-         doc="1-D convolution over x [B, C, L], zero-padded at both ends: weight [out, C, kernel] (PyTorch's "
-             "Conv1d), output [B, out, (L + 2*padding - kernel) // stride + 1]. Whisper's audio front end: "
-             "kernel=3, padding=1, then stride=2. (GPT-2's \"Conv1D\" is a linear layer: write linear.)")
-def _conv1d(call, x, out, kernel, stride, padding, bias):
+         ("groups", 1),
+         doc="1-D convolution over x [B, C, L], zero-padded at both ends: weight [out, C / groups, kernel] "
+             "(PyTorch's Conv1d), output [B, out, (L + 2*padding - kernel) // stride + 1]. Whisper's audio front "
+             "end: kernel=3, padding=1, then stride=2. groups=G convolves G groups of channels apart (G = C = out: "
+             "depthwise, Mamba's). (GPT-2's \"Conv1D\" is a linear layer: write linear.)")
+def _conv1d(call, x, out, kernel, stride, padding, bias, groups):
     x, c, n_out, k = _conv_operands(call, x, out, kernel, 3, "[B, C, L]")
     attrs = {"kernel": k, "stride": _int(call, stride, "stride", 1), "padding": _int(call, padding, "padding", 0)}
-    inputs = [x, call.param("weight", (n_out, c, k), "normal")]
+    g = _int(call, groups, "groups", 1)
+    if g > 1:
+        if c % g or n_out % g:
+            raise call.error(f"groups={g} must divide the input channels ({c}) and out ({n_out})", groups[1])
+        attrs["groups"] = g
+    inputs = [x, call.param("weight", (n_out, c // g, k), "normal")]
     if _bool(call, bias, "bias"):
         inputs.append(call.param("bias", (n_out,), "zeros"))
     return call.emit("conv1d", inputs, attrs)
@@ -200,6 +208,15 @@ def _parameter(call, shape, init, std):
     shp = _shape(call, shape, "shape")
     init_kind = _choice(call, init, "init", ("normal", "zeros", "ones"))
     return call.raw_param("param", shp, init_kind, _float(call, std, "std"))
+
+
+@builtin("buffer", ("shape", R), ("init", "zeros"))
+def _buffer(call, shape, init):
+    """A checkpoint tensor that is not trained (a PyTorch buffer: BART's final_logits_bias): loaded by
+    its path (name=) like a parameter, not counted in the parameter totals."""
+    shp = _shape(call, shape, "shape")
+    init_kind = _choice(call, init, "init", ("zeros", "ones", "normal"))
+    return call.raw_param("buffer", shp, init_kind, 0.02, buffer=True)
 
 
 @builtin("weight", ("path", R))
@@ -348,6 +365,7 @@ _unary_builtin("relu", "max(x, 0).")
 _unary_builtin("silu", "x * sigmoid(x) (also called swish).")
 _unary_builtin("sigmoid", "1 / (1 + exp(-x)).")
 _unary_builtin("tanh", "Hyperbolic tangent.")
+_unary_builtin("softplus", "log(1 + exp(x)), computed without overflow (Mamba's time step).")
 
 builtin("sqrt", ("x", R), doc="Square root of a number or, elementwise, of a tensor.")(
     _scalar_math(math.sqrt, "sqrt"))
@@ -496,6 +514,12 @@ def _sliding_window(call, scores, window):
     return call.emit("causal_mask", [_tensor(call, scores, "scores")], {"window": _int(call, window, "window", 1)})
 
 
+@builtin("local_window_mask", ("scores", R), ("window", R))
+def _local_window(call, scores, window):
+    """Two-sided (non-causal) window: each query sees the keys less than `window` positions away on either side."""
+    return call.emit("local_mask", [_tensor(call, scores, "scores")], {"window": _int(call, window, "window", 1)})
+
+
 @builtin("padding_mask", ("scores", R), ("mask", R))
 def _padding_mask(call, scores, mask):
     """Hide padded keys: mask [B, Tk] holds 1 for real tokens and 0 for padding."""
@@ -503,15 +527,22 @@ def _padding_mask(call, scores, mask):
 
 
 @builtin("rope", ("x", R), ("theta", 10000.0), ("factor", 1.0), ("low_freq", 1.0), ("high_freq", 4.0),
-         ("original_ctx", 8192), ("dims", 0), ("layout", "half"), ("max_ctx", 0))
-def _rope(call, x, theta, factor, low_freq, high_freq, original_ctx, dims, layout, max_ctx):
+         ("original_ctx", 8192), ("dims", 0), ("layout", "half"), ("max_ctx", 0), ("scaling", "llama3"),
+         ("beta_fast", 32.0), ("beta_slow", 1.0), ("attention_factor", 0.0), ("truncate", True))
+def _rope(call, x, theta, factor, low_freq, high_freq, original_ctx, dims, layout, max_ctx, scaling,
+          beta_fast, beta_slow, attention_factor, truncate):
     """Rotary position embedding on [..., T, hd].
 
     layout="half" pairs feature i with i + r/2 (rotate-half: GPT-NeoX, Llama); "interleaved" pairs
     2i with 2i+1 (GPT-J). dims=r > 0 rotates only the first r features (partial rotary; 0: all of
     them) with frequencies theta^(-2i/r). factor > 1 turns on Llama 3.1's frequency scaling
     ("llama3" rope_type) with low_freq, high_freq and original_ctx as in a checkpoint's
-    rope_scaling; factor = 1 (the default) is plain RoPE and ignores the other three. max_ctx > 0
+    rope_scaling; factor = 1 (the default) is plain RoPE and ignores the other three. scaling picks
+    another rope_type of transformers' for factor > 1: "linear" (frequencies / factor), "dynamic"
+    (dynamic NTK: the base grows with the run's length past original_ctx, the checkpoint's
+    max_position_embeddings; no KV-cached form) or "yarn" (beta_fast, beta_slow, original_ctx =
+    original_max_position_embeddings, truncate; cos and sin times attention_factor, 0: derived from
+    factor as transformers does). max_ctx > 0
     declares the positions the model was trained for: `run` and `generate` refuse longer sequences
     (0: no limit declared)."""
     attrs = {"theta": _float(call, theta, "theta")}
@@ -531,7 +562,24 @@ def _rope(call, x, theta, factor, low_freq, high_freq, original_ctx, dims, layou
     f = _float(call, factor, "factor")
     if f < 1.0:
         raise call.error(f"'factor' must be at least 1.0 (1.0 is no scaling), got {f}", factor[1])
-    if f > 1.0:
+    kind = _choice(call, scaling, "scaling", ROPE_TYPES)
+    if f > 1.0 and kind != "llama3":
+        ctx = _int(call, original_ctx, "original_ctx", 1)
+        if kind == "linear":
+            attrs["scaling"] = (f,)
+        elif kind == "dynamic":
+            attrs["scaling"] = (f, ctx)
+        else:
+            fast, slow = _float(call, beta_fast, "beta_fast"), _float(call, beta_slow, "beta_slow")
+            if not 0.0 < slow < fast:
+                raise call.error(f"yarn needs 0 < beta_slow < beta_fast, got beta_fast={fast}, beta_slow={slow}",
+                                 beta_fast[1] or beta_slow[1])
+            af = _float(call, attention_factor, "attention_factor")
+            if af < 0.0:
+                raise call.error(f"'attention_factor' must be 0 (derived) or more, got {af}", attention_factor[1])
+            attrs["scaling"] = (f, fast, slow, ctx, af, int(_bool(call, truncate, "truncate")))
+        attrs["rope_type"] = kind
+    elif f > 1.0:
         low, high = _float(call, low_freq, "low_freq"), _float(call, high_freq, "high_freq")
         if not 0.0 < low < high:
             raise call.error(f"rope scaling needs 0 < low_freq < high_freq, got low_freq={low}, high_freq={high}",
@@ -540,10 +588,14 @@ def _rope(call, x, theta, factor, low_freq, high_freq, original_ctx, dims, layou
     return call.emit("rope", [t], attrs)
 
 
-@builtin("topk_gates", ("logits", R), ("k", R))
-def _topk_gates(call, logits, k):
-    """Mixture-of-experts routing: softmax over the top-k logits, zero elsewhere, shape kept [..., E]."""
-    return call.emit("topk_gates", [_tensor(call, logits, "logits")], {"k": _int(call, k, "k", 1)})
+@builtin("topk_gates", ("logits", R), ("k", R), ("normalize", True))
+def _topk_gates(call, logits, k, normalize):
+    """Mixture-of-experts routing: softmax over the top-k logits, zero elsewhere, shape kept [..., E];
+    normalize=false: the softmax over all logits, kept at the top k (Qwen-MoE's norm_topk_prob=false)."""
+    attrs = {"k": _int(call, k, "k", 1)}
+    if not _bool(call, normalize, "normalize"):
+        attrs["normalize"] = False
+    return call.emit("topk_gates", [_tensor(call, logits, "logits")], attrs)
 
 
 # ------------------------------------------------------------------ positions

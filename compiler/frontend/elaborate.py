@@ -25,6 +25,7 @@ from tessera.compiler.ir import dims
 
 from tessera.compiler import ops
 from tessera.compiler.frontend.builtins import BUILTINS
+from tessera.compiler.frontend import shadowing
 from tessera.compiler.ir.graph import DTYPES, Graph, Param, SymbolSource, TensorType
 from tessera.compiler.frontend.values import REQUIRED, BlockRef, Builtin, Tensor, describe
 
@@ -92,11 +93,17 @@ class Elaborator:
         self.block_stack: list[str] = []  # names of the blocks being elaborated, to refuse recursion
         self.node_budget = NODE_BUDGET
         self._used: dict[str, set[str]] = {}
+        # share= calls being elaborated, innermost last: (the scope the call was made in, the path its
+        # parameters are shared under); see new_param
+        self.shares: list[tuple[str, str]] = []
         self.globals = Env()
         for name, b in BUILTINS.items():
             self.globals.vars[name] = b
         for name, block in program.blocks.items():
             self.globals.vars[name] = BlockRef(block)
+            shadowing.check(block, "block", BUILTINS)
+        for model in program.models.values():
+            shadowing.check(model, "model", BUILTINS)
 
     # ================================================================ model
     def elaborate(self, variant: str | None = None, overrides: dict[str, Any] | None = None,
@@ -465,11 +472,24 @@ class Elaborator:
             if not isinstance(nv, str) or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", nv):
                 raise SpecError(f"name= must be a plain identifier string, got {describe(nv)}", npos)
             explicit_name = (nv, npos)
+        share = None
+        if "share" in kwargs and isinstance(func, (BlockRef, Builtin)):
+            sv, spos = kwargs.pop("share")
+            if not isinstance(sv, str) or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z0-9_]+)*", sv):
+                raise SpecError(f"share= must be a parameter path prefix such as \"layer\" or \"enc.layer\", "
+                                f"got {describe(sv)}", spos)
+            share = sv
         called_as = e.func.id if isinstance(e.func, ast.Name) else None
-        if isinstance(func, Builtin):
-            return self.call_builtin(func, args, kwargs, e.pos, explicit_name)
-        if isinstance(func, BlockRef):
-            return self.call_block(func.block, args, kwargs, e.pos, explicit_name, called_as)
+        if share is not None:
+            self.shares.append((self.scope_path(), share))
+        try:
+            if isinstance(func, Builtin):
+                return self.call_builtin(func, args, kwargs, e.pos, explicit_name)
+            if isinstance(func, BlockRef):
+                return self.call_block(func.block, args, kwargs, e.pos, explicit_name, called_as)
+        finally:
+            if share is not None:
+                self.shares.pop()
         raise SpecError(f"{describe(func)} is not callable", e.func.pos)
 
     def _bind_args(self, what: str, params: list[tuple[str, Any]], args, kwargs, pos: Pos):
@@ -614,8 +634,24 @@ class Elaborator:
         outs = [Tensor(v, t) for v, t in zip(node.outputs, out_types)]
         return outs[0] if n_out == 1 else outs
 
-    def new_param(self, path: str, shape: tuple, init: str, pos: Pos, std: float = 0.02, dtype: str = "f32"):
-        if any(path in g.params for g in [self.graph, *self.outer_graphs]):
+    def _shared_path(self, path: str) -> str | None:
+        """Where a parameter made under a share= call lives: the call's own segment (the first one
+        after the scope it was made in) replaced by the shared prefix. None outside such calls."""
+        if not self.shares:
+            return None
+        outer, prefix = self.shares[-1]
+        rest = path[len(outer) + 1:] if outer else path
+        if outer and not path.startswith(outer + "."):
+            return None
+        _, _, local = rest.partition(".")
+        return f"{prefix}.{local}" if local else prefix
+
+    def new_param(self, path: str, shape: tuple, init: str, pos: Pos, std: float = 0.02, dtype: str = "f32",
+                  buffer: bool = False):
+        shared = self._shared_path(path)
+        reuse = shared is not None and shared in self.graph.params  # share=: made by the first call
+        path = shared if shared is not None else path
+        if not reuse and any(path in g.params for g in [self.graph, *self.outer_graphs]):
             raise SpecError(f"parameter '{path}' is defined twice", pos)
         int_shape = []
         for d in shape:
@@ -626,7 +662,14 @@ class Elaborator:
             if int(d) <= 0:
                 raise SpecError(f"parameter '{path}' would have a non-positive dimension {int(d)}", pos)
             int_shape.append(int(d))
-        v = self.graph.add_param(Param(path, tuple(int_shape), dtype, init, std, pos))
+        if reuse:
+            have = self.graph.params[path]
+            if have.shape != tuple(int_shape) or have.dtype != dtype:
+                raise SpecError(f"shared parameter '{path}' is {have.dtype}{list(have.shape)} where it was first "
+                                f"made, but this call needs {dtype}{int_shape}", pos)
+            v = self.graph.values[path]
+            return Tensor(v.name, v.type)
+        v = self.graph.add_param(Param(path, tuple(int_shape), dtype, init, std, pos, buffer=buffer))
         return Tensor(v.name, v.type)
 
     def as_tensor(self, value, pos: Pos, dtype: str = "f32", hint: str = "const", scope: str | None = None) -> Tensor:
@@ -679,9 +722,9 @@ class BuiltinCall:
     def param(self, local: str, shape, init: str, std: float = 0.02) -> Tensor:
         return self.elab.new_param(self.elab.scope_path(self.segment(), local), tuple(shape), init, self.pos, std)
 
-    def raw_param(self, default_name: str, shape, init: str, std: float) -> Tensor:
+    def raw_param(self, default_name: str, shape, init: str, std: float, buffer: bool = False) -> Tensor:
         name = self.segment() if self.explicit_name else self.elab._claim(default_name, None, self.pos)
-        return self.elab.new_param(self.elab.scope_path(name), tuple(shape), init, self.pos, std)
+        return self.elab.new_param(self.elab.scope_path(name), tuple(shape), init, self.pos, std, buffer=buffer)
 
     def emit(self, op: str, inputs: list[Tensor], attrs: dict | None = None, n_out: int = 1):
         if self.explicit_name and self._segment is None:

@@ -71,6 +71,9 @@ class Param:
     # linears sharing an input (compiler/passes/fuse_linears.py): ("concat", source paths, axis,
     # the sources' own recipes or None: the sources themselves are dropped from the graph).
     derive: tuple | None = None
+    # A checkpoint tensor that is not trained (a PyTorch registered buffer: BART's final_logits_bias):
+    # loaded and exported like a parameter, not counted as one (transformers' sum(p.numel()) skips it).
+    buffer: bool = False
 
     @property
     def numel(self) -> int:
@@ -348,7 +351,8 @@ class Graph:
         return users
 
     def param_count(self) -> int:
-        return sum(p.numel for p in self.params.values())
+        """Trained parameters (buffers, Param.buffer, are not counted)."""
+        return sum(p.numel for p in self.params.values() if not p.buffer)
 
     def dump(self) -> str:
         """A readable listing of the graph, one node a line (used by golden tests)."""

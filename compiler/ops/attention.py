@@ -13,7 +13,7 @@ from tessera.compiler.ir.graph import TensorType
 from tessera.compiler.ops import common
 from tessera.compiler.ops.registry import ShapeError, custom, op, per_element
 from tessera.compiler.reference import score_epilogue
-from tessera.compiler.reference.numerics import min_value, rope_inv_freq, softmax
+from tessera.compiler.reference.numerics import min_value, rope_attention_factor, rope_inv_freq, softmax
 
 
 # ------------------------------------------------------------------ masks
@@ -41,6 +41,29 @@ def _causal_mask(t, a):
     return [s]
 
 
+def local(s, window):
+    """Hide keys ``window`` or more positions from each query, on either side (ModernBERT's local
+    attention: a two-sided window over a bidirectional encoder; queries are the last Tq of Tk)."""
+    tq, tk = s.shape[-2], s.shape[-1]
+    i = np.arange(tq)[:, None] + (tk - tq)
+    j = np.arange(tk)[None, :]
+    return np.where(np.abs(j - i) >= window, min_value(s.dtype), s).astype(s.dtype)
+
+
+@op("local_mask", reference=lambda x, a, ev: local(x[0], a["window"]),
+    cost=per_element("mask", 1),     # one select per score
+    saved=())                        # a static pattern: nothing to keep
+def _local_mask(t, a):
+    """Two-sided window on scores [..., Tq, Tk]: keys at distance attrs["window"] (>= 1) or more hidden."""
+    s = t[0]
+    if s.rank < 2:
+        raise ShapeError(f"a mask applies to scores [..., Tq, Tk], got {dims.fmt_shape(s.shape)}")
+    common.need_float(s, "local_mask")
+    if not isinstance(a.get("window"), int) or a["window"] < 1:
+        raise ShapeError(f"local_mask: window must be 1 or more, got {a.get('window')!r}")
+    return [s]
+
+
 def _padding_ref(x, a, ev):
     keep = (x[1] != 0)[:, None, None, :]
     return np.where(keep, x[0], min_value(x[0].dtype)).astype(x[0].dtype)
@@ -62,7 +85,8 @@ def _padding_mask(t, a):
 
 
 # ------------------------------------------------------------------ rotary embedding
-# attrs: theta, optional scaling (Llama 3.1), and -- only when not the default, so graphs of
+# attrs: theta, optional scaling (its parameters; rope_type says which: Llama 3.1's when absent,
+# else linear, dynamic or yarn, see reference/numerics.rope_inv_freq), and -- only when not the default, so graphs of
 # existing specs keep their attributes -- dims (rotate the first `dims` features of the head,
 # pass the rest through: partial rotary as in GPT-NeoX, Phi, GPT-J) and interleaved (pair
 # features (0, 1), (2, 3), ... as GPT-J does, instead of the halves (i, i + dims/2) of NeoX
@@ -71,10 +95,10 @@ def rotated_dims(a, hd: int) -> int:
     return int(a.get("dims") or hd)
 
 
-def rope(x, theta, scaling=None, positions=None, dims_=None, interleaved=False):
+def rope(x, theta, scaling=None, positions=None, dims_=None, interleaved=False, kind="llama3"):
     n, hd = x.shape[-2], x.shape[-1]
     r = dims_ or hd
-    inv_freq = rope_inv_freq(r, theta, scaling)
+    inv_freq = rope_inv_freq(r, theta, scaling, kind, seq_len=n)
     if positions is None:
         freqs = np.arange(n, dtype=np.float32)[:, None] * inv_freq[None, :]
     else:  # explicit positions [B, T] (a KV-cached graph: past length P > 0, left padding)
@@ -83,7 +107,11 @@ def rope(x, theta, scaling=None, positions=None, dims_=None, interleaved=False):
         emb = np.repeat(freqs, 2, axis=-1)
     else:
         emb = np.concatenate([freqs, freqs], axis=-1)
-    cos, sin = np.cos(emb).astype(x.dtype), np.sin(emb).astype(x.dtype)
+    cos, sin = np.cos(emb), np.sin(emb)
+    factor = rope_attention_factor(scaling, kind)
+    if factor != 1.0:  # YaRN: cos and sin scaled in fp32, as transformers' rotary embedding
+        cos, sin = cos * np.float32(factor), sin * np.float32(factor)
+    cos, sin = cos.astype(x.dtype), sin.astype(x.dtype)
     xr, rest = x[..., :r], x[..., r:]
     if interleaved:
         rotated = np.stack([-xr[..., 1::2], xr[..., 0::2]], axis=-1).reshape(xr.shape)
@@ -104,7 +132,8 @@ def _rope_flops(c):
 
 
 @op("rope", reference=lambda x, a, ev: rope(x[0], a["theta"], a.get("scaling"), x[1] if len(x) > 1 else None,
-                                            a.get("dims"), bool(a.get("interleaved"))),
+                                            a.get("dims"), bool(a.get("interleaved")),
+                                            a.get("rope_type", "llama3")),
     cost=custom(_rope_flops),
     saved=())                          # a fixed rotation: its backward needs no activation
 def _rope(t, a):
@@ -127,10 +156,12 @@ def _rope(t, a):
 
 
 # ------------------------------------------------------------------ mixture-of-experts gates
-def topk_gates(x, k):
+def topk_gates(x, k, normalize=True):
+    """normalize: the softmax over the k chosen (Mixtral's renormalised gates); else the softmax over
+    all logits, taken at the k chosen (Qwen-MoE's norm_topk_prob=false: the gates sum to less than 1)."""
     idx = np.argsort(-x, axis=-1, kind="stable")[..., :k]
     top = np.take_along_axis(x, idx, axis=-1)
-    w = softmax(top, -1)
+    w = softmax(top, -1) if normalize else np.take_along_axis(softmax(x, -1), idx, axis=-1)
     out = np.zeros_like(x)
     np.put_along_axis(out, idx, w, axis=-1)
     return out
@@ -141,13 +172,16 @@ def _topk_flops(c):
     x = c.numel(c.type(0).shape)
     e = int(c.type(0).shape[-1])
     k = int(c.attrs["k"])
+    if c.attrs.get("normalize") is False:  # the softmax over every logit
+        return {"routing": x * k + x * 5}
     return {"routing": x * k + x * Fraction(5 * k, e)}
 
 
-@op("topk_gates", reference=lambda x, a, ev: topk_gates(x[0], a["k"]),
+@op("topk_gates", reference=lambda x, a, ev: topk_gates(x[0], a["k"], a.get("normalize", True)),
     cost=custom(_topk_flops), saved=("out",))
 def _topk_gates(t, a):
-    """Softmax over the top attrs["k"] logits of the last axis, zero elsewhere (shape kept)."""
+    """Softmax over the top attrs["k"] logits of the last axis, zero elsewhere (shape kept);
+    attrs["normalize"] False: the softmax over all logits at the top k."""
     x = t[0]
     common.need_float(x, "topk_gates")
     e = x.shape[-1]
@@ -223,6 +257,9 @@ def check_fused_attrs(a: dict) -> None:
             raise ShapeError(f"fused_attention: attribute {name} ({spec.doc}) {problem}")
     if a["window"] and not a["causal"]:
         raise ShapeError("fused_attention: a sliding window (window > 0) needs causal")
+    if a.get("local_window") and a["causal"]:
+        raise ShapeError("fused_attention: a two-sided local window (local_window > 0) is for non-causal "
+                         "attention; causal attention takes a sliding window")
     if a["heads"] % a["kv_heads"]:
         raise ShapeError(f"fused_attention: {a['heads']} query heads do not divide into {a['kv_heads']} groups")
 

@@ -105,6 +105,8 @@ UNARY = [
           per_element("activation", 4), (0,)),           # sigmoid (exp, add, divide) and a multiply
     Unary("sigmoid", lambda x, a, ev: 1 / (1 + np.exp(-x[0])), per_element("activation", 3), ("out",)),
     Unary("tanh", lambda x, a, ev: np.tanh(x[0]), per_element("activation", 1), ("out",)),
+    Unary("softplus", lambda x, a, ev: np.logaddexp(np.zeros((), x[0].dtype), x[0]).astype(x[0].dtype),
+          per_element("activation", 3), (0,)),           # exp, add, log; its derivative is sigmoid(x)
     Unary("identity", lambda x, a, ev: x[0], free(), (), ints=True),
     Unary("log", lambda x, a, ev: np.log(x[0]), _E1, (0,)),
     Unary("abs", lambda x, a, ev: np.abs(x[0]), _E1, (0,), ints=True),

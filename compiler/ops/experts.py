@@ -36,20 +36,24 @@ from tessera.compiler.ops.registry import ShapeError, custom, op
 IMPLS = ("gather", "moe")
 
 
-def route(logits: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+def route(logits: np.ndarray, k: int, normalize: bool = True) -> tuple[np.ndarray, np.ndarray]:
     """(experts [n, k], weights [n, k]) of flattened logits [n, E]: the k largest (ties to the lower
-    index, as topk_gates), softmax over them."""
+    index, as topk_gates), softmax over them (normalize False: the softmax over all E, at those k)."""
     idx = np.argsort(-logits, axis=-1, kind="stable")[:, :k]
+    if not normalize:
+        p = np.exp(logits - logits.max(-1, keepdims=True))
+        return idx, np.take_along_axis(p / p.sum(-1, keepdims=True), idx, axis=-1)
     top = np.take_along_axis(logits, idx, axis=-1)
     w = np.exp(top - top.max(-1, keepdims=True))
     return idx, w / w.sum(-1, keepdims=True)
 
 
-def sparse_moe(x: np.ndarray, logits: np.ndarray, weights: list[np.ndarray], k: int) -> np.ndarray:
+def sparse_moe(x: np.ndarray, logits: np.ndarray, weights: list[np.ndarray], k: int,
+               normalize: bool = True) -> np.ndarray:
     """The reference: each expert runs on the tokens routed to it only."""
     d = x.shape[-1]
     xf = x.reshape(-1, d)
-    idx, w = route(logits.reshape(xf.shape[0], -1), k)
+    idx, w = route(logits.reshape(xf.shape[0], -1), k, normalize)
     out = np.zeros_like(xf)
     for e in range(len(weights) // 3):
         gate, up, down = weights[3 * e: 3 * e + 3]
@@ -81,18 +85,20 @@ def _flops(c):
     return {"matmul": c.macs * 2,
             "activation": n * k * f * 4,                      # silu of each active expert's gate
             "elementwise": n * k * f + n * k * d * 2,         # silu(g)·u, and weigh and sum the outputs
-            "routing": logits * k + logits * Fraction(5 * k, e)}  # as topk_gates: top-k, softmax of k
+            "routing": logits * k + (logits * 5 if c.attrs.get("normalize") is False  # as topk_gates
+                                      else logits * Fraction(5 * k, e))}
 
 
 def _ref(x, a, ev):
-    return sparse_moe(x[0], x[1], list(x[2:]), a["k"])
+    return sparse_moe(x[0], x[1], list(x[2:]), a["k"], a.get("normalize", True))
 
 
 @op("sparse_moe", reference=_ref, cost=custom(_flops, macs=_macs),
     saved=(0, 1), traits=("matmul_class",))
 def _sparse_moe(t, a):
     """x [..., d], router logits [..., E], then gate [f, d], up [f, d], down [d, f] of each of the
-    E = attrs["experts"] experts; attrs["k"] of them run per token (SwiGLU experts)."""
+    E = attrs["experts"] experts; attrs["k"] of them run per token (SwiGLU experts); attrs["normalize"]
+    False: their gates are the softmax over all E logits, not renormalised over the k."""
     x, logits = t[0], t[1]
     common.need_float(x, "sparse_moe")
     e, k = a.get("experts"), a.get("k")

@@ -167,7 +167,11 @@ def _conv1d_ref(x, a, ev):
     if p:
         x_ = np.pad(x_, ((0, 0), (0, 0), (p, p)))
     win = np.lib.stride_tricks.sliding_window_view(x_, k, axis=2)[:, :, ::s]  # [B, C, L', k]
-    y = np.einsum("bclk,ock->bol", win, w, optimize=True)
+    g = a.get("groups", 1)  # channels in g groups, each convolved with its own out/g filters
+    b_, c, n = win.shape[:3]
+    win = win.reshape(b_, g, c // g, n, k)
+    y = np.einsum("bgclk,gock->bgol", win, w.reshape(g, w.shape[0] // g, c // g, k), optimize=True)
+    y = y.reshape(b_, w.shape[0], n)
     return y + x[2][None, :, None] if len(x) == 3 else y
 
 
@@ -176,10 +180,23 @@ def _conv1d_ref(x, a, ev):
     cost=product(lambda c: c.out() * c.dim(c.type(1).shape[1]) * c.attrs["kernel"]),
     saved=common.saved_weight_product, traits=("dense", "matmul_class", "conv"))
 def _conv1d(t, a):
-    """1-D convolution with zero padding (Whisper's audio front end): x [B, C, L], weight [out, C, k]
-    -> [B, out, (L + 2·padding - k) // stride + 1]."""
+    """1-D convolution with zero padding (Whisper's audio front end): x [B, C, L], weight [out, C / groups, k]
+    -> [B, out, (L + 2·padding - k) // stride + 1]; attrs["groups"] (absent: 1) splits the channels
+    into groups convolved apart (groups = C = out: depthwise, Mamba's)."""
     x, w = t[0], t[1]
     k, s, p = a["kernel"], a["stride"], a["padding"]
+    groups = a.get("groups", 1)
+    if not isinstance(groups, int) or groups < 1:
+        raise ShapeError(f"conv1d groups must be 1 or more, got {groups!r}")
+    if groups > 1:
+        if not (dims.is_static(x.shape[1]) and dims.is_static(w.shape[0])) or int(x.shape[1]) % groups \
+                or int(w.shape[0]) % groups:
+            raise ShapeError(f"conv1d with {groups} groups needs input channels and outputs that are multiples "
+                             f"of {groups}, got {dims.fmt(x.shape[1])} and {dims.fmt(w.shape[0])}")
+        if not (w.rank == 3 and dims.equal(w.shape[1], int(x.shape[1]) // groups)):
+            raise ShapeError(f"conv1d weight must be [out, {int(x.shape[1]) // groups}, {k}] with {groups} groups, "
+                             f"got {dims.fmt_shape(w.shape)}")
+        x = TensorType(x.dtype, (x.shape[0], w.shape[1], x.shape[2]))  # the per-group channels, checked below
     if x.rank != 3:
         raise ShapeError(f"conv1d expects [B, C, L], got {dims.fmt_shape(x.shape)}")
     if w.rank != 3 or not (dims.is_static(w.shape[2]) and int(w.shape[2]) == k):

@@ -372,6 +372,10 @@ class ReadPositionIds(Pass):
                 g.remove_nodes([node.name])
                 context = self.options.max_positions
             elif node.op == "rope":
+                if node.attrs.get("rope_type") == "dynamic":
+                    raise CacheError(f"the rope at {node.scope} is dynamic NTK: its frequencies follow the whole "
+                                     f"sequence's length, so keys cached at a shorter length would be rotated "
+                                     f"differently; it has no cached form (run the model whole instead)")
                 g.set_inputs(node, [node.inputs[0], POSITIONS])
                 if node.attrs.get("max_ctx"):  # the trained context bounds prompt + new tokens
                     context = min(context or node.attrs["max_ctx"], node.attrs["max_ctx"])

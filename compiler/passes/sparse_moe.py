@@ -71,7 +71,8 @@ class SparseExperts(Pass):
                 sites.append(ExpertSite(g.name, g.scope, e, k, False, m.reason))
                 continue
             node = graph.replace_node(m["root"], "sparse_moe", [m["x"], m["logits"]] + m["weights"],
-                                      {"k": k, "experts": e, "impl": self.impl})
+                                      {"k": k, "experts": e, "impl": self.impl,
+                                       **({"normalize": False} if g.attrs.get("normalize") is False else {})})
             node.scope = g.scope  # the block's scope (the node keeps the last add's name and place)
             graph.remove_nodes(m["covered"])
             changed = True

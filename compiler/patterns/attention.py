@@ -173,11 +173,25 @@ def _before_cap(m: AttentionMatch, what: str) -> str | None:
 def _check_causal(g: Graph, n: Node, m: AttentionMatch) -> str | None:
     if _before_cap(m, "a causal mask"):
         return _before_cap(m, "a causal mask")
+    if "local_window" in m.attrs:
+        return "a causal mask on scores with a two-sided local window"
     return "two causal masks on one score matrix" if m.causal else None
 
 
 def _absorb_causal(g: Graph, n: Node, m: AttentionMatch) -> None:
     m.causal, m.window = True, int(n.attrs.get("window") or 0)
+
+
+def _check_local(g: Graph, n: Node, m: AttentionMatch) -> str | None:
+    if _before_cap(m, "a local window"):
+        return _before_cap(m, "a local window")
+    if "local_window" in m.attrs:
+        return "two local windows on one score matrix"
+    return "a two-sided local window on causal scores" if m.causal else None
+
+
+def _absorb_local(g: Graph, n: Node, m: AttentionMatch) -> None:
+    m.attrs["local_window"] = int(n.attrs["window"])
 
 
 def _check_padding(g: Graph, n: Node, m: AttentionMatch) -> str | None:
@@ -270,6 +284,7 @@ SCORE_RULES: dict[str, ScoreRule] = {
     "div": ScoreRule(_check_scale, _absorb_scale, _scores_of_binary, "scale"),
     "causal_mask": ScoreRule(_check_causal, _absorb_causal, _first, "causal"),  # its window: the window feature
     "padding_mask": ScoreRule(_check_padding, _absorb_padding, _first, "padding"),
+    "local_mask": ScoreRule(_check_local, _absorb_local, _first, "local_window"),  # ModernBERT's local attention
     "add": ScoreRule(_check_bias, _absorb_bias, _scores_of_binary, "bias"),
     "sub": ScoreRule(_check_sub, _absorb_sub, _scores_of_binary, "bias"),
     "tanh": ScoreRule(_check_softcap, _absorb_softcap, _first, "softcap"),   # logit soft-capping: tanh(s / c) · c

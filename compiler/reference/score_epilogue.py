@@ -1,7 +1,7 @@
 """The score epilogue of fused attention, in numpy: what happens to Q·Kᵀ before the softmax.
 
 One table, ``FEATURES``, names every option a fused_attention node may apply to its scores
-(scale, logit soft-cap, additive bias, causal mask, sliding window, padding mask), the node
+(scale, logit soft-cap, additive bias, causal mask, sliding window, two-sided local window, padding mask), the node
 attributes each one owns (their types and allowed values: ops/attention.py's schema is built
 from them) and where it sits in the epilogue (``stage``: features of one stage commute).
 ``apply`` is the numpy meaning of the table, used by the interpreter (ops/attention.py's
@@ -82,12 +82,14 @@ def _bias(s, a, w):
 
 
 def _hidden(a, w, rows, cols) -> np.ndarray | None:
-    """[rows, cols] True where the causal mask or the sliding window hides a key (queries are the
-    last Tq of Tk positions)."""
-    if not a.get("causal"):
+    """[rows, cols] True where the causal mask, the sliding window or the two-sided local window
+    hides a key (queries are the last Tq of Tk positions)."""
+    if not a.get("causal") and not a.get("local_window"):
         return None
     i = np.arange(w.row0, w.row0 + rows)[:, None] + (w.tk - w.tq)
     j = np.arange(w.col0, w.col0 + cols)[None, :]
+    if a.get("local_window"):
+        return np.abs(j - i) >= a["local_window"]
     hide = j > i
     if a.get("window"):
         hide |= j <= i - a["window"]
@@ -132,6 +134,9 @@ FEATURES: dict[str, Feature] = {f.name: f for f in (
     Feature("window", 2, {"window": Attr((int,), "with causal: also hide keys this far back (0: none)",
                                          non_negative, required=True)},
             lambda a: bool(a.get("window")), "sliding window"),
+    Feature("local_window", 2, {"local_window": Attr((int,), "without causal: hide keys this far from the query "
+                                                     "or farther, on either side (0: none)", non_negative)},
+            lambda a: bool(a.get("local_window")), "two-sided local window"),
     Feature("padding", 2, {"padding": Attr((bool,), "a key padding mask [B, Tk] is an input (0 = padding)",
                                            required=True)},
             lambda a: bool(a.get("padding")), "padding mask"),
@@ -142,7 +147,7 @@ STEPS: list[tuple[tuple[str, ...], Callable]] = [
     (("scale",), _scale),
     (("softcap",), _softcap),
     (("bias",), _bias),
-    (("causal", "window", "padding"), _masks),
+    (("causal", "window", "local_window", "padding"), _masks),
 ]
 
 

@@ -57,6 +57,7 @@ class RecurrentSeq2Seq:
             w = {p: weights[p] for p in g.params}
             model = onnx_export.to_bytes(g, w)
             self.sessions.append(ort.InferenceSession(model, providers=["CPUExecutionProvider"]))
+        self.vocab = int(step.type_of("logits").shape[-1])
 
     def encode(self, src: np.ndarray) -> dict[str, np.ndarray]:
         outs = self.sessions[0].run(list(self.ENCODE_OUT), {"src": src.astype(np.int64)})
@@ -92,12 +93,24 @@ def decode(model: RecurrentSeq2Seq, src: np.ndarray, max_new_tokens: int, bos: i
            sampling: Sampling | None = None, eos: int | None = None) -> Decoded:
     """Encode ``src`` [B, S] once and decode up to ``max_new_tokens`` from ``bos`` (the loop of
     generation/decoding.py); rows that chose ``eos`` keep emitting it (the batch stops when every row has)."""
+    sampling = sampling or Sampling()
     decoder = RecurrentDecoder(model, src, bos)
     stops = [eos] if eos is not None else []
     fill = eos if eos is not None else 0
     tokens = [[fill if t is None else t for t in emitted]
-              for emitted in decode_steps(decoder, max_new_tokens, sampling or Sampling(), stops, pad_id=fill)]
+              for emitted in decode_steps(decoder, max_new_tokens, sampling, stops, pad_id=fill,
+                                          seen=_penalised(model, src.shape[0], bos, sampling))]
     return Decoded(np.array(tokens, dtype=np.int64).T, np.stack(decoder.aligns, 1), np.stack(decoder.logits, 1))
+
+
+def _penalised(model: RecurrentSeq2Seq, rows: int, bos: int, sampling: Sampling) -> np.ndarray | None:
+    """The tokens the repetition penalty starts from: the start token of every row (transformers
+    penalises the decoder's whole input, its start token included); None without a penalty."""
+    if sampling.repetition_penalty == 1.0:
+        return None
+    seen = np.zeros((rows, model.vocab), dtype=bool)
+    seen[:, bos] = True
+    return seen
 
 
 # ------------------------------------------------------------------ generate (runtime/driver.py)

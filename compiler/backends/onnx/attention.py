@@ -47,8 +47,9 @@ KERNEL_FEATURES: dict[str, frozenset | str] = {
     "mha": frozenset({"scale"}),                        # no mask, bias, cap (not causal: see attention_kernels)
     "block": EPILOGUE,
     "portable": EPILOGUE,
-    "cached": EPILOGUE,
-    "phased": EPILOGUE,
+    # the cached kernels add one mask the cache builds (causal, window, padding): no two-sided window
+    "cached": epilogue.computed() - {"local_window"},
+    "phased": epilogue.computed() - {"local_window"},
 }
 # A phased node's decoding step as one GroupQueryAttention (cached_attention.py ``_lower_gqa_decode``):
 # its scale and softcap attributes, and the cache's mask (padding, causal) as its attention_bias.

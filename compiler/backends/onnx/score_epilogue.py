@@ -68,7 +68,7 @@ def prepare(b, a: dict, mask: str | None, bias: str | None, q_t, k_t, tiled: boo
                  additive=additive)
     if positions is not None:
         p.tq, p.tk, p.offset = positions
-    elif a.get("causal") and additive is None:  # the causal mask's positions
+    elif (a.get("causal") or a.get("local_window")) and additive is None:  # the masks' positions
         p.tq, p.tk = b.dim_scalar(q_t.shape[-2]), b.dim_scalar(k_t.shape[-2])
         p.offset = b.node("Sub", [p.tk, p.tq])[0]
     if mask is not None and additive is None:
@@ -131,6 +131,8 @@ def _bias(b, a, s, p: Prepared, blk: Block) -> str:
 def _masks(b, a, s, p: Prepared, blk: Block) -> str:
     """Causal, sliding window and padding: hidden scores become the dtype's minimum (weight 0)."""
     if p.additive is not None:  # one mask for all three, built by the cached kernel
+        if a.get("local_window"):  # the cache builds causal masks only (its kernels' allow-lists refuse this)
+            raise ValueError("a two-sided local window has no cached (additive) mask")
         return b.node("Add", [s, blk.view(p.additive) if blk.view else p.additive])[0]
     if a.get("causal") and blk.causal == "compute":
         zero, one = _scalar(b, 0), _scalar(b, 1)
@@ -142,6 +144,15 @@ def _masks(b, a, s, p: Prepared, blk: Block) -> str:
         if a.get("window"):
             far = b.node("LessOrEqual", [cols, b.node("Sub", [rows, _scalar(b, a["window"])])[0]])[0]
             hide = b.node("Or", [hide, far])[0]
+        s = b.node("Where", [hide, p.min_value, s])[0]
+    if a.get("local_window"):  # two-sided: |key - query| >= local_window hidden
+        one = _scalar(b, 1)
+        r0, r1 = blk.rows or (_scalar(b, 0), p.tq)
+        c0, c1 = blk.cols or (_scalar(b, 0), p.tk)
+        rows = b.node("Unsqueeze", [b.node("Add", [b.node("Range", [r0, r1, one])[0], p.offset])[0], b.i64([1])])[0]
+        cols = b.node("Unsqueeze", [b.node("Range", [c0, c1, one])[0], b.i64([0])])[0]
+        dist = b.node("Abs", [b.node("Sub", [cols, rows])[0]])[0]
+        hide = b.node("GreaterOrEqual", [dist, _scalar(b, a["local_window"])])[0]
         s = b.node("Where", [hide, p.min_value, s])[0]
     if p.hidden is not None:
         hidden = p.hidden
@@ -174,7 +185,7 @@ STEPS: list[tuple[tuple[str, ...], Callable]] = [
     (("scale",), _scale),
     (("softcap",), _softcap),
     (("bias",), _bias),
-    (("causal", "window", "padding"), _masks),
+    (("causal", "window", "local_window", "padding"), _masks),
 ]
 
 

@@ -11,7 +11,7 @@ from tessera.compiler.backends.onnx.attention import lower_fused_attention
 from tessera.compiler.backends.onnx.lowerings.common import min_const, np_float
 from tessera.compiler.ir import dims
 from tessera.compiler.ops.attention import rotated_dims
-from tessera.compiler.reference.numerics import rope_inv_freq
+from tessera.compiler.reference.numerics import rope_attention_factor, rope_inv_freq
 
 
 def _causal_mask(L):
@@ -33,6 +33,23 @@ def _causal_mask(L):
     L.emit("Where", [hide, min_const(b, t.dtype), L.x[0]])
 
 
+def _local_mask(L):
+    """|key - query| >= window hidden (queries are the last Tq of Tk positions)."""
+    b, a, t = L.b, L.a, L.t_in[0]
+    tq, tk = t.shape[-2], t.shape[-1]
+    zero = b.const(np.array(0, dtype=np.int64), "zero")
+    one = b.const(np.array(1, dtype=np.int64), "one")
+    rows = b.node("Range", [zero, b.dim_scalar(tq), one])[0]
+    offset = tk - tq
+    if not (dims.is_static(offset) and int(offset) == 0):
+        rows = b.node("Add", [rows, b.dim_scalar(offset)])[0]
+    rows = b.node("Unsqueeze", [rows, b.i64([1])])[0]
+    cols = b.node("Unsqueeze", [b.node("Range", [zero, b.dim_scalar(tk), one])[0], b.i64([0])])[0]
+    far = b.node("GreaterOrEqual", [b.node("Abs", [b.node("Sub", [cols, rows])[0]])[0],
+                                    b.const(np.array(a["window"], dtype=np.int64), "window")])[0]
+    L.emit("Where", [far, min_const(b, t.dtype), L.x[0]])
+
+
 def _padding_mask(L):
     b, x, t_in = L.b, L.x, L.t_in
     zero = b.const(np.array(0, dtype=np.int64 if t_in[1].dtype == "i64" else np.int32), "zero")
@@ -47,7 +64,10 @@ def _rope(L):
     r = rotated_dims(a, hd)
     interleaved = bool(a.get("interleaved"))
     n = t.shape[-2]
-    inv_freq = rope_inv_freq(r, a["theta"], a.get("scaling"))
+    kind = a.get("rope_type", "llama3")
+    inv_freq = rope_inv_freq(r, a["theta"], a.get("scaling"), kind)
+    if kind == "dynamic" and len(x) > 1:
+        raise ValueError("dynamic NTK rope has no cached form (its frequencies follow the whole length)")
     if len(x) > 1 and t.rank == 4 and t.dtype in ("f32", "f16"):  # the types onnxruntime's CPU kernel takes
         return _rope_fused(L, r, hd, interleaved, inv_freq)
     zero = b.const(np.array(0, dtype=np.int64), "zero")
@@ -59,13 +79,17 @@ def _rope(L):
         pos = b.node("Cast", [b.node("Range", [zero, b.dim_scalar(n), one])[0]], to=b.onnx_type("f32"))[0]
         pos = b.node("Unsqueeze", [pos, b.i64([1])])[0]
         lead = 1
-    freqs = b.node("Mul", [pos, b.const(inv_freq[None, :], "inv_freq")])[0]
+    inv = b.const(inv_freq[None, :], "inv_freq")
+    if kind == "dynamic":
+        inv = _dynamic_inv_freq(L, r, n)
+    freqs = b.node("Mul", [pos, inv])[0]
     if interleaved:  # f0 f0 f1 f1 ...
         pair = b.node("Unsqueeze", [freqs, b.i64([-1])])[0]
         emb = b.node("Reshape", [b.node("Concat", [pair, pair], axis=-1)[0], b.i64([0] * lead + [r])])[0]
     else:
         emb = b.node("Concat", [freqs, freqs], axis=-1)[0]
     cos, sin = b.node("Cos", [emb])[0], b.node("Sin", [emb])[0]
+    cos, sin = _attention_factor(b, a, cos), _attention_factor(b, a, sin)
     if t.dtype != "f32":  # tables in fp32, applied at the tensor's precision
         cos = b.node("Cast", [cos], to=b.onnx_type(t.dtype))[0]
         sin = b.node("Cast", [sin], to=b.onnx_type(t.dtype))[0]
@@ -89,6 +113,28 @@ def _rope(L):
     L.emit("Concat", [out, rest], axis=-1)
 
 
+def _attention_factor(b, a, table: str) -> str:
+    """YaRN's cos/sin factor (transformers' attention_scaling), in fp32; other kinds: the table."""
+    factor = rope_attention_factor(a.get("scaling"), a.get("rope_type", "llama3"))
+    if factor == 1.0:
+        return table
+    return b.node("Mul", [table, b.const(np.array(factor, dtype=np.float32), "rope_attention_factor")])[0]
+
+
+def _dynamic_inv_freq(L, r: int, n) -> str:
+    """Dynamic NTK's frequencies [1, r/2] for the run's length T (reference/numerics.rope_inv_freq):
+    theta · (factor · max(T, ctx) / ctx - (factor - 1))^(r / (r - 2)), raised to -2i/r."""
+    b, a = L.b, L.a
+    factor, ctx = a["scaling"]
+    f32 = lambda v: b.const(np.array(v, dtype=np.float32), "dynamic_rope")  # noqa: E731
+    length = b.node("Cast", [b.node("Max", [b.dim_scalar(n), b.const(np.array(int(ctx), dtype=np.int64), "ctx")])[0]],
+                    to=b.onnx_type("f32"))[0]
+    grow = b.node("Sub", [b.node("Div", [b.node("Mul", [f32(factor), length])[0], f32(ctx)])[0], f32(factor - 1)])[0]
+    base = b.node("Mul", [f32(a["theta"]), b.node("Pow", [grow, f32(r / (r - 2))])[0]])[0]
+    exps = f32((np.arange(0, r, 2, dtype=np.int64).astype(np.float32) / r)[None, :])
+    return b.node("Reciprocal", [b.node("Pow", [base, exps])[0]])[0]
+
+
 def _rope_fused(L, r: int, hd: int, interleaved: bool, inv_freq: np.ndarray) -> None:
     """Explicit positions on [B, H, T, hd] (the KV-cached graph): one ONNX RotaryEmbedding (opset 23)
     per rope instead of six element-wise nodes. Its cos and sin tables are given per position,
@@ -96,14 +142,16 @@ def _rope_fused(L, r: int, hd: int, interleaved: bool, inv_freq: np.ndarray) -> 
     frequencies (a Llama decoding step has 24 ropes), so there is no table of maximum length
     and no limit on the position."""
     b, t, x = L.b, L.t_in[0], L.x
-    key = ("rope_tables", x[1], inv_freq.tobytes(), t.dtype)
+    key = ("rope_tables", x[1], inv_freq.tobytes(), t.dtype,
+           rope_attention_factor(L.a.get("scaling"), L.a.get("rope_type", "llama3")))
     if key not in b.shared:
         saved, b.current = b.current, ""
         try:
             pos = b.node("Unsqueeze", [b.node("Cast", [x[1]], to=b.onnx_type("f32"))[0], b.i64([2])])[0]
             freqs = b.node("Mul", [pos, b.const(inv_freq.astype(np.float32), "inv_freq")],
                            [b.fresh("rope/freqs")])[0]  # [B, T, r/2]
-            tables = [b.node(f, [freqs], [b.fresh(f"rope/{f.lower()}")])[0] for f in ("Cos", "Sin")]
+            tables = [_attention_factor(b, L.a, b.node(f, [freqs], [b.fresh(f"rope/{f.lower()}")])[0])
+                      for f in ("Cos", "Sin")]
             if t.dtype != "f32":  # computed in fp32, applied at the tensor's precision
                 tables = [b.node("Cast", [v], to=b.onnx_type(t.dtype))[0] for v in tables]
             b.shared[key] = tables
@@ -118,8 +166,12 @@ def _rope_fused(L, r: int, hd: int, interleaved: bool, inv_freq: np.ndarray) -> 
 
 def _topk_gates(L):
     b, x = L.b, L.x
-    vals, idx = b.node("TopK", [x[0], b.i64([L.a["k"]])], 2, axis=-1, largest=1, sorted=1)
-    w = b.node("Softmax", [vals], axis=-1)[0]
+    if L.a.get("normalize") is False:  # the softmax over all logits, at the top k (the same indices)
+        w, idx = b.node("TopK", [b.node("Softmax", [x[0]], axis=-1)[0], b.i64([L.a["k"]])], 2, axis=-1,
+                        largest=1, sorted=1)
+    else:
+        vals, idx = b.node("TopK", [x[0], b.i64([L.a["k"]])], 2, axis=-1, largest=1, sorted=1)
+        w = b.node("Softmax", [vals], axis=-1)[0]
     zeros = b.node("ConstantOfShape", [b.node("Shape", [x[0]])[0]],
                    value=b.tensor_value(np.zeros(1, dtype=np_float(L.t_in[0].dtype))))[0]
     L.emit("ScatterElements", [zeros, idx, w], axis=-1)
@@ -127,6 +179,7 @@ def _topk_gates(L):
 
 LOWERINGS = {
     "causal_mask": _causal_mask,
+    "local_mask": _local_mask,
     "padding_mask": _padding_mask,
     "rope": _rope,
     "topk_gates": _topk_gates,

@@ -45,7 +45,7 @@ LOWERINGS = {
     **{n: _one(t) for n, t in {"neg": "Neg", "sqrt": "Sqrt", "exp": "Exp", "relu": "Relu", "sigmoid": "Sigmoid",
                                "tanh": "Tanh", "identity": "Identity", "sin": "Sin", "cos": "Cos",
                                "log": "Log", "abs": "Abs", "floor": "Floor", "ceil": "Ceil",
-                               "round": "Round"}.items()},
+                               "round": "Round", "softplus": "Softplus"}.items()},
     "gelu": lambda L: L.emit("Gelu", L.x, approximate=L.a["approx"]),
     "silu": _silu,
     "cast": lambda L: L.emit("Cast", L.x, to=L.b.onnx_type(L.a["dtype"])),

@@ -25,7 +25,8 @@ def _lower_ort(L):
     w1 = b.node("Concat", fc1, axis=0)[0] if e > 1 else fc1[0]
     w2 = b.node("Concat", fc2, axis=0)[0] if e > 1 else fc2[0]
     y = b.node("MoE", [flat, logits, w1, "", w2], domain="com.microsoft", k=k, activation_type="swiglu",
-               swiglu_fusion=1, activation_alpha=1.0, activation_beta=0.0, normalize_routing_weights=1)[0]
+               swiglu_fusion=1, activation_alpha=1.0, activation_beta=0.0,
+               normalize_routing_weights=int(L.a.get("normalize", True)))[0]
     L.emit("Reshape", [y, b.node("Shape", [x[0]])[0]])
 
 
@@ -35,8 +36,12 @@ def _lower_gather(L):
     d = int(L.t_in[0].shape[-1])
     flat = b.node("Reshape", [x[0], b.i64([-1, d])])[0]
     logits = b.node("Reshape", [x[1], b.i64([-1, e])])[0]
-    vals, idx = b.node("TopK", [logits, b.i64([k])], 2, axis=-1, largest=1, sorted=1)
-    w_flat = b.node("Reshape", [b.node("Softmax", [vals], axis=-1)[0], b.i64([-1])])[0]   # [tokens·k]
+    if L.a.get("normalize") is False:  # the softmax over all E, at the top k (the same experts)
+        w, idx = b.node("TopK", [b.node("Softmax", [logits], axis=-1)[0], b.i64([k])], 2, axis=-1, largest=1, sorted=1)
+    else:
+        vals, idx = b.node("TopK", [logits, b.i64([k])], 2, axis=-1, largest=1, sorted=1)
+        w = b.node("Softmax", [vals], axis=-1)[0]
+    w_flat = b.node("Reshape", [w, b.i64([-1])])[0]   # [tokens·k]
     idx_flat = b.node("Reshape", [idx, b.i64([-1])])[0]
     # the sum is kept in fp32 (onnxruntime's CPU ScatterND has no fp16 'add'; fp32 sums are better anyway)
     low = L.t_in[0].dtype != "f32"

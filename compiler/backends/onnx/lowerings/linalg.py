@@ -34,7 +34,8 @@ def _conv2d(L):
 
 def _conv1d(L):
     p = L.a["padding"]
-    L.emit("Conv", L.x, kernel_shape=[L.a["kernel"]], strides=[L.a["stride"]], pads=[p, p])
+    L.emit("Conv", L.x, kernel_shape=[L.a["kernel"]], strides=[L.a["stride"]], pads=[p, p],
+           group=L.a.get("groups", 1))
 
 
 
