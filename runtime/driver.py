@@ -269,8 +269,22 @@ def generate(ref: ModelRef, o: GenerateOptions, prompt_ids: list[list[int]] | No
     ref.check()
     kind = generation_kind(ref)
     o.check(kind)
+    o = with_model_defaults(ref, o)
     if kind == "recurrent":
         from tessera.runtime.generation import recurrent
 
         return recurrent.generate(ref, o)
     return loop.prepare(ref, o, prompt_ids, weights, models, tokenizer)
+
+
+def with_model_defaults(ref: ModelRef, o: GenerateOptions) -> GenerateOptions:
+    """The options with the checkpoint's end-of-sequence ids and decoding defaults
+    (runtime/io/generation_config.py) filled in; --explain prints where each value came from."""
+    from tessera.runtime.io import generation_config
+
+    spec = Path(ref.spec)
+    folders = generation_config.folders_for(spec if spec.is_dir() else None, ref.weights, o.tokenizer)
+    o, lines = o.with_defaults(generation_config.read(folders))
+    if o.explain:
+        print("generation settings:\n" + "\n".join("  " + line for line in lines), file=sys.stderr)
+    return o

@@ -220,7 +220,7 @@ def load_engine(opts: BatchOptions, threads: int | None = None) -> Engine:
     model = serving_model.load(opts.spec, opts.variant, opts.sets, opts.weights, opts.seed,
                                threads if threads is not None else opts.threads)
     return Engine(model, opts.max_batch, opts.max_queue, opts.max_context, opts.prefill_chunk, tokenizer,
-                  serving_model.eos_ids(tokenizer, opts.tokenizer))
+                  serving_model.eos_ids(tokenizer, opts.tokenizer, opts.spec, opts.weights))
 
 
 def run_local(opts: BatchOptions, rows: list[dict]) -> list[dict]:

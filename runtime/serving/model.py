@@ -83,32 +83,27 @@ encode_prompts = _gen.encode_prompts
 stop_token_ids = _gen.stop_token_ids
 
 
-def eos_ids(tokenizer, tokenizer_path: str | Path | None) -> list[int]:
-    """The end-of-sequence tokens: ``eos_token`` of tokenizer_config.json and ``eos_token_id`` of
-    generation_config.json / config.json beside the tokenizer (a request stops there unless it
-    says ignore_eos). None found: no end-of-sequence token."""
+def eos_ids(tokenizer, tokenizer_path: str | Path | None, spec=None, weights=None) -> list[int]:
+    """The end-of-sequence tokens: ``eos_token_id`` of generation_config.json / config.json in the
+    model's, the weights' or the tokenizer's folder (runtime/io/generation_config.py, the reader
+    ``tessera generate`` uses), and ``eos_token`` of tokenizer_config.json beside the tokenizer (a
+    request stops there unless it says ignore_eos). None found: no end-of-sequence token."""
     import json
 
-    if tokenizer is None or tokenizer_path is None:
-        return []
-    out: list[int] = []
-    for name in ("tokenizer_config.json", "generation_config.json", "config.json"):
-        f = tokenizer_folder_file(tokenizer_path, name)
-        if f is None:
-            continue
+    from tessera.runtime.io import generation_config
+
+    spec_folder = spec if spec is not None and Path(spec).is_dir() else None
+    out = list(generation_config.read(generation_config.folders_for(spec_folder, weights, tokenizer_path)).eos)
+    f = tokenizer_folder_file(tokenizer_path, "tokenizer_config.json") if tokenizer is not None and \
+        tokenizer_path is not None else None
+    if f is not None:
         try:
             data = json.loads(f.read_text(encoding="utf-8"))
         except (OSError, ValueError):
-            continue
-        if not isinstance(data, dict):
-            continue
-        tok = data.get("eos_token")
+            data = None
+        tok = data.get("eos_token") if isinstance(data, dict) else None
         if isinstance(tok, dict):
             tok = tok.get("content")
         if isinstance(tok, str) and tokenizer.token_to_id(tok) is not None:
             out.append(int(tokenizer.token_to_id(tok)))
-        ids = data.get("eos_token_id")
-        for i in ids if isinstance(ids, list) else [ids]:
-            if isinstance(i, int) and not isinstance(i, bool) and i >= 0:
-                out.append(i)
     return sorted(set(out))

@@ -94,5 +94,5 @@ def build_server(opts: ServeOptions):
             template_error = str(e)
     model = serving_model.load(opts.spec, opts.variant, opts.sets, opts.weights, opts.seed, opts.threads)
     engine = Engine(model, opts.max_batch, opts.max_queue, opts.max_context, opts.prefill_chunk, tokenizer,
-                    serving_model.eos_ids(tokenizer, opts.tokenizer))
+                    serving_model.eos_ids(tokenizer, opts.tokenizer, opts.spec, opts.weights))
     return engine, Server(engine, opts.served_name, tokenizer, template, template_error)
