@@ -49,6 +49,11 @@ class Model:
                             weights=str(weights) if weights is not None else None, seed=seed,
                             allow_large=allow_large).for_api()
         self.ref.check()
+        from tessera.runtime.io import checkpoint
+
+        self._folder_tokenizer = checkpoint.tokenizer_in(spec)  # a checkpoint folder's, for text prompts
+        self.ref, _ = driver.from_checkpoint(self.ref)  # a checkpoint folder: its bundled spec, its weights
+        spec, weights = self.ref.spec, self.ref.weights
         self.spec, self.variant, self.seed, self.sets = Path(spec), variant, seed, self.ref.sets
         self.weights_path = self.ref.weights
         # spec errors surface here, at load; a checkpoint folder's config.json may supply hyperparameters
@@ -169,6 +174,8 @@ class Model:
         single = isinstance(prompt, str) or (not is_text and len(prompt) > 0 and
                                              all(isinstance(t, (int, np.integer)) for t in prompt))
         texts = [prompt] if isinstance(prompt, str) else list(prompt) if is_text else []
+        if tokenizer is None and (is_text or stop) and self._folder_tokenizer is not None:
+            tokenizer = self._folder_tokenizer
         o = GenerateOptions(max_new_tokens=max_new_tokens, tokenizer=tokenizer, prompts=texts,
                             temperature=temperature, top_k=top_k, top_p=top_p, repetition_penalty=repetition_penalty,
                             ignore_eos=ignore_eos, explain=explain,

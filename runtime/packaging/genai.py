@@ -57,6 +57,7 @@ class Tokenizer:
     """What the config needs from a Hugging Face tokenizer.json: token ids by name, the largest id."""
 
     def __init__(self, path: Path):
+        path = Path(path) / "tokenizer.json" if Path(path).is_dir() else Path(path)  # a checkpoint folder's
         if not path.is_file():
             raise UsageError(f"tokenizer file not found: {path}")
         try:

@@ -216,11 +216,12 @@ def load_engine(opts: BatchOptions, threads: int | None = None) -> Engine:
     """The engine (not started) for ``opts``'s model, tokenizer and bounds."""
     from . import model as serving_model
 
-    tokenizer = serving_model.load_tokenizer(opts.tokenizer) if opts.tokenizer else None
+    tokenizer_path = serving_model.tokenizer_path(opts.tokenizer, opts.spec)
+    tokenizer = serving_model.load_tokenizer(tokenizer_path) if tokenizer_path else None
     model = serving_model.load(opts.spec, opts.variant, opts.sets, opts.weights, opts.seed,
                                threads if threads is not None else opts.threads)
     return Engine(model, opts.max_batch, opts.max_queue, opts.max_context, opts.prefill_chunk, tokenizer,
-                  serving_model.eos_ids(tokenizer, opts.tokenizer, opts.spec, opts.weights))
+                  serving_model.eos_ids(tokenizer, tokenizer_path, opts.spec, opts.weights))
 
 
 def run_local(opts: BatchOptions, rows: list[dict]) -> list[dict]:

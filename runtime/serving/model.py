@@ -35,6 +35,12 @@ def load(spec: str, variant: str | None = None, sets: list[str] | None = None, w
          seed: int = 0, threads: int | None = None) -> CachedModel:
     """The cached decoder for the engine: a .tsr spec (or a bundled spec's name) compiled now with the
     plain decoding branch in buffer mode, or an .onnx file compiled with ``--kv-cache --decode plain``."""
+    from tessera.runtime.io import checkpoint
+
+    if checkpoint.is_checkpoint(spec):  # a Hugging Face checkpoint folder: its bundled spec, its own weights
+        if weights and Path(weights).resolve() != Path(spec).resolve():
+            raise UsageError(f"{spec} is a checkpoint folder, its own weights; give it without --weights")
+        spec, weights = checkpoint.spec_for(Path(spec)), str(spec)
     path = Path(spec)
     if path.suffix == ".onnx" or path.is_dir():
         if variant or sets or weights:
@@ -70,6 +76,18 @@ def check_fit(model: CachedModel) -> None:
                          "`tessera compile --kv-cache --decode plain`, or serve the .tsr spec")
     if model.vocab is None:
         raise UsageError("the model's vocabulary size is not static; the engine needs it")
+
+
+def tokenizer_path(tokenizer, spec) -> str | None:
+    """--tokenizer as given, else a checkpoint folder's tokenizer.json (the model given as a folder)."""
+    from tessera.runtime.io import checkpoint
+
+    from tessera.runtime.io.text import tokenizer_file
+
+    found = checkpoint.tokenizer_in(spec) if not tokenizer else None
+    if found is not None:
+        return str(found)
+    return str(tokenizer_file(tokenizer)) if tokenizer else tokenizer  # a folder: its tokenizer.json
 
 
 def tokenizer_folder_file(tokenizer_path: str | Path, name: str) -> Path | None:
