@@ -63,6 +63,15 @@ class Model:
         self._models: dict[tuple, object] = {}  # the compiled decoders, by the options that shape them
         self._tokenizer = None
 
+    def __repr__(self) -> str:
+        """What load() was given and what it built: the spec, variant, overrides, weights and size."""
+        parts = [repr(str(self.spec))]
+        if self.variant:
+            parts.append(f"variant={self.variant!r}")
+        parts += list(self.sets)
+        parts.append(f"weights={self.weights_path!r}" if self.weights_path else f"seed={self.seed} (seeded weights)")
+        return f"<tessera.Model {self._built.graph.name}: {', '.join(parts)}; {self._built.graph.param_count():,} parameters>"
+
     # ---------------------------------------------------------------- what the model is
     @property
     def graph(self):

@@ -44,12 +44,56 @@ COMMANDS = {"compile": (compile_cmd, compile_cmd.cmd_compile), "run": (run, run.
             "serve": (serve, serve.cmd_serve), "batch": (batch, batch.cmd_batch)}
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse's parser, whose errors suggest the closest flag or subcommand (``--varient``: did you
+    mean --variant?): a misspelt option otherwise gets only 'unrecognized arguments'."""
+
+    def error(self, message: str):
+        hint = _suggestion(self, message)
+        super().error(message + hint)
+
+    def parse_args(self, args=None, namespace=None):
+        """As argparse's, but a subcommand's unknown flag is reported by that subcommand's parser
+        (its usage line, its flags to suggest from)."""
+        ns, extras = self.parse_known_args(args, namespace)
+        if extras:
+            subs = [a for a in self._actions if isinstance(a, argparse._SubParsersAction)]
+            chosen = subs[0].choices.get(getattr(ns, "command", None)) if subs else None
+            (chosen or self).error("unrecognized arguments: " + " ".join(extras))
+        return ns
+
+
+def _suggestion(parser: argparse.ArgumentParser, message: str) -> str:
+    import difflib
+    import re
+
+    if message.startswith("unrecognized arguments:"):
+        known = [o for a in parser._actions for o in a.option_strings if o.startswith("--")]
+        hints = []
+        for word in message.split(":", 1)[1].split():
+            flag = word.split("=", 1)[0]
+            if flag.startswith("-"):
+                close = difflib.get_close_matches(flag, known, n=1, cutoff=0.6)
+                if close:
+                    hints.append(f"{flag}: did you mean {close[0]}?")
+        return ("; " + "; ".join(hints)) if hints else ""
+    m = re.search(r"invalid choice: '([^']*)'", message)
+    if m:
+        choices = re.findall(r"'([^']*)'", message.split("choose from", 1)[-1])
+        close = difflib.get_close_matches(m.group(1), choices, n=1, cutoff=0.6)
+        return f"; did you mean {close[0]}?" if close else ""
+    return ""
+
+
 def make_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    from tessera import __version__
+
+    parser = Parser(
         prog="tessera", formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog=EPILOG.format(bundled=shared.bundled()),
         description="Compile transformer specs (.tsr) to ONNX, run them in onnxruntime, and report their cost.")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    parser.add_argument("--version", action="version", version=f"tessera {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=Parser)
     for module, handler in COMMANDS.values():
         module.add_parser(sub).set_defaults(handler=handler)
     return parser
