@@ -19,7 +19,11 @@ import math
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
-from tessera.runtime.pipeline import QUANTIZE_CHOICES, UsageError
+from tessera.runtime.errors import UsageError
+
+# runtime/pipeline.py's quant_config takes these (tests/test_startup.py keeps the two equal); here so the
+# command line's parsers are built without importing the compiler (tessera --help stays quick)
+QUANTIZE_CHOICES = ("none", "int8", "int4")
 
 TARGETS = ("cpu", "cuda")
 DTYPES = ("fp32", "fp16", "bf16")

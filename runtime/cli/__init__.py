@@ -13,15 +13,27 @@ import signal
 import sys
 import threading
 
-from tessera.compiler.backends.onnx.export import OutputError
-from tessera.compiler.ir.signature import InputError
-from tessera.spec import SpecError
-
 from tessera.runtime.cli import args as shared
 from tessera.runtime.cli import compile as compile_cmd, generate, ir, report, run
 from tessera.runtime.serving import batch_cli as batch, cli as serve
-from tessera.runtime.io.weights import WeightsError
-from tessera.runtime.pipeline import UsageError
+from tessera.runtime.errors import UsageError
+
+# the user errors that print one line and exit 2, by the module defining each: looked up only once an
+# error is raised (a module not imported yet cannot have raised its error), so that `tessera --help`
+# imports neither onnx nor the compiler
+USER_ERRORS = [("tessera.compiler.backends.atomic", "OutputError"), ("tessera.compiler.ir.signature", "InputError"),
+               ("tessera.runtime.io.weights", "WeightsError"), ("tessera.runtime.session", "ProviderError"),
+               ("tessera.runtime.session", "RunError"), ("tessera.runtime.session", "ModelFileError")]
+
+
+def _is_user_error(e: BaseException) -> bool:
+    if isinstance(e, UsageError):
+        return True
+    for module, name in USER_ERRORS:
+        m = sys.modules.get(module)
+        if m is not None and isinstance(e, getattr(m, name)):
+            return True
+    return False
 
 EPILOG = """SPEC is a spec file (.tsr) or the name of a bundled spec ({bundled});
 a path wins when that file exists.
@@ -120,17 +132,14 @@ def main(argv: list[str] | None = None) -> int:
     except _Terminated:
         print("terminated; no output was changed", file=sys.stderr)
         return 143
-    except SpecError as e:
-        print(e.render(), file=sys.stderr)
-    except (UsageError, WeightsError, InputError, OutputError) as e:
-        print(f"error: {e}", file=sys.stderr)
     except BrokenPipeError:  # output piped into head and closed early
         sys.stderr.close()
         return 0
     except Exception as e:
-        from tessera.runtime.session import ModelFileError, ProviderError, RunError
-
-        if isinstance(e, (ProviderError, RunError, ModelFileError)):
+        spec = sys.modules.get("tessera.spec.diagnostics")
+        if spec is not None and isinstance(e, spec.SpecError):
+            print(e.render(), file=sys.stderr)
+        elif _is_user_error(e):
             print(f"error: {e}", file=sys.stderr)
         else:
             raise

@@ -12,10 +12,7 @@ import json
 import sys
 import time
 
-from tessera.runtime import driver
 from tessera.runtime.cli import args
-from tessera.runtime.generation import cached as gen
-from tessera.runtime.generation.loop import Generation
 from tessera.runtime.options import GenerateOptions, ModelRef
 
 EXAMPLES = """examples:
@@ -79,6 +76,10 @@ def add_parser(sub) -> argparse.ArgumentParser:
 
 
 def cmd_generate(ns: argparse.Namespace) -> int:
+    from tessera.runtime import driver
+    from tessera.runtime.generation import cached as gen
+    from tessera.runtime.generation.loop import Generation
+
     o = GenerateOptions.from_args(ns)
     run = driver.generate(ModelRef.from_args(ns), o)
     if not isinstance(run, Generation):

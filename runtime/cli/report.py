@@ -10,7 +10,7 @@ import argparse
 import json
 import sys
 
-from tessera.runtime import driver, options
+from tessera.runtime import options
 from tessera.runtime.cli import args
 from tessera.runtime.options import ModelRef, ReportOptions
 
@@ -25,18 +25,20 @@ def add_parser(sub) -> argparse.ArgumentParser:
     return rep
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
+def _device_help() -> str:
     from tessera.compiler.analysis.roofline import device_names
 
+    return f"device for the roofline estimates: {', '.join(device_names())} (cpu is measured on the spot; default h200)"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch", "-B", type=int, default=1, metavar="B", help="batch size B (default 1)")
     p.add_argument("--seq", "-N", type=int, default=1024, metavar="N",
                    help="sequence length N; binds every sequence symbol of the spec (T, S, ...) (default 1024)")
     p.add_argument("--dtype", type=args.dtype_arg, choices=args.DTYPES, default="fp32",
                    help="element type of weights and activations for memory and roofline; the spec "
                         "spellings f32 and f16 are accepted too (default fp32)")
-    p.add_argument("--device", default="h200", metavar="NAME",
-                   help=f"device for the roofline estimates: {', '.join(device_names())} "
-                        f"(cpu is measured on the spot; default h200)")
+    p.add_argument("--device", default="h200", metavar="NAME", help=args.LazyHelp(_device_help))
     args.add_quant_arguments(p)
     p.add_argument("--no-sparse-moe", action="store_true",
                    help="report mixtures of experts in their dense form, as compile --no-sparse-moe builds "
@@ -49,6 +51,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_report(ns: argparse.Namespace) -> int:
+    from tessera.runtime import driver
+
     from tessera.runtime.report import format as report_format
 
     o = ReportOptions.from_args(ns)

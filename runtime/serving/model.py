@@ -9,15 +9,27 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tessera.runtime.generation import cached as _gen
-from tessera.runtime import pipeline as _pipeline
-from tessera.runtime.session import ort_message  # noqa: F401  (re-exported)
-from tessera.runtime.io.text import load_tokenizer  # noqa: F401  (re-exported)
+from tessera.runtime.errors import UsageError  # noqa: F401  (re-exported)
 
-CachedModel = _gen.CachedModel
-Sampling = _gen.Sampling
-choose = _gen.choose
-UsageError = _pipeline.UsageError
+# re-exported, imported on first use (PEP 562) so that `tessera serve --help` and `tessera --help`,
+# which import the serving commands, do not import onnxruntime, onnx and the compiler
+LAZY = {"CachedModel": ("tessera.runtime.generation.cached", "CachedModel"),
+        "Sampling": ("tessera.runtime.generation.cached", "Sampling"),
+        "choose": ("tessera.runtime.generation.cached", "choose"),
+        "TextStopper": ("tessera.runtime.generation.cached", "TextStopper"),
+        "encode_prompts": ("tessera.runtime.generation.cached", "encode_prompts"),
+        "stop_token_ids": ("tessera.runtime.generation.cached", "stop_token_ids"),
+        "ort_message": ("tessera.runtime.session", "ort_message"),
+        "load_tokenizer": ("tessera.runtime.io.text", "load_tokenizer")}
+
+
+def __getattr__(name: str):
+    if name in LAZY:
+        import importlib
+
+        module, attr = LAZY[name]
+        return getattr(importlib.import_module(module), attr)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 # Why the engine decodes with the plain branch: see ``DECODE_REASON``.
 DECODE = "plain"
@@ -32,9 +44,12 @@ DECODE_REASON = (
 
 
 def load(spec: str, variant: str | None = None, sets: list[str] | None = None, weights: str | None = None,
-         seed: int = 0, threads: int | None = None) -> CachedModel:
+         seed: int = 0, threads: int | None = None) -> "CachedModel":
     """The cached decoder for the engine: a .tsr spec (or a bundled spec's name) compiled now with the
     plain decoding branch in buffer mode, or an .onnx file compiled with ``--kv-cache --decode plain``."""
+    from tessera.runtime import pipeline as _pipeline
+    from tessera.runtime.generation import cached as _gen
+    from tessera.runtime.generation.cached import CachedModel
     from tessera.runtime.io import checkpoint
 
     if checkpoint.is_checkpoint(spec):  # a Hugging Face checkpoint folder: its bundled spec, its own weights
@@ -95,10 +110,6 @@ def tokenizer_folder_file(tokenizer_path: str | Path, name: str) -> Path | None:
     p = Path(tokenizer_path).parent / name
     return p if p.is_file() else None
 
-
-TextStopper = _gen.TextStopper
-encode_prompts = _gen.encode_prompts
-stop_token_ids = _gen.stop_token_ids
 
 
 def eos_ids(tokenizer, tokenizer_path: str | Path | None, spec=None, weights=None) -> list[int]:
