@@ -499,8 +499,8 @@ class GenerateOptions(QuantOptions):
 
     def with_defaults(self, found) -> tuple["GenerateOptions", list[str]]:
         """These options with what the user left out filled from the checkpoint (``found``:
-        io/generation_config.GenerationDefaults) and its end-of-sequence ids added to the stop
-        tokens (unless ignore_eos); with one line per setting saying where its value came from."""
+        io/generation_config.GenerationDefaults) and its end-of-sequence ids as ``eos_tokens``
+        (none with ignore_eos); with one line per setting saying where its value came from."""
         import dataclasses
 
         filled, lines = {}, []
@@ -513,22 +513,23 @@ class GenerateOptions(QuantOptions):
                 value, source = self.DEFAULTS[name], "Tessera's default"
             filled[name] = value
             lines.append(f"{name} = {value}: {source}")
-        stops = list(self.stop_tokens)
         if not found.eos:
             lines.append("end of sequence: none (no eos_token_id in generation_config.json or config.json beside "
                          "the model, weights or tokenizer)")
         elif self.ignore_eos:
             lines.append(f"end of sequence: {found.eos} from {found.eos_source}, ignored ({self.flag('ignore_eos')})")
         else:
-            stops += [t for t in found.eos if t not in stops]
             lines.append(f"end of sequence: {found.eos} from {found.eos_source} (a stop token; "
                          f"{self.flag('ignore_eos')} turns it off)")
         lines += found.notes
-        out = dataclasses.replace(self, stop_tokens=stops, **filled)
+        out = dataclasses.replace(self, **filled)
         out.api = self.api
+        out.eos_tokens = [] if self.ignore_eos else list(found.eos)
         out.check()  # a file's value out of range is refused as the user's would be
         return out, lines
 
+    # the checkpoint's end-of-sequence ids (with_defaults): stop tokens where the model's vocabulary has them
+    eos_tokens = ()  # not a dataclass field (no annotation): no flag or keyword sets it
     DEFAULTS = {"max_new_tokens": 32, "temperature": 0.0, "top_k": 0, "top_p": 1.0, "repetition_penalty": 1.0}
 
 

@@ -139,9 +139,35 @@ def test_options_fill_from_defaults_only_what_is_not_given():
     d = generation_config.GenerationDefaults(eos=[4], eos_source="x", values={"top_k": 5, "max_new_tokens": 9},
                                              sources={"top_k": "f", "max_new_tokens": "f"})
     o, lines = GenerateOptions(max_new_tokens=3, stop_tokens=[1]).with_defaults(d)
-    assert (o.max_new_tokens, o.top_k, o.temperature, o.stop_tokens) == (3, 5, 0.0, [1, 4])
+    assert (o.max_new_tokens, o.top_k, o.temperature, o.stop_tokens, o.eos_tokens) == (3, 5, 0.0, [1], [4])
     o, lines = GenerateOptions(ignore_eos=True).with_defaults(d)
-    assert o.stop_tokens == [] and o.max_new_tokens == 9
+    assert o.eos_tokens == [] and o.max_new_tokens == 9
+
+
+def test_an_eos_past_a_small_models_vocabulary_is_no_error(ckpt, tmp_path, capsys):
+    """A tokenizer folder's EOS (GPT-2's 50256) with a 300-token model: never generated, not refused."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    folder, model, eos, free, stop_at = ckpt
+    tok = Tokenizer(models.WordPiece({f"w{i}": i for i in range(300)}, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": 50256}))
+    ours, err = _tessera(capsys, folder, "--max-new-tokens", str(NEW), "--tokenizer", str(tmp_path), "--explain")
+    # the weights' folder comes first: its EOS stops generation; the tokenizer folder's is not read
+    assert ours == free[:stop_at] and f"from {folder / 'generation_config.json'}" in err
+    (folder / "generation_config.json").rename(tmp_path / "moved.json")
+    (folder / "config.json").rename(tmp_path / "moved_config.json")
+    try:
+        rc, out, err = cli(capsys, "generate", "gpt2", *sum((["--set", s] for s in SETS), []), "--weights",
+                           str(folder / "model.safetensors"), "--tokenizer", str(tmp_path), "--input",
+                           f"tokens={json.dumps([PROMPT])}", "--max-new-tokens", str(NEW), "--format", "json",
+                           "--explain", "-q")
+    finally:
+        (tmp_path / "moved.json").rename(folder / "generation_config.json")
+        (tmp_path / "moved_config.json").rename(folder / "config.json")
+    assert rc == 0, err
+    assert json.loads(out)["outputs"][0]["tokens"] == free and "[50256] are past the model's vocabulary" in err
 
 
 def test_serving_and_genai_read_the_same_eos(ckpt, tmp_path, capsys):
