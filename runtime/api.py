@@ -49,6 +49,11 @@ class Model:
                             weights=str(weights) if weights is not None else None, seed=seed,
                             allow_large=allow_large).for_api()
         self.ref.check()
+        from tessera.runtime.io import checkpoint
+
+        self._folder_tokenizer = checkpoint.tokenizer_in(spec)  # a checkpoint folder's, for text prompts
+        self.ref, _ = driver.from_checkpoint(self.ref)  # a checkpoint folder: its bundled spec, its weights
+        spec, weights = self.ref.spec, self.ref.weights
         self.spec, self.variant, self.seed, self.sets = Path(spec), variant, seed, self.ref.sets
         self.weights_path = self.ref.weights
         # spec errors surface here, at load; a checkpoint folder's config.json may supply hyperparameters
@@ -57,6 +62,15 @@ class Model:
         self._runnables: dict[tuple, driver.Runnable] = {}
         self._models: dict[tuple, object] = {}  # the compiled decoders, by the options that shape them
         self._tokenizer = None
+
+    def __repr__(self) -> str:
+        """What load() was given and what it built: the spec, variant, overrides, weights and size."""
+        parts = [repr(str(self.spec))]
+        if self.variant:
+            parts.append(f"variant={self.variant!r}")
+        parts += list(self.sets)
+        parts.append(f"weights={self.weights_path!r}" if self.weights_path else f"seed={self.seed} (seeded weights)")
+        return f"<tessera.Model {self._built.graph.name}: {', '.join(parts)}; {self._built.graph.param_count():,} parameters>"
 
     # ---------------------------------------------------------------- what the model is
     @property
@@ -157,8 +171,9 @@ class Model:
             self._tokenizer = (str(path), text.load_tokenizer(path))
         return self._tokenizer[1]
 
-    def generate(self, prompt, max_new_tokens: int = 32, *, temperature: float = 0.0, top_k: int = 0,
-                 top_p: float = 1.0, repetition_penalty: float = 1.0, seed: int | None = None, stop=(),
+    def generate(self, prompt, max_new_tokens: int | None = None, *, temperature: float | None = None,
+                 top_k: int | None = None, top_p: float | None = None, repetition_penalty: float | None = None,
+                 ignore_eos: bool = False, explain: bool = False, seed: int | None = None, stop=(),
                  stop_tokens=(), tokenizer: str | Path | None = None, stream: bool = False, threads: int | None = None,
                  cache: str = "auto", quantize: str = "none", quantize_block: int | None = None,
                  quantize_head: bool = False, quantize_activations: str | None = None):
@@ -166,14 +181,19 @@ class Model:
         with ``tokenizer``). Returns the new tokens (or texts) per prompt -- one list (or str) for a single
         prompt; with ``stream=True`` yields them as they are decoded instead (per step: the new token of
         each prompt, None once a prompt has stopped; for a single text prompt, the new text). ``cache``
-        and ``quantize``... are generate's --cache and --quantize...."""
+        and ``quantize``... are generate's --cache and --quantize.... A setting left None comes from the
+        checkpoint's generation_config.json (else 32 new tokens, greedy); generation stops at the
+        checkpoint's eos_token_id unless ``ignore_eos=True``; ``explain=True`` prints where each came from."""
         is_text = isinstance(prompt, str) or (isinstance(prompt, (list, tuple)) and prompt and
                                               all(isinstance(p, str) for p in prompt))
         single = isinstance(prompt, str) or (not is_text and len(prompt) > 0 and
                                              all(isinstance(t, (int, np.integer)) for t in prompt))
         texts = [prompt] if isinstance(prompt, str) else list(prompt) if is_text else []
+        if tokenizer is None and (is_text or stop) and self._folder_tokenizer is not None:
+            tokenizer = self._folder_tokenizer
         o = GenerateOptions(max_new_tokens=max_new_tokens, tokenizer=tokenizer, prompts=texts,
                             temperature=temperature, top_k=top_k, top_p=top_p, repetition_penalty=repetition_penalty,
+                            ignore_eos=ignore_eos, explain=explain,
                             sampling_seed=seed, stops=[stop] if isinstance(stop, str) else list(stop),
                             stop_tokens=list(stop_tokens), threads=threads, cache=cache, quantize=quantize,
                             quantize_block=quantize_block, quantize_head=quantize_head,

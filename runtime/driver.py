@@ -24,6 +24,23 @@ from tessera.runtime.options import CompileOptions, GenerateOptions, ModelRef, R
 from tessera.runtime.pipeline import UsageError
 
 
+# ------------------------------------------------------------------ the model
+def from_checkpoint(ref: ModelRef, o=None, wants_tokenizer: bool = False):
+    """A Hugging Face checkpoint folder as the model (runtime/io/checkpoint.py): its bundled spec with
+    the folder as the weights, and its tokenizer.json when the options need one and name none."""
+    from dataclasses import replace
+
+    from tessera.runtime.io import checkpoint
+
+    tokenizer = checkpoint.tokenizer_in(ref.spec)
+    ref = checkpoint.resolve(ref)
+    if o is not None and wants_tokenizer and tokenizer is not None and not getattr(o, "tokenizer", None):
+        api = o.api
+        o = replace(o, tokenizer=str(tokenizer))
+        o.api = api
+    return ref, o
+
+
 # ------------------------------------------------------------------ compile
 @dataclass
 class Compiled:
@@ -38,6 +55,7 @@ def compile(ref: ModelRef, o: CompileOptions, weights=None) -> Compiled:
     onnxruntime-genai folder), the weights streamed one tensor at a time."""
     t0 = time.perf_counter()
     ref.check()
+    ref, o = from_checkpoint(ref, o, wants_tokenizer=o.genai)
     o.check()
     if o.genai:
         from tessera.runtime.packaging import genai
@@ -116,6 +134,7 @@ def prepare_run(ref: ModelRef, o: RunOptions, weights=None) -> Runnable:
     from tessera.compiler.ir.signature import input_limits, specs_from_graph
     from tessera.runtime.session import onnx_signature
 
+    ref, _ = from_checkpoint(ref)
     path = Path(ref.spec)
     if ref.compiled:
         if ref.variant or ref.sets or ref.weights:
@@ -144,6 +163,7 @@ def run(ref: ModelRef, o: RunOptions, arrays: dict | None = None, weights=None,
     from tessera.runtime.session import run_session
 
     ref.check()
+    ref, o = from_checkpoint(ref, o, wants_tokenizer=bool(o.texts))
     o.check()
     if o.save is not None:
         outputs_mod.check_folder(str(o.save))
@@ -246,6 +266,7 @@ def report(ref: ModelRef, o: ReportOptions) -> dict:
     from tessera.runtime.report.build import build_report
 
     ref.check()
+    ref, o = from_checkpoint(ref, o)
     o.check()
     return build_report(ref, o)
 
@@ -267,10 +288,25 @@ def generate(ref: ModelRef, o: GenerateOptions, prompt_ids: list[list[int]] | No
     from tessera.runtime.generation import loop
 
     ref.check()
+    ref, o = from_checkpoint(ref, o, wants_tokenizer=bool(o.prompts or o.stops))
     kind = generation_kind(ref)
     o.check(kind)
+    o = with_model_defaults(ref, o)
     if kind == "recurrent":
         from tessera.runtime.generation import recurrent
 
         return recurrent.generate(ref, o)
     return loop.prepare(ref, o, prompt_ids, weights, models, tokenizer)
+
+
+def with_model_defaults(ref: ModelRef, o: GenerateOptions) -> GenerateOptions:
+    """The options with the checkpoint's end-of-sequence ids and decoding defaults
+    (runtime/io/generation_config.py) filled in; --explain prints where each value came from."""
+    from tessera.runtime.io import generation_config
+
+    spec = Path(ref.spec)
+    folders = generation_config.folders_for(spec if spec.is_dir() else None, ref.weights, o.tokenizer)
+    o, lines = o.with_defaults(generation_config.read(folders))
+    if o.explain:
+        print("generation settings:\n" + "\n".join("  " + line for line in lines), file=sys.stderr)
+    return o

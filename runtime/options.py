@@ -20,7 +20,11 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
-from tessera.runtime.pipeline import QUANTIZE_CHOICES, UsageError
+from tessera.runtime.errors import UsageError
+
+# runtime/pipeline.py's quant_config takes these (tests/test_startup.py keeps the two equal); here so the
+# command line's parsers are built without importing the compiler (tessera --help stays quick)
+QUANTIZE_CHOICES = ("none", "int8", "int4")
 
 TARGETS = ("cpu", "cuda")
 DTYPES = ("fp32", "fp16", "bf16")
@@ -473,15 +477,18 @@ class GenerateOptions(QuantOptions):
 
     API_NAMES = {"prompts": "prompt", "stops": "stop", "sampling_seed": "seed"}
 
-    max_new_tokens: int = 32
+    # None: the checkpoint's generation_config.json gives it, else DEFAULTS (``with_defaults``)
+    max_new_tokens: int | None = None
     tokenizer: str | Path | None = None
     prompts: list[str] = field(default_factory=list)
     inputs: list[str] = field(default_factory=list)
     start_token: int | None = None
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    repetition_penalty: float = 1.0
+    temperature: float | None = None
+    top_k: int | None = None
+    top_p: float | None = None
+    repetition_penalty: float | None = None
+    ignore_eos: bool = False
+    explain: bool = False
     sampling_seed: int | None = None
     stops: list[str] = field(default_factory=list)
     stop_tokens: list[int] = field(default_factory=list)
@@ -496,16 +503,19 @@ class GenerateOptions(QuantOptions):
         if kind == "recurrent":
             self._check_recurrent()
         super().check()
-        check_int(self.label("max_new_tokens"), self.max_new_tokens)
-        if self.max_new_tokens < 1:
+        check_int(self.label("max_new_tokens"), self.max_new_tokens, optional=True)
+        if self.max_new_tokens is not None and self.max_new_tokens < 1:
             raise UsageError(f"{self.flag('max_new_tokens')} must be at least 1, got {self.max_new_tokens}")
         check_path(self.label("tokenizer"), self.tokenizer)
         check_strings(self.label("prompts"), self.prompts)
         check_strings(self.label("inputs"), self.inputs)
         check_int(self.label("start_token"), self.start_token, optional=True)
         for name in ("temperature", "top_p", "repetition_penalty"):
-            check_number(self.label(name), getattr(self, name))
-        check_int(self.label("top_k"), self.top_k)
+            if getattr(self, name) is not None:
+                check_number(self.label(name), getattr(self, name))
+        check_int(self.label("top_k"), self.top_k, optional=True)
+        check_bool(self.label("ignore_eos"), self.ignore_eos)
+        check_bool(self.label("explain"), self.explain)
         check_int(self.label("sampling_seed"), self.sampling_seed, optional=True)
         check_strings(self.label("stops"), self.stops)
         check_ints(self.label("stop_tokens"), self.stop_tokens)
@@ -540,11 +550,51 @@ class GenerateOptions(QuantOptions):
 
         return PipelineOptions(quantize=self.quant_config(), cache=self.cache)
 
+    def value(self, name: str):
+        """A decoding setting as given, else its default (DEFAULTS)."""
+        given = getattr(self, name)
+        return self.DEFAULTS[name] if given is None else given
+
     def sampling(self, model_seed: int):
         from tessera.runtime.generation.cached import Sampling
 
         seed = model_seed if self.sampling_seed is None else self.sampling_seed
-        return Sampling(self.temperature, self.top_k, self.top_p, self.repetition_penalty, seed)
+        return Sampling(*(self.value(n) for n in ("temperature", "top_k", "top_p", "repetition_penalty")), seed)
+
+    def with_defaults(self, found) -> tuple["GenerateOptions", list[str]]:
+        """These options with what the user left out filled from the checkpoint (``found``:
+        io/generation_config.GenerationDefaults) and its end-of-sequence ids as ``eos_tokens``
+        (none with ignore_eos); with one line per setting saying where its value came from."""
+        import dataclasses
+
+        filled, lines = {}, []
+        for name in self.DEFAULTS:
+            if getattr(self, name) is not None:
+                value, source = getattr(self, name), f"given ({self.flag(name)})"
+            elif name in found.values:
+                value, source = found.values[name], found.sources[name]
+            else:
+                value, source = self.DEFAULTS[name], "Tessera's default"
+            filled[name] = value
+            lines.append(f"{name} = {value}: {source}")
+        if not found.eos:
+            lines.append("end of sequence: none (no eos_token_id in generation_config.json or config.json beside "
+                         "the model, weights or tokenizer)")
+        elif self.ignore_eos:
+            lines.append(f"end of sequence: {found.eos} from {found.eos_source}, ignored ({self.flag('ignore_eos')})")
+        else:
+            lines.append(f"end of sequence: {found.eos} from {found.eos_source} (a stop token; "
+                         f"{self.flag('ignore_eos')} turns it off)")
+        lines += found.notes
+        out = dataclasses.replace(self, **filled)
+        out.api = self.api
+        out.eos_tokens = [] if self.ignore_eos else list(found.eos)
+        out.check()  # a file's value out of range is refused as the user's would be
+        return out, lines
+
+    # the checkpoint's end-of-sequence ids (with_defaults): stop tokens where the model's vocabulary has them
+    eos_tokens = ()  # not a dataclass field (no annotation): no flag or keyword sets it
+    DEFAULTS = {"max_new_tokens": 32, "temperature": 0.0, "top_k": 0, "top_p": 1.0, "repetition_penalty": 1.0}
 
 
 COMMANDS = {"compile": CompileOptions, "run": RunOptions, "report": ReportOptions, "generate": GenerateOptions}

@@ -12,7 +12,6 @@ from pathlib import Path
 
 import numpy as np
 
-from tessera.compiler.backends.onnx import export as onnx_export
 from tessera.compiler.frontend.elaborate import ModelInfo, elaborate
 from tessera.compiler.ir.graph import DTYPES, Graph
 from tessera.spec import Program, SpecError, did_you_mean, load_program
@@ -244,6 +243,8 @@ def metadata(built: Built) -> dict:
 
 
 def export(built: Built, weights, out: str | Path, check: bool = True) -> list[Path]:
+    from tessera.compiler.backends.onnx import export as onnx_export  # here: `tessera ir` builds without onnx
+
     return onnx_export.write(built.graph, weights, out, metadata(built), verify=onnx_export.check if check else None)
 
 

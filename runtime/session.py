@@ -38,6 +38,17 @@ def _refused(src, e: Exception) -> ModelFileError:
     return ModelFileError(f"onnxruntime cannot load {what}: {msg}")
 
 
+def gpu_present() -> bool:
+    """Whether this machine shows an NVIDIA device (Linux: /dev/nvidia0..., /dev/dxg under WSL);
+    elsewhere True, leaving it to onnxruntime."""
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        return True
+    dev = Path("/dev")
+    return any(dev.glob("nvidia[0-9]*")) or (dev / "dxg").exists()
+
+
 def open_session(model: str | Path | bytes, provider: str = "auto"):
     """An InferenceSession on the chosen provider. 'auto' takes CUDA when it really starts, else CPU.
     A model onnxruntime refuses (corrupt, unsupported, external data outside its folder) is a
@@ -59,7 +70,9 @@ def _open_session(model: str | Path | bytes, provider: str):
         return ort.InferenceSession(src, opts, providers=["CPUExecutionProvider"])
     if provider not in ("auto", "cuda"):
         raise ProviderError(f"unknown provider '{provider}' (use auto, cpu or cuda)")
-    if "CUDAExecutionProvider" in ort.get_available_providers():
+    # auto tries CUDA only where a GPU is present: onnxruntime-gpu lists the provider on any machine, and
+    # a CUDA session that fails for want of a device costs seconds before the CPU fallback
+    if "CUDAExecutionProvider" in ort.get_available_providers() and (provider == "cuda" or gpu_present()):
         ort.set_default_logger_severity(4)  # a failed CUDA load is expected on CPU machines; we fall back
         try:
             sess = ort.InferenceSession(src, opts, providers=["CUDAExecutionProvider", "CPUExecutionProvider"])

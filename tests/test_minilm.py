@@ -112,3 +112,15 @@ def test_tessera_run_text_pool_mean(reference, capsys):
     assert np.abs(emb - reference[0]).max() <= 1e-4
     sim = np.array(outputs["similarity"]["values"])
     assert sim[0, 1] > sim[0, 2]
+
+
+def test_the_checkpoint_folder_alone_is_the_model(reference, capsys):
+    """`tessera run FOLDER`: the folder's config.json picks BERT and every size, its tokenizer.json tokenizes."""
+    from tessera.runtime.cli import main
+
+    rc = main(["run", str(MODEL_DIR), *[a for s in SENTENCES for a in ("--text", s)], "--pool", "mean",
+               "--provider", "cpu", "--format", "json"])
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    emb = np.array(json.loads(out)["outputs"]["embedding"]["values"], dtype=np.float32)
+    assert np.abs(emb - reference[0]).max() <= 1e-4

@@ -47,13 +47,42 @@ def model_args(p: argparse.ArgumentParser, spec_help: str, metavar: str = "SPEC"
                    help="override a hyperparameter (repeatable), checked like the spec's own values")
 
 
+class LazyChoices:
+    """argparse choices read on first use: the attention kernels are the compiler's
+    (compiler/passes/pipeline.py), which imports onnx, so building the parsers (every command, even
+    `tessera --help`) must not read them; checking a value or printing a command's help does."""
+
+    def __init__(self, load):
+        self._load = load
+
+    def __iter__(self):
+        return iter(self._load())
+
+    def __contains__(self, value) -> bool:
+        return value in self._load()
+
+
+class LazyHelp(str):
+    """A help text computed when help is printed (argparse %-formats every help text then): the
+    report's device names and the run command's summary limits live in modules that import the
+    compiler or numpy, which building the parsers must not import. ``text`` is a function."""
+
+    def __new__(cls, text):
+        self = super().__new__(cls, "help")  # non-empty: argparse skips an empty help
+        self.text = text
+        return self
+
+    def __mod__(self, params):
+        return self.text() % params
+
+
 def optimize_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", choices=["cpu", "cuda"], default="cpu",
                    help="where the model will run: picks the attention kernels and tile sizes (default cpu)")
-    p.add_argument("--attention", choices=list(options.attention_choices()), default="auto",
-                   help="attention lowering: auto picks a tiled kernel per site and target; gqa/mha force "
-                        "onnxruntime's contrib kernels, portable Tessera's tiled Loop kernel, unfused the "
-                        "primitive graph (default auto)")
+    p.add_argument("--attention", choices=LazyChoices(options.attention_choices), default="auto", metavar="KERNEL",
+                   help="attention lowering, one of %(choices)s: auto picks a tiled kernel per site and target; "
+                        "gqa/mha force onnxruntime's contrib kernels, portable Tessera's tiled Loop kernel, unfused "
+                        "the primitive graph (default auto)")
     p.add_argument("--dtype", type=dtype_arg, choices=DTYPES, default="fp32",
                    help="precision of weights and computation (the model's inputs and outputs stay fp32); "
                         "also picks the attention kernels; the spec spellings f32 and f16 are accepted too "

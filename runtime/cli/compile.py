@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import argparse
 
-from tessera.runtime import driver
 from tessera.runtime.cli import args
 from tessera.runtime.options import CompileOptions, ModelRef
 
@@ -56,6 +55,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
 
 
 def cmd_compile(ns: argparse.Namespace) -> int:
+    from tessera.runtime import driver
+
     done = driver.compile(ModelRef.from_args(ns), CompileOptions.from_args(ns))
     built, files = done.built, done.files
     size = sum(f.stat().st_size for f in files)

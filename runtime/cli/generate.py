@@ -12,10 +12,7 @@ import json
 import sys
 import time
 
-from tessera.runtime import driver
 from tessera.runtime.cli import args
-from tessera.runtime.generation import cached as gen
-from tessera.runtime.generation.loop import Generation
 from tessera.runtime.options import GenerateOptions, ModelRef
 
 EXAMPLES = """examples:
@@ -51,13 +48,19 @@ def add_parser(sub) -> argparse.ArgumentParser:
                         "rows of one length) and optionally the target prompts (e.g. tgt=...)")
     g.add_argument("--start-token", type=int, metavar="ID",
                    help="an encoder-decoder's decoder start token, when no target prompt is given")
-    g.add_argument("--max-new-tokens", type=int, required=True, metavar="N", help="tokens to generate per prompt")
-    g.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default); > 0 samples")
-    g.add_argument("--top-k", type=int, default=0, metavar="K", help="sample from the K most likely tokens (0: all)")
-    g.add_argument("--top-p", type=float, default=1.0, metavar="P",
-                   help="sample from the smallest set of tokens whose probability reaches P, in (0, 1] (default 1)")
-    g.add_argument("--repetition-penalty", type=float, default=1.0, metavar="R",
-                   help="divide the scores of tokens already present by R (> 0; 1 is none)")
+    given = " (default: the checkpoint's generation_config.json, else %s)"
+    g.add_argument("--max-new-tokens", type=int, metavar="N", help="tokens to generate per prompt" + given % 32)
+    g.add_argument("--temperature", type=float, help="0 is greedy; > 0 samples" + given % "0, greedy")
+    g.add_argument("--top-k", type=int, metavar="K", help="sample from the K most likely tokens (0: all)" + given % 0)
+    g.add_argument("--top-p", type=float, metavar="P",
+                   help="sample from the smallest set of tokens whose probability reaches P, in (0, 1]" + given % 1)
+    g.add_argument("--repetition-penalty", type=float, metavar="R",
+                   help="divide the scores of tokens already present by R (> 0; 1 is none)" + given % 1)
+    g.add_argument("--ignore-eos", action="store_true",
+                   help="do not stop at the checkpoint's end-of-sequence token (eos_token_id of "
+                        "generation_config.json or config.json beside the model, weights or tokenizer)")
+    g.add_argument("--explain", action="store_true",
+                   help="print each decoding setting and where its value came from (flag, file or default)")
     g.add_argument("--stop", dest="stops", action="append", default=[], metavar="TEXT",
                    help="end a prompt's generation at this text (repeatable; needs --tokenizer)")
     g.add_argument("--stop-token", dest="stop_tokens", action="append", default=[], type=int, metavar="ID",
@@ -73,6 +76,10 @@ def add_parser(sub) -> argparse.ArgumentParser:
 
 
 def cmd_generate(ns: argparse.Namespace) -> int:
+    from tessera.runtime import driver
+    from tessera.runtime.generation import cached as gen
+    from tessera.runtime.generation.loop import Generation
+
     o = GenerateOptions.from_args(ns)
     run = driver.generate(ModelRef.from_args(ns), o)
     if not isinstance(run, Generation):

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 
-from tessera.runtime import pipeline
 from tessera.runtime.cli import args
 from tessera.runtime.options import ModelRef
 
@@ -16,6 +15,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
 
 
 def cmd_ir(ns: argparse.Namespace) -> int:
+    from tessera.runtime import pipeline
+
     ref = ModelRef.from_args(ns)
     ref.check()
     built = pipeline.build(ref.spec, ref.variant, ref.sets)

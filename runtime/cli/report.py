@@ -10,7 +10,7 @@ import argparse
 import json
 import sys
 
-from tessera.runtime import driver, options
+from tessera.runtime import options
 from tessera.runtime.cli import args
 from tessera.runtime.options import ModelRef, ReportOptions
 
@@ -35,10 +35,24 @@ def sizes(text: str) -> int | list[int]:
     return values[0] if len(values) == 1 else values
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    from tessera.compiler.analysis.plan import RECOMPUTE, ZERO_STAGES
+def _device_help() -> str:
     from tessera.compiler.analysis.roofline import device_names
 
+    return f"device for the roofline estimates: {', '.join(device_names())} (cpu is measured on the spot; default h200)"
+
+
+def _plan_choices(name: str):
+    """The deployment plan's choices (compiler/analysis/plan.py), read when a value is checked."""
+
+    def load():
+        from tessera.compiler.analysis import plan
+
+        return getattr(plan, name)
+
+    return args.LazyChoices(load)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch", "-B", type=sizes, default=1, metavar="B",
                    help="batch size B, the micro-batch of one data-parallel replica; several separated by "
                         "commas sweep (default 1)")
@@ -52,10 +66,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--ep", type=int, default=1, metavar="E", help="expert-parallel degree (default 1)")
     g.add_argument("--train", action="store_true",
                    help="training memory per device: states under --zero, activations under --recompute")
-    g.add_argument("--zero", type=int, choices=list(ZERO_STAGES), default=0,
+    g.add_argument("--zero", type=int, choices=_plan_choices("ZERO_STAGES"), metavar="{0,1,2,3}", default=0,
                    help="ZeRO stage with --train: 1 shards the optimizer over --dp, 2 also gradients, "
                         "3 also weights (default 0)")
-    g.add_argument("--recompute", choices=list(RECOMPUTE), default="none",
+    g.add_argument("--recompute", choices=_plan_choices("RECOMPUTE"), metavar="{none,selective,full}", default="none",
                    help="activation recomputation with --train (Korthikanti et al. 2022) (default none)")
     g.add_argument("--serve", action="store_true",
                    help="serving capacity on --device: largest batch at --context, decode tokens/s, "
@@ -64,9 +78,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", type=args.dtype_arg, choices=args.DTYPES, default="fp32",
                    help="element type of weights and activations for memory and roofline; the spec "
                         "spellings f32 and f16 are accepted too (default fp32)")
-    p.add_argument("--device", default="h200", metavar="NAME",
-                   help=f"device for the roofline estimates: {', '.join(device_names())} "
-                        f"(cpu is measured on the spot; default h200)")
+    p.add_argument("--device", default="h200", metavar="NAME", help=args.LazyHelp(_device_help))
     args.add_quant_arguments(p)
     p.add_argument("--no-sparse-moe", action="store_true",
                    help="report mixtures of experts in their dense form, as compile --no-sparse-moe builds "
@@ -80,6 +92,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_report(ns: argparse.Namespace) -> int:
+    from tessera.runtime import driver
+
     from tessera.runtime.report import format as report_format
 
     o = ReportOptions.from_args(ns)

@@ -8,12 +8,17 @@ from __future__ import annotations
 import argparse
 import sys
 
-import numpy as np
 
-from tessera.runtime import driver
 from tessera.runtime.cli import args
-from tessera.runtime.io import outputs as outputs_mod
 from tessera.runtime.options import ModelRef, RunOptions
+
+
+def _full_help() -> str:
+    from tessera.runtime.io import outputs as outputs_mod
+
+    return (f"with --format json, print every value of every output; by default an output of more than "
+            f"{outputs_mod.SUMMARY_ELEMENTS:,} elements is summarised (shape, dtype, min, max, mean and its first "
+            f"{outputs_mod.HEAD_VALUES} values)")
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
@@ -38,10 +43,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
     r.add_argument("--provider", choices=["auto", "cpu", "cuda"], default="auto",
                    help="execution provider; auto takes CUDA when usable, else CPU (default auto)")
     r.add_argument("--format", choices=["table", "json"], default="table", help="output format (default table)")
-    r.add_argument("--full", action="store_true",
-                   help=f"with --format json, print every value of every output; by default an output of more "
-                        f"than {outputs_mod.SUMMARY_ELEMENTS:,} elements is summarised (shape, dtype, min, max, mean "
-                        f"and its first {outputs_mod.HEAD_VALUES} values)")
+    r.add_argument("--full", action="store_true", help=args.LazyHelp(_full_help))
     r.add_argument("--save", metavar="DIR",
                    help="also write each output to DIR/<name>.npy (created if missing; written atomically)")
     args.plot_args(r)
@@ -50,6 +52,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
 
 
 def cmd_run(ns: argparse.Namespace) -> int:
+    from tessera.runtime import driver
+    from tessera.runtime.io import outputs as outputs_mod
+
     o = RunOptions.from_args(ns)
     result = driver.run(ModelRef.from_args(ns), o)
     for written in result.written:
@@ -62,6 +67,8 @@ def cmd_run(ns: argparse.Namespace) -> int:
 
 
 def _print_outputs(outputs: dict[str, np.ndarray], provider: str) -> None:
+    import numpy as np
+
     from rich.console import Console
     from rich.table import Table
 

@@ -143,6 +143,7 @@ def prepare(ref, o, prompt_ids: list[list[int]] | None = None, weights=None, mod
     fixed = None
     if isinstance(loaded, EncoderDecoder):
         model, target = loaded.s2s.decoder, loaded.target
+        stop_tokens = _with_eos(stop_tokens, o, model)
         given = named_token_rows(o.inputs, [target] + loaded.sources)
         if prompt_ids is not None:
             given[target] = prompt_ids
@@ -164,6 +165,7 @@ def prepare(ref, o, prompt_ids: list[list[int]] | None = None, weights=None, mod
         fixed = loaded.fixed_feeds(given, len(prompts))
     else:
         model = loaded
+        stop_tokens = _with_eos(stop_tokens, o, model)
         if o.start_token is not None:
             raise UsageError("--start-token applies to encoder-decoders; a decoder-only model starts from its prompt")
         if o.prompts and o.inputs:
@@ -176,3 +178,17 @@ def prepare(ref, o, prompt_ids: list[list[int]] | None = None, weights=None, mod
             prompts = named_token_rows(o.inputs, [model.info.tokens])[model.info.tokens]
     prompts = gen.check_request(model, prompts, o.max_new_tokens, sampling, stop_tokens)
     return Generation(model, prompts, o.max_new_tokens, sampling, stop_tokens, tokenizer, stopper, fixed)
+
+
+def _with_eos(stop_tokens: list[int], o, model) -> list[int]:
+    """The stop tokens and the checkpoint's end-of-sequence ids (options.GenerateOptions.with_defaults),
+    those the model's vocabulary holds: a tokenizer folder's EOS (50256 for GPT-2's) may lie past a
+    small seeded model's vocabulary, where it can never be generated and is no error."""
+    vocab = model.vocab
+    eos = [t for t in o.eos_tokens if vocab is None or t < vocab]
+    if o.explain and len(eos) < len(o.eos_tokens):
+        import sys
+
+        print(f"note: end-of-sequence id(s) {sorted(set(o.eos_tokens) - set(eos))} are past the model's vocabulary "
+              f"({vocab}): not stop tokens", file=sys.stderr)
+    return list(stop_tokens) + [t for t in eos if t not in stop_tokens]

@@ -78,6 +78,7 @@ def config_overrides(program: Program, name_map: NameMap | None, weights: str | 
     out: dict = {}
     source: dict = {}
     absent = []
+    conflicts: list[tuple] = []
     for key, target in name_map.config.items():
         found, value = _lookup(config, key)
         if isinstance(target, tuple):  # ("expect", allowed values)
@@ -87,7 +88,8 @@ def config_overrides(program: Program, name_map: NameMap | None, weights: str | 
                                    f"{', '.join(json.dumps(a) for a in target[1])})")
             continue
         if not found or value is None:
-            absent.append((key, target))
+            if "." not in key:  # a nested key (rope_parameters.factor) is an optional refinement: no note
+                absent.append((key, target))
             continue
         if target not in names:
             raise WeightsError(f"{name_map.source}: [config] maps {key} to '{target}', which is not a "
@@ -99,15 +101,27 @@ def config_overrides(program: Program, name_map: NameMap | None, weights: str | 
             raise WeightsError(f"{where}: {source[target]} = {json.dumps(out[target])} and {key} = "
                                f"{json.dumps(value)} both give hyperparameter '{target}'")
         if target in sets and not _same(sets[target], value):
-            raise WeightsError(f"--set {target}={sets[target]} contradicts {where}: {key} = {json.dumps(value)}")
-        if target in fixed and not _same(fixed[target], value):
-            raise WeightsError(f"variant {variant} has {target} = {fixed[target]}, but {where} has "
-                               f"{key} = {json.dumps(value)}")
+            conflicts.append((f"--set {target}={sets[target]}", target, key, value))
+        elif target in fixed and not _same(fixed[target], value):
+            conflicts.append((f"variant {variant} has {target} = {fixed[target]}", target, key, value))
         out[target], source[target] = value, key
+    if conflicts:
+        raise WeightsError(_disagreement(where, conflicts))
     unset = sorted({t for _, t in absent} - set(out) - set(sets))
     if unset:  # several keys may name one hyperparameter (old and new config layouts): only if none did
         print(f"note: {where} gives no value for {', '.join(unset)}: the spec's defaults apply", file=sys.stderr)
     return {k: v for k, v in out.items() if k not in sets}
+
+
+def _disagreement(where: Path, conflicts: list[tuple]) -> str:
+    """Every hyperparameter the checkpoint contradicts, and the --set values that follow it."""
+    lines = [f"  {given}{',' if given.startswith('variant') else ''} contradicts {key} = {json.dumps(value)}"
+             for given, _, key, value in conflicts]
+    sets = " ".join(f"--set {target}={json.dumps(value) if isinstance(value, str) else value}"
+                    for _, target, _, value in conflicts)
+    return (f"{where} disagrees with the spec's hyperparameters:\n" + "\n".join(lines) +
+            f"\nthe checkpoint's values are what its weights were trained with: drop the variant (the folder gives "
+            f"every size) or the --set, or pass them: {sets}")
 
 
 def _variant_values(program: Program, variant: str | None) -> dict:

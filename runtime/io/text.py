@@ -55,13 +55,24 @@ class Encoded:
     lengths: list[int]
 
 
+def tokenizer_file(path: str | Path) -> Path:
+    """--tokenizer's file: the path itself, or a folder's tokenizer.json (a checkpoint folder, as
+    transformers' AutoTokenizer takes it)."""
+    path = Path(path)
+    if path.is_dir():
+        if not (path / "tokenizer.json").is_file():
+            raise InputError(f"tokenizer folder {path} has no tokenizer.json")
+        return path / "tokenizer.json"
+    return path
+
+
 def load_tokenizer(path: str | Path):
-    """A ``tokenizers.Tokenizer`` from a tokenizer.json file; errors are InputErrors."""
+    """A ``tokenizers.Tokenizer`` from a tokenizer.json file (or a folder holding one); errors are InputErrors."""
     try:
         from tokenizers import Tokenizer
     except ImportError:
         raise InputError("--tokenizer needs the 'tokenizers' package: pip install 'tessera[text]'") from None
-    path = Path(path)
+    path = tokenizer_file(path)
     if not path.is_file():
         raise InputError(f"tokenizer file not found: {path}")
     try:

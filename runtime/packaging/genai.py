@@ -57,6 +57,7 @@ class Tokenizer:
     """What the config needs from a Hugging Face tokenizer.json: token ids by name, the largest id."""
 
     def __init__(self, path: Path):
+        path = Path(path) / "tokenizer.json" if Path(path).is_dir() else Path(path)  # a checkpoint folder's
         if not path.is_file():
             raise UsageError(f"tokenizer file not found: {path}")
         try:
@@ -98,8 +99,13 @@ def special_ids(tok: Tokenizer, weights: str | None) -> dict:
     """bos, eos (a list) and pad ids: from generation_config.json / config.json beside the tokenizer
     or in the --weights folder, else tokenizer_config.json's token names, else the tokenizer's special
     tokens of the usual names; pad defaults to eos (as transformers' generate does), bos to eos."""
+    from tessera.runtime.io import generation_config
+
     found: dict = {}
     folders = [tok.path.parent] + ([Path(weights)] if weights and Path(weights).is_dir() else [])
+    eos = generation_config.read(generation_config.folders_for(weights, tok.path)).eos  # what `generate` stops at
+    if eos:
+        found["eos"] = eos
     for folder in folders:
         for name in ("generation_config.json", "config.json"):
             cfg = _read_json(folder / name)

@@ -46,7 +46,7 @@ def build_report(ref, o) -> dict:
     options = o.pipeline_options()
     config = options.quantize
     with _no_gc():
-        built = pipeline.build(ref.spec, ref.variant, ref.sets)
+        built = pipeline.build(ref.spec, ref.variant, ref.sets, ref.weights)  # a folder's config.json
         with pipeline.compiler_errors():  # as compile builds it, on a copy (built.graph is left as written)
             graph = run_report(built.graph, options).graph
         batches, seqs, plan = o.batches, o.seqs, o.plan

@@ -26,8 +26,12 @@ import tempfile
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
-from .engine import Engine, Handle, Overloaded, Request, RequestError, Unavailable
-from .model import Sampling, UsageError, encode_prompts, stop_token_ids
+from typing import TYPE_CHECKING
+
+from .model import UsageError
+
+if TYPE_CHECKING:  # the engine (and onnxruntime behind it) is imported when a batch runs, not for --help
+    from .engine import Engine, Handle, Request
 
 ROW_FIELDS = ("prompt", "max_tokens", "temperature", "top_p", "top_k", "repetition_penalty", "seed", "stop")
 
@@ -127,6 +131,9 @@ def _number(row: dict, name: str, default: float) -> float:
 def row_request(row: dict, engine: Engine, default_max_tokens: int) -> Request:
     """The engine Request for one input row (RowError for a bad field); the engine's own checks
     (context, vocabulary, sampling values) run at submission."""
+    from .engine import Request
+    from .model import Sampling, encode_prompts, stop_token_ids
+
     unknown = sorted(set(row) - set(ROW_FIELDS))
     if unknown:
         raise RowError(f"unknown field {unknown[0]!r} (a row takes {', '.join(ROW_FIELDS)})")
@@ -184,6 +191,8 @@ def result_of(handle: Handle, engine: Engine) -> dict:
 def run_rows(engine: Engine, rows: list[dict], default_max_tokens: int) -> list[dict]:
     """Every row through a started engine, one result per row in row order. Rows are submitted as
     fast as the engine's bounds allow: past them (Overloaded), wait for the oldest row in flight."""
+    from .engine import Overloaded, RequestError, Unavailable
+
     results: list[dict | None] = [None] * len(rows)
     in_flight: collections.deque[tuple[int, Handle]] = collections.deque()
 
@@ -214,13 +223,16 @@ def run_rows(engine: Engine, rows: list[dict], default_max_tokens: int) -> list[
 
 def load_engine(opts: BatchOptions, threads: int | None = None) -> Engine:
     """The engine (not started) for ``opts``'s model, tokenizer and bounds."""
+    from .engine import Engine
+
     from . import model as serving_model
 
-    tokenizer = serving_model.load_tokenizer(opts.tokenizer) if opts.tokenizer else None
+    tokenizer_path = serving_model.tokenizer_path(opts.tokenizer, opts.spec)
+    tokenizer = serving_model.load_tokenizer(tokenizer_path) if tokenizer_path else None
     model = serving_model.load(opts.spec, opts.variant, opts.sets, opts.weights, opts.seed,
                                threads if threads is not None else opts.threads)
     return Engine(model, opts.max_batch, opts.max_queue, opts.max_context, opts.prefill_chunk, tokenizer,
-                  serving_model.eos_ids(tokenizer, opts.tokenizer))
+                  serving_model.eos_ids(tokenizer, tokenizer_path, opts.spec, opts.weights))
 
 
 def run_local(opts: BatchOptions, rows: list[dict]) -> list[dict]:

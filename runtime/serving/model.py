@@ -9,15 +9,27 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tessera.runtime.generation import cached as _gen
-from tessera.runtime import pipeline as _pipeline
-from tessera.runtime.session import ort_message  # noqa: F401  (re-exported)
-from tessera.runtime.io.text import load_tokenizer  # noqa: F401  (re-exported)
+from tessera.runtime.errors import UsageError  # noqa: F401  (re-exported)
 
-CachedModel = _gen.CachedModel
-Sampling = _gen.Sampling
-choose = _gen.choose
-UsageError = _pipeline.UsageError
+# re-exported, imported on first use (PEP 562) so that `tessera serve --help` and `tessera --help`,
+# which import the serving commands, do not import onnxruntime, onnx and the compiler
+LAZY = {"CachedModel": ("tessera.runtime.generation.cached", "CachedModel"),
+        "Sampling": ("tessera.runtime.generation.cached", "Sampling"),
+        "choose": ("tessera.runtime.generation.cached", "choose"),
+        "TextStopper": ("tessera.runtime.generation.cached", "TextStopper"),
+        "encode_prompts": ("tessera.runtime.generation.cached", "encode_prompts"),
+        "stop_token_ids": ("tessera.runtime.generation.cached", "stop_token_ids"),
+        "ort_message": ("tessera.runtime.session", "ort_message"),
+        "load_tokenizer": ("tessera.runtime.io.text", "load_tokenizer")}
+
+
+def __getattr__(name: str):
+    if name in LAZY:
+        import importlib
+
+        module, attr = LAZY[name]
+        return getattr(importlib.import_module(module), attr)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 # Why the engine decodes with the plain branch: see ``DECODE_REASON``.
 DECODE = "plain"
@@ -32,9 +44,18 @@ DECODE_REASON = (
 
 
 def load(spec: str, variant: str | None = None, sets: list[str] | None = None, weights: str | None = None,
-         seed: int = 0, threads: int | None = None) -> CachedModel:
+         seed: int = 0, threads: int | None = None) -> "CachedModel":
     """The cached decoder for the engine: a .tsr spec (or a bundled spec's name) compiled now with the
     plain decoding branch in buffer mode, or an .onnx file compiled with ``--kv-cache --decode plain``."""
+    from tessera.runtime import pipeline as _pipeline
+    from tessera.runtime.generation import cached as _gen
+    from tessera.runtime.generation.cached import CachedModel
+    from tessera.runtime.io import checkpoint
+
+    if checkpoint.is_checkpoint(spec):  # a Hugging Face checkpoint folder: its bundled spec, its own weights
+        if weights and Path(weights).resolve() != Path(spec).resolve():
+            raise UsageError(f"{spec} is a checkpoint folder, its own weights; give it without --weights")
+        spec, weights = checkpoint.spec_for(Path(spec)), str(spec)
     path = Path(spec)
     if path.suffix == ".onnx" or path.is_dir():
         if variant or sets or weights:
@@ -72,43 +93,46 @@ def check_fit(model: CachedModel) -> None:
         raise UsageError("the model's vocabulary size is not static; the engine needs it")
 
 
+def tokenizer_path(tokenizer, spec) -> str | None:
+    """--tokenizer as given, else a checkpoint folder's tokenizer.json (the model given as a folder)."""
+    from tessera.runtime.io import checkpoint
+
+    from tessera.runtime.io.text import tokenizer_file
+
+    found = checkpoint.tokenizer_in(spec) if not tokenizer else None
+    if found is not None:
+        return str(found)
+    return str(tokenizer_file(tokenizer)) if tokenizer else tokenizer  # a folder: its tokenizer.json
+
+
 def tokenizer_folder_file(tokenizer_path: str | Path, name: str) -> Path | None:
     """A file next to tokenizer.json (tokenizer_config.json, generation_config.json), if present."""
     p = Path(tokenizer_path).parent / name
     return p if p.is_file() else None
 
 
-TextStopper = _gen.TextStopper
-encode_prompts = _gen.encode_prompts
-stop_token_ids = _gen.stop_token_ids
 
-
-def eos_ids(tokenizer, tokenizer_path: str | Path | None) -> list[int]:
-    """The end-of-sequence tokens: ``eos_token`` of tokenizer_config.json and ``eos_token_id`` of
-    generation_config.json / config.json beside the tokenizer (a request stops there unless it
-    says ignore_eos). None found: no end-of-sequence token."""
+def eos_ids(tokenizer, tokenizer_path: str | Path | None, spec=None, weights=None) -> list[int]:
+    """The end-of-sequence tokens: ``eos_token_id`` of generation_config.json / config.json in the
+    model's, the weights' or the tokenizer's folder (runtime/io/generation_config.py, the reader
+    ``tessera generate`` uses), and ``eos_token`` of tokenizer_config.json beside the tokenizer (a
+    request stops there unless it says ignore_eos). None found: no end-of-sequence token."""
     import json
 
-    if tokenizer is None or tokenizer_path is None:
-        return []
-    out: list[int] = []
-    for name in ("tokenizer_config.json", "generation_config.json", "config.json"):
-        f = tokenizer_folder_file(tokenizer_path, name)
-        if f is None:
-            continue
+    from tessera.runtime.io import generation_config
+
+    spec_folder = spec if spec is not None and Path(spec).is_dir() else None
+    out = list(generation_config.read(generation_config.folders_for(spec_folder, weights, tokenizer_path)).eos)
+    f = tokenizer_folder_file(tokenizer_path, "tokenizer_config.json") if tokenizer is not None and \
+        tokenizer_path is not None else None
+    if f is not None:
         try:
             data = json.loads(f.read_text(encoding="utf-8"))
         except (OSError, ValueError):
-            continue
-        if not isinstance(data, dict):
-            continue
-        tok = data.get("eos_token")
+            data = None
+        tok = data.get("eos_token") if isinstance(data, dict) else None
         if isinstance(tok, dict):
             tok = tok.get("content")
         if isinstance(tok, str) and tokenizer.token_to_id(tok) is not None:
             out.append(int(tokenizer.token_to_id(tok)))
-        ids = data.get("eos_token_id")
-        for i in ids if isinstance(ids, list) else [ids]:
-            if isinstance(i, int) and not isinstance(i, bool) and i >= 0:
-                out.append(i)
     return sorted(set(out))

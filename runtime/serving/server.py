@@ -86,13 +86,14 @@ def build_server(opts: ServeOptions):
     from .engine import Engine
 
     tokenizer, template, template_error = None, None, None
-    if opts.tokenizer:
-        tokenizer = serving_model.load_tokenizer(opts.tokenizer)
+    tokenizer_path = serving_model.tokenizer_path(opts.tokenizer, opts.spec)
+    if tokenizer_path:
+        tokenizer = serving_model.load_tokenizer(tokenizer_path)
         try:
-            template = ChatTemplate.from_tokenizer_folder(opts.tokenizer)
+            template = ChatTemplate.from_tokenizer_folder(tokenizer_path)
         except ChatTemplateError as e:  # the completion route still works; the chat route says why
             template_error = str(e)
     model = serving_model.load(opts.spec, opts.variant, opts.sets, opts.weights, opts.seed, opts.threads)
     engine = Engine(model, opts.max_batch, opts.max_queue, opts.max_context, opts.prefill_chunk, tokenizer,
-                    serving_model.eos_ids(tokenizer, opts.tokenizer))
+                    serving_model.eos_ids(tokenizer, tokenizer_path, opts.spec, opts.weights))
     return engine, Server(engine, opts.served_name, tokenizer, template, template_error)

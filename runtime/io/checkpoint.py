@@ -1,0 +1,80 @@
+"""A Hugging Face checkpoint folder as the model: its config.json picks the bundled spec.
+
+Why: a user coming from transformers has a folder (config.json, model.safetensors,
+tokenizer.json) and expects ``tessera generate FOLDER`` to work, as ``from_pretrained`` does.
+The folder's ``model_type`` names the family; the bundled spec of that family, with the folder
+as its weights, is then the same model as ``tessera generate SPEC --weights FOLDER``: the spec's
+mapping file (``models/NAME.hf.toml``) renames the tensors and its ``[config]`` table takes
+every hyperparameter from config.json (checkpoint_config.py), so no ``--set`` is needed. A
+folder holding .onnx files (``compile --kv-cache`` or ``--genai`` output) is a compiled model,
+not a checkpoint, and is left alone.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+from tessera.runtime.errors import UsageError
+
+# Hugging Face model_type -> bundled spec (models/NAME.tsr with its NAME.hf.toml)
+MODEL_TYPES = {
+    "gpt2": "gpt2",
+    "bert": "bert",
+    "vit": "vit",
+    "llama": "llama",
+    "mistral": "llama",  # Llama's layers and names; only without a sliding window shorter than the context
+    "mixtral": "mixtral",
+    "bloom": "bloom",
+    "t5": "t5",
+    "gemma2": "gemma2",
+    "gptj": "gptj",
+}
+
+
+def is_checkpoint(path) -> bool:
+    """A folder with a config.json and no compiled .onnx model."""
+    p = Path(path)
+    return p.is_dir() and (p / "config.json").is_file() and not any(p.glob("*.onnx"))
+
+
+def spec_for(folder: Path) -> str:
+    """The bundled spec of the folder's model_type; a clear error for one Tessera has no spec for."""
+    from tessera.runtime.io.checkpoint_config import read_config
+
+    config = read_config(folder) or {}
+    kind = config.get("model_type")
+    if kind not in MODEL_TYPES:
+        what = f"model_type {kind!r}" if kind is not None else "no model_type"
+        raise UsageError(f"{folder / 'config.json'} has {what}; a checkpoint folder works as the model for "
+                         f"{', '.join(sorted(MODEL_TYPES))}. For another architecture write a spec "
+                         f"(docs/language.md) with a NAME.hf.toml mapping beside it (docs/weights.md) and run "
+                         f"`tessera ... SPEC.tsr --weights {folder}`")
+    window = config.get("sliding_window")
+    ctx = config.get("max_position_embeddings")
+    if kind == "mistral" and window is not None and not (isinstance(ctx, int) and isinstance(window, int)
+                                                         and window >= ctx):
+        raise UsageError(f"{folder / 'config.json'}: sliding_window {window} is shorter than the context "
+                         f"({ctx}); the bundled llama spec has no sliding window, so this Mistral checkpoint "
+                         f"needs a spec with one")
+    return MODEL_TYPES[kind]
+
+
+def resolve(ref):
+    """``ref`` (options.ModelRef) with a checkpoint folder as the model replaced by its bundled spec,
+    the folder as the weights; any other ref unchanged."""
+    if not is_checkpoint(ref.spec):
+        return ref
+    folder = Path(ref.spec)
+    if ref.weights is not None and Path(ref.weights).resolve() != folder.resolve():
+        raise UsageError(f"{folder} is a checkpoint folder, its own weights; --weights {ref.weights} would be a "
+                         f"second set (give the folder alone, or a spec with --weights)")
+    out = dataclasses.replace(ref, spec=spec_for(folder), weights=str(folder))
+    out.api = ref.api
+    return out
+
+
+def tokenizer_in(spec) -> Path | None:
+    """The checkpoint folder's tokenizer.json, when the model is such a folder and has one."""
+    p = Path(spec) / "tokenizer.json"
+    return p if is_checkpoint(spec) and p.is_file() else None
