@@ -30,7 +30,7 @@ import numpy as np
 from tessera.runtime import driver, pipeline
 from tessera.runtime.generation import cached as gen
 from tessera.runtime.generation import loop
-from tessera.runtime.options import CompileOptions, GenerateOptions, ModelRef, ReportOptions, RunOptions
+from tessera.runtime.options import CompileOptions, GenerateOptions, ModelRef, ReportOptions, RunOptions, split_prompt
 
 
 def _set_args(overrides: dict) -> list[str]:
@@ -161,21 +161,18 @@ class Model:
         prompt; with ``stream=True`` yields them as they are decoded instead (per step: the new token of
         each prompt, None once a prompt has stopped; for a single text prompt, the new text). ``cache``
         and ``quantize``... are generate's --cache and --quantize...."""
-        is_text = isinstance(prompt, str) or (isinstance(prompt, (list, tuple)) and prompt and
-                                              all(isinstance(p, str) for p in prompt))
-        single = isinstance(prompt, str) or (not is_text and len(prompt) > 0 and
-                                             all(isinstance(t, (int, np.integer)) for t in prompt))
-        texts = [prompt] if isinstance(prompt, str) else list(prompt) if is_text else []
+        texts, ids, single = split_prompt(prompt)
+        is_text = bool(texts)
         o = GenerateOptions(max_new_tokens=max_new_tokens, tokenizer=tokenizer, prompts=texts,
                             temperature=temperature, top_k=top_k, top_p=top_p, repetition_penalty=repetition_penalty,
-                            sampling_seed=seed, stops=[stop] if isinstance(stop, str) else list(stop),
-                            stop_tokens=list(stop_tokens), threads=threads, cache=cache, quantize=quantize,
+                            sampling_seed=seed, stops=[stop] if isinstance(stop, str) else stop,
+                            stop_tokens=stop_tokens, threads=threads, cache=cache, quantize=quantize,
                             quantize_block=quantize_block, quantize_head=quantize_head,
                             quantize_activations=quantize_activations).for_api()
         o.check()  # before the tokenizer is read
         tok = self.tokenizer(tokenizer) if tokenizer is not None else None
         # errors now, not at the first next()
-        run = driver.generate(self.ref, o, None if is_text else prompt, self._weights, self._models, tok)
+        run = driver.generate(self.ref, o, ids, self._weights, self._models, tok)
         if stream:
             return self._stream(run, is_text, single)
         out: list[list[int]] | None = None
