@@ -250,16 +250,20 @@ class BoundStep:
     buffers itself: the buffers are bound once with IOBinding as both the past inputs and the
     graph's buffer outputs (``cache_key.{i}``: onnxruntime then sees one memory and shares it), the
     logits and the new columns go to arrays of their own, and each step binds only its inputs. No
-    step copies or reallocates the cache."""
+    step copies or reallocates the cache. A layer the kernel chooser left without a buffer output (a
+    model mixing head sizes: GroupQueryAttention takes multiples of 8 only) reads its bound buffer
+    as its past, and its one new column is copied in after the step."""
 
     def __init__(self, model: CachedModel, cache: dict[str, np.ndarray]):
         self.model, self.io = model, model.session.io_binding()
         info = model.info
+        self.cache, self.copied = cache, [layer for layer in info.layers if not layer.buffer_key]
         for layer in info.layers:
             for past, out in ((layer.past_key, layer.buffer_key), (layer.past_value, layer.buffer_value)):
                 buf = cache[past]
                 self.io.bind_cpu_input(past, buf)
-                self.io.bind_output(out, "cpu", 0, buf.dtype, list(buf.shape), buf.ctypes.data)
+                if out:  # bound with an empty name, onnxruntime fails ("Failed to find NodeArg with name: ")
+                    self.io.bind_output(out, "cpu", 0, buf.dtype, list(buf.shape), buf.ctypes.data)
         self.buffers = set(cache)
         self.outputs: dict[str, np.ndarray] = {}
         b = next(iter(cache.values())).shape[0]
@@ -286,6 +290,11 @@ class BoundStep:
             self.model.session.run_with_iobinding(self.io)
         except Exception as e:  # onnxruntime's own exception types
             raise RunError(f"onnxruntime could not run a decoding step: {ort_message(e)}") from None
+        if self.copied:
+            at = int(feeds[self.model.info.length_input][0])  # the slot this step's column goes to
+            for layer in self.copied:
+                self.cache[layer.past_key][:, :, at:at + 1] = self.outputs[layer.present_key]
+                self.cache[layer.past_value][:, :, at:at + 1] = self.outputs[layer.present_value]
         return {self.logits: self.outputs[self.logits].copy()}
 
 
