@@ -12,6 +12,7 @@ import onnx
 from tessera.compiler.backends.onnx.export import ONNX_DTYPES
 from tessera.compiler.ir.signature import InputLimits, InputSpec
 
+from tessera.runtime.errors import ModelFileError
 from tessera.runtime.files import stat_or_raise
 
 _FROM_ONNX = {v: k for k, v in ONNX_DTYPES.items()}
@@ -26,10 +27,6 @@ def _ort():
 
     ort.set_default_logger_severity(3)  # onnxruntime-gpu warns loudly on machines without CUDA
     return ort
-
-
-class ModelFileError(Exception):
-    """An ONNX file that cannot be read, or that onnxruntime refuses to load."""
 
 
 def _refused(src, e: Exception) -> ModelFileError:
@@ -79,7 +76,7 @@ def onnx_signature(path: str | Path) -> tuple[list[InputSpec], InputLimits | Non
     """The inputs of an ONNX file, and the id ranges and position limits Tessera stored in its
     metadata (None for files Tessera did not write). Reads the file once, without external data;
     a file that is not a readable ONNX model is a ModelFileError saying why."""
-    model = _load_model_proto(Path(path))
+    model = load_model_proto(Path(path))
     init = {i.name for i in model.graph.initializer}
     specs = []
     for vi in model.graph.input:
@@ -91,15 +88,13 @@ def onnx_signature(path: str | Path) -> tuple[list[InputSpec], InputLimits | Non
     limits = None
     for e in model.metadata_props:
         if e.key == InputLimits.METADATA_KEY:
-            try:
-                limits = InputLimits.from_json(e.value)
-            except (ValueError, TypeError, AttributeError, KeyError) as err:
-                raise ModelFileError(f"{path}: its '{InputLimits.METADATA_KEY}' metadata is malformed ({err}); "
-                                     f"recompile the model") from None
+            from tessera.runtime import metadata
+
+            limits = metadata.input_limits(e.value, path, {s.name for s in specs})
     return specs, limits
 
 
-def _load_model_proto(path: Path) -> onnx.ModelProto:
+def load_model_proto(path: Path) -> onnx.ModelProto:
     st = stat_or_raise(path, "model file", ModelFileError)
     if not stat.S_ISREG(st.st_mode):
         raise ModelFileError(f"{path} is {'a folder' if stat.S_ISDIR(st.st_mode) else 'not a regular file'}, "

@@ -36,7 +36,6 @@ seeded once per call, so the same seed gives the same tokens.
 
 from __future__ import annotations
 
-import json
 import sys
 import time
 from dataclasses import dataclass, field
@@ -99,8 +98,6 @@ class CachedModel:
 
     @classmethod
     def from_onnx(cls, path: str | Path, provider: str = "cpu", threads: int | None = None) -> "CachedModel":
-        import onnx
-
         path = Path(path)
         if path.is_dir():
             found = sorted(path.glob("*.onnx"))
@@ -109,12 +106,19 @@ class CachedModel:
             path = found[0]
         if not path.exists():
             raise UsageError(f"model file not found: {path}")
-        model = onnx.load(str(path), load_external_data=False)
+        from tessera.runtime import metadata
+        from tessera.runtime.session import load_model_proto
+
+        model = load_model_proto(path)  # a random, text or truncated file: a ModelFileError, as for run
         meta = {e.key: e.value for e in model.metadata_props}
         if CacheInfo.METADATA_KEY not in meta:
             raise UsageError(f"{path} was compiled without a KV cache; generate from the .tsr spec, or compile "
                              f"one with tessera.load(...).compile(out, kv_cache=True)")
-        return cls(str(path), CacheInfo.from_json(json.loads(meta[CacheInfo.METADATA_KEY])), provider, threads)
+        inits = {i.name for i in model.graph.initializer}
+        info = metadata.cache_info(meta[CacheInfo.METADATA_KEY], path,
+                                   {i.name for i in model.graph.input if i.name not in inits},
+                                   {o.name for o in model.graph.output})
+        return cls(str(path), info, provider, threads)
 
     def run(self, feeds: dict[str, np.ndarray], bound: "BoundStep | None" = None) -> dict[str, np.ndarray]:
         """One step: through ``bound`` (the cache buffers bound in place, a decoding step of a graph whose
