@@ -109,3 +109,13 @@ def test_integer_ids_as_floats_are_not_truncated(model):
     assert out["logits"].shape == (1, 2, 50)
     with pytest.raises(InputError):
         model.run(tokens=[[1.0, 2.0]])
+
+
+def test_input_json_nested_deep_is_a_clean_error(capsys):
+    """--input's JSON nested 100,000 deep was a RecursionError traceback in run and in generate."""
+    from conftest import cli_error
+
+    deep = "tokens=" + "[" * 100_000 + "]" * 100_000
+    sets = ["--set", "layers=1", "--set", "d=32", "--set", "heads=2", "--set", "vocab=50", "--set", "ctx=16"]
+    assert "nested too deep" in cli_error(capsys, "run", "gpt2", *sets, "--input", deep)
+    assert "nested too deep" in cli_error(capsys, "generate", "gpt2", *sets, "--input", deep, "--max-new-tokens", "2")

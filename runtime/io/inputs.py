@@ -56,6 +56,8 @@ def _value(name: str, text: str, spec: InputSpec) -> np.ndarray:
         except json.JSONDecodeError as e:
             raise InputError(f"input '{name}': value is neither a JSON array nor a .npy path ({e.msg} at "
                              f"character {e.pos}); expected {spec}") from None
+        except RecursionError:  # json's decoder recurses per level; numpy takes at most 64 dimensions anyway
+            raise InputError(f"input '{name}': the JSON array is nested too deep; expected {spec}") from None
         arr = _rectangular(name, data, spec)
     return _cast(name, arr, spec)
 
@@ -109,6 +111,9 @@ def _json_rows(name: str, text: str) -> list[list[int]]:
         data = json.loads(text)
     except json.JSONDecodeError as e:
         raise UsageError(f"--input {name}: not a JSON list ({e.msg} at character {e.pos})") from None
+    except RecursionError:
+        raise UsageError(f"--input {name}: the JSON list is nested too deep; give rows of token ids, e.g. "
+                         f"{name}=[[464, 2068]]") from None
     if isinstance(data, list) and data and all(isinstance(t, int) and not isinstance(t, bool) for t in data):
         data = [data]
     if not isinstance(data, list) or not data or not all(isinstance(p, list) for p in data):
