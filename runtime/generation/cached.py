@@ -228,6 +228,11 @@ def check_request(model: CachedModel, prompts, max_new_tokens: int, sampling: Sa
         raise UsageError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens}")
     longest = max(len(p) for p in prompts)
     ctx = model.info.context
+    if ctx is None and longest + max_new_tokens > NO_CONTEXT_CAP:
+        raise UsageError(f"max_new_tokens={max_new_tokens}: the model declares no context length (a sliding window "
+                         f"or positions without a trained bound), so generation is capped at {NO_CONTEXT_CAP:,} "
+                         f"positions (prompt and new tokens); the prompt has {longest}, so at most "
+                         f"{max(NO_CONTEXT_CAP - longest, 0):,} new tokens")
     if ctx is not None:
         if longest > ctx:
             raise UsageError(f"the prompt has {longest} tokens, longer than the model's context of {ctx} positions")
@@ -237,7 +242,33 @@ def check_request(model: CachedModel, prompts, max_new_tokens: int, sampling: Sa
     for t in stop_tokens:
         if not isinstance(t, (int, np.integer)) or t < 0 or (model.vocab is not None and t >= model.vocab):
             raise UsageError(f"unknown stop token {t}: ids are in [0, {model.vocab})")
+    check_cache_fits(model.info, len(prompts), longest + max_new_tokens, np.dtype(model.np_dtype).itemsize)
     return prompts
+
+
+NO_CONTEXT_CAP = 1 << 16
+"""Positions (prompt and new tokens) a model that declares no context may generate to: without it a
+sliding-window model (its cache trimmed to the window) would decode max_new_tokens=10**9 steps."""
+
+
+def cache_bytes(info: CacheInfo, rows: int, positions: int, itemsize: int) -> int:
+    """The KV cache's bytes for ``rows`` sequences of ``positions`` (a concat cache trimmed to a sliding
+    window holds at most the window)."""
+    window = cache_window(info)
+    kept = min(positions, window) if window and info.mode == "concat" else positions
+    return sum(rows * layer.kv_heads * kept * (layer.head_size + layer.value_size) for layer in info.layers) * itemsize
+
+
+def check_cache_fits(info: CacheInfo, rows: int, positions: int, itemsize: int, what: str = "the KV cache") -> None:
+    """Refuse, before anything is allocated, a cache larger than the memory available, with its size
+    (numpy's MemoryError would come after the prompt was run, or never: the allocation may be lazy)."""
+    from tessera.runtime.pipeline import available_memory
+
+    need, avail = cache_bytes(info, rows, positions, itemsize), available_memory()
+    if avail is not None and need > avail:
+        raise UsageError(f"{what} for {rows} sequence(s) of {positions:,} positions is {need:,} bytes "
+                         f"({need / 2**30:,.1f} GiB, {len(info.layers)} layers), more than the {avail:,} bytes "
+                         f"({avail / 2**30:,.1f} GiB) of memory available; ask for fewer new tokens or prompts")
 
 
 def cache_window(info: CacheInfo) -> int:

@@ -17,6 +17,7 @@ from tessera.runtime.io.text import load_tokenizer  # noqa: F401  (re-exported)
 CachedModel = _gen.CachedModel
 Sampling = _gen.Sampling
 choose = _gen.choose
+check_cache_fits = _gen.check_cache_fits
 UsageError = _pipeline.UsageError
 
 # Why the engine decodes with the plain branch: see ``DECODE_REASON``.

@@ -1,0 +1,57 @@
+"""issue 25, item 3: buffers sized by a user's number are checked before they are allocated.
+
+max_new_tokens=10**9 on a model with a long context allocated the KV cache first (numpy's
+MemoryError, "Unable to allocate 119 GiB"), and on a model that declares no context (a sliding
+window, or rotary positions without max_ctx) decoded for ever. The cache's size is computed by hand
+here: layers x rows x kv_heads x positions x (key + value head sizes) x 4 bytes."""
+
+from __future__ import annotations
+
+import pytest
+
+import tessera
+from tessera.runtime import pipeline
+from tessera.runtime.pipeline import UsageError
+
+TINY = dict(layers=2, d=32, heads=2, vocab=50, d_ff=64)
+
+
+def test_a_cache_past_the_memory_is_refused_with_its_size():
+    m = tessera.load("llama", ctx=10 ** 9, **TINY)
+    new = 10 ** 9 - 10
+    # 2 layers x 1 row x 2 kv heads x (2 + new) positions x (16 + 16) x 4 bytes
+    need = 2 * 1 * 2 * (2 + new) * 32 * 4
+    with pytest.raises(UsageError, match=f"{need:,} bytes"):
+        m.generate([1, 2], max_new_tokens=new)
+
+
+def test_the_budget_is_the_memory_available(monkeypatch):
+    m = tessera.load("llama", ctx=64, **TINY)
+    need = 2 * 3 * 2 * (4 + 20) * 32 * 4  # three prompts of 4 tokens, 20 new tokens: 36,864 bytes
+    monkeypatch.setattr(pipeline, "available_memory", lambda: need - 1)
+    with pytest.raises(UsageError, match=f"is {need:,} bytes"):
+        m.generate([[1, 2, 3, 4]] * 3, max_new_tokens=20)
+    monkeypatch.setattr(pipeline, "available_memory", lambda: need)
+    out = m.generate([[1, 2, 3, 4]] * 3, max_new_tokens=20)
+    assert [len(r) for r in out] == [20, 20, 20]
+
+
+def test_a_model_without_a_context_gets_a_cap():
+    from tessera.runtime.generation.cached import NO_CONTEXT_CAP
+
+    m = tessera.load("llama", ctx=0, **TINY)  # rotary positions without a trained bound
+    with pytest.raises(UsageError, match="declares no context length"):
+        m.generate([1, 2], max_new_tokens=10 ** 9)
+    with pytest.raises(UsageError, match=f"at most {NO_CONTEXT_CAP - 2:,} new tokens"):
+        m.generate([1, 2], max_new_tokens=NO_CONTEXT_CAP - 1)
+
+
+def test_the_serving_engine_checks_its_one_allocation(monkeypatch):
+    from tessera.runtime.serving import model as serving_model
+    from tessera.runtime.serving.engine import Engine
+
+    cached = serving_model.load("llama", sets=["layers=2", "d=32", "heads=2", "vocab=50", "d_ff=64", "ctx=10000"])
+    need = 2 * 8 * 2 * 10000 * 32 * 4  # 8 slots of 10,000 positions
+    monkeypatch.setattr(pipeline, "available_memory", lambda: need // 2)
+    with pytest.raises(UsageError, match=f"engine's KV cache .* is {need:,} bytes"):
+        Engine(cached, max_batch=8)
