@@ -55,3 +55,37 @@ def test_the_serving_engine_checks_its_one_allocation(monkeypatch):
     monkeypatch.setattr(pipeline, "available_memory", lambda: need // 2)
     with pytest.raises(UsageError, match=f"engine's KV cache .* is {need:,} bytes"):
         Engine(cached, max_batch=8)
+
+
+SETS = ["--set", "layers=1", "--set", "d=32", "--set", "heads=2", "--set", "vocab=50", "--set", "ctx=16"]
+
+
+def test_full_json_past_its_budget_is_refused_before_printing(capsys, monkeypatch):
+    """run --format json --full of a 10**8-element output ran out of memory; past FULL_MAX_ELEMENTS it is
+    refused (pointing to --save) before a byte is printed. The logits here are 1 x 2 x 50 = 100 elements."""
+    from conftest import cli, cli_error
+    from tessera.runtime.io import outputs
+
+    monkeypatch.setattr(outputs, "FULL_MAX_ELEMENTS", 99)
+    err = cli_error(capsys, "run", "gpt2", *SETS, "--input", "tokens=[[1, 2]]", "--format", "json", "--full")
+    assert "'logits' has 100 elements" in err and "--save DIR" in err
+    monkeypatch.setattr(outputs, "FULL_MAX_ELEMENTS", 100)
+    rc, out, err = cli(capsys, "run", "gpt2", *SETS, "--input", "tokens=[[1, 2]]", "--format", "json", "--full")
+    assert rc == 0, err
+
+
+@pytest.mark.parametrize("shape", [(7,), (2, 3, 4), (), (2, 0), (1, 10)])
+def test_full_values_are_written_in_chunks_as_json_would(monkeypatch, shape):
+    """An innermost row of 10**8 values was one json.dumps; it is now written ROW_CHUNK values at a time."""
+    import io
+    import json
+
+    import numpy as np
+
+    from tessera.runtime.io import outputs
+
+    monkeypatch.setattr(outputs, "ROW_CHUNK", 3)
+    a = np.arange(int(np.prod(shape)), dtype=np.float32).reshape(shape) / 7
+    f = io.StringIO()
+    outputs._write_values(a, f)
+    assert json.loads(f.getvalue()) == json.loads(json.dumps(a.tolist()))
