@@ -85,6 +85,7 @@ def onnx_signature(path: str | Path) -> tuple[list[InputSpec], InputLimits | Non
         t = vi.type.tensor_type
         dims = tuple(d.dim_value if d.HasField("dim_value") else (d.dim_param or "?") for d in t.shape.dim)
         specs.append(InputSpec(vi.name, _FROM_ONNX.get(t.elem_type, "f32"), dims))
+    check_loop_trips(model, path)
     limits = None
     for e in model.metadata_props:
         if e.key == InputLimits.METADATA_KEY:
@@ -92,6 +93,37 @@ def onnx_signature(path: str | Path) -> tuple[list[InputSpec], InputLimits | Non
 
             limits = metadata.input_limits(e.value, path, {s.name for s in specs})
     return specs, limits
+
+
+MAX_LOOP_TRIPS = 10 ** 7
+"""Iterations a Loop with a constant trip count may declare: Tessera's own Loops (tiled attention,
+scans) count heads x tiles or time steps at run time; a constant of 10**12 is a file that would run
+for days with no way to stop it but killing the process."""
+
+
+def check_loop_trips(model: onnx.ModelProto, path) -> None:
+    """Refuse a Loop (at any depth) whose trip count is a constant past MAX_LOOP_TRIPS, before running."""
+    from onnx import numpy_helper
+
+    graphs = [model.graph]
+    while graphs:
+        g = graphs.pop()
+        consts = {i.name: i for i in g.initializer}
+        consts.update({n.output[0]: a.t for n in g.node if n.op_type == "Constant" and n.output
+                       for a in n.attribute if a.name == "value"})
+        for n in g.node:
+            graphs.extend(a.g for a in n.attribute if a.type == onnx.AttributeProto.GRAPH)
+            graphs.extend(sub for a in n.attribute if a.type == onnx.AttributeProto.GRAPHS for sub in a.graphs)
+            if n.op_type != "Loop" or not n.input or n.input[0] not in consts:
+                continue
+            try:
+                trips = numpy_helper.to_array(consts[n.input[0]]).reshape(-1)
+            except Exception:  # a malformed tensor: onnxruntime refuses the file with its own reason
+                continue
+            if trips.size == 1 and trips.dtype.kind in "iu" and int(trips[0]) > MAX_LOOP_TRIPS:
+                raise ModelFileError(f"{path}: Loop {n.name or n.output[0] if n.output else '?'} runs "
+                                     f"{int(trips[0]):,} times, more than the {MAX_LOOP_TRIPS:,} that run allows "
+                                     f"(it would not finish)")
 
 
 def load_model_proto(path: Path) -> onnx.ModelProto:

@@ -89,3 +89,39 @@ def test_full_values_are_written_in_chunks_as_json_would(monkeypatch, shape):
     f = io.StringIO()
     outputs._write_values(a, f)
     assert json.loads(f.getvalue()) == json.loads(json.dumps(a.tolist()))
+
+
+def _loop_model(trips: int, path):
+    """A model whose one Loop adds 1 to x ``trips`` times (the trip count a constant initializer)."""
+    import numpy
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    body = helper.make_graph([helper.make_node("Add", ["acc_in", "one"], ["acc_out"]),
+                              helper.make_node("Identity", ["cond_in"], ["cond_out"])], "body",
+                             [helper.make_tensor_value_info("i", TensorProto.INT64, []),
+                              helper.make_tensor_value_info("cond_in", TensorProto.BOOL, []),
+                              helper.make_tensor_value_info("acc_in", TensorProto.FLOAT, [1])],
+                             [helper.make_tensor_value_info("cond_out", TensorProto.BOOL, []),
+                              helper.make_tensor_value_info("acc_out", TensorProto.FLOAT, [1])],
+                             [numpy_helper.from_array(numpy.ones(1, numpy.float32), "one")])
+    g = helper.make_graph([helper.make_node("Loop", ["M", "", "x"], ["y"], body=body, name="spin")], "g",
+                          [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1])],
+                          [numpy_helper.from_array(numpy.array(trips, numpy.int64), "M")])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    m.ir_version = 8
+    onnx.save(m, str(path))
+
+
+def test_a_loop_with_a_huge_constant_trip_count_is_refused(capsys, tmp_path):
+    """A Loop of 10**12 iterations hung `run`; past MAX_LOOP_TRIPS it is refused before running."""
+    from conftest import cli, cli_error
+    from tessera.runtime.session import MAX_LOOP_TRIPS
+
+    _loop_model(10 ** 12, tmp_path / "big.onnx")
+    err = cli_error(capsys, "run", tmp_path / "big.onnx", "--input", "x=[0.0]")
+    assert "1,000,000,000,000 times" in err and f"{MAX_LOOP_TRIPS:,}" in err
+    _loop_model(5, tmp_path / "small.onnx")
+    rc, out, err = cli(capsys, "run", tmp_path / "small.onnx", "--input", "x=[0.0]", "--format", "json")
+    assert rc == 0 and '"values": [5.0]' in out, err
