@@ -57,6 +57,7 @@ BAD = {
     "capital field in target": ('"h.{i}.w" = "proj.weight{I}"\n', "placeholder {I}"),
     "conversion in target": ('"h.{i}.w" = "proj.weight{i!r}"\n', "placeholder {i!r}"),
     "stray brace in source": ('"h.{i.w" = "proj.weight"\n', "stray brace"),
+    "lone brace (found by tests/test_fuzz_inputs.py)": ('"{" = "proj.weight"\n', "stray brace"),
     "capital field in source": ('"h.{I}.w" = "proj.weight"\n', "stray brace or a placeholder"),
     "adjacent placeholders": ('"h.{i}{j}.w" = "proj.weight"\n', "next to another placeholder"),
     "two stars": ('"*h*" = "proj.weight"\n', "a pattern may have one"),

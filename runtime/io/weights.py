@@ -301,27 +301,24 @@ def _compile(pattern: str, where: str = "") -> re.Pattern:
     braces, ``{0}`` or ``{I}`` would reach str.format; and a pattern's regex must match in time
     linear-ish in the name, so at most one ``*`` and no two captures side by side (``a*b*c*...``
     or ``{i}{j}`` backtrack exponentially or polynomially on a long name)."""
-    parts = re.split(r"(\{[a-z_]+\})", pattern)
-    for p in parts:
-        if not p.startswith("{") and ("{" in p or "}" in p):
-            raise WeightsError(f"{where}: '{pattern}' has a stray brace or a placeholder that is not "
-                               f"{{lowercase_name}} (e.g. {{i}})")
-    seen = [p for p in parts if p.startswith("{")]
+    parts = re.split(r"(\{[a-z_]+\})", pattern)  # literals at even indices, placeholders at odd ones
+    if any("{" in p or "}" in p for p in parts[::2]):
+        raise WeightsError(f"{where}: '{pattern}' has a stray brace or a placeholder that is not "
+                           f"{{lowercase_name}} (e.g. {{i}})")
+    seen = parts[1::2]
     if len(seen) != len(set(seen)):
         raise WeightsError(f"{where}: a placeholder appears twice in '{pattern}'")
     if pattern.count("*") > 1:
         raise WeightsError(f"{where}: '{pattern}' has {pattern.count('*')} '*'; a pattern may have one")
-    for i, p in enumerate(parts):
-        if not p.startswith("{"):
-            continue
-        before, after = parts[i - 1], parts[i + 1]  # re.split puts a (maybe empty) literal on each side
+    for i in range(1, len(parts), 2):
+        before, after = parts[i - 1], parts[i + 1]
         beside = "another placeholder" if after == "" and i + 2 < len(parts) else \
             repr(after[0]) if after[:1].isdigit() or after[:1] == "*" else "'*'" if before.endswith("*") else None
         if beside:
-            raise WeightsError(f"{where}: in '{pattern}', {p} is next to {beside}; a placeholder must sit between "
-                               f"text that is neither a digit nor '*', so the match is unique")
-    rx = "".join(f"(?P<{p[1:-1]}>\\d+)" if p.startswith("{") else re.escape(p).replace(r"\*", ".*")
-                 for p in parts)
+            raise WeightsError(f"{where}: in '{pattern}', {parts[i]} is next to {beside}; a placeholder must sit "
+                               f"between text that is neither a digit nor '*', so the match is unique")
+    rx = "".join(f"(?P<{p[1:-1]}>\\d+)" if i % 2 else re.escape(p).replace(r"\*", ".*")
+                 for i, p in enumerate(parts))
     return re.compile(rx)
 
 
