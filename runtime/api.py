@@ -40,6 +40,11 @@ def _set_args(overrides: dict) -> list[str]:
     return out
 
 
+def _as_list(v):
+    """A list or tuple argument as a list; anything else (None, a str) as it is, for check() to refuse."""
+    return list(v) if isinstance(v, (list, tuple)) else v
+
+
 class Model:
     """A spec with a variant, overrides and weights; compiled lazily for each use."""
 
@@ -115,7 +120,7 @@ class Model:
         o = RunOptions(provider=provider, attention=attention, target=target, dtype=dtype, quantize=quantize,
                        quantize_block=quantize_block, quantize_head=quantize_head,
                        quantize_activations=quantize_activations, sparse_moe=sparse_moe, recurrence=recurrence,
-                       explain=explain, tokenizer=tokenizer, texts=list(texts), images=list(images), pool=pool,
+                       explain=explain, tokenizer=tokenizer, texts=_as_list(texts), images=_as_list(images), pool=pool,
                        save=save).for_api()
         o.check()
         key = (provider, attention, target, dtype, quantize, quantize_block, quantize_head, quantize_activations,
