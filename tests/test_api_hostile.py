@@ -122,3 +122,22 @@ def test_input_json_nested_deep_is_a_clean_error(capsys):
     sets = ["--set", "layers=1", "--set", "d=32", "--set", "heads=2", "--set", "vocab=50", "--set", "ctx=16"]
     assert "nested too deep" in cli_error(capsys, "run", "gpt2", *sets, "--input", deep)
     assert "nested too deep" in cli_error(capsys, "generate", "gpt2", *sets, "--input", deep, "--max-new-tokens", "2")
+
+
+def test_genai_output_with_a_name_too_long(capsys, tmp_path):
+    """compile --genai -o DIR/<300 characters>/g was an OSError traceback (the disk check's is_dir)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from conftest import cli_error
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(["the quick brown fox"] * 20, trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.save(str(tmp_path / "tokenizer.json"))
+    sets = ["--set", "layers=1", "--set", "d=32", "--set", "heads=2", "--set", f"vocab={tok.get_vocab_size()}",
+            "--set", "ctx=16"]
+    err = cli_error(capsys, "compile", "gpt2", *sets, "--genai", "--tokenizer", tmp_path / "tokenizer.json",
+                    "-o", tmp_path / ("a" * 300) / "g")
+    assert "File name too long" in err
