@@ -119,3 +119,13 @@ def test_generate_on_a_file_that_is_not_onnx(tmp_path, capsys, content):
     path.write_bytes(content)
     err = cli_error(capsys, "generate", path, "--input", "tokens=[[1, 2]]", "--max-new-tokens", "2")
     assert "is not an ONNX model" in err
+
+
+def test_serve_reads_files_through_the_same_checks(compiled, capsys, tmp_path):
+    """`tessera serve` loads an .onnx through CachedModel.from_onnx too: random bytes and changed metadata
+    are the same clean errors (--explain: no port is opened)."""
+    pytest.importorskip("fastapi")
+    (tmp_path / "r.onnx").write_bytes(bytes(range(256)) * 8)
+    assert "is not an ONNX model" in cli_error(capsys, "serve", tmp_path / "r.onnx", "--explain")
+    path = _with_meta(compiled, "cached.onnx", "tessera.kv_cache", "[" * 10000 + "]" * 10000, "serve-deep")
+    assert CHANGED in cli_error(capsys, "serve", path, "--explain")
