@@ -62,13 +62,13 @@ def _value(name: str, text: str, spec: InputSpec) -> np.ndarray:
     return _cast(name, arr, spec)
 
 
-def _rectangular(name: str, data, spec: InputSpec) -> np.ndarray:
+def _rectangular(name: str, data, spec: InputSpec, what: str = "the JSON array") -> np.ndarray:
     """Nested lists of numbers as one array; ragged rows, strings, None, dicts or integers past int64
     (numpy would make an object array of them) are InputErrors naming the input."""
     try:
         arr = np.array(data)
     except (ValueError, TypeError, OverflowError, RecursionError):
-        raise InputError(f"input '{name}': the array is not rectangular; expected {spec}") from None
+        raise InputError(f"input '{name}': {what} is not rectangular; expected {spec}") from None
     if arr.dtype == object or arr.dtype.kind not in "biuf":
         raise InputError(f"input '{name}': expected numbers (integers within int64 for ids) in a rectangular "
                          f"array of shape {spec}")
@@ -82,7 +82,7 @@ def to_array(name: str, value, specs: list[InputSpec]) -> np.ndarray:
     if spec is None:
         raise InputError(f"unknown input '{name}'; the model's inputs are: "
                          + ", ".join(f"{s.name}: {s}" for s in specs))
-    arr = value if isinstance(value, np.ndarray) else _rectangular(name, value, spec)
+    arr = value if isinstance(value, np.ndarray) else _rectangular(name, value, spec, "the array")
     if arr.dtype == object or arr.dtype.kind not in "biuf":
         raise InputError(f"input '{name}': expected numbers in a rectangular array of shape {spec}, "
                          f"got dtype {arr.dtype}")
