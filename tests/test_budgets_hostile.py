@@ -125,3 +125,15 @@ def test_a_loop_with_a_huge_constant_trip_count_is_refused(capsys, tmp_path):
     _loop_model(5, tmp_path / "small.onnx")
     rc, out, err = cli(capsys, "run", tmp_path / "small.onnx", "--input", "x=[0.0]", "--format", "json")
     assert rc == 0 and '"values": [5.0]' in out, err
+
+
+def test_an_encoder_decoder_source_past_the_cap_is_refused(capsys):
+    """A 100,000-token source hung the encoder; past MAX_SOURCE_TOKENS it is refused before encoding."""
+    from conftest import cli_error
+    from tessera.runtime.generation.loop import MAX_SOURCE_TOKENS
+
+    row = ", ".join(["1"] * (MAX_SOURCE_TOKENS + 1))
+    err = cli_error(capsys, "generate", "transformer", "--set", "layers=1", "--set", "d=32", "--set", "d_ff=64",
+                    "--set", "heads=2", "--set", "vocab=50", "--input", f"src=[[{row}]]", "--input",
+                    f"src_mask=[[{row}]]", "--start-token", "0", "--max-new-tokens", "2")
+    assert f"{MAX_SOURCE_TOKENS + 1:,} tokens per row" in err
