@@ -156,7 +156,8 @@ def input_limits(text: str, path, inputs: set[str]) -> InputLimits:
                 pair = _list(value, f"{part}.{name[:40]}")
                 if len(pair) != 2:
                     raise _Bad(f"{part}.{name[:40]} must be [rows, table]")
-                limits[name] = (_int(pair[0], f"{part}.{name[:40]} rows", 1), _str(pair[1], f"{part}.{name[:40]} table"))
+                at = f"{part}.{name[:40]}"
+                limits[name] = (_int(pair[0], f"{at} rows", 1), _str(pair[1], f"{at} table"))
             out.append(limits)
         return InputLimits(*out)
     except _Bad as e:

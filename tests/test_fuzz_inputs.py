@@ -179,8 +179,8 @@ SPEC = 'model Tiny(d = 4) {\n  in x: f32[B, T, d]\n  out y: f32[B, T, d]\n  y = 
 pattern_text = st.text(alphabet="{}*.ai0_Iproj.weightbias[]", max_size=24)
 toml_value = st.one_of(
     pattern_text.map(json.dumps),
-    st.builds(lambda to, ax, tr: "{ split = [%s, %s], axis = %d, transpose = %s }" % (json.dumps(to), json.dumps(to + "x"),
-                                                                                     ax, "true" if tr else "false"),
+    st.builds(lambda to, ax, tr: "{ split = [%s, %s], axis = %d, transpose = %s }" % (
+        json.dumps(to), json.dumps(to + "x"), ax, "true" if tr else "false"),
               pattern_text, st.integers(min_value=-1, max_value=5), st.booleans()),
     st.sampled_from(['{ to = "proj.weight" }', "3", "[1, 2]", '{ groups = 0, split = ["a", "b"] }']))
 mapping = st.one_of(
@@ -240,11 +240,11 @@ def test_fuzz_tokenizer_json(tmp_path_factory, data):
     _documented(lambda: text.load_tokenizer(path))
 
 
-header_entry = st.fixed_dictionaries({"dtype": st.one_of(st.sampled_from(["F32", "F16", "I64", "BOOL", "X"]), json_values),
-                                      "shape": st.one_of(st.lists(st.integers(min_value=-1, max_value=2 ** 40), max_size=3),
-                                                         json_values),
-                                      "data_offsets": st.one_of(st.lists(st.integers(min_value=-1, max_value=2 ** 40),
-                                                                         min_size=2, max_size=2), json_values)})
+sizes = st.integers(min_value=-1, max_value=2 ** 40)
+header_entry = st.fixed_dictionaries({
+    "dtype": st.one_of(st.sampled_from(["F32", "F16", "I64", "BOOL", "X"]), json_values),
+    "shape": st.one_of(st.lists(sizes, max_size=3), json_values),
+    "data_offsets": st.one_of(st.lists(sizes, min_size=2, max_size=2), json_values)})
 
 
 @SETTINGS
