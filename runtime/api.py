@@ -30,7 +30,7 @@ import numpy as np
 from tessera.runtime import driver, pipeline
 from tessera.runtime.generation import cached as gen
 from tessera.runtime.generation import loop
-from tessera.runtime.options import CompileOptions, GenerateOptions, ModelRef, ReportOptions, RunOptions
+from tessera.runtime.options import CompileOptions, GenerateOptions, ModelRef, ReportOptions, RunOptions, split_prompt
 
 
 def _set_args(overrides: dict) -> list[str]:
@@ -38,6 +38,11 @@ def _set_args(overrides: dict) -> list[str]:
     for k, v in overrides.items():
         out.append(f"{k}={'true' if v is True else 'false' if v is False else v}")
     return out
+
+
+def _as_list(v):
+    """A list or tuple argument as a list; anything else (None, a str) as it is, for check() to refuse."""
+    return list(v) if isinstance(v, (list, tuple)) else v
 
 
 class Model:
@@ -135,7 +140,7 @@ class Model:
         o = RunOptions(provider=provider, attention=attention, target=target, dtype=dtype, quantize=quantize,
                        quantize_block=quantize_block, quantize_head=quantize_head,
                        quantize_activations=quantize_activations, sparse_moe=sparse_moe, recurrence=recurrence,
-                       explain=explain, tokenizer=tokenizer, texts=list(texts), images=list(images), pool=pool,
+                       explain=explain, tokenizer=tokenizer, texts=_as_list(texts), images=_as_list(images), pool=pool,
                        save=save).for_api()
         o.check()
         key = (provider, attention, target, dtype, quantize, quantize_block, quantize_head, quantize_activations,
@@ -184,24 +189,21 @@ class Model:
         and ``quantize``... are generate's --cache and --quantize.... A setting left None comes from the
         checkpoint's generation_config.json (else 32 new tokens, greedy); generation stops at the
         checkpoint's eos_token_id unless ``ignore_eos=True``; ``explain=True`` prints where each came from."""
-        is_text = isinstance(prompt, str) or (isinstance(prompt, (list, tuple)) and prompt and
-                                              all(isinstance(p, str) for p in prompt))
-        single = isinstance(prompt, str) or (not is_text and len(prompt) > 0 and
-                                             all(isinstance(t, (int, np.integer)) for t in prompt))
-        texts = [prompt] if isinstance(prompt, str) else list(prompt) if is_text else []
+        texts, ids, single = split_prompt(prompt)
+        is_text = bool(texts)
         if tokenizer is None and (is_text or stop) and self._folder_tokenizer is not None:
             tokenizer = self._folder_tokenizer
         o = GenerateOptions(max_new_tokens=max_new_tokens, tokenizer=tokenizer, prompts=texts,
                             temperature=temperature, top_k=top_k, top_p=top_p, repetition_penalty=repetition_penalty,
                             ignore_eos=ignore_eos, explain=explain,
-                            sampling_seed=seed, stops=[stop] if isinstance(stop, str) else list(stop),
-                            stop_tokens=list(stop_tokens), threads=threads, cache=cache, quantize=quantize,
+                            sampling_seed=seed, stops=[stop] if isinstance(stop, str) else stop,
+                            stop_tokens=stop_tokens, threads=threads, cache=cache, quantize=quantize,
                             quantize_block=quantize_block, quantize_head=quantize_head,
                             quantize_activations=quantize_activations).for_api()
         o.check()  # before the tokenizer is read
         tok = self.tokenizer(tokenizer) if tokenizer is not None else None
         # errors now, not at the first next()
-        run = driver.generate(self.ref, o, None if is_text else prompt, self._weights, self._models, tok)
+        run = driver.generate(self.ref, o, ids, self._weights, self._models, tok)
         if stream:
             return self._stream(run, is_text, single)
         out: list[list[int]] | None = None

@@ -191,15 +191,13 @@ def run(ref: ModelRef, o: RunOptions, arrays: dict | None = None, weights=None,
 
 
 def _add_arrays(arrays: dict, specs, feeds: dict[str, np.ndarray]) -> None:
-    """Named arrays (or nested lists, converted to the input's element type)."""
-    from tessera.compiler.ir.graph import DTYPES
+    """Named arrays (or nested lists), checked and converted like --input's (runtime/io/inputs.py)."""
+    from tessera.runtime.io.inputs import to_array
 
-    by_name = {s.name: s for s in specs}
     for name, value in arrays.items():
         if name in feeds:
             raise UsageError(f"input '{name}' is given twice")
-        spec = by_name.get(name)
-        feeds[name] = np.asarray(value, dtype=DTYPES[spec.dtype]) if spec is not None else np.asarray(value)
+        feeds[name] = to_array(name, value, specs)
 
 
 def _alignment(o: RunOptions, sess, outputs, runnable: Runnable, feeds, model: str):

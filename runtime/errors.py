@@ -7,3 +7,8 @@ each other in a cycle (pyproject.toml's contracts forbid it)."""
 
 class UsageError(Exception):
     """A bad command-line value (not a spec error)."""
+
+
+class ModelFileError(Exception):
+    """An ONNX file that cannot be read, that onnxruntime refuses to load, or whose Tessera metadata is
+    not what this version writes (runtime/session.py and runtime/metadata.py raise it)."""

@@ -80,16 +80,58 @@ def check_path(name: str, v, optional: bool = True) -> None:
         return
     if not isinstance(v, (str, Path)):  # an empty or unusable path is refused where it is used, with its reason
         raise UsageError(f"{name} must be a path (a str or pathlib.Path), got {v!r}")
+    if "\0" in str(v):  # the OS cannot take it; open() would raise ValueError deep inside
+        raise UsageError(f"{name} must be a path without NUL characters, got {str(v)!r}")
+    check_text(name, str(v))
+
+
+def check_text(name: str, v: str) -> None:
+    """A str that is valid Unicode: a lone surrogate (``"\\ud800"``, or undecodable bytes of a command
+    line) cannot be encoded to UTF-8, and tokenizers and file systems raise deep inside on it."""
+    try:
+        v.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise UsageError(f"{name} holds a character that is not valid Unicode ({v[e.start]!r} at "
+                         f"position {e.start}, a lone surrogate); give valid UTF-8 text") from None
 
 
 def check_strings(name: str, v) -> None:
     if not isinstance(v, (list, tuple)) or not all(isinstance(s, str) for s in v):
         raise UsageError(f"{name} must be a list of strings, got {v!r}")
+    for s in v:
+        check_text(name, s)
 
 
 def check_ints(name: str, v) -> None:
     if not isinstance(v, (list, tuple)) or not all(_is_int(t) for t in v):
         raise UsageError(f"{name} must be a list of integers, got {v!r}")
+
+
+def split_prompt(prompt) -> tuple[list[str], object, bool]:
+    """The API's ``prompt`` as (texts, token ids or None, single): a str, a list of str, a list of ids
+    or a list of such lists (rows of ids are checked against the vocabulary once the model is loaded).
+    Anything else (None, a number, a dict, floats) is refused here, naming what is accepted."""
+    import numpy as np
+
+    accepted = ("prompt must be a str, a list of str, a list of integer token ids or a list of such lists, "
+                f"got {prompt!r}"[:300])
+    if isinstance(prompt, str):
+        check_text("prompt", prompt)
+        return [prompt], None, True
+    if isinstance(prompt, np.ndarray):
+        prompt = prompt.tolist()
+    if not isinstance(prompt, (list, tuple)):
+        raise UsageError(accepted)
+    if prompt and all(isinstance(p, str) for p in prompt):
+        check_strings("prompt", prompt)
+        return list(prompt), None, False
+    if prompt and all(_is_int(t) for t in prompt):
+        return [], list(prompt), True
+    rows = [p.tolist() if isinstance(p, np.ndarray) else p for p in prompt]
+    for i, row in enumerate(rows):
+        if not isinstance(row, (list, tuple)) or not all(_is_int(t) for t in row):
+            raise UsageError(f"prompt {i}: {accepted}" if isinstance(row, (list, tuple)) else accepted)
+    return [], rows, False
 
 
 class Options:
@@ -152,7 +194,7 @@ class ModelRef(Options):
             raise UsageError(f"variant must be a string, got {self.variant!r}")
         check_strings(self.label("sets"), self.sets)
         check_path(self.label("weights"), self.weights)
-        check_int(self.label("seed"), self.seed)
+        check_int(self.label("seed"), self.seed, minimum=0)
         check_bool(self.label("allow_large"), self.allow_large)
 
     @property
@@ -516,7 +558,7 @@ class GenerateOptions(QuantOptions):
         check_int(self.label("top_k"), self.top_k, optional=True)
         check_bool(self.label("ignore_eos"), self.ignore_eos)
         check_bool(self.label("explain"), self.explain)
-        check_int(self.label("sampling_seed"), self.sampling_seed, optional=True)
+        check_int(self.label("sampling_seed"), self.sampling_seed, minimum=0, optional=True)
         check_strings(self.label("stops"), self.stops)
         check_ints(self.label("stop_tokens"), self.stop_tokens)
         check_choice(self.label("format"), self.format, ("text", "json"))

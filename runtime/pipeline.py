@@ -114,7 +114,13 @@ def available_memory() -> int | None:
 
 def available_disk(path: Path) -> int | None:
     """Bytes free on the file system that would hold ``path`` (its nearest existing folder)."""
-    folder = next((p for p in [Path(path).parent, *Path(path).parent.parents] if p.is_dir()), None)
+    def is_dir(p: Path) -> bool:  # Path.is_dir raises for a name too long (ENAMETOOLONG); the writer says why
+        try:
+            return p.is_dir()
+        except (OSError, ValueError):
+            return False
+
+    folder = next((p for p in [Path(path).parent, *Path(path).parent.parents] if is_dir(p)), None)
     try:
         return shutil.disk_usage(folder).free if folder is not None else None
     except OSError:

@@ -12,6 +12,7 @@ import onnx
 from tessera.compiler.backends.onnx.export import ONNX_DTYPES
 from tessera.compiler.ir.signature import InputLimits, InputSpec
 
+from tessera.runtime.errors import ModelFileError
 from tessera.runtime.files import stat_or_raise
 
 _FROM_ONNX = {v: k for k, v in ONNX_DTYPES.items()}
@@ -26,10 +27,6 @@ def _ort():
 
     ort.set_default_logger_severity(3)  # onnxruntime-gpu warns loudly on machines without CUDA
     return ort
-
-
-class ModelFileError(Exception):
-    """An ONNX file that cannot be read, or that onnxruntime refuses to load."""
 
 
 def _refused(src, e: Exception) -> ModelFileError:
@@ -92,7 +89,7 @@ def onnx_signature(path: str | Path) -> tuple[list[InputSpec], InputLimits | Non
     """The inputs of an ONNX file, and the id ranges and position limits Tessera stored in its
     metadata (None for files Tessera did not write). Reads the file once, without external data;
     a file that is not a readable ONNX model is a ModelFileError saying why."""
-    model = _load_model_proto(Path(path))
+    model = load_model_proto(Path(path))
     init = {i.name for i in model.graph.initializer}
     specs = []
     for vi in model.graph.input:
@@ -101,18 +98,48 @@ def onnx_signature(path: str | Path) -> tuple[list[InputSpec], InputLimits | Non
         t = vi.type.tensor_type
         dims = tuple(d.dim_value if d.HasField("dim_value") else (d.dim_param or "?") for d in t.shape.dim)
         specs.append(InputSpec(vi.name, _FROM_ONNX.get(t.elem_type, "f32"), dims))
+    check_loop_trips(model, path)
     limits = None
     for e in model.metadata_props:
         if e.key == InputLimits.METADATA_KEY:
-            try:
-                limits = InputLimits.from_json(e.value)
-            except (ValueError, TypeError, AttributeError, KeyError) as err:
-                raise ModelFileError(f"{path}: its '{InputLimits.METADATA_KEY}' metadata is malformed ({err}); "
-                                     f"recompile the model") from None
+            from tessera.runtime import metadata
+
+            limits = metadata.input_limits(e.value, path, {s.name for s in specs})
     return specs, limits
 
 
-def _load_model_proto(path: Path) -> onnx.ModelProto:
+MAX_LOOP_TRIPS = 10 ** 7
+"""Iterations a Loop with a constant trip count may declare: Tessera's own Loops (tiled attention,
+scans) count heads x tiles or time steps at run time; a constant of 10**12 is a file that would run
+for days with no way to stop it but killing the process."""
+
+
+def check_loop_trips(model: onnx.ModelProto, path) -> None:
+    """Refuse a Loop (at any depth) whose trip count is a constant past MAX_LOOP_TRIPS, before running."""
+    from onnx import numpy_helper
+
+    graphs = [model.graph]
+    while graphs:
+        g = graphs.pop()
+        consts = {i.name: i for i in g.initializer}
+        consts.update({n.output[0]: a.t for n in g.node if n.op_type == "Constant" and n.output
+                       for a in n.attribute if a.name == "value"})
+        for n in g.node:
+            graphs.extend(a.g for a in n.attribute if a.type == onnx.AttributeProto.GRAPH)
+            graphs.extend(sub for a in n.attribute if a.type == onnx.AttributeProto.GRAPHS for sub in a.graphs)
+            if n.op_type != "Loop" or not n.input or n.input[0] not in consts:
+                continue
+            try:
+                trips = numpy_helper.to_array(consts[n.input[0]]).reshape(-1)
+            except Exception:  # a malformed tensor: onnxruntime refuses the file with its own reason
+                continue
+            if trips.size == 1 and trips.dtype.kind in "iu" and int(trips[0]) > MAX_LOOP_TRIPS:
+                raise ModelFileError(f"{path}: Loop {n.name or n.output[0] if n.output else '?'} runs "
+                                     f"{int(trips[0]):,} times, more than the {MAX_LOOP_TRIPS:,} that run allows "
+                                     f"(it would not finish)")
+
+
+def load_model_proto(path: Path) -> onnx.ModelProto:
     st = stat_or_raise(path, "model file", ModelFileError)
     if not stat.S_ISREG(st.st_mode):
         raise ModelFileError(f"{path} is {'a folder' if stat.S_ISDIR(st.st_mode) else 'not a regular file'}, "

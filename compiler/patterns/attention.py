@@ -153,6 +153,10 @@ def _check_scale(g: Graph, n: Node, m: AttentionMatch) -> str | None:
                f"(a multiplicative mask is not additive)"
     if n.op == "div" and _scalar_const(g, n.inputs[1]) is None:
         return "scores divide a constant (not a scale)"
+    c = _scalar_const(g, n.inputs[1])
+    c = _scalar_const(g, n.inputs[0]) if c is None else c
+    if c == 0.0 or not np.isfinite(c):  # 1 / 0 in _absorb_scale; a kernel scale of 0, inf or nan means nothing
+        return f"scores are {'multiplied' if n.op == 'mul' else 'divided'} by {c} (no scale a kernel can apply)"
     return None
 
 

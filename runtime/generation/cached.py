@@ -36,7 +36,6 @@ seeded once per call, so the same seed gives the same tokens.
 
 from __future__ import annotations
 
-import json
 import sys
 import time
 from dataclasses import dataclass, field
@@ -99,8 +98,6 @@ class CachedModel:
 
     @classmethod
     def from_onnx(cls, path: str | Path, provider: str = "cpu", threads: int | None = None) -> "CachedModel":
-        import onnx
-
         path = Path(path)
         if path.is_dir():
             found = sorted(path.glob("*.onnx"))
@@ -109,12 +106,19 @@ class CachedModel:
             path = found[0]
         if not path.exists():
             raise UsageError(f"model file not found: {path}")
-        model = onnx.load(str(path), load_external_data=False)
+        from tessera.runtime import metadata
+        from tessera.runtime.session import load_model_proto
+
+        model = load_model_proto(path)  # a random, text or truncated file: a ModelFileError, as for run
         meta = {e.key: e.value for e in model.metadata_props}
         if CacheInfo.METADATA_KEY not in meta:
             raise UsageError(f"{path} was compiled without a KV cache; generate from the .tsr spec, or compile "
                              f"one with tessera.load(...).compile(out, kv_cache=True)")
-        return cls(str(path), CacheInfo.from_json(json.loads(meta[CacheInfo.METADATA_KEY])), provider, threads)
+        inits = {i.name for i in model.graph.initializer}
+        info = metadata.cache_info(meta[CacheInfo.METADATA_KEY], path,
+                                   {i.name for i in model.graph.input if i.name not in inits},
+                                   {o.name for o in model.graph.output})
+        return cls(str(path), info, provider, threads)
 
     def run(self, feeds: dict[str, np.ndarray], bound: "BoundStep | None" = None) -> dict[str, np.ndarray]:
         """One step: through ``bound`` (the cache buffers bound in place, a decoding step of a graph whose
@@ -224,6 +228,11 @@ def check_request(model: CachedModel, prompts, max_new_tokens: int, sampling: Sa
         raise UsageError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens}")
     longest = max(len(p) for p in prompts)
     ctx = model.info.context
+    if ctx is None and longest + max_new_tokens > NO_CONTEXT_CAP:
+        raise UsageError(f"max_new_tokens={max_new_tokens}: the model declares no context length (a sliding window "
+                         f"or positions without a trained bound), so generation is capped at {NO_CONTEXT_CAP:,} "
+                         f"positions (prompt and new tokens); the prompt has {longest}, so at most "
+                         f"{max(NO_CONTEXT_CAP - longest, 0):,} new tokens")
     if ctx is not None:
         if longest > ctx:
             raise UsageError(f"the prompt has {longest} tokens, longer than the model's context of {ctx} positions")
@@ -233,7 +242,33 @@ def check_request(model: CachedModel, prompts, max_new_tokens: int, sampling: Sa
     for t in stop_tokens:
         if not isinstance(t, (int, np.integer)) or t < 0 or (model.vocab is not None and t >= model.vocab):
             raise UsageError(f"unknown stop token {t}: ids are in [0, {model.vocab})")
+    check_cache_fits(model.info, len(prompts), longest + max_new_tokens, np.dtype(model.np_dtype).itemsize)
     return prompts
+
+
+NO_CONTEXT_CAP = 1 << 16
+"""Positions (prompt and new tokens) a model that declares no context may generate to: without it a
+sliding-window model (its cache trimmed to the window) would decode max_new_tokens=10**9 steps."""
+
+
+def cache_bytes(info: CacheInfo, rows: int, positions: int, itemsize: int) -> int:
+    """The KV cache's bytes for ``rows`` sequences of ``positions`` (a concat cache trimmed to a sliding
+    window holds at most the window)."""
+    window = cache_window(info)
+    kept = min(positions, window) if window and info.mode == "concat" else positions
+    return sum(rows * layer.kv_heads * kept * (layer.head_size + layer.value_size) for layer in info.layers) * itemsize
+
+
+def check_cache_fits(info: CacheInfo, rows: int, positions: int, itemsize: int, what: str = "the KV cache") -> None:
+    """Refuse, before anything is allocated, a cache larger than the memory available, with its size
+    (numpy's MemoryError would come after the prompt was run, or never: the allocation may be lazy)."""
+    from tessera.runtime.pipeline import available_memory
+
+    need, avail = cache_bytes(info, rows, positions, itemsize), available_memory()
+    if avail is not None and need > avail:
+        raise UsageError(f"{what} for {rows} sequence(s) of {positions:,} positions is {need:,} bytes "
+                         f"({need / 2**30:,.1f} GiB, {len(info.layers)} layers), more than the {avail:,} bytes "
+                         f"({avail / 2**30:,.1f} GiB) of memory available; ask for fewer new tokens or prompts")
 
 
 def cache_window(info: CacheInfo) -> int:
@@ -250,16 +285,20 @@ class BoundStep:
     buffers itself: the buffers are bound once with IOBinding as both the past inputs and the
     graph's buffer outputs (``cache_key.{i}``: onnxruntime then sees one memory and shares it), the
     logits and the new columns go to arrays of their own, and each step binds only its inputs. No
-    step copies or reallocates the cache."""
+    step copies or reallocates the cache. A layer the kernel chooser left without a buffer output (a
+    model mixing head sizes: GroupQueryAttention takes multiples of 8 only) reads its bound buffer
+    as its past, and its one new column is copied in after the step."""
 
     def __init__(self, model: CachedModel, cache: dict[str, np.ndarray]):
         self.model, self.io = model, model.session.io_binding()
         info = model.info
+        self.cache, self.copied = cache, [layer for layer in info.layers if not layer.buffer_key]
         for layer in info.layers:
             for past, out in ((layer.past_key, layer.buffer_key), (layer.past_value, layer.buffer_value)):
                 buf = cache[past]
                 self.io.bind_cpu_input(past, buf)
-                self.io.bind_output(out, "cpu", 0, buf.dtype, list(buf.shape), buf.ctypes.data)
+                if out:  # bound with an empty name, onnxruntime fails ("Failed to find NodeArg with name: ")
+                    self.io.bind_output(out, "cpu", 0, buf.dtype, list(buf.shape), buf.ctypes.data)
         self.buffers = set(cache)
         self.outputs: dict[str, np.ndarray] = {}
         b = next(iter(cache.values())).shape[0]
@@ -286,6 +325,11 @@ class BoundStep:
             self.model.session.run_with_iobinding(self.io)
         except Exception as e:  # onnxruntime's own exception types
             raise RunError(f"onnxruntime could not run a decoding step: {ort_message(e)}") from None
+        if self.copied:
+            at = int(feeds[self.model.info.length_input][0])  # the slot this step's column goes to
+            for layer in self.copied:
+                self.cache[layer.past_key][:, :, at:at + 1] = self.outputs[layer.present_key]
+                self.cache[layer.past_value][:, :, at:at + 1] = self.outputs[layer.present_value]
         return {self.logits: self.outputs[self.logits].copy()}
 
 

@@ -63,11 +63,19 @@ class EncoderDecoder:
                                  f"the padding in the source mask)")
             if len(data) != rows:
                 raise UsageError(f"--input {name} has {len(data)} rows but there are {rows} target prompts")
+            if len(data[0]) > MAX_SOURCE_TOKENS:
+                raise UsageError(f"--input {name} has {len(data[0]):,} tokens per row; an encoder-decoder's source "
+                                 f"is capped at {MAX_SOURCE_TOKENS:,} (MAX_SOURCE_TOKENS)")
             feeds[name] = np.array(data, dtype=np.int64)
         from tessera.compiler.ir.signature import check_limits
 
         check_limits(self.limits, feeds, {})  # ids within their tables (InputError: a clear message)
         return self.s2s.encode(feeds)
+
+
+MAX_SOURCE_TOKENS = 16_384
+"""Source tokens per row an encoder-decoder takes: its encoder's attention is quadratic in them (a
+100,000-token source ran for hours); the bundled ones were trained on 512 (T5) or fewer."""
 
 
 def load_model(ref, o, weights=None, models: dict | None = None):

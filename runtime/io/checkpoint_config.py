@@ -46,6 +46,8 @@ def read_config(folder: Path) -> dict | None:
         data = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise WeightsError(f"{path}: not valid JSON: {e}") from None
+    except RecursionError:  # json's decoder recurses per nested array or object
+        raise WeightsError(f"{path}: not a checkpoint config: arrays or objects nested too deep") from None
     if not isinstance(data, dict):
         raise WeightsError(f"{path}: expected a JSON object, got {type(data).__name__}")
     return data

@@ -56,12 +56,42 @@ def _value(name: str, text: str, spec: InputSpec) -> np.ndarray:
         except json.JSONDecodeError as e:
             raise InputError(f"input '{name}': value is neither a JSON array nor a .npy path ({e.msg} at "
                              f"character {e.pos}); expected {spec}") from None
-        try:
-            arr = np.array(data)
-        except ValueError:
-            raise InputError(f"input '{name}': the JSON array is not rectangular; expected {spec}") from None
-        if arr.dtype == object or arr.dtype.kind not in "biuf":
-            raise InputError(f"input '{name}': expected numbers in a rectangular array of shape {spec}")
+        except RecursionError:  # json's decoder recurses per level; numpy takes at most 64 dimensions anyway
+            raise InputError(f"input '{name}': the JSON array is nested too deep; expected {spec}") from None
+        arr = _rectangular(name, data, spec)
+    return _cast(name, arr, spec)
+
+
+def _rectangular(name: str, data, spec: InputSpec, what: str = "the JSON array") -> np.ndarray:
+    """Nested lists of numbers as one array; ragged rows, strings, None, dicts or integers past int64
+    (numpy would make an object array of them) are InputErrors naming the input."""
+    try:
+        arr = np.array(data)
+    except (ValueError, TypeError, OverflowError, RecursionError):
+        raise InputError(f"input '{name}': {what} is not rectangular; expected {spec}") from None
+    if arr.dtype == object or arr.dtype.kind not in "biuf":
+        raise InputError(f"input '{name}': expected numbers (integers within int64 for ids) in a rectangular "
+                         f"array of shape {spec}")
+    return arr
+
+
+def to_array(name: str, value, specs: list[InputSpec]) -> np.ndarray:
+    """An input given as a Python value (the API's ``run(tokens=...)``, an array or nested lists),
+    under --input's rules: float or bool values for an integer input are refused, never truncated."""
+    spec = next((s for s in specs if s.name == name), None)
+    if spec is None:
+        raise InputError(f"unknown input '{name}'; the model's inputs are: "
+                         + ", ".join(f"{s.name}: {s}" for s in specs))
+    arr = value if isinstance(value, np.ndarray) else _rectangular(name, value, spec, "the array")
+    if arr.dtype == object or arr.dtype.kind not in "biuf":
+        raise InputError(f"input '{name}': expected numbers in a rectangular array of shape {spec}, "
+                         f"got dtype {arr.dtype}")
+    return _cast(name, arr, spec)
+
+
+def _cast(name: str, arr: np.ndarray, spec: InputSpec) -> np.ndarray:
+    """``arr`` as the input's element type, where that loses nothing a user meant."""
+    want = np.dtype(DTYPES[spec.dtype])
     if arr.dtype == want:
         return arr
     if arr.size == 0:
@@ -81,6 +111,9 @@ def _json_rows(name: str, text: str) -> list[list[int]]:
         data = json.loads(text)
     except json.JSONDecodeError as e:
         raise UsageError(f"--input {name}: not a JSON list ({e.msg} at character {e.pos})") from None
+    except RecursionError:
+        raise UsageError(f"--input {name}: the JSON list is nested too deep; give rows of token ids, e.g. "
+                         f"{name}=[[464, 2068]]") from None
     if isinstance(data, list) and data and all(isinstance(t, int) and not isinstance(t, bool) for t in data):
         data = [data]
     if not isinstance(data, list) or not data or not all(isinstance(p, list) for p in data):

@@ -21,6 +21,8 @@ from tessera.compiler.backends.atomic import OutputError, write_atomically
 
 SUMMARY_ELEMENTS = 10_000
 HEAD_VALUES = 8
+FULL_MAX_ELEMENTS = 50_000_000  # --full: about 1 GB of JSON text; past it, --save DIR writes .npy files
+ROW_CHUNK = 4096  # elements turned into text at a time, however long an innermost row is
 
 
 def summary(v: np.ndarray) -> dict:
@@ -43,6 +45,13 @@ def _scalar(x) -> float | int | bool | str:
 def print_json(outputs: dict[str, np.ndarray], provider: str, full: bool, stream: TextIO) -> None:
     """One JSON object {provider, outputs: {name: {shape, dtype, values} or a summary}}; large
     outputs are summarised unless ``full``, and full values are written row by row."""
+    if full:  # refused before anything is written: half a JSON document is no use to anyone
+        big = {name: v.size for name, v in outputs.items() if v.size > FULL_MAX_ELEMENTS}
+        if big:
+            name, size = next(iter(big.items()))
+            raise OutputError(f"--full: output '{name}' has {size:,} elements, more than the {FULL_MAX_ELEMENTS:,} "
+                              f"that --format json --full prints (about 20 bytes of text each); use --save DIR to "
+                              f"write it as a .npy file")
     stream.write('{"provider": ' + json.dumps(provider) + ', "outputs": {')
     for i, (name, v) in enumerate(outputs.items()):
         stream.write((", " if i else "") + json.dumps(name) + ": ")
@@ -57,9 +66,15 @@ def print_json(outputs: dict[str, np.ndarray], provider: str, full: bool, stream
 
 
 def _write_values(v: np.ndarray, stream: TextIO) -> None:
-    """Nested JSON lists, one innermost row at a time (memory: one row's text)."""
-    if v.ndim <= 1:
+    """Nested JSON lists, ROW_CHUNK elements of an innermost row at a time (memory: that chunk's text)."""
+    if v.ndim == 0:
         stream.write(json.dumps(v.tolist()))
+        return
+    if v.ndim == 1:
+        stream.write("[")
+        for start in range(0, v.shape[0], ROW_CHUNK):
+            stream.write((", " if start else "") + json.dumps(v[start:start + ROW_CHUNK].tolist())[1:-1])
+        stream.write("]")
         return
     stream.write("[")
     for i in range(v.shape[0]):

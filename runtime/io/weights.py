@@ -103,6 +103,8 @@ class NameMap:
             data = tomllib.loads(text)
         except tomllib.TOMLDecodeError as e:
             raise WeightsError(f"{path}: not valid TOML: {e}") from None
+        except RecursionError:  # tomllib recurses per nested array or inline table
+            raise WeightsError(f"{path}: not a mapping file: arrays or tables nested too deep") from None
         unknown = set(data) - {"names", "ignore", "config"}
         if unknown:
             raise WeightsError(f"{path}: unknown section(s) {sorted(unknown)}; expected [names], [config] and "
@@ -154,7 +156,7 @@ class NameMap:
         for rule in m.rules:
             captured = set(rule.pattern.groupindex)
             for target in rule.targets:
-                missing = set(re.findall(r"\{([a-z_]+)\}", target)) - captured
+                missing = _target_fields(target, f"{path}: target '{target}'") - captured
                 if missing:
                     raise WeightsError(f"{path}: target '{target}' uses {{{', '.join(sorted(missing))}}}, which its "
                                        f"source pattern does not capture")
@@ -190,6 +192,9 @@ class NameMap:
             if name in native:  # already a Tessera path
                 out[name] = Piece(name, tuple(shape))
                 continue
+            if len(name) > MAX_NAME:  # matched against patterns, a hostile name would cost quadratic time
+                unmatched.append(name[:80] + "...")
+                continue
             for rule in self.rules:
                 m = rule.pattern.fullmatch(name)
                 if not m:
@@ -219,7 +224,10 @@ def _split_plan(name: str, shape: tuple[int, ...], rule: _Rule, targets: list[st
     turn, as BLOOM's and GPT-NeoX's query_key_value [heads, 3, hd] -- and each target gathers its
     slice of every group."""
     axis = rule.split_axis
-    size = shape[axis] if len(shape) > axis else 0
+    if axis >= len(shape):
+        raise WeightsError(f"{name} has shape {list(shape)} (rank {len(shape)}); its mapping rule splits it along "
+                           f"axis {axis}, past its rank")
+    size = shape[axis]
     listed = ", ".join(targets)
 
     def along(t):  # a target's size along the split axis, in the checkpoint's layout
@@ -285,14 +293,52 @@ class Piece:
         return arr.T if self.transpose else arr
 
 
+MAX_NAME = 1024  # checkpoint tensor names are under 200 characters; a longer one is not matched against patterns
+
+
 def _compile(pattern: str, where: str = "") -> re.Pattern:
-    parts = re.split(r"(\{[a-z_]+\})", pattern)
-    seen = [p for p in parts if p.startswith("{")]
+    """A name pattern as a regex: ``{name}`` captures digits, ``*`` any text. Why the rules: stray
+    braces, ``{0}`` or ``{I}`` would reach str.format; and a pattern's regex must match in time
+    linear-ish in the name, so at most one ``*`` and no two captures side by side (``a*b*c*...``
+    or ``{i}{j}`` backtrack exponentially or polynomially on a long name)."""
+    parts = re.split(r"(\{[a-z_]+\})", pattern)  # literals at even indices, placeholders at odd ones
+    if any("{" in p or "}" in p for p in parts[::2]):
+        raise WeightsError(f"{where}: '{pattern}' has a stray brace or a placeholder that is not "
+                           f"{{lowercase_name}} (e.g. {{i}})")
+    seen = parts[1::2]
     if len(seen) != len(set(seen)):
         raise WeightsError(f"{where}: a placeholder appears twice in '{pattern}'")
-    rx = "".join(f"(?P<{p[1:-1]}>\\d+)" if p.startswith("{") else re.escape(p).replace(r"\*", ".*")
-                 for p in parts)
+    if pattern.count("*") > 1:
+        raise WeightsError(f"{where}: '{pattern}' has {pattern.count('*')} '*'; a pattern may have one")
+    for i in range(1, len(parts), 2):
+        before, after = parts[i - 1], parts[i + 1]
+        beside = "another placeholder" if after == "" and i + 2 < len(parts) else \
+            repr(after[0]) if after[:1].isdigit() or after[:1] == "*" else "'*'" if before.endswith("*") else None
+        if beside:
+            raise WeightsError(f"{where}: in '{pattern}', {parts[i]} is next to {beside}; a placeholder must sit "
+                               f"between text that is neither a digit nor '*', so the match is unique")
+    rx = "".join(f"(?P<{p[1:-1]}>\\d+)" if i % 2 else re.escape(p).replace(r"\*", ".*")
+                 for i, p in enumerate(parts))
     return re.compile(rx)
+
+
+def _target_fields(target: str, where: str) -> set[str]:
+    """The placeholders of a target path (filled by str.format): only {lowercase_name} fields."""
+    import string
+
+    try:
+        parsed = list(string.Formatter().parse(target))
+    except ValueError as e:  # a stray '{' or '}'
+        raise WeightsError(f"{where}: {e}; placeholders are written {{i}}") from None
+    fields_ = set()
+    for _, name, spec, conv in parsed:
+        if name is None:
+            continue
+        if not re.fullmatch(r"[a-z_]+", name) or spec or conv:
+            raise WeightsError(f"{where}: placeholder {{{name}{'!' + conv if conv else ''}"
+                               f"{':' + spec if spec else ''}}} is not a {{lowercase_name}} the source captures")
+        fields_.add(name)
+    return fields_
 
 
 def _read_regular(path: Path, what: str, limit: int) -> bytes:
@@ -315,7 +361,7 @@ def _shard_files(path: Path) -> list[Path]:
     else:
         files = [path]
     for f in files:
-        if not stat.S_ISREG(os.stat(f).st_mode):
+        if not stat.S_ISREG(stat_or_raise(f, "weights shard", WeightsError).st_mode):  # a dangling symlink
             raise WeightsError(f"weights {f} is not a regular file")
     return files
 

@@ -328,6 +328,8 @@ def create_app(server: Server):
             data = json.loads(raw)
         except (ValueError, UnicodeDecodeError) as e:
             raise ApiError(400, f"the body is not valid JSON: {e}") from None
+        except RecursionError:  # json's decoder recurses per level: a 100,000-deep body is the client's error
+            raise ApiError(400, "the body is not valid JSON: arrays or objects nested too deep") from None
         if not isinstance(data, dict):
             raise ApiError(400, "the body must be a JSON object")
         return data

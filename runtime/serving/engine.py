@@ -43,7 +43,7 @@ from typing import Callable, Iterator
 import numpy as np
 
 from .metrics import Metrics
-from .model import CachedModel, Sampling, TextStopper, UsageError, choose, ort_message
+from .model import CachedModel, Sampling, TextStopper, UsageError, check_cache_fits, choose, ort_message
 
 WIDTH_STEP = 64  # attention width granularity of a decoding step (fewer distinct shapes)
 
@@ -198,6 +198,8 @@ class Engine:
         self.metrics = metrics or Metrics()
         self.vocab = model.vocab
         # ---- the cache, once: max_batch x kv_heads x capacity x hd elements per layer and key/value
+        check_cache_fits(info, max_batch, capacity, np.dtype(model.np_dtype).itemsize,
+                         "the engine's KV cache (--max-batch slots x --max-context positions)")
         self.cache: dict[str, np.ndarray] = {}  # flat; viewed as [max_batch, kv_heads, width, hd]
         self.dims: dict[str, tuple[int, int]] = {}  # (kv_heads, hd)
         self.empty: dict[str, np.ndarray] = {}  # [1, kv_heads, 0, hd]: a prompt's first chunk's past

@@ -19,6 +19,7 @@ LAZY = {"CachedModel": ("tessera.runtime.generation.cached", "CachedModel"),
         "TextStopper": ("tessera.runtime.generation.cached", "TextStopper"),
         "encode_prompts": ("tessera.runtime.generation.cached", "encode_prompts"),
         "stop_token_ids": ("tessera.runtime.generation.cached", "stop_token_ids"),
+        "check_cache_fits": ("tessera.runtime.generation.cached", "check_cache_fits"),
         "ort_message": ("tessera.runtime.session", "ort_message"),
         "load_tokenizer": ("tessera.runtime.io.text", "load_tokenizer")}
 

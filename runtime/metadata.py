@@ -1,0 +1,164 @@
+"""Tessera's own metadata (``tessera.*`` metadata_props) read back from an ONNX file, as untrusted input.
+
+Why: a compiled file may have been changed by hand, by another tool, or written by another version
+of Tessera. Its metadata decides how big the cache buffers are, which names are bound and which
+ids are refused, so a value of the wrong type, a negative layer count, a 10,000-deep JSON or a name
+the graph does not have must not reach numpy or onnxruntime (RecursionError, OverflowError,
+StopIteration, "Failed to find NodeArg"). Each value is parsed with bounded size and depth, then
+checked against the schema the writer (compiler/passes/kv_cache.py CacheInfo.to_json,
+compiler/ir/signature.py InputLimits.to_json) produces; anything else is a ModelFileError saying the
+file was not written by this version of Tessera, or was changed.
+"""
+
+from __future__ import annotations
+
+import json
+
+from tessera.compiler.ir.signature import InputLimits
+from tessera.compiler.passes.kv_cache import CacheInfo, CacheKernel, CacheLayer
+
+from tessera.runtime.errors import ModelFileError
+
+MAX_METADATA_BYTES = 16 << 20  # a 1,000-layer cache description is about 300 KB
+MAX_DEPTH = 8                  # the writers nest at most 3 deep
+MAX_SIZE = 1 << 40             # rows, heads, head sizes, context: anything larger is not a real model
+CACHE_MODES = ("buffer", "concat")
+CACHE_DTYPES = ("f32", "f16")
+
+
+class _Bad(Exception):
+    """One rule of the schema broken; ``what`` says where."""
+
+
+def _changed(path, key: str, why: str) -> ModelFileError:
+    return ModelFileError(f"{path}: its '{key}' metadata is malformed ({why}): this file was not written by this "
+                          f"version of Tessera, or was changed; recompile it")
+
+
+def parse_json(text: str, path, key: str):
+    """A metadata value as JSON, its size and nesting bounded (json's decoder recurses per level)."""
+    if len(text) > MAX_METADATA_BYTES:
+        raise _changed(path, key, f"{len(text)} characters, more than {MAX_METADATA_BYTES}")
+    try:
+        data = json.loads(text)
+    except RecursionError:
+        raise _changed(path, key, "nested too deep") from None
+    except ValueError as e:
+        raise _changed(path, key, f"not JSON: {str(e)[:100]}") from None
+    stack = [(data, 1)]
+    while stack:  # without recursion: the depth is what is being checked
+        value, depth = stack.pop()
+        if depth > MAX_DEPTH:
+            raise _changed(path, key, f"nested more than {MAX_DEPTH} deep")
+        children = value.values() if isinstance(value, dict) else value if isinstance(value, list) else ()
+        stack.extend((c, depth + 1) for c in children)
+    return data
+
+
+def _obj(v, what: str, required: tuple[str, ...], optional: tuple[str, ...] = ()) -> dict:
+    if not isinstance(v, dict):
+        raise _Bad(f"{what} must be a JSON object, got {type(v).__name__}")
+    missing = [k for k in required if k not in v]
+    if missing:
+        raise _Bad(f"{what} has no '{missing[0]}'")
+    extra = [k for k in v if k not in required + optional]
+    if extra:
+        raise _Bad(f"{what} has an unknown field '{str(extra[0])[:40]}'")
+    return v
+
+
+def _str(v, what: str, names: set[str] | None = None, empty: bool = False) -> str:
+    if not isinstance(v, str) or (not v and not empty):
+        raise _Bad(f"{what} must be a non-empty string, got {str(v)[:40]!r}")
+    if names is not None and v and v not in names:
+        raise _Bad(f"{what} names '{v[:60]}', which the graph does not have")
+    return v
+
+
+def _int(v, what: str, minimum: int, optional: bool = False) -> int | None:
+    if v is None and optional:
+        return None
+    if not isinstance(v, int) or isinstance(v, bool) or not minimum <= v <= MAX_SIZE:
+        raise _Bad(f"{what} must be an integer in [{minimum}, {MAX_SIZE}], got {str(v)[:40]}")
+    return v
+
+
+def _bool(v, what: str) -> bool:
+    if not isinstance(v, bool):
+        raise _Bad(f"{what} must be true or false, got {str(v)[:40]}")
+    return v
+
+
+def _list(v, what: str, nonempty: bool = False) -> list:
+    if not isinstance(v, list) or (nonempty and not v):
+        raise _Bad(f"{what} must be a{' non-empty' if nonempty else ''} list")
+    return v
+
+
+def cache_info(text: str, path, inputs: set[str], outputs: set[str]) -> CacheInfo:
+    """``tessera.kv_cache``: the cached decoder's names and shapes, every name one the graph has."""
+    key = CacheInfo.METADATA_KEY
+    data = parse_json(text, path, key)
+    try:
+        d = _obj(data, "the value", ("tokens", "logits", "layers"),
+                 ("context", "last_only", "mode", "dtype", "kernels", "length_input"))
+        layers = []
+        for i, raw in enumerate(_list(d["layers"], "layers", nonempty=True)):
+            at = f"layers[{i}]"
+            layer = _obj(raw, at, ("node", "past_key", "past_value", "present_key", "present_value", "kv_heads",
+                                   "head_size", "value_size"), ("window", "buffer_key", "buffer_value"))
+            _str(layer["node"], f"{at}.node")
+            for name in ("past_key", "past_value"):
+                _str(layer[name], f"{at}.{name}", inputs)
+            for name in ("present_key", "present_value"):
+                _str(layer[name], f"{at}.{name}", outputs)
+            for name in ("buffer_key", "buffer_value"):
+                _str(layer.get(name, ""), f"{at}.{name}", outputs, empty=True)
+            for name in ("kv_heads", "head_size", "value_size"):
+                _int(layer[name], f"{at}.{name}", 1)
+            _int(layer.get("window", 0), f"{at}.window", 0)
+            layers.append(CacheLayer(**layer))
+        kernels = []
+        for i, raw in enumerate(_list(d.get("kernels", []), "kernels")):
+            k = _obj(raw, f"kernels[{i}]", ("site", "impl", "reason"))
+            for name in ("site", "impl", "reason"):
+                _str(k[name], f"kernels[{i}].{name}", empty=True)
+            kernels.append(CacheKernel(**k))
+        mode, dtype = d.get("mode", "buffer"), d.get("dtype", "f32")
+        if mode not in CACHE_MODES:
+            raise _Bad(f"mode must be one of {', '.join(CACHE_MODES)}, got {str(mode)[:40]!r}")
+        if dtype not in CACHE_DTYPES:
+            raise _Bad(f"dtype must be one of {', '.join(CACHE_DTYPES)}, got {str(dtype)[:40]!r}")
+        length = d.get("length_input")
+        if length is not None:
+            _str(length, "length_input", inputs)
+        return CacheInfo(_str(d["tokens"], "tokens", inputs), _str(d["logits"], "logits", outputs), layers,
+                         _int(d.get("context"), "context", 1, optional=True),
+                         _bool(d.get("last_only", False), "last_only"), mode, dtype, kernels, length)
+    except _Bad as e:
+        raise _changed(path, key, str(e)) from None
+
+
+def input_limits(text: str, path, inputs: set[str]) -> InputLimits:
+    """``tessera.input_limits``: id ranges of inputs (names the graph has) and bounds of dimensions."""
+    key = InputLimits.METADATA_KEY
+    data = parse_json(text, path, key)
+    try:
+        d = _obj(data, "the value", (), ("ids", "dims"))
+        out = []
+        for part in ("ids", "dims"):
+            entries = d.get(part, {})
+            if not isinstance(entries, dict):
+                raise _Bad(f"{part} must be a JSON object")
+            limits = {}
+            for name, value in entries.items():
+                _str(name, f"a name in {part}", inputs if part == "ids" else None)
+                pair = _list(value, f"{part}.{name[:40]}")
+                if len(pair) != 2:
+                    raise _Bad(f"{part}.{name[:40]} must be [rows, table]")
+                at = f"{part}.{name[:40]}"
+                limits[name] = (_int(pair[0], f"{at} rows", 1), _str(pair[1], f"{at} table"))
+            out.append(limits)
+        return InputLimits(*out)
+    except _Bad as e:
+        raise _changed(path, key, str(e)) from None
