@@ -9,6 +9,7 @@ import argparse
 import sys
 
 from .batch import ROW_FIELDS, BatchOptions, read_rows, run_local, write_atomically
+from .server import add_model_arguments
 
 EXAMPLES = """examples:
   tessera batch models/gpt2.tsr -V small --weights gpt2/model.safetensors --tokenizer gpt2/tokenizer.json \\
@@ -27,20 +28,13 @@ def add_parser(sub) -> argparse.ArgumentParser:
                                    "decoding step) and write one result per line to --output, in input order, "
                                    "atomically. A row that fails gets an error on its line. With --ray, "
                                    "Ray Data runs --concurrency engines (one per actor). See docs/serve.md.")
-    b.add_argument("spec", metavar="MODEL", help="a .tsr spec (or a bundled spec's name), or an .onnx file compiled "
-                   "with --kv-cache --decode plain")
     b.add_argument("--input", "-i", required=True, metavar="FILE.jsonl",
                    help=f"one JSON object a line: prompt (text or token ids) and optionally "
                         f"{', '.join(ROW_FIELDS[1:])}")
     b.add_argument("--output", "-o", required=True, metavar="FILE.jsonl",
                    help="one JSON object a line: text, tokens, finish_reason (or error)")
-    b.add_argument("--variant", "-V", help="a variant defined in the spec file (e.g. small)")
-    b.add_argument("--set", dest="sets", action="append", default=[], metavar="NAME=VALUE",
-                   help="override a hyperparameter (repeatable)")
-    b.add_argument("--weights", metavar="FILE", help="a .safetensors file or folder of shards (else seeded weights)")
-    b.add_argument("--seed", type=int, default=d.seed, help="seed of the weight initialiser without --weights")
-    b.add_argument("--tokenizer", metavar="tokenizer.json", help="a Hugging Face tokenizer.json: text prompts, "
-                   "stop strings, text in the results; its folder gives the end-of-sequence token")
+    add_model_arguments(b, d.seed, "a Hugging Face tokenizer.json (or its folder): text prompts, stop strings, "
+                        "text in the results; its folder gives the end-of-sequence token")
     b.add_argument("--max-tokens", type=int, default=d.max_tokens, metavar="N",
                    help=f"new tokens for a row without max_tokens (default {d.max_tokens}, as OpenAI's completions)")
     b.add_argument("--max-batch", type=int, default=d.max_batch, metavar="N",

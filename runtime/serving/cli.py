@@ -15,7 +15,7 @@ import sys
 import threading
 
 from .model import UsageError
-from .server import ServeOptions, build_server, require_extra
+from .server import ServeOptions, add_model_arguments, build_server, require_extra
 
 EXAMPLES = """examples:
   tessera serve models/gpt2.tsr -V small --weights gpt2/model.safetensors --tokenizer gpt2/tokenizer.json
@@ -33,16 +33,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
                                    "/v1/chat/completions (streaming with stream=true), GET /v1/models, /health, "
                                    "/metrics. Requests share each decoding step (continuous batching). "
                                    "Needs the serve extra: pip install 'tessera[serve]'. See docs/serve.md.")
-    s.add_argument("spec", metavar="MODEL", help="a .tsr spec (or a bundled spec's name), or an .onnx file compiled "
-                   "with --kv-cache --decode plain")
-    s.add_argument("--variant", "-V", help="a variant defined in the spec file (e.g. small)")
-    s.add_argument("--set", dest="sets", action="append", default=[], metavar="NAME=VALUE",
-                   help="override a hyperparameter (repeatable)")
-    s.add_argument("--weights", metavar="FILE", help="a .safetensors file or folder of shards (else seeded weights)")
-    s.add_argument("--seed", type=int, default=d.seed, help="seed of the weight initialiser without --weights")
-    s.add_argument("--tokenizer", metavar="tokenizer.json", help="a Hugging Face tokenizer.json: text prompts, "
-                   "stop strings; its folder's tokenizer_config.json gives the chat template and the "
-                   "end-of-sequence token")
+    add_model_arguments(s, d.seed, "a Hugging Face tokenizer.json (or its folder): text prompts, stop strings; "
+                        "its folder's tokenizer_config.json gives the chat template and the end-of-sequence token")
     s.add_argument("--host", default=d.host, help=f"address to listen on (default {d.host}: this machine only)")
     s.add_argument("--port", type=int, default=d.port, help=f"port (default {d.port})")
     s.add_argument("--max-batch", type=int, default=d.max_batch, metavar="N",

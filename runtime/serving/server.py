@@ -97,3 +97,16 @@ def build_server(opts: ServeOptions):
     engine = Engine(model, opts.max_batch, opts.max_queue, opts.max_context, opts.prefill_chunk, tokenizer,
                     serving_model.eos_ids(tokenizer, tokenizer_path, opts.spec, opts.weights))
     return engine, Server(engine, opts.served_name, tokenizer, template, template_error)
+
+
+def add_model_arguments(p: argparse.ArgumentParser, seed_default: int, tokenizer_help: str) -> None:
+    """The model as `tessera serve` and `tessera batch` take it (as `tessera generate` does): MODEL,
+    --variant, --set, --weights, --seed, --tokenizer."""
+    p.add_argument("spec", metavar="MODEL", help="a .tsr spec (or a bundled spec's name), a checkpoint folder, or "
+                   "an .onnx file compiled with --kv-cache --decode plain")
+    p.add_argument("--variant", "-V", help="a variant defined in the spec file (e.g. small)")
+    p.add_argument("--set", dest="sets", action="append", default=[], metavar="NAME=VALUE",
+                   help="override a hyperparameter (repeatable)")
+    p.add_argument("--weights", metavar="FILE", help="a .safetensors file or folder of shards (else seeded weights)")
+    p.add_argument("--seed", type=int, default=seed_default, help="seed of the weight initialiser without --weights")
+    p.add_argument("--tokenizer", metavar="tokenizer.json", help=tokenizer_help)

@@ -14,8 +14,10 @@ from tessera.compiler.ops.attention import rotated_dims
 from tessera.compiler.reference.numerics import rope_attention_factor, rope_inv_freq
 
 
-def _causal_mask(L):
-    b, a, t = L.b, L.a, L.t_in[0]
+def _positions(L):
+    """Each query's position [Tq, 1] and each key's [Tk] (queries are the last Tq of Tk positions),
+    shared by the causal and the two-sided window masks."""
+    b, t = L.b, L.t_in[0]
     tq, tk = t.shape[-2], t.shape[-1]
     zero = b.const(np.array(0, dtype=np.int64), "zero")
     one = b.const(np.array(1, dtype=np.int64), "one")
@@ -25,6 +27,12 @@ def _causal_mask(L):
         rows = b.node("Add", [rows, b.dim_scalar(offset)])[0]
     rows = b.node("Unsqueeze", [rows, b.i64([1])])[0]
     cols = b.node("Range", [zero, b.dim_scalar(tk), one])[0]
+    return rows, cols
+
+
+def _causal_mask(L):
+    b, a, t = L.b, L.a, L.t_in[0]
+    rows, cols = _positions(L)
     hide = b.node("Greater", [cols, rows])[0]
     if a["window"]:
         lim = b.node("Sub", [rows, b.const(np.array(a["window"], dtype=np.int64), "window")])[0]
@@ -36,15 +44,8 @@ def _causal_mask(L):
 def _local_mask(L):
     """|key - query| >= window hidden (queries are the last Tq of Tk positions)."""
     b, a, t = L.b, L.a, L.t_in[0]
-    tq, tk = t.shape[-2], t.shape[-1]
-    zero = b.const(np.array(0, dtype=np.int64), "zero")
-    one = b.const(np.array(1, dtype=np.int64), "one")
-    rows = b.node("Range", [zero, b.dim_scalar(tq), one])[0]
-    offset = tk - tq
-    if not (dims.is_static(offset) and int(offset) == 0):
-        rows = b.node("Add", [rows, b.dim_scalar(offset)])[0]
-    rows = b.node("Unsqueeze", [rows, b.i64([1])])[0]
-    cols = b.node("Unsqueeze", [b.node("Range", [zero, b.dim_scalar(tk), one])[0], b.i64([0])])[0]
+    rows, cols = _positions(L)
+    cols = b.node("Unsqueeze", [cols, b.i64([0])])[0]
     far = b.node("GreaterOrEqual", [b.node("Abs", [b.node("Sub", [cols, rows])[0]])[0],
                                     b.const(np.array(a["window"], dtype=np.int64), "window")])[0]
     L.emit("Where", [far, min_const(b, t.dtype), L.x[0]])
