@@ -17,12 +17,25 @@ from tessera.compiler.reference.numerics import min_value, rope_attention_factor
 
 
 # ------------------------------------------------------------------ masks
+def _positions(s):
+    """Each query's position [Tq, 1] and each key's [1, Tk]: the queries are the last Tq of Tk."""
+    tq, tk = s.shape[-2], s.shape[-1]
+    return np.arange(tq)[:, None] + (tk - tq), np.arange(tk)[None, :]
+
+
+def _mask_rule(t, name: str):
+    """The type rule every score mask shares: scores [..., Tq, Tk] of a float type, unchanged."""
+    s = t[0]
+    if s.rank < 2:
+        raise ShapeError(f"a mask applies to scores [..., Tq, Tk], got {dims.fmt_shape(s.shape)}")
+    common.need_float(s, name)
+    return [s]
+
+
 def causal(s, window):
     """Hide keys after each query (queries are the last Tq of Tk positions) and, with a window,
     keys `window` or more positions before it, by filling them with the dtype's minimum."""
-    tq, tk = s.shape[-2], s.shape[-1]
-    i = np.arange(tq)[:, None] + (tk - tq)
-    j = np.arange(tk)[None, :]
+    i, j = _positions(s)
     hide = j > i
     if window:
         hide |= j <= i - window
@@ -34,19 +47,13 @@ def causal(s, window):
     saved=())                        # a static pattern: nothing to keep
 def _causal_mask(t, a):
     """Causal mask on scores [..., Tq, Tk]; attrs["window"] > 0 also hides keys that far back."""
-    s = t[0]
-    if s.rank < 2:
-        raise ShapeError(f"a mask applies to scores [..., Tq, Tk], got {dims.fmt_shape(s.shape)}")
-    common.need_float(s, "causal_mask")
-    return [s]
+    return _mask_rule(t, "causal_mask")
 
 
 def local(s, window):
     """Hide keys ``window`` or more positions from each query, on either side (ModernBERT's local
     attention: a two-sided window over a bidirectional encoder; queries are the last Tq of Tk)."""
-    tq, tk = s.shape[-2], s.shape[-1]
-    i = np.arange(tq)[:, None] + (tk - tq)
-    j = np.arange(tk)[None, :]
+    i, j = _positions(s)
     return np.where(np.abs(j - i) >= window, min_value(s.dtype), s).astype(s.dtype)
 
 
@@ -55,13 +62,10 @@ def local(s, window):
     saved=())                        # a static pattern: nothing to keep
 def _local_mask(t, a):
     """Two-sided window on scores [..., Tq, Tk]: keys at distance attrs["window"] (>= 1) or more hidden."""
-    s = t[0]
-    if s.rank < 2:
-        raise ShapeError(f"a mask applies to scores [..., Tq, Tk], got {dims.fmt_shape(s.shape)}")
-    common.need_float(s, "local_mask")
+    out = _mask_rule(t, "local_mask")
     if not isinstance(a.get("window"), int) or a["window"] < 1:
         raise ShapeError(f"local_mask: window must be 1 or more, got {a.get('window')!r}")
-    return [s]
+    return out
 
 
 def _padding_ref(x, a, ev):
