@@ -117,6 +117,8 @@ class Runnable:
 
         if self.session is None:
             self.session = session.open_session(self.source, provider)
+            if isinstance(self.source, bytes):  # onnxruntime holds its own copy of the weights now: keep the
+                self.source = b""                # serialised model (as large as the weights) no longer
         return self.session
 
 

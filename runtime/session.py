@@ -140,15 +140,18 @@ def check_loop_trips(model: onnx.ModelProto, path) -> None:
 
 
 def load_model_proto(path: Path) -> onnx.ModelProto:
+    """The file's graph, inputs, outputs and metadata, without the data of its large weights."""
     st = stat_or_raise(path, "model file", ModelFileError)
     if not stat.S_ISREG(st.st_mode):
         raise ModelFileError(f"{path} is {'a folder' if stat.S_ISDIR(st.st_mode) else 'not a regular file'}, "
                              f"not an ONNX model")
     if st.st_size == 0:
         raise ModelFileError(f"{path} is empty, not an ONNX model")
-    try:
-        model = onnx.load(str(path), load_external_data=False)
-    except Exception as e:  # protobuf's DecodeError and friends
+    from tessera.runtime.io.onnx_skeleton import skeleton_bytes
+
+    try:  # the structure only: the weights are onnxruntime's to read (runtime/io/onnx_skeleton.py)
+        model = onnx.ModelProto.FromString(skeleton_bytes(path))
+    except Exception as e:  # the skim's ValueError, protobuf's DecodeError and friends
         raise ModelFileError(f"{path} is not an ONNX model (corrupt or truncated: {type(e).__name__})") from None
     if not model.HasField("graph") or not model.opset_import:
         raise ModelFileError(f"{path} is not an ONNX model (no graph or opset)")

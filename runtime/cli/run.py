@@ -78,7 +78,7 @@ def _print_outputs(outputs: dict[str, np.ndarray], provider: str) -> None:
         table.add_column(col)
     for name, v in outputs.items():
         flat = v.reshape(-1)
-        stats = ([f"{flat.min():.4g}", f"{flat.max():.4g}", f"{flat.astype(np.float64).mean():.4g}"]
+        stats = ([f"{flat.min():.4g}", f"{flat.max():.4g}", f"{flat.mean(dtype=np.float64):.4g}"]
                  if flat.size else ["", "", ""])
         table.add_row(name, str(list(v.shape)), str(v.dtype), *stats)
     console.print(table)
