@@ -4,6 +4,7 @@ on the same weights, and Tessera fused against --no-fuse; with the machine's GEM
     python bench/prefill.py                                   # N = 128 512 1024, every case, 3 rounds
     python bench/prefill.py --n 32 128 512 2048 --cases tessera unfused --rounds 3
     python bench/prefill.py --n 4096 --cases tessera unfused  # beyond 1024: --set ctx=N, Tessera only
+    python bench/prefill.py --cases tessera o2 --optimum-python /path/to/venv/bin/python  # optimum's O2
 
 GPT-2 small, fp32, B = 1, the whole model (12 layers and the 50,257-way head, logits for every
 position). The weights are transformers' own seeded initialisation of GPT2LMHeadModel, saved once as
@@ -14,8 +15,17 @@ safetensors and read by every case. Cases:
   unfused           Tessera with --no-fuse (the primitive attention graph)
   portable          Tessera with --attention portable (the tiled Loop kernel at every length)
   hf-eager, hf-sdpa transformers' GPT2LMHeadModel with that attention implementation, torch.no_grad
+  o2                optimum's export of the same checkpoint (ORTModelForCausalLM, no past) optimised by
+                    ORTOptimizer with AutoOptimizationConfig.O2() (onnxruntime's fused Attention,
+                    SkipLayerNorm, FastGelu), run in onnxruntime like Tessera's file; optimum needs its own
+                    environment (it pins an older transformers): --optimum-python exports it there once
   ceiling           onnxruntime's MatMul at 1024×768×3072 (the MLP's first product at N = 1024):
                     the GEMM rate this machine reaches at this thread count
+
+The ONNX cases (tessera, unfused, portable, o2) are compiled or exported beforehand, in another process,
+and the timed process loads the file as `tessera run model.onnx` does: its peak resident set (the
+kernel's high-water mark, VmHWM, loading included) is the "peak MiB" column, beside the resident set
+before loading (the interpreter and its libraries: torch for the transformers cases).
 
 Every case runs in its own process, the cases alternate (round 1: each case once, round 2: ...), all
 at the same thread count (onnxruntime's intra-op threads, torch.set_num_threads). Each process times
@@ -43,7 +53,7 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
-CASES = ("tessera", "unfused", "portable", "hf-eager", "hf-sdpa", "ceiling")
+CASES = ("tessera", "unfused", "portable", "hf-eager", "hf-sdpa", "o2", "ceiling")
 DEFAULT_CASES = ("tessera", "unfused", "hf-eager", "hf-sdpa", "ceiling")
 TESSERA = {"tessera": "auto", "unfused": "unfused", "portable": "portable"}
 VOCAB, D, LAYERS = 50257, 768, 12
@@ -70,28 +80,71 @@ def _tokens(n: int) -> np.ndarray:
     return np.random.default_rng(0).integers(0, VOCAB, (1, n)).astype(np.int64)
 
 
-def run_tessera(folder: Path, attention: str, n: int, repeat: int, threads: int) -> dict:
+def _memory_mib() -> dict[str, float]:
+    """VmRSS (resident now) and VmHWM (the process's peak) from /proc/self/status, in MiB."""
+    out = {}
+    for line in Path("/proc/self/status").read_text().splitlines():
+        key = line.split(":", 1)[0]
+        if key in ("VmRSS", "VmHWM"):
+            out[key] = int(line.split()[1]) / 1024
+    return out
+
+
+def tessera_file(folder: Path, attention: str, n: int) -> Path:
+    """Compile GPT-2 small with `tessera compile` (once per kernel and context) into the weights folder."""
+    ctx = max(n, 1024)
+    path = folder / f"tessera-{attention}-{ctx}.onnx"
+    if not path.exists():
+        cmd = [sys.executable, "-m", "tessera.runtime.cli", "compile", str(ROOT / "models" / "gpt2.tsr"),
+               "--variant", "small", "-o", str(path)]
+        cmd += ["--no-fuse"] if attention == "unfused" else ["--attention", attention] if attention != "auto" else []
+        cmd += ["--set", f"ctx={n}"] if n > 1024 else ["--weights", str(folder / "model.safetensors")]
+        subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+    return path
+
+
+def _session(path: Path, threads: int):
     import onnxruntime as ort
 
-    from tessera.compiler.backends.onnx import export as onnx_export
-    from tessera.compiler.passes.pipeline import optimize
-    from tessera.runtime import pipeline
-
-    sets = [f"ctx={n}"] if n > 1024 else []
-    built = pipeline.build(ROOT / "models" / "gpt2.tsr", "small", sets)
-    weights = pipeline.weights_for(built, str(folder / "model.safetensors") if n <= 1024 else None, 0)
-    optimize(built.graph, attention=attention)
-    model = onnx_export.to_onnx(built.graph, weights).SerializeToString()
-    del weights
     opts = ort.SessionOptions()
     opts.log_severity_level = 3
     opts.intra_op_num_threads, opts.inter_op_num_threads = threads, 1
-    sess = ort.InferenceSession(model, opts, providers=["CPUExecutionProvider"])
-    del model
+    return ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
+
+
+def run_tessera(folder: Path, attention: str, n: int, repeat: int, threads: int) -> dict:
+    from tessera.runtime.session import onnx_signature
+
+    path = tessera_file(folder, attention, n)
+    before = _memory_mib()
+    onnx_signature(path)  # what `tessera run` reads before onnxruntime opens the file
+    sess = _session(path, threads)
     feeds = {"tokens": _tokens(n)}
     res = _timed(lambda: sess.run(None, feeds), repeat)
     res["logits"] = sess.run(None, feeds)[0][0, -1, :8].tolist()
-    return res
+    return {**res, "rss_before_mib": before["VmRSS"], "peak_rss_mib": _memory_mib()["VmHWM"]}
+
+
+def run_o2(folder: Path, n: int, repeat: int, threads: int) -> dict:
+    before = _memory_mib()
+    sess = _session(folder / "o2" / "model_optimized.onnx", threads)
+    tokens = _tokens(n)
+    given = {"input_ids": tokens, "attention_mask": np.ones_like(tokens),
+             "position_ids": np.arange(n, dtype=np.int64)[None]}
+    feeds = {i.name: given[i.name] for i in sess.get_inputs()}
+    res = _timed(lambda: sess.run(["logits"], feeds), repeat)
+    res["logits"] = sess.run(["logits"], feeds)[0][0, -1, :8].tolist()
+    return {**res, "rss_before_mib": before["VmRSS"], "peak_rss_mib": _memory_mib()["VmHWM"]}
+
+
+def export_o2(folder: Path) -> None:
+    """Run in the optimum environment: export the checkpoint (no past) and optimise it at O2."""
+    from optimum.onnxruntime import ORTModelForCausalLM, ORTOptimizer
+    from optimum.onnxruntime.configuration import AutoOptimizationConfig
+
+    model = ORTModelForCausalLM.from_pretrained(folder, export=True, use_cache=False)
+    ORTOptimizer.from_pretrained(model).optimize(save_dir=folder / "o2",
+                                                 optimization_config=AutoOptimizationConfig.O2())
 
 
 def run_hf(folder: Path, attn: str, n: int, repeat: int, threads: int) -> dict:
@@ -101,10 +154,11 @@ def run_hf(folder: Path, attn: str, n: int, repeat: int, threads: int) -> dict:
     torch.set_num_threads(threads)
     hf = transformers.GPT2LMHeadModel.from_pretrained(folder, attn_implementation=attn).eval()
     tokens = torch.from_numpy(_tokens(n))
+    before = _memory_mib()
     with torch.no_grad():
         res = _timed(lambda: hf(tokens).logits, repeat)
         res["logits"] = hf(tokens).logits[0, -1, :8].tolist()
-    return res
+    return {**res, "rss_before_mib": before["VmRSS"], "peak_rss_mib": _memory_mib()["VmHWM"]}
 
 
 def run_ceiling(repeat: int, threads: int) -> dict:
@@ -124,6 +178,8 @@ def child(case: str, folder: str, n: int, repeat: int, threads: int) -> dict:
         res = run_ceiling(repeat, threads)
     elif case in TESSERA:
         res = run_tessera(folder, TESSERA[case], n, repeat, threads)
+    elif case == "o2":
+        res = run_o2(folder, n, repeat, threads)
     else:
         res = run_hf(folder, case.split("-", 1)[1], n, repeat, threads)
     res["case"] = case
@@ -147,8 +203,16 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--weights", metavar="DIR", help="a folder for (or with) the seeded checkpoint; default: temporary")
     p.add_argument("--json", metavar="FILE")
+    p.add_argument("--optimum-python", metavar="PYTHON",
+                   help="the python of an environment with optimum-onnx (for the o2 case's export)")
     p.add_argument("--_child", nargs=5, help=argparse.SUPPRESS)
+    p.add_argument("--_export_o2", metavar="DIR", help=argparse.SUPPRESS)
     args = p.parse_args()
+    if args._export_o2:
+        export_o2(Path(args._export_o2))
+        return
+    if "o2" in args.cases and not args.optimum_python:
+        p.error("the o2 case needs --optimum-python (an environment with optimum-onnx installed)")
     if args._child:
         case, folder, n, repeat, threads = args._child
         print(json.dumps(child(case, folder, int(n), int(repeat), int(threads))))
@@ -157,6 +221,13 @@ def main() -> None:
         folder = Path(args.weights or tmp)
         if not (folder / "model.safetensors").exists():
             make_weights(folder)
+        if "o2" in args.cases and not (folder / "o2" / "model_optimized.onnx").exists():
+            subprocess.run([args.optimum_python, __file__, "--_export_o2", str(folder)], check=True,
+                           env={**os.environ, "HF_HUB_OFFLINE": "1"})
+        for case in args.cases:  # compiled before any timing, so every round times the same files
+            if case in TESSERA:
+                for n in args.n:
+                    tessera_file(folder, TESSERA[case], n)
         print(f"machine: {platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}, "
               f"threads {args.threads}, rounds {args.rounds} × {args.repeat} runs")
         results = {"machine": platform.platform(), "threads": args.threads, "rows": []}
@@ -167,7 +238,7 @@ def main() -> None:
             ceiling_runs += _spawn(args, "ceiling", folder, 0)["runs"]
             ceiling = _gflops(ceiling_runs)[0]
         print(f"{'N':>5} {'case':<9} {'min ms':>9} {'median ms':>10} {'CPU/wall':>8} {'GFLOP/s':>8} "
-              f"{'/ceiling':>8} {'this/tessera (min)':>18}")
+              f"{'/ceiling':>8} {'this/tessera (min)':>18} {'peak MiB':>9} {'before':>7}")
         for n in args.n:
             pooled: dict[str, list] = {}
             for _ in range(args.rounds):
@@ -189,10 +260,13 @@ def main() -> None:
                 base = best if case == "tessera" else base
                 rel = f"{best / base:.2f}x" if base else ""
                 ratio = f"{gf / ceiling:.2f}" if ceiling else ""
+                peak = max(x["peak_rss_mib"] for x in rs)
+                before = statistics.median(x["rss_before_mib"] for x in rs)
                 print(f"{n:>5} {case:<9} {best * 1e3:>9.1f} {med * 1e3:>10.1f} {cpu:>8.2f} {gf:>8.1f} {ratio:>8} "
-                      f"{rel:>18}", flush=True)
+                      f"{rel:>18} {peak:>9.0f} {before:>7.0f}", flush=True)
                 results["rows"].append({"n": n, "case": case, "min_ms": best * 1e3, "median_ms": med * 1e3,
                                         "cpu_wall": cpu, "gflops": gf, "runs": len(runs),
+                                        "peak_rss_mib": peak, "rss_before_mib": before,
                                         "logits": rs[0].get("logits")})
             ref = pooled.get("tessera", [{}])[0].get("logits")
             for case, rs in pooled.items():
