@@ -5,6 +5,8 @@ same weights, same thread count.
     python bench/generate.py --model llama --genai-python /path/to/venv/bin/python
     python bench/generate.py --cases tessera --positions 128 1000     # decode cost against the position
     python bench/generate.py --cases tessera --new 512 --rounds 1     # peak memory over 512 new tokens
+    python bench/generate.py --model llama --cases tessera llama-cpp \
+        --llama-cpp-python /path/to/venv/bin/python --llama-cpp-tools /path/to/llama.cpp
 
 Models (weights seeded with transformers' own initialisation, saved once as safetensors, read by
 every case): ``gpt2``, GPT-2 small (124 M); ``llama``, a Llama-shaped model (hidden 768, 12 layers,
@@ -15,7 +17,16 @@ Cases: ``tessera`` (buffer cache, the default), ``tessera-concat`` (present = pa
 ``hf-eager`` and ``hf-sdpa`` (transformers' generate with that attention), ``ort-genai``
 (onnxruntime-genai's Generator on its model builder's fp32 export of the same checkpoint; it needs
 its own environment, ``--genai-python``, because it brings its own onnxruntime; its session is given
-the same intra-op thread count through the config, which otherwise says 1).
+the same intra-op thread count through the config, which otherwise says 1), ``llama-cpp`` (llama.cpp
+through llama-cpp-python's ``Llama.generate``, greedy; the checkpoint converted to GGUF by llama.cpp's
+own ``convert_hf_to_gguf.py`` at f32, and for ``--quantize int4`` quantised to Q4_0 by llama.cpp's
+``llama_model_quantize``; ``--llama-cpp-python`` is an environment with llama-cpp-python built from the
+package index (``pip install llama-cpp-python``), ``--llama-cpp-tools`` the llama.cpp source folder the
+converter lives in: the ``vendor/llama.cpp`` folder of llama-cpp-python's source distribution. The
+Llama-shaped checkpoint has no tokenizer, so the converter is given llama.cpp's own Llama
+SentencePiece vocabulary (``models/ggml-vocab-llama-spm.gguf``, through its ``_set_vocab_builtin``,
+the path it takes for models without one): token ids are fed directly, so the vocabulary's text is
+never used. n_threads and n_threads_batch = ``--threads``).
 
 Every case runs in its own process and the cases alternate (round 1: each case once, round 2: ...);
 each process times ``--repeat`` generations after one warm-up. Per case: prefill (the prompt's forward
@@ -51,7 +62,7 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
-CASES = ("tessera", "tessera-concat", "hf-eager", "hf-sdpa", "ort-genai")
+CASES = ("tessera", "tessera-concat", "hf-eager", "hf-sdpa", "ort-genai", "llama-cpp")
 MODELS = {
     "gpt2": {"spec": "gpt2.tsr", "variant": "small", "sets": [], "vocab": 50257},
     "llama": {"spec": "llama.tsr", "variant": None, "vocab": 32000,
@@ -237,6 +248,57 @@ def run_genai(folder: Path, model: str, n: int, new: int, repeat: int, threads: 
             **peaks.fields(before)}
 
 
+def make_gguf(folder: Path, tools: str, python: str, quantize: str) -> None:
+    """llama.cpp's converter (this environment: it needs torch) writes model-f32.gguf; Q4_0 from it
+    with llama.cpp's quantiser (in the llama-cpp-python environment) for --quantize int4."""
+    convert = (f"import sys; sys.path.insert(0, {tools!r}); import convert_hf_to_gguf as conv; "
+               f"from conversion.llama import LlamaModel; "
+               f"LlamaModel.set_vocab = lambda self: self._set_vocab_builtin('llama-spm', 32000); "
+               f"sys.argv = ['convert_hf_to_gguf.py', {str(folder)!r}, '--outfile', "
+               f"{str(folder / 'model-f32.gguf')!r}, '--outtype', 'f32']; conv.main()")
+    out = subprocess.run([sys.executable, "-c", convert], capture_output=True, text=True, cwd=tools)
+    if out.returncode:
+        sys.exit(f"llama.cpp's convert_hf_to_gguf.py failed:\n{out.stderr[-3000:]}")
+    if quantize == "int4":
+        q = (f"import llama_cpp; p = llama_cpp.llama_model_quantize_default_params(); "
+             f"p.ftype = llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_0; "
+             f"rc = llama_cpp.llama_model_quantize({str(folder / 'model-f32.gguf').encode()!r}, "
+             f"{str(folder / 'model-q4_0.gguf').encode()!r}, p); raise SystemExit(rc)")
+        out = subprocess.run([python, "-c", q], capture_output=True, text=True)
+        if out.returncode:
+            sys.exit(f"llama.cpp's quantiser failed:\n{out.stderr[-3000:]}")
+
+
+def run_llama_cpp(folder: Path, model: str, n: int, new: int, repeat: int, threads: int) -> dict:
+    """llama.cpp: generate() runs the prompt, then yields each greedy token and runs the model on it."""
+    from llama_cpp import Llama
+
+    name = "model-q4_0.gguf" if os.environ.get("BENCH_QUANTIZE") == "int4" else "model-f32.gguf"
+    before, peaks = _memory_mib(), _AnonPeak()
+    llm = Llama(model_path=str(folder / name), n_ctx=n + new + 8, n_batch=max(512, n), n_threads=threads,
+                n_threads_batch=threads, verbose=False)
+    rss_loaded = _rss_mib()
+    _reset_peak()
+    prompt = _prompt(n, MODELS[model]["vocab"])
+    runs = []
+    for i in range(repeat + 1):
+        w0, c0 = time.perf_counter(), time.process_time()
+        t, out = [], []
+        for tok in llm.generate(prompt, top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0, reset=True):
+            out.append(int(tok))
+            t.append(time.perf_counter())
+            peaks.sample()
+            if len(out) == new:
+                break
+        wall, cpu = time.perf_counter() - w0, time.process_time() - c0
+        if i:
+            steps = np.diff(t)
+            runs.append({"prefill_s": t[0] - w0, "decode_s": float(np.mean(steps)),
+                         "decode_median_step_s": float(np.median(steps)), "wall_s": wall, "cpu_s": cpu})
+    return {"runs": runs, "tokens": out, "rss_loaded_mib": rss_loaded, "peak_rss_mib": _hwm_mib(),
+            **peaks.fields(before)}
+
+
 def run_bandwidth(threads: int, repeat: int = 20) -> dict:
     """GB/s of a [1, K] x [K, N] fp32 MatMul over 400 MB in onnxruntime (streams the matrix once)."""
     from matmul_probe import matmul_session
@@ -264,6 +326,8 @@ def child(case: str, folder: str, model: str, n: int, new: int, repeat: int, thr
         res = run_tessera(folder, model, "concat" if case == "tessera-concat" else "buffer", n, new, repeat, threads)
     elif case == "ort-genai":
         res = run_genai(folder, model, n, new, repeat, threads)
+    elif case == "llama-cpp":
+        res = run_llama_cpp(folder, model, n, new, repeat, threads)
     else:
         res = run_hf(folder, model, case.split("-", 1)[1], n, new, repeat, threads)
     res["case"] = case
@@ -306,7 +370,7 @@ def make_genai_model(folder: Path, python: str, precision: str = "fp32") -> None
 
 
 def _spawn(args, case: str, folder: Path, prompt: int, new: int) -> dict:
-    python = args.genai_python if case == "ort-genai" else sys.executable
+    python = {"ort-genai": args.genai_python, "llama-cpp": args.llama_cpp_python}.get(case) or sys.executable
     cmd = [python, __file__, "--_child", case, str(folder), "--model", args.model, "--prompt", str(prompt),
            "--new", str(new), "--repeat", str(args.repeat), "--threads", str(args.threads)]
     out = subprocess.run(cmd, capture_output=True, text=True,
@@ -338,6 +402,9 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=os.cpu_count(), help="threads for onnxruntime and torch")
     p.add_argument("--cases", nargs="*", choices=CASES, help="default: every case available")
     p.add_argument("--genai-python", metavar="PYTHON", help="a Python with onnxruntime-genai installed (ort-genai case)")
+    p.add_argument("--llama-cpp-python", metavar="PYTHON", help="a Python with llama-cpp-python installed (llama-cpp case)")
+    p.add_argument("--llama-cpp-tools", metavar="DIR",
+                   help="llama.cpp's source folder holding convert_hf_to_gguf.py (llama-cpp case)")
     p.add_argument("--quantize", choices=["none", "int4"], default="none",
                    help="weight-only int4 (MatMulNBits, block 32): Tessera's --quantize int4 against "
                         "onnxruntime-genai's builder -p int4 (default none: fp32)")
@@ -350,15 +417,20 @@ def main() -> None:
         case, folder = args._child
         print(json.dumps(child(case, folder, args.model, args.prompt, args.new, args.repeat, args.threads)))
         return
-    cases = args.cases or [c for c in CASES if c != "ort-genai" or args.genai_python]
+    cases = args.cases or [c for c in CASES if (c != "ort-genai" or args.genai_python)
+                           and (c != "llama-cpp" or args.llama_cpp_python)]
     if "ort-genai" in cases and (not args.genai_python or args.model != "llama"):
         sys.exit("the ort-genai case needs --model llama (its builder has no GPT-2) and --genai-python")
+    if "llama-cpp" in cases and (not args.llama_cpp_python or not args.llama_cpp_tools or args.model != "llama"):
+        sys.exit("the llama-cpp case needs --model llama, --llama-cpp-python and --llama-cpp-tools")
     machine = f"{platform.machine()}, {os.cpu_count()} cores, {platform.processor() or platform.platform()}"
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
         make_weights(folder, args.model)
         if "ort-genai" in cases:
             make_genai_model(folder, args.genai_python, "fp32" if args.quantize == "none" else args.quantize)
+        if "llama-cpp" in cases:
+            make_gguf(folder, args.llama_cpp_tools, args.llama_cpp_python, args.quantize)
         compiled = {}
         for mode in {"buffer"} | ({"concat"} if "tessera-concat" in cases else set()):
             compiled = _spawn(args, f"compile-{mode}", folder, 1, 1)
@@ -397,7 +469,7 @@ def main() -> None:
     summary = {}
     if "tessera" in base:
         t = base["tessera"]
-        for other in ("hf-eager", "hf-sdpa", "ort-genai", "tessera-concat"):
+        for other in ("hf-eager", "hf-sdpa", "ort-genai", "llama-cpp", "tessera-concat"):
             if other in base:
                 o = base[other]
                 print(f"tessera vs {other}: decode {o['decode_ms_median'] / t['decode_ms_median']:.2f}x (median), "
