@@ -369,3 +369,50 @@ def test_bad_decoding_options_in_the_api(ckpt, kw, words):
     m = tessera.load(ckpt[0])
     with pytest.raises(UsageError, match=words.replace("(", r"\(").replace("=", "=")):
         m.generate([5, 6], max_new_tokens=2, **kw)
+
+
+# ------------------------------------------------------------------ the documents' examples
+def _doc_examples():
+    """The fenced blocks of docs/generate.md and docs/python.md marked ``<!-- run in
+    tests/test_decoding_options.py -->``: (where, language, text)."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    found = []
+    for name in ("generate.md", "python.md"):
+        lines = (root / "docs" / name).read_text(encoding="utf-8").splitlines()
+        for i, line in enumerate(lines):
+            if line.strip() == "<!-- run in tests/test_decoding_options.py -->":
+                assert lines[i + 1].startswith("```"), f"{name}:{i + 1}: the marker must precede a fence"
+                end = next(k for k in range(i + 2, len(lines)) if lines[k].startswith("```"))
+                found.append((f"{name}:{i + 2}", lines[i + 1][3:].strip(), lines[i + 2:end]))
+    return found
+
+
+DOC_EXAMPLES = _doc_examples()
+
+
+def test_the_documents_show_the_examples():
+    assert sorted(lang for _, lang, _ in DOC_EXAMPLES) == ["", "python"]
+
+
+def _matches(expected: str, got: str) -> bool:
+    """A line of a document's output: ``...`` stands for any text."""
+    import re
+
+    return re.fullmatch(".*".join(re.escape(part) for part in expected.split("...")), got) is not None
+
+
+@pytest.mark.parametrize("where, lang, lines", DOC_EXAMPLES, ids=[w for w, _, _ in DOC_EXAMPLES])
+def test_documented_example_runs(where, lang, lines, capsys, tmp_path, monkeypatch):
+    import shlex
+
+    monkeypatch.chdir(tmp_path)
+    if lang == "python":
+        exec(compile("\n".join(lines), where, "exec"), {})
+        return
+    assert lines[0].startswith("$ tessera ")
+    rc, out, err = cli(capsys, *shlex.split(lines[0][len("$ tessera "):]))
+    assert rc == 0, err
+    got, want = out.splitlines(), lines[1:]
+    assert len(got) == len(want) and all(_matches(w, g) for w, g in zip(want, got)), (where, out)
