@@ -332,6 +332,49 @@ def test_chat_renders_transformers_apply_chat_template_ids(tmp_path, capsys):
     assert got["prompt_tokens"] == ids and got["tokens"] == want
 
 
+def test_the_chat_route_renders_as_generate_chat_and_gives_openai_logprobs(tmp_path, capsys):
+    """The server's chat route and `generate --chat` share the template code: the same prompt ids,
+    the same tokens, and the chat logprobs shape with generate's values."""
+    pytest.importorskip("fastapi")
+    pytest.importorskip("httpx")
+    from fastapi.testclient import TestClient
+
+    from tessera.runtime.serving.app import create_app
+    from tessera.runtime.serving.server import ServeOptions, build_server
+
+    _model().save_pretrained(tmp_path, safe_serialization=True)
+    _word_tokenizer(tmp_path, bos=True)
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>",
+                                                                "chat_template": TEMPLATE}))
+    rc, out, err = cli(capsys, "generate", tmp_path, "--chat", "--prompt", "w5 w6 w7", "--max-new-tokens", 4,
+                       "--ignore-eos", "--logprobs", 1, "--format", "json", "-q")
+    assert rc == 0, err
+    row = json.loads(out)["outputs"][0]
+    engine, server = build_server(ServeOptions(spec=str(tmp_path), max_batch=2))
+    engine.start()
+    try:
+        with TestClient(create_app(server)) as client:
+            r = client.post("/v1/chat/completions", json={
+                "messages": [{"role": "user", "content": "w5 w6 w7"}], "max_tokens": 4, "temperature": 0,
+                "ignore_eos": True, "logprobs": True, "top_logprobs": 1})
+            assert r.status_code == 200, r.text
+            choice = r.json()["choices"][0]
+            assert r.json()["usage"]["prompt_tokens"] == len(row["prompt_tokens"])
+            assert choice["token_ids"] == row["tokens"]
+            content = choice["logprobs"]["content"]
+            assert [c["token"] for c in content] == [f"w{t}" for t in row["tokens"]]
+            assert [c["bytes"] for c in content] == [list(f"w{t}".encode()) for t in row["tokens"]]
+            np.testing.assert_allclose([c["logprob"] for c in content], [e["logprob"] for e in row["logprobs"]],
+                                       atol=1e-5)
+            assert [[a["token"] for a in c["top_logprobs"]] for c in content] == \
+                [[f"w{a['token']}" for a in e["top"]] for e in row["logprobs"]]
+            bad = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "w5"}],
+                                                            "top_logprobs": 2})
+            assert bad.status_code == 400 and "logprobs" in bad.json()["error"]["message"]
+    finally:
+        engine.close()
+
+
 def test_chat_errors(ckpt, tmp_path, capsys):
     folder, _ = ckpt  # its tokenizer folder has no tokenizer_config.json
     err = cli_error(capsys, "generate", folder, "--chat", "--prompt", "w5")
