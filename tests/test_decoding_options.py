@@ -266,6 +266,25 @@ def test_the_serving_engine_chooses_and_scores_as_generate(ckpt, capsys):
     assert other.tokens == _hf(model, [9, 10, 11], NEW, eos_token_id=None)[0]
 
 
+def test_a_batch_row_takes_the_options(ckpt):
+    from tessera.runtime.serving import model as serving_model
+    from tessera.runtime.serving.batch import RowError, row_request
+    from tessera.runtime.serving.engine import Engine
+
+    folder, model = ckpt
+    engine = Engine(serving_model.load(str(folder), None, [], None, 0, None), max_batch=1)
+    req = row_request({"prompt": PROMPT_IDS, "max_tokens": 20, "no_repeat_ngram_size": 2, "min_p": 0.1,
+                       "min_tokens": 3}, engine, 16)
+    assert (req.sampling.no_repeat_ngram_size, req.sampling.min_p, req.sampling.min_new_tokens) == (2, 0.1, 3)
+    req.ignore_eos = True
+    handle = engine.submit(req)
+    while not handle.finished:
+        engine.step()
+    assert handle.tokens == _hf(model, PROMPT_IDS, 20, eos_token_id=None, no_repeat_ngram_size=2)[0]
+    with pytest.raises(RowError, match="min_tokens must be an integer"):
+        row_request({"prompt": PROMPT_IDS, "min_tokens": 1.5}, engine, 16)
+
+
 def test_the_completions_route_gives_openai_logprobs(ckpt):
     pytest.importorskip("fastapi")
     pytest.importorskip("httpx")
