@@ -5,7 +5,7 @@ The references are transformers' own: ``generate`` on a tiny GPT-2 saved by ``sa
 (greedy, where the two libraries' random generators differ), its logits for log_softmax, its
 logits processors (MinP, Temperature, TopK, TopP) on the same scores, and ``apply_chat_template``
 on the same tokenizer folder. Logprobs are of the model's raw distribution (log_softmax of the
-logits before any processor), as OpenAI's, vLLM's and transformers' ``output_logits`` are.
+logits before any processor), as vLLM's default ``logprobs`` and transformers' ``output_logits`` are.
 """
 
 from __future__ import annotations

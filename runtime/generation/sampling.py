@@ -13,8 +13,8 @@ dropped). Temperature 0 is greedy (argmax of the processed scores), as transform
 sampling warpers without ``do_sample``.
 
 Log-probabilities (``Sampling.logprobs``) are of the model's own distribution: ``log_softmax`` of
-the raw logits, before any processor, as OpenAI's and vLLM's ``logprobs`` and transformers'
-``output_logits`` are; so they say how likely the model found a token, whatever the decoding
+the raw logits, before any processor, as vLLM's ``logprobs`` (its default ``raw_logprobs``) and
+transformers' ``output_logits`` are; so they say how likely the model found a token, whatever the decoding
 settings did to the choice (a token banned by an n-gram still has its model log-probability).
 """
 
