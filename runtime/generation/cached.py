@@ -466,14 +466,19 @@ class TextStopper:
         return text[:cut] if cut >= 0 else text
 
 
-def encode_prompts(tokenizer, texts: list[str]) -> list[list[int]]:
+def encode_prompts(tokenizer, texts: list[str], chat=None) -> list[list[int]]:
+    """The prompts' ids; with ``chat`` (io/chat_template.ChatTemplate) each text is the user's message,
+    rendered by the template and encoded as transformers' apply_chat_template does."""
     if not texts:
         raise UsageError("no prompt given")
     for i, t in enumerate(texts):
         if not t:
             raise UsageError(f"prompt {i} is empty: generation needs at least one token to start from")
     tokenizer.no_padding()
-    ids = [e.ids for e in tokenizer.encode_batch(list(texts))]
+    if chat is not None:
+        ids = [chat.encode(tokenizer, [{"role": "user", "content": t}]) for t in texts]
+    else:
+        ids = [e.ids for e in tokenizer.encode_batch(list(texts))]
     for i, p in enumerate(ids):
         if not p:
             raise UsageError(f"the tokenizer produced no tokens for prompt {i}")

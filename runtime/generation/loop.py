@@ -178,7 +178,7 @@ def prepare(ref, o, prompt_ids: list[list[int]] | None = None, weights=None, mod
         if o.prompts and target in given:
             raise UsageError(f"give the target prompts either as --prompt text or as --input {target}, not both")
         if o.prompts:
-            prompts = _encode(tokenizer, o.prompts, chat)
+            prompts = gen.encode_prompts(tokenizer, o.prompts, chat)
         elif target in given:
             prompts = given[target]
         elif o.start_token is not None:
@@ -199,7 +199,7 @@ def prepare(ref, o, prompt_ids: list[list[int]] | None = None, weights=None, mod
         if o.prompts and o.inputs:
             raise UsageError("give the prompts either as --prompt text or as --input tokens, not both")
         if o.prompts:
-            prompts = _encode(tokenizer, o.prompts, chat)
+            prompts = gen.encode_prompts(tokenizer, o.prompts, chat)
         elif prompt_ids is not None:
             prompts = prompt_ids
         else:
@@ -213,17 +213,6 @@ def _chat_template(o):
     from tessera.runtime.io.chat_template import ChatTemplate
 
     return ChatTemplate.required(o.tokenizer, o.flag("chat") + ("=True" if o.api else ""))
-
-
-def _encode(tokenizer, texts: list[str], chat) -> list[list[int]]:
-    """The prompts' ids: as the tokenizer encodes them, or with --chat each one the user's message
-    rendered by the chat template (its ids those of transformers' apply_chat_template)."""
-    if chat is None:
-        return gen.encode_prompts(tokenizer, texts)
-    for i, t in enumerate(texts):
-        if not t:
-            raise UsageError(f"prompt {i} is empty: generation needs at least one token to start from")
-    return [chat.encode(tokenizer, [{"role": "user", "content": t}]) for t in texts]
 
 
 def _with_eos(stop_tokens: list[int], o, model) -> list[int]:
