@@ -28,6 +28,7 @@ from typing import Iterator
 import numpy as np
 
 from tessera.runtime import driver, pipeline
+from tessera.runtime.errors import UsageError
 from tessera.runtime.generation import cached as gen
 from tessera.runtime.generation import loop
 from tessera.runtime.options import CompileOptions, GenerateOptions, ModelRef, ReportOptions, RunOptions, split_prompt
@@ -178,6 +179,8 @@ class Model:
 
     def generate(self, prompt, max_new_tokens: int | None = None, *, temperature: float | None = None,
                  top_k: int | None = None, top_p: float | None = None, repetition_penalty: float | None = None,
+                 min_p: float | None = None, no_repeat_ngram_size: int | None = None,
+                 min_new_tokens: int | None = None, logprobs: int | None = None, chat: bool = False,
                  ignore_eos: bool = False, explain: bool = False, seed: int | None = None, stop=(),
                  stop_tokens=(), tokenizer: str | Path | None = None, stream: bool = False, threads: int | None = None,
                  cache: str = "auto", quantize: str = "none", quantize_block: int | None = None,
@@ -188,19 +191,27 @@ class Model:
         each prompt, None once a prompt has stopped; for a single text prompt, the new text). ``cache``
         and ``quantize``... are generate's --cache and --quantize.... A setting left None comes from the
         checkpoint's generation_config.json (else 32 new tokens, greedy); generation stops at the
-        checkpoint's eos_token_id unless ``ignore_eos=True``; ``explain=True`` prints where each came from."""
+        checkpoint's eos_token_id unless ``ignore_eos=True``; ``explain=True`` prints where each came from.
+        ``min_p``, ``no_repeat_ngram_size`` and ``min_new_tokens`` are transformers' (docs/generate.md);
+        ``chat=True`` renders each text prompt as the user's message with the tokenizer folder's chat
+        template. With ``logprobs=N`` the result is, per prompt, a dict (as ``tessera generate
+        --format json`` prints it): ``tokens``, ``text`` for a text prompt, and ``logprobs``, per new
+        token its log-probability under the model and the N most likely alternatives'."""
         texts, ids, single = split_prompt(prompt)
         is_text = bool(texts)
         if tokenizer is None and (is_text or stop) and self._folder_tokenizer is not None:
             tokenizer = self._folder_tokenizer
         o = GenerateOptions(max_new_tokens=max_new_tokens, tokenizer=tokenizer, prompts=texts,
                             temperature=temperature, top_k=top_k, top_p=top_p, repetition_penalty=repetition_penalty,
-                            ignore_eos=ignore_eos, explain=explain,
+                            min_p=min_p, no_repeat_ngram_size=no_repeat_ngram_size, min_new_tokens=min_new_tokens,
+                            logprobs=logprobs, chat=chat, ignore_eos=ignore_eos, explain=explain,
                             sampling_seed=seed, stops=[stop] if isinstance(stop, str) else stop,
                             stop_tokens=stop_tokens, threads=threads, cache=cache, quantize=quantize,
                             quantize_block=quantize_block, quantize_head=quantize_head,
                             quantize_activations=quantize_activations).for_api()
         o.check()  # before the tokenizer is read
+        if stream and logprobs is not None:
+            raise UsageError("logprobs is not given with stream=True; generate without stream to get them")
         tok = self.tokenizer(tokenizer) if tokenizer is not None else None
         # errors now, not at the first next()
         run = driver.generate(self.ref, o, ids, self._weights, self._models, tok)
@@ -213,6 +224,9 @@ class Model:
                 if t is not None:
                     out[r].append(t)
         out = out or []
+        if logprobs is not None:
+            rows = run.rows(out)
+            return rows[0] if single else rows
         if is_text:
             decoded = [run.text(row) for row in out]
             return decoded[0] if single else decoded

@@ -529,6 +529,11 @@ class GenerateOptions(QuantOptions):
     top_k: int | None = None
     top_p: float | None = None
     repetition_penalty: float | None = None
+    min_p: float | None = None
+    no_repeat_ngram_size: int | None = None
+    min_new_tokens: int | None = None
+    logprobs: int | None = None
+    chat: bool = False
     ignore_eos: bool = False
     explain: bool = False
     sampling_seed: int | None = None
@@ -552,10 +557,12 @@ class GenerateOptions(QuantOptions):
         check_strings(self.label("prompts"), self.prompts)
         check_strings(self.label("inputs"), self.inputs)
         check_int(self.label("start_token"), self.start_token, optional=True)
-        for name in ("temperature", "top_p", "repetition_penalty"):
+        for name in ("temperature", "top_p", "repetition_penalty", "min_p"):
             if getattr(self, name) is not None:
                 check_number(self.label(name), getattr(self, name))
-        check_int(self.label("top_k"), self.top_k, optional=True)
+        for name in ("top_k", "no_repeat_ngram_size", "min_new_tokens", "logprobs"):
+            check_int(self.label(name), getattr(self, name), optional=True)
+        check_bool(self.label("chat"), self.chat)
         check_bool(self.label("ignore_eos"), self.ignore_eos)
         check_bool(self.label("explain"), self.explain)
         check_int(self.label("sampling_seed"), self.sampling_seed, minimum=0, optional=True)
@@ -574,6 +581,11 @@ class GenerateOptions(QuantOptions):
         if self.stops and not self.tokenizer:
             raise UsageError(self.say("--stop TEXT needs --tokenizer; use --stop-token ID for token ids",
                                       "stop strings need a tokenizer; use stop_tokens=[ids] for token ids"))
+        if self.chat and not self.prompts:
+            raise UsageError(self.say("--chat applies the chat template to --prompt TEXT (with --tokenizer)",
+                                      "chat=True applies the chat template to a text prompt (with a tokenizer)"))
+        if self.logprobs is not None and self.format != "json" and not self.api:
+            raise UsageError("--logprobs N is printed with --format json (the text output has no place for it)")
 
     def _check_recurrent(self) -> None:
         for flag, given in [("--prompt", self.prompts), ("--tokenizer", self.tokenizer), ("--stop", self.stops)]:
@@ -584,6 +596,8 @@ class GenerateOptions(QuantOptions):
             raise UsageError("--quantize is not supported for recurrent encoder-decoders yet")
         if self.start_token is None:
             raise UsageError("a recurrent encoder-decoder needs the decoder's start token: --start-token ID")
+        if self.logprobs is not None:
+            raise UsageError("--logprobs is not supported for recurrent encoder-decoders yet")
 
     def pipeline_options(self):
         """The PipelineOptions generation compiles with (cached_decoder, or encoder_decoder with the
@@ -598,10 +612,12 @@ class GenerateOptions(QuantOptions):
         return self.DEFAULTS[name] if given is None else given
 
     def sampling(self, model_seed: int):
-        from tessera.runtime.generation.cached import Sampling
+        from tessera.runtime.generation.sampling import Sampling
 
         seed = model_seed if self.sampling_seed is None else self.sampling_seed
-        return Sampling(*(self.value(n) for n in ("temperature", "top_k", "top_p", "repetition_penalty")), seed)
+        return Sampling(*(self.value(n) for n in ("temperature", "top_k", "top_p", "repetition_penalty")), seed,
+                        *(self.value(n) for n in ("min_p", "no_repeat_ngram_size", "min_new_tokens")),
+                        logprobs=self.logprobs)
 
     def with_defaults(self, found) -> tuple["GenerateOptions", list[str]]:
         """These options with what the user left out filled from the checkpoint (``found``:
@@ -636,7 +652,8 @@ class GenerateOptions(QuantOptions):
 
     # the checkpoint's end-of-sequence ids (with_defaults): stop tokens where the model's vocabulary has them
     eos_tokens = ()  # not a dataclass field (no annotation): no flag or keyword sets it
-    DEFAULTS = {"max_new_tokens": 32, "temperature": 0.0, "top_k": 0, "top_p": 1.0, "repetition_penalty": 1.0}
+    DEFAULTS = {"max_new_tokens": 32, "temperature": 0.0, "top_k": 0, "top_p": 1.0, "repetition_penalty": 1.0,
+                "min_p": 0.0, "no_repeat_ngram_size": 0, "min_new_tokens": 0}
 
 
 COMMANDS = {"compile": CompileOptions, "run": RunOptions, "report": ReportOptions, "generate": GenerateOptions}

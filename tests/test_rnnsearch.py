@@ -313,6 +313,36 @@ def test_tessera_generate_decodes_greedily_like_pytorch(capsys, ref, ckpt, rng):
     assert np.allclose(np.array(rows[0]["align"]).sum(-1), 1.0, atol=1e-5)
 
 
+def test_generate_bans_repeated_ngrams_as_transformers_processor(capsys, ref, ckpt, rng):
+    """The recurrent loop chooses through generation/sampling.py too: --no-repeat-ngram-size 2 gives the
+    PyTorch reference's greedy tokens with transformers' NoRepeatNGramLogitsProcessor over the decoder's
+    input (its start token and the tokens chosen so far)."""
+    import json
+
+    from conftest import cli
+
+    processors = pytest.importorskip("transformers.generation.logits_process")
+    src, _ = _src_tgt(rng, b=2, s=6)
+
+    def reference(n):
+        ban = processors.NoRepeatNGramLogitsProcessor(n) if n else None
+        with torch.no_grad():
+            h, keys, s = ref.encode(torch.from_numpy(src))
+            seq = torch.full((2, 1), 2, dtype=torch.long)
+            for _ in range(20):
+                s, lg, _a = ref.step(s, seq[:, -1], h, keys)
+                seq = torch.cat([seq, (ban(seq, lg) if ban else lg).argmax(-1)[:, None]], 1)
+        return seq[:, 1:].tolist()
+
+    want = reference(2)
+    assert want != reference(0)  # the ban changes greedy's tokens here
+    rc, out, err = cli(capsys, "generate", "rnnsearch", "--variant", "small", "--weights", ckpt, "--input",
+                       f"src={json.dumps(src.tolist())}", "--start-token", "2", "--max-new-tokens", "20",
+                       "--no-repeat-ngram-size", "2", "--format", "json", "-q")
+    assert rc == 0, err
+    assert [r["tokens"] for r in json.loads(out)["outputs"]] == want
+
+
 def test_plot_attention_draws_the_pytorch_alignment(capsys, monkeypatch, tmp_path, ref, ckpt):
     """``tessera run rnnsearch --plot-attention``: the matrix drawn is the reference's alignment (target x
     source, the paper's figure 3), with the source ids on x and the target ids on y."""

@@ -21,6 +21,8 @@ EXAMPLES = """examples:
   tessera generate models/gpt2.tsr --set layers=2 --input 'tokens=[[464, 2068], [7586]]' --max-new-tokens 8
   tessera generate models/llama.tsr -V llama3_8b --weights llama3/ --tokenizer llama3/tokenizer.json \\
       --prompt "Hello" --max-new-tokens 64 --temperature 0.7 --top-p 0.9 --seed 1 --stop "<|eot_id|>"
+  tessera generate llama3-folder/ --chat --prompt "Hello" --min-p 0.05 --temperature 0.8 \
+      --no-repeat-ngram-size 3 --logprobs 5 --format json
 """
 
 
@@ -56,6 +58,19 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="sample from the smallest set of tokens whose probability reaches P, in (0, 1]" + given % 1)
     g.add_argument("--repetition-penalty", type=float, metavar="R",
                    help="divide the scores of tokens already present by R (> 0; 1 is none)" + given % 1)
+    g.add_argument("--min-p", type=float, metavar="P",
+                   help="when sampling, drop tokens less likely than P times the most likely one, in [0, 1]"
+                        + given % 0)
+    g.add_argument("--no-repeat-ngram-size", type=int, metavar="N",
+                   help="never repeat an N-gram of the prompt and the new tokens (0: no limit)" + given % 0)
+    g.add_argument("--min-new-tokens", type=int, metavar="N",
+                   help="no stop token (end of sequence, --stop-token) before N new tokens" + given % 0)
+    g.add_argument("--logprobs", type=int, metavar="N",
+                   help="with --format json: each new token's log-probability under the model (log_softmax of "
+                        "its logits, before the decoding settings) and the N most likely alternatives' (0..20)")
+    g.add_argument("--chat", action="store_true",
+                   help="apply the tokenizer folder's chat template (tokenizer_config.json) to each --prompt, "
+                        "as the user's message")
     g.add_argument("--ignore-eos", action="store_true",
                    help="do not stop at the checkpoint's end-of-sequence token (eos_token_id of "
                         "generation_config.json or config.json beside the model, weights or tokenizer)")
@@ -107,15 +122,8 @@ def cmd_generate(ns: argparse.Namespace) -> int:
             last_note = elapsed
     if show_progress and last_note:
         print(file=sys.stderr)
-    texts = [run.text(row) for row in out] if tokenizer is not None else None
     if o.format == "json":
-        rows = []
-        for r, p in enumerate(prompts):
-            row = {"prompt_tokens": p, "tokens": out[r]}
-            if texts is not None:
-                row["text"] = texts[r]
-            rows.append(row)
-        print(json.dumps({"outputs": rows, "stats": {
+        print(json.dumps({"outputs": run.rows(out), "stats": {
             "prompt_tokens": stats.prompt_tokens, "new_tokens": stats.new_tokens,
             "prefill_ms": round(stats.prefill_s * 1e3, 3),
             "decode_tokens_per_s": round(stats.decode_tokens_per_s, 2)}}))
@@ -123,8 +131,8 @@ def cmd_generate(ns: argparse.Namespace) -> int:
         print()
     else:
         for r, p in enumerate(prompts):
-            if texts is not None:
-                print(tokenizer.decode(p, skip_special_tokens=False) + texts[r])
+            if tokenizer is not None:
+                print(tokenizer.decode(p, skip_special_tokens=False) + run.text(out[r]))
             else:
                 print(" ".join(map(str, out[r])))
     if show_progress:

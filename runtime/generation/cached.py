@@ -25,13 +25,9 @@ A batch of prompts of different lengths is left-padded: the mask marks the
 padding, and each row's positions count only its real tokens (Hugging Face's
 ``position_ids = cumsum(mask) - 1``), so every row is decoded as if alone.
 
-Token choice follows transformers' logits processors, in their order:
-repetition penalty (over the row's prompt and generated tokens: a positive score
-is divided by the penalty, a negative one multiplied), then temperature, top-k
-(every token scoring at least the k-th best is kept) and top-p (the smallest set
-of most likely tokens whose probability reaches p; the most likely token always
-stays). Temperature 0 is greedy (argmax). Sampling draws from a numpy Generator
-seeded once per call, so the same seed gives the same tokens.
+Token choice (transformers' logits processors, in their order, and the log-probabilities) is
+generation/sampling.py's, shared with the recurrent loop and the serving engine. Sampling draws from
+a numpy Generator seeded once per call, so the same seed gives the same tokens.
 """
 
 from __future__ import annotations
@@ -415,12 +411,14 @@ def stream(model: CachedModel, prompts, max_new_tokens: int, sampling: Sampling 
            stop_tokens=(), pad_id: int = 0, stats: Stats | None = None,
            should_stop: Callable[[int, list[int]], bool] | None = None,
            on_logits: Callable[[int, np.ndarray], None] | None = None,
-           extra_feeds: dict[str, np.ndarray] | None = None) -> Iterator[list[int | None]]:
+           extra_feeds: dict[str, np.ndarray] | None = None,
+           logprobs: list[list[dict]] | None = None) -> Iterator[list[int | None]]:
     """Yield, step by step, the new token of every prompt (None for prompts already finished).
 
     ``should_stop(row, tokens so far)`` may end a row (e.g. on a stop text); ``on_logits(step, logits
     [B, V])`` sees the scores each token was chosen from (tests compare them with a full recomputation);
-    ``extra_feeds`` go to every step unchanged (an encoder-decoder's encoder outputs, see Seq2Seq).
+    ``extra_feeds`` go to every step unchanged (an encoder-decoder's encoder outputs, see Seq2Seq);
+    ``logprobs`` (one list per prompt) gets each token's log-probabilities (``sampling.logprobs``).
     The loop itself is generation/decoding.py's, shared with the recurrent decoder."""
     sampling = sampling or Sampling()
     prompts = check_request(model, prompts, max_new_tokens, sampling, stop_tokens)
@@ -432,7 +430,8 @@ def stream(model: CachedModel, prompts, max_new_tokens: int, sampling: Sampling 
             seen[r, p] = True
     stats.prompt_tokens = sum(len(p) for p in prompts)
     decoder = CachedDecoder(model, prompts, max_new_tokens, pad_id, stats, extra_feeds)
-    return decode_steps(decoder, max_new_tokens, sampling, stop_tokens, stats, should_stop, on_logits, seen, pad_id)
+    return decode_steps(decoder, max_new_tokens, sampling, stop_tokens, stats, should_stop, on_logits, seen, pad_id,
+                        prompts=prompts, logprobs=logprobs)
 
 
 def generate(model: CachedModel, prompts, max_new_tokens: int, sampling: Sampling | None = None,
@@ -467,14 +466,19 @@ class TextStopper:
         return text[:cut] if cut >= 0 else text
 
 
-def encode_prompts(tokenizer, texts: list[str]) -> list[list[int]]:
+def encode_prompts(tokenizer, texts: list[str], chat=None) -> list[list[int]]:
+    """The prompts' ids; with ``chat`` (io/chat_template.ChatTemplate) each text is the user's message,
+    rendered by the template and encoded as transformers' apply_chat_template does."""
     if not texts:
         raise UsageError("no prompt given")
     for i, t in enumerate(texts):
         if not t:
             raise UsageError(f"prompt {i} is empty: generation needs at least one token to start from")
     tokenizer.no_padding()
-    ids = [e.ids for e in tokenizer.encode_batch(list(texts))]
+    if chat is not None:
+        ids = [chat.encode(tokenizer, [{"role": "user", "content": t}]) for t in texts]
+    else:
+        ids = [e.ids for e in tokenizer.encode_batch(list(texts))]
     for i, p in enumerate(ids):
         if not p:
             raise UsageError(f"the tokenizer produced no tokens for prompt {i}")

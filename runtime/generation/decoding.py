@@ -15,7 +15,7 @@ from typing import Callable, Iterator, Protocol
 
 import numpy as np
 
-from tessera.runtime.generation.sampling import Sampling, choose
+from tessera.runtime.generation.sampling import Sampling, Step, choose, token_logprobs
 
 
 class Decoder(Protocol):
@@ -29,14 +29,20 @@ class Decoder(Protocol):
 def decode_steps(decoder: Decoder, max_new_tokens: int, sampling: Sampling, stop_tokens=(), stats=None,
                  should_stop: Callable[[int, list[int]], bool] | None = None,
                  on_logits: Callable[[int, np.ndarray], None] | None = None, seen: np.ndarray | None = None,
-                 pad_id: int = 0) -> Iterator[list[int | None]]:
+                 pad_id: int = 0, prompts: list[list[int]] | None = None,
+                 logprobs: list[list[dict]] | None = None) -> Iterator[list[int | None]]:
     """Yield, step by step, the new token of every row (None for rows already finished). ``seen``
     [rows, vocab] marks the tokens the repetition penalty applies to (updated as tokens are chosen);
-    ``stats`` (generation/cached.Stats), when given, gets the prefill and decoding times."""
+    ``prompts`` are the rows' first tokens, which the no-repeat n-grams look at with the new ones;
+    ``logprobs`` (one list per row), when given and ``sampling.logprobs`` is set, gets each emitted
+    token's log-probabilities (sampling.token_logprobs); ``stats`` (generation/cached.Stats), when
+    given, gets the prefill and decoding times. Until ``sampling.min_new_tokens`` are new, a row
+    chooses no stop token and ``should_stop`` is not asked."""
     rng = np.random.default_rng(sampling.seed)
     stop = set(int(t) for t in stop_tokens)
     b = decoder.rows
     generated: list[list[int]] = [[] for _ in range(b)]
+    history = [list(p) for p in prompts] if prompts is not None else [[] for _ in range(b)]
     done = np.zeros(b, dtype=bool)
     last = None
     for step in range(max_new_tokens):
@@ -44,7 +50,10 @@ def decode_steps(decoder: Decoder, max_new_tokens: int, sampling: Sampling, stop
         logits = decoder.step(last)
         if on_logits is not None:
             on_logits(step, logits)
-        nxt = choose(logits, seen, sampling, rng)
+        where = Step(history, [step] * b, tuple(sorted(stop))) if sampling.looks_back else None
+        nxt = choose(logits, seen, sampling, rng, where)
+        chosen_logprobs = (token_logprobs(logits, nxt, sampling.logprobs)
+                           if logprobs is not None and sampling.logprobs is not None else None)
         if stats is not None:
             elapsed = time.perf_counter() - start
             if step == 0:
@@ -58,10 +67,14 @@ def decode_steps(decoder: Decoder, max_new_tokens: int, sampling: Sampling, stop
                 continue
             tok = int(nxt[r])
             generated[r].append(tok)
+            history[r].append(tok)
             emitted.append(tok)
+            if chosen_logprobs is not None:
+                logprobs[r].append(chosen_logprobs[r])
             if seen is not None:
                 seen[r, tok] = True
-            if tok in stop or (should_stop is not None and should_stop(r, generated[r])):
+            if tok in stop or (should_stop is not None and len(generated[r]) >= sampling.min_new_tokens
+                               and should_stop(r, generated[r])):
                 done[r] = True
         if stats is not None:
             stats.new_tokens += sum(e is not None for e in emitted)

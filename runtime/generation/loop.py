@@ -121,14 +121,33 @@ class Generation:
     stopper: gen.TextStopper | None = None
     fixed: dict | None = None       # an encoder-decoder's encoder outputs, fed to every step
     stats: gen.Stats = field(default_factory=gen.Stats)
+    # per prompt, each new token's log-probabilities (sampling.token_logprobs), filled by steps() when
+    # sampling.logprobs is set
+    logprobs: list[list[dict]] = field(default_factory=list)
 
     def steps(self):
+        self.logprobs = [[] for _ in self.prompts]
         return gen.stream(self.model, self.prompts, self.max_new_tokens, self.sampling, self.stop_ids,
-                          stats=self.stats, should_stop=self.stopper, extra_feeds=self.fixed)
+                          stats=self.stats, should_stop=self.stopper, extra_feeds=self.fixed,
+                          logprobs=self.logprobs if self.sampling.logprobs is not None else None)
 
     def text(self, tokens: list[int]) -> str:
         text = self.tokenizer.decode(tokens, skip_special_tokens=True)
         return self.stopper.trim(text) if self.stopper is not None else text
+
+    def rows(self, new: list[list[int]]) -> list[dict]:
+        """What was generated, one dict per prompt (``tessera generate --format json``'s outputs and
+        the API's result with logprobs): prompt_tokens, tokens, text (with a tokenizer) and logprobs
+        (with sampling.logprobs: per new token, its log-probability and the top alternatives')."""
+        out = []
+        for r, p in enumerate(self.prompts):
+            row = {"prompt_tokens": p, "tokens": new[r]}
+            if self.tokenizer is not None:
+                row["text"] = self.text(new[r])
+            if self.sampling.logprobs is not None:
+                row["logprobs"] = self.logprobs[r] if r < len(self.logprobs) else []
+            out.append(row)
+        return out
 
 
 def prepare(ref, o, prompt_ids: list[list[int]] | None = None, weights=None, models: dict | None = None,
@@ -144,6 +163,7 @@ def prepare(ref, o, prompt_ids: list[list[int]] | None = None, weights=None, mod
 
         tokenizer = text.load_tokenizer(o.tokenizer)
     sampling = o.sampling(ref.seed)
+    chat = _chat_template(o) if o.chat else None
     stop_tokens = list(o.stop_tokens) + gen.stop_token_ids(tokenizer, o.stops)
     stopper = gen.TextStopper(tokenizer, o.stops) if tokenizer is not None and o.stops else None
 
@@ -158,7 +178,7 @@ def prepare(ref, o, prompt_ids: list[list[int]] | None = None, weights=None, mod
         if o.prompts and target in given:
             raise UsageError(f"give the target prompts either as --prompt text or as --input {target}, not both")
         if o.prompts:
-            prompts = gen.encode_prompts(tokenizer, o.prompts)
+            prompts = gen.encode_prompts(tokenizer, o.prompts, chat)
         elif target in given:
             prompts = given[target]
         elif o.start_token is not None:
@@ -179,13 +199,20 @@ def prepare(ref, o, prompt_ids: list[list[int]] | None = None, weights=None, mod
         if o.prompts and o.inputs:
             raise UsageError("give the prompts either as --prompt text or as --input tokens, not both")
         if o.prompts:
-            prompts = gen.encode_prompts(tokenizer, o.prompts)
+            prompts = gen.encode_prompts(tokenizer, o.prompts, chat)
         elif prompt_ids is not None:
             prompts = prompt_ids
         else:
             prompts = named_token_rows(o.inputs, [model.info.tokens])[model.info.tokens]
     prompts = gen.check_request(model, prompts, o.max_new_tokens, sampling, stop_tokens)
     return Generation(model, prompts, o.max_new_tokens, sampling, stop_tokens, tokenizer, stopper, fixed)
+
+
+def _chat_template(o):
+    """--chat's template: the tokenizer folder's (io/chat_template.py), or an error saying it has none."""
+    from tessera.runtime.io.chat_template import ChatTemplate
+
+    return ChatTemplate.required(o.tokenizer, o.flag("chat") + ("=True" if o.api else ""))
 
 
 def _with_eos(stop_tokens: list[int], o, model) -> list[int]:

@@ -99,7 +99,8 @@ def decode(model: RecurrentSeq2Seq, src: np.ndarray, max_new_tokens: int, bos: i
     fill = eos if eos is not None else 0
     tokens = [[fill if t is None else t for t in emitted]
               for emitted in decode_steps(decoder, max_new_tokens, sampling, stops, pad_id=fill,
-                                          seen=_penalised(model, src.shape[0], bos, sampling))]
+                                          seen=_penalised(model, src.shape[0], bos, sampling),
+                                          prompts=[[bos]] * src.shape[0])]
     return Decoded(np.array(tokens, dtype=np.int64).T, np.stack(decoder.aligns, 1), np.stack(decoder.logits, 1))
 
 

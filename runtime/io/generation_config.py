@@ -19,7 +19,11 @@ from pathlib import Path
 from tessera.runtime.errors import UsageError
 
 FILES = ("generation_config.json", "config.json", "genai_config.json")
-SETTINGS = ("max_new_tokens", "temperature", "top_k", "top_p", "repetition_penalty")
+SETTINGS = ("max_new_tokens", "temperature", "top_k", "top_p", "repetition_penalty", "min_p", "no_repeat_ngram_size",
+            "min_new_tokens")
+INTEGERS = ("max_new_tokens", "top_k", "no_repeat_ngram_size", "min_new_tokens")
+# transformers applies these warpers only when sampling (do_sample true); the other settings always
+SAMPLING_ONLY = ("temperature", "top_k", "top_p", "min_p")
 # transformers' GenerationConfig defaults when do_sample is true and the file leaves them out
 SAMPLING_DEFAULTS = {"temperature": 1.0, "top_k": 50}
 
@@ -98,7 +102,7 @@ def read(folders) -> GenerationDefaults:
 
 def _settings(data: dict, where: str, d: GenerationDefaults) -> None:
     """generation_config.json's decoding values, as transformers' generate reads them: temperature,
-    top_k and top_p only when do_sample is true (else greedy)."""
+    top_k, top_p and min_p only when do_sample is true (else greedy)."""
     sample = data.get("do_sample") is True
     for key in SETTINGS:
         value = data.get(key)
@@ -107,8 +111,8 @@ def _settings(data: dict, where: str, d: GenerationDefaults) -> None:
                 d.values[key] = SAMPLING_DEFAULTS[key]
                 d.sources[key] = f"transformers' default with do_sample true in {where}"
             continue
-        value = _number(value, key, where, integer=key in ("max_new_tokens", "top_k"))
-        if key in ("temperature", "top_k", "top_p") and not sample:
+        value = _number(value, key, where, integer=key in INTEGERS)
+        if key in SAMPLING_ONLY and not sample:
             d.notes.append(f"{where} has {key} {value} but not do_sample true: greedy, as transformers decodes")
             continue
         d.values[key], d.sources[key] = value, where

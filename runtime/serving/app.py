@@ -25,9 +25,8 @@ from typing import Annotated, Literal, Union
 from fastapi import Request as HttpRequest
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationError
 
-from .chat import ChatTemplate, ChatTemplateError
 from .engine import Engine, Handle, Overloaded, Request, RequestError, Unavailable
-from .model import Sampling, UsageError, encode_prompts, stop_token_ids
+from .model import ChatTemplate, ChatTemplateError, Sampling, UsageError, encode_prompts, stop_token_ids
 
 Number = Union[StrictInt, StrictFloat]
 
@@ -49,11 +48,22 @@ class _Body(BaseModel):
     user: StrictStr | None = None
     presence_penalty: Number = 0.0
     frequency_penalty: Number = 0.0
-    logprobs: Literal[None, False] = None
     ignore_eos: StrictBool = False  # an extension
+    min_p: Number = 0.0  # extensions, as vLLM takes them (generation/sampling.py)
+    no_repeat_ngram_size: StrictInt = 0
+    min_tokens: StrictInt = 0  # vLLM's name for min_new_tokens
+
+    def top_logprobs_wanted(self) -> int | None:
+        """The alternatives per token asked for (None: no logprobs)."""
+        return None
 
 
 class CompletionBody(_Body):
+    logprobs: StrictInt | None = None  # the legacy completions' field: alternatives per token
+
+    def top_logprobs_wanted(self) -> int | None:
+        return self.logprobs
+
     prompt: StrictStr | list[StrictInt] | Annotated[list[StrictStr], Field(min_length=1, max_length=1)] | \
         Annotated[list[list[StrictInt]], Field(min_length=1, max_length=1)]
     echo: Literal[False] = False
@@ -72,6 +82,13 @@ class Message(BaseModel):
 class ChatBody(_Body):
     messages: Annotated[list[Message], Field(min_length=1)]
     max_completion_tokens: StrictInt | None = None
+    logprobs: StrictBool | None = None
+    top_logprobs: StrictInt | None = None
+
+    def top_logprobs_wanted(self) -> int | None:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 class ApiError(Exception):
@@ -122,12 +139,15 @@ class Server:
             raise ApiError(400, "stop strings need the server to have a tokenizer (--tokenizer)", param="stop")
         if max_tokens is None:  # as much as the context leaves, as OpenAI's chat route does
             max_tokens = max(1, self.engine.capacity - len(prompt_ids)) if prompt_ids else 1
+        logprobs = body.top_logprobs_wanted()
+        if logprobs is not None and body.stream:
+            raise ApiError(400, "logprobs are not given with stream: true yet", param="logprobs")
         sampling = Sampling(float(body.temperature), body.top_k, float(body.top_p), float(body.repetition_penalty),
-                            body.seed)
+                            body.seed, float(body.min_p), body.no_repeat_ngram_size, body.min_tokens, logprobs)
         return Request(prompt_ids, max_tokens, sampling, tuple(stop_token_ids(self.tokenizer, stops)),
                        tuple(s for s in stops if s), body.ignore_eos)
 
-    def _encode(self, text: str, special: bool = True) -> list[int]:
+    def _encode(self, text: str) -> list[int]:
         if self.tokenizer is None:
             raise ApiError(400, "this server has no tokenizer (--tokenizer): give the prompt as token ids",
                            param="prompt")
@@ -135,9 +155,7 @@ class Server:
             raise ApiError(400, "the prompt is empty: generation needs at least one token to start from",
                            param="prompt")
         try:
-            if special:
-                return encode_prompts(self.tokenizer, [text])[0]
-            return list(self.tokenizer.encode(text, add_special_tokens=False).ids)
+            return encode_prompts(self.tokenizer, [text])[0]
         except UsageError as e:
             raise ApiError(400, str(e), param="prompt") from None
 
@@ -179,14 +197,14 @@ class Server:
                     raise ApiError(400, "only text content parts are supported", param="messages")
                 content = "".join(part["text"] for part in content)
             messages.append({"role": m.role, "content": content, **({"name": m.name} if m.name else {})})
-        try:
-            text = self.chat_template.render(messages)
+        try:  # the template is read only beside a tokenizer: self.tokenizer is there
+            ids = self.chat_template.encode(self.tokenizer, messages)
         except ChatTemplateError as e:
             raise ApiError(400, str(e), param="messages") from None
         if body.max_tokens is not None and body.max_completion_tokens is not None:
             raise ApiError(400, "give max_tokens or max_completion_tokens, not both", param="max_tokens")
         limit = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        return body, self._request(body, self._encode(text, special=False), limit)
+        return body, self._request(body, ids, limit)
 
     # ---------------------------------------------------------------- tokens -> text
     def text_tokens(self, handle: Handle, final: bool, count: int | None = None) -> list[int]:
@@ -213,6 +231,35 @@ class Server:
             while text.endswith("\ufffd"):
                 text = text[:-1]
         return text
+
+    def _token_text(self, token: int) -> str:
+        return self.tokenizer.decode([token], skip_special_tokens=False) if self.tokenizer is not None else str(token)
+
+    def completion_logprobs(self, handle: Handle) -> dict | None:
+        """OpenAI's legacy completions ``logprobs`` over the tokens that make the text: tokens,
+        token_logprobs, top_logprobs (token text -> log-probability) and text_offset."""
+        if handle.request.sampling.logprobs is None:
+            return None
+        entries = handle.logprobs[:len(self.text_tokens(handle, True))]
+        texts = [self._token_text(e["token"]) for e in entries]
+        offsets = [sum(len(t) for t in texts[:i]) for i in range(len(texts))]
+        return {"tokens": texts, "token_logprobs": [e["logprob"] for e in entries],
+                "top_logprobs": [{self._token_text(a["token"]): a["logprob"] for a in e["top"]} for e in entries],
+                "text_offset": offsets}
+
+    def chat_logprobs(self, handle: Handle) -> dict | None:
+        """OpenAI's chat ``logprobs``: content, per token its text, logprob, bytes and top_logprobs."""
+        if handle.request.sampling.logprobs is None:
+            return None
+
+        def item(token: int, logprob: float) -> dict:
+            text = self._token_text(token)
+            return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+        entries = handle.logprobs[:len(self.text_tokens(handle, True))]
+        return {"content": [{**item(e["token"], e["logprob"]), "top_logprobs": [item(a["token"], a["logprob"])
+                                                                               for a in e["top"]]}
+                            for e in entries]}
 
     def text_of(self, handle: Handle) -> str:
         """The finished request's completion text (one decode of all its tokens)."""
@@ -427,7 +474,7 @@ def create_app(server: Server):
         await wait_for(handle, request)
         check_outcome(handle)
         return {"id": rid, "object": "text_completion", "created": created, "model": server.model_name,
-                "choices": [{"index": 0, "text": server.text_of(handle), "logprobs": None,
+                "choices": [{"index": 0, "text": server.text_of(handle), "logprobs": server.completion_logprobs(handle),
                              "finish_reason": _finish_reason(handle), "token_ids": list(handle.tokens)}],
                 "usage": _usage(handle)}
 
@@ -450,7 +497,7 @@ def create_app(server: Server):
         check_outcome(handle)
         return {"id": rid, "object": "chat.completion", "created": created, "model": server.model_name,
                 "choices": [{"index": 0, "message": {"role": "assistant", "content": server.text_of(handle)},
-                             "logprobs": None, "finish_reason": _finish_reason(handle),
+                             "logprobs": server.chat_logprobs(handle), "finish_reason": _finish_reason(handle),
                              "token_ids": list(handle.tokens)}],
                 "usage": _usage(handle)}
 

@@ -33,7 +33,8 @@ from .model import UsageError
 if TYPE_CHECKING:  # the engine (and onnxruntime behind it) is imported when a batch runs, not for --help
     from .engine import Engine, Handle, Request
 
-ROW_FIELDS = ("prompt", "max_tokens", "temperature", "top_p", "top_k", "repetition_penalty", "seed", "stop")
+ROW_FIELDS = ("prompt", "max_tokens", "temperature", "top_p", "top_k", "repetition_penalty", "seed", "stop", "min_p",
+              "no_repeat_ngram_size", "min_tokens")
 
 @dataclass
 class BatchOptions:
@@ -160,7 +161,8 @@ def row_request(row: dict, engine: Engine, default_max_tokens: int) -> Request:
     max_tokens = _whole(row, "max_tokens", 1)
     sampling = Sampling(_number(row, "temperature", 0.0),
                         _whole(row, "top_k", 0) or 0, _number(row, "top_p", 1.0),
-                        _number(row, "repetition_penalty", 1.0), _whole(row, "seed"))
+                        _number(row, "repetition_penalty", 1.0), _whole(row, "seed"), _number(row, "min_p", 0.0),
+                        _whole(row, "no_repeat_ngram_size", 0) or 0, _whole(row, "min_tokens", 0) or 0)
     return Request(ids, max_tokens if max_tokens is not None else default_max_tokens, sampling,
                    tuple(stop_token_ids(tokenizer, stops)), tuple(s for s in stops if s))
 

@@ -43,7 +43,8 @@ from typing import Callable, Iterator
 import numpy as np
 
 from .metrics import Metrics
-from .model import CachedModel, Sampling, TextStopper, UsageError, check_cache_fits, choose, ort_message
+from .model import (CachedModel, Sampling, Step, TextStopper, UsageError, check_cache_fits, choose, ort_message,
+                    token_logprobs)
 
 WIDTH_STEP = 64  # attention width granularity of a decoding step (fewer distinct shapes)
 
@@ -86,6 +87,7 @@ class Handle:
         self.id = next(self._ids)
         self.request = request
         self.tokens: list[int] = []
+        self.logprobs: list[dict] = []  # per token, with request.sampling.logprobs (sampling.token_logprobs)
         self.finish_reason: str | None = None
         self.error: str | None = None
         self.submitted = time.perf_counter()
@@ -449,7 +451,7 @@ class Engine:
             views[layer.past_value][idx, :, cols] = out[layer.present_value][idx, :, 0]
         self.slots[idx, cols] = 1
         logits = out[info.logits][:, -1, :]
-        greedy = [s for s in decoding if s.handle.request.sampling.greedy and s.seen is None]
+        greedy = [s for s in decoding if s.handle.request.sampling.plain_greedy]
         picks = {}
         if greedy:
             g = np.array([s.slot for s in greedy])
@@ -466,7 +468,17 @@ class Engine:
             self._release(s)
 
     def _choose(self, seq: _Sequence, logits: np.ndarray) -> int:
-        tok = int(choose(logits, seq.seen, seq.handle.request.sampling, seq.rng)[0])
+        """The sequence's next token, by generation/sampling.py as generate chooses it (its tokens so
+        far and its stop ids for the processors that look back; its log-probabilities if asked)."""
+        h, req = seq.handle, seq.handle.request
+        sampling, step = req.sampling, None
+        if sampling.looks_back:
+            stops = tuple(req.stop_tokens) + (() if req.ignore_eos else tuple(self.eos_ids))
+            step = Step([req.prompt + h.tokens], [len(h.tokens)], stops)
+        chosen = choose(logits, seq.seen, sampling, seq.rng, step)
+        tok = int(chosen[0])
+        if sampling.logprobs is not None:
+            h.logprobs.append(token_logprobs(logits, chosen, sampling.logprobs)[0])
         if seq.seen is not None:
             seq.seen[0, tok] = True
         return tok
@@ -483,7 +495,8 @@ class Engine:
         h._push(tok)
         if tok in req.stop_tokens or (tok in self.eos_ids and not req.ignore_eos):
             reason = "stop"
-        elif req.stop_strings and TextStopper(self.tokenizer, list(req.stop_strings))(0, h.tokens):
+        elif req.stop_strings and len(h.tokens) >= req.sampling.min_new_tokens and \
+                TextStopper(self.tokenizer, list(req.stop_strings))(0, h.tokens):
             reason = "stop"
         elif len(h.tokens) >= req.max_tokens:
             reason = "length"

@@ -14,14 +14,18 @@ from tessera.runtime.errors import UsageError  # noqa: F401  (re-exported)
 # re-exported, imported on first use (PEP 562) so that `tessera serve --help` and `tessera --help`,
 # which import the serving commands, do not import onnxruntime, onnx and the compiler
 LAZY = {"CachedModel": ("tessera.runtime.generation.cached", "CachedModel"),
-        "Sampling": ("tessera.runtime.generation.cached", "Sampling"),
-        "choose": ("tessera.runtime.generation.cached", "choose"),
+        "Sampling": ("tessera.runtime.generation.sampling", "Sampling"),
+        "choose": ("tessera.runtime.generation.sampling", "choose"),
+        "Step": ("tessera.runtime.generation.sampling", "Step"),
+        "token_logprobs": ("tessera.runtime.generation.sampling", "token_logprobs"),
         "TextStopper": ("tessera.runtime.generation.cached", "TextStopper"),
         "encode_prompts": ("tessera.runtime.generation.cached", "encode_prompts"),
         "stop_token_ids": ("tessera.runtime.generation.cached", "stop_token_ids"),
         "check_cache_fits": ("tessera.runtime.generation.cached", "check_cache_fits"),
         "ort_message": ("tessera.runtime.session", "ort_message"),
-        "load_tokenizer": ("tessera.runtime.io.text", "load_tokenizer")}
+        "load_tokenizer": ("tessera.runtime.io.text", "load_tokenizer"),
+        "ChatTemplate": ("tessera.runtime.io.chat_template", "ChatTemplate"),
+        "ChatTemplateError": ("tessera.runtime.io.chat_template", "ChatTemplateError")}
 
 
 def __getattr__(name: str):

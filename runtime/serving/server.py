@@ -82,7 +82,7 @@ def build_server(opts: ServeOptions):
     """The loaded model, its engine (not started) and the routes' shared state."""
     from . import model as serving_model
     from .app import Server
-    from .chat import ChatTemplate, ChatTemplateError
+    from .model import ChatTemplate, ChatTemplateError
     from .engine import Engine
 
     tokenizer, template, template_error = None, None, None

@@ -1,4 +1,9 @@
-"""Chat requests to prompt text: the tokenizer folder's chat template, rendered in jinja2's sandbox.
+"""Chat messages to prompt text: the tokenizer folder's chat template, rendered in jinja2's sandbox.
+
+Why one module: ``tessera generate --chat``, the API's ``generate(chat=True)`` and the server's
+``/v1/chat/completions`` must turn the same messages into the same ids (those of transformers'
+``apply_chat_template``: the rendered text tokenized without the tokenizer's own special tokens,
+since the template writes them itself), so the template is read, rendered and encoded here only.
 
 Why the sandbox: a chat template is code that came with a downloaded model; jinja2's
 ``ImmutableSandboxedEnvironment`` lets it format messages but not reach Python objects' internals
@@ -12,9 +17,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from tessera.runtime.errors import UsageError
 
-class ChatTemplateError(Exception):
-    """No template, or one that cannot be read or rendered (a message for the client)."""
+
+class ChatTemplateError(UsageError):
+    """A template that cannot be read or rendered, or none where one is needed (a message for the
+    user: the command line's exit status 2, the server's HTTP 400)."""
 
 
 def _token_text(value) -> str:
@@ -41,8 +49,11 @@ class ChatTemplate:
 
     @classmethod
     def from_tokenizer_folder(cls, tokenizer_path: str | Path) -> "ChatTemplate | None":
-        """The template of tokenizer_config.json beside ``tokenizer_path``; None when there is none."""
-        config = Path(tokenizer_path).parent / "tokenizer_config.json"
+        """The template of tokenizer_config.json beside ``tokenizer_path`` (a tokenizer.json, or the
+        folder holding it); None when there is none."""
+        from tessera.runtime.io.text import tokenizer_file
+
+        config = Path(tokenizer_file(tokenizer_path)).parent / "tokenizer_config.json"
         if not config.is_file():
             return None
         try:
@@ -68,3 +79,22 @@ class ChatTemplate:
             raise
         except (TemplateError, TypeError, ValueError, KeyError, AttributeError) as e:
             raise ChatTemplateError(f"the chat template could not render these messages: {e}") from None
+
+    @classmethod
+    def required(cls, tokenizer_path: str | Path, asked_by: str = "--chat") -> "ChatTemplate":
+        """The template beside ``tokenizer_path``, or a ChatTemplateError saying where it was looked for
+        (``asked_by``: the flag or keyword that wants it)."""
+        template = cls.from_tokenizer_folder(tokenizer_path)
+        if template is None:
+            from tessera.runtime.io.text import tokenizer_file
+
+            folder = Path(tokenizer_file(tokenizer_path)).parent
+            raise ChatTemplateError(f"{folder} has no chat template (no chat_template in tokenizer_config.json "
+                                    f"beside tokenizer.json); {asked_by} needs a chat model's tokenizer folder, or "
+                                    f"give the prompt without {asked_by}")
+        return template
+
+    def encode(self, tokenizer, messages: list[dict]) -> list[int]:
+        """The prompt ids for ``messages``: rendered, then tokenized without the tokenizer's special
+        tokens (the template writes its own BOS), as transformers' apply_chat_template(tokenize=True)."""
+        return list(tokenizer.encode(self.render(messages), add_special_tokens=False).ids)
