@@ -176,20 +176,24 @@ class Model:
             self._tokenizer = (str(path), text.load_tokenizer(path))
         return self._tokenizer[1]
 
-    def generate(self, prompt, max_new_tokens: int | None = None, *, temperature: float | None = None,
+    def generate(self, prompt=None, max_new_tokens: int | None = None, *, temperature: float | None = None,
                  top_k: int | None = None, top_p: float | None = None, repetition_penalty: float | None = None,
                  ignore_eos: bool = False, explain: bool = False, seed: int | None = None, stop=(),
                  stop_tokens=(), tokenizer: str | Path | None = None, stream: bool = False, threads: int | None = None,
                  cache: str = "auto", quantize: str = "none", quantize_block: int | None = None,
-                 quantize_head: bool = False, quantize_activations: str | None = None):
+                 quantize_head: bool = False, quantize_activations: str | None = None, inputs: dict | None = None,
+                 start_token: int | None = None):
         """Generate from token ids (a list, or a list of lists for a batch) or text (a str or list of str,
         with ``tokenizer``). Returns the new tokens (or texts) per prompt -- one list (or str) for a single
         prompt; with ``stream=True`` yields them as they are decoded instead (per step: the new token of
         each prompt, None once a prompt has stopped; for a single text prompt, the new text). ``cache``
         and ``quantize``... are generate's --cache and --quantize.... A setting left None comes from the
         checkpoint's generation_config.json (else 32 new tokens, greedy); generation stops at the
-        checkpoint's eos_token_id unless ``ignore_eos=True``; ``explain=True`` prints where each came from."""
-        texts, ids, single = split_prompt(prompt)
+        checkpoint's eos_token_id unless ``ignore_eos=True``; ``explain=True`` prints where each came from.
+        An encoder-decoder takes its source inputs as ``inputs`` ({name: array, nested lists or a .npy
+        path}: Whisper's float features, BART's ids and mask) and its target's first tokens as the
+        prompt or ``start_token`` (the decoder's start token, for every source row; then no prompt)."""
+        texts, ids, single = split_prompt(prompt) if prompt is not None or start_token is None else ([], None, False)
         is_text = bool(texts)
         if tokenizer is None and (is_text or stop) and self._folder_tokenizer is not None:
             tokenizer = self._folder_tokenizer
@@ -199,11 +203,11 @@ class Model:
                             sampling_seed=seed, stops=[stop] if isinstance(stop, str) else stop,
                             stop_tokens=stop_tokens, threads=threads, cache=cache, quantize=quantize,
                             quantize_block=quantize_block, quantize_head=quantize_head,
-                            quantize_activations=quantize_activations).for_api()
+                            quantize_activations=quantize_activations, start_token=start_token).for_api()
         o.check()  # before the tokenizer is read
         tok = self.tokenizer(tokenizer) if tokenizer is not None else None
         # errors now, not at the first next()
-        run = driver.generate(self.ref, o, ids, self._weights, self._models, tok)
+        run = driver.generate(self.ref, o, ids, self._weights, self._models, tok, inputs)
         if stream:
             return self._stream(run, is_text, single)
         out: list[list[int]] | None = None

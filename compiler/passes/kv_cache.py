@@ -521,10 +521,16 @@ class LastPosition:
     node: str
 
 
+def _fixed(g: Graph, value: str) -> bool:
+    """A constant or a parameter (buffers too): the same for every position."""
+    return value in g.consts or value in g.params
+
+
 class LastPositionLogits(Pass):
     """The output head applied to the last position only (logits [B, 1, vocab]): all a decoding step
     needs. The head is found through identities and pointwise ops with constant operands (Gemma 2's
-    tanh(l / c) * c); it is a linear, float or quantised (--quantize-head)."""
+    tanh(l / c) * c) or parameter operands (BART's final_logits_bias buffer, [1, vocab]: a parameter
+    has no sequence axis); it is a linear, float or quantised (--quantize-head)."""
 
     name = "last-position-logits"
 
@@ -535,7 +541,7 @@ class LastPositionLogits(Pass):
         _, t_dim = _batch_and_time(g)
         head = g.producer(g.outputs[0])
         while head is not None and (head.op == "identity" or (ops.has_trait(head.op, "elementwise") and
-                                                              all(v in g.consts for v in head.inputs[1:]))):
+                                                              all(_fixed(g, v) for v in head.inputs[1:]))):
             head = g.producer(head.inputs[0])
         if head is None or head.op not in ("linear", "linear_nbits"):
             raise CacheError("last_only needs the logits to come from a linear output head")
