@@ -192,8 +192,11 @@ class Model:
         checkpoint's eos_token_id unless ``ignore_eos=True``; ``explain=True`` prints where each came from.
         An encoder-decoder takes its source inputs as ``inputs`` ({name: array, nested lists or a .npy
         path}: Whisper's float features, BART's ids and mask) and its target's first tokens as the
-        prompt or ``start_token`` (the decoder's start token, for every source row; then no prompt)."""
-        texts, ids, single = split_prompt(prompt) if prompt is not None or start_token is None else ([], None, False)
+        prompt or ``start_token`` (the decoder's start token, for every source row; then no prompt; without
+        either, the checkpoint's decoder_start_token_id)."""
+        # an encoder-decoder may have no prompt: its sources and a start token (given or the checkpoint's)
+        no_prompt = prompt is None and (start_token is not None or bool(inputs))
+        texts, ids, single = ([], None, False) if no_prompt else split_prompt(prompt)
         is_text = bool(texts)
         if tokenizer is None and (is_text or stop) and self._folder_tokenizer is not None:
             tokenizer = self._folder_tokenizer

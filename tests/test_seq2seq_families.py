@@ -120,11 +120,17 @@ def test_bart_generate_equals_transformers_greedy_for_two_uneven_sources(bart, c
                            "--format", "json", "-q")
     assert rc == 0, err
     assert _json_tokens(printed) == want
+    # without --start-token: the checkpoint's decoder_start_token_id (2, in its config.json)
+    rc, printed, err = cli(capsys, "generate", folder, "--input", f"src={BART_SRC}", "--input",
+                           f"src_mask={BART_MASK}", "--max-new-tokens", NEW, "--format", "json", "-q")
+    assert rc == 0, err
+    assert _json_tokens(printed) == want and json.loads(printed)["outputs"][0]["prompt_tokens"] == [BART_START]
     import tessera
 
     m = tessera.load(folder)
     assert m.generate(inputs={"src": BART_SRC, "src_mask": np.array(BART_MASK)}, start_token=BART_START,
                       max_new_tokens=NEW) == want
+    assert m.generate(inputs={"src": BART_SRC, "src_mask": BART_MASK}, max_new_tokens=NEW) == want
     # the target prompt as the API's prompt: one row per source row
     assert m.generate([[BART_START], [BART_START]], inputs={"src": BART_SRC, "src_mask": BART_MASK},
                       max_new_tokens=NEW) == want

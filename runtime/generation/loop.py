@@ -181,12 +181,14 @@ def prepare(ref, o, prompt_ids: list[list[int]] | None = None, weights=None, mod
             prompts = gen.encode_prompts(tokenizer, o.prompts)
         elif target in given:
             prompts = given[target]
-        elif o.start_token is not None:
+        elif o.start_token is not None or o.start_default is not None:  # given, else the checkpoint's
             rows = len(next(iter(sources.values()))) if sources else 1
-            prompts = [[o.start_token] for _ in range(rows)]
+            start = o.start_token if o.start_token is not None else o.start_default
+            prompts = [[start] for _ in range(rows)]
         else:
             raise UsageError(f"an encoder-decoder needs the target's first tokens: --start-token ID (the decoder's "
-                             f"start token) or --input {target}=[[...]]")
+                             f"start token; a checkpoint's decoder_start_token_id is taken when it has one) or "
+                             f"--input {target}=[[...]]")
         if o.start_token is not None and (o.prompts or target in given):
             raise UsageError(f"--start-token and a target prompt (--prompt or --input {target}) exclude each other")
         gen.check_request(model, prompts, o.max_new_tokens, sampling, stop_tokens)
