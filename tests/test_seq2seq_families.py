@@ -173,6 +173,7 @@ def test_whisper_generate_from_float_features_equals_transformers_greedy(whisper
     ("FEATURES_SHORT", "axis 2 must be 24"),              # not 2 * max_source_positions frames
     ("/nonexistent/features.npy", "file not found"),
     ("[[0.5, 1.5], [2.5]]", "rows must have one length"),
+    ("0.5", "has shape [], expected f32[B, 8, 24] (rank 3)"),  # a scalar: the wrong rank
 ])
 def test_whisper_bad_features_are_clear_errors(whisper, capsys, value, message):
     _, folder, features = whisper

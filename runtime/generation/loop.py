@@ -182,7 +182,8 @@ def prepare(ref, o, prompt_ids: list[list[int]] | None = None, weights=None, mod
         elif target in given:
             prompts = given[target]
         elif o.start_token is not None or o.start_default is not None:  # given, else the checkpoint's
-            rows = len(next(iter(sources.values()))) if sources else 1
+            first = next(iter(sources.values()), None)
+            rows = first.shape[0] if first is not None and first.ndim else 1  # a wrong rank: bind_inputs says so
             start = o.start_token if o.start_token is not None else o.start_default
             prompts = [[start] for _ in range(rows)]
         else:
