@@ -177,14 +177,15 @@ class Model:
             self._tokenizer = (str(path), text.load_tokenizer(path))
         return self._tokenizer[1]
 
-    def generate(self, prompt, max_new_tokens: int | None = None, *, temperature: float | None = None,
+    def generate(self, prompt=None, max_new_tokens: int | None = None, *, temperature: float | None = None,
                  top_k: int | None = None, top_p: float | None = None, repetition_penalty: float | None = None,
                  min_p: float | None = None, no_repeat_ngram_size: int | None = None,
                  min_new_tokens: int | None = None, logprobs: int | None = None, chat: bool = False,
                  ignore_eos: bool = False, explain: bool = False, seed: int | None = None, stop=(),
                  stop_tokens=(), tokenizer: str | Path | None = None, stream: bool = False, threads: int | None = None,
                  cache: str = "auto", quantize: str = "none", quantize_block: int | None = None,
-                 quantize_head: bool = False, quantize_activations: str | None = None):
+                 quantize_head: bool = False, quantize_activations: str | None = None, inputs: dict | None = None,
+                 start_token: int | None = None):
         """Generate from token ids (a list, or a list of lists for a batch) or text (a str or list of str,
         with ``tokenizer``). Returns the new tokens (or texts) per prompt -- one list (or str) for a single
         prompt; with ``stream=True`` yields them as they are decoded instead (per step: the new token of
@@ -196,8 +197,14 @@ class Model:
         ``chat=True`` renders each text prompt as the user's message with the tokenizer folder's chat
         template. With ``logprobs=N`` the result is, per prompt, a dict (as ``tessera generate
         --format json`` prints it): ``tokens``, ``text`` for a text prompt, and ``logprobs``, per new
-        token its log-probability under the model and the N most likely alternatives'."""
-        texts, ids, single = split_prompt(prompt)
+        token its log-probability under the model and the N most likely alternatives'.
+        An encoder-decoder takes its source inputs as ``inputs`` ({name: array, nested lists or a .npy
+        path}: Whisper's float features, BART's ids and mask) and its target's first tokens as the
+        prompt or ``start_token`` (the decoder's start token, for every source row; then no prompt; without
+        either, the checkpoint's decoder_start_token_id)."""
+        # an encoder-decoder may have no prompt: its sources and a start token (given or the checkpoint's)
+        no_prompt = prompt is None and (start_token is not None or bool(inputs))
+        texts, ids, single = ([], None, False) if no_prompt else split_prompt(prompt)
         is_text = bool(texts)
         if tokenizer is None and (is_text or stop) and self._folder_tokenizer is not None:
             tokenizer = self._folder_tokenizer
@@ -208,13 +215,13 @@ class Model:
                             sampling_seed=seed, stops=[stop] if isinstance(stop, str) else stop,
                             stop_tokens=stop_tokens, threads=threads, cache=cache, quantize=quantize,
                             quantize_block=quantize_block, quantize_head=quantize_head,
-                            quantize_activations=quantize_activations).for_api()
+                            quantize_activations=quantize_activations, start_token=start_token).for_api()
         o.check()  # before the tokenizer is read
         if stream and logprobs is not None:
             raise UsageError("logprobs is not given with stream=True; generate without stream to get them")
         tok = self.tokenizer(tokenizer) if tokenizer is not None else None
         # errors now, not at the first next()
-        run = driver.generate(self.ref, o, ids, self._weights, self._models, tok)
+        run = driver.generate(self.ref, o, ids, self._weights, self._models, tok, inputs)
         if stream:
             return self._stream(run, is_text, single)
         out: list[list[int]] | None = None

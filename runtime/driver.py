@@ -280,10 +280,11 @@ def generation_kind(ref: ModelRef) -> str:
 
 
 def generate(ref: ModelRef, o: GenerateOptions, prompt_ids: list[list[int]] | None = None, weights=None,
-             models: dict | None = None, tokenizer=None):
+             models: dict | None = None, tokenizer=None, source_arrays: dict | None = None):
     """Prepare a generation: the model loaded (or taken from ``models``, a cache the caller keeps),
     the prompts encoded (``tokenizer``: one the caller has loaded already) and every request rule
-    checked; returns a generation.loop.Generation (or,
+    checked (``source_arrays``: an encoder-decoder's source inputs as arrays, the API's); returns a
+    generation.loop.Generation (or,
     for a recurrent encoder-decoder, its decoded result) whose steps the caller drives."""
     from tessera.runtime.generation import loop
 
@@ -296,7 +297,7 @@ def generate(ref: ModelRef, o: GenerateOptions, prompt_ids: list[list[int]] | No
         from tessera.runtime.generation import recurrent
 
         return recurrent.generate(ref, o)
-    return loop.prepare(ref, o, prompt_ids, weights, models, tokenizer)
+    return loop.prepare(ref, o, prompt_ids, weights, models, tokenizer, source_arrays)
 
 
 def with_model_defaults(ref: ModelRef, o: GenerateOptions) -> GenerateOptions:

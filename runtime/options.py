@@ -643,15 +643,20 @@ class GenerateOptions(QuantOptions):
         else:
             lines.append(f"end of sequence: {found.eos} from {found.eos_source} (a stop token; "
                          f"{self.flag('ignore_eos')} turns it off)")
+        if found.start is not None and self.start_token is None:
+            lines.append(f"decoder start token (an encoder-decoder's, without a target prompt): {found.start} "
+                         f"from {found.start_source}")
         lines += found.notes
         out = dataclasses.replace(self, **filled)
         out.api = self.api
         out.eos_tokens = [] if self.ignore_eos else list(found.eos)
+        out.start_default = found.start
         out.check()  # a file's value out of range is refused as the user's would be
         return out, lines
 
     # the checkpoint's end-of-sequence ids (with_defaults): stop tokens where the model's vocabulary has them
     eos_tokens = ()  # not a dataclass field (no annotation): no flag or keyword sets it
+    start_default = None  # the checkpoint's decoder_start_token_id (with_defaults), likewise no field
     DEFAULTS = {"max_new_tokens": 32, "temperature": 0.0, "top_k": 0, "top_p": 1.0, "repetition_penalty": 1.0,
                 "min_p": 0.0, "no_repeat_ngram_size": 0, "min_new_tokens": 0}
 

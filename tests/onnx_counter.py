@@ -5,7 +5,9 @@ dynamic dimensions to numbers, lets onnx's own shape inference (with data
 propagation) give every tensor a concrete shape, and counts
 
 - parameters: the elements of every initializer named like a parameter path
-  (the exporter names constants with a '/', parameter paths never have one);
+  (the exporter names constants with a '/', parameter paths never have one), less
+  the checkpoint buffers the caller names (BART's final_logits_bias: ONNX has no
+  notion of a buffer, an initializer is an initializer);
 - multiply-adds: MatMul (one per output element and inner index), Gemm, Conv
   (one per output element, input channel of its group and kernel tap), and the
   fused attention ops of ONNX and onnxruntime (two products per query-key pair);
@@ -77,8 +79,9 @@ def _shapes(model: onnx.ModelProto) -> dict[str, list[int] | None]:
     return out
 
 
-def count(model: onnx.ModelProto, dims: dict[str, int]) -> OnnxCounts:
-    """Parameters and multiply-adds of one run of `model` with its dynamic dims bound to `dims`."""
+def count(model: onnx.ModelProto, dims: dict[str, int], buffers=frozenset()) -> OnnxCounts:
+    """Parameters and multiply-adds of one run of `model` with its dynamic dims bound to `dims`
+    (`buffers`: initializer names that are checkpoint buffers, not parameters)."""
     fixed = _bind_inputs(model, dims)
     bound = shape_inference.infer_shapes(fixed, data_prop=True)
     shape = _shapes(bound)
@@ -88,7 +91,7 @@ def count(model: onnx.ModelProto, dims: dict[str, int]) -> OnnxCounts:
         bound = shape_inference.infer_shapes(fixed, data_prop=True)
         shape = _shapes(bound)
     g = bound.graph
-    params = sum(math.prod(i.dims) for i in g.initializer if "/" not in i.name)
+    params = sum(math.prod(i.dims) for i in g.initializer if "/" not in i.name and i.name not in buffers)
 
     data = {i.name for i in g.input}
     for n in g.node:

@@ -35,10 +35,7 @@ CLI_ONLY = {
             "inputs": "--input NAME=VALUE is text; the API takes the inputs as named arrays (**inputs)"},
     "report": {"format": "printing: the API returns the report as a dict"},
     "generate": {"format": "printing: the API returns the tokens or texts",
-                 "quiet": "printing: the API prints no progress",
-                 "inputs": "encoder-decoder source inputs (--input src=...): the API's generate takes the prompts "
-                           "as token ids or text, and encoder-decoders are not supported through it yet",
-                 "start_token": "an encoder-decoder's start token: not supported through the API's generate yet"},
+                 "quiet": "printing: the API prints no progress"},
 }
 # fields the API has and the command line deliberately lacks
 API_ONLY = {

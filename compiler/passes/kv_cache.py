@@ -57,6 +57,7 @@ from tessera.compiler.ir.graph import Graph, Node, TensorType
 from tessera.compiler.ir.graph import SymbolSource
 from tessera.compiler import ops
 from tessera.compiler.passes.attention_kernels import Target, choose_cached
+from tessera.compiler.patterns.positions import NotAffine, affine_reads, positions_reached
 from tessera.compiler.passes.base import Pass, PassError, PassManager, PassResult, PipelineResult
 
 MASK, POSITIONS = "attention_mask", "position_ids"
@@ -326,9 +327,43 @@ class CacheContext:
     positions: int | None
 
 
+def _read_positions(g: Graph, arange: Node, b_dim, t_dim) -> list[int | None]:
+    """Make every position table that ``arange`` (= arange(T)) indexes, at any ``a * arange(T) + c``
+    (patterns/positions.py), read ``a * position_ids + c`` instead; drop the arange and its index
+    chain. Returns the positions each table serves (None: not a fixed number of rows)."""
+    where = arange.scope or "<model>"
+    try:
+        reads = affine_reads(g, arange)
+    except NotAffine as e:
+        raise CacheError(f"arange({dims.fmt(t_dim)}) at {where} is used for something other than a position "
+                         f"table read at a * arange + c: {e}; its cached form is not known") from None
+    served = []
+    for r in reads:
+        if r.a < 1 or r.c < 0:
+            why = "does not grow with the position" if r.a < 1 else "is negative at the first positions"
+            raise CacheError(f"the position table at {r.embedding.scope or '<model>'} is read at {r.a} * "
+                             f"arange({dims.fmt(t_dim)}) + {r.c}, which {why}; its cached form is not known "
+                             f"(a >= 1 and c >= 0 are)")
+        index = POSITIONS
+        for op, k in (("mul", r.a), ("add", r.c)):
+            if k != (1 if op == "mul" else 0):
+                const = g.add_const(f"cache/position_{op}", np.array(k, dtype=np.int64), "i64")
+                step = g.add_node(op, [index, const.name], [TensorType("i64", (b_dim, t_dim))], {},
+                                  r.embedding.scope, r.embedding.pos, name=f"{r.embedding.name}/position_{op}",
+                                  origin=r.embedding.origin)
+                _insert_before(g, step, r.embedding.name)
+                index = step.outputs[0]
+        g.set_inputs(r.embedding, [index] + r.embedding.inputs[1:])
+        rows = dims.static_int(g.type_of(r.embedding.inputs[1]).shape[0])
+        served.append(None if rows is None else positions_reached(rows, r.a, r.c))
+    g.remove_nodes([arange.name, *(n for r in reads for n in r.chain)])
+    return served
+
+
 class ReadPositionIds(Pass):
-    """Learned position tables, sinusoidal tables and rotary embeddings read ``position_ids``, so
-    positions stay right with P > 0 and with left padding."""
+    """Learned position tables (read at any ``a * arange(T) + c``: GPT-2's arange(T), BART's
+    arange(T) + 2), sinusoidal tables and rotary embeddings read ``position_ids``, so positions
+    stay right with P > 0 and with left padding."""
 
     name = "kv-cache-positions"
 
@@ -345,14 +380,9 @@ class ReadPositionIds(Pass):
             if node.op == "arange":
                 if not dims.equal(dims.dim(node.attrs["n"]), t_dim):
                     continue
-                users = g.consumers(node.outputs[0])
-                if not users or any(u.op != "embedding" or u.inputs[0] != node.outputs[0] for u in users):
-                    raise CacheError(f"arange({dims.fmt(t_dim)}) at {node.scope or '<model>'} is used for something "
-                                     f"other than a position table; its cached form is not known")
-                for u in users:
-                    g.set_inputs(u, [POSITIONS] + u.inputs[1:])
-                    context = dims.static_int(g.type_of(u.inputs[1]).shape[0])
-                g.remove_nodes([node.name])
+                for rows in _read_positions(g, node, b_dim, t_dim):
+                    if rows is not None:
+                        context = rows if context is None else min(context, rows)
             elif node.op == "sinusoidal":
                 if not dims.equal(dims.dim(node.attrs["n"]), t_dim):
                     continue
@@ -491,10 +521,16 @@ class LastPosition:
     node: str
 
 
+def _fixed(g: Graph, value: str) -> bool:
+    """A constant or a parameter (buffers too): the same for every position."""
+    return value in g.consts or value in g.params
+
+
 class LastPositionLogits(Pass):
     """The output head applied to the last position only (logits [B, 1, vocab]): all a decoding step
     needs. The head is found through identities and pointwise ops with constant operands (Gemma 2's
-    tanh(l / c) * c); it is a linear, float or quantised (--quantize-head)."""
+    tanh(l / c) * c) or parameter operands (BART's final_logits_bias buffer, [1, vocab]: a parameter
+    has no sequence axis); it is a linear, float or quantised (--quantize-head)."""
 
     name = "last-position-logits"
 
@@ -505,7 +541,7 @@ class LastPositionLogits(Pass):
         _, t_dim = _batch_and_time(g)
         head = g.producer(g.outputs[0])
         while head is not None and (head.op == "identity" or (ops.has_trait(head.op, "elementwise") and
-                                                              all(v in g.consts for v in head.inputs[1:]))):
+                                                              all(_fixed(g, v) for v in head.inputs[1:]))):
             head = g.producer(head.inputs[0])
         if head is None or head.op not in ("linear", "linear_nbits"):
             raise CacheError("last_only needs the logits to come from a linear output head")

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from tessera.runtime import pipeline
 from tessera.runtime.generation import cached as gen
-from tessera.runtime.io.inputs import named_token_rows
+from tessera.runtime.io.inputs import named_token_rows, split_named
 from tessera.runtime.pipeline import UsageError
 
 
@@ -35,42 +35,59 @@ def target_input(graph) -> str | None:
 class EncoderDecoder:
     """An encoder-decoder spec compiled for generation: the encoder part (run once per source batch, with
     every layer's cross-attention keys and values), the cached decoder, and the names of the target
-    input (the prompt the cache extends) and of the source inputs."""
+    input (the prompt the cache extends) and of the source inputs (any element type: token ids and
+    their mask for BART or T5, float log-mel features for Whisper)."""
 
     def __init__(self, built, weights, target: str, threads: int | None, options=None):
-        from tessera.compiler.ir.signature import input_limits
+        from tessera.compiler.ir.signature import input_limits, specs_from_graph
 
         self.target = target
         self.sources = [i for i in built.graph.inputs if i != target]
+        self.specs = [s for s in specs_from_graph(built.graph) if s.name in self.sources]  # before compiling
         self.limits = input_limits(built.graph)
         enc, dec, info, boundary = gen.compile_seq2seq(built, weights, target, options=options)
         decoder = gen.CachedModel(dec.SerializeToString(), info, threads=threads)
         self.s2s = gen.Seq2Seq(enc.SerializeToString(), decoder, boundary)
 
-    def fixed_feeds(self, given: dict[str, list[list[int]]], rows: int) -> dict:
-        """The decoder's fixed inputs (the encoder's outputs) for the source rows given."""
-        import numpy as np
+    def source_arrays(self, texts: dict[str, str], arrays: dict | None) -> dict:
+        """The source inputs as arrays: ``texts`` from --input NAME=VALUE (a JSON array or a .npy file,
+        parsed as ``tessera run`` parses them: runtime/io/inputs.py) and ``arrays`` from the API's
+        ``inputs=`` (arrays or nested lists)."""
+        from tessera.runtime.io.inputs import parse_value, to_array
+
+        by_name = {s.name: s for s in self.specs}
+        out = {name: parse_value(name, text, by_name[name], RAGGED) for name, text in texts.items()}
+        for name, value in (arrays or {}).items():
+            if name in by_name and isinstance(value, (str, Path)):  # a .npy file, as --input takes it
+                out[name] = parse_value(name, str(value), by_name[name])
+            else:  # an unknown name: InputError listing the source inputs
+                out[name] = to_array(name, value, self.specs)
+        return out
+
+    def fixed_feeds(self, given: dict, rows: int) -> dict:
+        """The decoder's fixed inputs (the encoder's outputs) for the source arrays given, one row per
+        target prompt, checked against the source inputs' declared types and tables."""
+        from tessera.compiler.ir.signature import bind_inputs
 
         missing = [s for s in self.sources if s not in given]
         if missing:
             raise UsageError(f"an encoder-decoder needs its source inputs: give --input {missing[0]}=[[...]] "
                              f"(the model's source inputs: {', '.join(self.sources)})")
-        feeds = {}
-        for name in self.sources:
-            data = given[name]
-            if len({len(r) for r in data}) != 1 or not data[0]:
-                raise UsageError(f"--input {name}: the rows must have one length, at least 1 (pad them, and mark "
-                                 f"the padding in the source mask)")
-            if len(data) != rows:
-                raise UsageError(f"--input {name} has {len(data)} rows but there are {rows} target prompts")
-            if len(data[0]) > MAX_SOURCE_TOKENS:
-                raise UsageError(f"--input {name} has {len(data[0]):,} tokens per row; an encoder-decoder's source "
-                                 f"is capped at {MAX_SOURCE_TOKENS:,} (MAX_SOURCE_TOKENS)")
-            feeds[name] = np.array(data, dtype=np.int64)
-        from tessera.compiler.ir.signature import check_limits
+        for spec in self.specs:
+            arr = given[spec.name]
+            if arr.ndim >= 1 and arr.shape[0] != rows:
+                raise UsageError(f"--input {spec.name} has {arr.shape[0]} rows but there are {rows} target prompts")
+            for axis, d in enumerate(spec.dims[1:], 1):  # every free length but the batch's
+                if isinstance(d, str) and arr.ndim > axis and arr.shape[axis] > MAX_SOURCE_TOKENS:
+                    what = "tokens per row" if arr.dtype.kind in "iu" else f"positions on axis {axis}"
+                    raise UsageError(f"--input {spec.name} has {arr.shape[axis]:,} {what}; an encoder-decoder's "
+                                     f"source is capped at {MAX_SOURCE_TOKENS:,} (MAX_SOURCE_TOKENS)")
+        bind_inputs(self.specs, {s: given[s] for s in self.sources}, self.limits)  # types, shapes, id ranges
+        return self.s2s.encode({s: given[s] for s in self.sources})
 
-        check_limits(self.limits, feeds, {})  # ids within their tables (InputError: a clear message)
-        return self.s2s.encode(feeds)
+
+RAGGED = " (the rows must have one length, at least 1: pad them, and mark the padding in the source mask)"
+"""--input's hint for a source whose rows differ in length (prompts may; sources are one array)."""
 
 
 MAX_SOURCE_TOKENS = 16_384
@@ -151,10 +168,11 @@ class Generation:
 
 
 def prepare(ref, o, prompt_ids: list[list[int]] | None = None, weights=None, models: dict | None = None,
-            tokenizer=None) -> Generation:
+            tokenizer=None, source_arrays: dict | None = None) -> Generation:
     """Load the model and check the request (``o`` already checked): the prompts from --prompt texts,
-    --input token ids or ``prompt_ids`` (the API's), and an encoder-decoder's source inputs."""
-    if not o.prompts and not o.inputs and prompt_ids is None:
+    --input token ids or ``prompt_ids`` (the API's), and an encoder-decoder's source inputs (--input
+    NAME=VALUE, or ``source_arrays``: the API's ``inputs=``)."""
+    if not o.prompts and not o.inputs and prompt_ids is None and not source_arrays:
         raise UsageError("no prompt: give --prompt TEXT (with --tokenizer) or --input 'tokens=[[...]]'")
     if o.prompts and prompt_ids is not None:
         raise UsageError("give the prompts either as text or as token ids, not both")
@@ -172,7 +190,9 @@ def prepare(ref, o, prompt_ids: list[list[int]] | None = None, weights=None, mod
     if isinstance(loaded, EncoderDecoder):
         model, target = loaded.s2s.decoder, loaded.target
         stop_tokens = _with_eos(stop_tokens, o, model)
-        given = named_token_rows(o.inputs, [target] + loaded.sources)
+        texts = split_named(o.inputs, [target] + loaded.sources)
+        given = named_token_rows([f"{target}={texts.pop(target)}"] if target in texts else [], [target])
+        sources = loaded.source_arrays(texts, source_arrays)
         if prompt_ids is not None:
             given[target] = prompt_ids
         if o.prompts and target in given:
@@ -181,21 +201,27 @@ def prepare(ref, o, prompt_ids: list[list[int]] | None = None, weights=None, mod
             prompts = gen.encode_prompts(tokenizer, o.prompts, chat)
         elif target in given:
             prompts = given[target]
-        elif o.start_token is not None:
-            rows = len(next(iter(given.values()))) if given else 1
-            prompts = [[o.start_token] for _ in range(rows)]
+        elif o.start_token is not None or o.start_default is not None:  # given, else the checkpoint's
+            first = next(iter(sources.values()), None)
+            rows = first.shape[0] if first is not None and first.ndim else 1  # a wrong rank: bind_inputs says so
+            start = o.start_token if o.start_token is not None else o.start_default
+            prompts = [[start] for _ in range(rows)]
         else:
             raise UsageError(f"an encoder-decoder needs the target's first tokens: --start-token ID (the decoder's "
-                             f"start token) or --input {target}=[[...]]")
+                             f"start token; a checkpoint's decoder_start_token_id is taken when it has one) or "
+                             f"--input {target}=[[...]]")
         if o.start_token is not None and (o.prompts or target in given):
             raise UsageError(f"--start-token and a target prompt (--prompt or --input {target}) exclude each other")
         gen.check_request(model, prompts, o.max_new_tokens, sampling, stop_tokens)
-        fixed = loaded.fixed_feeds(given, len(prompts))
+        fixed = loaded.fixed_feeds(sources, len(prompts))
     else:
         model = loaded
         stop_tokens = _with_eos(stop_tokens, o, model)
         if o.start_token is not None:
             raise UsageError("--start-token applies to encoder-decoders; a decoder-only model starts from its prompt")
+        if source_arrays:
+            raise UsageError("inputs= gives an encoder-decoder's source inputs; a decoder-only model takes only "
+                             "its prompt")
         if o.prompts and o.inputs:
             raise UsageError("give the prompts either as --prompt text or as --input tokens, not both")
         if o.prompts:

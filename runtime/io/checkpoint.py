@@ -29,6 +29,8 @@ MODEL_TYPES = {
     "t5": "t5",
     "gemma2": "gemma2",
     "gptj": "gptj",
+    "bart": "bart",
+    "whisper": "whisper",
 }
 
 

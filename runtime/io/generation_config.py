@@ -32,6 +32,8 @@ SAMPLING_DEFAULTS = {"temperature": 1.0, "top_k": 50}
 class GenerationDefaults:
     eos: list[int] = field(default_factory=list)
     eos_source: str | None = None
+    start: int | None = None                      # an encoder-decoder's decoder_start_token_id
+    start_source: str | None = None
     values: dict = field(default_factory=dict)    # setting -> value
     sources: dict = field(default_factory=dict)   # setting -> where it came from
     notes: list[str] = field(default_factory=list)
@@ -95,6 +97,9 @@ def read(folders) -> GenerationDefaults:
                 ids = _ids(data.get("eos_token_id"), where)
                 if ids:
                     d.eos, d.eos_source = ids, where
+            if d.start_source is None and data.get("decoder_start_token_id") is not None:
+                d.start = _number(data["decoder_start_token_id"], "decoder_start_token_id", where, integer=True)
+                d.start_source = where
             if name == "generation_config.json" and not d.values:
                 _settings(data, where, d)
     return d

@@ -1,9 +1,12 @@
 """Parse ``--input NAME=VALUE`` arguments: every command's --input parser.
 
 ``tessera run`` takes arrays (``parse_inputs``: a JSON array or a .npy file, checked against the
-input's element type). ``tessera generate`` takes token ids (``named_token_rows``: one list per
-prompt, rows of any lengths, since prompts are left-padded by the loop). Bad values are clear
-errors (InputError for run, UsageError for generate), never a traceback."""
+input's element type). ``tessera generate`` takes token ids for its prompts (``named_token_rows``:
+one list per prompt, rows of any lengths, since prompts are left-padded by the loop) and, for an
+encoder-decoder's source inputs, arrays parsed as run parses them (``parse_value``: token ids,
+or Whisper's float log-mel features as a literal or a .npy file); ``split_named`` checks the
+NAME=VALUE form and the names for both. Bad values are clear errors (InputError for arrays,
+UsageError for the form and for prompts), never a traceback."""
 
 from __future__ import annotations
 
@@ -32,12 +35,13 @@ def parse_inputs(items: list[str], specs: list[InputSpec]) -> dict[str, np.ndarr
         if spec is None:
             raise InputError(f"unknown input '{name}'; the model's inputs are: "
                              + ", ".join(f"{s.name}: {s}" for s in specs))
-        feeds[name] = _value(name, text, spec)
+        feeds[name] = parse_value(name, text, spec)
     return feeds
 
 
-def _value(name: str, text: str, spec: InputSpec) -> np.ndarray:
-    want = np.dtype(DTYPES[spec.dtype])
+def parse_value(name: str, text: str, spec: InputSpec, ragged: str = "") -> np.ndarray:
+    """One input's VALUE (a JSON array or a .npy path) as an array of the input's element type;
+    ``ragged``: a hint added to the error for rows of uneven lengths."""
     if text.endswith(".npy"):
         path = Path(text)
         if not path.exists():
@@ -58,17 +62,17 @@ def _value(name: str, text: str, spec: InputSpec) -> np.ndarray:
                              f"character {e.pos}); expected {spec}") from None
         except RecursionError:  # json's decoder recurses per level; numpy takes at most 64 dimensions anyway
             raise InputError(f"input '{name}': the JSON array is nested too deep; expected {spec}") from None
-        arr = _rectangular(name, data, spec)
+        arr = _rectangular(name, data, spec, ragged=ragged)
     return _cast(name, arr, spec)
 
 
-def _rectangular(name: str, data, spec: InputSpec, what: str = "the JSON array") -> np.ndarray:
+def _rectangular(name: str, data, spec: InputSpec, what: str = "the JSON array", ragged: str = "") -> np.ndarray:
     """Nested lists of numbers as one array; ragged rows, strings, None, dicts or integers past int64
     (numpy would make an object array of them) are InputErrors naming the input."""
     try:
         arr = np.array(data)
     except (ValueError, TypeError, OverflowError, RecursionError):
-        raise InputError(f"input '{name}': {what} is not rectangular; expected {spec}") from None
+        raise InputError(f"input '{name}': {what} is not rectangular{ragged}; expected {spec}") from None
     if arr.dtype == object or arr.dtype.kind not in "biuf":
         raise InputError(f"input '{name}': expected numbers (integers within int64 for ids) in a rectangular "
                          f"array of shape {spec}")
@@ -124,9 +128,9 @@ def _json_rows(name: str, text: str) -> list[list[int]]:
     return data
 
 
-def named_token_rows(items: list[str], allowed: list[str]) -> dict[str, list[list[int]]]:
-    """Every --input NAME=JSON, each NAME one of the model's inputs and given once."""
-    out: dict[str, list[list[int]]] = {}
+def split_named(items: list[str], allowed: list[str]) -> dict[str, str]:
+    """Every --input NAME=VALUE as {NAME: VALUE}, each NAME one of ``allowed`` and given once."""
+    out: dict[str, str] = {}
     for item in items:
         name, sep, text = item.partition("=")
         if not sep:
@@ -137,5 +141,10 @@ def named_token_rows(items: list[str], allowed: list[str]) -> dict[str, list[lis
         if name in out:
             raise UsageError(f"--input {name} is given more than once; give every row in one list: "
                              f"'{name}=[[...], [...]]'")
-        out[name] = _json_rows(name, text)
+        out[name] = text
     return out
+
+
+def named_token_rows(items: list[str], allowed: list[str]) -> dict[str, list[list[int]]]:
+    """Every --input NAME=JSON, each NAME one of the model's inputs and given once, as rows of ids."""
+    return {name: _json_rows(name, text) for name, text in split_named(items, allowed).items()}
