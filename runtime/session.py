@@ -147,9 +147,9 @@ def load_model_proto(path: Path) -> onnx.ModelProto:
                              f"not an ONNX model")
     if st.st_size == 0:
         raise ModelFileError(f"{path} is empty, not an ONNX model")
-    from tessera.runtime.io.onnx_skeleton import skeleton_bytes
+    from tessera.runtime.onnx_skeleton import skeleton_bytes
 
-    try:  # the structure only: the weights are onnxruntime's to read (runtime/io/onnx_skeleton.py)
+    try:  # the structure only: the weights are onnxruntime's to read (runtime/onnx_skeleton.py)
         model = onnx.ModelProto.FromString(skeleton_bytes(path))
     except Exception as e:  # the skim's ValueError, protobuf's DecodeError and friends
         raise ModelFileError(f"{path} is not an ONNX model (corrupt or truncated: {type(e).__name__})") from None

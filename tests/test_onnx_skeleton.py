@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 from onnx import TensorProto, helper, numpy_helper
 
-from tessera.runtime.io.onnx_skeleton import KEEP_DATA_BYTES, skeleton_bytes
+from tessera.runtime.onnx_skeleton import KEEP_DATA_BYTES, skeleton_bytes
 from tessera.runtime.errors import ModelFileError
 from tessera.runtime.session import load_model_proto
 
