@@ -97,3 +97,17 @@ def test_the_quantize_choices_are_the_pipelines():
     from tessera.runtime import options, pipeline
 
     assert options.QUANTIZE_CHOICES == pipeline.QUANTIZE_CHOICES == ("none", *SCHEMES)
+
+
+@pytest.mark.parametrize("argv", [["ir", "gpt2", "--set", "layers=1"], ["report", "gpt2", "--set", "layers=1"]])
+def test_ir_and_report_do_not_import_onnx(argv):
+    """`tessera ir` and `tessera report` work on the graph alone: onnx (with ml_dtypes, ~0.6 s of start-up)
+    is imported only by the commands that export or run (docs/BENCHMARKS.md, start-up)."""
+    import subprocess
+    import sys
+
+    code = ("import contextlib, io, sys; from tessera.runtime.cli import main\n"
+            f"with contextlib.redirect_stdout(io.StringIO()): rc = main({argv!r})\n"
+            "print(rc, sorted(m for m in ('onnx', 'ml_dtypes', 'onnxruntime', 'torch') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "0 []"
