@@ -54,4 +54,4 @@ def test_gpt2_explain_reads_one_line_for_its_twelve_sites(tmp_path, capsys):
     assert err[0] == "attention sites: 12 (0 fused, 12 not fused)"
     assert err[1].startswith("  12 sites layers.{0-11}.attn.sdpa (")
     assert err[1].endswith("gpt2.tsr:12:10): not fused: fusion disabled (--no-fuse / --attention unfused)")
-    assert len(err) == 2 and captured.out.startswith("wrote ")
+    assert len(err) == 3 and err[2].startswith("writing the weights: ") and captured.out.startswith("wrote ")

@@ -110,7 +110,7 @@ def cmd_report(ns: argparse.Namespace) -> int:
         report_format.print_table(rep, Console())
     if o.plot is not None:
         print(f"wrote {o.plot}", file=sys.stderr)
-    note = device_note(o.device)
+    note = device_note(o.device) if o.format == "table" else None  # JSON, md, csv name the device in their data
     if note:
         print(note, file=sys.stderr)
     return 0
