@@ -58,7 +58,11 @@ def workdir(tmp_path_factory):
                                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
     tok.save(str(d / "tokenizer.json"))
     Path("/tmp/tessera-docs").mkdir(exist_ok=True)
-    return d
+    yield d
+    import shutil
+
+    for made in ("/tmp/tessera-docs", "/tmp/tfd"):  # the folders the pages write to (the disk is shared)
+        shutil.rmtree(made, ignore_errors=True)
 
 
 def _fails(following: list[str]) -> str | None:
