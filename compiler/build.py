@@ -10,8 +10,7 @@ what it wants (PipelineOptions) and maps a PassError to its UsageError. Every ex
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-import onnx
+from typing import TYPE_CHECKING
 
 from tessera.compiler.frontend.elaborate import ModelInfo
 from tessera.compiler.frontend.values import BlockRef
@@ -20,6 +19,9 @@ from tessera.compiler.passes.base import PipelineResult
 from tessera.compiler.passes.encdec import SplitEncoder
 from tessera.compiler.passes.kv_cache import CacheInfo, cache_info
 from tessera.compiler.passes.pipeline import PipelineOptions, attention_sites, pipeline
+
+if TYPE_CHECKING:  # onnx (and ml_dtypes under it) costs ~0.6 s to import: `tessera report` needs only model_metadata
+    import onnx
 
 
 def jsonable(value):

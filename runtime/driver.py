@@ -50,9 +50,10 @@ class Compiled:
     seconds: float
 
 
-def compile(ref: ModelRef, o: CompileOptions, weights=None) -> Compiled:
+def compile(ref: ModelRef, o: CompileOptions, weights=None, progress=None) -> Compiled:
     """Build the spec, fill its weights and write the ONNX file (or the cached decoder, or the
-    onnxruntime-genai folder), the weights streamed one tensor at a time."""
+    onnxruntime-genai folder), the weights streamed one tensor at a time; ``progress(bytes done,
+    bytes in all)`` after each (the command line's bar, runtime/progress.py)."""
     t0 = time.perf_counter()
     ref.check()
     ref, o = from_checkpoint(ref, o, wants_tokenizer=o.genai)
@@ -67,15 +68,15 @@ def compile(ref: ModelRef, o: CompileOptions, weights=None) -> Compiled:
     if weights is None:
         weights = pipeline.weights_for(built, ref.weights, ref.seed, ref.allow_large, streaming=True)
     if o.kv_cache or o.genai:
-        files = _compile_cached(built, weights, ref, o)
+        files = _compile_cached(built, weights, ref, o, progress)
     else:
         sites = o.attention_probs
         pipeline.optimize(built, o.pipeline_options([s for s in sites if s != "all"], "all" in sites), o.explain)
-        files = pipeline.export(built, weights, o.output, check=o.check_model)
+        files = pipeline.export(built, weights, o.output, check=o.check_model, progress=progress)
     return Compiled(files, built, params, time.perf_counter() - t0)
 
 
-def _compile_cached(built, weights, ref: ModelRef, o: CompileOptions) -> list[Path]:
+def _compile_cached(built, weights, ref: ModelRef, o: CompileOptions, progress=None) -> list[Path]:
     """--kv-cache: the cached decoder (compiler/passes/kv_cache.py), its kernels chosen per phase."""
     from tessera.compiler.backends.onnx import export as onnx_export
     from tessera.compiler.passes.pipeline import explain
@@ -97,7 +98,7 @@ def _compile_cached(built, weights, ref: ModelRef, o: CompileOptions) -> list[Pa
                                   context=o.context_length)
     # external data always: onnxruntime maps the weights from the .data file instead of copying them out of
     # the parsed model, so the generating process holds them once (docs/generate.md)
-    return onnx_export.save(model, o.output, verify=verify, external=True)
+    return onnx_export.save(model, o.output, verify=verify, external=True, progress=progress)
 
 
 # ------------------------------------------------------------------ run
@@ -280,12 +281,13 @@ def generation_kind(ref: ModelRef) -> str:
 
 
 def generate(ref: ModelRef, o: GenerateOptions, prompt_ids: list[list[int]] | None = None, weights=None,
-             models: dict | None = None, tokenizer=None, source_arrays: dict | None = None):
+             models: dict | None = None, tokenizer=None, source_arrays: dict | None = None, progress=None):
     """Prepare a generation: the model loaded (or taken from ``models``, a cache the caller keeps),
     the prompts encoded (``tokenizer``: one the caller has loaded already) and every request rule
     checked (``source_arrays``: an encoder-decoder's source inputs as arrays, the API's); returns a
     generation.loop.Generation (or,
-    for a recurrent encoder-decoder, its decoded result) whose steps the caller drives."""
+    for a recurrent encoder-decoder, its decoded result) whose steps the caller drives. ``progress``:
+    told the stages of compiling a spec's cached decoder (the command line's bar, runtime/progress.py)."""
     from tessera.runtime.generation import loop
 
     ref.check()
@@ -297,7 +299,7 @@ def generate(ref: ModelRef, o: GenerateOptions, prompt_ids: list[list[int]] | No
         from tessera.runtime.generation import recurrent
 
         return recurrent.generate(ref, o)
-    return loop.prepare(ref, o, prompt_ids, weights, models, tokenizer, source_arrays)
+    return loop.prepare(ref, o, prompt_ids, weights, models, tokenizer, source_arrays, progress)
 
 
 def with_model_defaults(ref: ModelRef, o: GenerateOptions) -> GenerateOptions:

@@ -284,12 +284,14 @@ class CompileOptions(OptimizeOptions):
     tokenizer: str | Path | None = None
     context_length: int | None = None
     attention_probs: list[int | str] = field(default_factory=list)
+    quiet: bool = False
 
     def check(self) -> None:
         super().check()
         check_path(self.label("output"), self.output, optional=False)
         for name in ("check_model", "kv_cache", "genai"):
             check_bool(self.label(name), getattr(self, name))
+        check_bool(self.label("quiet"), self.quiet)
         check_choice(self.label("cache"), self.cache, CACHES)
         check_choice(self.label("decode"), self.decode, DECODES)
         check_path(self.label("tokenizer"), self.tokenizer)

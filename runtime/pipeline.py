@@ -248,10 +248,12 @@ def metadata(built: Built) -> dict:
     return model_metadata(built.info, built.quantize)
 
 
-def export(built: Built, weights, out: str | Path, check: bool = True) -> list[Path]:
+def export(built: Built, weights, out: str | Path, check: bool = True, progress=None) -> list[Path]:
+    """The ONNX file(s), the weights streamed; ``progress(bytes done, bytes in all)`` after each (runtime/progress.py)."""
     from tessera.compiler.backends.onnx import export as onnx_export  # here: `tessera ir` builds without onnx
 
-    return onnx_export.write(built.graph, weights, out, metadata(built), verify=onnx_export.check if check else None)
+    return onnx_export.write(built.graph, weights, out, metadata(built), verify=onnx_export.check if check else None,
+                             progress=progress)
 
 
 __all__ = ["Built", "resolve_spec", "build", "weights_for", "optimize", "export", "parse_set", "UsageError",

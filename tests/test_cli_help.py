@@ -97,3 +97,36 @@ def test_the_quantize_choices_are_the_pipelines():
     from tessera.runtime import options, pipeline
 
     assert options.QUANTIZE_CHOICES == pipeline.QUANTIZE_CHOICES == ("none", *SCHEMES)
+
+
+@pytest.mark.parametrize("argv", [["ir", "gpt2", "--set", "layers=1"], ["report", "gpt2", "--set", "layers=1"]])
+def test_ir_and_report_do_not_import_onnx(argv):
+    """`tessera ir` and `tessera report` work on the graph alone: onnx (with ml_dtypes, ~0.6 s of start-up)
+    is imported only by the commands that export or run (docs/BENCHMARKS.md, start-up)."""
+    import subprocess
+    import sys
+
+    code = ("import contextlib, io, sys; from tessera.runtime.cli import main\n"
+            f"with contextlib.redirect_stdout(io.StringIO()): rc = main({argv!r})\n"
+            "print(rc, sorted(m for m in ('onnx', 'ml_dtypes', 'onnxruntime', 'torch') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "0 []"
+
+
+def test_the_report_says_its_gpu_device_is_not_this_machine(monkeypatch, capsys):
+    """Issue 21: `report` defaults to --device h200 and prints "target cuda"; on a machine without a GPU a
+    note on stderr says those figures are for that device (stdout, the report, stays machine-independent)."""
+    from tessera.runtime import machine
+    from tessera.runtime.cli.report import device_note
+
+    monkeypatch.setattr(machine, "gpu_present", lambda: False)
+    assert main(["report", "gpt2", "--set", "layers=1"]) == 0
+    out, err = capsys.readouterr()
+    assert "h200 (the default --device)" in err and "no GPU" in err and "--device cpu" in err
+    assert "note: the roofline" not in out
+    assert main(["report", "gpt2", "--set", "layers=1", "--format", "json"]) == 0  # a program's input: no note
+    assert capsys.readouterr().err == ""
+    assert "h100" in device_note("h100") and "default" not in device_note("h100")
+    assert device_note("cpu") is None
+    monkeypatch.setattr(machine, "gpu_present", lambda: True)
+    assert device_note("h200") is None

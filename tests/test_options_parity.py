@@ -28,7 +28,8 @@ API_NAMES = {command: {k: f for f, k in cls.API_NAMES.items()} for command, cls 
 
 # fields the command line has and the API deliberately lacks
 CLI_ONLY = {
-    "compile": {"no_fuse": "--no-fuse is the command line's second spelling of attention='unfused'"},
+    "compile": {"no_fuse": "--no-fuse is the command line's second spelling of attention='unfused'",
+                "quiet": "printing: the API prints no progress"},
     "run": {"no_fuse": "--no-fuse is the command line's second spelling of attention='unfused'",
             "format": "printing: the API returns the arrays",
             "full": "printing: the API returns every value",

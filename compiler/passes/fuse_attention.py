@@ -39,10 +39,13 @@ class AttentionSite:
 
     def describe(self) -> str:
         where = f"{self.scope or '<model>'} ({self.pos})" if self.pos else (self.scope or "<model>")
+        return f"{where}: {self.verdict()}"
+
+    def verdict(self) -> str:
+        """What became of the site and why, without where it is: --explain groups the sites sharing one."""
         if not self.fused:
-            return f"{where}: not fused: {self.reason}"
-        impl = f" -> {self.impl}: {self.impl_reason}" if self.impl else ""
-        return f"{where}: fused{impl}"
+            return f"not fused: {self.reason}"
+        return f"fused -> {self.impl}: {self.impl_reason}" if self.impl else "fused"
 
 
 DISABLED = "fusion disabled (--no-fuse / --attention unfused)"

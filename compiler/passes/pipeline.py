@@ -35,6 +35,7 @@ from tessera.compiler.passes.kv_cache import CacheOptions, cache_passes, cache_t
 from tessera.compiler.passes.precision import LowerPrecision
 from tessera.compiler.passes.quantize import QuantConfig, QuantizeWeights
 from tessera.compiler.passes.recurrence import ChooseRecurrenceLowering
+from tessera.compiler.passes.site_groups import grouped_lines
 from tessera.compiler.passes.sparse_moe import SparseExperts
 
 ATTENTION_CHOICES = ("auto", "gqa", "mha", "block", "portable", "unfused")
@@ -176,7 +177,7 @@ def expert_sites(result: PipelineResult) -> list:
 def explain(sites: list[AttentionSite], exposed: list | None = None) -> str:
     fused = sum(s.fused for s in sites)
     lines = [f"attention sites: {len(sites)} ({fused} fused, {len(sites) - fused} not fused)"]
-    lines += [f"  {s.describe()}" for s in sites]
+    lines += [f"  {line}" for line in grouped_lines(sites)]
     if exposed:
         lines.append(f"attention probabilities exposed as outputs: {len(exposed)}")
         lines += [f"  {e.describe()}" for e in exposed]
@@ -189,4 +190,4 @@ def explain_experts(sites: list) -> str:
         return ""
     sparse = sum(s.sparse for s in sites)
     lines = [f"mixtures of experts: {len(sites)} ({sparse} sparse, {len(sites) - sparse} dense)"]
-    return "\n".join(lines + [f"  {s.describe()}" for s in sites])
+    return "\n".join(lines + [f"  {line}" for line in grouped_lines(sites)])

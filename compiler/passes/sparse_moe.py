@@ -42,8 +42,11 @@ class ExpertSite:
     impl: str | None = None
 
     def describe(self) -> str:
-        where = self.scope or "<model>"
-        head = f"{where}: top {self.top} of {self.experts} experts"
+        return f"{self.scope or '<model>'}: {self.verdict()}"
+
+    def verdict(self) -> str:
+        """What became of the mixture and why, without where it is: --explain groups the sites sharing one."""
+        head = f"top {self.top} of {self.experts} experts"
         return f"{head}: sparse ({self.impl})" if self.sparse else f"{head}: dense: {self.reason}"
 
 

@@ -21,6 +21,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
     args.optimize_args(c)
     c.add_argument("-o", "--output", required=True, metavar="OUT.onnx", help="where to write the model")
     c.add_argument("--no-check", action="store_true", help="skip onnx.checker's full check of the result")
+    c.add_argument("--quiet", "-q", action="store_true",
+                   help="no progress on stderr (by default a bar while the weights are written when stderr is a "
+                        "terminal, else one summary line)")
     c.add_argument("--kv-cache", action="store_true",
                    help="compile the KV-cached decoder that `tessera generate OUT.onnx` loads (decoder-only "
                         "models; logits of the last position only); --explain then also lists the attention "
@@ -57,7 +60,11 @@ def add_parser(sub) -> argparse.ArgumentParser:
 def cmd_compile(ns: argparse.Namespace) -> int:
     from tessera.runtime import driver
 
-    done = driver.compile(ModelRef.from_args(ns), CompileOptions.from_args(ns))
+    from tessera.runtime.progress import Progress
+
+    o = CompileOptions.from_args(ns)
+    with Progress("writing the weights", "bytes", quiet=o.quiet) as progress:
+        done = driver.compile(ModelRef.from_args(ns), o, progress=progress)
     built, files = done.built, done.files
     size = sum(f.stat().st_size for f in files)
     print(f"wrote {', '.join(map(str, files))}: {built.graph.name}"

@@ -95,8 +95,11 @@ def cmd_generate(ns: argparse.Namespace) -> int:
     from tessera.runtime.generation import cached as gen
     from tessera.runtime.generation.loop import Generation
 
+    from tessera.runtime.progress import Progress
+
     o = GenerateOptions.from_args(ns)
-    run = driver.generate(ModelRef.from_args(ns), o)
+    with Progress("compiling the cached decoder", "stages", quiet=o.quiet) as progress:
+        run = driver.generate(ModelRef.from_args(ns), o, progress=progress)
     if not isinstance(run, Generation):
         return _print_recurrent(run, o)
     prompts, tokenizer, stats = run.prompts, run.tokenizer, run.stats

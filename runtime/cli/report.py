@@ -110,4 +110,20 @@ def cmd_report(ns: argparse.Namespace) -> int:
         report_format.print_table(rep, Console())
     if o.plot is not None:
         print(f"wrote {o.plot}", file=sys.stderr)
+    note = device_note(o.device) if o.format == "table" else None  # JSON, md, csv name the device in their data
+    if note:
+        print(note, file=sys.stderr)
     return 0
+
+
+def device_note(device: str) -> str | None:
+    """The report's roofline and attention sections describe ``--device`` (h200 by default), which need not be
+    this machine: on one without a GPU, say so rather than let "target cuda" pass for a claim about it.
+    On stderr, so that the report itself (and its goldens) does not depend on the machine."""
+    from tessera.runtime.machine import gpu_present
+
+    if device == "cpu" or gpu_present():
+        return None
+    default = " (the default --device)" if device == ReportOptions.device else ""
+    return (f"note: the roofline and attention figures are estimates for {device}{default}, not for this "
+            f"machine, which has no GPU; --device cpu measures this one")

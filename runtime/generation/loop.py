@@ -95,9 +95,11 @@ MAX_SOURCE_TOKENS = 16_384
 100,000-token source ran for hours); the bundled ones were trained on 512 (T5) or fewer."""
 
 
-def load_model(ref, o, weights=None, models: dict | None = None):
+def load_model(ref, o, weights=None, models: dict | None = None, progress=None):
     """A CachedModel (decoder-only) or an EncoderDecoder, from a .tsr spec or a compiled .onnx file;
-    ``models`` (a dict the caller keeps) holds those already compiled, by the options that shape them."""
+    ``models`` (a dict the caller keeps) holds those already compiled, by the options that shape them.
+    ``progress(done, total, stage)`` is told as each stage of a compile starts (runtime/progress.py)."""
+    step = progress or (lambda done, total, stage=None: None)
     path = Path(ref.spec)
     config = o.quant_config()
     if path.suffix == ".onnx" or path.is_dir():
@@ -108,16 +110,21 @@ def load_model(ref, o, weights=None, models: dict | None = None):
     key = (o.threads, o.cache, o.quantize, o.quantize_block, o.quantize_head, o.quantize_activations)
     if models is not None and key in models:
         return models[key]
+    step(0, 4, "graph")
     built = pipeline.build(ref.spec, ref.variant, ref.sets, ref.weights)
+    step(1, 4, "weights")
     if weights is None:
         weights = pipeline.weights_for(built, ref.weights, ref.seed, ref.allow_large)
     options = o.pipeline_options()  # quantised by the pipeline's first pass
     target = target_input(built.graph)
+    step(2, 4, "passes and ONNX")
     if target is not None:
         loaded = EncoderDecoder(built, weights, target, o.threads, options)
     else:
         model, info = gen.compile_cached(built, weights, options)
+        step(3, 4, "onnxruntime session")
         loaded = gen.CachedModel(model.SerializeToString(), info, threads=o.threads)
+    step(4, 4)
     if models is not None:
         models[key] = loaded
     return loaded
@@ -168,7 +175,7 @@ class Generation:
 
 
 def prepare(ref, o, prompt_ids: list[list[int]] | None = None, weights=None, models: dict | None = None,
-            tokenizer=None, source_arrays: dict | None = None) -> Generation:
+            tokenizer=None, source_arrays: dict | None = None, progress=None) -> Generation:
     """Load the model and check the request (``o`` already checked): the prompts from --prompt texts,
     --input token ids or ``prompt_ids`` (the API's), and an encoder-decoder's source inputs (--input
     NAME=VALUE, or ``source_arrays``: the API's ``inputs=``)."""
@@ -185,7 +192,7 @@ def prepare(ref, o, prompt_ids: list[list[int]] | None = None, weights=None, mod
     stop_tokens = list(o.stop_tokens) + gen.stop_token_ids(tokenizer, o.stops)
     stopper = gen.TextStopper(tokenizer, o.stops) if tokenizer is not None and o.stops else None
 
-    loaded = load_model(ref, o, weights, models)
+    loaded = load_model(ref, o, weights, models, progress)
     fixed = None
     if isinstance(loaded, EncoderDecoder):
         model, target = loaded.s2s.decoder, loaded.target

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import csv
 import io
+import re
 
 SI = [(1e15, "P"), (1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")]
 
@@ -42,6 +43,21 @@ def seconds(t: float | None) -> str:
     if t >= 1e-6:
         return f"{t * 1e6:.2f} µs"
     return f"{t * 1e9:.2f} ns"
+
+
+def op_label(name: str, op: str) -> str:
+    """A roofline row's node: ``layers.*.mlp.fc (linear)``, but ``layers.*.attn.sdpa/matmul_1`` alone when
+    the name already says the op (``(matmul)`` after it only pushed the row past 100 columns)."""
+    last = re.split(r"[./]", name)[-1]
+    return name if re.fullmatch(rf"{re.escape(op)}(_\d+)?", last) else f"{name} ({op})"
+
+
+def _site_names(names: list[str]) -> str:
+    """Sites sharing a row, as --explain names them (``layers.{0-11}.attn.sdpa``), else first … last."""
+    from tessera.compiler.passes.site_groups import compact_names
+
+    compact = compact_names(names)
+    return compact if "{" in compact else f"{names[0]} … {names[-1]}"
 
 
 def title(rep: dict) -> str:
@@ -153,7 +169,7 @@ def sections(rep: dict) -> list[tuple[str, list[str], list[list[str]]]]:
         ops = sorted(r["ops"], key=lambda o: -o["seconds"])[:10]
         total_t = r["prefill_seconds"]["unfused"] or 1
         for o in ops:
-            rows.append([f"  {o['name']} ({o['op']}) ×{o['count']}", seconds(o["seconds"]),
+            rows.append([f"  {op_label(o['name'], o['op'])} ×{o['count']}", seconds(o["seconds"]),
                          f"{100 * o['seconds'] / total_t:.1f}%", si(o["flops"]), f"{o['intensity']:.1f}", o["bound"]])
         fa = r["fused_attention"]
         if fa:
@@ -166,7 +182,7 @@ def sections(rep: dict) -> list[tuple[str, list[str], list[list[str]]]]:
 
         rows = []
         for count, first, names in group_sites(att):
-            where = names[0] if count == 1 else f"{names[0]} … {names[-1]} ({count} sites)"
+            where = names[0] if count == 1 else f"{_site_names(names)} ({count} sites)"
             if first["fused"]:
                 t = first["traffic_bytes"]
                 rows.append([where, f"fused: {first['kernel']}", si(t["unfused"] * count) + "B",
@@ -268,8 +284,9 @@ def print_table(rep: dict, console) -> None:
     console.print(title(rep), style="bold")
     for name, cols, rows in sections(rep):
         table = Table(title=name, title_justify="left", show_edge=True)
-        for i, c in enumerate(cols):
-            table.add_column(c, justify="left" if i == 0 or c in ("formula", "bound") else "right")
+        for i, c in enumerate(cols):  # a label too long for its line folds, never cut: two cut ones could read alike
+            table.add_column(c, justify="left" if i == 0 or c in ("formula", "bound") else "right",
+                             overflow="fold" if i == 0 else "ellipsis")
         for row in rows:
             style = "bold" if row[0] in ("total", "total (full attention, head included)") else None
             table.add_row(*row, style=style)

@@ -17,16 +17,33 @@ from tessera.compiler.ir.graph import Graph
 from tessera.runtime.pipeline import UsageError
 
 
-def _lengths(seq: int, crossover: float | None) -> list[int]:
-    """Powers of two from 64 to well past N, and past the crossover where it is within 2^17."""
-    top = max(8 * seq, 8192, min(2 * (crossover or 0), 2**17))
+def _lengths(seq: int, crossover: float | None, context: int | None = None) -> list[int]:
+    """Powers of two from 64 up to the model's context (its position table or rotary max_ctx) and N;
+    a model without one (ALiBi, relative positions): to well past N, and past the crossover where it
+    is within 2^17."""
+    top = max(context, seq) if context else max(8 * seq, 8192, min(2 * (crossover or 0), 2**17))
     n, out = 64, [64]
-    while n < top:
+    while n * 2 <= top:
         n *= 2
         out.append(n)
-    if seq not in out:
-        out = sorted(set(out) | {seq})
-    return out
+    return sorted(set(out) | {seq, top})
+
+
+def model_context(graph: Graph, sequence_symbols: list[str]) -> tuple[int, str] | None:
+    """(positions, where) of the longest sequence the model takes: the smallest position table (or rotary
+    max_ctx) bounding one of its sequence symbols (compiler/ir/signature.input_limits); None if none does."""
+    from tessera.compiler.ir.signature import input_limits
+
+    bounds = [v for sym, v in input_limits(graph).dims.items() if sym in sequence_symbols]
+    return min(bounds) if bounds else None
+
+
+def byte_label(value: float, _pos=None) -> str:
+    """A memory axis tick in B, KB, MB, GB or TB (powers of 1000, as the report's table counts)."""
+    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if abs(value) >= scale:
+            return f"{value / scale:g} {unit}"
+    return f"{value:g} B"
 
 
 def _pyplot(option: str = "--plot"):
@@ -60,13 +77,26 @@ def check_plot_path(path: str, option: str = "--plot", example: str = "report.pn
 def plot(graph: Graph, rep: dict, path: str) -> None:
     target, fmt = check_plot_path(path)
     plt = _pyplot()
+    fig = figure(graph, rep)
+    try:
+        write_atomically(target, lambda tmp: fig.savefig(tmp, dpi=120, format=fmt), "report.png")
+    finally:
+        plt.close(fig)
+
+
+def figure(graph: Graph, rep: dict):
+    """The report's figure (matplotlib), not yet written: MACs, memory and (with a device) roofline
+    time against N, each axis ending at the model's context, marked and named in the legend."""
+    plt = _pyplot()
+    from matplotlib.ticker import FuncFormatter
     from tessera.compiler.analysis.costreport import sweep
     from tessera.compiler.analysis.deployment import curves
 
     s = rep["settings"]
     if not s["sequence_symbols"]:
         raise UsageError("--plot draws costs against N, but this spec has no sequence symbol")
-    data = sweep(graph, _lengths(s["seq"], rep["macs"]["crossover_seq"]), s["batch"], s["dtype"])
+    context = model_context(graph, s["sequence_symbols"])
+    data = sweep(graph, _lengths(s["seq"], rep["macs"]["crossover_seq"], context and context[0]), s["batch"], s["dtype"])
     n = data["seq"]
     dev = curves(graph, rep, n)  # the plan's largest device and the roofline times (docs/report.md)
     timed = bool(dev["prefill_seconds"])
@@ -85,7 +115,7 @@ def plot(graph: Graph, rep: dict, path: str) -> None:
     cross = rep["macs"]["crossover_seq"]
     if cross and n[0] <= cross <= n[-1]:
         ax1.axvline(cross, color="gray", linestyle=":", label=f"N² part overtakes the rest (N ≈ {cross:,.0f})")
-    ax1.axvline(s["seq"], color="black", linewidth=0.8, alpha=0.5)
+    _mark_lengths(ax1, s["seq"], context, n)
     ax1.legend(fontsize=8)
     ax1.grid(True, which="both", alpha=0.3)
 
@@ -102,9 +132,10 @@ def plot(graph: Graph, rep: dict, path: str) -> None:
         if rep["roofline"] and rep["roofline"]["device"]["memory"]:
             ax2.axhline(rep["roofline"]["device"]["memory"], color="C3", linestyle="--",
                         label=f"memory of one {rep['roofline']['device']['name']}")
-    ax2.axvline(s["seq"], color="black", linewidth=0.8, alpha=0.5)
+    _mark_lengths(ax2, s["seq"], context, n)
     ax2.set_xlabel("sequence length N")
-    ax2.set_ylabel("bytes")
+    ax2.set_ylabel("memory")
+    ax2.yaxis.set_major_formatter(FuncFormatter(byte_label))
     ax2.legend(fontsize=8)
     ax2.grid(True, which="both", alpha=0.3)
     if timed:
@@ -113,12 +144,18 @@ def plot(graph: Graph, rep: dict, path: str) -> None:
         ax3.loglog(n, dev["prefill_seconds"], "o-", label=f"prefill, attention fused{per}")
         if any(d is not None for d in dev["decode_seconds"]):
             ax3.loglog(n, dev["decode_seconds"], "s--", label=f"one decoding step at context N{per}")
-        ax3.axvline(s["seq"], color="black", linewidth=0.8, alpha=0.5)
+        _mark_lengths(ax3, s["seq"], context, n)
         ax3.set_xlabel("sequence length N")
         ax3.set_ylabel(f"seconds, roofline on {rep['roofline']['device']['name']}")
         ax3.legend(fontsize=8)
         ax3.grid(True, which="both", alpha=0.3)
-    try:
-        write_atomically(target, lambda tmp: fig.savefig(tmp, dpi=120, format=fmt), "report.png")
-    finally:
-        plt.close(fig)
+    return fig
+
+
+def _mark_lengths(ax, seq: int, context: tuple[int, str] | None, n: list[int]) -> None:
+    """The report's N, and the model's context (where the x axis ends), as labelled vertical lines."""
+    ax.axvline(seq, color="black", linewidth=0.8, alpha=0.5, label=f"N = {seq:,} (this report)")
+    if context:
+        rows, where = context
+        ax.axvline(rows, color="C2", linewidth=1.2, linestyle="-.", label=f"model's context: {rows:,} ({where})")
+    ax.set_xlim(n[0], n[-1])

@@ -25,8 +25,9 @@ take at most that many bytes, else its ``impl``.
 from __future__ import annotations
 
 import numpy as np
-from onnx import TensorProto, helper
 
+# onnx is imported in the lowering functions, not here: passes/attention_kernels.py reads this module's
+# kernel tables when `tessera report` runs, and onnx (with ml_dtypes) takes ~0.6 s to import
 from tessera.compiler.backends.onnx import score_epilogue as epilogue
 from tessera.compiler.ops.attention import check_fused_attrs
 
@@ -102,6 +103,7 @@ def lower_fused_attention(b, node, out: str) -> None:
 def _short_or(b, node, out: str, lower, budget: int) -> None:
     """If the whole [B, H, Tq, Tk] score block takes at most ``budget`` bytes, the block
     kernel (no Loop), else ``lower``. The test is on run-time dimensions, computed outside the If."""
+    from onnx import TensorProto
     from tessera.compiler.backends.onnx.cached_attention import _branch
 
     q_t, k_t = b.graph.type_of(node.inputs[0]), b.graph.type_of(node.inputs[1])
@@ -150,6 +152,7 @@ def _block(b, node, out: str) -> None:
 
 
 def _gqa(b, node, out: str) -> None:
+    from onnx import TensorProto
     g, a = b.graph, node.attrs
     q, k, v = node.inputs[:3]
     q_t = g.type_of(q)
@@ -176,6 +179,7 @@ def _mha(b, node, out: str) -> None:
 def _portable(b, node, out: str, names: list[str] | None = None) -> None:
     """One Loop iteration per (head, query tile): small slices, large matrix products. ``names``
     replaces the inputs' names (same types) when a caller made them itself (backends/onnx/cached_attention.py)."""
+    from onnx import TensorProto, helper
     g, a = b.graph, node.attrs
     names = list(names or node.inputs)
     q, k, v = names[:3]

@@ -171,15 +171,17 @@ def checkable(model: onnx.ModelProto, streamed: list[stream.Streamed]) -> onnx.M
 
 
 def write(graph: Graph, weights, path: str | Path, metadata: dict | None = None, verify=None,
-          external: bool | None = None) -> list[Path]:
+          external: bool | None = None, progress: stream.Progress | None = None) -> list[Path]:
     """Export a graph with its weights (a mapping by parameter path, read one tensor at a time)
     to ``path`` atomically; returns the files written. ``verify(model)`` (e.g. ``check``) is given
     the model without its weights before anything is written. ``external``: None puts the weights
-    in ``<path>.data`` when they pass EXTERNAL_DATA_THRESHOLD, True or False forces it."""
-    return _save(build_model(graph, metadata), tensors(graph, weights), path, verify, external)
+    in ``<path>.data`` when they pass EXTERNAL_DATA_THRESHOLD, True or False forces it. ``progress``
+    (bytes written, bytes in all) is called after each weight (compiler/backends/onnx/stream.py)."""
+    return _save(build_model(graph, metadata), tensors(graph, weights), path, verify, external, progress)
 
 
-def save(model: onnx.ModelProto, path: str | Path, verify=None, external: bool | None = None) -> list[Path]:
+def save(model: onnx.ModelProto, path: str | Path, verify=None, external: bool | None = None,
+         progress: stream.Progress | None = None) -> list[Path]:
     """Write a model built in memory (``to_onnx``) the way ``write`` does: its initializers are
     streamed from the proto's own bytes (no serialised copy of the whole model is made)."""
     skeleton = onnx.ModelProto()
@@ -197,11 +199,11 @@ def save(model: onnx.ModelProto, path: str | Path, verify=None, external: bool |
         np_type = helper.tensor_dtype_to_np_dtype(i.data_type)
         streamed.append(stream.Streamed(i.name, tuple(i.dims), i.data_type, np.dtype(np_type),
                                         lambda i=i, t=np_type: np.frombuffer(i.raw_data, t).reshape(tuple(i.dims))))
-    return _save(skeleton, streamed, path, verify, external)
+    return _save(skeleton, streamed, path, verify, external, progress)
 
 
 def _save(model: onnx.ModelProto, streamed: list[stream.Streamed], path: str | Path, verify,
-          external: bool | None) -> list[Path]:
+          external: bool | None, progress: stream.Progress | None = None) -> list[Path]:
     """The atomic save. Everything is written into a hidden folder beside the target
     (compiler/backends/atomic.py), fsynced, and only then renamed into place: the data file first,
     then the model. A failure, Ctrl-C or SIGTERM before that leaves any previous output as it was
@@ -219,14 +221,14 @@ def _save(model: onnx.ModelProto, streamed: list[stream.Streamed], path: str | P
             if external:
                 proto, placed = stream.external_layout(model, streamed, data_path.name)
                 with stream.open_output(tmp_data) as f:
-                    stream.write_external_data(placed, f)
+                    stream.write_external_data(placed, f, progress)
                     stream.fsync(f)
                 with stream.open_output(tmp_model) as f:
                     f.write(proto.SerializeToString())
                     stream.fsync(f)
             else:
                 with stream.open_output(tmp_model) as f:
-                    stream.write_inline(model, streamed, f)
+                    stream.write_inline(model, streamed, f, progress)
                     stream.fsync(f)
         except OSError as e:
             raise OutputError(f"cannot write {path}: {e.strerror or e}") from None

@@ -100,22 +100,31 @@ def _initializer_prefix(t: Streamed) -> bytes:
 AHEAD = 2  # tensors fetched ahead of the one being written, each by its own worker thread
 
 
-def _arrays(tensors: list[Streamed]):
+# progress(bytes written, bytes in all) after each tensor: the command line's progress bar (runtime/progress.py)
+Progress = Callable[[int, int], None]
+
+
+def _arrays(tensors: list[Streamed], progress: Progress | None = None):
     """Each tensor's values in turn, the next AHEAD fetched (drawn, read, converted) by worker
     threads while the caller writes the current one: numpy's generators and file reads release the
     GIL, so drawing runs on every core and overlaps writing. At most AHEAD + 1 tensors are held;
-    each tensor's values do not depend on which thread fetched it."""
+    each tensor's values do not depend on which thread fetched it. ``progress`` is told once the
+    caller has written each one."""
     from collections import deque
     from concurrent.futures import ThreadPoolExecutor
 
+    total, done = sum(t.nbytes for t in tensors), 0
     with ThreadPoolExecutor(max_workers=AHEAD) as pool:
         pending = deque(pool.submit(t.array) for t in tensors[:AHEAD])
-        for nxt in tensors[AHEAD:] + [None] * min(AHEAD, len(tensors)):
+        for t, nxt in zip(tensors, tensors[AHEAD:] + [None] * min(AHEAD, len(tensors))):
             arr = pending.popleft().result()
             if nxt is not None:
                 pending.append(pool.submit(nxt.array))
             yield arr
             del arr
+            done += t.nbytes
+            if progress is not None:
+                progress(done, total)
 
 
 def _write(f: BinaryIO, arr: np.ndarray) -> None:
@@ -123,7 +132,7 @@ def _write(f: BinaryIO, arr: np.ndarray) -> None:
 
 
 # ------------------------------------------------------------------ layouts
-def write_inline(model: ModelProto, tensors: list[Streamed], f: BinaryIO) -> None:
+def write_inline(model: ModelProto, tensors: list[Streamed], f: BinaryIO, progress: Progress | None = None) -> None:
     """The model with every streamed tensor as an initializer with raw_data, in one stream."""
     graph = model.graph.SerializeToString()
     rest = ModelProto()
@@ -132,7 +141,7 @@ def write_inline(model: ModelProto, tensors: list[Streamed], f: BinaryIO) -> Non
     prefixes = [_initializer_prefix(t) for t in tensors]
     total = len(graph) + sum(len(p) + t.nbytes for p, t in zip(prefixes, tensors))
     f.write(_key(_GRAPH) + _varint(total))
-    for p, arr in zip(prefixes, _arrays(tensors)):
+    for p, arr in zip(prefixes, _arrays(tensors, progress)):
         f.write(p)
         _write(f, arr)
     f.write(graph)
@@ -164,9 +173,9 @@ def external_layout(model: ModelProto, tensors: list[Streamed], location: str) -
     return out, placed
 
 
-def write_external_data(placed: list[tuple[int, Streamed]], f: BinaryIO) -> None:
+def write_external_data(placed: list[tuple[int, Streamed]], f: BinaryIO, progress: Progress | None = None) -> None:
     pos = 0
-    for (offset, t), arr in zip(placed, _arrays([t for _, t in placed])):
+    for (offset, t), arr in zip(placed, _arrays([t for _, t in placed], progress)):
         if offset > pos:
             f.write(b"\0" * (offset - pos))
         _write(f, arr)
