@@ -29,6 +29,7 @@ MODEL_TYPES = {
     "t5": "t5",
     "gemma2": "gemma2",
     "gptj": "gptj",
+    "mamba": "mamba",
 }
 
 
