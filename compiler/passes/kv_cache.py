@@ -87,6 +87,20 @@ class CacheLayer:
 
 
 @dataclass
+class CacheState:
+    """One piece of recurrent state the cache carries (passes/recurrent_state.py): a time scan's
+    carried state (``kind`` "scan") or a causal conv1d's last kernel-1 inputs ("conv"); the input
+    ``past`` and output ``present`` names, the shape without the batch, the dtype."""
+
+    node: str
+    kind: str
+    past: str
+    present: str
+    shape: list[int]
+    dtype: str = "f32"
+
+
+@dataclass
 class CacheKernel:
     """The lowering chosen for one cached attention site (both phases), and why: for --explain."""
 
@@ -108,10 +122,14 @@ class CacheInfo:
     dtype: str = "f32"
     kernels: list[CacheKernel] = field(default_factory=list)
     length_input: str | None = None  # LENGTH when decoding steps write the buffer in place (decode = "gqa")
+    states: list[CacheState] = field(default_factory=list)  # recurrent state carried call to call
 
     def explain(self) -> str:
         """--explain's listing for a cached compile: every cached site's kernel per phase and why."""
         lines = [f"KV cache ({self.mode} mode): {len(self.layers)} cached attention sites"]
+        if self.states:
+            lines.append(f"recurrent state: {sum(s.kind == 'scan' for s in self.states)} scan state(s), "
+                         f"{sum(s.kind == 'conv' for s in self.states)} causal conv1d window(s) carried")
         groups: dict[tuple[str, str], list[str]] = {}
         for k in self.kernels:
             groups.setdefault((k.impl, k.reason), []).append(k.site)
@@ -122,14 +140,15 @@ class CacheInfo:
     def to_json(self) -> dict:
         return {"tokens": self.tokens, "logits": self.logits, "context": self.context, "last_only": self.last_only,
                 "mode": self.mode, "dtype": self.dtype, "layers": [vars(layer) for layer in self.layers],
-                "kernels": [vars(k) for k in self.kernels], "length_input": self.length_input}
+                "kernels": [vars(k) for k in self.kernels], "length_input": self.length_input,
+                "states": [vars(s) for s in self.states]}
 
     @classmethod
     def from_json(cls, data: dict) -> "CacheInfo":
         return cls(data["tokens"], data["logits"], [CacheLayer(**layer) for layer in data["layers"]],
                    data.get("context"), data.get("last_only", False), data.get("mode", "buffer"),
                    data.get("dtype", "f32"), [CacheKernel(**k) for k in data.get("kernels", [])],
-                   data.get("length_input"))
+                   data.get("length_input"), [CacheState(**s) for s in data.get("states", [])])
 
     METADATA_KEY = "tessera.kv_cache"
 
@@ -251,7 +270,8 @@ def _mode(requested: str, sites: list[Node]) -> str:
 def cache_tensors(g: Graph) -> set[str]:
     """The cache's past inputs and present outputs: held by the runtime at the graph's own precision
     (passes/precision.py ``native``)."""
-    return {i for i in g.inputs if i.startswith(("past_key.", "past_value."))} | set(g.outputs[1:])
+    return {i for i in g.inputs if i.startswith(("past_key.", "past_value.", "past_state.", "past_conv."))} \
+        | set(g.outputs[1:])
 
 
 def _settle(g: Graph) -> None:
@@ -289,10 +309,12 @@ class AddCacheInputs(Pass):
     def requires(self, g: Graph) -> None:
         tokens = _token_input(g, self.options.tokens)
         _, t_dim = g.type_of(tokens).shape
+        from tessera.compiler.passes.recurrent_state import carries_state
+
         sites = _self_attention(g, t_dim)
-        if not sites:
-            raise CacheError(f"model {g.name} has no fused attention to cache (is attention fused? --no-fuse "
-                             f"leaves nothing to cache)")
+        if not sites and not carries_state(g, t_dim):
+            raise CacheError(f"model {g.name} has no fused attention and no recurrence over time to cache (is "
+                             f"attention fused? --no-fuse leaves nothing to cache)")
         bad = [n for n in sites if not n.attrs["causal"] or n.attrs["padding"] or n.attrs["bias"]]
         if bad:
             n = bad[0]
@@ -313,8 +335,10 @@ class AddCacheInputs(Pass):
     def run(self, g: Graph) -> PassResult:
         tokens = _token_input(g, self.options.tokens)
         b_dim, t_dim = g.type_of(tokens).shape
-        mode = _mode(self.options.mode, _self_attention(g, t_dim))
-        g.add_input(MASK, TensorType("i64", (b_dim, dims.symbol("P") + t_dim)))
+        sites = _self_attention(g, t_dim)
+        mode = _mode(self.options.mode, sites)
+        if sites:  # a model with recurrent state only has no keys to mask
+            g.add_input(MASK, TensorType("i64", (b_dim, dims.symbol("P") + t_dim)))
         g.add_input(POSITIONS, TensorType("i64", (b_dim, t_dim)))
         return PassResult(g, True, [CacheInterface(tokens, g.outputs[0], mode, self.options.last_only)])
 
@@ -394,12 +418,16 @@ class AddCacheLayers(Pass):
         self.options = options
 
     def requires(self, g: Graph) -> None:
-        _needs(g, MASK, self.name)
+        _needs(g, POSITIONS, self.name)
+        if _self_attention(g, _batch_and_time(g)[1]):
+            _needs(g, MASK, self.name)
 
     def run(self, g: Graph) -> PassResult:
         b_dim, t_dim = _batch_and_time(g)
         p_dim = dims.symbol("P")
         sites = _self_attention(g, t_dim)
+        if not sites:  # recurrent state only (passes/recurrent_state.py)
+            return PassResult(g, False, [])
         mode = _mode(self.options.mode, sites)
         dtype = g.type_of(sites[0].inputs[0]).dtype
         layers = []
@@ -454,7 +482,7 @@ class ChooseCacheKernels(Pass):
         self.options = options
 
     def requires(self, g: Graph) -> None:
-        if not cached_sites(g):
+        if not cached_sites(g) and (POSITIONS not in g.inputs or _self_attention(g, _batch_and_time(g)[1])):
             raise PassError(f"{self.name} needs cached attention sites: run kv-cache-layers first")
 
     def run(self, g: Graph) -> PassResult:
@@ -521,7 +549,10 @@ class LastPositionLogits(Pass):
 
 def cache_passes(options: CacheOptions) -> list[Pass]:
     """The KV cache as passes, in order (the cached pipelines in passes/pipeline.py splice them in)."""
-    passes = [AddCacheInputs(options), ReadPositionIds(options), AddCacheLayers(options), ChooseCacheKernels(options)]
+    from tessera.compiler.passes.recurrent_state import CarryRecurrentState
+
+    passes = [AddCacheInputs(options), ReadPositionIds(options), AddCacheLayers(options), CarryRecurrentState(),
+              ChooseCacheKernels(options)]
     if options.last_only:
         passes.append(LastPositionLogits())
     return passes
@@ -530,16 +561,20 @@ def cache_passes(options: CacheOptions) -> list[Pass]:
 def cache_info(result: PipelineResult) -> CacheInfo:
     """What the runtime needs, read from the cache passes' notes and the final graph (whose cache
     dtype is the one a later precision lowering left)."""
+    from tessera.compiler.passes.recurrent_state import CarryRecurrentState
+
     (face,) = result.notes(AddCacheInputs.name)
     (context,) = result.notes(ReadPositionIds.name)
     kernels = {k.node: k for k in result.notes(ChooseCacheKernels.name)}
     layers = [dataclasses.replace(layer, buffer_key=kernels[layer.node].buffer_key,
                                   buffer_value=kernels[layer.node].buffer_value)
               for layer in result.notes(AddCacheLayers.name)]
-    return CacheInfo(face.tokens, face.logits, layers, context.positions, face.last_only, face.mode,
-                     result.graph.type_of(layers[0].past_key).dtype,
+    g = result.graph
+    states = [dataclasses.replace(s, dtype=g.type_of(s.past).dtype) for s in result.notes(CarryRecurrentState.name)]
+    dtype = g.type_of(layers[0].past_key).dtype if layers else states[0].dtype
+    return CacheInfo(face.tokens, face.logits, layers, context.positions, face.last_only, face.mode, dtype,
                      [kernels[layer.node].kernel for layer in layers],
-                     LENGTH if any(layer.buffer_key for layer in layers) else None)
+                     LENGTH if any(layer.buffer_key for layer in layers) else None, states)
 
 
 def add_kv_cache(g: Graph, last_only: bool = False, mode: str = "auto", impl: str | None = None,
