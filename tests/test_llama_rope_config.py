@@ -14,7 +14,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from conftest import cli, cli_error  # noqa: E402
+from conftest import cli_error  # noqa: E402
 
 CTX, T = 16, 40
 SCALINGS = {

@@ -410,7 +410,9 @@ class ReadPositionIds(Pass):
 class AddCacheLayers(Pass):
     """Per attention layer: past keys and values in, the attention over past + new, the mask as its key
     padding (causal over P+T keys, the queries being the last T; the spec's window kept), and the cache
-    outputs (concat: the present keys and values; buffer: the new columns). Notes: a CacheLayer each."""
+    outputs (concat: the present keys and values; buffer: the new columns). Notes: a CacheLayer each.
+    Then the recurrent state over time (passes/recurrent_state.py: every time scan's state, every causal
+    conv1d's window) as past inputs and present outputs after the layers'. Notes: a CacheState each."""
 
     name = "kv-cache-layers"
 
@@ -418,16 +420,26 @@ class AddCacheLayers(Pass):
         self.options = options
 
     def requires(self, g: Graph) -> None:
+        from tessera.compiler.passes.recurrent_state import check_state
+
         _needs(g, POSITIONS, self.name)
-        if _self_attention(g, _batch_and_time(g)[1]):
+        t_dim = _batch_and_time(g)[1]
+        if _self_attention(g, t_dim):
             _needs(g, MASK, self.name)
+        check_state(g, t_dim)
 
     def run(self, g: Graph) -> PassResult:
+        from tessera.compiler.passes.recurrent_state import carry_state
+
         b_dim, t_dim = _batch_and_time(g)
-        p_dim = dims.symbol("P")
         sites = _self_attention(g, t_dim)
-        if not sites:  # recurrent state only (passes/recurrent_state.py)
-            return PassResult(g, False, [])
+        layers = self._attention_layers(g, sites, b_dim, t_dim) if sites else []
+        states = carry_state(g, t_dim)
+        _settle(g)
+        return PassResult(g, True, layers + states)
+
+    def _attention_layers(self, g: Graph, sites: list[Node], b_dim, t_dim) -> list[CacheLayer]:
+        p_dim = dims.symbol("P")
         mode = _mode(self.options.mode, sites)
         dtype = g.type_of(sites[0].inputs[0]).dtype
         layers = []
@@ -457,8 +469,7 @@ class AddCacheLayers(Pass):
             layers.append(layer)
         g.symbols["P"] = SymbolSource(layers[0].past_key, 2)
         g.outputs = [g.outputs[0]] + [n for layer in layers for n in (layer.present_key, layer.present_value)]
-        _settle(g)
-        return PassResult(g, True, layers)
+        return layers
 
 
 @dataclass(frozen=True)
@@ -549,10 +560,7 @@ class LastPositionLogits(Pass):
 
 def cache_passes(options: CacheOptions) -> list[Pass]:
     """The KV cache as passes, in order (the cached pipelines in passes/pipeline.py splice them in)."""
-    from tessera.compiler.passes.recurrent_state import CarryRecurrentState
-
-    passes = [AddCacheInputs(options), ReadPositionIds(options), AddCacheLayers(options), CarryRecurrentState(),
-              ChooseCacheKernels(options)]
+    passes = [AddCacheInputs(options), ReadPositionIds(options), AddCacheLayers(options), ChooseCacheKernels(options)]
     if options.last_only:
         passes.append(LastPositionLogits())
     return passes
@@ -561,16 +569,15 @@ def cache_passes(options: CacheOptions) -> list[Pass]:
 def cache_info(result: PipelineResult) -> CacheInfo:
     """What the runtime needs, read from the cache passes' notes and the final graph (whose cache
     dtype is the one a later precision lowering left)."""
-    from tessera.compiler.passes.recurrent_state import CarryRecurrentState
-
     (face,) = result.notes(AddCacheInputs.name)
     (context,) = result.notes(ReadPositionIds.name)
     kernels = {k.node: k for k in result.notes(ChooseCacheKernels.name)}
     layers = [dataclasses.replace(layer, buffer_key=kernels[layer.node].buffer_key,
                                   buffer_value=kernels[layer.node].buffer_value)
-              for layer in result.notes(AddCacheLayers.name)]
+              for layer in result.notes(AddCacheLayers.name) if isinstance(layer, CacheLayer)]
     g = result.graph
-    states = [dataclasses.replace(s, dtype=g.type_of(s.past).dtype) for s in result.notes(CarryRecurrentState.name)]
+    states = [dataclasses.replace(s, dtype=g.type_of(s.past).dtype)
+              for s in result.notes(AddCacheLayers.name) if isinstance(s, CacheState)]
     dtype = g.type_of(layers[0].past_key).dtype if layers else states[0].dtype
     return CacheInfo(face.tokens, face.logits, layers, context.positions, face.last_only, face.mode, dtype,
                      [kernels[layer.node].kernel for layer in layers],

@@ -6,8 +6,9 @@ time (Mamba's depthwise conv1d), the last ``kernel - 1`` inputs the next outputs
 are derived from the spec's own graph here, so such a model generates with no hand-packed state:
 the cached decoder takes them as past inputs and gives them back as present outputs, and the
 decoding loop (runtime/generation/cached.py) feeds each call's present as the next call's past,
-as it does the KV cache. One pass of the cache pipeline (``carry-recurrent-state``, after the
-KV cache layers; kv_cache.py ``cache_passes``):
+as it does the KV cache. The cache layers pass (kv_cache.py ``AddCacheLayers``, kv-cache-layers)
+runs ``check_state`` and ``carry_state`` after the attention layers, so every cached tensor, keys,
+values and state, is added by one pass:
 
 - every ``scan`` over the time axis (a per-step input whose axis 1 is the tokens' ``T``) starts
   from the input ``past_state.{i}`` instead of its initial state, and its final state is the
@@ -31,9 +32,7 @@ import numpy as np
 from tessera.compiler.ir import dims
 from tessera.compiler.ir.graph import Graph, Node, TensorType
 from tessera.compiler.ops.recurrence import parts
-from tessera.compiler.passes.base import Pass, PassResult
-from tessera.compiler.passes.kv_cache import (POSITIONS, CacheError, CacheState, _batch_and_time, _insert_before,
-                                              _needs, _settle)
+from tessera.compiler.passes.kv_cache import CacheError, CacheState, _insert_before
 
 ZERO_PATH = ("expand", "reshape", "identity", "transpose", "cast")
 """Ops through which an initial state of zeros stays zeros (zero_state is expand([[0.0]], [B, n]))."""
@@ -91,66 +90,61 @@ def a_axis(g: Graph, node: Node) -> int:
     return axis + g.type_of(node.inputs[0]).rank if axis < 0 else axis
 
 
-class CarryRecurrentState(Pass):
+def check_state(g: Graph, t_dim) -> None:
+    """Refuse (CacheError) a recurrence over time with no cached form, before anything is rewritten."""
+    for node in time_scans(g, t_dim):
+        if node.attrs.get("reverse"):
+            raise CacheError(f"the scan at {_where(node)} runs backwards over time (reverse=true): each "
+                             f"position reads later ones, which generation has not made yet; it has no "
+                             f"cached form")
+        for init in parts(node.attrs, node.inputs)[0]:
+            if not _is_zeros(g, init):
+                raise CacheError(f"the scan at {_where(node)} starts from a state computed from the input; "
+                                 f"its cached form starts the prompt from zeros (write the initial state "
+                                 f"with zero_state)")
+            t_syms = {str(s) for s in dims.dim(t_dim).free_symbols}
+            if any(t_syms & {str(s) for s in dims.dim(d).free_symbols} for d in g.type_of(init).shape):
+                raise CacheError(f"the scan at {_where(node)} carries a state whose shape grows with time")
+    for node in time_convs(g, t_dim):
+        _check_conv(g, node, t_dim)
+
+
+def carry_state(g: Graph, t_dim) -> list[CacheState]:
     """Scans over time start from ``past_state.{i}`` and give ``state.{i}``; causal conv1d over time
-    read ``past_conv.{i}`` before their input and give ``conv.{i}``. Notes: a CacheState each."""
-
-    name = "carry-recurrent-state"
-
-    def requires(self, g: Graph) -> None:
-        _needs(g, POSITIONS, self.name)
-        _, t_dim = _batch_and_time(g)
-        for node in time_scans(g, t_dim):
-            if node.attrs.get("reverse"):
-                raise CacheError(f"the scan at {_where(node)} runs backwards over time (reverse=true): each "
-                                 f"position reads later ones, which generation has not made yet; it has no "
-                                 f"cached form")
-            for init in parts(node.attrs, node.inputs)[0]:
-                if not _is_zeros(g, init):
-                    raise CacheError(f"the scan at {_where(node)} starts from a state computed from the input; "
-                                     f"its cached form starts the prompt from zeros (write the initial state "
-                                     f"with zero_state)")
-                t_syms = {str(s) for s in dims.dim(t_dim).free_symbols}
-                if any(t_syms & {str(s) for s in dims.dim(d).free_symbols} for d in g.type_of(init).shape):
-                    raise CacheError(f"the scan at {_where(node)} carries a state whose shape grows with time")
-        for node in time_convs(g, t_dim):
-            _check_conv(g, node, t_dim)
-
-    def run(self, g: Graph) -> PassResult:
-        _, t_dim = _batch_and_time(g)
-        notes: list[CacheState] = []
-        for node in time_scans(g, t_dim):
-            k = node.attrs["n_state"]
-            inputs = list(node.inputs)
-            for j in range(k):
-                i = len(notes)
-                t = g.type_of(inputs[j])
-                past, present = f"past_state.{i}", f"state.{i}"
-                g.add_input(past, t)
-                inputs[j] = past
-                ident = g.add_node("identity", [node.outputs[j]], [t], {}, node.scope, node.pos, name=present,
-                                   origin=node.origin)
-                g.outputs.append(ident.outputs[0])
-                notes.append(CacheState(node.name, "scan", past, present, [int(d) for d in t.shape[1:]], t.dtype))
-            g.set_inputs(node, inputs)
-        for node in time_convs(g, t_dim):
+    read ``past_conv.{i}`` before their input and give ``conv.{i}`` (appended to the graph's outputs).
+    Returns a CacheState each; the caller settles the graph."""
+    notes: list[CacheState] = []
+    for node in time_scans(g, t_dim):
+        k = node.attrs["n_state"]
+        inputs = list(node.inputs)
+        for j in range(k):
             i = len(notes)
-            x = node.inputs[0]
-            xt = g.type_of(x)
-            b_dim, channels = xt.shape[:2]
-            keep = node.attrs["kernel"] - 1
-            past, present = f"past_conv.{i}", f"conv.{i}"
-            g.add_input(past, TensorType(xt.dtype, (b_dim, channels, dims.dim(keep))))
-            cat = g.add_node("concat", [past, x], [TensorType(xt.dtype, (b_dim, channels, t_dim + keep))],
-                             {"axis": 2}, node.scope, node.pos, name=f"{node.name}/past", origin=node.origin)
-            _insert_before(g, cat, node.name)
-            tail = g.add_node("slice", [cat.outputs[0]], [TensorType(xt.dtype, (b_dim, channels, dims.dim(keep)))],
-                              {"axis": 2, "start": t_dim, "end": t_dim + keep}, node.scope, node.pos, name=present,
-                              origin=node.origin)
-            _insert_before(g, tail, node.name)
-            g.set_inputs(node, [cat.outputs[0]] + node.inputs[1:])
-            node.attrs["padding"] = 0
-            g.outputs.append(tail.outputs[0])
-            notes.append(CacheState(node.name, "conv", past, present, [int(channels), keep], xt.dtype))
-        _settle(g)
-        return PassResult(g, bool(notes), notes)
+            t = g.type_of(inputs[j])
+            past, present = f"past_state.{i}", f"state.{i}"
+            g.add_input(past, t)
+            inputs[j] = past
+            ident = g.add_node("identity", [node.outputs[j]], [t], {}, node.scope, node.pos, name=present,
+                               origin=node.origin)
+            g.outputs.append(ident.outputs[0])
+            notes.append(CacheState(node.name, "scan", past, present, [int(d) for d in t.shape[1:]], t.dtype))
+        g.set_inputs(node, inputs)
+    for node in time_convs(g, t_dim):
+        i = len(notes)
+        x = node.inputs[0]
+        xt = g.type_of(x)
+        b_dim, channels = xt.shape[:2]
+        keep = node.attrs["kernel"] - 1
+        past, present = f"past_conv.{i}", f"conv.{i}"
+        g.add_input(past, TensorType(xt.dtype, (b_dim, channels, dims.dim(keep))))
+        cat = g.add_node("concat", [past, x], [TensorType(xt.dtype, (b_dim, channels, t_dim + keep))],
+                         {"axis": 2}, node.scope, node.pos, name=f"{node.name}/past", origin=node.origin)
+        _insert_before(g, cat, node.name)
+        tail = g.add_node("slice", [cat.outputs[0]], [TensorType(xt.dtype, (b_dim, channels, dims.dim(keep)))],
+                          {"axis": 2, "start": t_dim, "end": t_dim + keep}, node.scope, node.pos, name=present,
+                          origin=node.origin)
+        _insert_before(g, tail, node.name)
+        g.set_inputs(node, [cat.outputs[0]] + node.inputs[1:])
+        node.attrs["padding"] = 0
+        g.outputs.append(tail.outputs[0])
+        notes.append(CacheState(node.name, "conv", past, present, [int(channels), keep], xt.dtype))
+    return notes
