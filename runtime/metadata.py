@@ -105,7 +105,9 @@ def cache_info(text: str, path, inputs: set[str], outputs: set[str]) -> CacheInf
         states = []
         for i, raw in enumerate(_list(d.get("states", []), "states")):
             at = f"states[{i}]"
-            st = _obj(raw, at, ("node", "kind", "past", "present", "shape"), ("dtype",))
+            st = _obj(raw, at, ("node", "kind", "past", "present", "shape"), ("dtype", "initial"))
+            if st.get("initial") is not None:
+                _str(st["initial"], f"{at}.initial", inputs)
             _str(st["node"], f"{at}.node")
             if st["kind"] not in ("scan", "conv"):
                 raise _Bad(f"{at}.kind must be scan or conv, got {str(st['kind'])[:40]!r}")

@@ -98,6 +98,7 @@ class CacheState:
     present: str
     shape: list[int]
     dtype: str = "f32"
+    initial: str | None = None  # the input the state starts from (an encoder's output); None: zeros
 
 
 @dataclass
@@ -240,6 +241,12 @@ def _token_input(g: Graph, tokens: str | None) -> str:
     return int_inputs[0]
 
 
+def _over_time(g: Graph, value: str, t_dim) -> bool:
+    """Whether ``value`` is per position: [B, T, ...]."""
+    shape = g.type_of(value).shape
+    return len(shape) >= 2 and dims.equal(dims.dim(shape[1]), t_dim)
+
+
 def _batch_and_time(g: Graph) -> tuple:
     """(B, T) as the cache inputs pass declared them: position_ids is [B, T]."""
     return g.type_of(POSITIONS).shape
@@ -322,7 +329,10 @@ class AddCacheInputs(Pass):
                 "already masked or biased by the spec"
             raise CacheError(f"the attention at {n.scope} is {why}; generation with a KV cache supports "
                              f"decoder-only models whose attention is causal")
-        if len(g.outputs) != 1 or g.type_of(g.outputs[0]).rank != 3:
+        # a recurrent decoder may give per-step outputs beside its logits (RNNsearch's alignment): they
+        # are kept; the attention cache's outputs replace everything but the logits
+        extra_ok = not sites and all(_over_time(g, o, t_dim) for o in g.outputs[1:])
+        if (len(g.outputs) != 1 and not extra_ok) or g.type_of(g.outputs[0]).rank != 3:
             raise CacheError(f"generation needs one output of logits [B, T, vocab]; {g.name} gives "
                              + ", ".join(f"{o}: {g.type_of(o)}" for o in g.outputs))
         if self.options.mode == "buffer" and any(n.attrs["window"] for n in sites):

@@ -13,7 +13,10 @@ values and state, is added by one pass:
 - every ``scan`` over the time axis (a per-step input whose axis 1 is the tokens' ``T``) starts
   from the input ``past_state.{i}`` instead of its initial state, and its final state is the
   output ``state.{i}`` (one per carried state: an LSTM carries two). The spec's initial state
-  must be zeros (``zero_state``): the first call (the prompt) is fed zeros. A ``reverse=true``
+  must be zeros (``zero_state``), which the first call (the prompt) is fed, or, in an
+  encoder-decoder's decoder (passes/encdec.py), an input from the encoder part (RNNsearch's s_0,
+  computed from the source), which the first call is fed instead (``CacheState.initial``). A
+  ``reverse=true``
   scan over time reads positions not generated yet: it has no cached form.
 - every ``conv1d`` over the time axis must be causal -- padded by ``kernel - 1`` with only the
   first ``T`` outputs read (``slice(conv1d(x, ..., padding=k-1), -1, 0, T)``): its input is then
@@ -98,10 +101,10 @@ def check_state(g: Graph, t_dim) -> None:
                              f"position reads later ones, which generation has not made yet; it has no "
                              f"cached form")
         for init in parts(node.attrs, node.inputs)[0]:
-            if not _is_zeros(g, init):
+            if not _is_zeros(g, init) and init not in g.inputs:
                 raise CacheError(f"the scan at {_where(node)} starts from a state computed from the input; "
-                                 f"its cached form starts the prompt from zeros (write the initial state "
-                                 f"with zero_state)")
+                                 f"its cached form starts the prompt from zeros (zero_state) or, in an "
+                                 f"encoder-decoder, from an output of the encoder")
             t_syms = {str(s) for s in dims.dim(t_dim).free_symbols}
             if any(t_syms & {str(s) for s in dims.dim(d).free_symbols} for d in g.type_of(init).shape):
                 raise CacheError(f"the scan at {_where(node)} carries a state whose shape grows with time")
@@ -126,7 +129,9 @@ def carry_state(g: Graph, t_dim) -> list[CacheState]:
             ident = g.add_node("identity", [node.outputs[j]], [t], {}, node.scope, node.pos, name=present,
                                origin=node.origin)
             g.outputs.append(ident.outputs[0])
-            notes.append(CacheState(node.name, "scan", past, present, [int(d) for d in t.shape[1:]], t.dtype))
+            initial = node.inputs[j] if node.inputs[j] in g.inputs else None  # an encoder's output
+            notes.append(CacheState(node.name, "scan", past, present, [int(d) for d in t.shape[1:]], t.dtype,
+                                    initial))
         g.set_inputs(node, inputs)
     for node in time_convs(g, t_dim):
         i = len(notes)

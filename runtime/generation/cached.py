@@ -383,7 +383,9 @@ class CachedDecoder:
         self.first = True
         # recurrent state (compiler/passes/recurrent_state.py): zeros before the prompt, then each call's
         # present fed back as the next call's past
-        self.states = {s.past: np.zeros((b, *s.shape), dtype=model.np_dtype) for s in info.states}
+        self.states = {s.past: (np.ascontiguousarray(self.extra_feeds[s.initial], dtype=model.np_dtype)
+                                if s.initial else np.zeros((b, *s.shape), dtype=model.np_dtype))
+                       for s in info.states}
         self.prompts = prompts
 
     def step(self, last: np.ndarray | None) -> np.ndarray:
