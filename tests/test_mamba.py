@@ -175,3 +175,15 @@ def test_generate_refuses_a_scan_with_no_cached_form_without_a_traceback(tmp_pat
                            "  logits = linear(y, vocab, name=\"head\")\n}\n")
     err = cli_error(capsys, "generate", spec, "--input", "tokens=[[1,2]]", "--max-new-tokens", 2)
     assert "runs backwards over time" in err
+
+
+def test_the_serving_engine_refuses_recurrent_state_clearly():
+    """Its slots hold keys and values only: a Mamba served would lose its state, so it is refused."""
+    from tessera.runtime import pipeline
+    from tessera.runtime.generation import cached as gen
+    from tessera.runtime.serving.engine import Engine
+
+    built = pipeline.build("models/mamba.tsr", "tiny", [], None)
+    model, info = gen.compile_cached(built, pipeline.weights_for(built, None, 0, False))
+    with pytest.raises(gen.UsageError, match="does not carry recurrent state"):
+        Engine(gen.CachedModel(model.SerializeToString(), info), capacity=64)
