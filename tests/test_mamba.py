@@ -187,3 +187,15 @@ def test_the_serving_engine_refuses_recurrent_state_clearly():
     model, info = gen.compile_cached(built, pipeline.weights_for(built, None, 0, False))
     with pytest.raises(gen.UsageError, match="does not carry recurrent state"):
         Engine(gen.CachedModel(model.SerializeToString(), info), capacity=64)
+
+
+def test_packaging_for_onnxruntime_genai_refuses_recurrent_state(tmp_path, capsys):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordPiece({f"w{i}": i for i in range(64)}, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text('{"eos_token": "w2"}')
+    err = cli_error(capsys, "compile", "mamba", "-V", "tiny", "--genai", "--tokenizer", tmp_path / "tokenizer.json",
+                    "--context-length", 64, "-o", tmp_path / "genai")
+    assert "carries recurrent state" in err
