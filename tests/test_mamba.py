@@ -199,3 +199,36 @@ def test_packaging_for_onnxruntime_genai_refuses_recurrent_state(tmp_path, capsy
     err = cli_error(capsys, "compile", "mamba", "-V", "tiny", "--genai", "--tokenizer", tmp_path / "tokenizer.json",
                     "--context-length", 64, "-o", tmp_path / "genai")
     assert "carries recurrent state" in err
+
+
+HYBRID = """
+block acc(h: [B, d], x: [B, d]) {
+  return 0.5 * h + x
+}
+model Hybrid(d = 16, vocab = 32) {
+  in tokens: i64[B, T]
+  out logits: f32[B, T, vocab]
+  x = embedding(tokens, vocab, d, name="emb")
+  x += attention(x, 2, causal=true, name="attn")
+  x += scan(acc, zero_state(x, d), x, name="rec")[0]
+  logits = linear(x, vocab, name="head")
+}
+"""
+
+
+def test_attention_and_recurrent_state_together(tmp_path):
+    """Both caches in one decoder (the decoding step's attention writes its buffer in place, the state
+    comes back beside it): each step equals the whole sequence recomputed; prompts of two lengths are
+    refused (their left padding would enter the state)."""
+    import tessera
+
+    spec = tmp_path / "hybrid.tsr"
+    spec.write_text(HYBRID)
+    m = tessera.load(str(spec), seed=2)
+    prompts = [[3, 1, 4, 1], [5, 9, 2, 6]]
+    got = m.generate(prompts, max_new_tokens=6)
+    for p, row in zip(prompts, got):
+        full = [int(m.run(tokens=[p + row[:k]])["logits"][0, -1].argmax()) for k in range(6)]
+        assert full == row
+    with pytest.raises(Exception, match="prompts of one length"):
+        m.generate([[3, 1, 4], [5]], max_new_tokens=2)

@@ -314,10 +314,10 @@ class AddCacheInputs(Pass):
         self.options = options
 
     def requires(self, g: Graph) -> None:
-        tokens = _token_input(g, self.options.tokens)
-        _, t_dim = g.type_of(tokens).shape
         from tessera.compiler.passes.recurrent_state import carries_state
 
+        tokens = _token_input(g, self.options.tokens)
+        _, t_dim = g.type_of(tokens).shape
         sites = _self_attention(g, t_dim)
         if not sites and not carries_state(g, t_dim):
             raise CacheError(f"model {g.name} has no fused attention and no recurrence over time to cache (is "

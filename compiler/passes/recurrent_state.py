@@ -25,7 +25,8 @@ values and state, is added by one pass:
   that concatenation, is the next call's past. Any other convolution over time is refused.
 
 Scans and convolutions over other axes (a scan over a depth axis, a convolution over features)
-are left alone. The first call starts from zeros, which is exactly what the spec computes.
+are left alone. The first call starts from zeros (or the encoder's state), which is exactly what
+the spec computes over the whole sequence.
 """
 
 from __future__ import annotations
@@ -77,9 +78,10 @@ def _where(node: Node) -> str:
 def _check_conv(g: Graph, node: Node, t_dim) -> None:
     a = node.attrs
     users = g.consumers(node.outputs[0])
-    causal = (a.get("stride", 1) == 1 and a["padding"] == a["kernel"] - 1 and users and node.outputs[0] not in g.outputs
-              and all(u.op == "slice" and a_axis(g, u) == 2 and dims.equal(dims.dim(u.attrs["start"]), dims.dim(0))
-                      and dims.equal(dims.dim(u.attrs["end"]), t_dim) for u in users))
+    first_t = all(u.op == "slice" and _slice_axis(g, u) == 2 and dims.equal(dims.dim(u.attrs["start"]), dims.dim(0))
+                  and dims.equal(dims.dim(u.attrs["end"]), t_dim) for u in users)
+    causal = (a.get("stride", 1) == 1 and a["padding"] == a["kernel"] - 1 and users and first_t
+              and node.outputs[0] not in g.outputs)
     if not causal:
         raise CacheError(f"the conv1d at {_where(node)} runs over the time axis but is not causal (padding "
                          f"kernel-1 = {a['kernel'] - 1}, stride 1, only its first {dims.fmt(t_dim)} outputs read: "
@@ -87,7 +89,7 @@ def _check_conv(g: Graph, node: Node, t_dim) -> None:
                          f"cached form")
 
 
-def a_axis(g: Graph, node: Node) -> int:
+def _slice_axis(g: Graph, node: Node) -> int:
     """A slice's axis, non-negative."""
     axis = node.attrs["axis"]
     return axis + g.type_of(node.inputs[0]).rank if axis < 0 else axis
