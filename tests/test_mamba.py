@@ -232,3 +232,44 @@ def test_attention_and_recurrent_state_together(tmp_path):
         assert full == row
     with pytest.raises(Exception, match="prompts of one length"):
         m.generate([[3, 1, 4], [5]], max_new_tokens=2)
+
+
+def _state_edit(**changes):
+    def edit(meta):
+        meta = json.loads(json.dumps(meta))
+        for k, v in changes.items():
+            if k.startswith("state0."):
+                meta["states"][0][k[7:]] = v
+            else:
+                meta[k] = v
+        return json.dumps(meta)
+    return edit
+
+
+STATES = {  # a compiled Mamba's tessera.kv_cache with its states changed: what the message says
+    "no states and no layers": (_state_edit(states=[]), "layers must be a non-empty list"),
+    "bad kind": (_state_edit(**{"state0.kind": "lstm"}), "kind must be scan or conv"),
+    "negative shape": (_state_edit(**{"state0.shape": [-3, 4]}), "shape[0] must be an integer"),
+    "unknown past": (_state_edit(**{"state0.past": "nope"}), "which the graph does not have"),
+    "unknown initial": (_state_edit(**{"state0.initial": "nope"}), "which the graph does not have"),
+    "unknown field": (_state_edit(**{"state0.extra": 1}), "unknown field 'extra'"),
+}
+
+
+@pytest.mark.parametrize("case", STATES)
+def test_generate_refuses_changed_state_metadata(tmp_path_factory, capsys, case):
+    import onnx
+
+    from test_metadata_hostile import CHANGED, _with_meta
+
+    d = tmp_path_factory.getbasetemp() / "mamba_cached"
+    if not (d / "cached.onnx").exists():
+        d.mkdir(exist_ok=True)
+        rc, _, err = cli(capsys, "compile", "mamba", "-V", "tiny", "--kv-cache", "-o", d / "cached.onnx")
+        assert rc == 0, err
+    model = onnx.load(str(d / "cached.onnx"), load_external_data=False)
+    meta = json.loads(next(e.value for e in model.metadata_props if e.key == "tessera.kv_cache"))
+    value, says = STATES[case]
+    path = _with_meta(d, "cached.onnx", "tessera.kv_cache", value(meta), f"st-{case.replace(' ', '_')}")
+    err = cli_error(capsys, "generate", path, "--input", "tokens=[[1, 2]]", "--max-new-tokens", "2")
+    assert CHANGED in err and says in err, err
