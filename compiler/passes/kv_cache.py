@@ -58,13 +58,11 @@ from tessera.compiler.ir.graph import SymbolSource
 from tessera.compiler import ops
 from tessera.compiler.passes.attention_kernels import Target, choose_cached
 from tessera.compiler.passes.base import Pass, PassError, PassManager, PassResult, PipelineResult
+from tessera.compiler.passes.cache_parts import CacheError, CacheState, insert_before as _insert_before
+from tessera.compiler.passes.recurrent_state import carries_state, carry_state, check_state
 
 MASK, POSITIONS = "attention_mask", "position_ids"
 LENGTH = "cache_length"  # buffer mode with GroupQueryAttention decoding: the filled slots, i64 [1]
-
-
-class CacheError(PassError):
-    """The graph has no cached form (not a decoder-only model with causal attention)."""
 
 
 @dataclass
@@ -84,21 +82,6 @@ class CacheLayer:
     # GroupQueryAttention when the loop binds them to the past buffers (empty otherwise)
     buffer_key: str = ""
     buffer_value: str = ""
-
-
-@dataclass
-class CacheState:
-    """One piece of recurrent state the cache carries (passes/recurrent_state.py): a time scan's
-    carried state (``kind`` "scan") or a causal conv1d's last kernel-1 inputs ("conv"); the input
-    ``past`` and output ``present`` names, the shape without the batch, the dtype."""
-
-    node: str
-    kind: str
-    past: str
-    present: str
-    shape: list[int]
-    dtype: str = "f32"
-    initial: str | None = None  # the input the state starts from (an encoder's output); None: zeros
 
 
 @dataclass
@@ -152,18 +135,6 @@ class CacheInfo:
                    data.get("length_input"), [CacheState(**s) for s in data.get("states", [])])
 
     METADATA_KEY = "tessera.kv_cache"
-
-
-def _insert_before(g: Graph, new: Node, before: str) -> None:
-    """Move the just-added node ``new`` to just before ``before`` (graph.nodes is kept topological)."""
-    items = [(k, v) for k, v in g.nodes.items() if k != new.name]
-    out = {}
-    for k, v in items:
-        if k == before:
-            out[new.name] = new
-        out[k] = v
-    g.nodes = out
-    g.reindex()
 
 
 def _retype(g: Graph, value: str, t: TensorType) -> None:
@@ -314,8 +285,6 @@ class AddCacheInputs(Pass):
         self.options = options
 
     def requires(self, g: Graph) -> None:
-        from tessera.compiler.passes.recurrent_state import carries_state
-
         tokens = _token_input(g, self.options.tokens)
         _, t_dim = g.type_of(tokens).shape
         sites = _self_attention(g, t_dim)
@@ -430,8 +399,6 @@ class AddCacheLayers(Pass):
         self.options = options
 
     def requires(self, g: Graph) -> None:
-        from tessera.compiler.passes.recurrent_state import check_state
-
         _needs(g, POSITIONS, self.name)
         t_dim = _batch_and_time(g)[1]
         if _self_attention(g, t_dim):
@@ -439,8 +406,6 @@ class AddCacheLayers(Pass):
         check_state(g, t_dim)
 
     def run(self, g: Graph) -> PassResult:
-        from tessera.compiler.passes.recurrent_state import carry_state
-
         b_dim, t_dim = _batch_and_time(g)
         sites = _self_attention(g, t_dim)
         layers = self._attention_layers(g, sites, b_dim, t_dim) if sites else []

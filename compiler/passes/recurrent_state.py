@@ -36,7 +36,7 @@ import numpy as np
 from tessera.compiler.ir import dims
 from tessera.compiler.ir.graph import Graph, Node, TensorType
 from tessera.compiler.ops.recurrence import parts
-from tessera.compiler.passes.kv_cache import CacheError, CacheState, _insert_before
+from tessera.compiler.passes.cache_parts import CacheError, CacheState, insert_before as _insert_before
 
 ZERO_PATH = ("expand", "reshape", "identity", "transpose", "cast")
 """Ops through which an initial state of zeros stays zeros (zero_state is expand([[0.0]], [B, n]))."""
