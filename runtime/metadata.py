@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 
 from tessera.compiler.ir.signature import InputLimits
-from tessera.compiler.passes.kv_cache import CacheInfo, CacheKernel, CacheLayer
+from tessera.compiler.passes.kv_cache import CacheInfo, CacheKernel, CacheLayer, CacheState
 
 from tessera.runtime.errors import ModelFileError
 
@@ -101,9 +101,25 @@ def cache_info(text: str, path, inputs: set[str], outputs: set[str]) -> CacheInf
     data = parse_json(text, path, key)
     try:
         d = _obj(data, "the value", ("tokens", "logits", "layers"),
-                 ("context", "last_only", "mode", "dtype", "kernels", "length_input"))
+                 ("context", "last_only", "mode", "dtype", "kernels", "length_input", "states"))
+        states = []
+        for i, raw in enumerate(_list(d.get("states", []), "states")):
+            at = f"states[{i}]"
+            st = _obj(raw, at, ("node", "kind", "past", "present", "shape"), ("dtype", "initial"))
+            if st.get("initial") is not None:
+                _str(st["initial"], f"{at}.initial", inputs)
+            _str(st["node"], f"{at}.node")
+            if st["kind"] not in ("scan", "conv"):
+                raise _Bad(f"{at}.kind must be scan or conv, got {str(st['kind'])[:40]!r}")
+            _str(st["past"], f"{at}.past", inputs)
+            _str(st["present"], f"{at}.present", outputs)
+            for j, n in enumerate(_list(st["shape"], f"{at}.shape", nonempty=True)):
+                _int(n, f"{at}.shape[{j}]", 1)
+            if st.get("dtype", "f32") not in CACHE_DTYPES:
+                raise _Bad(f"{at}.dtype must be one of {', '.join(CACHE_DTYPES)}, got {str(st['dtype'])[:40]!r}")
+            states.append(CacheState(**st))
         layers = []
-        for i, raw in enumerate(_list(d["layers"], "layers", nonempty=True)):
+        for i, raw in enumerate(_list(d["layers"], "layers", nonempty=not states)):
             at = f"layers[{i}]"
             layer = _obj(raw, at, ("node", "past_key", "past_value", "present_key", "present_value", "kv_heads",
                                    "head_size", "value_size"), ("window", "buffer_key", "buffer_value"))
@@ -134,7 +150,7 @@ def cache_info(text: str, path, inputs: set[str], outputs: set[str]) -> CacheInf
             _str(length, "length_input", inputs)
         return CacheInfo(_str(d["tokens"], "tokens", inputs), _str(d["logits"], "logits", outputs), layers,
                          _int(d.get("context"), "context", 1, optional=True),
-                         _bool(d.get("last_only", False), "last_only"), mode, dtype, kernels, length)
+                         _bool(d.get("last_only", False), "last_only"), mode, dtype, kernels, length, states)
     except _Bad as e:
         raise _changed(path, key, str(e)) from None
 

@@ -62,7 +62,28 @@ def _bind_inputs(model: onnx.ModelProto, dims: dict[str, int]) -> onnx.ModelProt
                 value = dims[d.dim_param]
                 d.Clear()
                 d.dim_value = value
+    _fold_input_shapes(m)
     return m
+
+
+def _fold_input_shapes(m: onnx.ModelProto) -> None:
+    """The bound inputs' Shape nodes as constants: onnx's shape inference cannot size a Slice whose
+    end is computed from a shape (Mamba's causal conv1d keeps its first T outputs), even with
+    data_prop; with the dimensions bound, the end is a number."""
+    import numpy as np
+    from onnx import helper, numpy_helper
+
+    sizes = {i.name: [d.dim_value for d in i.type.tensor_type.shape.dim] for i in m.graph.input}
+    for n in m.graph.node:
+        if n.op_type != "Shape" or n.domain or n.input[0] not in sizes or 0 in sizes[n.input[0]]:
+            continue
+        dims = sizes[n.input[0]]
+        a = {x.name: helper.get_attribute_value(x) for x in n.attribute}
+        value = np.array(dims[a.get("start", 0):a.get("end", len(dims))], dtype=np.int64)
+        n.op_type = "Constant"
+        del n.input[:]
+        del n.attribute[:]
+        n.attribute.append(helper.make_attribute("value", numpy_helper.from_array(value)))
 
 
 def _shapes(model: onnx.ModelProto) -> dict[str, list[int] | None]:

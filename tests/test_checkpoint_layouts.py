@@ -189,8 +189,9 @@ def test_a_config_contradicting_the_variant_is_an_error(llama_dir, tmp_path, cap
 
 @pytest.mark.parametrize("edit,message", [
     (dict(attention_bias=True), "attention_bias = true is not supported"),
-    (dict(rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0}),
-     'rope_parameters.rope_type = "yarn" is not supported'),
+    # issue 24 made yarn (and linear, dynamic) supported (tests/test_llama_rope_config.py): longrope is not
+    (dict(rope_parameters={"rope_type": "longrope", "factor": 4.0, "rope_theta": 10000.0}),
+     "rope_type longrope is not implemented"),
     (dict(num_hidden_layers="three"), "must be int"),
     (dict(hidden_size=[48]), "is a JSON list"),
 ])

@@ -367,3 +367,29 @@ def test_plot_attention_draws_the_pytorch_alignment(capsys, monkeypatch, tmp_pat
     np.testing.assert_allclose(al.matrix, want.numpy()[0], atol=1e-5)
     assert al.cols == [str(t) for t in src[0]] and al.rows == [str(t) for t in tgt[0]]
     assert png.read_bytes().startswith(b"\x89PNG")
+
+
+def test_the_training_graph_generates_through_the_general_cached_form(ref, weights, rng):
+    """Issue 24: the same greedy decoding, with no encode/step contract: the training graph (mode
+    train) split into its encoder part and its decoder (passes/encdec.py), the decoder's scan carried
+    as cache state from the encoder's s_0 (passes/recurrent_state.py), run by the cached loop."""
+    from tessera.runtime import pipeline
+    from tessera.runtime.generation import cached as gen
+
+    src, _ = _src_tgt(rng, b=2, s=7)
+    bos = 1
+    with torch.no_grad():
+        h, keys, s = ref.encode(torch.from_numpy(src))
+        y = torch.full((2,), bos, dtype=torch.long)
+        want = []
+        for _ in range(20):
+            s, lg, _a = ref.step(s, y, h, keys)
+            y = lg.argmax(-1)
+            want.append(y.numpy())
+    built = pipeline.build("rnnsearch", "small", [], None)
+    enc, dec, info, boundary = gen.compile_seq2seq(built, weights, "tgt_in")
+    (state,) = info.states  # the decoder's s, starting from the encoder part's s_0
+    assert state.kind == "scan" and state.initial in boundary and info.layers == []
+    s2s = gen.Seq2Seq(enc.SerializeToString(), gen.CachedModel(dec.SerializeToString(), info), boundary)
+    result = gen.generate(s2s.decoder, [[bos], [bos]], 20, extra_feeds=s2s.encode({"src": src}))
+    np.testing.assert_array_equal(np.array(result.tokens), np.stack(want, 1))

@@ -59,13 +59,11 @@ from tessera.compiler import ops
 from tessera.compiler.passes.attention_kernels import Target, choose_cached
 from tessera.compiler.patterns.positions import NotAffine, affine_reads, positions_reached
 from tessera.compiler.passes.base import Pass, PassError, PassManager, PassResult, PipelineResult
+from tessera.compiler.passes.cache_parts import CacheError, CacheState, insert_before as _insert_before
+from tessera.compiler.passes.recurrent_state import carries_state, carry_state, check_state
 
 MASK, POSITIONS = "attention_mask", "position_ids"
 LENGTH = "cache_length"  # buffer mode with GroupQueryAttention decoding: the filled slots, i64 [1]
-
-
-class CacheError(PassError):
-    """The graph has no cached form (not a decoder-only model with causal attention)."""
 
 
 @dataclass
@@ -109,10 +107,14 @@ class CacheInfo:
     dtype: str = "f32"
     kernels: list[CacheKernel] = field(default_factory=list)
     length_input: str | None = None  # LENGTH when decoding steps write the buffer in place (decode = "gqa")
+    states: list[CacheState] = field(default_factory=list)  # recurrent state carried call to call
 
     def explain(self) -> str:
         """--explain's listing for a cached compile: every cached site's kernel per phase and why."""
         lines = [f"KV cache ({self.mode} mode): {len(self.layers)} cached attention sites"]
+        if self.states:
+            lines.append(f"recurrent state: {sum(s.kind == 'scan' for s in self.states)} scan state(s), "
+                         f"{sum(s.kind == 'conv' for s in self.states)} causal conv1d window(s) carried")
         groups: dict[tuple[str, str], list[str]] = {}
         for k in self.kernels:
             groups.setdefault((k.impl, k.reason), []).append(k.site)
@@ -123,28 +125,17 @@ class CacheInfo:
     def to_json(self) -> dict:
         return {"tokens": self.tokens, "logits": self.logits, "context": self.context, "last_only": self.last_only,
                 "mode": self.mode, "dtype": self.dtype, "layers": [vars(layer) for layer in self.layers],
-                "kernels": [vars(k) for k in self.kernels], "length_input": self.length_input}
+                "kernels": [vars(k) for k in self.kernels], "length_input": self.length_input,
+                "states": [vars(s) for s in self.states]}
 
     @classmethod
     def from_json(cls, data: dict) -> "CacheInfo":
         return cls(data["tokens"], data["logits"], [CacheLayer(**layer) for layer in data["layers"]],
                    data.get("context"), data.get("last_only", False), data.get("mode", "buffer"),
                    data.get("dtype", "f32"), [CacheKernel(**k) for k in data.get("kernels", [])],
-                   data.get("length_input"))
+                   data.get("length_input"), [CacheState(**s) for s in data.get("states", [])])
 
     METADATA_KEY = "tessera.kv_cache"
-
-
-def _insert_before(g: Graph, new: Node, before: str) -> None:
-    """Move the just-added node ``new`` to just before ``before`` (graph.nodes is kept topological)."""
-    items = [(k, v) for k, v in g.nodes.items() if k != new.name]
-    out = {}
-    for k, v in items:
-        if k == before:
-            out[new.name] = new
-        out[k] = v
-    g.nodes = out
-    g.reindex()
 
 
 def _retype(g: Graph, value: str, t: TensorType) -> None:
@@ -222,6 +213,12 @@ def _token_input(g: Graph, tokens: str | None) -> str:
     return int_inputs[0]
 
 
+def _over_time(g: Graph, value: str, t_dim) -> bool:
+    """Whether ``value`` is per position: [B, T, ...]."""
+    shape = g.type_of(value).shape
+    return len(shape) >= 2 and dims.equal(dims.dim(shape[1]), t_dim)
+
+
 def _batch_and_time(g: Graph) -> tuple:
     """(B, T) as the cache inputs pass declared them: position_ids is [B, T]."""
     return g.type_of(POSITIONS).shape
@@ -252,7 +249,8 @@ def _mode(requested: str, sites: list[Node]) -> str:
 def cache_tensors(g: Graph) -> set[str]:
     """The cache's past inputs and present outputs: held by the runtime at the graph's own precision
     (passes/precision.py ``native``)."""
-    return {i for i in g.inputs if i.startswith(("past_key.", "past_value."))} | set(g.outputs[1:])
+    return {i for i in g.inputs if i.startswith(("past_key.", "past_value.", "past_state.", "past_conv."))} \
+        | set(g.outputs[1:])
 
 
 def _settle(g: Graph) -> None:
@@ -291,9 +289,9 @@ class AddCacheInputs(Pass):
         tokens = _token_input(g, self.options.tokens)
         _, t_dim = g.type_of(tokens).shape
         sites = _self_attention(g, t_dim)
-        if not sites:
-            raise CacheError(f"model {g.name} has no fused attention to cache (is attention fused? --no-fuse "
-                             f"leaves nothing to cache)")
+        if not sites and not carries_state(g, t_dim):
+            raise CacheError(f"model {g.name} has no fused attention and no recurrence over time to cache (is "
+                             f"attention fused? --no-fuse leaves nothing to cache)")
         bad = [n for n in sites if not n.attrs["causal"] or n.attrs["padding"] or n.attrs["bias"]]
         if bad:
             n = bad[0]
@@ -301,7 +299,10 @@ class AddCacheInputs(Pass):
                 "already masked or biased by the spec"
             raise CacheError(f"the attention at {n.scope} is {why}; generation with a KV cache supports "
                              f"decoder-only models whose attention is causal")
-        if len(g.outputs) != 1 or g.type_of(g.outputs[0]).rank != 3:
+        # a recurrent decoder may give per-step outputs beside its logits (RNNsearch's alignment): they
+        # are kept; the attention cache's outputs replace everything but the logits
+        extra_ok = not sites and all(_over_time(g, o, t_dim) for o in g.outputs[1:])
+        if (len(g.outputs) != 1 and not extra_ok) or g.type_of(g.outputs[0]).rank != 3:
             raise CacheError(f"generation needs one output of logits [B, T, vocab]; {g.name} gives "
                              + ", ".join(f"{o}: {g.type_of(o)}" for o in g.outputs))
         if self.options.mode == "buffer" and any(n.attrs["window"] for n in sites):
@@ -314,8 +315,10 @@ class AddCacheInputs(Pass):
     def run(self, g: Graph) -> PassResult:
         tokens = _token_input(g, self.options.tokens)
         b_dim, t_dim = g.type_of(tokens).shape
-        mode = _mode(self.options.mode, _self_attention(g, t_dim))
-        g.add_input(MASK, TensorType("i64", (b_dim, dims.symbol("P") + t_dim)))
+        sites = _self_attention(g, t_dim)
+        mode = _mode(self.options.mode, sites)
+        if sites:  # a model with recurrent state only has no keys to mask
+            g.add_input(MASK, TensorType("i64", (b_dim, dims.symbol("P") + t_dim)))
         g.add_input(POSITIONS, TensorType("i64", (b_dim, t_dim)))
         return PassResult(g, True, [CacheInterface(tokens, g.outputs[0], mode, self.options.last_only)])
 
@@ -416,7 +419,9 @@ class ReadPositionIds(Pass):
 class AddCacheLayers(Pass):
     """Per attention layer: past keys and values in, the attention over past + new, the mask as its key
     padding (causal over P+T keys, the queries being the last T; the spec's window kept), and the cache
-    outputs (concat: the present keys and values; buffer: the new columns). Notes: a CacheLayer each."""
+    outputs (concat: the present keys and values; buffer: the new columns). Notes: a CacheLayer each.
+    Then the recurrent state over time (passes/recurrent_state.py: every time scan's state, every causal
+    conv1d's window) as past inputs and present outputs after the layers'. Notes: a CacheState each."""
 
     name = "kv-cache-layers"
 
@@ -424,12 +429,22 @@ class AddCacheLayers(Pass):
         self.options = options
 
     def requires(self, g: Graph) -> None:
-        _needs(g, MASK, self.name)
+        _needs(g, POSITIONS, self.name)
+        t_dim = _batch_and_time(g)[1]
+        if _self_attention(g, t_dim):
+            _needs(g, MASK, self.name)
+        check_state(g, t_dim)
 
     def run(self, g: Graph) -> PassResult:
         b_dim, t_dim = _batch_and_time(g)
-        p_dim = dims.symbol("P")
         sites = _self_attention(g, t_dim)
+        layers = self._attention_layers(g, sites, b_dim, t_dim) if sites else []
+        states = carry_state(g, t_dim)
+        _settle(g)
+        return PassResult(g, True, layers + states)
+
+    def _attention_layers(self, g: Graph, sites: list[Node], b_dim, t_dim) -> list[CacheLayer]:
+        p_dim = dims.symbol("P")
         mode = _mode(self.options.mode, sites)
         dtype = g.type_of(sites[0].inputs[0]).dtype
         layers = []
@@ -459,8 +474,7 @@ class AddCacheLayers(Pass):
             layers.append(layer)
         g.symbols["P"] = SymbolSource(layers[0].past_key, 2)
         g.outputs = [g.outputs[0]] + [n for layer in layers for n in (layer.present_key, layer.present_value)]
-        _settle(g)
-        return PassResult(g, True, layers)
+        return layers
 
 
 @dataclass(frozen=True)
@@ -484,7 +498,7 @@ class ChooseCacheKernels(Pass):
         self.options = options
 
     def requires(self, g: Graph) -> None:
-        if not cached_sites(g):
+        if not cached_sites(g) and (POSITIONS not in g.inputs or _self_attention(g, _batch_and_time(g)[1])):
             raise PassError(f"{self.name} needs cached attention sites: run kv-cache-layers first")
 
     def run(self, g: Graph) -> PassResult:
@@ -571,11 +585,14 @@ def cache_info(result: PipelineResult) -> CacheInfo:
     kernels = {k.node: k for k in result.notes(ChooseCacheKernels.name)}
     layers = [dataclasses.replace(layer, buffer_key=kernels[layer.node].buffer_key,
                                   buffer_value=kernels[layer.node].buffer_value)
-              for layer in result.notes(AddCacheLayers.name)]
-    return CacheInfo(face.tokens, face.logits, layers, context.positions, face.last_only, face.mode,
-                     result.graph.type_of(layers[0].past_key).dtype,
+              for layer in result.notes(AddCacheLayers.name) if isinstance(layer, CacheLayer)]
+    g = result.graph
+    states = [dataclasses.replace(s, dtype=g.type_of(s.past).dtype)
+              for s in result.notes(AddCacheLayers.name) if isinstance(s, CacheState)]
+    dtype = g.type_of(layers[0].past_key).dtype if layers else states[0].dtype
+    return CacheInfo(face.tokens, face.logits, layers, context.positions, face.last_only, face.mode, dtype,
                      [kernels[layer.node].kernel for layer in layers],
-                     LENGTH if any(layer.buffer_key for layer in layers) else None)
+                     LENGTH if any(layer.buffer_key for layer in layers) else None, states)
 
 
 def add_kv_cache(g: Graph, last_only: bool = False, mode: str = "auto", impl: str | None = None,

@@ -88,6 +88,7 @@ class CachedModel:
         else:
             self.session = open_session(source, provider)
         self.output_names = [o.name for o in self.session.get_outputs()]
+        self.input_names = {i.name for i in self.session.get_inputs()}
         vocab = self.session.get_outputs()[0].shape[-1]
         self.vocab = int(vocab) if isinstance(vocab, int) else None
         self.np_dtype = np.float16 if info.dtype == "f16" else np.float32
@@ -235,6 +236,10 @@ def check_request(model: CachedModel, prompts, max_new_tokens: int, sampling: Sa
         if longest + max_new_tokens > ctx:
             raise UsageError(f"max_new_tokens={max_new_tokens} goes past the context: the prompt has {longest} "
                              f"tokens and the model has {ctx} positions, so at most {ctx - longest} new tokens")
+    if model.info.states and model.info.layers and len({len(p) for p in prompts}) > 1:
+        raise UsageError("this model carries recurrent state beside its attention: prompts of different lengths "
+                         "would run their left padding through the recurrence, so give prompts of one length "
+                         "(or one prompt at a time)")
     for t in stop_tokens:
         if not isinstance(t, (int, np.integer)) or t < 0 or (model.vocab is not None and t >= model.vocab):
             raise UsageError(f"unknown stop token {t}: ids are in [0, {model.vocab})")
@@ -252,7 +257,9 @@ def cache_bytes(info: CacheInfo, rows: int, positions: int, itemsize: int) -> in
     window holds at most the window)."""
     window = cache_window(info)
     kept = min(positions, window) if window and info.mode == "concat" else positions
-    return sum(rows * layer.kv_heads * kept * (layer.head_size + layer.value_size) for layer in info.layers) * itemsize
+    states = sum(rows * int(np.prod(s.shape)) for s in info.states)  # recurrent state: fixed, whatever the length
+    return (sum(rows * layer.kv_heads * kept * (layer.head_size + layer.value_size) for layer in info.layers)
+            + states) * itemsize
 
 
 def check_cache_fits(info: CacheInfo, rows: int, positions: int, itemsize: int, what: str = "the KV cache") -> None:
@@ -302,6 +309,8 @@ class BoundStep:
         for layer in info.layers:
             shapes[layer.present_key] = (b, layer.kv_heads, 1, layer.head_size)
             shapes[layer.present_value] = (b, layer.kv_heads, 1, layer.value_size)
+        for state in info.states:  # recurrent state (a hybrid model's): returned, fed back by the decoder
+            shapes[state.present] = (b, *state.shape)
         for name, shape in shapes.items():
             if None in shape:
                 raise UsageError(f"cannot bind output {name}: its size is not known ({shape})")
@@ -326,7 +335,9 @@ class BoundStep:
             for layer in self.copied:
                 self.cache[layer.past_key][:, :, at:at + 1] = self.outputs[layer.present_key]
                 self.cache[layer.past_value][:, :, at:at + 1] = self.outputs[layer.present_value]
-        return {self.logits: self.outputs[self.logits].copy()}
+        out = {self.logits: self.outputs[self.logits].copy()}
+        out.update({s.present: self.outputs[s.present].copy() for s in self.model.info.states})
+        return out
 
 
 class CachedDecoder:
@@ -356,7 +367,8 @@ class CachedDecoder:
                 self.cache[name] = np.zeros((b, layer.kv_heads, capacity if self.buffer else 0, size),
                                             dtype=model.np_dtype)
         self.slots = np.zeros((b, capacity if self.buffer else 0), dtype=np.int64)  # mask of the cache's slots
-        stats.cache_bytes = sum(c.nbytes for c in self.cache.values())
+        stats.cache_bytes = sum(c.nbytes for c in self.cache.values()) + sum(
+            int(np.prod(s.shape)) * b * np.dtype(model.np_dtype).itemsize for s in info.states)
         self.filled = 0
         self.positions = np.maximum(np.cumsum(mask, axis=1) - 1, 0)
         # The prompt goes in against an empty past (P = 0): its attention is the tiled prefill kernel over
@@ -365,9 +377,17 @@ class CachedDecoder:
         self.empty = {name: np.zeros(c.shape[:2] + (0,) + c.shape[3:], dtype=c.dtype) for name, c in self.cache.items()}
         self.bound = BoundStep(model, self.cache) if self.buffer and info.length_input else None
         self.first = True
+        # recurrent state (compiler/passes/recurrent_state.py): zeros before the prompt, then each call's
+        # present fed back as the next call's past
+        self.states = {s.past: (np.ascontiguousarray(self.extra_feeds[s.initial], dtype=model.np_dtype)
+                                if s.initial else np.zeros((b, *s.shape), dtype=model.np_dtype))
+                       for s in info.states}
+        self.prompts = prompts
 
     def step(self, last: np.ndarray | None) -> np.ndarray:
         info, cache = self.info, self.cache
+        if self.first and self.states and len(set(self.lengths.tolist())) > 1:
+            return self._prefill_rows()
         if last is not None:
             self.tokens = last[:, None].astype(np.int64)
             self.mask = np.ones((self.rows, 1), dtype=np.int64)
@@ -377,9 +397,10 @@ class CachedDecoder:
         t = tokens.shape[1]
         prefill = self.first and self.buffer
         self.first = False
-        feeds = {info.tokens: tokens,
-                 "attention_mask": mask if prefill else np.concatenate([self.slots, mask], axis=1),
-                 "position_ids": self.positions, **(self.empty if prefill else cache), **self.extra_feeds}
+        feeds = {info.tokens: tokens, "position_ids": self.positions, **(self.empty if prefill else cache),
+                 **self.states, **self.extra_feeds}
+        if "attention_mask" in self.model.input_names:  # a model with recurrent state only has no mask
+            feeds["attention_mask"] = mask if prefill else np.concatenate([self.slots, mask], axis=1)
         if info.length_input:
             feeds[info.length_input] = np.array([0 if prefill else self.filled], dtype=np.int64)
         if self.bound is not None and not prefill:  # the kernel writes the new columns into the buffers itself
@@ -404,7 +425,28 @@ class CachedDecoder:
                         cache[name] = np.ascontiguousarray(cache[name][:, :, -self.window:])
             self.stats.cache_bytes = max(self.stats.cache_bytes, sum(c.nbytes for c in cache.values()))
         self.filled += t
+        for state in info.states:
+            self.states[state.past] = out[state.present]
         return out[info.logits][:, -1, :]
+
+    def _prefill_rows(self) -> np.ndarray:
+        """Prompts of uneven length for a model with recurrent state and no attention (check_request
+        refuses a hybrid): left padding would run the pad tokens through the recurrence, which no mask
+        undoes, so each prompt runs alone, unpadded, and the rows' states are stacked."""
+        info, rows, logits = self.info, [], []
+        for r, p in enumerate(self.prompts):
+            feeds = {info.tokens: np.array([p], dtype=np.int64),
+                     "position_ids": np.arange(len(p), dtype=np.int64)[None],
+                     **{k: v[r:r + 1] for k, v in self.states.items()},
+                     **{k: v[r:r + 1] for k, v in self.extra_feeds.items()}}
+            out = self.model.run(feeds)
+            rows.append(out)
+            logits.append(out[info.logits][:, -1, :])
+        for state in info.states:
+            self.states[state.past] = np.concatenate([o[state.present] for o in rows], axis=0)
+        self.first = False
+        self.filled = max(len(p) for p in self.prompts)
+        return np.concatenate(logits, axis=0)
 
 
 def stream(model: CachedModel, prompts, max_new_tokens: int, sampling: Sampling | None = None,

@@ -31,6 +31,7 @@ MODEL_TYPES = {
     "gptj": "gptj",
     "bart": "bart",
     "whisper": "whisper",
+    "mamba": "mamba",
 }
 
 

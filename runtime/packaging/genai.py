@@ -147,6 +147,9 @@ def _template(names: list[str], what: str) -> str:
 def genai_config(graph, info: CacheInfo, model: onnx.ModelProto, tokens: dict, context: int | None = None) -> dict:
     """genai_config.json for the cached graph ``graph`` (concat mode) exported as ``model``; ``context``
     the context length (default: the model's own, which it may not exceed)."""
+    if info.states:  # its config names past and present keys and values, nothing else
+        raise UsageError(f"onnxruntime-genai's decoder carries a KV cache only; this model carries recurrent state "
+                         f"({len(info.states)} scan or conv1d state(s)): generate it with `tessera generate`")
     if info.mode != "concat":
         raise UsageError("onnxruntime-genai drives the concat cache; compile with --cache concat")
     if any(layer.value_size != layer.head_size for layer in info.layers):

@@ -183,6 +183,9 @@ class Engine:
                 raise UsageError(f"{name} must be an integer >= 1, got {v}")
         if not isinstance(max_queue, int) or max_queue < 0:
             raise UsageError(f"max_queue must be an integer >= 0, got {max_queue}")
+        if info.states:  # its slots hold keys and values only; a row's recurrent state has no slot yet
+            raise UsageError(f"the engine does not carry recurrent state ({len(info.states)} scan or conv1d "
+                             f"state(s): an attention-free or recurrent model); generate it with `tessera generate`")
         ctx = info.context
         if capacity is None:
             if ctx is None:
