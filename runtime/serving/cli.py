@@ -29,7 +29,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
     s = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API (continuous batching)",
                        formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EXAMPLES,
                        description="Compile a decoder-only spec with a KV cache (or load a file compiled with "
-                                   "--kv-cache --decode plain) and serve it: POST /v1/completions, "
+                                   "--kv-cache) and serve it: POST /v1/completions, "
                                    "/v1/chat/completions (streaming with stream=true), GET /v1/models, /health, "
                                    "/metrics. Requests share each decoding step (continuous batching). "
                                    "Needs the serve extra: pip install 'tessera[serve]'. See docs/serve.md.")
