@@ -35,14 +35,15 @@ def __getattr__(name: str):
 
 # The engine's decoding kernel, measured (bench/serve_decode.py: one engine step at 16 rows of uneven
 # lengths, the Llama shape, alternating rounds): GroupQueryAttention with per-row lengths was
-# faster than the plain branch in every round (median 1.08x under load, docs/BENCHMARKS.md S3).
+# faster than the plain branch in 11 of 12 rounds over two runs (medians 1.08x and 1.25x, under load;
+# docs/BENCHMARKS.md S3).
 DECODE = "auto"  # GroupQueryAttention where every cached site takes it, else the plain branch
 DECODE_REASONS = {
     "gqa": ("decode (T = 1): onnxruntime's GroupQueryAttention over the shared cache buffer with per-row "
             "seqlens_k (cache_length [B]): each row attends over its own filled slots and the kernel writes "
             "its new column at its own slot, in place (the buffer bound as past and present), so rows of any "
             "lengths share a step. Chosen over the plain MatMul/Softmax branch with a per-row mask: faster in "
-            "every round of bench/serve_decode.py (one step at 16 rows of uneven lengths; docs/BENCHMARKS.md)."),
+            "11 of 12 rounds of bench/serve_decode.py (one step at 16 rows of uneven lengths; docs/BENCHMARKS.md)."),
     "plain": ("decode (T = 1): plain MatMul/Softmax over the cache buffer with a per-row slot mask and per-row "
               "positions, so every row of one step has its own length; the engine writes each row's new "
               "column at that row's own slot. (GroupQueryAttention with per-row lengths, faster where it "
