@@ -6,14 +6,24 @@ Tessera's one-request-at-a-time ``generate`` and a static batch, on the same wei
     python bench/serve.py --model gpt2 --concurrency 1 4 16 32
     python bench/serve.py --model tiny --concurrency 16 16 16 16 --requests 250 --new 16 --prompt-max 64
                                                             # a soak: 1,000 requests, RSS after each 250
+    python bench/serve.py --model llama --genai-python /path/to/genai-venv/bin/python
+                                                            # and onnxruntime-genai's static batches
 
 What runs (weights seeded; a word-level tokenizer over the model's vocabulary, one word per id, so
 every new token is one streamed chunk of text):
 
-- ``generate-1``: the engine's compiled decoder (plain decoding branch) through ``generate``, one
-  request at a time: aggregate tokens/s = all new tokens / all the time; and the same with the
-  ``tessera generate`` default (GroupQueryAttention decoding) for the cost of the plain branch at B = 1;
-- ``static-C``: ``generate`` over C prompts at once (left-padded, every row to the end);
+- ``generate-1``: the engine's compiled decoder (GroupQueryAttention decoding, the engine's choice:
+  bench/serve_decode.py) through ``generate``, one request at a time: aggregate tokens/s = all new
+  tokens / all the time; and the same with the plain decoding branch;
+- ``static-C``: ``generate`` over C prompts at once (left-padded, every row to the end), and its
+  ratio to ``generate-1``: how many one-stream steps a step of C rows costs on this machine (the
+  issue's 6x goal at C = 16 assumes a static batch of 16 is itself well past 6x one stream, and its
+  p99 inter-token latency goal of 3x one stream's step assumes a step of 16 rows under 3x);
+- ``ort-genai-static-C`` (with ``--genai-python``, ``--model llama`` only): onnxruntime-genai's
+  Generator with ``batch_size`` = C over C prompts of one length (the mean of --prompt-min and
+  --prompt-max: its best case), on its model builder's fp32 export of a checkpoint of the same shape
+  (bench/generate.py ``make_weights``, ``make_genai_model``), in a child process of that Python
+  (onnxruntime-genai 0.18 brings its own onnxruntime; its builder needs torch, transformers, onnx_ir);
 - ``serve-C``: the server in its own process (``tessera serve``, --max-batch = the largest C), C
   client threads each sending streaming completions one after another until the level's requests
   are done (prompts of different lengths, uniform in [--prompt-min, --prompt-max], ``--new`` tokens
@@ -82,34 +92,85 @@ def pct(xs: list[float], q: float) -> float:
 
 def baselines(args, model_args: dict, ps: list[list[int]]) -> list[dict]:
     from tessera.runtime.generation import cached as gen
-    from tessera.runtime import pipeline
     from tessera.runtime.serving import model as serving_model
 
     rows = []
-    plain = serving_model.load(model_args["spec"], model_args.get("variant"), model_args["sets"], threads=args.threads)
-    built = pipeline.build(model_args["spec"], model_args.get("variant"), model_args["sets"])
-    proto, info = gen.compile_cached(built, pipeline.weights_for(built, None, 0))
-    default = gen.CachedModel(proto.SerializeToString(), info, threads=args.threads)
-    for name, m in (("generate-1 (plain decode, the engine's)", plain),
-                    (f"generate-1 ({'GroupQueryAttention' if info.length_input else 'plain'} decode, the default)",
-                     default)):
+    load = lambda decode=None: serving_model.load(model_args["spec"], model_args.get("variant"),  # noqa: E731
+                                                  model_args["sets"], threads=args.threads, decode=decode)
+    engine_model, plain = load(), load("plain")
+    kernel = serving_model.decode_kernel(engine_model.info)
+    one = None
+    for name, m in ((f"generate-1 ({kernel} decode, the engine's)", engine_model),
+                    ("generate-1 (plain decode)", plain)):
         gen.generate(m, [ps[0]], 4)  # warm-up
         start, new = time.perf_counter(), 0
         for p in ps[:args.baseline_requests]:
             new += len(gen.generate(m, [p], args.new).tokens[0])
         wall = time.perf_counter() - start
         rows.append({"case": name, "tokens_per_s": new / wall, "wall_s": wall})
+        one = one or rows[-1]["tokens_per_s"]
+    del plain
     for c in args.concurrency:
         if c == 1:
             continue
         batch = ps[:c]
-        gen.generate(plain, batch, 2)
+        gen.generate(engine_model, batch, 2)
         start = time.perf_counter()
-        res = gen.generate(plain, batch, args.new)
+        res = gen.generate(engine_model, batch, args.new)
         wall = time.perf_counter() - start
-        rows.append({"case": f"static-{c} (generate, left-padded)", "tokens_per_s": res.stats.new_tokens / wall,
-                     "wall_s": wall})
+        tps = res.stats.new_tokens / wall
+        rows.append({"case": f"static-{c} (generate, left-padded)", "tokens_per_s": tps, "wall_s": wall,
+                     "x_one_stream": tps / one, "step_in_one_stream_steps": c * one / tps})
     return rows
+
+
+def genai_static(args, ps: list[list[int]]) -> list[dict]:
+    """onnxruntime-genai's static batch of C (each level C > 1, and 1), in a child process of
+    --genai-python, on its builder's export of a checkpoint of the Llama shape."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    from generate import make_genai_model, make_weights
+
+    length = (args.prompt_min + args.prompt_max) // 2
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp)
+        make_weights(folder, "llama")
+        make_genai_model(folder, args.genai_python)
+        for c in args.concurrency:
+            cmd = [args.genai_python, __file__, "--_genai", str(folder / "genai"), str(c), str(length), str(args.new),
+                   str(args.threads or os.cpu_count())]
+            out = subprocess.run(cmd, capture_output=True, text=True)
+            if out.returncode:
+                raise SystemExit(f"onnxruntime-genai failed:\n{out.stderr[-3000:]}")
+            rows.append({"case": f"ort-genai-static-{c} (batch_size {c}, {length}-token prompts)",
+                         **json.loads(out.stdout.strip().splitlines()[-1])})
+    return rows
+
+
+def genai_child(folder: str, c: int, length: int, new: int, threads: int) -> dict:
+    """In the onnxruntime-genai Python: a warm-up, then one Generator over C prompts of ``length``
+    tokens decoding ``new`` tokens each (min_length: no early end), timed from append_tokens (prefill
+    included, as Tessera's static batch)."""
+    import onnxruntime_genai as og
+
+    cfg = og.Config(folder)
+    cfg.overlay(json.dumps({"model": {"decoder": {"session_options": {
+        "intra_op_num_threads": threads, "inter_op_num_threads": 1}}}}))
+    model = og.Model(cfg)
+    batch = np.random.default_rng(0).integers(3, 32000, (c, length)).astype(np.int32)
+    for n in (4, new):  # warm-up, then the timed run
+        params = og.GeneratorParams(model)
+        params.set_search_options(max_length=length + n, min_length=length + n, do_sample=False, batch_size=c)
+        start = time.perf_counter()
+        g = og.Generator(model, params)
+        g.append_tokens(batch)
+        steps = 0
+        while not g.is_done():
+            g.generate_next_token()
+            steps += 1
+        wall = time.perf_counter() - start
+        del g
+    return {"tokens_per_s": c * steps / wall, "wall_s": wall}
 
 
 def _cpu_s(pid: int) -> float:
@@ -228,14 +289,26 @@ def main() -> None:
     p.add_argument("--new", type=int, default=64, help="new tokens per request (default 64)")
     p.add_argument("--prefill-chunk", type=int, default=128)
     p.add_argument("--threads", type=int, default=None, help="onnxruntime intra-op threads (default: all cores)")
+    p.add_argument("--genai-python", metavar="PYTHON",
+                   help="a Python with onnxruntime-genai 0.18 (and its builder's torch, transformers, onnx_ir): "
+                        "adds its static batch of each concurrency (--model llama only)")
     p.add_argument("--json", metavar="FILE")
+    p.add_argument("--_genai", nargs=5, help=argparse.SUPPRESS)
     args = p.parse_args()
+    if args._genai:
+        folder, c, length, new, threads = args._genai
+        print(json.dumps(genai_child(folder, int(c), int(length), int(new), int(threads))))
+        return
+    if args.genai_python and args.model != "llama":
+        raise SystemExit("--genai-python needs --model llama (onnxruntime-genai's builder has no GPT-2 here)")
     model_args = MODELS[args.model]
     vocab = _vocab(model_args["sets"])
     ps = prompts(max(max(args.concurrency), args.requests), args.prompt_min, args.prompt_max, vocab)
     with tempfile.TemporaryDirectory() as tmp:
         tokenizer = make_tokenizer(Path(tmp), vocab)
         rows = baselines(args, model_args, ps) + serve_levels(args, model_args, tokenizer, ps)
+    if args.genai_python:
+        rows += genai_static(args, ps)
     print(f"model {args.model} ({' '.join(model_args['sets']) or model_args.get('variant')}), prompts "
           f"{args.prompt_min}-{args.prompt_max} tokens, {args.new} new, threads {args.threads or os.cpu_count()}")
     for r in rows:
@@ -244,7 +317,14 @@ def main() -> None:
             extra = (f"  TTFT p50 {r['ttft_p50_ms']:.0f} p99 {r['ttft_p99_ms']:.0f} ms  ITL p50 {r['itl_p50_ms']:.1f} "
                      f"p99 {r['itl_p99_ms']:.1f} ms  CPU/wall {r['cpu_per_wall']:.2f}  RSS {r['server_rss_mib']:.0f} MiB  "
                      f"{r['requests']} requests, {r['errors']} errors")
+        if "x_one_stream" in r:
+            extra = (f"  {r['x_one_stream']:.2f}x one stream (a step of these rows = {r['step_in_one_stream_steps']:.2f} "
+                     f"one-stream steps)")
         print(f"{r['case']:<48} {r['tokens_per_s']:8.1f} tokens/s{extra}")
+    one = rows[0]["tokens_per_s"]
+    for r in rows:
+        if r["case"].startswith(("serve-", "ort-genai-static-")):
+            print(f"{r['case'].split(' ')[0]}: {r['tokens_per_s'] / one:.2f}x generate-1")
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
 

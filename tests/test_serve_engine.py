@@ -241,10 +241,27 @@ def test_engine_options_and_compiled_files(gpt2, tmp_path):
         Engine(gpt2, max_batch=0)
     import tessera
 
+    import onnx
+
     path = tmp_path / "gqa.onnx"
     tessera.load("models/gpt2.tsr", layers=2, d=64, heads=4, vocab=50, ctx=128).compile(path, kv_cache=True)
+    # compiled with the default (GroupQueryAttention) decoding: one cache length per row, so it serves
+    loaded = serving_model.load(str(path), threads=1)
+    assert serving_model.decode_kernel(loaded.info) == "gqa"
+    reqs = _requests(6, seed=4)
+    engine = Engine(loaded, max_batch=3, prefill_chunk=16)
+    handles = [engine.submit(r) for r in reqs]
+    _run_all(engine, handles)
+    assert [h.tokens for h in handles] == [_alone(gpt2, r) for r in reqs]
+    # a file whose cache_length is one length for every row ([1], as compiled before) cannot serve
+    proto = onnx.load(str(path))
+    (length,) = [i for i in proto.graph.input if i.name == "cache_length"]
+    length.type.tensor_type.shape.dim[0].Clear()
+    length.type.tensor_type.shape.dim[0].dim_value = 1
+    old = tmp_path / "one_length.onnx"
+    onnx.save(proto, str(old))
     with pytest.raises(UsageError, match="--decode plain"):
-        serving_model.load(str(path))
+        serving_model.load(str(old))
 
 
 def test_a_file_compiled_with_plain_decoding_serves_the_same(gpt2, tmp_path, capsys):
@@ -260,3 +277,76 @@ def test_a_file_compiled_with_plain_decoding_serves_the_same(gpt2, tmp_path, cap
     handles = [engine.submit(r) for r in reqs]
     _run_all(engine, handles)
     assert [h.tokens for h in handles] == [_alone(gpt2, r) for r in reqs]
+
+
+@pytest.fixture(scope="module")
+def llama_plain():
+    return serving_model.load("llama", sets=LLAMA, threads=1, decode="plain")
+
+
+def test_decoding_kernels_per_row(llama, llama_plain):
+    """The engine's default decoding is GroupQueryAttention with one cache length per row (the kernel
+    writes each row's new column into the engine's cache in place); the plain branch is the other.
+    Stepped side by side on the same requests (uneven lengths, joins and leaves, prompts of 17 and 33
+    tokens whose last chunk of 1 token runs the decoding branch): after every step the two caches hold
+    the same keys and values in the same slots (to float rounding), and both give generate's tokens."""
+    assert serving_model.decode_kernel(llama.info) == "gqa"
+    assert serving_model.decode_kernel(llama_plain.info) == "plain"
+    reqs = _requests(10, seed=21) + [Request(list(range(1, 18)), 9), Request(list(range(2, 35)), 5)]
+    engines = [Engine(m, max_batch=4, max_queue=16, prefill_chunk=16) for m in (llama, llama_plain)]
+    assert engines[0].in_place and not engines[1].in_place
+    assert "GroupQueryAttention" in engines[0].describe() and "seqlens_k" in engines[0].describe()
+    assert "plain MatMul/Softmax" in engines[1].describe()
+    handles = [[e.submit(r) for r in reqs] for e in engines]
+    steps = 0
+    while any(not h.finished for h in handles[0]):
+        assert all(e.step() for e in engines)
+        steps += 1
+        assert [(s.handle.request.prompt, s.filled) for s in engines[0].rows] == \
+            [(s.handle.request.prompt, s.filled) for s in engines[1].rows]
+        assert engines[0].width == engines[1].width
+        views = [e._views() for e in engines]
+        for seq in engines[0].rows:  # every filled column of every live row
+            r, f = seq.slot, seq.filled
+            for name in views[0]:
+                np.testing.assert_allclose(views[0][name][r, :, :f], views[1][name][r, :, :f], rtol=1e-4, atol=1e-5)
+    assert all(h.finished for h in handles[1]) and steps > 20
+    want = [_alone(llama_plain, r) for r in reqs]
+    assert [h.tokens for h in handles[0]] == want
+    assert [h.tokens for h in handles[1]] == want
+
+
+@pytest.mark.parametrize("budget, chunks", [(40, [35, 35, 30]), (20, [16] * 6 + [4])])
+def test_prefill_chunk_is_the_iterations_token_budget(llama, budget, chunks):
+    """With 5 streams decoding, a 100-token prompt goes in chunks of budget - 5 (40: 35, 35, 30), never
+    under 16 (20: six of 16 and the rest); alone, a prompt's chunk is the whole budget. Every iteration
+    that prefills also runs the decoding step, and the tokens are generate's."""
+    engine = Engine(llama, max_batch=8, prefill_chunk=budget)
+    assert engine.chunk_for(0) == budget and engine.chunk_for(5) == max(16, budget - 5)
+    sizes = []
+    run = llama.run
+
+    def spy(feeds, bound=None):
+        sizes.append(feeds[llama.info.tokens].shape[1])
+        return run(feeds)
+
+    short = [Request([3 + i, 4, 5], 60) for i in range(5)]
+    long = Request(np.random.default_rng(9).integers(0, 50, 100).tolist(), 8)
+    llama.run = spy
+    try:
+        handles = [engine.submit(r) for r in short]
+        while engine.queued or any(s.prefilling for s in engine.rows):
+            engine.step()
+        assert sizes == [3] * 5
+        sizes.clear()
+        handles.append(engine.submit(long))
+        before = engine.steps
+        engine.step()
+        while engine.rows[-1].prefilling:
+            engine.step()
+        assert sizes == chunks
+        assert engine.steps - before == len(chunks)  # the streams decoded at every one of those iterations
+        _run_all(engine, handles)
+    finally:
+        llama.run = run
+    assert [h.tokens for h in handles] == [_alone(llama, r) for r in short + [long]]

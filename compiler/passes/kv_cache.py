@@ -38,8 +38,8 @@ The attention nodes are lowered per phase (backends/onnx/cached_attention.py,
 chosen by passes/attention_kernels.py ``choose_cached``): a prompt (T > 1) by the
 portable tiled kernel, a decoding step (T = 1) in buffer mode on CPU by one
 GroupQueryAttention that writes the new column into the buffer itself (``decode``
-"gqa": an input ``cache_length`` i64 [1], the filled slots, and per layer the ONNX
-outputs ``cache_key.{i}`` / ``cache_value.{i}``, the buffer as written, which the
+"gqa": an input ``cache_length`` i64 [1] or [B], the filled slots, one for every row
+or one per row, and per layer the ONNX outputs ``cache_key.{i}`` / ``cache_value.{i}``, the buffer as written, which the
 loop binds to the same memory as the past inputs), else by plain matrix products
 over the cache; the numpy interpreter runs the rewritten graph unchanged (it does
 not read ``cache_length``), which is what the tests compare against.
@@ -63,7 +63,8 @@ from tessera.compiler.passes.cache_parts import CacheError, CacheState, insert_b
 from tessera.compiler.passes.recurrent_state import carries_state, carry_state, check_state
 
 MASK, POSITIONS = "attention_mask", "position_ids"
-LENGTH = "cache_length"  # buffer mode with GroupQueryAttention decoding: the filled slots, i64 [1]
+LENGTH = "cache_length"  # buffer mode with GroupQueryAttention decoding: the filled slots, i64 [1] or [B]
+LENGTH_ROWS = "length_rows"  # its size: 1 (one length for every row, generate) or B (one per row, serving)
 
 
 @dataclass
@@ -523,7 +524,7 @@ class ChooseCacheKernels(Pass):
                 node.attrs["length_input"] = LENGTH
             notes.append(note)
         if any(n.buffer_key for n in notes):
-            g.add_input(LENGTH, TensorType("i64", (dims.dim(1),)))
+            g.add_input(LENGTH, TensorType("i64", (dims.symbol(LENGTH_ROWS),)))
         _settle(g)
         return PassResult(g, True, notes)
 

@@ -29,7 +29,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
     s = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API (continuous batching)",
                        formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EXAMPLES,
                        description="Compile a decoder-only spec with a KV cache (or load a file compiled with "
-                                   "--kv-cache --decode plain) and serve it: POST /v1/completions, "
+                                   "--kv-cache) and serve it: POST /v1/completions, "
                                    "/v1/chat/completions (streaming with stream=true), GET /v1/models, /health, "
                                    "/metrics. Requests share each decoding step (continuous batching). "
                                    "Needs the serve extra: pip install 'tessera[serve]'. See docs/serve.md.")
@@ -46,7 +46,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="positions per slot, prompt and new tokens together (default: the model's context); "
                         "the cache is max-batch x N positions, allocated at start")
     s.add_argument("--prefill-chunk", type=int, default=d.prefill_chunk, metavar="N",
-                   help=f"prompt tokens prefilled between two decoding steps at most (default {d.prefill_chunk})")
+                   help=f"tokens per iteration: each decoding row takes one, a prompt's chunk the rest (at least "
+                        f"16), so at most N prompt tokens run between two decoding steps (default {d.prefill_chunk})")
     s.add_argument("--drain-timeout", type=float, default=d.drain_timeout, metavar="S",
                    help=f"on SIGTERM, seconds to let running requests finish (default {d.drain_timeout:g})")
     s.add_argument("--model-name", metavar="NAME", help="the model's id in /v1/models (default: the spec's name)")

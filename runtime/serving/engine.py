@@ -16,10 +16,16 @@ left. Row i of the view is slot i; the active sequences always occupy the first 
 feeds the block ``[:n]``. When a sequence leaves, the last one moves into its slot (its filled
 columns are copied, once). Each row keeps its own length: its tokens fill its columns from 0, its
 positions count its own tokens, and the mask hides its unfilled columns, so rows of any lengths
-share a step -- that needs the plain decoding branch (serving/model.py ``DECODE_REASON``).
+share a step. A decoding step runs onnxruntime's GroupQueryAttention with one ``cache_length`` per
+row (``seqlens_k``), the cache views bound in place so the kernel writes each row's new column at
+its own slot; or, where a model's attention does not take it, the plain branch with the per-row
+mask, the engine writing the new columns (serving/model.py ``DECODE_REASONS``).
 
 Prompts are prefilled between decoding steps in chunks of at most ``prefill_chunk`` tokens, one
 chunk per iteration, so a long prompt delays the running streams by at most one chunk per step.
+``prefill_chunk`` is the iteration's token budget: each decoding row takes one token of it and the
+chunk the rest (at least ``MIN_PREFILL_CHUNK``; ``chunk_for``), so the more streams run, the less a
+chunk delays them.
 A prompt's first chunk runs against an empty past (the tiled prefill kernel over the chunk alone,
 exactly as ``generate`` prefills), later chunks against the row's filled columns (the tiled kernel
 with the causal offset of the past and the mask hiding the unfilled columns).
@@ -47,6 +53,7 @@ from .model import (CachedModel, Sampling, Step, TextStopper, UsageError, check_
                     token_logprobs)
 
 WIDTH_STEP = 64  # attention width granularity of a decoding step (fewer distinct shapes)
+MIN_PREFILL_CHUNK = 16  # prompt tokens an iteration prefills at least (Engine.chunk_for)
 
 
 class RequestError(UsageError):
@@ -223,6 +230,15 @@ class Engine:
         self._accepting, self._closed = True, False
         self._thread: threading.Thread | None = None
         self.steps = 0  # decoding steps run (one onnxruntime call each)
+        # GroupQueryAttention decoding (model.py DECODE): the kernel writes the new columns in place
+        self.in_place = bool(info.length_input)
+        self._buffer_output = {}
+        for layer in info.layers:
+            self._buffer_output.update({layer.past_key: layer.buffer_key, layer.past_value: layer.buffer_value})
+        # the layers whose new columns the engine writes into the cache itself after a step
+        self._copied = [layer for layer in info.layers if not (self.in_place and layer.buffer_key)]
+        self._wanted = [info.logits] + [o for layer in self._copied for o in (layer.present_key, layer.present_value)]
+        self._binding = None  # ((rows, width), IOBinding) of the last in-place step
         self.metrics.cache_bytes = self.memory_bytes
 
     # ------------------------------------------------------------------ what it holds
@@ -237,7 +253,7 @@ class Engine:
 
     def describe(self) -> str:
         """The start-up statement: slots, capacity, the memory budget and the decoding kernel."""
-        from .model import DECODE_REASON
+        from .model import DECODE_REASONS, decode_kernel
 
         per_slot = self.cache_bytes // self.max_batch
         return (f"engine: {self.max_batch} slots x {self.capacity} positions, up to {self.max_queue} queued; "
@@ -247,7 +263,7 @@ class Engine:
                 f"{per_slot / 2**20:.2f} MiB over {len(self.info.layers)} layers, viewed {WIDTH_STEP} "
                 f"columns at a time as the longest row grows); no step allocates cache; per request only its "
                 f"tokens (and a vocabulary-sized mask with repetition_penalty)\n"
-                f"{DECODE_REASON}")
+                f"{DECODE_REASONS[decode_kernel(self.info)]}")
 
     @property
     def accepting(self) -> bool:
@@ -391,7 +407,7 @@ class Engine:
         try:
             prefilling = [s for s in self.rows if s.prefilling]
             if prefilling:
-                self._prefill_chunk(prefilling[0])
+                self._prefill_chunk(prefilling[0], self.chunk_for(len(self.rows) - len(prefilling)))
             if any(not s.prefilling for s in self.rows):
                 self._decode_step()
         except Exception as e:  # onnxruntime failed: every running request ends with the reason, the engine goes on
@@ -403,10 +419,19 @@ class Engine:
         return True
 
     # ------------------------------------------------------------------ prefill and decode
-    def _prefill_chunk(self, seq: _Sequence) -> None:
+    def chunk_for(self, decoding: int) -> int:
+        """The prompt tokens of an iteration that also decodes ``decoding`` rows: ``prefill_chunk`` is
+        the iteration's token budget, each decoding row takes one, the chunk the rest, and at least
+        ``MIN_PREFILL_CHUNK`` (so a prompt always advances). Why: on CPU a prompt token costs about
+        what a decoding row does, and the running streams wait for the whole iteration; so the more
+        streams run, the smaller the chunk that delays them, and with none running (the start of a
+        burst) the prompts go in at the full budget."""
+        return max(min(MIN_PREFILL_CHUNK, self.prefill_chunk), self.prefill_chunk - decoding)
+
+    def _prefill_chunk(self, seq: _Sequence, size: int) -> None:
         info, req = self.info, seq.handle.request
         start = seq.filled
-        chunk = req.prompt[start:start + self.prefill_chunk]
+        chunk = req.prompt[start:start + size]
         t, r = len(chunk), seq.slot
         ones = np.ones((1, t), dtype=np.int64)
         self._fit(start + t)
@@ -418,6 +443,8 @@ class Engine:
             mask = np.concatenate([self.slots[r:r + 1, :self.width], ones], axis=1)
         feeds = {info.tokens: np.array([chunk], dtype=np.int64), "attention_mask": mask,
                  "position_ids": np.arange(start, start + t, dtype=np.int64)[None], **past}
+        if info.length_input:  # the filled slots: a chunk of one token runs the decoding branch (T = 1)
+            feeds[info.length_input] = np.array([start], dtype=np.int64)
         out = self.model.run(feeds)
         for layer in info.layers:
             views[layer.past_key][r, :, start:start + t] = out[layer.present_key][0]
@@ -436,20 +463,29 @@ class Engine:
         info, rows = self.info, self.rows
         decoding = [s for s in rows if not s.prefilling]
         n = max(s.slot for s in decoding) + 1  # rows past the last decoding one (new prompts) stay out
-        self._fit(max(s.filled for s in decoding) + 1)  # each row's new column goes at its `filled`
+        # each row's new column goes at its `filled` (a prefilling row among the first n too: the
+        # GroupQueryAttention kernel writes its ignored column there, which its next chunk overwrites)
+        self._fit(max(s.filled for s in rows[:n]) + 1)
         views, width = self._views(), self.width
         past = {name: v[:n] for name, v in views.items()}
         tokens = np.zeros((n, 1), dtype=np.int64)
         positions = np.zeros((n, 1), dtype=np.int64)
         for s in decoding:  # a row still prefilling among them rides along masked; its outputs are dropped
             tokens[s.slot, 0], positions[s.slot, 0] = s.next_token, s.filled
-        mask = np.concatenate([self.slots[:n, :width], np.ones((n, 1), dtype=np.int64)], axis=1)
-        feeds = {info.tokens: tokens, "attention_mask": mask, "position_ids": positions, **past}
-        out = self.model.run(feeds)
-        self.steps += 1
         idx = np.array([s.slot for s in decoding])
         cols = np.array([s.filled for s in decoding])
-        for layer in info.layers:
+        mask = np.concatenate([self.slots[:n, :width], np.ones((n, 1), dtype=np.int64)], axis=1)
+        feeds = {info.tokens: tokens, "attention_mask": mask, "position_ids": positions, **past}
+        if self.in_place:
+            # GroupQueryAttention: row r attends over its slots 0..filled[r] (cache_length[r] + 1), the
+            # last its new token's, written there by the kernel; its mask column says so
+            mask[idx, cols] = 1
+            feeds[info.length_input] = np.array([s.filled for s in rows[:n]], dtype=np.int64)
+            out = self._run_in_place(feeds, past)
+        else:
+            out = self.model.run(feeds)
+        self.steps += 1
+        for layer in self._copied:
             views[layer.past_key][idx, :, cols] = out[layer.present_key][idx, :, 0]
             views[layer.past_value][idx, :, cols] = out[layer.present_value][idx, :, 0]
         self.slots[idx, cols] = 1
@@ -469,6 +505,37 @@ class Engine:
                 finished.append(s)
         for s in sorted(finished, key=lambda s: -s.slot):
             self._release(s)
+
+    def _run_in_place(self, feeds: dict[str, np.ndarray], past: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """A decoding step of a GroupQueryAttention graph: each past view is bound (IOBinding) as both
+        its input and its buffer output, so the kernel writes every row's new column into the engine's
+        cache where it lies (no copy of the cache); the logits and the new columns of the layers it
+        does not write (``_copied``) come back as arrays."""
+        from .model import RunError, ort_message
+
+        wanted = self._wanted
+        view = next(iter(past.values()))
+        key = (view.shape[0], view.shape[2])  # rows and width: the views' shapes (their memory never moves)
+        if self._binding is None or self._binding[0] != key:  # bound again only when the shapes change
+            io = self.model.session.io_binding()
+            for name in wanted:  # bound first: get_outputs gives the outputs in the order bound
+                io.bind_output(name, "cpu")
+            for name, view in past.items():
+                io.bind_input(name, "cpu", 0, view.dtype.type, list(view.shape), view.ctypes.data)
+                out = self._buffer_output.get(name)
+                if out:
+                    io.bind_output(out, "cpu", 0, view.dtype.type, list(view.shape), view.ctypes.data)
+            self._binding = (key, io)
+        io = self._binding[1]
+        for name, value in feeds.items():
+            if name not in past:
+                io.bind_cpu_input(name, np.ascontiguousarray(value))
+        try:
+            self.model.session.run_with_iobinding(io)
+        except Exception as e:  # onnxruntime's own exception types
+            raise RunError(f"onnxruntime could not run a decoding step: {ort_message(e)}") from None
+        outs = io.get_outputs()  # OrtValues, no copy; the buffer outputs (the cache itself) are not read
+        return {name: outs[i].numpy() for i, name in enumerate(wanted)}
 
     def _choose(self, seq: _Sequence, logits: np.ndarray) -> int:
         """The sequence's next token, by generation/sampling.py as generate chooses it (its tokens so

@@ -23,6 +23,7 @@ LAZY = {"CachedModel": ("tessera.runtime.generation.cached", "CachedModel"),
         "stop_token_ids": ("tessera.runtime.generation.cached", "stop_token_ids"),
         "check_cache_fits": ("tessera.runtime.generation.cached", "check_cache_fits"),
         "ort_message": ("tessera.runtime.session", "ort_message"),
+        "RunError": ("tessera.runtime.session", "RunError"),
         "load_tokenizer": ("tessera.runtime.io.text", "load_tokenizer"),
         "ChatTemplate": ("tessera.runtime.io.chat_template", "ChatTemplate"),
         "ChatTemplateError": ("tessera.runtime.io.chat_template", "ChatTemplateError")}
@@ -36,20 +37,32 @@ def __getattr__(name: str):
         return getattr(importlib.import_module(module), attr)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
-# Why the engine decodes with the plain branch: see ``DECODE_REASON``.
-DECODE = "plain"
-DECODE_REASON = (
-    "decode (T = 1): plain MatMul/Softmax over the cache buffer with a per-row slot mask and per-row "
-    "positions, so every row of one step has its own length and sequences join and leave at any step. "
-    "The GroupQueryAttention branch (the CPU default of `tessera generate`) takes one scalar cache_length "
-    "for all rows and writes every row's new column at that one slot, which cannot hold rows of different "
-    "lengths; the plain branch reads the buffer in place with no binding and the engine writes each row's "
-    "new column at that row's own slot. bench/serve.py measures one request at a time with both branches "
-    "(docs/BENCHMARKS.md).")
+# The engine's decoding kernel, measured (bench/serve_decode.py: one engine step at 16 rows of uneven
+# lengths, the issue's Llama shape, alternating rounds): GroupQueryAttention with per-row lengths was
+# faster than the plain branch in 11 of 12 rounds over two runs (medians 1.08x and 1.25x, under load;
+# docs/BENCHMARKS.md S3).
+DECODE = "auto"  # GroupQueryAttention where every cached site takes it, else the plain branch
+DECODE_REASONS = {
+    "gqa": ("decode (T = 1): onnxruntime's GroupQueryAttention over the shared cache buffer with per-row "
+            "seqlens_k (cache_length [B]): each row attends over its own filled slots and the kernel writes "
+            "its new column at its own slot, in place (the buffer bound as past and present), so rows of any "
+            "lengths share a step. Chosen over the plain MatMul/Softmax branch with a per-row mask: faster in "
+            "11 of 12 rounds of bench/serve_decode.py (one step at 16 rows of uneven lengths; docs/BENCHMARKS.md)."),
+    "plain": ("decode (T = 1): plain MatMul/Softmax over the cache buffer with a per-row slot mask and per-row "
+              "positions, so every row of one step has its own length; the engine writes each row's new "
+              "column at that row's own slot. (GroupQueryAttention with per-row lengths, faster where it "
+              "fits, is used when every cached attention takes it: head sizes that are multiples of 8, and "
+              "no feature it lacks.)"),
+}
+
+
+def decode_kernel(info) -> str:
+    """The decoding kernel a loaded model runs: "gqa" when its steps write the buffer in place."""
+    return "gqa" if info.length_input else "plain"
 
 
 def load(spec: str, variant: str | None = None, sets: list[str] | None = None, weights: str | None = None,
-         seed: int = 0, threads: int | None = None) -> "CachedModel":
+         seed: int = 0, threads: int | None = None, decode: str | None = None) -> "CachedModel":
     """The cached decoder for the engine: a .tsr spec (or a bundled spec's name) compiled now with the
     plain decoding branch in buffer mode, or an .onnx file compiled with ``--kv-cache --decode plain``."""
     from tessera.runtime import pipeline as _pipeline
@@ -74,7 +87,10 @@ def load(spec: str, variant: str | None = None, sets: list[str] | None = None, w
             raise UsageError(f"{spec} is an encoder-decoder; `tessera serve` serves decoder-only models")
         w = _pipeline.weights_for(built, weights, seed)
         try:
-            proto, info = _gen.compile_cached(built, w, mode="buffer", decode=DECODE)
+            proto, info = _gen.compile_cached(built, w, mode="buffer", decode=decode or DECODE)
+            if info.length_input and not all(layer.buffer_key for layer in info.layers):
+                # mixed kernels would read one attention mask two ways (see check_fit): all plain
+                proto, info = _gen.compile_cached(built, w, mode="buffer", decode="plain")
         except UsageError as e:  # e.g. a sliding window: no buffer-mode cache
             raise UsageError(f"{e}; `tessera serve` needs the buffer cache (one row per slot), so it cannot serve "
                              f"this model") from None
@@ -84,16 +100,24 @@ def load(spec: str, variant: str | None = None, sets: list[str] | None = None, w
 
 
 def check_fit(model: CachedModel) -> None:
-    """The engine needs buffer mode (a preallocated cache, one row per slot) and the plain decoding
-    branch (per-row lengths); say how to recompile otherwise."""
+    """The engine needs buffer mode (a preallocated cache, one row per slot) and per-row lengths:
+    the plain decoding branch, or GroupQueryAttention at every cached site with a cache_length of one
+    length per row ([B]; files compiled before it had [1]). Say how to recompile otherwise."""
     info = model.info
     if info.mode != "buffer":
         raise UsageError("the engine needs a buffer-mode cache (sliding-window models compile to concat mode, "
                          "which the engine does not serve); recompile with --kv-cache --cache buffer")
     if info.length_input:
-        raise UsageError("this file decodes with GroupQueryAttention, one cache length for every row, so rows of "
-                         "different lengths cannot share a step; recompile it with "
-                         "`tessera compile --kv-cache --decode plain`, or serve the .tsr spec")
+        shape = next((i.shape for i in model.session.get_inputs() if i.name == info.length_input), None)
+        if shape == [1]:
+            raise UsageError("this file decodes with GroupQueryAttention over one cache length for every row "
+                             "(compiled by an older Tessera), so rows of different lengths cannot share a step; "
+                             "recompile it (`tessera compile --kv-cache`, or `--decode plain`), or serve the .tsr "
+                             "spec")
+        if not all(layer.buffer_key for layer in info.layers):
+            raise UsageError("this file decodes some attention layers with GroupQueryAttention and others with "
+                             "the plain branch, which read the engine's mask differently; recompile it with "
+                             "`tessera compile --kv-cache --decode plain`, or serve the .tsr spec")
     if model.vocab is None:
         raise UsageError("the model's vocabulary size is not static; the engine needs it")
 

@@ -103,7 +103,7 @@ def add_model_arguments(p: argparse.ArgumentParser, seed_default: int, tokenizer
     """The model as `tessera serve` and `tessera batch` take it (as `tessera generate` does): MODEL,
     --variant, --set, --weights, --seed, --tokenizer."""
     p.add_argument("spec", metavar="MODEL", help="a .tsr spec (or a bundled spec's name), a checkpoint folder, or "
-                   "an .onnx file compiled with --kv-cache --decode plain")
+                   "an .onnx file compiled with --kv-cache")
     p.add_argument("--variant", "-V", help="a variant defined in the spec file (e.g. small)")
     p.add_argument("--set", dest="sets", action="append", default=[], metavar="NAME=VALUE",
                    help="override a hyperparameter (repeatable)")

@@ -149,10 +149,13 @@ def _branch(b, lower, node, hint: str, elem: int):
 
 
 def _gqa_inputs(b, node) -> tuple[str, str, str]:
-    """GroupQueryAttention's seqlens_k (i32 [B]: the filled slots, where the new column goes),
-    total_sequence_length (i32 scalar: filled + 1) and attention_bias ([B, 1, 1, filled + 1]: the
-    decode mask's filled slots and the new token's column), built once in the main graph from the
-    cache_length input and shared by every layer."""
+    """GroupQueryAttention's seqlens_k (i32 [B]: the filled slots, where each row's new column goes),
+    total_sequence_length (i32 scalar: the longest row's filled + 1) and attention_bias ([B, 1, 1,
+    longest + 1]: the decode mask's first ``longest`` slots and the new token's column), built once in
+    the main graph from the cache_length input and shared by every layer. cache_length is [1] (one
+    length for every row: ``generate``'s left-padded batch) or [B] (one per row: the serving engine,
+    whose rows fill their buffers from slot 0 each; the kernel attends row b over its own
+    cache_length[b] + 1 slots, so columns past a shorter row's new one are never read)."""
     key = ("gqa_inputs", node.inputs[3])
     if key not in b.shared:
         bias = _decode_bias(b, node, np.float32)  # [B, 1, 1, C + 1]
@@ -162,11 +165,12 @@ def _gqa_inputs(b, node) -> tuple[str, str, str]:
             batch = b.node("Shape", [node.inputs[3]], start=0, end=1)[0]
             seqlens = b.node("Cast", [b.node("Expand", [length, batch])[0]], [b.fresh("gqa/seqlens_k")],
                              to=TensorProto.INT32)[0]
+            longest = b.node("ReduceMax", [length], keepdims=1)[0]  # [1]
             one = b.i64([1])
-            total = b.node("Cast", [b.node("Squeeze", [b.node("Add", [length, one])[0], b.i64([0])])[0]],
+            total = b.node("Cast", [b.node("Squeeze", [b.node("Add", [longest, one])[0], b.i64([0])])[0]],
                            [b.fresh("gqa/total")], to=TensorProto.INT32)[0]
             axis = b.i64([3])
-            filled = b.node("Slice", [bias, b.i64([0]), length, axis])[0]
+            filled = b.node("Slice", [bias, b.i64([0]), longest, axis])[0]
             new = b.node("Slice", [bias, b.i64([-1]), b.i64([2**62]), axis])[0]
             b.shared[key] = (seqlens, total, b.node("Concat", [filled, new], [b.fresh("gqa/bias")], axis=3)[0])
         finally:
