@@ -207,12 +207,19 @@ def test_an_interrupted_write_keeps_the_previous_calibration(capsys, tmp_path, m
     assert sorted(os.listdir(tmp_path)) == ["calibration.json"]
 
 
-def test_a_file_that_is_no_calibration_is_refused_not_overwritten(capsys, tmp_path):
+@pytest.mark.parametrize("text", [
+    "[1, 2, 3]", "{not json",
+    '{"version": 1, "machines": {"m": {"phases": {"prefill": [{"flops": 1, "bytes": 1, "estimated_s": 1, '
+    '"measured_s": 1, "efficiency": 0}]}}}}',                                    # an efficiency of 0
+    '{"version": 1, "machines": {"m": {"phases": {}, "device": {"flops": {"fp32": "fast"}}}}}',
+])
+def test_a_file_that_is_no_calibration_is_refused_not_overwritten(capsys, tmp_path, text):
     cal = tmp_path / "calibration.json"
-    cal.write_text("[1, 2, 3]")
-    err = cli_error(capsys, "report", *TINY, "--device", "cpu", "--measure", "--seq", N, "--calibration", cal)
-    assert "is not a Tessera calibration file" in err
-    assert cal.read_text() == "[1, 2, 3]"
+    cal.write_text(text)
+    for flag in ("--measure", "--calibrated"):
+        err = cli_error(capsys, "report", *TINY, "--device", "cpu", flag, "--seq", N, "--calibration", cal)
+        assert "is not a Tessera calibration file" in err
+    assert cal.read_text() == text
 
 
 @pytest.mark.parametrize("args,message", [

@@ -84,10 +84,35 @@ def read(path: Path) -> dict:
         data = json.loads(text)
         if not isinstance(data, dict) or data.get("version") != VERSION or not isinstance(data.get("machines"), dict):
             raise ValueError("not a Tessera calibration")
+        for machine in data["machines"].values():
+            _check_machine(machine)
     except ValueError as e:
         raise UsageError(f"{path} is not a Tessera calibration file ({e}); delete it or name another with "
                          f"--calibration FILE") from None
     return data
+
+
+NUMBERS = ("flops", "bytes", "estimated_s", "measured_s", "efficiency")
+
+
+def _check_machine(machine) -> None:
+    """A machine's entry as --calibrated reads it (a hand-edited or truncated file fails here, by name)."""
+    def number(x) -> bool:
+        return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x > 0
+
+    if not isinstance(machine, dict) or not isinstance(machine.get("phases"), dict):
+        raise ValueError("a machine without phases")
+    d = machine.get("device")
+    if d is not None and not (isinstance(d, dict) and isinstance(d.get("flops"), dict)
+                              and all(number(v) for v in d["flops"].values())
+                              and number(d.get("vector_flops")) and number(d.get("bandwidth"))
+                              and isinstance(d.get("label"), str) and isinstance(d.get("source"), str)
+                              and isinstance(d.get("probed_at"), str)):
+        raise ValueError("a malformed cpu probe")
+    for phase, points in machine["phases"].items():
+        if not isinstance(points, list) or not all(isinstance(p, dict) and all(number(p.get(k)) for k in NUMBERS)
+                                                   for p in points):
+            raise ValueError(f"a malformed {phase} point")
 
 
 def write(path: Path, data: dict) -> Path:
