@@ -538,6 +538,9 @@ class ReportOptions(QuantOptions):
         if self.measure and self.dtype != "fp32":
             raise UsageError(f"{self.flag('measure')} runs the CPU export, which computes in float32: "
                              f"{self.flag('dtype')} fp32 only")
+        if self.measure and not self.sparse_moe:
+            raise UsageError(f"{self.flag('measure')} times the decoder that generate compiles, whose experts are "
+                             f"always sparse: it does not take {self.say('--no-sparse-moe', 'sparse_moe=False')}")
         if self.repeats != 5 and not self.measure:
             raise UsageError(f"{self.flag('repeats')} applies with {self.flag('measure')}")
         if self.calibration is not None and not (self.measure or self.calibrated):

@@ -231,6 +231,7 @@ def test_a_file_that_is_no_calibration_is_refused_not_overwritten(capsys, tmp_pa
     (["--measure", "--device", "cpu", "--repeats", "0"], "--repeats must be at least 1"),
     (["--calibration", "x.json"], "add one of them"),
     (["--measure", "--device", "cpu", "--seq", "4"], "--seq must be above 8"),
+    (["--measure", "--device", "cpu", "--no-sparse-moe"], "does not take --no-sparse-moe"),
 ])
 def test_bad_measure_options_are_usage_errors(capsys, tmp_path, args, message):
     assert message in cli_error(capsys, "report", *TINY, *args)
