@@ -458,13 +458,6 @@ class ReportOptions(QuantOptions):
     calibration: str | Path | None = None
 
     @property
-    def calibration_path(self) -> Path:
-        """The calibration file: --calibration, else $TESSERA_CALIBRATION, else the user cache's."""
-        from tessera.runtime.report.calibration import default_path
-
-        return Path(self.calibration) if self.calibration is not None else default_path()
-
-    @property
     def batches(self) -> list[int]:
         return list(self.batch) if isinstance(self.batch, (list, tuple)) else [self.batch]
 

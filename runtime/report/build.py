@@ -29,8 +29,9 @@ def _no_gc():
             gc.enable()
 
 
-def build_report(ref, o) -> dict:
-    """The report of ``ref`` (runtime/options.ModelRef) as ``o`` (ReportOptions) asks, a JSON-able dict."""
+def build_report(ref, o, timer=None) -> dict:
+    """The report of ``ref`` (runtime/options.ModelRef) as ``o`` (ReportOptions) asks, a JSON-able dict;
+    ``timer``: what times a phase for --measure (runtime/driver.time_phase)."""
     from tessera.compiler.analysis import costreport, deployment, roofline
     from tessera.compiler.build import model_metadata
     from tessera.compiler.passes.pipeline import run_report
@@ -40,12 +41,13 @@ def build_report(ref, o) -> dict:
         from tessera.runtime.report.plot import check_plot_path
 
         check_plot_path(str(o.plot))
-    points = _calibration(o)
+    cal_file = calibration_file(o)
+    points = _calibration(o, cal_file)
     device = None
     if o.measure or o.calibrated:  # the probe the calibration was made against (calibration.py says why)
         from tessera.runtime.report.calibration import stored_device
 
-        device = stored_device(o.calibration_path)
+        device = stored_device(cal_file)
     try:
         device = device or roofline.get_device(o.device)
     except roofline.DeviceError as e:
@@ -83,18 +85,29 @@ def build_report(ref, o) -> dict:
         from tessera.runtime.report.measure import calibrated_roofline
 
         rep["roofline"]["calibrated"] = {**calibrated_roofline(rep["roofline"], points),
-                                         "file": str(o.calibration_path)}
+                                         "file": str(cal_file)}
     if o.measure:
         from tessera.runtime.report import calibration, measure
 
-        rep["measure"] = measure.measure_section(rep, ref, o, points)
+        if timer is None:
+            raise pipeline.UsageError("--measure runs through runtime/driver.report, which times the phases")
+        rep["measure"] = measure.measure_section(rep, ref, o, points, timer)
         rep["measure"]["calibration_file"] = str(calibration.record(
-            o.calibration_path, measure.calibration_points(rep, rep["measure"]), device))
+            cal_file, measure.calibration_points(rep, rep["measure"]), device))
         rep["measure"]["machine"] = calibration.fingerprint()
     return rep
 
 
-def _calibration(o) -> dict:
+def calibration_file(o):
+    """--calibration, else $TESSERA_CALIBRATION, else the user cache's (runtime/report/calibration.py)."""
+    from pathlib import Path
+
+    from tessera.runtime.report.calibration import default_path
+
+    return Path(o.calibration) if o.calibration is not None else default_path()
+
+
+def _calibration(o, cal_file) -> dict:
     """This machine's recorded calibration points by phase (read before anything is measured, so a
     --measure run's calibrated figures come from the earlier calibration); --calibrated without any is
     a UsageError saying how to make one."""
@@ -102,9 +115,9 @@ def _calibration(o) -> dict:
         return {}
     from tessera.runtime.report import calibration
 
-    points = calibration.points_for(o.calibration_path)
+    points = calibration.points_for(cal_file)
     if o.calibrated and not points:
-        raise pipeline.UsageError(calibration.missing_message(o.calibration_path))
+        raise pipeline.UsageError(calibration.missing_message(cal_file))
     if o.measure:
         from tessera.runtime.report.measure import check_measurable
 

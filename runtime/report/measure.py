@@ -2,8 +2,8 @@
 
 Why in the report: the report's roofline (compiler/analysis/roofline.py) is a lower bound for
 ideal kernels; nothing said how far a real run is from it. Here the model is compiled and run
-the way ``tessera run`` and ``tessera generate`` do it (runtime/driver.py and
-runtime/generation/, CPU provider, onnxruntime's default threads), and each phase's measured
+the way ``tessera run`` and ``tessera generate`` do it (runtime/driver.time_phase, handed to
+this module by the driver: CPU provider, onnxruntime's default threads), and each phase's measured
 time is printed beside the estimate for the probed ``cpu`` device, with the signed relative
 error ``(estimated - measured) / measured``, the FLOP/s and bandwidth achieved (the roofline's
 FLOPs and bytes of the phase over the measured time) and the efficiency this implies
@@ -24,7 +24,6 @@ language models (one input: the token ids) are timed; the roofline of the others
 from __future__ import annotations
 
 import statistics
-import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -67,61 +66,12 @@ def _token_input(ref) -> tuple[str, int]:
     return g.inputs[0], ids[0]
 
 
-def _tokens(batch: int, length: int, vocab: int) -> np.ndarray:
+def tokens(batch: int, length: int, vocab: int) -> np.ndarray:
     return np.random.default_rng(0).integers(0, vocab, size=(batch, length), dtype=np.int64)
-
-
-def time_prefill(ref, o, name: str, vocab: int) -> Timing:
-    """The full model on B x N token ids (``tessera run``'s compile, CPU provider)."""
-    from tessera.compiler.ir.signature import bind_inputs
-    from tessera.runtime import driver
-    from tessera.runtime.options import RunOptions
-    from tessera.runtime.session import run_session
-
-    run_o = RunOptions(provider="cpu", quantize=o.quantize, quantize_block=o.quantize_block,
-                       quantize_head=o.quantize_head, quantize_activations=o.quantize_activations,
-                       sparse_moe=o.sparse_moe)
-    runnable = driver.prepare_run(ref, run_o)
-    feeds = {name: _tokens(o.batches[0], o.seqs[0], vocab)}
-    bind_inputs(runnable.specs, feeds, runnable.limits)  # N past the model's positions: a clear InputError
-    sess = runnable.open("cpu")
-    runs = []
-    for i in range(PREFILL_WARMUP + o.repeats):
-        t = time.perf_counter()
-        run_session(sess, feeds)
-        if i >= PREFILL_WARMUP:
-            runs.append(time.perf_counter() - t)
-    return Timing(runs)
 
 
 def decode_steps(o) -> int:
     return DECODE_WARMUP + o.repeats
-
-
-def time_decode(ref, o, vocab: int) -> Timing:
-    """Single-token steps of the KV-cached decoder (``tessera generate``'s compile) after a prompt of
-    N - s tokens, s = decode_steps(o): each timed step is one token for each of the B sequences."""
-    from tessera.runtime.generation import cached as gen
-    from tessera.runtime.generation import loop
-    from tessera.runtime.options import GenerateOptions
-
-    steps = decode_steps(o)
-    batch, seq = o.batches[0], o.seqs[0]
-    gen_o = GenerateOptions(quantize=o.quantize, quantize_block=o.quantize_block, quantize_head=o.quantize_head,
-                            quantize_activations=o.quantize_activations)
-    model = loop.load_model(ref, gen_o)
-    prompts = _tokens(batch, seq - steps, vocab).tolist()
-    prompts = gen.check_request(model, prompts, steps, gen.Sampling())  # the context, the cache's memory
-    decoder = gen.CachedDecoder(model, prompts, steps, 0, gen.Stats())
-    last = decoder.step(None).argmax(axis=-1)
-    runs = []
-    for i in range(steps):
-        t = time.perf_counter()
-        logits = decoder.step(last)
-        if i >= DECODE_WARMUP:
-            runs.append(time.perf_counter() - t)
-        last = logits.argmax(axis=-1)
-    return Timing(runs)
 
 
 def check_measurable(o) -> None:
@@ -172,19 +122,22 @@ def prefill_variant(rep: dict) -> str:
     return "fused" if att.get("fused") and not att.get("not_fused") else "unfused"
 
 
-def measure_section(rep: dict, ref, o, points: dict[str, list[dict]]) -> dict:
-    """Run the model and return the ``measure`` section (points: the calibration before this run)."""
+def measure_section(rep: dict, ref, o, points: dict[str, list[dict]], timer) -> dict:
+    """Run the model and return the ``measure`` section (points: the calibration before this run).
+    ``timer(phase, ref, o, token_input, vocab)`` runs a phase and returns its Timing: runtime/driver.py's
+    ``time_phase``, handed down by the driver (the report package does not import the driver, which
+    imports it)."""
     roof = rep["roofline"]
     name, vocab = _token_input(ref)
     variant = prefill_variant(rep)
     work = roof["work"]
     out = {"batch": o.batches[0], "seq": o.seqs[0], "repeats": o.repeats, "prefill_estimate": variant}
     w = work[f"prefill_{variant}"]
-    out["prefill"] = phase_figures("prefill", time_prefill(ref, o, name, vocab), roof["prefill_seconds"][variant],
+    out["prefill"] = phase_figures("prefill", timer("prefill", ref, o, name, vocab), roof["prefill_seconds"][variant],
                                    w["flops"], w["bytes"], roof["device"], points)
     if roof["decode_seconds_per_token"] is not None and "decode" in work:
         w = work["decode"]
-        out["decode"] = phase_figures("decode", time_decode(ref, o, vocab), roof["decode_seconds_per_token"],
+        out["decode"] = phase_figures("decode", timer("decode", ref, o, name, vocab), roof["decode_seconds_per_token"],
                                       w["flops"], w["bytes"], roof["device"], points)
         out["decode"]["positions"] = [o.seqs[0] - o.repeats, o.seqs[0] - 1]
     else:
