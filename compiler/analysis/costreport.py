@@ -158,9 +158,10 @@ def memory_section(ctx: Context) -> dict:
     }
 
 
-def roofline_section(ctx: Context, device: roofline.Device, phase_work: bool = False) -> dict:
-    """The roofline on ``device``; ``phase_work`` adds ``work``, each phase's FLOPs and bytes moved
-    (what --measure divides by a measured time, and --calibrated matches recorded points by)."""
+def roofline_section(ctx: Context, device: roofline.Device) -> dict:
+    """The roofline on ``device``, with ``work``, each phase's FLOPs and bytes moved (what --measure
+    divides by a measured time, and --calibrated matches recorded points by; build_report keeps it
+    only when asked)."""
     r = roofline.roofline(ctx.graph, ctx.st, ctx.costs, ctx.bindings, ctx.dtype, ctx.bytes, ctx.bytes, device)
 
     def row(o: roofline.OpRow) -> dict:
@@ -181,8 +182,7 @@ def roofline_section(ctx: Context, device: roofline.Device, phase_work: bool = F
         "ops": [row(o) for o in r.ops],
         "fused_attention": row(r.fused_attention) if r.fused_attention else None,
     }
-    if phase_work:
-        section["work"] = {k: {"flops": f, "bytes": m} for k, (f, m) in (r.work or {}).items()}
+    section["work"] = {k: {"flops": f, "bytes": m} for k, (f, m) in (r.work or {}).items()}
     return section
 
 
@@ -259,8 +259,10 @@ def build_report(graph: Graph, model: str, variant: str | None, hyperparams: dic
         "macs": macs_section(ctx),
         "flops": flops_section(ctx),
         "memory": memory_section(ctx),
-        "roofline": roofline_section(ctx, device, phase_work) if device else None,
+        "roofline": roofline_section(ctx, device) if device else None,
     }
+    if rep["roofline"] and not phase_work:
+        del rep["roofline"]["work"]
     if dep is not None:
         deployment.add_sections(rep, ctx, dep, device)
     rep["notes"] = _notes(ctx, rep)
