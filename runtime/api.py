@@ -92,16 +92,21 @@ class Model:
                quantize_block: int | None = None, quantize_head: bool = False,
                quantize_activations: str | None = None, plot: str | Path | None = None,
                tp: int = 1, pp: int = 1, dp: int = 1, ep: int = 1, train: bool = False, zero: int = 0,
-               recompute: str = "none", serve: bool = False, context: int | None = None) -> dict:
+               recompute: str = "none", serve: bool = False, context: int | None = None, measure: bool = False,
+               repeats: int = 5, calibrated: bool = False, calibration: str | Path | None = None) -> dict:
         """The static cost report (parameters, MACs, memory, roofline) as ``tessera report --format json`` gives it
         (``sparse_moe=False``: --no-sparse-moe; ``quantize``...: --quantize...; ``plot``: also draw --plot's figure).
         Lists for ``batch`` or ``seq`` sweep (the ``sweep`` rows); ``tp``, ``pp``, ``dp``, ``ep``, ``train``,
-        ``zero``, ``recompute``, ``serve`` and ``context`` are --tp ... --context's deployment plan."""
+        ``zero``, ``recompute``, ``serve`` and ``context`` are --tp ... --context's deployment plan.
+        ``measure=True`` (with ``device="cpu"``) times prefill and decoding on this machine and records the
+        calibration (``repeats`` runs per phase; the file ``calibration``, else the user cache's);
+        ``calibrated=True`` uses it: --measure, --repeats, --calibrated and --calibration."""
         o = ReportOptions(batch=batch, seq=seq, dtype=dtype, device=device, sparse_moe=sparse_moe, quantize=quantize,
                           quantize_block=quantize_block, quantize_head=quantize_head,
                           quantize_activations=quantize_activations, plot=plot,
                           tp=tp, pp=pp, dp=dp, ep=ep, train=train, zero=zero, recompute=recompute, serve=serve,
-                          context=context).for_api()
+                          context=context, measure=measure, repeats=repeats, calibrated=calibrated,
+                          calibration=calibration).for_api()
         return driver.report(self.ref, o)
 
     # ---------------------------------------------------------------- compile and run

@@ -263,13 +263,67 @@ def _pool(outputs: dict[str, np.ndarray], mask: np.ndarray | None) -> dict[str, 
 
 # ------------------------------------------------------------------ report
 def report(ref: ModelRef, o: ReportOptions) -> dict:
-    """Elaborate the spec and compute its cost report (a JSON-able dict); draw --plot if asked."""
+    """Elaborate the spec and compute its cost report (a JSON-able dict); draw --plot if asked; with
+    --measure, time the model through ``time_phase`` (compiled as run and generate compile it)."""
     from tessera.runtime.report.build import build_report
 
     ref.check()
     ref, o = from_checkpoint(ref, o)
     o.check()
-    return build_report(ref, o)
+    return build_report(ref, o, timer=time_phase)
+
+
+def time_phase(phase: str, ref: ModelRef, o: ReportOptions, token_input: str, vocab: int):
+    """report --measure: one phase timed on this machine's CPU (runtime/report/measure.py says how),
+    a measure.Timing. Here because it compiles as ``run`` (prefill) and ``generate`` (decode) do."""
+    return _time_prefill(ref, o, token_input, vocab) if phase == "prefill" else _time_decode(ref, o, vocab)
+
+
+def _time_prefill(ref: ModelRef, o: ReportOptions, token_input: str, vocab: int):
+    """The full model (``run``'s compile, CPU provider) on B x N random token ids."""
+    from tessera.compiler.ir.signature import bind_inputs
+    from tessera.runtime.report.measure import PREFILL_WARMUP, Timing, tokens
+    from tessera.runtime.session import run_session
+
+    run_o = RunOptions(provider="cpu", quantize=o.quantize, quantize_block=o.quantize_block,
+                       quantize_head=o.quantize_head, quantize_activations=o.quantize_activations,
+                       sparse_moe=o.sparse_moe)
+    runnable = prepare_run(ref, run_o)
+    feeds = {token_input: tokens(o.batches[0], o.seqs[0], vocab)}
+    bind_inputs(runnable.specs, feeds, runnable.limits)  # N past the model's positions: a clear InputError
+    sess = runnable.open("cpu")
+    runs = []
+    for i in range(PREFILL_WARMUP + o.repeats):
+        t = time.perf_counter()
+        run_session(sess, feeds)
+        if i >= PREFILL_WARMUP:
+            runs.append(time.perf_counter() - t)
+    return Timing(runs)
+
+
+def _time_decode(ref: ModelRef, o: ReportOptions, vocab: int):
+    """Single-token steps of the KV-cached decoder (``generate``'s compile) after a prompt of N - s
+    tokens, s = measure.decode_steps(o): each timed step is one token for each of the B sequences."""
+    from tessera.runtime.generation import cached as gen
+    from tessera.runtime.generation import loop
+    from tessera.runtime.report.measure import DECODE_WARMUP, Timing, decode_steps, tokens
+
+    steps = decode_steps(o)
+    gen_o = GenerateOptions(quantize=o.quantize, quantize_block=o.quantize_block, quantize_head=o.quantize_head,
+                            quantize_activations=o.quantize_activations)
+    model = loop.load_model(ref, gen_o)
+    prompts = tokens(o.batches[0], o.seqs[0] - steps, vocab).tolist()
+    prompts = gen.check_request(model, prompts, steps, gen.Sampling())  # the context, the cache's memory
+    decoder = gen.CachedDecoder(model, prompts, steps, 0, gen.Stats())
+    last = decoder.step(None).argmax(axis=-1)
+    runs = []
+    for i in range(steps):
+        t = time.perf_counter()
+        logits = decoder.step(last)
+        if i >= DECODE_WARMUP:
+            runs.append(time.perf_counter() - t)
+        last = logits.argmax(axis=-1)
+    return Timing(runs)
 
 
 # ------------------------------------------------------------------ generate

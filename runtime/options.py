@@ -453,6 +453,11 @@ class ReportOptions(QuantOptions):
     recompute: str = "none"
     serve: bool = False
     context: int | None = None
+    # --measure / --calibrated (runtime/report/measure.py, calibration.py; docs/report.md)
+    measure: bool = False
+    repeats: int = 5
+    calibrated: bool = False
+    calibration: str | Path | None = None
 
     @property
     def batches(self) -> list[int]:
@@ -506,6 +511,36 @@ class ReportOptions(QuantOptions):
         if self.plan is not None:  # the rules between them (--zero needs --dp 2 or more, --serve --context...)
             with plan_errors():
                 check_options(self.plan, self.flag)
+        self._check_measure()
+
+    def _check_measure(self) -> None:
+        """--measure, --repeats, --calibrated and --calibration: their types and the rules between them."""
+        check_bool(self.label("measure"), self.measure)
+        check_int(self.label("repeats"), self.repeats)
+        if self.repeats < 1:
+            raise UsageError(f"{self.flag('repeats')} must be at least 1, got {self.repeats}")
+        check_bool(self.label("calibrated"), self.calibrated)
+        check_path(self.label("calibration"), self.calibration)
+        cpu = self.say("--device cpu", "device='cpu'")
+        if self.measure and self.device != "cpu":
+            raise UsageError(f"{self.flag('measure')} times the model on this machine's CPU and compares it with "
+                             f"the probed cpu roofline: add {cpu}")
+        if self.calibrated and self.device != "cpu":
+            raise UsageError(f"{self.flag('calibrated')} applies the calibration of this machine's CPU: add {cpu}")
+        if self.measure and self.sweep:
+            raise UsageError(f"{self.flag('measure')} times one batch size and one sequence length; give one "
+                             f"{self.flag('batch')} and one {self.flag('seq')}")
+        if self.measure and self.dtype != "fp32":
+            raise UsageError(f"{self.flag('measure')} runs the CPU export, which computes in float32: "
+                             f"{self.flag('dtype')} fp32 only")
+        if self.measure and not self.sparse_moe:
+            raise UsageError(f"{self.flag('measure')} times the decoder that generate compiles, whose experts are "
+                             f"always sparse: it does not take {self.say('--no-sparse-moe', 'sparse_moe=False')}")
+        if self.repeats != 5 and not self.measure:
+            raise UsageError(f"{self.flag('repeats')} applies with {self.flag('measure')}")
+        if self.calibration is not None and not (self.measure or self.calibrated):
+            raise UsageError(f"{self.flag('calibration')} names the file that {self.flag('measure')} writes and "
+                             f"{self.flag('calibrated')} reads: add one of them")
 
     def pipeline_options(self):
         """The ``report`` pipeline's PipelineOptions: experts sparse as compile makes them."""

@@ -159,6 +159,9 @@ def memory_section(ctx: Context) -> dict:
 
 
 def roofline_section(ctx: Context, device: roofline.Device) -> dict:
+    """The roofline on ``device``, with ``work``, each phase's FLOPs and bytes moved (what --measure
+    divides by a measured time, and --calibrated matches recorded points by; build_report keeps it
+    only when asked)."""
     r = roofline.roofline(ctx.graph, ctx.st, ctx.costs, ctx.bindings, ctx.dtype, ctx.bytes, ctx.bytes, device)
 
     def row(o: roofline.OpRow) -> dict:
@@ -167,7 +170,7 @@ def roofline_section(ctx: Context, device: roofline.Device) -> dict:
 
     d = device
     batch = ctx.batch if ctx.batch_symbol else 1
-    return {
+    section = {
         "device": {"name": d.name, "label": d.label, "peak_flops": d.flops[ctx.dtype],
                    "vector_flops": d.vector_flops, "bandwidth": d.bandwidth, "memory": d.memory,
                    "source": d.source, "measured": d.measured},
@@ -179,6 +182,8 @@ def roofline_section(ctx: Context, device: roofline.Device) -> dict:
         "ops": [row(o) for o in r.ops],
         "fused_attention": row(r.fused_attention) if r.fused_attention else None,
     }
+    section["work"] = {k: {"flops": f, "bytes": m} for k, (f, m) in (r.work or {}).items()}
+    return section
 
 
 def _notes(ctx: Context, rep: dict) -> list[str]:
@@ -233,9 +238,10 @@ def _notes(ctx: Context, rep: dict) -> list[str]:
 
 def build_report(graph: Graph, model: str, variant: str | None, hyperparams: dict, *, batch: int = 1,
                  seq: int = 1024, dtype: str = "fp32", device: roofline.Device | None = None,
-                 plan: Plan | None = None) -> dict:
+                 plan: Plan | None = None, phase_work: bool = False) -> dict:
     """The report; with a ``plan`` (checked first: PlanError) also ``parallel``,
-    ``memory.training.per_device`` (--train) and ``serving`` (--serve, on ``device``)."""
+    ``memory.training.per_device`` (--train) and ``serving`` (--serve, on ``device``); ``phase_work``:
+    ``roofline.work`` (--measure, --calibrated)."""
     ctx = Context(graph, batch, seq, dtype)
     dep = deployment.Deployment(ctx, plan) if plan is not None else None  # checks the plan first
     rep = {
@@ -255,6 +261,8 @@ def build_report(graph: Graph, model: str, variant: str | None, hyperparams: dic
         "memory": memory_section(ctx),
         "roofline": roofline_section(ctx, device) if device else None,
     }
+    if rep["roofline"] and not phase_work:
+        del rep["roofline"]["work"]
     if dep is not None:
         deployment.add_sections(rep, ctx, dep, device)
     rep["notes"] = _notes(ctx, rep)

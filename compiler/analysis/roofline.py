@@ -158,6 +158,9 @@ class Roofline:
     ops: list[OpRow]           # the graph as written (unfused), grouped by repeated op
     fused_attention: OpRow | None
     decode_symbol: str | None
+    # (FLOPs, bytes moved) of each phase: "prefill_unfused", "prefill_fused", "decode" (what a measured
+    # time is divided by to give the achieved FLOP/s and bandwidth, runtime/report/measure.py)
+    work: dict[str, tuple[float, float]] | None = None
 
     def ridge(self, matmul: bool = True) -> float:
         return self.device.peak(self.dtype, matmul) / self.device.bandwidth
@@ -210,11 +213,14 @@ def roofline(graph: Graph, st: Structure, costs: list[NodeCost], bindings: dict[
             row.bytes += int(m)
             row.seconds += t
     prefill_unfused = sum(t for _, _, t in per_node.values())
+    work = {"prefill_unfused": (sum(f for f, _, _ in per_node.values()), sum(m for _, m, _ in per_node.values()))}
 
     # ---------------------------------------------------------- prefill, attention fused
     cores = [a for a in st.attention if a.value is not None and (a.fused or a.fusable)]
     absorbed = {n for a in cores for n in (*a.core_nodes, *a.layout)}
     prefill_fused = sum(t for name, (_, _, t) in per_node.items() if name not in absorbed)
+    kept = [v for name, v in per_node.items() if name not in absorbed]
+    fused_flops, fused_bytes = sum(f for f, _, _ in kept), sum(m for _, m, _ in kept)
     fused_row = None
     for a in cores:
         f = sum(flops_at(by_name[n].flops_causal) for n in a.core_nodes)
@@ -222,6 +228,8 @@ def roofline(graph: Graph, st: Structure, costs: list[NodeCost], bindings: dict[
         m = size(a.q) + size(a.k) + size(a.v) + size(out)
         t = _time(f, m, device.peak(dtype, True), bw)
         prefill_fused += t
+        fused_flops += f
+        fused_bytes += m
         if fused_row is None:
             fused_row = OpRow(_pattern(graph.nodes[a.score].scope or a.score) + "/fused_attention",
                               "fused_attention", 0, 0, 0, 0.0, True)
@@ -231,9 +239,12 @@ def roofline(graph: Graph, st: Structure, costs: list[NodeCost], bindings: dict[
         fused_row.seconds += t
 
     # ---------------------------------------------------------- one decoding step
-    decode, sym = _decode(graph, st, costs, bindings, dtype, act_bytes, weight_bytes, device)
+    work["prefill_fused"] = (fused_flops, fused_bytes)
+    decode, sym, decode_work = _decode(graph, st, costs, bindings, dtype, act_bytes, weight_bytes, device)
+    if decode_work is not None:
+        work["decode"] = decode_work
     ops = list(groups.values())
-    return Roofline(device, dtype, prefill_unfused, prefill_fused, decode, ops, fused_row, sym)
+    return Roofline(device, dtype, prefill_unfused, prefill_fused, decode, ops, fused_row, sym, work)
 
 
 def decode_symbol(st: Structure) -> str | None:
@@ -251,7 +262,7 @@ def _decode(graph, st, costs, bindings, dtype, act_bytes, weight_bytes, device):
     whole cached K and V read by the attention matmuls."""
     sym = decode_symbol(st)
     if sym is None:
-        return None, None
+        return None, None, None
     b0 = dict(bindings)
     b1 = dict(bindings)
     b1[sym] = bindings[sym] + 1
@@ -281,7 +292,7 @@ def _decode(graph, st, costs, bindings, dtype, act_bytes, weight_bytes, device):
             return float(p.evaluate(b1) - p.evaluate(b0))
         return float(s1(v) - s0(v))
 
-    total = 0.0
+    total = flops = moved = 0.0
     memo: dict[int, float] = {}
     by_name = {c.node: c for c in costs}
     layout = {x for a in st.attention for x in a.layout}
@@ -310,4 +321,6 @@ def _decode(graph, st, costs, bindings, dtype, act_bytes, weight_bytes, device):
         if f == 0 and m == 0:
             continue
         total += _time(f, m, device.peak(dtype, n.op in MATMUL_OPS), device.bandwidth)
-    return total, sym
+        flops += f
+        moved += m
+    return total, sym, (flops, moved)

@@ -75,6 +75,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="serving capacity on --device: largest batch at --context, decode tokens/s, "
                         "time to first token")
     g.add_argument("--context", type=int, metavar="N", help="tokens per sequence with --serve")
+    m = p.add_argument_group("measured against estimated (docs/report.md, \"Measured and calibrated\")")
+    m.add_argument("--measure", action="store_true",
+                   help="with --device cpu: compile and time prefill (B, N) and decoding steps (B, at N) in "
+                        "onnxruntime on this machine; print each beside its roofline estimate with the signed "
+                        "error, the FLOP/s and bandwidth achieved, and record the efficiencies as this machine's "
+                        "calibration")
+    m.add_argument("--repeats", type=int, default=5, metavar="R",
+                   help="timed runs per phase with --measure, after a warm-up; the median is reported (default 5)")
+    m.add_argument("--calibrated", action="store_true",
+                   help="with --device cpu: also give the roofline times divided by the efficiency that "
+                        "--measure recorded on this machine (the nearest recorded shape)")
+    m.add_argument("--calibration", metavar="FILE",
+                   help="the calibration file --measure writes and --calibrated reads (default "
+                        "$TESSERA_CALIBRATION, else ~/.cache/tessera/calibration.json)")
     p.add_argument("--dtype", type=args.dtype_arg, choices=args.DTYPES, default="fp32",
                    help="element type of weights and activations for memory and roofline; the spec "
                         "spellings f32 and f16 are accepted too (default fp32)")

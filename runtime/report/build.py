@@ -3,7 +3,8 @@
 The numbers come from compiler/analysis/costreport.py (symbolic, from the graph alone; no weights
 are allocated); this module picks the device, counts mixtures of experts as compile builds them,
 passes the deployment plan and the sweep on (compiler/analysis/deployment.py), adds the attention
-and quantisation sections and draws --plot (runtime/report/plot.py).
+and quantisation sections, times the model with --measure (runtime/report/measure.py), applies
+the calibration with --calibrated (runtime/report/calibration.py) and draws --plot (runtime/report/plot.py).
 runtime/report/format.py renders the result.
 """
 
@@ -28,8 +29,9 @@ def _no_gc():
             gc.enable()
 
 
-def build_report(ref, o) -> dict:
-    """The report of ``ref`` (runtime/options.ModelRef) as ``o`` (ReportOptions) asks, a JSON-able dict."""
+def build_report(ref, o, timer=None) -> dict:
+    """The report of ``ref`` (runtime/options.ModelRef) as ``o`` (ReportOptions) asks, a JSON-able dict;
+    ``timer``: what times a phase for --measure (runtime/driver.time_phase)."""
     from tessera.compiler.analysis import costreport, deployment, roofline
     from tessera.compiler.build import model_metadata
     from tessera.compiler.passes.pipeline import run_report
@@ -39,8 +41,15 @@ def build_report(ref, o) -> dict:
         from tessera.runtime.report.plot import check_plot_path
 
         check_plot_path(str(o.plot))
+    cal_file = calibration_file(o)
+    points = _calibration(o, cal_file)
+    device = None
+    if o.measure or o.calibrated:  # the probe the calibration was made against (calibration.py says why)
+        from tessera.runtime.report.calibration import stored_device
+
+        device = stored_device(cal_file)
     try:
-        device = roofline.get_device(o.device)
+        device = device or roofline.get_device(o.device)
     except roofline.DeviceError as e:
         raise pipeline.UsageError(str(e)) from None
     options = o.pipeline_options()
@@ -53,7 +62,8 @@ def build_report(ref, o) -> dict:
         with plan_errors():  # the plan against this model: heads, layers, experts, positions
             rep = costreport.build_report(
                 graph, built.info.model, built.info.variant, model_metadata(built.info)["tessera.hyperparams"],
-                batch=batches[0], seq=seqs[0], dtype=o.dtype, device=device, plan=plan)
+                batch=batches[0], seq=seqs[0], dtype=o.dtype, device=device, plan=plan,
+                phase_work=o.measure or o.calibrated)
             if o.sweep:
                 rep["sweep"] = deployment.sweep_rows(graph, batches, seqs, o.dtype, device, plan)
     if o.plot is not None:
@@ -71,4 +81,45 @@ def build_report(ref, o) -> dict:
 
         with _no_gc():  # quantises a copy
             rep["quantization"] = quantization_section(built.graph, config)
+    if o.calibrated:
+        from tessera.runtime.report.measure import calibrated_roofline
+
+        rep["roofline"]["calibrated"] = {**calibrated_roofline(rep["roofline"], points),
+                                         "file": str(cal_file)}
+    if o.measure:
+        from tessera.runtime.report import calibration, measure
+
+        if timer is None:
+            raise pipeline.UsageError("--measure runs through runtime/driver.report, which times the phases")
+        rep["measure"] = measure.measure_section(rep, ref, o, points, timer)
+        rep["measure"]["calibration_file"] = str(calibration.record(
+            cal_file, measure.calibration_points(rep, rep["measure"]), device))
+        rep["measure"]["machine"] = calibration.fingerprint()
     return rep
+
+
+def calibration_file(o):
+    """--calibration, else $TESSERA_CALIBRATION, else the user cache's (runtime/report/calibration.py)."""
+    from pathlib import Path
+
+    from tessera.runtime.report.calibration import default_path
+
+    return Path(o.calibration) if o.calibration is not None else default_path()
+
+
+def _calibration(o, cal_file) -> dict:
+    """This machine's recorded calibration points by phase (read before anything is measured, so a
+    --measure run's calibrated figures come from the earlier calibration); --calibrated without any is
+    a UsageError saying how to make one."""
+    if not (o.measure or o.calibrated):
+        return {}
+    from tessera.runtime.report import calibration
+
+    points = calibration.points_for(cal_file)
+    if o.calibrated and not points:
+        raise pipeline.UsageError(calibration.missing_message(cal_file))
+    if o.measure:
+        from tessera.runtime.report.measure import check_measurable
+
+        check_measurable(o)
+    return points

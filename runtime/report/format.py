@@ -166,6 +166,13 @@ def sections(rep: dict) -> list[tuple[str, list[str], list[list[str]]]]:
         if r["decode_seconds_per_token"] is not None:
             rows.append([f"decode step at N (one token per sequence; {r['decode_tokens_per_second']:,.0f} tokens/s)",
                          seconds(r["decode_seconds_per_token"]), "", "", "", ""])
+        cal = r.get("calibrated")
+        if cal:
+            for label, t in (("prefill, graph as written, calibrated", cal["prefill_seconds"]["unfused"]),
+                             ("prefill, attention fused, calibrated", cal["prefill_seconds"]["fused"]),
+                             ("decode step at N, calibrated", cal["decode_seconds_per_token"])):
+                if t is not None or "decode" not in label:
+                    rows.append([label, seconds(t), "", "", "", ""])
         ops = sorted(r["ops"], key=lambda o: -o["seconds"])[:10]
         total_t = r["prefill_seconds"]["unfused"] or 1
         for o in ops:
@@ -176,6 +183,8 @@ def sections(rep: dict) -> list[tuple[str, list[str], list[list[str]]]]:
             rows.append([f"  fused attention ×{fa['count']} (if fused)", seconds(fa["seconds"]), "",
                          si(fa["flops"]), f"{fa['intensity']:.1f}", fa["bound"]])
         out.append((head, ["estimate (ideal kernels)", "time", "share", "FLOPs", "FLOP/B", "bound"], rows))
+    if rep.get("measure"):
+        out.append(measure_section(rep["measure"]))
     att = rep.get("attention")
     if att and att["sites"]:
         from tessera.compiler.analysis.attention_report import group_sites
@@ -209,6 +218,31 @@ def sections(rep: dict) -> list[tuple[str, list[str], list[list[str]]]]:
         out.append((f"Quantisation ({q['scheme']}, block {q['block_size']}, head "
                     f"{'quantised' if q['head'] else 'float'})", ["", "bytes", ""], rows))
     return out
+
+
+def percent(x: float | None) -> str:
+    """A signed relative error or a share: +12.3%; n/a when there is none (no calibration yet)."""
+    return "n/a" if x is None else f"{100 * x:+.1f}%"
+
+
+def measure_section(m: dict) -> tuple[str, list[str], list[list[str]]]:
+    """--measure: each phase's measured time beside its estimate; the uncalibrated error always shown."""
+    rows = []
+    for phase, label in (("prefill", f"prefill (B={m['batch']}, N={m['seq']}; {m['prefill_estimate']} estimate)"),
+                         ("decode", f"decode step (B={m['batch']}, at N={m['seq']})")):
+        f = m.get(phase)
+        if f is None:
+            continue
+        rows.append([label, seconds(f["measured_s"]), seconds(f["measured_min_s"]), seconds(f["estimated_s"]),
+                     percent(f["error"]), seconds(f["calibrated_s"]), percent(f["calibrated_error"]),
+                     si(f["achieved_flops_per_s"], "FLOP/s"), si(f["achieved_bytes_per_s"], "B/s"),
+                     f"{100 * f['efficiency']:.1f}%"])
+    mach = m.get("machine") or {}
+    title_ = (f"Measured on this machine ({mach.get('cpu', '?')}, {mach.get('threads', '?')} threads; onnxruntime "
+              f"CPU, median of {m['repeats']} runs); error = (estimated − measured) / measured; efficiency = "
+              f"estimated / measured; calibration recorded in {m.get('calibration_file', '?')}")
+    return (title_, ["phase", "measured", "min", "estimated", "error", "calibrated", "calibrated error",
+                     "achieved FLOP/s", "achieved B/s", "efficiency"], rows)
 
 
 def _bytes_row(label: str, v, formula: str = "") -> list[str]:
