@@ -181,14 +181,18 @@ class Model:
                  ignore_eos: bool = False, explain: bool = False, seed: int | None = None, stop=(),
                  stop_tokens=(), tokenizer: str | Path | None = None, stream: bool = False, threads: int | None = None,
                  cache: str = "auto", quantize: str = "none", quantize_block: int | None = None,
-                 quantize_head: bool = False, quantize_activations: str | None = None):
+                 quantize_head: bool = False, quantize_activations: str | None = None, speculative=None,
+                 draft_tokens: int | None = None):
         """Generate from token ids (a list, or a list of lists for a batch) or text (a str or list of str,
         with ``tokenizer``). Returns the new tokens (or texts) per prompt -- one list (or str) for a single
         prompt; with ``stream=True`` yields them as they are decoded instead (per step: the new token of
         each prompt, None once a prompt has stopped; for a single text prompt, the new text). ``cache``
         and ``quantize``... are generate's --cache and --quantize.... A setting left None comes from the
         checkpoint's generation_config.json (else 32 new tokens, greedy); generation stops at the
-        checkpoint's eos_token_id unless ``ignore_eos=True``; ``explain=True`` prints where each came from."""
+        checkpoint's eos_token_id unless ``ignore_eos=True``; ``explain=True`` prints where each came from.
+        ``speculative`` ("ngram", a draft model's spec, checkpoint folder or .onnx file, or a loaded Model)
+        with ``draft_tokens`` (default 4): speculative decoding, greedy only, the same tokens as without it
+        (docs/generate.md); streamed, a round's tokens come together."""
         texts, ids, single = split_prompt(prompt)
         is_text = bool(texts)
         if tokenizer is None and (is_text or stop) and self._folder_tokenizer is not None:
@@ -199,7 +203,8 @@ class Model:
                             sampling_seed=seed, stops=[stop] if isinstance(stop, str) else stop,
                             stop_tokens=stop_tokens, threads=threads, cache=cache, quantize=quantize,
                             quantize_block=quantize_block, quantize_head=quantize_head,
-                            quantize_activations=quantize_activations).for_api()
+                            quantize_activations=quantize_activations, speculative=speculative,
+                            draft_tokens=draft_tokens).for_api()
         o.check()  # before the tokenizer is read
         tok = self.tokenizer(tokenizer) if tokenizer is not None else None
         # errors now, not at the first next()
@@ -213,6 +218,10 @@ class Model:
                 if t is not None:
                     out[r].append(t)
         out = out or []
+        if explain and run.explain():
+            import sys
+
+            print(run.explain(), file=sys.stderr)
         if is_text:
             decoded = [run.text(row) for row in out]
             return decoded[0] if single else decoded

@@ -88,7 +88,8 @@ def load_model(ref, o, weights=None, models: dict | None = None):
             raise UsageError("--variant, --set, --weights and --quantize apply to .tsr specs; an .onnx file is "
                              "already compiled")
         return gen.CachedModel.from_onnx(path, threads=o.threads)
-    key = (o.threads, o.cache, o.quantize, o.quantize_block, o.quantize_head, o.quantize_activations)
+    key = (o.threads, o.cache, o.quantize, o.quantize_block, o.quantize_head, o.quantize_activations,
+           o.speculative is None)  # speculative decoding's target keeps every position's logits
     if models is not None and key in models:
         return models[key]
     built = pipeline.build(ref.spec, ref.variant, ref.sets, ref.weights)
@@ -121,10 +122,25 @@ class Generation:
     stopper: gen.TextStopper | None = None
     fixed: dict | None = None       # an encoder-decoder's encoder outputs, fed to every step
     stats: gen.Stats = field(default_factory=gen.Stats)
+    drafter: object = None          # speculative decoding's (generation/drafting.py), else None
+    draft_tokens: int = 0
 
     def steps(self):
+        if self.drafter is not None:
+            from tessera.runtime.generation import speculative
+
+            return speculative.steps(self.model, self.prompts, self.max_new_tokens, self.sampling, self.drafter,
+                                     self.draft_tokens, self.stop_ids, self.stats, self.stopper)
         return gen.stream(self.model, self.prompts, self.max_new_tokens, self.sampling, self.stop_ids,
                           stats=self.stats, should_stop=self.stopper, extra_feeds=self.fixed)
+
+    def explain(self) -> str | None:
+        """--explain's line on speculative decoding once the steps have run (None without it)."""
+        if self.drafter is None:
+            return None
+        from tessera.runtime.generation import speculative
+
+        return speculative.explain(self.stats, self.drafter.name, self.draft_tokens)
 
     def text(self, tokens: list[int]) -> str:
         text = self.tokenizer.decode(tokens, skip_special_tokens=True)
@@ -185,7 +201,50 @@ def prepare(ref, o, prompt_ids: list[list[int]] | None = None, weights=None, mod
         else:
             prompts = named_token_rows(o.inputs, [model.info.tokens])[model.info.tokens]
     prompts = gen.check_request(model, prompts, o.max_new_tokens, sampling, stop_tokens)
-    return Generation(model, prompts, o.max_new_tokens, sampling, stop_tokens, tokenizer, stopper, fixed)
+    drafter = None
+    if o.speculative is not None:
+        if fixed is not None:
+            raise UsageError("speculative decoding is for decoder-only models; an encoder-decoder is not supported")
+        from tessera.runtime.generation import speculative
+
+        speculative.check_target(model, len(prompts))
+        drafter = load_drafter(o, ref, model)
+    return Generation(model, prompts, o.max_new_tokens, sampling, stop_tokens, tokenizer, stopper, fixed,
+                      drafter=drafter, draft_tokens=o.k)
+
+
+def load_drafter(o, ref, target: gen.CachedModel):
+    """--speculative's drafter: prompt lookup ("ngram"), or a draft model (a spec, seeded with the
+    target's seed when it has no weights; a checkpoint folder; a compiled .onnx file; the API's loaded
+    Model), compiled without quantisation, the logits of the last position only."""
+    import dataclasses
+
+    from tessera.runtime.generation import drafting
+
+    spec = o.speculative
+    if isinstance(spec, str) and spec == "ngram":
+        return drafting.NgramDrafter()
+    plain = dataclasses.replace(o, speculative=None, draft_tokens=None, quantize="none", quantize_block=None,
+                                quantize_head=False, quantize_activations=None)
+    plain.api = o.api
+    if hasattr(spec, "ref"):  # the API's tessera.Model: its compiled decoders and weights are kept
+        label, model = str(spec.spec), load_model(spec.ref, plain, spec.weights, spec._models)
+    else:
+        from tessera.runtime import driver
+        from tessera.runtime.options import ModelRef
+
+        label = str(spec)
+        try:
+            draft_ref, _ = driver.from_checkpoint(ModelRef(spec=str(spec), seed=ref.seed))
+            model = load_model(draft_ref, plain)
+        except (UsageError, pipeline.SpecError) as e:
+            why = str(e).removeprefix("error: ")
+            raise UsageError(f"{o.flag('speculative')} {spec}: not 'ngram', and no draft model: {why}") from None
+    if isinstance(model, EncoderDecoder):
+        raise UsageError(f"the draft model {label} is an encoder-decoder; a draft model must be decoder-only")
+    drafter = drafting.ModelDrafter(model, label)
+    drafter.check(target)
+    return drafter
 
 
 def _with_eos(stop_tokens: list[int], o, model) -> list[int]:
