@@ -75,7 +75,7 @@ class ModelDrafter:
         from tessera.runtime.generation.cached import check_request
         from tessera.runtime.generation.sampling import Sampling
 
-        check(self.model, len(prompts), f"the draft model {self.label}")
+        check(self.model, f"the draft model {self.label}")
         try:
             check_request(self.model, prompts, max_new_tokens, Sampling())
         except UsageError as e:

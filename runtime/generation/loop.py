@@ -207,7 +207,7 @@ def prepare(ref, o, prompt_ids: list[list[int]] | None = None, weights=None, mod
             raise UsageError("speculative decoding is for decoder-only models; an encoder-decoder is not supported")
         from tessera.runtime.generation import speculative
 
-        speculative.check_target(model, len(prompts))
+        speculative.check_target(model)
         drafter = load_drafter(o, ref, model)
     return Generation(model, prompts, o.max_new_tokens, sampling, stop_tokens, tokenizer, stopper, fixed,
                       drafter=drafter, draft_tokens=o.k)

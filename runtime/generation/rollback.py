@@ -17,8 +17,8 @@ single tokens) with three additions:
   positions count real tokens only, so attention over them equals attention without them);
   ``compact()`` packs every row's real columns to the right again when the buffer runs out.
 
-Only the buffer cache: the concat cache trims a sliding window by columns, and a window measured
-in columns is wrong once a row has holes (``check`` refuses both).
+Only the buffer cache (``check``): the concat cache is fed back whole, and the sliding-window models
+that need it measure their window in cache columns, which holes would break.
 """
 
 from __future__ import annotations
@@ -35,16 +35,12 @@ def slack(draft_tokens: int) -> int:
     return 4 * (draft_tokens + 1)
 
 
-def check(model: CachedModel, rows: int, what: str) -> None:
+def check(model: CachedModel, what: str) -> None:
     """Refuse, with the reason, a cached model whose cache cannot be rolled back per row."""
-    info = model.info
-    if info.mode != "buffer":
-        raise UsageError(f"speculative decoding needs the buffer cache; {what} uses the {info.mode} cache "
-                         f"(--cache concat, or a sliding-window model's default): give --cache buffer")
-    if rows > 1 and any(layer.window for layer in info.layers):
-        raise UsageError(f"speculative decoding of a batch of {rows} prompts is not supported for {what}: its "
-                         f"sliding window counts cache columns, and rows accepting different numbers of drafted "
-                         f"tokens leave masked columns between their tokens; give one prompt at a time")
+    if model.info.mode != "buffer":
+        raise UsageError(f"speculative decoding needs the buffer cache (its columns are rolled back per row); "
+                         f"{what} uses the {model.info.mode} cache (--cache concat, or a sliding-window model, "
+                         f"whose window counts cache columns and so needs the concat cache)")
 
 
 class RollbackCache(CachedDecoder):

@@ -34,13 +34,13 @@ from tessera.runtime.generation.sampling import Sampling, choose
 from tessera.runtime.pipeline import UsageError
 
 
-def check_target(model: CachedModel, rows: int) -> None:
+def check_target(model: CachedModel) -> None:
     """The target must give the logits of every new position, in a cache that rolls back per row."""
     if model.info.last_only:
         raise UsageError("speculative decoding needs the target's logits at every position of a chunk; this model "
                          "was compiled with the logits of the last position only (compile --kv-cache does that): "
                          "generate from the .tsr spec or checkpoint folder instead")
-    check(model, rows, "the target model")
+    check(model, "the target model")
 
 
 def steps(model: CachedModel, prompts: list[list[int]], max_new_tokens: int, sampling: Sampling, drafter,
@@ -53,7 +53,7 @@ def steps(model: CachedModel, prompts: list[list[int]], max_new_tokens: int, sam
     if not sampling.greedy:
         raise UsageError("speculative decoding is greedy only (temperature 0): sampling would need the "
                          "rejection-sampling acceptance rule, which is not implemented")
-    check_target(model, len(prompts))
+    check_target(model)
     stats = stats if stats is not None else Stats()
     stats.drafted = stats.accepted = stats.rounds = stats.round_tokens = 0
     stats.prompt_tokens = sum(len(p) for p in prompts)
