@@ -200,12 +200,16 @@ def test_compiled_draft_model_file(cases, tmp_path):
 
 
 def test_ngram_lookup_by_hand():
-    d = drafting.NgramDrafter()
+    d = drafting.NgramDrafter()  # n-grams of 3, else 2 tokens
     assert d.lookup([1, 2, 3, 9, 1, 2, 3], 2) == [9, 1]          # the 3-gram [1, 2, 3] at 0
     assert d.lookup([1, 2, 8, 1, 2, 9, 4, 1, 2], 3) == [9, 4, 1]  # the latest [1, 2] (at 3), not the first
+    assert d.lookup([7, 1, 2, 5, 9, 1, 2, 6, 3, 1, 2], 2) == [6, 3]  # 2-gram: [3, 1, 2] occurs nowhere before
     assert d.lookup([5, 6, 7], 4) == []                          # no suffix occurs before
-    assert d.lookup([4, 4], 3) == [4]                            # only what follows exists
-    assert d.propose([[1, 2, 1], [1, 2, 1]], [2, 0]) == [[2, 1], []]
+    assert d.lookup([4, 9, 4], 3) == []                          # a 1-gram match is not used by default
+    one = drafting.NgramDrafter(min_ngram=1)
+    assert one.lookup([4, 9, 4], 3) == [9, 4]
+    assert one.lookup([4, 4], 3) == [4]                          # only what follows exists
+    assert d.propose([[1, 2, 1, 2], [1, 2, 1, 2]], [2, 0]) == [[1, 2], []]
 
 
 def test_cli_json_counts_and_explain(cases, capsys):

@@ -6,7 +6,7 @@ agrees with, so good guesses turn one weight read into several tokens. A guess i
 the output is the target's own greedy choice whatever the drafter says, so a drafter only decides
 the speed.
 
-- ``NgramDrafter`` (prompt lookup): the row's last n tokens (n = 3, 2, 1) are looked up earlier in
+- ``NgramDrafter`` (prompt lookup): the row's last n tokens (n = 3, else 2) are looked up earlier in
   its prompt and output, and the tokens that followed the latest match are the draft. Free, and
   good exactly when the output repeats its context (editing or quoting a passage, code, extraction).
 - ``ModelDrafter``: a smaller model with the same vocabulary decodes k tokens greedily on its own
@@ -32,7 +32,9 @@ class NgramDrafter:
 
     name = "ngram"
 
-    def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 2):
+        # a single repeated token is weak evidence: drafting on it mostly buys a verifying call that
+        # costs more than a plain step and keeps only its own token
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
 
     def start(self, prompts: list[list[int]], max_new_tokens: int, draft_tokens: int, pad_id: int) -> None:
