@@ -207,8 +207,9 @@ def test_ngram_lookup_by_hand():
     assert d.lookup([5, 6, 7], 4) == []                          # no suffix occurs before
     assert d.lookup([4, 9, 4], 3) == []                          # a 1-gram match is not used by default
     one = drafting.NgramDrafter(min_ngram=1)
-    assert one.lookup([4, 9, 4], 3) == [9, 4]
-    assert one.lookup([4, 4], 3) == [4]                          # only what follows exists
+    assert one.lookup([4, 9, 4], 3) == [9, 4, 9]                 # copied forward past the end
+    assert one.lookup([4, 4], 3) == [4, 4, 4]                    # a period-1 pattern, copied forward
+    assert d.lookup([8, 1, 2, 3, 1, 2, 3], 5) == [1, 2, 3, 1, 2]  # period 3: past the end the copy repeats
     assert d.propose([[1, 2, 1, 2], [1, 2, 1, 2]], [2, 0]) == [[1, 2], []]
 
 

@@ -53,11 +53,21 @@ class NgramDrafter:
             suffix = history[end - n + 1:]
             for i in hits:
                 if i >= n - 1 and history[i - n + 1:i + 1] == suffix:
-                    return list(history[i + 1:i + 1 + k])
+                    return _copy_forward(history, i + 1, k)
         return []
 
     def accepted(self, counts: list[int]) -> None:
         pass
+
+
+def _copy_forward(history: list[int], start: int, k: int) -> list[int]:
+    """``k`` tokens copied from ``start`` on, the copy reading its own output once it passes the end
+    (as LZ77 copies an overlapping match): a match just before the suffix -- a repeating pattern of
+    period end - start -- then drafts the pattern's next k tokens, not the one token left after it."""
+    out = list(history)
+    for j in range(k):
+        out.append(out[start + j])
+    return out[len(history):]
 
 
 class ModelDrafter:
