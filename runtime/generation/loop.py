@@ -148,7 +148,7 @@ class Generation:
 
 
 def prepare(ref, o, prompt_ids: list[list[int]] | None = None, weights=None, models: dict | None = None,
-            tokenizer=None) -> Generation:
+            tokenizer=None, draft_ref=None) -> Generation:
     """Load the model and check the request (``o`` already checked): the prompts from --prompt texts,
     --input token ids or ``prompt_ids`` (the API's), and an encoder-decoder's source inputs."""
     if not o.prompts and not o.inputs and prompt_ids is None:
@@ -208,15 +208,16 @@ def prepare(ref, o, prompt_ids: list[list[int]] | None = None, weights=None, mod
         from tessera.runtime.generation import speculative
 
         speculative.check_target(model)
-        drafter = load_drafter(o, ref, model)
+        drafter = load_drafter(o, draft_ref, model)
     return Generation(model, prompts, o.max_new_tokens, sampling, stop_tokens, tokenizer, stopper, fixed,
                       drafter=drafter, draft_tokens=o.k)
 
 
-def load_drafter(o, ref, target: gen.CachedModel):
-    """--speculative's drafter: prompt lookup ("ngram"), or a draft model (a spec, seeded with the
-    target's seed when it has no weights; a checkpoint folder; a compiled .onnx file; the API's loaded
-    Model), compiled without quantisation, the logits of the last position only."""
+def load_drafter(o, draft_ref, target: gen.CachedModel):
+    """--speculative's drafter: prompt lookup ("ngram"), or a draft model (``draft_ref``, the driver's
+    ModelRef of --speculative's spec, checkpoint folder or compiled .onnx file, seeded with the
+    target's seed when it has no weights; or the API's loaded Model), compiled without quantisation,
+    the logits of the last position only."""
     import dataclasses
 
     from tessera.runtime.generation import drafting
@@ -230,12 +231,8 @@ def load_drafter(o, ref, target: gen.CachedModel):
     if hasattr(spec, "ref"):  # the API's tessera.Model: its compiled decoders and weights are kept
         label, model = str(spec.spec), load_model(spec.ref, plain, spec.weights, spec._models)
     else:
-        from tessera.runtime import driver
-        from tessera.runtime.options import ModelRef
-
         label = str(spec)
         try:
-            draft_ref, _ = driver.from_checkpoint(ModelRef(spec=str(spec), seed=ref.seed))
             model = load_model(draft_ref, plain)
         except (UsageError, pipeline.SpecError) as e:
             why = str(e).removeprefix("error: ")
