@@ -190,7 +190,7 @@ class Model:
                  stop_tokens=(), tokenizer: str | Path | None = None, stream: bool = False, threads: int | None = None,
                  cache: str = "auto", quantize: str = "none", quantize_block: int | None = None,
                  quantize_head: bool = False, quantize_activations: str | None = None, inputs: dict | None = None,
-                 start_token: int | None = None):
+                 start_token: int | None = None, speculative=None, draft_tokens: int | None = None):
         """Generate from token ids (a list, or a list of lists for a batch) or text (a str or list of str,
         with ``tokenizer``). Returns the new tokens (or texts) per prompt -- one list (or str) for a single
         prompt; with ``stream=True`` yields them as they are decoded instead (per step: the new token of
@@ -206,7 +206,10 @@ class Model:
         An encoder-decoder takes its source inputs as ``inputs`` ({name: array, nested lists or a .npy
         path}: Whisper's float features, BART's ids and mask) and its target's first tokens as the
         prompt or ``start_token`` (the decoder's start token, for every source row; then no prompt; without
-        either, the checkpoint's decoder_start_token_id)."""
+        either, the checkpoint's decoder_start_token_id).
+        ``speculative`` ("ngram", a draft model's spec, checkpoint folder or .onnx file, or a loaded Model)
+        with ``draft_tokens`` (default 4): speculative decoding, greedy only, the same tokens as without it
+        (docs/generate.md); streamed, a round's tokens come together."""
         # an encoder-decoder may have no prompt: its sources and a start token (given or the checkpoint's)
         no_prompt = prompt is None and (start_token is not None or bool(inputs))
         texts, ids, single = ([], None, False) if no_prompt else split_prompt(prompt)
@@ -220,7 +223,8 @@ class Model:
                             sampling_seed=seed, stops=[stop] if isinstance(stop, str) else stop,
                             stop_tokens=stop_tokens, threads=threads, cache=cache, quantize=quantize,
                             quantize_block=quantize_block, quantize_head=quantize_head,
-                            quantize_activations=quantize_activations, start_token=start_token).for_api()
+                            quantize_activations=quantize_activations, start_token=start_token,
+                            speculative=speculative, draft_tokens=draft_tokens).for_api()
         o.check()  # before the tokenizer is read
         if stream and logprobs is not None:
             raise UsageError("logprobs is not given with stream=True; generate without stream to get them")
@@ -236,6 +240,10 @@ class Model:
                 if t is not None:
                     out[r].append(t)
         out = out or []
+        if explain and run.explain():
+            import sys
+
+            print(run.explain(), file=sys.stderr)
         if logprobs is not None:
             rows = run.rows(out)
             return rows[0] if single else rows

@@ -353,7 +353,10 @@ def generate(ref: ModelRef, o: GenerateOptions, prompt_ids: list[list[int]] | No
         from tessera.runtime.generation import recurrent
 
         return recurrent.generate(ref, o)
-    return loop.prepare(ref, o, prompt_ids, weights, models, tokenizer, source_arrays, progress)
+    draft_ref = None
+    if isinstance(o.speculative, (str, Path)) and o.speculative != "ngram":  # a draft model named by its path
+        draft_ref, _ = from_checkpoint(ModelRef(spec=str(o.speculative), seed=ref.seed))
+    return loop.prepare(ref, o, prompt_ids, weights, models, tokenizer, source_arrays, progress, draft_ref)
 
 
 def with_model_defaults(ref: ModelRef, o: GenerateOptions) -> GenerateOptions:

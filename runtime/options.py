@@ -580,6 +580,12 @@ class GenerateOptions(QuantOptions):
     threads: int | None = None
     cache: str = "auto"
     quiet: bool = False
+    # speculative decoding (generation/speculative.py): "ngram", a draft model (a spec, checkpoint folder
+    # or compiled .onnx; the API also takes a loaded tessera.Model), and the tokens drafted per round
+    speculative: str | Path | object | None = None
+    draft_tokens: int | None = None
+
+    DRAFT_TOKENS = 4  # --draft-tokens' default
 
     def check(self, kind: str = "cached") -> None:
         """``kind`` "recurrent" (a recurrent encoder-decoder, generation/recurrent.py) first refuses
@@ -610,6 +616,7 @@ class GenerateOptions(QuantOptions):
         check_choice(self.label("cache"), self.cache, CACHES)
         check_bool(self.label("quiet"), self.quiet)
         self.sampling(0).check()
+        self._check_speculative(kind)
         if self.prompts and any(item.partition("=")[0] == "tokens" for item in self.inputs):
             raise UsageError("give the prompts either as --prompt text or as --input tokens, not both")
         if self.prompts and not self.tokenizer:
@@ -623,6 +630,41 @@ class GenerateOptions(QuantOptions):
                                       "chat=True applies the chat template to a text prompt (with a tokenizer)"))
         if self.logprobs is not None and self.format != "json" and not self.api:
             raise UsageError("--logprobs N is printed with --format json (the text output has no place for it)")
+
+    def _check_speculative(self, kind: str) -> None:
+        """--speculative and --draft-tokens: their values and what they exclude (the rules that need
+        the models, a vocabulary or a cache mode, are checked once the models are loaded)."""
+        spec, k = self.speculative, self.draft_tokens
+        check_int(self.label("draft_tokens"), k, optional=True)
+        if k is not None and k < 1:
+            raise UsageError(f"{self.flag('draft_tokens')} must be at least 1 (the tokens drafted per round), got {k}")
+        if spec is None:
+            if k is not None:
+                raise UsageError(self.say("--draft-tokens applies with --speculative ngram|DRAFT_MODEL",
+                                          "draft_tokens applies with speculative='ngram' or a draft model"))
+            return
+        if not (isinstance(spec, (str, Path)) or hasattr(spec, "ref")):
+            raise UsageError(f"{self.label('speculative')} must be 'ngram', a draft model's spec, checkpoint folder "
+                             f"or .onnx file, or a loaded tessera.Model, got {spec!r}")
+        if isinstance(spec, (str, Path)):
+            check_path(self.label("speculative"), spec)
+            if not str(spec):
+                raise UsageError(f"{self.flag('speculative')} needs 'ngram' or a draft model, got an empty string")
+        if kind == "recurrent":
+            raise UsageError(f"{self.flag('speculative')}: speculative decoding needs a KV-cached decoder; a "
+                             f"recurrent encoder-decoder has none")
+        if self.temperature is not None and self.temperature > 0:
+            raise UsageError(f"{self.flag('speculative')} is greedy only: temperature {self.temperature} samples, "
+                             f"and the rejection-sampling acceptance that would keep sampling exact is not "
+                             f"implemented; use temperature 0 or drop {self.flag('speculative')}")
+        if self.cache == "concat":
+            raise UsageError(f"{self.flag('speculative')} needs the buffer cache (its columns are rolled back per "
+                             f"row); {self.flag('cache')} concat cannot be")
+
+    @property
+    def k(self) -> int:
+        """The tokens drafted per round (--draft-tokens, else DRAFT_TOKENS)."""
+        return self.DRAFT_TOKENS if self.draft_tokens is None else self.draft_tokens
 
     def _check_recurrent(self) -> None:
         for flag, given in [("--prompt", self.prompts), ("--tokenizer", self.tokenizer), ("--stop", self.stops)]:
@@ -641,7 +683,8 @@ class GenerateOptions(QuantOptions):
         target input filled in by the loader): the quantisation and the cache mode."""
         from tessera.compiler.passes.pipeline import PipelineOptions
 
-        return PipelineOptions(quantize=self.quant_config(), cache=self.cache)
+        return PipelineOptions(quantize=self.quant_config(), cache=self.cache,
+                               last_only=self.speculative is None)  # the verifier reads every position's logits
 
     def value(self, name: str):
         """A decoding setting as given, else its default (DEFAULTS)."""

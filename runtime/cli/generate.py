@@ -87,6 +87,12 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="buffer: preallocated cache, written in place; concat: present = past + new, fed back; "
                         "auto: buffer, or concat for sliding-window models (default)")
     g.add_argument("--quiet", "-q", action="store_true", help="no progress line on stderr")
+    g.add_argument("--speculative", metavar="ngram|DRAFT_MODEL",
+                   help="speculative decoding (greedy only; the output equals plain greedy decoding): draft tokens "
+                        "by prompt lookup (ngram) or with a smaller draft model of the same vocabulary (a .tsr spec, "
+                        "checkpoint folder or compiled .onnx), verified by the model in one call per round")
+    g.add_argument("--draft-tokens", type=int, metavar="K",
+                   help=f"with --speculative: tokens drafted per round (default {GenerateOptions.DRAFT_TOKENS})")
     return g
 
 
@@ -129,7 +135,8 @@ def cmd_generate(ns: argparse.Namespace) -> int:
         print(json.dumps({"outputs": run.rows(out), "stats": {
             "prompt_tokens": stats.prompt_tokens, "new_tokens": stats.new_tokens,
             "prefill_ms": round(stats.prefill_s * 1e3, 3),
-            "decode_tokens_per_s": round(stats.decode_tokens_per_s, 2)}}))
+            "decode_tokens_per_s": round(stats.decode_tokens_per_s, 2),
+            **_speculative_stats(stats)}}))
     elif live:
         print()
     else:
@@ -138,11 +145,21 @@ def cmd_generate(ns: argparse.Namespace) -> int:
                 print(tokenizer.decode(p, skip_special_tokens=False) + run.text(out[r]))
             else:
                 print(" ".join(map(str, out[r])))
+    if o.explain and run.explain():
+        print(run.explain(), file=sys.stderr)
     if show_progress:
         print(f"{stats.new_tokens} new tokens; prefill {stats.prefill_s * 1e3:.1f} ms "
               f"({stats.prompt_tokens} prompt tokens), decode {stats.decode_tokens_per_s:.1f} steps/s",
               file=sys.stderr)
     return 0
+
+
+def _speculative_stats(stats) -> dict:
+    """The JSON output's counts of speculative decoding (none when decoding plainly)."""
+    if stats.drafted is None:
+        return {}
+    return {"drafted_tokens": stats.drafted, "accepted_tokens": stats.accepted, "verify_calls": stats.rounds,
+            "acceptance_rate": round(stats.accepted / stats.drafted, 4) if stats.drafted else 0.0}
 
 
 def _print_recurrent(run, o: GenerateOptions) -> int:

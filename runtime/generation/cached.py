@@ -57,6 +57,11 @@ class Stats:
     prefill_s: float = 0.0
     decode_s: list[float] = field(default_factory=list)
     cache_bytes: int = 0  # the KV cache the loop allocated (buffer mode: once, at its final length)
+    # speculative decoding (generation/speculative.py): None when decoding plainly
+    drafted: int | None = None       # tokens the drafter proposed
+    accepted: int | None = None      # of those, tokens the target agreed with
+    rounds: int | None = None        # verifying calls of the target
+    round_tokens: int | None = None  # tokens those calls emitted (accepted drafts and the target's own)
 
     @property
     def decode_tokens_per_s(self) -> float:

@@ -107,7 +107,8 @@ def load_model(ref, o, weights=None, models: dict | None = None, progress=None):
             raise UsageError("--variant, --set, --weights and --quantize apply to .tsr specs; an .onnx file is "
                              "already compiled")
         return gen.CachedModel.from_onnx(path, threads=o.threads)
-    key = (o.threads, o.cache, o.quantize, o.quantize_block, o.quantize_head, o.quantize_activations)
+    key = (o.threads, o.cache, o.quantize, o.quantize_block, o.quantize_head, o.quantize_activations,
+           o.speculative is None)  # speculative decoding's target keeps every position's logits
     if models is not None and key in models:
         return models[key]
     step(0, 4, "graph")
@@ -148,12 +149,27 @@ class Generation:
     # per prompt, each new token's log-probabilities (sampling.token_logprobs), filled by steps() when
     # sampling.logprobs is set
     logprobs: list[list[dict]] = field(default_factory=list)
+    drafter: object = None          # speculative decoding's (generation/drafting.py), else None
+    draft_tokens: int = 0
 
     def steps(self):
+        if self.drafter is not None:
+            from tessera.runtime.generation import speculative
+
+            return speculative.steps(self.model, self.prompts, self.max_new_tokens, self.sampling, self.drafter,
+                                     self.draft_tokens, self.stop_ids, self.stats, self.stopper)
         self.logprobs = [[] for _ in self.prompts]
         return gen.stream(self.model, self.prompts, self.max_new_tokens, self.sampling, self.stop_ids,
                           stats=self.stats, should_stop=self.stopper, extra_feeds=self.fixed,
                           logprobs=self.logprobs if self.sampling.logprobs is not None else None)
+
+    def explain(self) -> str | None:
+        """--explain's line on speculative decoding once the steps have run (None without it)."""
+        if self.drafter is None:
+            return None
+        from tessera.runtime.generation import speculative
+
+        return speculative.explain(self.stats, self.drafter.name, self.draft_tokens)
 
     def text(self, tokens: list[int]) -> str:
         text = self.tokenizer.decode(tokens, skip_special_tokens=True)
@@ -175,7 +191,7 @@ class Generation:
 
 
 def prepare(ref, o, prompt_ids: list[list[int]] | None = None, weights=None, models: dict | None = None,
-            tokenizer=None, source_arrays: dict | None = None, progress=None) -> Generation:
+            tokenizer=None, source_arrays: dict | None = None, progress=None, draft_ref=None) -> Generation:
     """Load the model and check the request (``o`` already checked): the prompts from --prompt texts,
     --input token ids or ``prompt_ids`` (the API's), and an encoder-decoder's source inputs (--input
     NAME=VALUE, or ``source_arrays``: the API's ``inputs=``)."""
@@ -238,7 +254,63 @@ def prepare(ref, o, prompt_ids: list[list[int]] | None = None, weights=None, mod
         else:
             prompts = named_token_rows(o.inputs, [model.info.tokens])[model.info.tokens]
     prompts = gen.check_request(model, prompts, o.max_new_tokens, sampling, stop_tokens)
-    return Generation(model, prompts, o.max_new_tokens, sampling, stop_tokens, tokenizer, stopper, fixed)
+    drafter = None
+    if o.speculative is not None:
+        if fixed is not None:
+            raise UsageError("speculative decoding is for decoder-only models; an encoder-decoder is not supported")
+        from tessera.runtime.generation import speculative
+
+        speculative.check_target(model)
+        _check_speculative_sampling(o, sampling)
+        drafter = load_drafter(o, draft_ref, model)
+    return Generation(model, prompts, o.max_new_tokens, sampling, stop_tokens, tokenizer, stopper, fixed,
+                      drafter=drafter, draft_tokens=o.k)
+
+
+def _check_speculative_sampling(o, sampling) -> None:
+    """The verify loop (generation/speculative.py) chooses each position's token from its scores and
+    the repetition penalty; the processors that look back at the row (no-repeat n-grams, min_new_tokens)
+    and log-probabilities are not computed there, so they are refused, never dropped. Checked here, on
+    the final settings: generation_config.json may have set them (BART's sets no_repeat_ngram_size)."""
+    wanted = [(flag, given) for flag, given in (("no_repeat_ngram_size", sampling.no_repeat_ngram_size),
+                                                ("min_new_tokens", sampling.min_new_tokens))
+              if given] + ([("logprobs", sampling.logprobs)] if sampling.logprobs is not None else [])
+    if wanted:
+        named = ", ".join(f"{o.flag(flag)} {given}" for flag, given in wanted)
+        raise UsageError(f"{o.flag('speculative')} does not apply {named} (the verify loop chooses from the scores "
+                         f"and the repetition penalty only); drop {'them' if len(wanted) > 1 else 'it'} or "
+                         f"{o.flag('speculative')} (to override a value of generation_config.json, give 0)")
+
+
+def load_drafter(o, draft_ref, target: gen.CachedModel):
+    """--speculative's drafter: prompt lookup ("ngram"), or a draft model (``draft_ref``, the driver's
+    ModelRef of --speculative's spec, checkpoint folder or compiled .onnx file, seeded with the
+    target's seed when it has no weights; or the API's loaded Model), compiled without quantisation,
+    the logits of the last position only."""
+    import dataclasses
+
+    from tessera.runtime.generation import drafting
+
+    spec = o.speculative
+    if isinstance(spec, str) and spec == "ngram":
+        return drafting.NgramDrafter()
+    plain = dataclasses.replace(o, speculative=None, draft_tokens=None, quantize="none", quantize_block=None,
+                                quantize_head=False, quantize_activations=None)
+    plain.api = o.api
+    if hasattr(spec, "ref"):  # the API's tessera.Model: its compiled decoders and weights are kept
+        label, model = str(spec.spec), load_model(spec.ref, plain, spec.weights, spec._models)
+    else:
+        label = str(spec)
+        try:
+            model = load_model(draft_ref, plain)
+        except (UsageError, pipeline.SpecError) as e:
+            why = str(e).removeprefix("error: ")
+            raise UsageError(f"{o.flag('speculative')} {spec}: not 'ngram', and no draft model: {why}") from None
+    if isinstance(model, EncoderDecoder):
+        raise UsageError(f"the draft model {label} is an encoder-decoder; a draft model must be decoder-only")
+    drafter = drafting.ModelDrafter(model, label)
+    drafter.check(target)
+    return drafter
 
 
 def _chat_template(o):
