@@ -78,3 +78,23 @@ def test_an_input_sequence_past_the_bound_is_refused(tmp_path):
     with pytest.raises(InputError, match=r"Scan .* would run 10,000,001 steps \(the length of 'x'"):
         check_steps(proto, {"x": np.broadcast_to(np.float32(0), (2, 10 ** 7 + 1, 1))}, "seq.onnx")
     np.testing.assert_allclose(model.run(x=[[[1.0], [2.0], [4.0]]])["y"], [[8.0]])  # x0 + x0 + x1 + x2
+
+
+def test_rnnsearch_source_and_target_lengths_are_bounded(tmp_path):
+    """The bundled recurrent encoder-decoder: its encoder GRU runs over the source (S), its decoder
+    Scan over the target (T); either past the bound is refused, naming the op."""
+    import onnx
+
+    from tessera.runtime.loop_bounds import check_steps, without_weights
+
+    tessera.load("rnnsearch", variant="small").compile(tmp_path / "rs.onnx")
+    proto = without_weights(onnx.load(str(tmp_path / "rs.onnx"), load_external_data=False))
+
+    def ids(n):
+        return np.broadcast_to(np.int64(1), (1, n))
+
+    check_steps(proto, {"src": ids(10 ** 7), "tgt_in": ids(10 ** 7)}, "rs.onnx")
+    with pytest.raises(InputError, match=r"GRU .* would run 10,000,001 steps"):
+        check_steps(proto, {"src": ids(10 ** 7 + 1), "tgt_in": ids(2)}, "rs.onnx")
+    with pytest.raises(InputError, match=r"Scan .* would run 10,000,001 steps"):
+        check_steps(proto, {"src": ids(3), "tgt_in": ids(10 ** 7 + 1)}, "rs.onnx")
