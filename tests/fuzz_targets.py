@@ -155,10 +155,11 @@ def _target_worker(conn, mem_bytes: int, target: str) -> None:
 
 
 def run_target(target: str, cases: list[dict], workers: int = 1, timeout: float = 20.0, mem_bytes: int = 4 << 30,
-               progress=None, setup_allowance: float = 120.0) -> list[dict]:
+               progress=None, setup_allowance: float = 300.0) -> list[dict]:
     """fuzz_specs.run_cases with this module's worker: status ok, traceback, hang or memory per case.
     A worker's setup (imports, a compiled model, a server) gets ``setup_allowance`` seconds that its
-    first case is not charged for."""
+    first case is not charged for (generous: under ``nice -n 19`` on a busy machine a worker gets a
+    small share of a core, and a false hang would hide the real ones)."""
     return fuzz_specs.run_cases(cases, workers, timeout, mem_bytes, progress, worker=_target_worker,
                                 worker_args=(target,), setup_allowance=setup_allowance)
 
