@@ -155,7 +155,6 @@ def make_cases(n: int, seed: int) -> list[dict]:
 # ---------------------------------------------------------------- workers
 def _worker(conn, mem_bytes: int) -> None:
     import resource
-    import traceback
 
     if mem_bytes:
         resource.setrlimit(resource.RLIMIT_AS, (mem_bytes, mem_bytes))
@@ -163,7 +162,17 @@ def _worker(conn, mem_bytes: int) -> None:
     from tessera.runtime.cli import main
 
     tmp = tempfile.mkdtemp(prefix="tessera-fuzz-")
-    spec = os.path.join(tmp, "case.tsr")
+    try:
+        _serve_cases(conn, os.path.join(tmp, "case.tsr"), main)
+    finally:  # a worker killed for a hang leaves its folder; one that returns removes it
+        import shutil
+
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _serve_cases(conn, spec: str, main) -> None:
+    import traceback
+
     while True:
         case = conn.recv()
         if case is None:
