@@ -112,6 +112,7 @@ class Runnable:
     limits: object
     exposed: list = field(default_factory=list)
     session: object = None
+    recurrences: object = None  # the graph without weights when it has Scan/RNN/GRU/LSTM (runtime/loop_bounds.py)
 
     def open(self, provider: str):
         from tessera.runtime import session
@@ -135,7 +136,8 @@ class RunResult:
 def prepare_run(ref: ModelRef, o: RunOptions, weights=None) -> Runnable:
     """The model to run: an .onnx file as it is, or a spec built, optimised and exported to bytes."""
     from tessera.compiler.ir.signature import input_limits, specs_from_graph
-    from tessera.runtime.session import onnx_signature
+    from tessera.runtime import loop_bounds
+    from tessera.runtime.session import load_model_proto, onnx_signature
 
     ref, _ = from_checkpoint(ref)
     path = Path(ref.spec)
@@ -144,8 +146,10 @@ def prepare_run(ref: ModelRef, o: RunOptions, weights=None) -> Runnable:
             raise UsageError("--variant, --set and --weights apply to .tsr specs; an .onnx file is already compiled")
         if not path.exists():
             raise UsageError(f"model file not found: {path}")
-        specs, limits = onnx_signature(path)
-        return Runnable(str(path), specs, limits)
+        model = load_model_proto(path)
+        specs, limits = onnx_signature(path, model)
+        return Runnable(str(path), specs, limits,
+                        recurrences=loop_bounds.without_weights(model) if loop_bounds.has_recurrence(model) else None)
     from tessera.compiler.backends.onnx import export as onnx_export
 
     built = pipeline.build(ref.spec, ref.variant, ref.sets, ref.weights)
@@ -154,7 +158,13 @@ def prepare_run(ref: ModelRef, o: RunOptions, weights=None) -> Runnable:
         weights = pipeline.weights_for(built, ref.weights, ref.seed, ref.allow_large)
     probs = [o.layer] if o.wants_alignment and o.layer is not None else None
     exposed = pipeline.optimize(built, o.pipeline_options(probs or ()), o.explain)
-    return Runnable(onnx_export.to_bytes(built.graph, weights, pipeline.metadata(built)), specs, limits, exposed)
+    source = onnx_export.to_bytes(built.graph, weights, pipeline.metadata(built))
+    recurrences = None
+    if any(n.op == "scan" for n in built.graph.nodes.values()):
+        import onnx
+
+        recurrences = loop_bounds.without_weights(onnx.load_from_string(source))
+    return Runnable(source, specs, limits, exposed, recurrences=recurrences)
 
 
 def run(ref: ModelRef, o: RunOptions, arrays: dict | None = None, weights=None,
@@ -179,6 +189,10 @@ def run(ref: ModelRef, o: RunOptions, arrays: dict | None = None, weights=None,
     _add_arrays(arrays or {}, runnable.specs, feeds)
     text_mask = _add_text_and_image_inputs(o, runnable.specs, feeds)
     bind_inputs(runnable.specs, feeds, runnable.limits)
+    if runnable.recurrences is not None:
+        from tessera.runtime.loop_bounds import check_steps
+
+        check_steps(runnable.recurrences, feeds, str(ref.spec))
     sess = runnable.open(o.provider)
     outputs = run_session(sess, feeds)
     result = RunResult(outputs, sess.get_providers()[0], feeds)

@@ -75,11 +75,13 @@ def _open_session(model: str | Path | bytes, provider: str):
     return ort.InferenceSession(src, opts, providers=["CPUExecutionProvider"])
 
 
-def onnx_signature(path: str | Path) -> tuple[list[InputSpec], InputLimits | None]:
+def onnx_signature(path: str | Path, model: onnx.ModelProto | None = None) -> tuple[list[InputSpec],
+                                                                                   InputLimits | None]:
     """The inputs of an ONNX file, and the id ranges and position limits Tessera stored in its
-    metadata (None for files Tessera did not write). Reads the file once, without external data;
-    a file that is not a readable ONNX model is a ModelFileError saying why."""
-    model = load_model_proto(Path(path))
+    metadata (None for files Tessera did not write). Reads the file once, without external data
+    (or takes ``model``, the file already read by load_model_proto); a file that is not a readable
+    ONNX model is a ModelFileError saying why."""
+    model = model if model is not None else load_model_proto(Path(path))
     init = {i.name for i in model.graph.initializer}
     specs = []
     for vi in model.graph.input:

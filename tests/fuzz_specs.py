@@ -155,7 +155,6 @@ def make_cases(n: int, seed: int) -> list[dict]:
 # ---------------------------------------------------------------- workers
 def _worker(conn, mem_bytes: int) -> None:
     import resource
-    import traceback
 
     if mem_bytes:
         resource.setrlimit(resource.RLIMIT_AS, (mem_bytes, mem_bytes))
@@ -163,7 +162,17 @@ def _worker(conn, mem_bytes: int) -> None:
     from tessera.runtime.cli import main
 
     tmp = tempfile.mkdtemp(prefix="tessera-fuzz-")
-    spec = os.path.join(tmp, "case.tsr")
+    try:
+        _serve_cases(conn, os.path.join(tmp, "case.tsr"), main)
+    finally:  # a worker killed for a hang leaves its folder; one that returns removes it
+        import shutil
+
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _serve_cases(conn, spec: str, main) -> None:
+    import traceback
+
     while True:
         case = conn.recv()
         if case is None:
@@ -201,9 +210,9 @@ def _worker(conn, mem_bytes: int) -> None:
 
 
 class _Worker:
-    def __init__(self, ctx, mem_bytes: int):
+    def __init__(self, ctx, mem_bytes: int, target=_worker, args: tuple = ()):
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_worker, args=(child, mem_bytes), daemon=True)
+        self.proc = ctx.Process(target=target, args=(child, mem_bytes, *args), daemon=True)
         self.proc.start()
         child.close()
         self.case = None
@@ -217,13 +226,22 @@ class _Worker:
 
 
 def run_cases(cases: list[dict], workers: int = 2, timeout: float = 20.0,
-              mem_bytes: int = 4 << 30, progress=None) -> list[dict]:
+              mem_bytes: int = 4 << 30, progress=None, worker=_worker, worker_args: tuple = (),
+              setup_allowance: float = 30.0) -> list[dict]:
     """Run every case; returns one result per case: status (ok, user_error, traceback, hang, memory,
-    bad_status), rc and detail."""
+    bad_status), rc and detail.
+
+    ``worker(conn, mem_bytes, *worker_args)`` is the worker's main loop (the command line by default;
+    tests/fuzz_targets.py passes its own, which runs hypothesis targets); a fresh worker's first
+    ``setup_allowance`` seconds (imports, fixtures) are not counted against its first case."""
     ctx = mp.get_context("spawn")
     pending = list(reversed(cases))
     results: dict[int, dict] = {}
-    pool = [_Worker(ctx, mem_bytes) for _ in range(min(workers, len(cases)))]
+
+    def fresh() -> _Worker:
+        return _Worker(ctx, mem_bytes, worker, worker_args)
+
+    pool = [fresh() for _ in range(min(workers, len(cases)))]
     import multiprocessing.connection as mpc
 
     def give(w: _Worker) -> None:
@@ -259,16 +277,16 @@ def run_cases(cases: list[dict], workers: int = 2, timeout: float = 20.0,
                 w.warm = True
                 if not w.proc.is_alive() or status in ("memory",):
                     w.proc.join()
-                    pool[i] = w = _Worker(ctx, mem_bytes)
+                    pool[i] = w = fresh()
                 give(w)
             elif not w.proc.is_alive():
                 finish(w, "memory", None, f"worker died (exit code {w.proc.exitcode})")
-                pool[i] = w = _Worker(ctx, mem_bytes)
+                pool[i] = w = fresh()
                 give(w)
-            elif _overran(w, timeout):
+            elif _overran(w, timeout, setup_allowance):
                 w.kill()
                 finish(w, "hang", None, f"over {timeout:g} s of CPU (or {WALL_FACTOR * timeout:g} s of wall time)")
-                pool[i] = w = _Worker(ctx, mem_bytes)
+                pool[i] = w = fresh()
                 give(w)
     for w in pool:
         try:
@@ -295,12 +313,12 @@ def _cpu_seconds(pid: int) -> float:
         return 0.0
 
 
-def _overran(w: _Worker, timeout: float) -> bool:
+def _overran(w: _Worker, timeout: float, setup_allowance: float = 30.0) -> bool:
     """Whether the case in ``w`` is past its limit; a fresh worker's import of Tessera (its first
-    seconds) is not counted."""
+    ``setup_allowance`` seconds) is not counted."""
     if w.cpu_at_start is None:
         w.cpu_at_start = _cpu_seconds(w.proc.pid) if w.warm else 0.0
-    allowance = 0.0 if w.warm else 30.0
+    allowance = 0.0 if w.warm else setup_allowance
     wall = time.monotonic() - w.started
     cpu = _cpu_seconds(w.proc.pid) - w.cpu_at_start
     return cpu > timeout + allowance or wall > WALL_FACTOR * timeout + allowance

@@ -4,9 +4,8 @@ headers). Each target feeds hostile values to the real entry point and accepts o
 errors (UsageError, SpecError, WeightsError, InputError, OutputError, ModelFileError); anything else
 -- a TypeError, RecursionError, OverflowError from inside -- fails with hypothesis's minimal case.
 
-CI: FUZZ_CASES (default 40) examples per target, about 40 s in all. The long run (docs/guarantees.md):
-``FUZZ_CASES=5000 nice -n 10 pytest -q tests/test_fuzz_inputs.py tests/test_fuzz_serve.py -p no:randomly``
-with FUZZ_SERVE_CASES=5000 for the server's bodies."""
+CI: FUZZ_CASES (default 40) examples per target, about 40 s in all. The long run runs each target's
+cases one by one in bounded workers (20 s, 4 GiB): ``python tests/fuzz_targets.py`` (docs/guarantees.md)."""
 
 from __future__ import annotations
 
@@ -56,9 +55,14 @@ def _documented(call):
 
 
 # ------------------------------------------------------------------ the Python API's arguments
+def tiny_model():
+    """The model the API targets call (also built by tests/fuzz_targets.py's workers)."""
+    return tessera.load("gpt2", **TINY)
+
+
 @pytest.fixture(scope="module")
 def model():
-    return tessera.load("gpt2", **TINY)
+    return tiny_model()
 
 
 REPORT = ["batch", "seq", "dtype", "device", "sparse_moe", "quantize", "quantize_block", "quantize_head",
@@ -110,16 +114,21 @@ def test_fuzz_load_arguments(spec, kw):
 
 
 # ------------------------------------------------------------------ Tessera's metadata in an ONNX file
-@pytest.fixture(scope="module")
-def cache_meta(model, tmp_path_factory):
+def read_cache_meta(model, folder):
+    """(the kv_cache metadata, graph inputs, graph outputs) of ``model`` compiled into ``folder``."""
     import onnx
 
-    path = tmp_path_factory.mktemp("fuzzmeta") / "cached.onnx"
+    path = folder / "cached.onnx"
     model.compile(path, kv_cache=True)
     proto = onnx.load(str(path), load_external_data=False)
     meta = json.loads(next(e.value for e in proto.metadata_props if e.key == "tessera.kv_cache"))
     inits = {i.name for i in proto.graph.initializer}
     return meta, {i.name for i in proto.graph.input if i.name not in inits}, {o.name for o in proto.graph.output}
+
+
+@pytest.fixture(scope="module")
+def cache_meta(model, tmp_path_factory):
+    return read_cache_meta(model, tmp_path_factory.mktemp("fuzzmeta"))
 
 
 def _replace_at(meta, path: list, value):

@@ -6,12 +6,14 @@ type, nested past json's recursion limit -- gets a JSON answer: 200 for a reques
 exception into 500 "internal error", which is what this test hunts). The engine runs a tiny GPT-2
 (50 ids, 32 positions) so valid requests finish in milliseconds.
 
-CI runs 150 bodies per route (``FUZZ_SERVE_CASES`` raises it: the long run in docs/guarantees.md)."""
+CI runs 150 bodies per route (``FUZZ_SERVE_CASES``); the long run (tests/fuzz_targets.py, docs/guarantees.md)
+runs each body in a bounded worker."""
 
 from __future__ import annotations
 
 import json
 import os
+from contextlib import contextmanager
 
 import pytest
 
@@ -27,21 +29,31 @@ FIELDS = ["model", "max_tokens", "temperature", "top_p", "top_k", "repetition_pe
           "suffix", "best_of", "max_completion_tokens"]
 
 
-@pytest.fixture(scope="module")
-def client(tmp_path_factory):
+@contextmanager
+def serving_client(folder):
+    """A TestClient on a tiny GPT-2 server whose tokenizer lives in ``folder`` (also entered by
+    tests/fuzz_targets.py's workers)."""
     from fastapi.testclient import TestClient
 
     from tessera.runtime.serving.app import create_app
     from tessera.runtime.serving.server import ServeOptions, build_server
 
-    tok = _tokenizer_folder(tmp_path_factory.mktemp("tok"), TEMPLATE)
+    tok = _tokenizer_folder(folder, TEMPLATE)
     opts = ServeOptions(spec="gpt2", sets=["layers=1", "d=32", "heads=2", "vocab=50", "ctx=32"], tokenizer=str(tok),
                         max_batch=2, max_queue=4, model_name="tiny")
     engine, server = build_server(opts)
     engine.start()
-    with TestClient(create_app(server)) as c:
+    try:
+        with TestClient(create_app(server)) as c:
+            yield c
+    finally:
+        engine.close()
+
+
+@pytest.fixture(scope="module")
+def client(tmp_path_factory):
+    with serving_client(tmp_path_factory.mktemp("tok")) as c:
         yield c
-    engine.close()
 
 
 scalars = st.one_of(st.none(), st.booleans(), st.integers(min_value=-2 ** 70, max_value=2 ** 70),
