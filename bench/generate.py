@@ -282,6 +282,7 @@ def run_llama_cpp(folder: Path, model: str, n: int, new: int, repeat: int, threa
     prompt = _prompt(n, MODELS[model]["vocab"])
     runs = []
     for i in range(repeat + 1):
+        llm.reset()  # else generate() reuses the previous run's cache for the prompt and times no prefill
         w0, c0 = time.perf_counter(), time.process_time()
         t, out = [], []
         for tok in llm.generate(prompt, top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0, reset=True):
