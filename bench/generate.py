@@ -473,7 +473,7 @@ def main() -> None:
         for other in ("hf-eager", "hf-sdpa", "ort-genai", "llama-cpp", "tessera-concat"):
             if other in base:
                 o = base[other]
-                print(f"tessera vs {other}: decode {o['decode_ms_median'] / t['decode_ms_median']:.2f}x (median), "
+                print(f"Tessera vs {other}: decode {o['decode_ms_median'] / t['decode_ms_median']:.2f}x (median), "
                       f"{o['decode_ms_min'] / t['decode_ms_min']:.2f}x (min); prefill "
                       f"{o['prefill_ms_median'] / t['prefill_ms_median']:.2f}x (median)")
         ti = info["tessera"] | compiled
