@@ -174,3 +174,15 @@ def test_report_serve_and_genai_take_the_folder(tmp_path, capsys):
     cfg = json.loads((tmp_path / "genai" / "genai_config.json").read_text())["model"]
     assert cfg["eos_token_id"] == 2 and cfg["context_length"] == 64 and cfg["vocab_size"] == VOCAB
     assert (tmp_path / "genai" / "tokenizer.json").read_bytes() == (ckpt / "tokenizer.json").read_bytes()
+
+
+def test_a_folder_named_like_its_bundled_spec_in_the_working_directory(tmp_path, capsys, monkeypatch):
+    """`tessera run llama` where ./llama is the checkpoint: the folder's bundled spec is its file, not the
+    name `llama` (which, looked up as a path first, would find the folder again: "spec path llama is a folder")."""
+    _decoder("llama").save_pretrained(tmp_path / "llama", safe_serialization=True)
+    capsys.readouterr()
+    monkeypatch.chdir(tmp_path)
+    rc, printed, err = cli(capsys, "run", "llama", "--input", "tokens=[[5, 6, 7]]", "--format", "json")
+    assert rc == 0, err
+    rc, _, err = cli(capsys, "report", "llama")
+    assert rc == 0, err

@@ -60,7 +60,11 @@ def spec_for(folder: Path) -> str:
         raise UsageError(f"{folder / 'config.json'}: sliding_window {window} is shorter than the context "
                          f"({ctx}); the bundled llama spec has no sliding window, so this Mistral checkpoint "
                          f"needs a spec with one")
-    return MODEL_TYPES[kind]
+    from tessera.models import bundled_spec
+
+    # the bundled file itself, not its name: a name is looked up as a path first, and a folder named
+    # like the spec in the working directory (often the checkpoint itself: `tessera run llama`) would win
+    return str(bundled_spec(MODEL_TYPES[kind]))
 
 
 def resolve(ref):
