@@ -163,7 +163,10 @@ def prepare_run(ref: ModelRef, o: RunOptions, weights=None) -> Runnable:
     if any(n.op == "scan" for n in built.graph.nodes.values()):
         import onnx
 
-        recurrences = loop_bounds.without_weights(onnx.load_from_string(source))
+        from tessera.runtime.onnx_skeleton import skeleton_of
+
+        # the structure only: parsing the serialised weights once more would hold them twice
+        recurrences = loop_bounds.without_weights(onnx.ModelProto.FromString(skeleton_of(source)))
     return Runnable(source, specs, limits, exposed, recurrences=recurrences)
 
 

@@ -95,18 +95,24 @@ def _graph(buf, start: int, end: int) -> bytearray:
     return out
 
 
+def skeleton_of(model: bytes | memoryview) -> bytes:
+    """Serialised ModelProto bytes with the data of the large top-level initializers left out."""
+    out = bytearray()
+    for field, wire, key_at, at, field_end in _fields(model, 0, len(model)):
+        if field == _GRAPH and wire == 2:
+            graph = _graph(model, at, field_end)
+            out += _encode_varint(_GRAPH << 3 | 2) + _encode_varint(len(graph)) + graph
+        else:
+            out += model[key_at:field_end]
+    return bytes(out)
+
+
 def skeleton_bytes(path: str | Path) -> bytes:
-    """The file's ModelProto bytes with the data of its large top-level initializers left out."""
+    """The file's ModelProto bytes with the data of its large top-level initializers left out (the
+    file mapped, not read: only what is kept is copied)."""
     with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
         view = memoryview(mm)
         try:
-            out = bytearray()
-            for field, wire, key_at, at, field_end in _fields(view, 0, len(view)):
-                if field == _GRAPH and wire == 2:
-                    graph = _graph(view, at, field_end)
-                    out += _encode_varint(_GRAPH << 3 | 2) + _encode_varint(len(graph)) + graph
-                else:
-                    out += view[key_at:field_end]
-            return bytes(out)
+            return skeleton_of(view)
         finally:
             view.release()
