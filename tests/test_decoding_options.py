@@ -452,7 +452,7 @@ DOC_EXAMPLES = _doc_examples()
 
 
 def test_the_documents_show_the_examples():
-    assert sorted(lang for _, lang, _ in DOC_EXAMPLES) == ["", "python"]
+    assert sorted(lang for _, lang, _ in DOC_EXAMPLES) == ["", "", "python"]
 
 
 def _matches(expected: str, got: str) -> bool:
