@@ -2,7 +2,8 @@
 lark (its import and the parse are most of ``tessera ir``'s start-up, docs/BENCHMARKS.md).
 
 An entry is the pickled AST of one file, named by the SHA-256 of everything the AST depends on:
-the text, the file name its positions carry, the grammar, this module's FORMAT and the Python
+the text, the file name its positions carry, the source of the grammar, the AST classes and the
+parser (SOURCES: an edited parser never reads an old entry), this module's FORMAT and the Python
 version. Any change makes a new name, so an entry is never stale, only unused; the folder keeps
 the ``LIMIT`` most recently used entries (a hit touches its entry). Entries are written to a
 temporary file and renamed (a reader never sees half a file); an entry that cannot be read or
@@ -27,20 +28,27 @@ from . import ast
 from .cache_folder import cache_folder
 from .diagnostics import register_source
 
-FORMAT = 1    # bump when the AST classes change shape
+FORMAT = 1    # bump when an entry's form changes (the SOURCES' own changes are in the key already)
 LIMIT = 256   # entries kept
 SUFFIX = ".ast"
 
 
+# what the AST depends on besides the text: the grammar, the AST classes and the tree -> AST transformer
+SOURCES = ("grammar.lark", "ast.py", "parser.py", "diagnostics.py")
+
+
 @lru_cache(maxsize=1)
-def _grammar_digest() -> bytes:
-    return hashlib.sha256(resources.files(__package__).joinpath("grammar.lark").read_bytes()).digest()
+def _sources_digest() -> bytes:
+    h = hashlib.sha256()
+    for name in SOURCES:
+        h.update(resources.files(__package__).joinpath(name).read_bytes())
+    return h.digest()
 
 
 def key(text: str, filename: str) -> str:
     h = hashlib.sha256()
     h.update(f"tessera-ast {FORMAT} py{sys.version_info[0]}.{sys.version_info[1]}\0".encode())
-    h.update(_grammar_digest())
+    h.update(_sources_digest())
     h.update(filename.encode("utf-8", "surrogatepass") + b"\0")
     h.update(text.encode("utf-8", "surrogatepass"))
     return h.hexdigest()
