@@ -1,6 +1,11 @@
-"""Start-up time of the ``tessera`` command: wall time of a few commands, each a fresh process,
+"""Start-up time of the ``tessera`` command: wall and CPU time of a few commands, each a fresh process,
 which heavy modules the command line imports before it does any work, and which ones each command
-imports in all (``ir`` and ``report`` need sympy, networkx and lark, never onnx).
+imports in all (``ir`` and ``report`` need sympy and numpy, never onnx; lark only when a spec file
+is not in the AST cache, spec/ast_cache.py, and networkx never, compiler/ir/digraph.py).
+
+The rows run with the user's cache folder, warm after the first run; the "cold cache" row gives each
+run a new empty TESSERA_CACHE_DIR, so it parses the spec files and builds lark's tables every time.
+CPU time (user + system, of the child) is the figure to compare on a loaded machine.
 
 Why measured here and not in a test: times depend on the machine and its load (docs/BENCHMARKS.md
 records them); tests/test_cli_help.py checks only what cannot vary, that building the parsers
@@ -16,15 +21,18 @@ from __future__ import annotations
 
 import argparse
 import os
+import resource
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 COMMANDS = {
     "import cli": [sys.executable, "-c", "from tessera.runtime.cli import main"],
     "tessera --help": [sys.executable, "-m", "tessera.runtime.cli", "--help"],
     "tessera ir gpt2 (1 layer)": [sys.executable, "-m", "tessera.runtime.cli", "ir", "gpt2", "--set", "layers=1"],
+    "  the same, cold cache": [sys.executable, "-m", "tessera.runtime.cli", "ir", "gpt2", "--set", "layers=1"],
     "tessera report gpt2 -V large": [sys.executable, "-m", "tessera.runtime.cli", "report", "gpt2", "-V", "large"],
     "tessera report gpt2 -V gpt3": [sys.executable, "-m", "tessera.runtime.cli", "report", "gpt2", "-V", "gpt3"],
 }
@@ -45,15 +53,24 @@ def main() -> None:
     print(f"modules imported by building the parsers: {loaded.stdout.strip()}")
     for name, cmd in COMMANDS.items():
         if cmd[1:3] == ["-m", "tessera.runtime.cli"] and "--help" not in cmd:
-            print(f"  imported by {name}: {_modules_of(cmd[3:], env)}")
+            with tempfile.TemporaryDirectory() as cold:
+                run_env = {**env, "TESSERA_CACHE_DIR": cold} if "cold cache" in name else env
+                print(f"  imported by {name.strip()}: {_modules_of(cmd[3:], run_env)}")
+    print(f"load average before: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     for name, cmd in COMMANDS.items():
-        times = []
+        walls, cpus = [], []
         for _ in range(a.repeat):
-            t0 = time.perf_counter()
-            subprocess.run(cmd, env=env, capture_output=True, check=True)
-            times.append(time.perf_counter() - t0)
-        print(f"{name:32s} median {statistics.median(times):.2f} s  (min {min(times):.2f}, max {max(times):.2f}, "
-              f"{a.repeat} runs)")
+            with tempfile.TemporaryDirectory() as cold:
+                run_env = {**env, "TESSERA_CACHE_DIR": cold} if "cold cache" in name else env
+                before = resource.getrusage(resource.RUSAGE_CHILDREN)
+                t0 = time.perf_counter()
+                subprocess.run(cmd, env=run_env, capture_output=True, check=True)
+                walls.append(time.perf_counter() - t0)
+                after = resource.getrusage(resource.RUSAGE_CHILDREN)
+                cpus.append(after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime)
+        print(f"{name:32s} wall median {statistics.median(walls):.2f} s (min {min(walls):.2f}, max {max(walls):.2f})"
+              f"  CPU median {statistics.median(cpus):.2f} s (min {min(cpus):.2f})  {a.repeat} runs")
+    print(f"load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
 
 
 def _modules_of(argv: list[str], env: dict) -> str:

@@ -202,7 +202,9 @@ class Model:
         ``chat=True`` renders each text prompt as the user's message with the tokenizer folder's chat
         template. With ``logprobs=N`` the result is, per prompt, a dict (as ``tessera generate
         --format json`` prints it): ``tokens``, ``text`` for a text prompt, and ``logprobs``, per new
-        token its log-probability under the model and the N most likely alternatives'.
+        token its log-probability under the model and the N most likely alternatives'; streamed, each
+        new token comes as such a dict (``token``, ``logprob``, ``top``, and ``text``, the new text, for
+        a text prompt): one per step for a single prompt, else a list per step (None once a prompt stopped).
         An encoder-decoder takes its source inputs as ``inputs`` ({name: array, nested lists or a .npy
         path}: Whisper's float features, BART's ids and mask) and its target's first tokens as the
         prompt or ``start_token`` (the decoder's start token, for every source row; then no prompt; without
@@ -226,12 +228,12 @@ class Model:
                             quantize_activations=quantize_activations, start_token=start_token,
                             speculative=speculative, draft_tokens=draft_tokens).for_api()
         o.check()  # before the tokenizer is read
-        if stream and logprobs is not None:
-            raise UsageError("logprobs is not given with stream=True; generate without stream to get them")
         tok = self.tokenizer(tokenizer) if tokenizer is not None else None
         # errors now, not at the first next()
         run = driver.generate(self.ref, o, ids, self._weights, self._models, tok, inputs)
         if stream:
+            if logprobs is not None:
+                return self._stream_logprobs(run, is_text, single)
             return self._stream(run, is_text, single)
         out: list[list[int]] | None = None
         for emitted in run.steps():
@@ -268,6 +270,34 @@ class Model:
             if text.startswith(shown) and len(text) > len(shown):
                 yield text[len(shown):]
                 shown = text
+
+
+    @staticmethod
+    def _stream_logprobs(run: loop.Generation, is_text: bool, single: bool) -> Iterator:
+        """generate(stream=True, logprobs=N): per step, each new token's entry of run.logprobs (filled by
+        the step before it is yielded), with the text it adds for a text prompt (an incomplete character
+        waits for the token that completes it)."""
+        rows: list[list[int]] = []
+        shown: list[str] = []
+        for emitted in run.steps():
+            if not rows:
+                rows, shown = [[] for _ in emitted], ["" for _ in emitted]
+            items: list[dict | None] = []
+            for r, t in enumerate(emitted):
+                if t is None:
+                    items.append(None)
+                    continue
+                rows[r].append(t)
+                entry = dict(run.logprobs[r][len(rows[r]) - 1])
+                if is_text:
+                    text, entry["text"] = run.text(rows[r]), ""
+                    if text.startswith(shown[r]) and not text.endswith("\ufffd"):
+                        entry["text"], shown[r] = text[len(shown[r]):], text
+                items.append(entry)
+            if not single:
+                yield items
+            elif items[0] is not None:
+                yield items[0]
 
 
 def load(spec: str | Path, variant: str | None = None, weights: str | Path | None = None, seed: int = 0,

@@ -611,7 +611,7 @@ class GenerateOptions(QuantOptions):
         check_int(self.label("sampling_seed"), self.sampling_seed, minimum=0, optional=True)
         check_strings(self.label("stops"), self.stops)
         check_ints(self.label("stop_tokens"), self.stop_tokens)
-        check_choice(self.label("format"), self.format, ("text", "json"))
+        check_choice(self.label("format"), self.format, ("text", "json", "jsonl"))
         check_int(self.label("threads"), self.threads, minimum=0, optional=True)
         check_choice(self.label("cache"), self.cache, CACHES)
         check_bool(self.label("quiet"), self.quiet)
@@ -628,8 +628,9 @@ class GenerateOptions(QuantOptions):
         if self.chat and not self.prompts:
             raise UsageError(self.say("--chat applies the chat template to --prompt TEXT (with --tokenizer)",
                                       "chat=True applies the chat template to a text prompt (with a tokenizer)"))
-        if self.logprobs is not None and self.format != "json" and not self.api:
-            raise UsageError("--logprobs N is printed with --format json (the text output has no place for it)")
+        if self.logprobs is not None and self.format == "text" and not self.api:
+            raise UsageError("--logprobs N is printed with --format json or jsonl (the text output has no place "
+                             "for it)")
 
     def _check_speculative(self, kind: str) -> None:
         """--speculative and --draft-tokens: their values and what they exclude (the rules that need

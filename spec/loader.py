@@ -16,7 +16,7 @@ from pathlib import Path
 
 from . import ast
 from .diagnostics import SpecError
-from .parser import parse_text
+from .ast_cache import parse as parse_text  # lark only when the cache misses
 
 
 @dataclass

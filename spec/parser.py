@@ -13,6 +13,7 @@ from lark import Lark, Token, Transformer, Tree, v_args
 from lark.exceptions import UnexpectedCharacters, UnexpectedEOF, UnexpectedInput, UnexpectedToken, VisitError
 
 from . import ast
+from .cache_folder import cache_folder
 from .diagnostics import Pos, SpecError, register_source
 
 # Human names for the grammar's terminals, used in "expected ..." messages.
@@ -35,14 +36,11 @@ def _lark() -> Lark:
 
 def _grammar_cache() -> str | bool:
     """Where lark keeps the analysed grammar between runs: building the LALR tables takes ~0.1 s of every
-    command's start. A file in the user's cache folder (not lark's default, a shared temporary folder,
-    since lark unpickles it); lark checks the grammar's and its own version's hash before using it and
-    rebuilds on any mismatch or read error. False (no cache) where that folder cannot be made."""
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    folder = os.path.join(base, "tessera")
-    try:
-        os.makedirs(folder, exist_ok=True)
-    except OSError:
+    command's start. A file in the user's cache folder (spec/cache_folder.py; not lark's default, a shared
+    temporary folder, since lark unpickles it); lark checks the grammar's and its own version's hash before
+    using it and rebuilds on any mismatch or read error. False (no cache) where that folder cannot be made."""
+    folder = cache_folder()
+    if folder is None:
         return False
     return os.path.join(folder, f"grammar-py{sys.version_info[0]}{sys.version_info[1]}.lark-cache")
 

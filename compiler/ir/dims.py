@@ -37,9 +37,18 @@ def shape(values) -> Shape:
 
 
 def equal(a: Dim, b: Dim) -> bool:
+    """Whether two dimensions are the same for every value of their symbols. Most pairs compared
+    while building a graph are two numbers or two symbols, which differ unless they are ``==``:
+    answered without ``expand`` (the slow path, which on first use also imports much of sympy)."""
     if a == b:
         return True
+    if _integer_or_symbol(a) and _integer_or_symbol(b):
+        return False  # two different integers, two different symbols, or an integer and a symbol
     return sympy.expand(a - b) == 0
+
+
+def _integer_or_symbol(d) -> bool:
+    return getattr(d, "is_Integer", False) or getattr(d, "is_Symbol", False)
 
 
 def is_static(d: Dim) -> bool:

@@ -66,7 +66,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
     g.add_argument("--min-new-tokens", type=int, metavar="N",
                    help="no stop token (end of sequence, --stop-token) before N new tokens" + given % 0)
     g.add_argument("--logprobs", type=int, metavar="N",
-                   help="with --format json: each new token's log-probability under the model (log_softmax of "
+                   help="with --format json or jsonl: each new token's log-probability under the model (log_softmax of "
                         "its logits, before the decoding settings) and the N most likely alternatives' (0..20)")
     g.add_argument("--chat", action="store_true",
                    help="apply the tokenizer folder's chat template (tokenizer_config.json) to each --prompt, "
@@ -80,7 +80,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="end a prompt's generation at this text (repeatable; needs --tokenizer)")
     g.add_argument("--stop-token", dest="stop_tokens", action="append", default=[], type=int, metavar="ID",
                    help="end a prompt's generation at this token id (repeatable)")
-    g.add_argument("--format", choices=["text", "json"], default="text", help="output format (default text)")
+    g.add_argument("--format", choices=["text", "json", "jsonl"], default="text",
+                   help="output format (default text); jsonl streams one JSON object per new token as it is "
+                        "decoded (prompt, token, text, and with --logprobs logprob and top), then one of stats")
     args.add_quant_arguments(g)
     g.add_argument("--threads", type=int, default=None, help="onnxruntime intra-op threads (default: all cores)")
     g.add_argument("--cache", choices=["auto", "buffer", "concat"], default="auto",
@@ -116,10 +118,13 @@ def cmd_generate(ns: argparse.Namespace) -> int:
         print(tokenizer.decode(prompts[0], skip_special_tokens=False), end="", flush=True)
     started, last_note = time.perf_counter(), 0.0
     show_progress = not o.quiet
+    lines = _JsonLines(run) if o.format == "jsonl" else None
     for emitted in run.steps():
         for r, tok in enumerate(emitted):
             if tok is not None:
                 out[r].append(tok)
+        if lines is not None:
+            lines.step(emitted, out)
         if live:
             now = run.text(out[0])
             if now.startswith(shown):
@@ -131,12 +136,13 @@ def cmd_generate(ns: argparse.Namespace) -> int:
             last_note = elapsed
     if show_progress and last_note:
         print(file=sys.stderr)
+    summary = {"prompt_tokens": stats.prompt_tokens, "new_tokens": stats.new_tokens,
+               "prefill_ms": round(stats.prefill_s * 1e3, 3),
+               "decode_tokens_per_s": round(stats.decode_tokens_per_s, 2), **_speculative_stats(stats)}
     if o.format == "json":
-        print(json.dumps({"outputs": run.rows(out), "stats": {
-            "prompt_tokens": stats.prompt_tokens, "new_tokens": stats.new_tokens,
-            "prefill_ms": round(stats.prefill_s * 1e3, 3),
-            "decode_tokens_per_s": round(stats.decode_tokens_per_s, 2),
-            **_speculative_stats(stats)}}))
+        print(json.dumps({"outputs": run.rows(out), "stats": summary}))
+    elif lines is not None:
+        print(json.dumps({"stats": summary}), flush=True)
     elif live:
         print()
     else:
@@ -154,6 +160,30 @@ def cmd_generate(ns: argparse.Namespace) -> int:
     return 0
 
 
+class _JsonLines:
+    """--format jsonl: one line per new token as soon as it is decoded -- its prompt's index, id, the
+    text it adds (with a tokenizer; an incomplete character waits for the token that completes it) and,
+    with --logprobs, its log-probability and the top alternatives' (the entries --format json lists)."""
+
+    def __init__(self, run):
+        self.run, self.shown = run, [""] * len(run.prompts)
+
+    def step(self, emitted: list[int | None], out: list[list[int]]) -> None:
+        run = self.run
+        for r, tok in enumerate(emitted):
+            if tok is None:
+                continue
+            line = {"prompt": r, "token": tok}
+            if run.tokenizer is not None:
+                text, line["text"] = run.text(out[r]), ""
+                if text.startswith(self.shown[r]) and not text.endswith("\ufffd"):
+                    line["text"], self.shown[r] = text[len(self.shown[r]):], text
+            if run.sampling.logprobs is not None:
+                entry = run.logprobs[r][len(out[r]) - 1]
+                line.update(logprob=entry["logprob"], top=entry["top"])
+            print(json.dumps(line), flush=True)
+
+
 def _speculative_stats(stats) -> dict:
     """The JSON output's counts of speculative decoding (none when decoding plainly)."""
     if stats.drafted is None:
@@ -167,9 +197,12 @@ def _print_recurrent(run, o: GenerateOptions) -> int:
     import numpy as np
 
     out = run.decoded
+    rows = [{"tokens": out.tokens[r].tolist(), "align": np.round(out.align[r], 6).tolist()} for r in range(run.rows)]
     if o.format == "json":
-        print(json.dumps({"outputs": [{"tokens": out.tokens[r].tolist(), "align": np.round(out.align[r], 6).tolist()}
-                                      for r in range(run.rows)]}))
+        print(json.dumps({"outputs": rows}))
+    elif o.format == "jsonl":  # decoded all at once: one line per prompt
+        for r, row in enumerate(rows):
+            print(json.dumps({"prompt": r, **row}))
     else:
         for r in range(run.rows):
             print(" ".join(map(str, out.tokens[r].tolist())))

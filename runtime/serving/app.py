@@ -140,8 +140,6 @@ class Server:
         if max_tokens is None:  # as much as the context leaves, as OpenAI's chat route does
             max_tokens = max(1, self.engine.capacity - len(prompt_ids)) if prompt_ids else 1
         logprobs = body.top_logprobs_wanted()
-        if logprobs is not None and body.stream:
-            raise ApiError(400, "logprobs are not given with stream: true yet", param="logprobs")
         sampling = Sampling(float(body.temperature), body.top_k, float(body.top_p), float(body.repetition_penalty),
                             body.seed, float(body.min_p), body.no_repeat_ngram_size, body.min_tokens, logprobs)
         return Request(prompt_ids, max_tokens, sampling, tuple(stop_token_ids(self.tokenizer, stops)),
@@ -240,9 +238,13 @@ class Server:
         token_logprobs, top_logprobs (token text -> log-probability) and text_offset."""
         if handle.request.sampling.logprobs is None:
             return None
-        entries = handle.logprobs[:len(self.text_tokens(handle, True))]
+        return self.completion_logprobs_of(handle.logprobs[:len(self.text_tokens(handle, True))])
+
+    def completion_logprobs_of(self, entries: list[dict], offset: int = 0) -> dict:
+        """The completions ``logprobs`` of some tokens' entries (engine Handle.logprobs), the first
+        ``offset`` characters into the completion (a stream's chunk carries its own tokens')."""
         texts = [self._token_text(e["token"]) for e in entries]
-        offsets = [sum(len(t) for t in texts[:i]) for i in range(len(texts))]
+        offsets = [offset + sum(len(t) for t in texts[:i]) for i in range(len(texts))]
         return {"tokens": texts, "token_logprobs": [e["logprob"] for e in entries],
                 "top_logprobs": [{self._token_text(a["token"]): a["logprob"] for a in e["top"]} for e in entries],
                 "text_offset": offsets}
@@ -251,12 +253,14 @@ class Server:
         """OpenAI's chat ``logprobs``: content, per token its text, logprob, bytes and top_logprobs."""
         if handle.request.sampling.logprobs is None:
             return None
+        return self.chat_logprobs_of(handle.logprobs[:len(self.text_tokens(handle, True))])
 
+    def chat_logprobs_of(self, entries: list[dict]) -> dict:
+        """The chat ``logprobs`` of some tokens' entries (a stream's chunk carries its own tokens')."""
         def item(token: int, logprob: float) -> dict:
             text = self._token_text(token)
             return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
 
-        entries = handle.logprobs[:len(self.text_tokens(handle, True))]
         return {"content": [{**item(e["token"], e["logprob"]), "top_logprobs": [item(a["token"], a["logprob"])
                                                                                for a in e["top"]]}
                             for e in entries]}
@@ -424,7 +428,22 @@ def create_app(server: Server):
             raise ApiError(503, "the request was cancelled: the server is shutting down", "service_unavailable")
 
     def stream(handle: Handle, request: HttpRequest, chunk, usage_wanted: bool):
-        """Server-sent events: ``chunk(delta_text, finish_reason)`` per new text, then usage, then [DONE]."""
+        """Server-sent events: ``chunk(delta_text, finish_reason, entries=...)`` per new text, then usage,
+        then [DONE]. With logprobs asked for, ``entries`` are the engine's log-probabilities of the tokens
+        whose text the chunk first covers (the finish chunk gets any left, e.g. behind a stop string),
+        else None."""
+        wanted = handle.request.sampling.logprobs is not None
+
+        def entries(upto: int) -> list[dict] | None:
+            nonlocal sent
+            if not wanted:
+                return None
+            new = handle.logprobs[sent:max(sent, upto)]
+            sent += len(new)
+            return new
+
+        sent = 0
+
         async def events():
             shown, detok = "", Detokenizer(server.tokenizer)
             try:
@@ -435,14 +454,15 @@ def create_app(server: Server):
                     tokens = server.text_tokens(handle, done, None if done else count)
                     text = server.visible(handle, detok.update(tokens), done)
                     if text.startswith(shown) and len(text) > len(shown):
-                        yield f"data: {json.dumps(chunk(text[len(shown):], None))}\n\n"
+                        yield f"data: {json.dumps(chunk(text[len(shown):], None, entries=entries(len(tokens))))}\n\n"
                         shown = text
                     if done:
                         if handle.finish_reason in ("error", "cancelled"):
                             err = handle.error or "the request was cancelled: the server is shutting down"
                             yield f"data: {json.dumps({'error': {'message': err, 'type': 'server_error'}})}\n\n"
                         else:
-                            yield f"data: {json.dumps(chunk('', _finish_reason(handle)))}\n\n"
+                            last = entries(len(tokens))
+                            yield f"data: {json.dumps(chunk('', _finish_reason(handle), entries=last))}\n\n"
                             if usage_wanted:
                                 final = chunk(None, None, usage=_usage(handle))
                                 yield f"data: {json.dumps(final)}\n\n"
@@ -461,14 +481,21 @@ def create_app(server: Server):
         handle = server._submit(req)
         rid, created = f"cmpl-{handle.id}", int(time.time())
         if body.stream:
-            def chunk(text, finish, usage=None):
+            offset = 0  # characters of the completion's token texts before this chunk's (text_offset)
+
+            def chunk(text, finish, usage=None, entries=None):
+                nonlocal offset
                 if usage is not None:
                     return {"id": rid, "object": "text_completion", "created": created, "model": server.model_name,
                             "choices": [], "usage": usage}
                 if text is None:
                     return None
+                logprobs = None
+                if entries is not None:
+                    logprobs = server.completion_logprobs_of(entries, offset)
+                    offset += sum(len(t) for t in logprobs["tokens"])
                 return {"id": rid, "object": "text_completion", "created": created, "model": server.model_name,
-                        "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}]}
+                        "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}]}
 
             return stream(handle, request, chunk, bool((body.stream_options or {}).get("include_usage")))
         await wait_for(handle, request)
@@ -484,13 +511,15 @@ def create_app(server: Server):
         handle = server._submit(req)
         rid, created = f"chatcmpl-{handle.id}", int(time.time())
         if body.stream:
-            def chunk(text, finish, usage=None):
+            def chunk(text, finish, usage=None, entries=None):
                 base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": server.model_name}
                 if usage is not None:
                     return {**base, "choices": [], "usage": usage}
                 delta = {"role": "assistant", "content": ""} if text is None else \
                     ({"content": text} if text else {})
-                return {**base, "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]}
+                logprobs = server.chat_logprobs_of(entries) if entries is not None else None
+                return {**base, "choices": [{"index": 0, "delta": delta, "logprobs": logprobs,
+                                             "finish_reason": finish}]}
 
             return stream(handle, request, chunk, bool((body.stream_options or {}).get("include_usage")))
         await wait_for(handle, request)
