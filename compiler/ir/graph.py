@@ -1,4 +1,4 @@
-"""Tessera's IR: a directed graph of primitive ops over typed, symbolic tensors.
+"""Tessera's IR: a networkx graph of primitive ops over typed, symbolic tensors.
 
 Values are named tensors. A value is a graph input, a parameter (a trainable
 weight with a hierarchical path such as ``layers.3.attn.q.weight``), a
@@ -6,8 +6,7 @@ constant (a literal or a derived table), or the output of a node. Nodes carry
 the scope they were created in (for names and per-block roll-ups) and the spec
 position that created them (for errors raised later, e.g. by passes).
 
-The ``DiGraph`` ``graph.nx`` (compiler/ir/digraph.py: networkx's DiGraph API and
-orders, without networkx's import time) holds the dataflow (values and nodes as
+The networkx ``DiGraph`` ``graph.nx`` holds the dataflow (values and nodes as
 vertices, see ``Graph``) and answers the graph questions; ``graph.nodes`` keeps
 a topological order.
 """
@@ -20,11 +19,11 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+import networkx as nx
 import numpy as np
 
 from tessera.spec import Pos
 
-from tessera.compiler.ir import digraph as nx
 from tessera.compiler.ir import dims
 from tessera.compiler.ir.dims import Shape
 
@@ -106,10 +105,10 @@ class SymbolSource:
 class Graph:
     """The model as a dataflow graph.
 
-    ``nx`` is a ``DiGraph`` (compiler/ir/digraph.py, networkx's API) with one vertex per value (``("v", name)``) and one per
+    ``nx`` is a networkx ``DiGraph`` with one vertex per value (``("v", name)``) and one per
     node (``("n", name)``): an edge value -> node for every input a node reads and node -> value
     for every output it writes. It is kept up to date by every mutation below (never rebuilt), and
-    the graph queries are digraph queries on it: consumers (successors of a value), topological
+    the graph queries are networkx queries on it: consumers (successors of a value), topological
     order, what reaches the outputs (dead-node elimination), cycles. ``nodes`` keeps the nodes in a
     topological order (creation order, and after a rewrite the stable topological sort), which is
     the order the interpreter runs and the exporter writes them in.

@@ -98,7 +98,7 @@ def run_passes(graph: Graph, passes: list[Pass]) -> list[PassResult]:
 
 
 class EliminateDeadNodes(Pass):
-    """Drop nodes that no graph output depends on (reachability in the graph's digraph), e.g. left by a rewrite."""
+    """Drop nodes that no graph output depends on (networkx reachability), e.g. left by a rewrite."""
 
     name = "eliminate-dead-nodes"
 

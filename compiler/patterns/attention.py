@@ -42,9 +42,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable
 
+import networkx as nx
 import numpy as np
 
-from tessera.compiler.ir import digraph as nx
 from tessera.compiler.ir import dims
 from tessera.compiler.ir.graph import Graph, Node
 from tessera.compiler.reference import score_epilogue
@@ -348,7 +348,7 @@ def _only_user(g: Graph, value: str) -> bool:
 
 
 def _escapes(g: Graph, m: AttentionMatch) -> str | None:
-    """Reachability on the graph's digraph view: the covered nodes must be read only inside the match,
+    """Reachability on the graph's networkx view: the covered nodes must be read only inside the match,
     and the mask and bias must not depend on them (the fused node would feed itself)."""
     inside = set(m.covered) | {m.value}
     for name in m.covered:
