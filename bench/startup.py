@@ -1,7 +1,7 @@
 """Start-up time of the ``tessera`` command: wall and CPU time of a few commands, each a fresh process,
 which heavy modules the command line imports before it does any work, and which ones each command
-imports in all (``ir`` and ``report`` need sympy and numpy, never onnx; lark only when a spec file
-is not in the AST cache, spec/ast_cache.py, and networkx never, compiler/ir/digraph.py).
+imports in all (``ir`` and ``report`` need sympy, networkx and numpy, never onnx; lark only when a spec file
+is not in the AST cache, spec/ast_cache.py).
 
 The rows run with the user's cache folder, warm after the first run; the "cold cache" row gives each
 run a new empty TESSERA_CACHE_DIR, so it parses the spec files and builds lark's tables every time.
