@@ -15,6 +15,10 @@ weights, --threads onnxruntime threads), in alternating rounds so every case see
 - ``decode-16``: ``Engine.step`` of an engine with --rows requests of --prompt tokens, all decoding
   (the onnxruntime call with the cache bound in place, scheduling, token choice), --steps per round;
 - ``decode-1``: the same with one request: one stream's step, the goal's unit;
+- ``decode-N`` for N in --proxy-rows: a decoding step of N rows, whose matrix products are those of
+  one call over --rows decoding rows and a chunk of N - rows prompt tokens (the combined call of
+  docs/serve.md, not built: its attention differs, the chunk's tokens attending causally over its
+  own row), against the two calls the engine makes today;
 - ``chunk T @P``: one prefill call as the engine makes it (``Engine._prefill_chunk``'s feeds): T
   prompt tokens of one row against P cached positions (P = 0: the prompt's first chunk, against an
   empty past; P > 0: the row's filled columns, the view rounded up to 64 columns), --steps per round.
@@ -74,6 +78,9 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=4, help="calls per case and round")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--proxy-rows", type=int, nargs="*", default=[32],
+                   help="decoding steps of this many rows too: what one call over --rows decoding rows and a "
+                        "chunk of (N - rows) prompt tokens would cost in its matrix products (default 32)")
     p.add_argument("--json", metavar="FILE")
     args = p.parse_args()
     m = MODELS[args.model]
@@ -82,7 +89,8 @@ def main() -> None:
     rng = np.random.default_rng(0)
     need = args.rounds * args.steps + 8
     engines = {}
-    for name, rows in (("decode-16" if args.rows == 16 else f"decode-{args.rows}", args.rows), ("decode-1", 1)):
+    widths = [(f"decode-{args.rows}", args.rows), ("decode-1", 1)] + [(f"decode-{n}", n) for n in args.proxy_rows]
+    for name, rows in widths:
         e = Engine(model, max_batch=rows, max_queue=0, prefill_chunk=max(256, args.prompt))
         for _ in range(rows):
             e.submit(Request(rng.integers(1, vocab, args.prompt).tolist(), need))
@@ -113,6 +121,13 @@ def main() -> None:
         rel = f"  {med[k] / med[big]:.2f} of {big}" if k.startswith("chunk") else ""
         print(f"  {k:<16} best {min(v):8.1f}  median {med[k]:8.1f} ms{rel}")
     print(f"  {big} = {med[big] / med['decode-1']:.2f} one-stream steps (median)")
+    for n in args.proxy_rows:  # a combined call's matrix products, against the chunk as a call of its own
+        t = n - args.rows
+        alone = f"chunk {t} @{args.past[0]}"
+        if alone in med:
+            print(f"  decode-{n} (the matrix products of one call over {args.rows} decoding rows and a {t}-token "
+                  f"chunk) = {med[f'decode-{n}'] / med[big]:.2f} of {big}; {big} + {alone} as two calls = "
+                  f"{(med[big] + med[alone]) / med[big]:.2f}")
     for k in feeds:
         print(f"  {big} + {k}: {(med[big] + med[k]) / med['decode-1']:.2f} one-stream steps (goal for p99 ITL: <= 3)")
     if args.json:
