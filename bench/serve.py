@@ -8,6 +8,8 @@ Tessera's one-request-at-a-time ``generate`` and a static batch, on the same wei
                                                             # a soak: 1,000 requests, RSS after each 250
     python bench/serve.py --model llama --genai-python /path/to/genai-venv/bin/python
                                                             # and onnxruntime-genai's static batches
+    python bench/serve.py --model llama --concurrency 16 --no-serve --genai-python PY
+                                                            # the static batches only (equal prompts: both)
 
 What runs (weights seeded; a word-level tokenizer over the model's vocabulary, one word per id, so
 every new token is one streamed chunk of text):
@@ -308,6 +310,8 @@ def main() -> None:
     p.add_argument("--genai-python", metavar="PYTHON",
                    help="a Python with onnxruntime-genai 0.18 (and its builder's torch, transformers, onnx_ir): "
                         "adds its static batch of each concurrency (--model llama only)")
+    p.add_argument("--no-serve", action="store_true",
+                   help="the in-process baselines (and onnxruntime-genai's static batches) only, no server")
     p.add_argument("--json", metavar="FILE")
     p.add_argument("--_genai", nargs=5, help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -322,7 +326,9 @@ def main() -> None:
     ps = prompts(max(max(args.concurrency), args.requests), args.prompt_min, args.prompt_max, vocab)
     with tempfile.TemporaryDirectory() as tmp:
         tokenizer = make_tokenizer(Path(tmp), vocab)
-        rows = baselines(args, model_args, ps) + serve_levels(args, model_args, tokenizer, ps)
+        rows = baselines(args, model_args, ps)
+        if not args.no_serve:
+            rows += serve_levels(args, model_args, tokenizer, ps)
     if args.genai_python:
         rows += genai_static(args, ps)
     print(f"model {args.model} ({' '.join(model_args['sets']) or model_args.get('variant')}), prompts "
