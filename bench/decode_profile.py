@@ -28,9 +28,10 @@ session each:
 From the profile's events: the last --steps ``model_run`` events and the ``*_kernel_time`` node events
 inside them. Reported per step, each the median over the profiled steps: the run's time, the sum of
 the top-level nodes, the rest (the executor between nodes), node counts, time and count per op
-type; an ``If`` node's time is split into its own part (the If minus the nodes its branch ran, which are counted under their own types) and
-those nodes. Profiling adds a small cost to each node, so the graph with more nodes is charged a
-little more than it costs unprofiled: read small differences with that in mind.
+type; an ``If`` node's time is split into its own part (the If minus the nodes its branch ran) and
+those nodes, counted under their own types. Profiling adds a small cost to each node, so the graph
+with more nodes is charged a little more than it costs unprofiled: read small differences with that
+in mind.
 
 Not a timed test: the figures depend on the machine and what else runs on it.
 """
@@ -228,7 +229,8 @@ def main() -> None:
     print(table(results))
     for b in args.rows:
         t, g = results[f"tessera B={b}"], results[f"genai B={b}"]
-        mm = lambda r: sum(v["ms"] for k, v in r["ops"].items() if k in ("MatMul", "FusedMatMul", "MatMulNBits", "Gemm"))  # noqa: E731
+        products = ("MatMul", "FusedMatMul", "MatMulNBits", "Gemm")
+        mm = lambda r: sum(v["ms"] for k, v in r["ops"].items() if k in products)  # noqa: E731
         print(f"B={b}: model_run tessera / genai {t['run_ms'] / g['run_ms']:.3f}; matrix products "
               f"{mm(t):.2f} vs {mm(g):.2f} ms; the rest of the nodes {t['nodes_ms'] - mm(t):.2f} vs "
               f"{g['nodes_ms'] - mm(g):.2f} ms; between nodes {t['between_ms']:.2f} vs {g['between_ms']:.2f} ms; "

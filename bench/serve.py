@@ -351,7 +351,8 @@ def main() -> None:
     by = {r["case"].split(" ")[0]: r["tokens_per_s"] for r in rows}
     for c in args.concurrency:  # the two static batches on the same equal prompts (apples to apples)
         if f"static-{c}-equal" in by and f"ort-genai-static-{c}" in by:
-            print(f"static-{c}-equal / ort-genai-static-{c}: {by[f'static-{c}-equal'] / by[f'ort-genai-static-{c}']:.3f}"
+            ratio = by[f"static-{c}-equal"] / by[f"ort-genai-static-{c}"]
+            print(f"static-{c}-equal / ort-genai-static-{c}: {ratio:.3f}"
                   f" (the same {(args.prompt_min + args.prompt_max) // 2}-token prompts)")
         if f"serve-{c}" in by and f"ort-genai-static-{c}" in by:
             print(f"serve-{c} / ort-genai-static-{c}: {by[f'serve-{c}'] / by[f'ort-genai-static-{c}']:.3f}")
