@@ -8,6 +8,8 @@ Tessera's one-request-at-a-time ``generate`` and a static batch, on the same wei
                                                             # a soak: 1,000 requests, RSS after each 250
     python bench/serve.py --model llama --genai-python /path/to/genai-venv/bin/python
                                                             # and onnxruntime-genai's static batches
+    python bench/serve.py --model llama --concurrency 16 --no-serve --genai-python PY
+                                                            # the static batches only (equal prompts: both)
 
 What runs (weights seeded; a word-level tokenizer over the model's vocabulary, one word per id, so
 every new token is one streamed chunk of text):
@@ -19,6 +21,9 @@ every new token is one streamed chunk of text):
   ratio to ``generate-1``: how many one-stream steps a step of C rows costs on this machine (the
   issue's 6x goal at C = 16 assumes a static batch of 16 is itself well past 6x one stream, and its
   p99 inter-token latency goal of 3x one stream's step assumes a step of 16 rows under 3x);
+- ``static-C-equal``: the same over C prompts of one length, the tokens onnxruntime-genai's static batch
+  gets (``equal_batch``: the mean of --prompt-min and --prompt-max), so the two static batches do the
+  same work (apples to apples: left-padded prompts of different lengths pad every row to the longest);
 - ``ort-genai-static-C`` (with ``--genai-python``, ``--model llama`` only): onnxruntime-genai's
   Generator with ``batch_size`` = C over C prompts of one length (the mean of --prompt-min and
   --prompt-max: its best case), on its model builder's fp32 export of a checkpoint of the same shape
@@ -31,6 +36,10 @@ every new token is one streamed chunk of text):
   level's wall time), time to first token p50/p99 (from sending the request to its first text chunk),
   inter-token latency p50/p99 (between successive chunks of one stream), the server's CPU time
   over wall time and its resident memory after the level.
+
+Every case also gives its CPU seconds (``cpu_s``: the process's user + system time over the case,
+all its threads; for ``serve-C`` the server process's), so a case that waited on a busy machine shows
+a CPU/wall under the threads it was given.
 
 Not a timed test: the figures depend on the machine and what else runs on it.
 """
@@ -86,6 +95,12 @@ def prompts(n: int, lo: int, hi: int, vocab: int, seed: int = 0) -> list[list[in
     return [rng.integers(1, vocab, int(rng.integers(lo, hi + 1))).tolist() for _ in range(n)]
 
 
+def equal_batch(c: int, length: int, vocab: int) -> list[list[int]]:
+    """C prompts of ``length`` tokens: the batch both static batches of equal prompts get (Tessera's
+    and onnxruntime-genai's, in its child process)."""
+    return np.random.default_rng(0).integers(3, vocab, (c, length)).tolist()
+
+
 def pct(xs: list[float], q: float) -> float:
     return float(np.percentile(xs, q)) * 1e3 if xs else float("nan")
 
@@ -103,24 +118,27 @@ def baselines(args, model_args: dict, ps: list[list[int]]) -> list[dict]:
     for name, m in ((f"generate-1 ({kernel} decode, the engine's)", engine_model),
                     ("generate-1 (plain decode)", plain)):
         gen.generate(m, [ps[0]], 4)  # warm-up
-        start, new = time.perf_counter(), 0
+        start, cpu0, new = time.perf_counter(), time.process_time(), 0
         for p in ps[:args.baseline_requests]:
             new += len(gen.generate(m, [p], args.new).tokens[0])
         wall = time.perf_counter() - start
-        rows.append({"case": name, "tokens_per_s": new / wall, "wall_s": wall})
+        rows.append({"case": name, "tokens_per_s": new / wall, "wall_s": wall, "cpu_s": time.process_time() - cpu0})
         one = one or rows[-1]["tokens_per_s"]
     del plain
+    length = (args.prompt_min + args.prompt_max) // 2
     for c in args.concurrency:
         if c == 1:
             continue
-        batch = ps[:c]
-        gen.generate(engine_model, batch, 2)
-        start = time.perf_counter()
-        res = gen.generate(engine_model, batch, args.new)
-        wall = time.perf_counter() - start
-        tps = res.stats.new_tokens / wall
-        rows.append({"case": f"static-{c} (generate, left-padded)", "tokens_per_s": tps, "wall_s": wall,
-                     "x_one_stream": tps / one, "step_in_one_stream_steps": c * one / tps})
+        for name, batch in ((f"static-{c} (generate, left-padded)", ps[:c]),
+                            (f"static-{c}-equal (generate, {length}-token prompts)",
+                             equal_batch(c, length, engine_model.vocab))):
+            gen.generate(engine_model, batch, 2)
+            start, cpu0 = time.perf_counter(), time.process_time()
+            res = gen.generate(engine_model, batch, args.new)
+            wall = time.perf_counter() - start
+            tps = res.stats.new_tokens / wall
+            rows.append({"case": name, "tokens_per_s": tps, "wall_s": wall, "cpu_s": time.process_time() - cpu0,
+                         "x_one_stream": tps / one, "step_in_one_stream_steps": c * one / tps})
     return rows
 
 
@@ -157,20 +175,20 @@ def genai_child(folder: str, c: int, length: int, new: int, threads: int) -> dic
     cfg.overlay(json.dumps({"model": {"decoder": {"session_options": {
         "intra_op_num_threads": threads, "inter_op_num_threads": 1}}}}))
     model = og.Model(cfg)
-    batch = np.random.default_rng(0).integers(3, 32000, (c, length)).astype(np.int32)
+    batch = np.array(equal_batch(c, length, 32000), dtype=np.int32)
     for n in (4, new):  # warm-up, then the timed run
         params = og.GeneratorParams(model)
         params.set_search_options(max_length=length + n, min_length=length + n, do_sample=False, batch_size=c)
-        start = time.perf_counter()
+        start, cpu0 = time.perf_counter(), time.process_time()
         g = og.Generator(model, params)
         g.append_tokens(batch)
         steps = 0
         while not g.is_done():
             g.generate_next_token()
             steps += 1
-        wall = time.perf_counter() - start
+        wall, cpu = time.perf_counter() - start, time.process_time() - cpu0
         del g
-    return {"tokens_per_s": c * steps / wall, "wall_s": wall}
+    return {"tokens_per_s": c * steps / wall, "wall_s": wall, "cpu_s": cpu}
 
 
 def _cpu_s(pid: int) -> float:
@@ -268,7 +286,7 @@ def serve_levels(args, model_args: dict, tokenizer: Path, ps: list[list[int]]) -
             rows.append({"case": f"serve-{c}", "requests": len(results), "errors": errors[0],
                          "tokens_per_s": total / wall, "wall_s": wall, "ttft_p50_ms": pct(ttft, 50),
                          "ttft_p99_ms": pct(ttft, 99), "itl_p50_ms": pct(itl, 50), "itl_p99_ms": pct(itl, 99),
-                         "cpu_per_wall": cpu / wall, "server_rss_mib": _rss_mib(proc.pid)})
+                         "cpu_per_wall": cpu / wall, "cpu_s": cpu, "server_rss_mib": _rss_mib(proc.pid)})
     finally:
         proc.send_signal(signal.SIGTERM)
         try:
@@ -292,6 +310,8 @@ def main() -> None:
     p.add_argument("--genai-python", metavar="PYTHON",
                    help="a Python with onnxruntime-genai 0.18 (and its builder's torch, transformers, onnx_ir): "
                         "adds its static batch of each concurrency (--model llama only)")
+    p.add_argument("--no-serve", action="store_true",
+                   help="the in-process baselines (and onnxruntime-genai's static batches) only, no server")
     p.add_argument("--json", metavar="FILE")
     p.add_argument("--_genai", nargs=5, help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -306,7 +326,9 @@ def main() -> None:
     ps = prompts(max(max(args.concurrency), args.requests), args.prompt_min, args.prompt_max, vocab)
     with tempfile.TemporaryDirectory() as tmp:
         tokenizer = make_tokenizer(Path(tmp), vocab)
-        rows = baselines(args, model_args, ps) + serve_levels(args, model_args, tokenizer, ps)
+        rows = baselines(args, model_args, ps)
+        if not args.no_serve:
+            rows += serve_levels(args, model_args, tokenizer, ps)
     if args.genai_python:
         rows += genai_static(args, ps)
     print(f"model {args.model} ({' '.join(model_args['sets']) or model_args.get('variant')}), prompts "
@@ -320,13 +342,25 @@ def main() -> None:
         if "x_one_stream" in r:
             extra = (f"  {r['x_one_stream']:.2f}x one stream (a step of these rows = {r['step_in_one_stream_steps']:.2f} "
                      f"one-stream steps)")
-        print(f"{r['case']:<48} {r['tokens_per_s']:8.1f} tokens/s{extra}")
+        cpu = f"  CPU {r['cpu_s']:.2f} s / wall {r['wall_s']:.2f} s" if "cpu_s" in r else ""
+        print(f"{r['case']:<48} {r['tokens_per_s']:8.1f} tokens/s{cpu}{extra}")
     one = rows[0]["tokens_per_s"]
     for r in rows:
         if r["case"].startswith(("serve-", "ort-genai-static-")):
             print(f"{r['case'].split(' ')[0]}: {r['tokens_per_s'] / one:.2f}x generate-1")
+    by = {r["case"].split(" ")[0]: r["tokens_per_s"] for r in rows}
+    for c in args.concurrency:  # the two static batches on the same equal prompts (apples to apples)
+        if f"static-{c}-equal" in by and f"ort-genai-static-{c}" in by:
+            ratio = by[f"static-{c}-equal"] / by[f"ort-genai-static-{c}"]
+            print(f"static-{c}-equal / ort-genai-static-{c}: {ratio:.3f}"
+                  f" (the same {(args.prompt_min + args.prompt_max) // 2}-token prompts)")
+        if f"serve-{c}" in by and f"ort-genai-static-{c}" in by:
+            print(f"serve-{c} / ort-genai-static-{c}: {by[f'serve-{c}'] / by[f'ort-genai-static-{c}']:.3f}")
     if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=1))
+        path = Path(args.json)
+        part = path.with_name(path.name + ".part")  # written whole, then renamed over the target
+        part.write_text(json.dumps(rows, indent=1))
+        part.replace(path)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,141 @@
+"""What a prefill chunk costs next to a decoding step: to size the serving engine's chunked prefill.
+
+    python bench/prefill_mix_cost.py                          # the issue's Llama shape, 2 threads
+    python bench/prefill_mix_cost.py --chunks 16 48 112 --past 0 128 --rounds 5 --threads 2
+
+Why: a served stream's inter-token latency is one decoding step plus whatever else the iteration
+runs, here a prefill chunk of a new prompt in a call of its own (runtime/serving/engine.py). Issue
+#23 asks p99 inter-token latency at concurrency 16 of at most 3x one stream's step with prompts
+arriving, so what a chunk of T tokens costs against a 16-row decoding step (and against one stream's
+step) says which chunk sizes fit, and whether any does while the chunk is a separate call.
+
+What runs (one process, the engine's compiled decoder as runtime/serving/model.py loads it, seeded
+weights, --threads onnxruntime threads), in alternating rounds so every case sees the same load:
+
+- ``decode-16``: ``Engine.step`` of an engine with --rows requests of --prompt tokens, all decoding
+  (the onnxruntime call with the cache bound in place, scheduling, token choice), --steps per round;
+- ``decode-1``: the same with one request: one stream's step, the goal's unit;
+- ``decode-N`` for N in --proxy-rows: a decoding step of N rows, whose matrix products are those of
+  one call over --rows decoding rows and a chunk of N - rows prompt tokens (the combined call of
+  docs/serve.md, not built: its attention differs, the chunk's tokens attending causally over its
+  own row), against the two calls the engine makes today;
+- ``chunk T @P``: one prefill call as the engine makes it (``Engine._prefill_chunk``'s feeds): T
+  prompt tokens of one row against P cached positions (P = 0: the prompt's first chunk, against an
+  empty past; P > 0: the row's filled columns, the view rounded up to 64 columns), --steps per round.
+
+Reported per case: best and median ms per call over rounds, and each chunk's median as a fraction of
+``decode-16``'s median; then the iteration a stream sees at 16 rows with a chunk T (decode-16 +
+chunk) in one-stream steps, against the goal's 3.
+
+Not a timed test: the figures depend on the machine and what else runs on it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from serve import MODELS, _vocab  # noqa: E402
+
+
+def chunk_feeds(model, t: int, past: int, vocab: int) -> dict[str, np.ndarray]:
+    """The feeds of Engine._prefill_chunk for T tokens of one row after ``past`` cached ones."""
+    info = model.info
+    rng = np.random.default_rng(t * 1000 + past)
+    feeds = {info.tokens: rng.integers(1, vocab, (1, t)).astype(np.int64),
+             "position_ids": np.arange(past, past + t, dtype=np.int64)[None]}
+    width = 0 if past == 0 else -(-past // 64) * 64  # the engine's view width (WIDTH_STEP)
+    for layer in info.layers:
+        for name, size in ((layer.past_key, layer.head_size), (layer.past_value, layer.value_size)):
+            feeds[name] = np.zeros((1, layer.kv_heads, width, size), dtype=model.np_dtype)
+    mask = np.zeros((1, width + t), dtype=np.int64)
+    mask[0, :past] = 1
+    mask[0, width:] = 1
+    feeds["attention_mask"] = mask
+    if info.length_input:
+        feeds[info.length_input] = np.array([past], dtype=np.int64)
+    return feeds
+
+
+def main() -> None:
+    from tessera.runtime.serving import model as serving_model
+    from tessera.runtime.serving.engine import Engine, Request
+
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", choices=list(MODELS), default="llama")
+    p.add_argument("--rows", type=int, default=16)
+    p.add_argument("--prompt", type=int, default=128, help="prompt tokens of the decoding rows")
+    p.add_argument("--chunks", type=int, nargs="+", default=[16, 48, 112])
+    p.add_argument("--past", type=int, nargs="+", default=[0, 128])
+    p.add_argument("--steps", type=int, default=4, help="calls per case and round")
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--proxy-rows", type=int, nargs="*", default=[32],
+                   help="decoding steps of this many rows too: what one call over --rows decoding rows and a "
+                        "chunk of (N - rows) prompt tokens would cost in its matrix products (default 32)")
+    p.add_argument("--json", metavar="FILE")
+    args = p.parse_args()
+    m = MODELS[args.model]
+    vocab = _vocab(m["sets"])
+    model = serving_model.load(m["spec"], m.get("variant"), m["sets"], threads=args.threads)
+    rng = np.random.default_rng(0)
+    need = args.rounds * args.steps + 8
+    engines = {}
+    widths = [(f"decode-{args.rows}", args.rows), ("decode-1", 1)] + [(f"decode-{n}", n) for n in args.proxy_rows]
+    for name, rows in widths:
+        e = Engine(model, max_batch=rows, max_queue=0, prefill_chunk=max(256, args.prompt))
+        for _ in range(rows):
+            e.submit(Request(rng.integers(1, vocab, args.prompt).tolist(), need))
+        while any(s.prefilling for s in e.rows) or e.queued:
+            e.step()
+        e.step()  # warm-up at this width
+        engines[name] = e
+    feeds = {f"chunk {t} @{p0}": chunk_feeds(model, t, p0, vocab) for p0 in args.past for t in args.chunks}
+    for f in feeds.values():
+        model.run(f)  # warm-up of each shape
+    times: dict[str, list[float]] = {k: [] for k in [*engines, *feeds]}
+    for _ in range(args.rounds):
+        for name, e in engines.items():
+            start = time.perf_counter()
+            for _ in range(args.steps):
+                e.step()
+            times[name].append((time.perf_counter() - start) / args.steps * 1e3)
+        for name, f in feeds.items():
+            start = time.perf_counter()
+            for _ in range(args.steps):
+                model.run(f)
+            times[name].append((time.perf_counter() - start) / args.steps * 1e3)
+    big = next(iter(engines))
+    med = {k: statistics.median(v) for k, v in times.items()}
+    print(f"model {args.model}, {args.rows} decoding rows of {args.prompt}+ cached positions, threads "
+          f"{args.threads}, {args.rounds} rounds x {args.steps} calls, load average {os.getloadavg()[0]:.1f}")
+    for k, v in times.items():
+        rel = f"  {med[k] / med[big]:.2f} of {big}" if k.startswith("chunk") else ""
+        print(f"  {k:<16} best {min(v):8.1f}  median {med[k]:8.1f} ms{rel}")
+    print(f"  {big} = {med[big] / med['decode-1']:.2f} one-stream steps (median)")
+    for n in args.proxy_rows:  # a combined call's matrix products, against the chunk as a call of its own
+        t = n - args.rows
+        alone = f"chunk {t} @{args.past[0]}"
+        if alone in med:
+            print(f"  decode-{n} (the matrix products of one call over {args.rows} decoding rows and a {t}-token "
+                  f"chunk) = {med[f'decode-{n}'] / med[big]:.2f} of {big}; {big} + {alone} as two calls = "
+                  f"{(med[big] + med[alone]) / med[big]:.2f}")
+    for k in feeds:
+        print(f"  {big} + {k}: {(med[big] + med[k]) / med['decode-1']:.2f} one-stream steps (goal for p99 ITL: <= 3)")
+    if args.json:
+        path = Path(args.json)
+        part = path.with_name(path.name + ".part")
+        part.write_text(json.dumps({"times_ms": times, "median_ms": med}, indent=1))
+        part.replace(path)
+
+
+if __name__ == "__main__":
+    main()
