@@ -32,6 +32,7 @@ from tessera.runtime.errors import UsageError
 from tessera.runtime.generation import cached as gen
 from tessera.runtime.generation import loop
 from tessera.runtime.options import CompileOptions, GenerateOptions, ModelRef, ReportOptions, RunOptions, split_prompt
+from tessera.runtime.report.view import Report
 
 
 def _set_args(overrides: dict) -> list[str]:
@@ -93,8 +94,9 @@ class Model:
                quantize_activations: str | None = None, plot: str | Path | None = None,
                tp: int = 1, pp: int = 1, dp: int = 1, ep: int = 1, train: bool = False, zero: int = 0,
                recompute: str = "none", serve: bool = False, context: int | None = None, measure: bool = False,
-               repeats: int = 5, calibrated: bool = False, calibration: str | Path | None = None) -> dict:
-        """The static cost report (parameters, MACs, memory, roofline) as ``tessera report --format json`` gives it
+               repeats: int = 5, calibrated: bool = False, calibration: str | Path | None = None) -> Report:
+        """The static cost report (parameters, MACs, memory, roofline) as ``tessera report --format json`` gives it,
+        as a dict (a ``Report``: a one-line repr, ``print`` shows the tables, notebooks an HTML view)
         (``sparse_moe=False``: --no-sparse-moe; ``quantize``...: --quantize...; ``plot``: also draw --plot's figure).
         Lists for ``batch`` or ``seq`` sweep (the ``sweep`` rows); ``tp``, ``pp``, ``dp``, ``ep``, ``train``,
         ``zero``, ``recompute``, ``serve`` and ``context`` are --tp ... --context's deployment plan.
@@ -107,7 +109,7 @@ class Model:
                           tp=tp, pp=pp, dp=dp, ep=ep, train=train, zero=zero, recompute=recompute, serve=serve,
                           context=context, measure=measure, repeats=repeats, calibrated=calibrated,
                           calibration=calibration).for_api()
-        return driver.report(self.ref, o)
+        return Report(driver.report(self.ref, o))
 
     # ---------------------------------------------------------------- compile and run
     def compile(self, out: str | Path, kv_cache: bool = False, attention: str = "auto", target: str = "cpu",
