@@ -50,6 +50,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
                         f"16), so at most N prompt tokens run between two decoding steps (default {d.prefill_chunk})")
     s.add_argument("--drain-timeout", type=float, default=d.drain_timeout, metavar="S",
                    help=f"on SIGTERM, seconds to let running requests finish (default {d.drain_timeout:g})")
+    s.add_argument("--start-token", type=int, default=None, metavar="ID",
+                   help="an encoder-decoder's decoder start token (default: the checkpoint's "
+                        "decoder_start_token_id); the prompt is then the source")
     s.add_argument("--model-name", metavar="NAME", help="the model's id in /v1/models (default: the spec's name)")
     s.add_argument("--explain", action="store_true",
                    help="print the engine's plan (slots, memory budget, decoding kernel and why) and exit")

@@ -1,5 +1,6 @@
-"""What the serving engine needs from the rest of the runtime, in one place: the cached decoder
-(compiled with the plain decoding branch, see ``load``), token choice, the tokenizer and the errors.
+"""What the serving engines need from the rest of the runtime, in one place: the cached decoder
+(compiled with the plain decoding branch, see ``load``), the engine that serves it (``engine_for``),
+token choice, the tokenizer and the errors.
 
 Why one module: the engine and the server import the runtime only through here, so the runtime can
 be reorganised by changing these imports alone.
@@ -22,6 +23,9 @@ LAZY = {"CachedModel": ("tessera.runtime.generation.cached", "CachedModel"),
         "encode_prompts": ("tessera.runtime.generation.cached", "encode_prompts"),
         "stop_token_ids": ("tessera.runtime.generation.cached", "stop_token_ids"),
         "check_cache_fits": ("tessera.runtime.generation.cached", "check_cache_fits"),
+        "CachedDecoder": ("tessera.runtime.generation.cached", "CachedDecoder"),
+        "Stats": ("tessera.runtime.generation.cached", "Stats"),
+        "NO_CONTEXT_CAP": ("tessera.runtime.generation.cached", "NO_CONTEXT_CAP"),
         "ort_message": ("tessera.runtime.session", "ort_message"),
         "RunError": ("tessera.runtime.session", "RunError"),
         "load_tokenizer": ("tessera.runtime.io.text", "load_tokenizer"),
@@ -63,8 +67,10 @@ def decode_kernel(info) -> str:
 
 def load(spec: str, variant: str | None = None, sets: list[str] | None = None, weights: str | None = None,
          seed: int = 0, threads: int | None = None, decode: str | None = None) -> "CachedModel":
-    """The cached decoder for the engine: a .tsr spec (or a bundled spec's name) compiled now with the
-    plain decoding branch in buffer mode, or an .onnx file compiled with ``--kv-cache --decode plain``."""
+    """The model for the engine (``engine_for`` picks it): a .tsr spec (or a bundled spec's name) compiled
+    now with the plain decoding branch in buffer mode, or an .onnx file compiled with ``--kv-cache
+    --decode plain``; a decoder with recurrent state compiled with its state as cache state, and an
+    encoder-decoder as generation/loop.py's EncoderDecoder (both for the RowEngine, row_engine.py)."""
     from tessera.runtime import pipeline as _pipeline
     from tessera.runtime.generation import cached as _gen
     from tessera.runtime.generation.cached import CachedModel
@@ -83,9 +89,14 @@ def load(spec: str, variant: str | None = None, sets: list[str] | None = None, w
         built = _pipeline.build(spec, variant, sets or [], weights)
         from tessera.runtime.generation.loop import target_input
 
-        if target_input(built.graph) is not None:
-            raise UsageError(f"{spec} is an encoder-decoder; `tessera serve` serves decoder-only models")
         w = _pipeline.weights_for(built, weights, seed)
+        target = target_input(built.graph)
+        if target is not None:  # served by the RowEngine (row_engine.py), one decoder per row
+            return _encoder_decoder(built, w, target, threads)
+        if _carries_state(built.graph):  # the RowEngine's per-slot state; no buffer cache to fit
+            with _pipeline.compiler_errors():
+                proto, info = _gen.compile_cached(built, w)
+            return CachedModel(proto.SerializeToString(), info, threads=threads)
         try:
             proto, info = _gen.compile_cached(built, w, mode="buffer", decode=decode or DECODE)
             if info.length_input and not all(layer.buffer_key for layer in info.layers):
@@ -97,6 +108,51 @@ def load(spec: str, variant: str | None = None, sets: list[str] | None = None, w
         model = CachedModel(proto.SerializeToString(), info, threads=threads)
     check_fit(model)
     return model
+
+
+def _carries_state(graph) -> bool:
+    """Whether a decoder-only graph carries recurrent state over time (a scan or causal conv1d over the
+    tokens: compiler/passes/recurrent_state.py), which the KV-cache Engine has no slot for."""
+    from tessera.compiler.ir import dims
+    from tessera.compiler.passes.recurrent_state import carries_state
+
+    logits = graph.type_of(graph.outputs[0])
+    return logits.rank == 3 and carries_state(graph, dims.dim(logits.shape[1]))
+
+
+def _encoder_decoder(built, weights, target: str, threads: int | None):
+    """An encoder-decoder for the RowEngine (generation/loop.py's EncoderDecoder: the encoder part and
+    the cached decoder), its sources checked first: float features cannot come over HTTP."""
+    from tessera.compiler.ir.signature import input_limits, specs_from_graph
+    from tessera.compiler.passes.pipeline import PipelineOptions
+    from tessera.runtime.generation.loop import EncoderDecoder
+
+    from .row_engine import served_sources
+
+    class Sources:  # what served_sources reads, before anything is compiled
+        specs = [s for s in specs_from_graph(built.graph) if s.name != target]
+        sources = [s.name for s in specs]
+        limits = input_limits(built.graph)
+
+    served_sources(Sources)
+    return EncoderDecoder(built, weights, target, threads, PipelineOptions())
+
+
+def engine_for(model, max_batch: int = 8, max_queue: int = 64, capacity: int | None = None,
+               prefill_chunk: int = 256, tokenizer=None, eos_ids=(), start_token: int | None = None):
+    """The engine that serves ``model`` (what ``load`` gave): the KV-cache Engine (engine.py) for a
+    decoder-only transformer, one onnxruntime call per step for every row; the RowEngine
+    (row_engine.py) for what that cannot batch: recurrent state (per-slot state, one call per step)
+    and encoder-decoders (one decoder per row, one call per row per step)."""
+    from .engine import Engine
+    from .row_engine import RowEngine
+
+    if hasattr(model, "s2s") or model.info.states:
+        return RowEngine(model, max_batch, max_queue, capacity, prefill_chunk, tokenizer, eos_ids,
+                         start_token=start_token)
+    if start_token is not None:
+        raise UsageError("--start-token applies to encoder-decoders; a decoder-only model starts from its prompt")
+    return Engine(model, max_batch, max_queue, capacity, prefill_chunk, tokenizer, eos_ids)
 
 
 def check_fit(model: CachedModel) -> None:
@@ -165,3 +221,12 @@ def eos_ids(tokenizer, tokenizer_path: str | Path | None, spec=None, weights=Non
         if isinstance(tok, str) and tokenizer.token_to_id(tok) is not None:
             out.append(int(tokenizer.token_to_id(tok)))
     return sorted(set(out))
+
+
+def decoder_start(tokenizer_path, spec=None, weights=None) -> int | None:
+    """An encoder-decoder's decoder start token from the checkpoint (``decoder_start_token_id`` of
+    generation_config.json / config.json: runtime/io/generation_config.py, as ``tessera generate``)."""
+    from tessera.runtime.io import generation_config
+
+    spec_folder = spec if spec is not None and Path(spec).is_dir() else None
+    return generation_config.read(generation_config.folders_for(spec_folder, weights, tokenizer_path)).start
