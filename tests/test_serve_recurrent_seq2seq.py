@@ -84,10 +84,11 @@ def _mamba_greedy(model, prompt: list[int], new: int, penalty: float = 1.0) -> l
 def _engine(folder, **kw):
     """The engine `tessera serve` builds for the folder (an encoder-decoder's start token: its checkpoint's)."""
     from tessera.runtime.serving import model as served
+    from tessera.runtime.serving.row_engine import engine_for
 
     loaded = served.load(str(folder))
     start = served.decoder_start(None, str(folder)) if hasattr(loaded, "s2s") else None
-    return served.engine_for(loaded, start_token=start, **kw)
+    return engine_for(loaded, start_token=start, **kw)
 
 
 def _run(engine, requests):
@@ -221,3 +222,22 @@ def test_whisper_is_refused_by_the_server_with_the_reason(tmp_path_factory, caps
     err = cli_error(capsys, "serve", folder, "--explain")
     assert "float features" in err and "HTTP API carries text or token prompts" in err, err
     assert "tessera generate --input" in err and "Traceback" not in err, err
+
+
+def test_tessera_batch_serves_bart_rows_like_transformers(bart, capsys, tmp_path):
+    """`tessera batch` picks its engine as the server does: the sources, as rows, give transformers'
+    greedy tokens (the decoder started from the checkpoint's decoder_start_token_id)."""
+    from conftest import cli
+
+    model, folder = bart
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("".join(json.dumps({"prompt": s, "max_tokens": NEW}) + "\n" for s in SOURCES))
+    rc, _, err = cli(capsys, "batch", folder, "--input", rows, "--output", tmp_path / "out.jsonl")
+    assert rc == 0, err
+    got = [json.loads(line)["tokens"] for line in (tmp_path / "out.jsonl").read_text().splitlines()]
+    assert got == [_bart_greedy(model, s) for s in SOURCES]
+
+
+def test_start_token_is_refused_for_a_decoder_only_model(capsys):
+    err = cli_error(capsys, "serve", "mamba", "--variant", "tiny", "--start-token", "1", "--explain")
+    assert "--start-token applies to encoder-decoders" in err, err

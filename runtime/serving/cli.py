@@ -28,7 +28,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
     d = ServeOptions("")
     s = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API (continuous batching)",
                        formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EXAMPLES,
-                       description="Compile a decoder-only spec with a KV cache (or load a file compiled with "
+                       description="Compile a spec with a KV cache (or load a file compiled with "
                                    "--kv-cache) and serve it: POST /v1/completions, "
                                    "/v1/chat/completions (streaming with stream=true), GET /v1/models, /health, "
                                    "/metrics. Requests share each decoding step (continuous batching). "

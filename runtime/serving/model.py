@@ -1,6 +1,6 @@
 """What the serving engines need from the rest of the runtime, in one place: the cached decoder
-(compiled with the plain decoding branch, see ``load``), the engine that serves it (``engine_for``),
-token choice, the tokenizer and the errors.
+(compiled with the plain decoding branch, see ``load``; row_engine.py ``engine_for`` picks the engine
+that serves it), token choice, the tokenizer and the errors.
 
 Why one module: the engine and the server import the runtime only through here, so the runtime can
 be reorganised by changing these imports alone.
@@ -67,7 +67,7 @@ def decode_kernel(info) -> str:
 
 def load(spec: str, variant: str | None = None, sets: list[str] | None = None, weights: str | None = None,
          seed: int = 0, threads: int | None = None, decode: str | None = None) -> "CachedModel":
-    """The model for the engine (``engine_for`` picks it): a .tsr spec (or a bundled spec's name) compiled
+    """The model for the engine (row_engine.py ``engine_for`` picks it): a .tsr spec (or a bundled spec's name) compiled
     now with the plain decoding branch in buffer mode, or an .onnx file compiled with ``--kv-cache
     --decode plain``; a decoder with recurrent state compiled with its state as cache state, and an
     encoder-decoder as generation/loop.py's EncoderDecoder (both for the RowEngine, row_engine.py)."""
@@ -120,14 +120,36 @@ def _carries_state(graph) -> bool:
     return logits.rank == 3 and carries_state(graph, dims.dim(logits.shape[1]))
 
 
+def served_sources(model) -> tuple[str, list[str]]:
+    """An encoder-decoder's (prompt source, mask sources): the one integer source that indexes an
+    embedding table takes the prompt's ids; integer sources of the same shape are its mask (all ones:
+    a request is one unpadded row). Anything else (float features) cannot come over HTTP."""
+    specs = {s.name: s for s in model.specs}
+    floats = [s for s in model.specs if not s.dtype.startswith(("i", "u"))]
+    if floats:
+        s = floats[0]
+        raise UsageError(f"the encoder's input '{s.name}' is {s} (float features, as Whisper's log-mel "
+                         f"spectrogram); the server's HTTP API carries text or token prompts only, so this model "
+                         f"cannot be served: generate it with `tessera generate --input {s.name}=FILE.npy`")
+    ids = [name for name in model.sources if name in model.limits.ids]
+    if len(ids) != 1:
+        raise UsageError(f"the server takes the prompt as the encoder's token ids: the model needs exactly one "
+                         f"source of token ids, it has {len(ids)} ({', '.join(model.sources)})")
+    prompt = ids[0]
+    masks = [n for n in model.sources if n != prompt]
+    for n in masks:
+        if specs[n].dims != specs[prompt].dims:
+            raise UsageError(f"the encoder's input '{n}' ({specs[n]}) is neither the prompt's token ids nor their "
+                             f"mask; the server cannot fill it from a prompt")
+    return prompt, masks
+
+
 def _encoder_decoder(built, weights, target: str, threads: int | None):
     """An encoder-decoder for the RowEngine (generation/loop.py's EncoderDecoder: the encoder part and
     the cached decoder), its sources checked first: float features cannot come over HTTP."""
     from tessera.compiler.ir.signature import input_limits, specs_from_graph
     from tessera.compiler.passes.pipeline import PipelineOptions
     from tessera.runtime.generation.loop import EncoderDecoder
-
-    from .row_engine import served_sources
 
     class Sources:  # what served_sources reads, before anything is compiled
         specs = [s for s in specs_from_graph(built.graph) if s.name != target]
@@ -136,23 +158,6 @@ def _encoder_decoder(built, weights, target: str, threads: int | None):
 
     served_sources(Sources)
     return EncoderDecoder(built, weights, target, threads, PipelineOptions())
-
-
-def engine_for(model, max_batch: int = 8, max_queue: int = 64, capacity: int | None = None,
-               prefill_chunk: int = 256, tokenizer=None, eos_ids=(), start_token: int | None = None):
-    """The engine that serves ``model`` (what ``load`` gave): the KV-cache Engine (engine.py) for a
-    decoder-only transformer, one onnxruntime call per step for every row; the RowEngine
-    (row_engine.py) for what that cannot batch: recurrent state (per-slot state, one call per step)
-    and encoder-decoders (one decoder per row, one call per row per step)."""
-    from .engine import Engine
-    from .row_engine import RowEngine
-
-    if hasattr(model, "s2s") or model.info.states:
-        return RowEngine(model, max_batch, max_queue, capacity, prefill_chunk, tokenizer, eos_ids,
-                         start_token=start_token)
-    if start_token is not None:
-        raise UsageError("--start-token applies to encoder-decoders; a decoder-only model starts from its prompt")
-    return Engine(model, max_batch, max_queue, capacity, prefill_chunk, tokenizer, eos_ids)
 
 
 def check_fit(model: CachedModel) -> None:

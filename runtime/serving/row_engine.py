@@ -36,31 +36,7 @@ import numpy as np
 
 from .engine import Engine, Handle, Request, RequestError, _Sequence
 from .metrics import Metrics
-from .model import NO_CONTEXT_CAP, CachedDecoder, Stats, UsageError, check_cache_fits, ort_message
-
-
-def served_sources(model) -> tuple[str, list[str]]:
-    """An encoder-decoder's (prompt source, mask sources): the one integer source that indexes an
-    embedding table takes the prompt's ids; integer sources of the same shape are its mask (all ones:
-    a request is one unpadded row). Anything else (float features) cannot come over HTTP."""
-    specs = {s.name: s for s in model.specs}
-    floats = [s for s in model.specs if not s.dtype.startswith(("i", "u"))]
-    if floats:
-        s = floats[0]
-        raise UsageError(f"the encoder's input '{s.name}' is {s} (float features, as Whisper's log-mel "
-                         f"spectrogram); the server's HTTP API carries text or token prompts only, so this model "
-                         f"cannot be served: generate it with `tessera generate --input {s.name}=FILE.npy`")
-    ids = [name for name in model.sources if name in model.limits.ids]
-    if len(ids) != 1:
-        raise UsageError(f"the server takes the prompt as the encoder's token ids: the model needs exactly one "
-                         f"source of token ids, it has {len(ids)} ({', '.join(model.sources)})")
-    prompt = ids[0]
-    masks = [n for n in model.sources if n != prompt]
-    for n in masks:
-        if specs[n].dims != specs[prompt].dims:
-            raise UsageError(f"the encoder's input '{n}' ({specs[n]}) is neither the prompt's token ids nor their "
-                             f"mask; the server cannot fill it from a prompt")
-    return prompt, masks
+from .model import NO_CONTEXT_CAP, CachedDecoder, Stats, UsageError, check_cache_fits, ort_message, served_sources
 
 
 class _Row(_Sequence):
@@ -98,8 +74,8 @@ class RowEngine(Engine):
         decoder = self.seq2seq.s2s.decoder if self.seq2seq is not None else model
         info = decoder.info
         if self.seq2seq is None and not info.states:
-            raise UsageError("this model has a KV cache only: the KV-cache Engine serves it (serving/model.py "
-                             "engine_for)")
+            raise UsageError("this model has a KV cache only: the KV-cache Engine serves it "
+                             "(engine_for below)")
         if self.seq2seq is not None:
             self.source, self.masks = served_sources(self.seq2seq)
             if start_token is None:
@@ -327,3 +303,17 @@ class RowEngine(Engine):
             moved.slot = r
             self.rows[r] = moved
         self.rows.pop()
+
+
+def engine_for(model, max_batch: int = 8, max_queue: int = 64, capacity: int | None = None,
+               prefill_chunk: int = 256, tokenizer=None, eos_ids=(), start_token: int | None = None):
+    """The engine that serves ``model`` (what ``load`` gave): the KV-cache Engine (engine.py) for a
+    decoder-only transformer, one onnxruntime call per step for every row; the RowEngine
+    (this module) for what that cannot batch: recurrent state (per-slot state, one call per step)
+    and encoder-decoders (one decoder per row, one call per row per step)."""
+    if hasattr(model, "s2s") or model.info.states:
+        return RowEngine(model, max_batch, max_queue, capacity, prefill_chunk, tokenizer, eos_ids,
+                         start_token=start_token)
+    if start_token is not None:
+        raise UsageError("--start-token applies to encoder-decoders; a decoder-only model starts from its prompt")
+    return Engine(model, max_batch, max_queue, capacity, prefill_chunk, tokenizer, eos_ids)

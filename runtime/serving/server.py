@@ -86,6 +86,7 @@ def build_server(opts: ServeOptions):
     from . import model as serving_model
     from .app import Server
     from .model import ChatTemplate, ChatTemplateError
+    from .row_engine import engine_for
 
     tokenizer, template, template_error = None, None, None
     tokenizer_path = serving_model.tokenizer_path(opts.tokenizer, opts.spec)
@@ -99,7 +100,7 @@ def build_server(opts: ServeOptions):
     start = opts.start_token
     if start is None and hasattr(model, "s2s"):  # an encoder-decoder: the checkpoint's decoder_start_token_id
         start = serving_model.decoder_start(tokenizer_path, opts.spec, opts.weights)
-    engine = serving_model.engine_for(model, opts.max_batch, opts.max_queue, opts.max_context, opts.prefill_chunk,
+    engine = engine_for(model, opts.max_batch, opts.max_queue, opts.max_context, opts.prefill_chunk,
                                       tokenizer, serving_model.eos_ids(tokenizer, tokenizer_path, opts.spec,
                                                                        opts.weights), start)
     return engine, Server(engine, opts.served_name, tokenizer, template, template_error)
