@@ -241,3 +241,25 @@ def test_tessera_batch_serves_bart_rows_like_transformers(bart, capsys, tmp_path
 def test_start_token_is_refused_for_a_decoder_only_model(capsys):
     err = cli_error(capsys, "serve", "mamba", "--variant", "tiny", "--start-token", "1", "--explain")
     assert "--start-token applies to encoder-decoders" in err, err
+
+
+def test_a_hybrid_of_attention_and_state_is_served_row_by_row(tmp_path):
+    """Attention and recurrent state in one decoder (test_mamba.py's HYBRID): `generate` refuses prompts
+    of different lengths in one batch; the row engine serves them together, one decoder per row, each
+    step's token the argmax of the whole sequence recomputed by the uncached model."""
+    import tessera
+    from test_mamba import HYBRID
+
+    from tessera.runtime.serving import model as served
+    from tessera.runtime.serving.engine import Request
+    from tessera.runtime.serving.row_engine import RowEngine, engine_for
+
+    spec = tmp_path / "hybrid.tsr"
+    spec.write_text(HYBRID)
+    engine = engine_for(served.load(str(spec), seed=2), max_batch=4)
+    assert isinstance(engine, RowEngine) and not engine.batched
+    prompts = [[3, 1, 4, 1], [5], [9, 2, 6, 5, 3, 5]]
+    got = _run(engine, [Request(p, 6) for p in prompts])
+    m = tessera.load(str(spec), seed=2)
+    for p, row in zip(prompts, got):
+        assert row == [int(m.run(tokens=[p + row[:k]])["logits"][0, -1].argmax()) for k in range(6)]
