@@ -40,10 +40,12 @@ from .model import NO_CONTEXT_CAP, CachedDecoder, Stats, UsageError, check_cache
 
 
 class _Row(_Sequence):
-    """A request in a slot, with its own decoder (per-row path) or its state arrays (batched path)."""
+    """A request in a slot, with its own decoder (per-row path) or its state arrays (batched path).
+    Not _Sequence's constructor: its repetition mask is over the prompt, which for an encoder-decoder
+    is the source (another vocabulary), not what the decoder has read."""
 
-    def __init__(self, handle: Handle, slot: int, vocab: int, start: int | None):  # noqa: D107 (not _Sequence's:
-        req = handle.request                                                     # its mask is over the prompt)
+    def __init__(self, handle: Handle, slot: int, vocab: int, start: int | None):
+        req = handle.request
         self.handle, self.slot = handle, slot
         self.filled, self.next_token, self.last_token_at = 0, None, 0.0
         self.rng = np.random.default_rng(req.sampling.seed)
