@@ -263,3 +263,20 @@ def test_a_hybrid_of_attention_and_state_is_served_row_by_row(tmp_path):
     m = tessera.load(str(spec), seed=2)
     for p, row in zip(prompts, got):
         assert row == [int(m.run(tokens=[p + row[:k]])["logits"][0, -1].argmax()) for k in range(6)]
+
+
+def test_served_bart_repetition_penalty_is_over_the_decoder_input_as_transformers(bart):
+    """An encoder-decoder's penalty covers the start token and the tokens chosen, not the source."""
+    from tessera.runtime.generation.sampling import Sampling
+    from tessera.runtime.serving.engine import Request
+
+    model, folder = bart
+    src = SOURCES[0]
+    with torch.no_grad():
+        out = transformers.GenerationMixin.generate(model, input_ids=torch.tensor([src]), max_new_tokens=NEW,
+                                                    do_sample=False, num_beams=1, repetition_penalty=2.5)
+    row = out[0, 1:].tolist()
+    want = row[:row.index(BART_EOS) + 1] if BART_EOS in row else row
+    assert want != _bart_greedy(model, src)  # the penalty changes the tokens here
+    engine = _engine(folder)
+    assert _run(engine, [Request(list(src), NEW, Sampling(repetition_penalty=2.5))])[0] == want
