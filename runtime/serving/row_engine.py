@@ -149,7 +149,9 @@ class RowEngine(Engine):
                 f"{self.capacity} positions, up to {self.max_queue} queued; a prompt runs whole when admitted "
                 f"(no chunking)\n"
                 f"memory budget: {self.row_bytes / 2**10:.1f} KiB of state and cache per running row, allocated "
-                f"when it is admitted (at most {self.max_batch * self.row_bytes / 2**20:.2f} MiB)\n{how}")
+                f"when it is admitted (at most {self.max_batch * self.row_bytes / 2**20:.2f} MiB)"
+                + (", plus each row's encoder outputs (their size follows its source length)" if self.seq2seq else "")
+                + f"\n{how}")
 
     # ------------------------------------------------------------------ requests
     def check(self, req: Request) -> None:
