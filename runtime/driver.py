@@ -344,32 +344,20 @@ def _time_decode(ref: ModelRef, o: ReportOptions, vocab: int):
 
 
 # ------------------------------------------------------------------ generate
-def generation_kind(ref: ModelRef) -> str:
-    """'recurrent' for a recurrent encoder-decoder spec (its own loop), else 'cached'."""
-    from tessera.runtime.generation import recurrent
-
-    return "recurrent" if recurrent.wants(ref.spec) else "cached"
-
-
 def generate(ref: ModelRef, o: GenerateOptions, prompt_ids: list[list[int]] | None = None, weights=None,
              models: dict | None = None, tokenizer=None, source_arrays: dict | None = None, progress=None):
     """Prepare a generation: the model loaded (or taken from ``models``, a cache the caller keeps),
     the prompts encoded (``tokenizer``: one the caller has loaded already) and every request rule
     checked (``source_arrays``: an encoder-decoder's source inputs as arrays, the API's); returns a
-    generation.loop.Generation (or,
-    for a recurrent encoder-decoder, its decoded result) whose steps the caller drives. ``progress``:
+    generation.loop.Generation whose steps the caller drives (every kind of model, recurrent ones and
+    RNNsearch included, runs the one cached form). ``progress``:
     told the stages of compiling a spec's cached decoder (the command line's bar, runtime/progress.py)."""
     from tessera.runtime.generation import loop
 
     ref.check()
     ref, o = from_checkpoint(ref, o, wants_tokenizer=bool(o.prompts or o.stops))
-    kind = generation_kind(ref)
-    o.check(kind)
+    o.check()
     o = with_model_defaults(ref, o)
-    if kind == "recurrent":
-        from tessera.runtime.generation import recurrent
-
-        return recurrent.generate(ref, o)
     draft_ref = None
     if isinstance(o.speculative, (str, Path)) and o.speculative != "ngram":  # a draft model named by its path
         draft_ref, _ = from_checkpoint(ModelRef(spec=str(o.speculative), seed=ref.seed))

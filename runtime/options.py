@@ -587,11 +587,7 @@ class GenerateOptions(QuantOptions):
 
     DRAFT_TOKENS = 4  # --draft-tokens' default
 
-    def check(self, kind: str = "cached") -> None:
-        """``kind`` "recurrent" (a recurrent encoder-decoder, generation/recurrent.py) first refuses
-        what that loop does not take, with its own reasons."""
-        if kind == "recurrent":
-            self._check_recurrent()
+    def check(self) -> None:
         super().check()
         check_int(self.label("max_new_tokens"), self.max_new_tokens, optional=True)
         if self.max_new_tokens is not None and self.max_new_tokens < 1:
@@ -616,7 +612,7 @@ class GenerateOptions(QuantOptions):
         check_choice(self.label("cache"), self.cache, CACHES)
         check_bool(self.label("quiet"), self.quiet)
         self.sampling(0).check()
-        self._check_speculative(kind)
+        self._check_speculative()
         if self.prompts and any(item.partition("=")[0] == "tokens" for item in self.inputs):
             raise UsageError("give the prompts either as --prompt text or as --input tokens, not both")
         if self.prompts and not self.tokenizer:
@@ -632,7 +628,7 @@ class GenerateOptions(QuantOptions):
             raise UsageError("--logprobs N is printed with --format json or jsonl (the text output has no place "
                              "for it)")
 
-    def _check_speculative(self, kind: str) -> None:
+    def _check_speculative(self) -> None:
         """--speculative and --draft-tokens: their values and what they exclude (the rules that need
         the models, a vocabulary or a cache mode, are checked once the models are loaded)."""
         spec, k = self.speculative, self.draft_tokens
@@ -651,9 +647,6 @@ class GenerateOptions(QuantOptions):
             check_path(self.label("speculative"), spec)
             if not str(spec):
                 raise UsageError(f"{self.flag('speculative')} needs 'ngram' or a draft model, got an empty string")
-        if kind == "recurrent":
-            raise UsageError(f"{self.flag('speculative')}: speculative decoding needs a KV-cached decoder; a "
-                             f"recurrent encoder-decoder has none")
         if self.temperature is not None and self.temperature > 0:
             raise UsageError(f"{self.flag('speculative')} is greedy only: temperature {self.temperature} samples, "
                              f"and the rejection-sampling acceptance that would keep sampling exact is not "
@@ -666,18 +659,6 @@ class GenerateOptions(QuantOptions):
     def k(self) -> int:
         """The tokens drafted per round (--draft-tokens, else DRAFT_TOKENS)."""
         return self.DRAFT_TOKENS if self.draft_tokens is None else self.draft_tokens
-
-    def _check_recurrent(self) -> None:
-        for flag, given in [("--prompt", self.prompts), ("--tokenizer", self.tokenizer), ("--stop", self.stops)]:
-            if given:
-                raise UsageError(f"{flag}: a recurrent encoder-decoder takes token ids (--input src=[[...]] "
-                                 f"--start-token ID); text is not supported for it yet")
-        if self.quantize != "none":
-            raise UsageError("--quantize is not supported for recurrent encoder-decoders yet")
-        if self.start_token is None:
-            raise UsageError("a recurrent encoder-decoder needs the decoder's start token: --start-token ID")
-        if self.logprobs is not None:
-            raise UsageError("--logprobs is not supported for recurrent encoder-decoders yet")
 
     def pipeline_options(self):
         """The PipelineOptions generation compiles with (cached_decoder, or encoder_decoder with the

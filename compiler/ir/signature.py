@@ -9,8 +9,9 @@ runtime both check inputs this way before anything runs.
 ``input_limits`` reads what the model's tables allow: an integer input that
 indexes an embedding table must hold ids in [0, rows), and a dimension used as
 positions into a table (``embedding(arange(T), ctx, d)``) must be at most the
-table's rows. ONNX would wrap a negative id to the table's end and fail deep
-inside onnxruntime on an id past it; checked here, the error names the input,
+table's rows, or, for a table read at ``a * arange(T) + c`` (BART's ``arange(T) + 2``;
+ir/affine_index.py), at most the positions it serves. ONNX would wrap a negative id to the table's
+end and fail deep inside onnxruntime on an id past it; checked here, the error names the input,
 the offending value and the table. The export stores the limits in the ONNX
 file's metadata so ``tessera run model.onnx`` checks them too.
 """
@@ -23,6 +24,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from tessera.compiler.ir import dims
+from tessera.compiler.ir.affine_index import NotAffine, affine_reads, positions_reached
 from tessera.compiler.ir.graph import DTYPES, Graph
 
 
@@ -97,7 +99,28 @@ def input_limits(graph: Graph) -> InputLimits:
             n_dim = dims.dim(producer.attrs["n"])
             if not dims.is_static(n_dim) and n_dim.is_Symbol:
                 tighten(limits.dims, str(n_dim), rows, table)
+    for n in graph.nodes.values():  # tables read at a * arange(T) + c (BART's arange(T) + 2): ir/affine_index.py
+        if n.op != "arange":
+            continue
+        n_dim = dims.dim(n.attrs["n"])
+        if dims.is_static(n_dim) or not n_dim.is_Symbol:
+            continue
+        try:
+            reads = affine_reads(graph, n)
+        except NotAffine:  # some other use: only the direct reads above are bounded
+            continue
+        for read in reads:
+            rows = dims.static_int(graph.type_of(read.embedding.inputs[1]).shape[0])
+            if rows is not None and read.chain and read.a >= 1 and read.c >= 0:
+                table = read.embedding.inputs[1]
+                where = f"{table} (read at {_affine(read.a, read.c)})"
+                tighten(limits.dims, str(n_dim), positions_reached(rows, read.a, read.c), where)
     return limits
+
+
+def _affine(a: int, c: int) -> str:
+    """The index ``a * position + c`` as the error message shows it."""
+    return ("position" if a == 1 else f"{a} * position") + (f" + {c}" if c else "")
 
 
 def check_limits(limits: InputLimits, feeds: dict[str, np.ndarray], bindings: dict[str, int]) -> None:

@@ -108,8 +108,6 @@ def cmd_generate(ns: argparse.Namespace) -> int:
     o = GenerateOptions.from_args(ns)
     with Progress("compiling the cached decoder", "stages", quiet=o.quiet) as progress:
         run = driver.generate(ModelRef.from_args(ns), o, progress=progress)
-    if not isinstance(run, Generation):
-        return _print_recurrent(run, o)
     prompts, tokenizer, stats = run.prompts, run.tokenizer, run.stats
     out: list[list[int]] = [[] for _ in prompts]
     live = o.format == "text" and tokenizer is not None and len(prompts) == 1
@@ -190,23 +188,3 @@ def _speculative_stats(stats) -> dict:
         return {}
     return {"drafted_tokens": stats.drafted, "accepted_tokens": stats.accepted, "verify_calls": stats.rounds,
             "acceptance_rate": round(stats.accepted / stats.drafted, 4) if stats.drafted else 0.0}
-
-
-def _print_recurrent(run, o: GenerateOptions) -> int:
-    """A recurrent encoder-decoder's tokens (and, as JSON, each step's alignment over the source)."""
-    import numpy as np
-
-    out = run.decoded
-    rows = [{"tokens": out.tokens[r].tolist(), "align": np.round(out.align[r], 6).tolist()} for r in range(run.rows)]
-    if o.format == "json":
-        print(json.dumps({"outputs": rows}))
-    elif o.format == "jsonl":  # decoded all at once: one line per prompt
-        for r, row in enumerate(rows):
-            print(json.dumps({"prompt": r, **row}))
-    else:
-        for r in range(run.rows):
-            print(" ".join(map(str, out.tokens[r].tolist())))
-    if not o.quiet:
-        print(f"{out.tokens.size} new tokens in {run.seconds * 1e3:.1f} ms (encoder once, then one decoder step "
-              f"per token)", file=sys.stderr)
-    return 0

@@ -1,2 +1,2 @@
-"""Generation: sampling, the KV-cached decoding loop (decoder-only and encoder-decoder) and the
-recurrent encoder-decoder loop. Everything that turns prompts into new tokens lives here."""
+"""Generation: sampling, the cached decoding loop (decoder-only and encoder-decoder, with a KV cache,
+recurrent state or both) and speculative decoding. Everything that turns prompts into new tokens lives here."""

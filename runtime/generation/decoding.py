@@ -1,9 +1,9 @@
 """The one decoding loop: a Decoder gives each step's logits, this loop chooses, stops and emits.
 
-Why one loop: the KV-cached decoder (decoder-only, or an encoder-decoder's decoder with the
-encoder's outputs fed to every step: generation/cached.py ``CachedDecoder``) and the recurrent
-encoder-decoder (generation/recurrent.py ``RecurrentDecoder``) differ only in how a step is run:
-what they carry from step to step (a cache of keys and values, or a state). Token choice
+Why one loop: the cached decoder (decoder-only, or an encoder-decoder's decoder with the encoder's
+outputs fed to every step: generation/cached.py ``CachedDecoder``; what it carries from step to step
+is a cache of keys and values, recurrent state, or both), the speculative loop and the serving
+engines differ only in how a step is run. Token choice
 (generation/sampling.py), stop tokens and texts, finished rows and timing are the same for all of
 them, so they live here once.
 """

@@ -21,12 +21,16 @@ from tessera.runtime.pipeline import UsageError
 # ------------------------------------------------------------------ the model
 def target_input(graph) -> str | None:
     """An encoder-decoder's target input: the integer [B, T] input whose T is the logits' sequence
-    axis (the other inputs are the source). None for a decoder-only model (a single input)."""
+    axis (the other inputs are the source). None for a decoder-only model (a single input). The
+    logits are the first output; outputs after it must be per target step too (RNNsearch's alignment
+    [B, T, S]), which the cached form keeps beside the logits."""
     from tessera.compiler.ir import dims
 
-    if len(graph.inputs) < 2 or len(graph.outputs) != 1 or graph.type_of(graph.outputs[0]).rank != 3:
+    if len(graph.inputs) < 2 or graph.type_of(graph.outputs[0]).rank != 3:
         return None
     t = graph.type_of(graph.outputs[0]).shape[1]
+    if any(graph.type_of(o).rank < 2 or not dims.equal(graph.type_of(o).shape[1], t) for o in graph.outputs[1:]):
+        return None
     hits = [i for i in graph.inputs if graph.type_of(i).dtype in ("i64", "i32") and graph.type_of(i).rank == 2
             and dims.equal(graph.type_of(i).shape[1], t)]
     return hits[0] if len(hits) == 1 else None

@@ -224,17 +224,20 @@ def run_rows(engine: Engine, rows: list[dict], default_max_tokens: int) -> list[
 
 
 def load_engine(opts: BatchOptions, threads: int | None = None) -> Engine:
-    """The engine (not started) for ``opts``'s model, tokenizer and bounds."""
-    from .engine import Engine
-
+    """The engine (not started) for ``opts``'s model, tokenizer and bounds (row_engine.engine_for: the
+    KV-cache Engine, or the RowEngine for recurrent state and encoder-decoders, whose decoder starts
+    from the checkpoint's decoder_start_token_id)."""
     from . import model as serving_model
+    from .row_engine import engine_for
 
     tokenizer_path = serving_model.tokenizer_path(opts.tokenizer, opts.spec)
     tokenizer = serving_model.load_tokenizer(tokenizer_path) if tokenizer_path else None
     model = serving_model.load(opts.spec, opts.variant, opts.sets, opts.weights, opts.seed,
                                threads if threads is not None else opts.threads)
-    return Engine(model, opts.max_batch, opts.max_queue, opts.max_context, opts.prefill_chunk, tokenizer,
-                  serving_model.eos_ids(tokenizer, tokenizer_path, opts.spec, opts.weights))
+    start = serving_model.decoder_start(tokenizer_path, opts.spec, opts.weights) if hasattr(model, "s2s") else None
+    return engine_for(model, opts.max_batch, opts.max_queue, opts.max_context, opts.prefill_chunk,
+                                    tokenizer, serving_model.eos_ids(tokenizer, tokenizer_path, opts.spec,
+                                                                     opts.weights), start)
 
 
 def run_local(opts: BatchOptions, rows: list[dict]) -> list[dict]:

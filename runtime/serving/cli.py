@@ -28,7 +28,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
     d = ServeOptions("")
     s = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API (continuous batching)",
                        formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EXAMPLES,
-                       description="Compile a decoder-only spec with a KV cache (or load a file compiled with "
+                       description="Compile a spec with a KV cache (or load a file compiled with "
                                    "--kv-cache) and serve it: POST /v1/completions, "
                                    "/v1/chat/completions (streaming with stream=true), GET /v1/models, /health, "
                                    "/metrics. Requests share each decoding step (continuous batching). "
@@ -50,6 +50,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
                         f"16), so at most N prompt tokens run between two decoding steps (default {d.prefill_chunk})")
     s.add_argument("--drain-timeout", type=float, default=d.drain_timeout, metavar="S",
                    help=f"on SIGTERM, seconds to let running requests finish (default {d.drain_timeout:g})")
+    s.add_argument("--start-token", type=int, default=None, metavar="ID",
+                   help="an encoder-decoder's decoder start token (default: the checkpoint's "
+                        "decoder_start_token_id); the prompt is then the source")
     s.add_argument("--model-name", metavar="NAME", help="the model's id in /v1/models (default: the spec's name)")
     s.add_argument("--explain", action="store_true",
                    help="print the engine's plan (slots, memory budget, decoding kernel and why) and exit")

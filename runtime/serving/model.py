@@ -1,5 +1,6 @@
-"""What the serving engine needs from the rest of the runtime, in one place: the cached decoder
-(compiled with the plain decoding branch, see ``load``), token choice, the tokenizer and the errors.
+"""What the serving engines need from the rest of the runtime, in one place: the cached decoder
+(compiled with the plain decoding branch, see ``load``; row_engine.py ``engine_for`` picks the engine
+that serves it), token choice, the tokenizer and the errors.
 
 Why one module: the engine and the server import the runtime only through here, so the runtime can
 be reorganised by changing these imports alone.
@@ -22,6 +23,9 @@ LAZY = {"CachedModel": ("tessera.runtime.generation.cached", "CachedModel"),
         "encode_prompts": ("tessera.runtime.generation.cached", "encode_prompts"),
         "stop_token_ids": ("tessera.runtime.generation.cached", "stop_token_ids"),
         "check_cache_fits": ("tessera.runtime.generation.cached", "check_cache_fits"),
+        "CachedDecoder": ("tessera.runtime.generation.cached", "CachedDecoder"),
+        "Stats": ("tessera.runtime.generation.cached", "Stats"),
+        "NO_CONTEXT_CAP": ("tessera.runtime.generation.cached", "NO_CONTEXT_CAP"),
         "ort_message": ("tessera.runtime.session", "ort_message"),
         "RunError": ("tessera.runtime.session", "RunError"),
         "load_tokenizer": ("tessera.runtime.io.text", "load_tokenizer"),
@@ -63,8 +67,10 @@ def decode_kernel(info) -> str:
 
 def load(spec: str, variant: str | None = None, sets: list[str] | None = None, weights: str | None = None,
          seed: int = 0, threads: int | None = None, decode: str | None = None) -> "CachedModel":
-    """The cached decoder for the engine: a .tsr spec (or a bundled spec's name) compiled now with the
-    plain decoding branch in buffer mode, or an .onnx file compiled with ``--kv-cache --decode plain``."""
+    """The model for the engine (row_engine.py ``engine_for`` picks it): a .tsr spec (or a bundled spec's name) compiled
+    now with the plain decoding branch in buffer mode, or an .onnx file compiled with ``--kv-cache
+    --decode plain``; a decoder with recurrent state compiled with its state as cache state, and an
+    encoder-decoder as generation/loop.py's EncoderDecoder (both for the RowEngine, row_engine.py)."""
     from tessera.runtime import pipeline as _pipeline
     from tessera.runtime.generation import cached as _gen
     from tessera.runtime.generation.cached import CachedModel
@@ -83,9 +89,14 @@ def load(spec: str, variant: str | None = None, sets: list[str] | None = None, w
         built = _pipeline.build(spec, variant, sets or [], weights)
         from tessera.runtime.generation.loop import target_input
 
-        if target_input(built.graph) is not None:
-            raise UsageError(f"{spec} is an encoder-decoder; `tessera serve` serves decoder-only models")
         w = _pipeline.weights_for(built, weights, seed)
+        target = target_input(built.graph)
+        if target is not None:  # served by the RowEngine (row_engine.py), one decoder per row
+            return _encoder_decoder(built, w, target, threads)
+        if _carries_state(built.graph):  # the RowEngine's per-slot state; no buffer cache to fit
+            with _pipeline.compiler_errors():
+                proto, info = _gen.compile_cached(built, w)
+            return CachedModel(proto.SerializeToString(), info, threads=threads)
         try:
             proto, info = _gen.compile_cached(built, w, mode="buffer", decode=decode or DECODE)
             if info.length_input and not all(layer.buffer_key for layer in info.layers):
@@ -97,6 +108,56 @@ def load(spec: str, variant: str | None = None, sets: list[str] | None = None, w
         model = CachedModel(proto.SerializeToString(), info, threads=threads)
     check_fit(model)
     return model
+
+
+def _carries_state(graph) -> bool:
+    """Whether a decoder-only graph carries recurrent state over time (a scan or causal conv1d over the
+    tokens: compiler/passes/recurrent_state.py), which the KV-cache Engine has no slot for."""
+    from tessera.compiler.ir import dims
+    from tessera.compiler.passes.recurrent_state import carries_state
+
+    logits = graph.type_of(graph.outputs[0])
+    return logits.rank == 3 and carries_state(graph, dims.dim(logits.shape[1]))
+
+
+def served_sources(model) -> tuple[str, list[str]]:
+    """An encoder-decoder's (prompt source, mask sources): the one integer source that indexes an
+    embedding table takes the prompt's ids; integer sources of the same shape are its mask (all ones:
+    a request is one unpadded row). Anything else (float features) cannot come over HTTP."""
+    specs = {s.name: s for s in model.specs}
+    floats = [s for s in model.specs if not s.dtype.startswith(("i", "u"))]
+    if floats:
+        s = floats[0]
+        raise UsageError(f"the encoder's input '{s.name}' is {s} (float features, as Whisper's log-mel "
+                         f"spectrogram); the server's HTTP API carries text or token prompts only, so this model "
+                         f"cannot be served: generate it with `tessera generate --input {s.name}=FILE.npy`")
+    ids = [name for name in model.sources if name in model.limits.ids]
+    if len(ids) != 1:
+        raise UsageError(f"the server takes the prompt as the encoder's token ids: the model needs exactly one "
+                         f"source of token ids, it has {len(ids)} ({', '.join(model.sources)})")
+    prompt = ids[0]
+    masks = [n for n in model.sources if n != prompt]
+    for n in masks:
+        if specs[n].dims != specs[prompt].dims:
+            raise UsageError(f"the encoder's input '{n}' ({specs[n]}) is neither the prompt's token ids nor their "
+                             f"mask; the server cannot fill it from a prompt")
+    return prompt, masks
+
+
+def _encoder_decoder(built, weights, target: str, threads: int | None):
+    """An encoder-decoder for the RowEngine (generation/loop.py's EncoderDecoder: the encoder part and
+    the cached decoder), its sources checked first: float features cannot come over HTTP."""
+    from tessera.compiler.ir.signature import input_limits, specs_from_graph
+    from tessera.compiler.passes.pipeline import PipelineOptions
+    from tessera.runtime.generation.loop import EncoderDecoder
+
+    class Sources:  # what served_sources reads, before anything is compiled
+        specs = [s for s in specs_from_graph(built.graph) if s.name != target]
+        sources = [s.name for s in specs]
+        limits = input_limits(built.graph)
+
+    served_sources(Sources)
+    return EncoderDecoder(built, weights, target, threads, PipelineOptions())
 
 
 def check_fit(model: CachedModel) -> None:
@@ -165,3 +226,12 @@ def eos_ids(tokenizer, tokenizer_path: str | Path | None, spec=None, weights=Non
         if isinstance(tok, str) and tokenizer.token_to_id(tok) is not None:
             out.append(int(tokenizer.token_to_id(tok)))
     return sorted(set(out))
+
+
+def decoder_start(tokenizer_path, spec=None, weights=None) -> int | None:
+    """An encoder-decoder's decoder start token from the checkpoint (``decoder_start_token_id`` of
+    generation_config.json / config.json: runtime/io/generation_config.py, as ``tessera generate``)."""
+    from tessera.runtime.io import generation_config
+
+    spec_folder = spec if spec is not None and Path(spec).is_dir() else None
+    return generation_config.read(generation_config.folders_for(spec_folder, weights, tokenizer_path)).start

@@ -35,6 +35,7 @@ class ServeOptions:
     drain_timeout: float = 30.0
     model_name: str | None = None
     explain: bool = False
+    start_token: int | None = None  # an encoder-decoder's decoder start token (row_engine.py)
 
     def check(self) -> None:
         def whole(name, value, low):
@@ -46,6 +47,8 @@ class ServeOptions:
         whole("prefill_chunk", self.prefill_chunk, 1)
         if self.threads is not None:
             whole("threads", self.threads, 1)
+        if self.start_token is not None:
+            whole("start_token", self.start_token, 0)
         if self.max_context is not None:
             whole("max_context", self.max_context, 2)
         if not isinstance(self.port, int) or not 0 <= self.port <= 65535:
@@ -83,7 +86,7 @@ def build_server(opts: ServeOptions):
     from . import model as serving_model
     from .app import Server
     from .model import ChatTemplate, ChatTemplateError
-    from .engine import Engine
+    from .row_engine import engine_for
 
     tokenizer, template, template_error = None, None, None
     tokenizer_path = serving_model.tokenizer_path(opts.tokenizer, opts.spec)
@@ -94,8 +97,12 @@ def build_server(opts: ServeOptions):
         except ChatTemplateError as e:  # the completion route still works; the chat route says why
             template_error = str(e)
     model = serving_model.load(opts.spec, opts.variant, opts.sets, opts.weights, opts.seed, opts.threads)
-    engine = Engine(model, opts.max_batch, opts.max_queue, opts.max_context, opts.prefill_chunk, tokenizer,
-                    serving_model.eos_ids(tokenizer, tokenizer_path, opts.spec, opts.weights))
+    start = opts.start_token
+    if start is None and hasattr(model, "s2s"):  # an encoder-decoder: the checkpoint's decoder_start_token_id
+        start = serving_model.decoder_start(tokenizer_path, opts.spec, opts.weights)
+    engine = engine_for(model, opts.max_batch, opts.max_queue, opts.max_context, opts.prefill_chunk,
+                                      tokenizer, serving_model.eos_ids(tokenizer, tokenizer_path, opts.spec,
+                                                                       opts.weights), start)
     return engine, Server(engine, opts.served_name, tokenizer, template, template_error)
 
 
