@@ -62,9 +62,11 @@ def decode_kernel(info) -> str:
 
 
 def load(spec: str, variant: str | None = None, sets: list[str] | None = None, weights: str | None = None,
-         seed: int = 0, threads: int | None = None, decode: str | None = None) -> "CachedModel":
+         seed: int = 0, threads: int | None = None, decode: str | None = None,
+         last_only: bool = True) -> "CachedModel":
     """The cached decoder for the engine: a .tsr spec (or a bundled spec's name) compiled now with the
-    plain decoding branch in buffer mode, or an .onnx file compiled with ``--kv-cache --decode plain``."""
+    plain decoding branch in buffer mode, or an .onnx file compiled with ``--kv-cache --decode plain``.
+    ``last_only=False``: the logits of every position (serve --speculative checks drafts with them)."""
     from tessera.runtime import pipeline as _pipeline
     from tessera.runtime.generation import cached as _gen
     from tessera.runtime.generation.cached import CachedModel
@@ -87,10 +89,11 @@ def load(spec: str, variant: str | None = None, sets: list[str] | None = None, w
             raise UsageError(f"{spec} is an encoder-decoder; `tessera serve` serves decoder-only models")
         w = _pipeline.weights_for(built, weights, seed)
         try:
-            proto, info = _gen.compile_cached(built, w, mode="buffer", decode=decode or DECODE)
+            proto, info = _gen.compile_cached(built, w, mode="buffer", decode=decode or DECODE,
+                                             last_only=last_only)
             if info.length_input and not all(layer.buffer_key for layer in info.layers):
                 # mixed kernels would read one attention mask two ways (see check_fit): all plain
-                proto, info = _gen.compile_cached(built, w, mode="buffer", decode="plain")
+                proto, info = _gen.compile_cached(built, w, mode="buffer", decode="plain", last_only=last_only)
         except UsageError as e:  # e.g. a sliding window: no buffer-mode cache
             raise UsageError(f"{e}; `tessera serve` needs the buffer cache (one row per slot), so it cannot serve "
                              f"this model") from None
