@@ -29,8 +29,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from tessera.runtime.generation.drafting import NgramDrafter
-from tessera.runtime.pipeline import UsageError
+from . import model as serving_model
+from .model import UsageError
 
 
 class Speculation:
@@ -42,7 +42,7 @@ class Speculation:
         if not isinstance(draft_tokens, int) or isinstance(draft_tokens, bool) or draft_tokens < 1:
             raise UsageError(f"--draft-tokens must be an integer >= 1, got {draft_tokens}")
         self.k = draft_tokens
-        self.drafter = NgramDrafter()
+        self.drafter = serving_model.NgramDrafter()
         self.drafted = self.accepted = self.calls = 0
 
     @staticmethod
