@@ -239,6 +239,7 @@ class Engine:
         self._copied = [layer for layer in info.layers if not (self.in_place and layer.buffer_key)]
         self._wanted = [info.logits] + [o for layer in self._copied for o in (layer.present_key, layer.present_value)]
         self._binding = None  # ((rows, width), IOBinding) of the last in-place step
+        self.speculation = None  # serving/speculation.py's Speculation (serve --speculative), set by build_server
         self.metrics.cache_bytes = self.memory_bytes
 
     # ------------------------------------------------------------------ what it holds
@@ -263,7 +264,8 @@ class Engine:
                 f"{per_slot / 2**20:.2f} MiB over {len(self.info.layers)} layers, viewed {WIDTH_STEP} "
                 f"columns at a time as the longest row grows); no step allocates cache; per request only its "
                 f"tokens (and a vocabulary-sized mask with repetition_penalty)\n"
-                f"{DECODE_REASONS[decode_kernel(self.info)]}")
+                f"{DECODE_REASONS[decode_kernel(self.info)]}"
+                + (f"\n{self.speculation.describe()}" if self.speculation is not None else ""))
 
     @property
     def accepting(self) -> bool:
@@ -460,6 +462,8 @@ class Engine:
                 self._release(seq)
 
     def _decode_step(self) -> None:
+        if self.speculation is not None and self.speculation.step(self):  # greedy rows had drafts: checked
+            return
         info, rows = self.info, self.rows
         decoding = [s for s in rows if not s.prefilling]
         n = max(s.slot for s in decoding) + 1  # rows past the last decoding one (new prompts) stay out

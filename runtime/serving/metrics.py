@@ -55,6 +55,7 @@ class Metrics:
         self.finished: collections.Counter[str] = collections.Counter()
         self.ttft = Histogram()
         self.itl = Histogram()
+        self.sections: list = []  # callables giving more exposition lines (serving/speculation.py's counters)
 
     def render(self) -> str:
         """Prometheus text format, version 0.0.4."""
@@ -82,4 +83,6 @@ class Metrics:
                self.ttft.lines("tessera_time_to_first_token_seconds"))
         metric("tessera_inter_token_latency_seconds", "histogram", "Between a request's successive tokens.",
                self.itl.lines("tessera_inter_token_latency_seconds"))
+        for section in self.sections:
+            out.extend(section())
         return "\n".join(out) + "\n"

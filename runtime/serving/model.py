@@ -26,6 +26,7 @@ LAZY = {"CachedModel": ("tessera.runtime.generation.cached", "CachedModel"),
         "CachedDecoder": ("tessera.runtime.generation.cached", "CachedDecoder"),
         "Stats": ("tessera.runtime.generation.cached", "Stats"),
         "NO_CONTEXT_CAP": ("tessera.runtime.generation.cached", "NO_CONTEXT_CAP"),
+        "NgramDrafter": ("tessera.runtime.generation.drafting", "NgramDrafter"),
         "ort_message": ("tessera.runtime.session", "ort_message"),
         "RunError": ("tessera.runtime.session", "RunError"),
         "load_tokenizer": ("tessera.runtime.io.text", "load_tokenizer"),
@@ -66,11 +67,13 @@ def decode_kernel(info) -> str:
 
 
 def load(spec: str, variant: str | None = None, sets: list[str] | None = None, weights: str | None = None,
-         seed: int = 0, threads: int | None = None, decode: str | None = None) -> "CachedModel":
+         seed: int = 0, threads: int | None = None, decode: str | None = None,
+         last_only: bool = True) -> "CachedModel":
     """The model for the engine (row_engine.py ``engine_for`` picks it): a .tsr spec (or a bundled spec's name) compiled
     now with the plain decoding branch in buffer mode, or an .onnx file compiled with ``--kv-cache
     --decode plain``; a decoder with recurrent state compiled with its state as cache state, and an
-    encoder-decoder as generation/loop.py's EncoderDecoder (both for the RowEngine, row_engine.py)."""
+    encoder-decoder as generation/loop.py's EncoderDecoder (both for the RowEngine, row_engine.py).
+    ``last_only=False``: the logits of every position (serve --speculative checks drafts with them)."""
     from tessera.runtime import pipeline as _pipeline
     from tessera.runtime.generation import cached as _gen
     from tessera.runtime.generation.cached import CachedModel
@@ -98,10 +101,11 @@ def load(spec: str, variant: str | None = None, sets: list[str] | None = None, w
                 proto, info = _gen.compile_cached(built, w)
             return CachedModel(proto.SerializeToString(), info, threads=threads)
         try:
-            proto, info = _gen.compile_cached(built, w, mode="buffer", decode=decode or DECODE)
+            proto, info = _gen.compile_cached(built, w, mode="buffer", decode=decode or DECODE,
+                                             last_only=last_only)
             if info.length_input and not all(layer.buffer_key for layer in info.layers):
                 # mixed kernels would read one attention mask two ways (see check_fit): all plain
-                proto, info = _gen.compile_cached(built, w, mode="buffer", decode="plain")
+                proto, info = _gen.compile_cached(built, w, mode="buffer", decode="plain", last_only=last_only)
         except UsageError as e:  # e.g. a sliding window: no buffer-mode cache
             raise UsageError(f"{e}; `tessera serve` needs the buffer cache (one row per slot), so it cannot serve "
                              f"this model") from None

@@ -36,6 +36,8 @@ class ServeOptions:
     model_name: str | None = None
     explain: bool = False
     start_token: int | None = None  # an encoder-decoder's decoder start token (row_engine.py)
+    speculative: str | None = None  # "ngram": prompt-lookup drafting for greedy requests (serving/speculation.py)
+    draft_tokens: int | None = None
 
     def check(self) -> None:
         def whole(name, value, low):
@@ -57,6 +59,13 @@ class ServeOptions:
             raise UsageError(f"--drain-timeout must be >= 0 seconds, got {self.drain_timeout}")
         if not self.host:
             raise UsageError("--host is empty")
+        if self.speculative is not None and self.speculative != "ngram":
+            raise UsageError(f"--speculative {self.speculative}: the server drafts by prompt lookup only "
+                             f"(--speculative ngram); a draft model is `tessera generate --speculative`'s")
+        if self.draft_tokens is not None:
+            if self.speculative is None:
+                raise UsageError("--draft-tokens applies with --speculative ngram")
+            whole("draft_tokens", self.draft_tokens, 1)
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "ServeOptions":
@@ -96,13 +105,22 @@ def build_server(opts: ServeOptions):
             template = ChatTemplate.from_tokenizer_folder(tokenizer_path)
         except ChatTemplateError as e:  # the completion route still works; the chat route says why
             template_error = str(e)
-    model = serving_model.load(opts.spec, opts.variant, opts.sets, opts.weights, opts.seed, opts.threads)
+    model = serving_model.load(opts.spec, opts.variant, opts.sets, opts.weights, opts.seed, opts.threads,
+                               last_only=opts.speculative is None)
     start = opts.start_token
     if start is None and hasattr(model, "s2s"):  # an encoder-decoder: the checkpoint's decoder_start_token_id
         start = serving_model.decoder_start(tokenizer_path, opts.spec, opts.weights)
     engine = engine_for(model, opts.max_batch, opts.max_queue, opts.max_context, opts.prefill_chunk,
-                                      tokenizer, serving_model.eos_ids(tokenizer, tokenizer_path, opts.spec,
-                                                                       opts.weights), start)
+                        tokenizer, serving_model.eos_ids(tokenizer, tokenizer_path, opts.spec, opts.weights), start)
+    if opts.speculative:
+        from .row_engine import RowEngine
+        from .speculation import Speculation
+
+        if isinstance(engine, RowEngine):  # its steps are its own: no drafts checked in them
+            raise UsageError("--speculative serves decoder-only models with a KV cache; this model is served by "
+                             "the row engine (recurrent state or an encoder-decoder): drop --speculative")
+        Speculation.check(model)
+        Speculation(opts.draft_tokens or Speculation.DRAFT_TOKENS).attach(engine)
     return engine, Server(engine, opts.served_name, tokenizer, template, template_error)
 
 

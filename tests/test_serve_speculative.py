@@ -1,0 +1,228 @@
+"""``tessera serve --speculative ngram``: the engine's speculative step gives plain greedy decoding's tokens.
+
+References, independent of the code under test: transformers' ``generate(do_sample=False)`` on the
+same Hugging Face checkpoint (GPT-2, and a Llama with grouped-query attention: 4 query heads, 2
+key/value heads), and for sampled requests riding along the engine without speculation (whose own
+tests hold it to ``generate``). A real server process (127.0.0.1, a free port) is driven by the
+official ``openai`` client, its texts compared with ``tessera generate``'s, requests concurrent.
+Prompts quote passages so that prompt lookup has something to draft; the tests also check that
+drafts were made and accepted (counted, not timed).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+
+from conftest import cli
+from tessera.runtime.generation import cached as gen
+from tessera.runtime.serving import model as serving_model
+from tessera.runtime.serving.engine import Engine, Request
+from tessera.runtime.serving.speculation import Speculation
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+NEW = 40
+
+
+def _hf(family: str):
+    torch.manual_seed(0)
+    if family == "gpt2":
+        cfg = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=300, n_positions=256,
+                                      bos_token_id=0, eos_token_id=0)
+        model = transformers.GPT2LMHeadModel(cfg)
+    else:
+        cfg = transformers.LlamaConfig(vocab_size=300, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                       num_key_value_heads=2, intermediate_size=96, rms_norm_eps=1e-5,
+                                       max_position_embeddings=256, tie_word_embeddings=False)
+        model = transformers.LlamaForCausalLM(cfg)
+    with torch.no_grad():  # further from the initialisation: the greedy output is not one repeated token
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.08)
+    return model.eval()
+
+
+def _hf_greedy(hf, prompt: list[int], new: int) -> list[int]:
+    with torch.no_grad():
+        out = hf.generate(input_ids=torch.tensor([prompt]), attention_mask=torch.ones((1, len(prompt)), dtype=torch.long),
+                          max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0, eos_token_id=None)
+    return out[0, len(prompt):].tolist()
+
+
+class Case:
+    def __init__(self, family, root):
+        self.hf = _hf(family)
+        self.hf.save_pretrained(root, safe_serialization=True)
+        self.model = serving_model.load(str(root), threads=1, last_only=False)
+        rng = np.random.default_rng(1)
+        a, b = rng.integers(1, 300, 14).tolist(), rng.integers(1, 300, 6).tolist()
+        own = _hf_greedy(self.hf, a, 12)  # the model's own continuation, quoted: its drafts are accepted
+        self.prompts = [a + a + a[:5], b + [7] + b, (a + own) * 2 + a]
+        self.reference = [_hf_greedy(self.hf, p, NEW) for p in self.prompts]
+
+
+@pytest.fixture(scope="module")
+def cases(tmp_path_factory):
+    made = {}
+
+    def get(family):
+        if family not in made:
+            made[family] = Case(family, tmp_path_factory.mktemp(f"serve_spec_{family}"))
+        return made[family]
+    return get
+
+
+def _engine(model, k: int = 4, **kw) -> Engine:
+    engine = Engine(model, **{"max_batch": 4, "prefill_chunk": 8, **kw})
+    Speculation(k).attach(engine)
+    return engine
+
+
+def _run(engine, requests):
+    handles = [engine.submit(r) for r in requests]
+    while any(not h.finished for h in handles):
+        assert engine.step()
+    return handles
+
+
+@pytest.mark.parametrize("k", [1, 4])
+@pytest.mark.parametrize("family", ["gpt2", "llama_gqa"])
+def test_concurrent_greedy_requests_equal_transformers(cases, family, k):
+    """Three prompts of uneven lengths in one batch, prefilled in chunks while others decode."""
+    case = cases(family)
+    engine = _engine(case.model, k)
+    handles = _run(engine, [Request(p, NEW) for p in case.prompts])
+    assert [h.tokens for h in handles] == case.reference
+    spec = engine.speculation
+    assert spec.calls > 0 and 0 < spec.accepted <= spec.drafted
+    assert engine.steps < sum(len(h.tokens) for h in handles)  # accepted drafts saved calls
+
+
+def test_sampled_and_penalised_requests_decode_as_without_speculation(cases):
+    """Rows that may not speculate (sampled, repetition penalty) share the verifying calls and get the
+    tokens the engine gives them without speculation (same seeds)."""
+    case = cases("llama_gqa")
+    reqs = lambda: [Request(case.prompts[0], NEW),  # noqa: E731
+                    Request(case.prompts[1], NEW, gen.Sampling(temperature=0.8, top_k=20, seed=3)),
+                    Request(case.prompts[2], NEW, gen.Sampling(repetition_penalty=1.3)),
+                    Request(case.prompts[2], NEW)]
+    plain = _run(Engine(case.model, max_batch=4, prefill_chunk=8), reqs())
+    engine = _engine(case.model)
+    spec = _run(engine, reqs())
+    assert [h.tokens for h in spec] == [h.tokens for h in plain]
+    assert spec[0].tokens == case.reference[0] and spec[3].tokens == case.reference[2]
+    assert engine.speculation.drafted > 0
+
+
+def test_stop_token_among_accepted_drafts_and_the_context_end(cases):
+    case = cases("gpt2")
+    prompt, ref = case.prompts[2], case.reference[2]
+    stop = ref[9]
+    engine = _engine(case.model, 6)
+    h = _run(engine, [Request(prompt, NEW, stop_tokens=(stop,))])[0]
+    assert h.tokens == ref[:ref.index(stop) + 1] and h.finish_reason == "stop"
+    # a slot exactly as long as prompt + max_tokens: drafts are cut to the columns left
+    engine = _engine(case.model, 6, capacity=len(prompt) + NEW, max_batch=2)
+    h = _run(engine, [Request(prompt, NEW)])[0]
+    assert h.tokens == ref and h.finish_reason == "length"
+
+
+def test_describe_and_metrics_count_the_drafts(cases):
+    case = cases("gpt2")
+    engine = _engine(case.model, 3)
+    _run(engine, [Request(case.prompts[2], NEW)])
+    assert "speculative decoding: prompt lookup (ngram), up to 3 drafted tokens" in engine.describe()
+    text = engine.metrics.render()
+    s = engine.speculation
+    assert f"tessera_speculative_drafted_tokens_total {s.drafted}" in text
+    assert f"tessera_speculative_accepted_tokens_total {s.accepted}" in text and s.accepted > 0
+
+
+def test_last_only_file_is_refused(tmp_path, capsys):
+    out = tmp_path / "t.onnx"
+    rc, _, err = cli(capsys, "compile", "gpt2", *SETS, "--kv-cache", "--decode", "plain", "-o", out)
+    assert rc == 0, err
+    rc, _, err = cli(capsys, "serve", out, "--speculative", "ngram", "--explain")
+    assert rc == 2 and "needs the logits of every position" in err
+
+
+SETS = ["--set", "layers=2", "--set", "d=64", "--set", "heads=4", "--set", "vocab=50", "--set", "ctx=128"]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--speculative", "model.tsr"], "the server drafts by prompt lookup only"),
+    (["--draft-tokens", "3"], "--draft-tokens applies with --speculative ngram"),
+    (["--speculative", "ngram", "--draft-tokens", "0"], "--draft-tokens must be an integer >= 1"),
+])
+def test_bad_options(capsys, args, message):
+    rc, out, err = cli(capsys, "serve", "gpt2", *SETS, *args, "--explain")
+    assert rc == 2 and message in err
+
+
+def test_row_engine_model_is_refused(capsys):
+    """A recurrent-state decoder is served by the row engine, whose steps check no drafts: refused, not ignored."""
+    rc, _, err = cli(capsys, "serve", "mamba", "--variant", "tiny", "--speculative", "ngram", "--explain")
+    assert rc == 2 and "served by the row engine" in err and "drop --speculative" in err
+
+
+def test_explain_names_speculation(capsys):
+    rc, out, err = cli(capsys, "serve", "gpt2", *SETS, "--speculative", "ngram", "--draft-tokens", "5", "--explain")
+    assert rc == 0 and "up to 5 drafted tokens per greedy request" in err
+
+
+# ---------------------------------------------------------------- a real server process
+httpx = pytest.importorskip("httpx")
+openai = pytest.importorskip("openai")
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    from test_serve_http import ServerProcess, _tokenizer_folder
+
+    tok = _tokenizer_folder(tmp_path_factory.mktemp("tok"), None)
+    s = ServerProcess(["gpt2", *SETS, "--tokenizer", tok, "--max-batch", 4, "--prefill-chunk", 16,
+                       "--speculative", "ngram"], tmp_path_factory.mktemp("log") / "server.log")
+    yield s, tok
+    assert s.stop() == 0, s.output()
+
+
+PROMPTS = ["w3 w4 w5 w6 w7 w3 w4 w5 w6 w7 w3 w4", "w10 w11 w12 w13 w10 w11", "w20 w21 w22 w23 w24 w25 w20 w21 w22",
+           "w1 w2 w1 w2 w1"]
+
+
+def _generate_text(capsys, tok, prompt: str, n: int) -> str:
+    rc, out, err = cli(capsys, "generate", "gpt2", *SETS, "--tokenizer", tok, "--prompt", prompt,
+                       "--max-new-tokens", n, "--ignore-eos", "--format", "json", "--quiet")
+    assert rc == 0, err
+    return json.loads(out)["outputs"][0]["text"]
+
+
+def test_server_greedy_equals_generate_concurrently(served, capsys):
+    """Four concurrent greedy completions through the openai client, each equal to `tessera generate`
+    alone; the server's /metrics then shows drafts made and accepted."""
+    s, tok = served
+    client = openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    expected = [_generate_text(capsys, tok, p, 30) for p in PROMPTS]
+
+    def one(p):
+        r = client.completions.create(model="gpt2", prompt=p, max_tokens=30, temperature=0,
+                                      extra_body={"ignore_eos": True})
+        return r.choices[0].text
+
+    with ThreadPoolExecutor(4) as pool:
+        got = list(pool.map(one, PROMPTS))
+    assert got == expected
+    metrics = httpx.get(s.url + "/metrics", timeout=10).text
+    drafted = int(next(line.split()[-1] for line in metrics.splitlines()
+                       if line.startswith("tessera_speculative_drafted_tokens_total ")))
+    accepted = int(next(line.split()[-1] for line in metrics.splitlines()
+                        if line.startswith("tessera_speculative_accepted_tokens_total ")))
+    assert drafted > 0 and 0 < accepted <= drafted
