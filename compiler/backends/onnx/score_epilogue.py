@@ -8,7 +8,8 @@ contrib-op kernels (GroupQueryAttention, MultiHeadAttention) declare their own, 
 allow-lists in backends/onnx/attention.py.
 
 A kernel calls ``prepare`` once, outside any Loop or If (what every block shares: the mask
-made boolean, the bias brought to rank 4, a causal triangle for equal tiles), then ``apply``
+made boolean, the bias brought to rank 4, a causal triangle for equal tiles; for the block kernel
+behind a per-layer If, ``prepare_whole`` builds its masks once for every layer), then ``apply``
 on each block of scores with a ``Block`` saying where the block lies and what the kernel has
 applied already (queries scaled before the product, a mask the cache built once).
 """
@@ -111,9 +112,9 @@ def prepare_whole(b, a: dict, mask: str | None, q_t, k_t, fits: str) -> str | No
     one boolean tensor, True = hidden: [Tq, Tk], [B, 1, 1, Tk] (padding only) or [B, 1, Tq, Tk]. Built in the
     main graph, before the If of ``attention._short_or``, and kept in the builder (``b.shared``), so
     every layer with the same lengths, masks and ``fits`` test reads the same tensor instead of
-    building its own Range/Greater/Where inside its short branch (that rebuild, once per layer, made
-    the fused model slower than --no-fuse at N = 32, whose masks onnxruntime's common-subexpression
-    pass merges into one). ``fits`` (the If's condition) bounds it: while it is False the If takes the
+    building its own Range/Greater/Where inside its short branch (once per layer, where --no-fuse's
+    masks are built once: onnxruntime's common-subexpression pass merges main-graph nodes, not nodes
+    across If branches; docs/BENCHMARKS.md "Short sequences: masks built once"). ``fits`` (the If's condition) bounds it: while it is False the If takes the
     long branch, which never reads this tensor, and the tensor is empty ([0, 0]), not Tq × Tk.
     None when the node has no mask at all."""
     positional = a.get("causal") or a.get("local_window")
