@@ -5,6 +5,7 @@ on the same weights, and Tessera fused against --no-fuse; with the machine's GEM
     python bench/prefill.py --n 32 128 512 2048 --cases tessera unfused --rounds 3
     python bench/prefill.py --n 4096 --cases tessera unfused  # beyond 1024: --set ctx=N, Tessera only
     python bench/prefill.py --cases tessera o2 --optimum-python /path/to/venv/bin/python  # optimum's O2
+    python bench/prefill.py --n 32 128 --cases tessera unfused --paired --threads 1  # under load: see below
 
 GPT-2 small, fp32, B = 1, the whole model (12 layers and the 50,257-way head, logits for every
 position). The weights are transformers' own seeded initialisation of GPT2LMHeadModel, saved once as
@@ -35,6 +36,13 @@ cores), and GFLOP/s from the minimum: the products that must be computed, 2·N·
 of the linears and the head) + 12 layers · 2·2·768·N(N+1)/2 (causal: Q·Kᵀ and P·V over the visible
 pairs); the ratio of that to the ceiling (its best run, measured once before the table and again in
 every round, so it sees the same load) is the next column.
+
+--paired (Tessera's ONNX cases only; for a loaded machine): one process per N loads every case's file
+and alternates them run by run (A, B, A, B, ... --rounds × --repeat times each, after one warm-up
+each), so neighbouring runs see the same load; it reports per case the minimum and median of the
+wall time and of the CPU time (at --threads 1 onnxruntime computes on the calling thread, and the CPU
+time is the work done, whatever else runs), and against the first case the median of the ratios of
+neighbouring runs.
 """
 
 from __future__ import annotations
@@ -172,6 +180,57 @@ def run_ceiling(repeat: int, threads: int) -> dict:
     return _timed(lambda: sess.run(None, {"x": x}), max(repeat, 20))
 
 
+def run_paired(folder: Path, cases: list[str], n: int, runs: int, threads: int) -> dict:
+    """Every case's session in this process, run in turn (A, B, A, B, ...): wall and CPU per run."""
+    sessions = {c: _session(tessera_file(folder, TESSERA[c], n), threads) for c in cases}
+    feeds = {"tokens": _tokens(n)}
+    out = {c: [] for c in cases}
+    for sess in sessions.values():
+        sess.run(None, feeds)  # warm-up
+    for _ in range(runs):
+        for c, sess in sessions.items():
+            c0, t0 = time.process_time(), time.perf_counter()
+            sess.run(None, feeds)
+            out[c].append({"wall_s": time.perf_counter() - t0, "cpu_s": time.process_time() - c0})
+    return {"runs": out}
+
+
+def paired(args, folder: Path) -> dict:
+    cases = [c for c in args.cases if c in TESSERA]
+    if len(cases) < 2 or len(cases) != len(args.cases):
+        sys.exit("--paired takes two or more of Tessera's cases (tessera, unfused, portable) and nothing else")
+    print(f"paired: one process per N, the cases alternating run by run, {args.rounds * args.repeat} runs each, "
+          f"threads {args.threads}; {platform.machine()}, {os.cpu_count()} CPUs")
+    print(f"{'N':>5} {'case':<9} {'wall min':>9} {'wall med':>9} {'CPU min':>8} {'CPU med':>8} {'CPU/wall':>8} "
+          f"{'÷ first: wall (pairs med)':>25} {'CPU (pairs med)':>16} {'wall min':>9} {'CPU min':>8}")
+    rows = []
+    for n in args.n:
+        cmd = [sys.executable, __file__, "--_paired", str(folder), str(n), str(args.rounds * args.repeat),
+               str(args.threads), *cases]
+        out = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+        if out.returncode:
+            sys.exit(f"paired run at N = {n} failed:\n{out.stderr[-3000:]}")
+        res = json.loads(out.stdout.strip().splitlines()[-1])["runs"]
+        first = res[cases[0]]
+        for c in cases:
+            rs = res[c]
+            wall, cpu = [r["wall_s"] for r in rs], [r["cpu_s"] for r in rs]
+            pw = statistics.median(r["wall_s"] / f["wall_s"] for r, f in zip(rs, first))
+            pc = statistics.median(r["cpu_s"] / f["cpu_s"] for r, f in zip(rs, first))
+            mw = min(wall) / min(r["wall_s"] for r in first)
+            mc = min(cpu) / min(r["cpu_s"] for r in first)
+            busy = statistics.median(r["cpu_s"] / r["wall_s"] for r in rs)
+            print(f"{n:>5} {c:<9} {min(wall) * 1e3:>9.1f} {statistics.median(wall) * 1e3:>9.1f} "
+                  f"{min(cpu) * 1e3:>8.1f} {statistics.median(cpu) * 1e3:>8.1f} {busy:>8.2f} {pw:>25.3f} {pc:>16.3f} "
+                  f"{mw:>9.3f} {mc:>8.3f}", flush=True)
+            rows.append({"n": n, "case": c, "runs": len(rs), "wall_min_ms": min(wall) * 1e3,
+                         "wall_median_ms": statistics.median(wall) * 1e3, "cpu_min_ms": min(cpu) * 1e3,
+                         "cpu_median_ms": statistics.median(cpu) * 1e3, "cpu_wall": busy,
+                         "pairs_wall_ratio_median": pw, "pairs_cpu_ratio_median": pc,
+                         "wall_min_ratio": mw, "cpu_min_ratio": mc})
+    return {"machine": platform.platform(), "threads": args.threads, "paired": True, "rows": rows}
+
+
 def child(case: str, folder: str, n: int, repeat: int, threads: int) -> dict:
     folder = Path(folder)
     if case == "ceiling":
@@ -205,7 +264,10 @@ def main() -> None:
     p.add_argument("--json", metavar="FILE")
     p.add_argument("--optimum-python", metavar="PYTHON",
                    help="the python of an environment with optimum-onnx (for the o2 case's export)")
+    p.add_argument("--paired", action="store_true",
+                   help="Tessera's cases alternating run by run in one process per N (see above)")
     p.add_argument("--_child", nargs=5, help=argparse.SUPPRESS)
+    p.add_argument("--_paired", nargs="+", help=argparse.SUPPRESS)
     p.add_argument("--_export_o2", metavar="DIR", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args._export_o2:
@@ -213,6 +275,10 @@ def main() -> None:
         return
     if "o2" in args.cases and not args.optimum_python:
         p.error("the o2 case needs --optimum-python (an environment with optimum-onnx installed)")
+    if args._paired:
+        folder, n, runs, threads, *cases = args._paired
+        print(json.dumps(run_paired(Path(folder), cases, int(n), int(runs), int(threads))))
+        return
     if args._child:
         case, folder, n, repeat, threads = args._child
         print(json.dumps(child(case, folder, int(n), int(repeat), int(threads))))
@@ -228,6 +294,11 @@ def main() -> None:
             if case in TESSERA:
                 for n in args.n:
                     tessera_file(folder, TESSERA[case], n)
+        if args.paired:
+            results = paired(args, folder)
+            if args.json:
+                Path(args.json).write_text(json.dumps(results, indent=2))
+            return
         print(f"machine: {platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}, "
               f"threads {args.threads}, rounds {args.rounds} × {args.repeat} runs")
         results = {"machine": platform.platform(), "threads": args.threads, "rows": []}

@@ -108,21 +108,45 @@ def _short_or(b, node, out: str, lower, budget: int) -> None:
 
     q_t, k_t = b.graph.type_of(node.inputs[0]), b.graph.type_of(node.inputs[1])
     elem = TensorProto.FLOAT16 if q_t.dtype == "f16" else TensorProto.FLOAT
-    bytes_per = 2 if q_t.dtype == "f16" else 4
-    per_batch = _scalar(b, node.attrs["heads"] * bytes_per)
-    n = b.node("Mul", [b.node("Mul", [b.dim_scalar(q_t.shape[0]), per_batch])[0],
-                       b.node("Mul", [b.dim_scalar(q_t.shape[-2]), b.dim_scalar(k_t.shape[-2])])[0]])[0]
-    fits = b.node("LessOrEqual", [n, _scalar(b, int(budget))])[0]
-    then_g = _branch(b, _block, node, "block", elem)
+    fits = _fits(b, q_t, k_t, node.attrs["heads"], budget)
+    whole = _block_prep(b, node, fits)
+    then_g = _branch(b, lambda b, n, o: _block(b, n, o, whole), node, "block", elem)
     else_g = _branch(b, lower, node, node.attrs.get("impl", "portable"), elem)
     b.node("If", [fits], [out], then_branch=then_g, else_branch=else_g)
 
 
-def _block(b, node, out: str) -> None:
+def _fits(b, q_t, k_t, heads: int, budget: int) -> str:
+    """B·H·Tq·Tk·bytes <= budget, computed once in the main graph for every site of the same shape
+    (``b.shared``): one test, not one per layer."""
+    bytes_per = 2 if q_t.dtype == "f16" else 4
+    key = ("block_fits", str(q_t.shape[0]), str(q_t.shape[-2]), str(k_t.shape[-2]), heads * bytes_per, int(budget))
+    if key not in b.shared:
+        saved, b.current = b.current, ""
+        try:
+            per_batch = _scalar(b, heads * bytes_per)
+            n = b.node("Mul", [b.node("Mul", [b.dim_scalar(q_t.shape[0]), per_batch])[0],
+                               b.node("Mul", [b.dim_scalar(q_t.shape[-2]), b.dim_scalar(k_t.shape[-2])])[0]])[0]
+            b.shared[key] = b.node("LessOrEqual", [n, _scalar(b, int(budget))], [b.fresh("block_fits")])[0]
+        finally:
+            b.current = saved
+    return b.shared[key]
+
+
+def _block_prep(b, node, fits: str) -> str | None:
+    """The block kernel's masks for the short branch, built once outside every layer's If
+    (score_epilogue.prepare_whole): empty while ``fits`` is False."""
+    a = node.attrs
+    mask = node.inputs[3] if a["padding"] else None
+    q_t, k_t = b.graph.type_of(node.inputs[0]), b.graph.type_of(node.inputs[1])
+    return epilogue.prepare_whole(b, a, mask, q_t, k_t, fits)
+
+
+def _block(b, node, out: str, whole: str | None = None) -> None:
     """softmax(cap(q·kᵀ·scale) + bias + masks)·v as one block over all heads: the unfused graph's
     order of operations (onnxruntime folds the transpose and the scale into one FusedMatMul), the
     causal and sliding-window masks one select over [Tq, Tk], grouped key/value heads shared
-    through a broadcast over [B, G, rep, T, d] (no copy of K or V)."""
+    through a broadcast over [B, G, rep, T, d] (no copy of K or V). ``whole``: the masks built
+    outside (``_block_prep``, as the short branch of ``_short_or``), else they are built here."""
     g, a = b.graph, node.attrs
     q, k, v = node.inputs[:3]
     extra = list(node.inputs[3:])
@@ -132,7 +156,7 @@ def _block(b, node, out: str) -> None:
     heads, kv_heads = a["heads"], a["kv_heads"]
     rep = heads // kv_heads
     hd, hv = q_t.shape[-1], int(v_t.shape[-1])
-    prep = epilogue.prepare(b, a, mask, bias, q_t, k_t)
+    prep = epilogue.prepare(b, a, mask, bias, q_t, k_t, hide=whole)
     k_t_all = b.node("Transpose", [k], perm=[0, 1, 3, 2])[0]  # [B, G, d, Tk]
     if rep > 1:  # queries [B, G, rep, Tq, d] against keys [B, G, 1, d, Tk]
         q5 = b.node("Reshape", [q, b.shape_vec([q_t.shape[0], kv_heads, rep, q_t.shape[-2], hd])])[0]

@@ -8,7 +8,8 @@ contrib-op kernels (GroupQueryAttention, MultiHeadAttention) declare their own, 
 allow-lists in backends/onnx/attention.py.
 
 A kernel calls ``prepare`` once, outside any Loop or If (what every block shares: the mask
-made boolean, the bias brought to rank 4, a causal triangle for equal tiles), then ``apply``
+made boolean, the bias brought to rank 4, a causal triangle for equal tiles; for the block kernel
+behind a per-layer If, ``prepare_whole`` builds its masks once for every layer), then ``apply``
 on each block of scores with a ``Block`` saying where the block lies and what the kernel has
 applied already (queries scaled before the product, a mask the cache built once).
 """
@@ -42,6 +43,8 @@ class Prepared:
     bias_axes: tuple = (False, False, False)  # tiled: whether the bias varies over heads, rows, columns
     triangle: str | None = None   # tiled causal without window: [tile, tile] 0 on/below the diagonal, min above
     additive: str | None = None   # an additive mask covering causal, window and padding (cached kernels)
+    hide: str | None = None       # whole block: True = hidden by causal, window, local window or padding,
+                                  # [Tq, Tk] or [B, 1, Tq, Tk], built once for every layer (prepare_whole)
 
 
 @dataclass
@@ -59,14 +62,17 @@ class Block:
 
 def prepare(b, a: dict, mask: str | None, bias: str | None, q_t, k_t, tiled: bool = False,
             tile: str | None = None, additive: str | None = None,
-            positions: tuple[str, str, str] | None = None) -> Prepared:
+            positions: tuple[str, str, str] | None = None, hide: str | None = None) -> Prepared:
     """``mask``/``bias``: the node's padding mask and bias inputs (or None); ``tile``: the tiled kernel's
     square tile size, for the causal triangle; ``additive``: a mask the cache built (``decode_mask``);
-    ``positions``: (Tq, Tk, Tk - Tq) where the kernel has them already."""
+    ``positions``: (Tq, Tk, Tk - Tq) where the kernel has them already; ``hide``: the whole block's
+    masks, built outside (``prepare_whole``): nothing of them is built here."""
     np_dtype = np.float16 if q_t.dtype == "f16" else np.float32
     p = Prepared(np_dtype, "", "", "", b.const(np.array(np.finfo(np_dtype).min, dtype=np_dtype), "min"),
-                 additive=additive)
-    if positions is not None:
+                 additive=additive, hide=hide)
+    if hide is not None:
+        mask = None  # the padding is in ``hide``; no positions are needed either
+    elif positions is not None:
         p.tq, p.tk, p.offset = positions
     elif (a.get("causal") or a.get("local_window")) and additive is None:  # the masks' positions
         p.tq, p.tk = b.dim_scalar(q_t.shape[-2]), b.dim_scalar(k_t.shape[-2])
@@ -88,7 +94,7 @@ def prepare(b, a: dict, mask: str | None, bias: str | None, q_t, k_t, tiled: boo
             shape4 = (1,) * (4 - bt.rank) + tuple(bt.shape)
             not_one = lambda d: not (dims.is_static(dims.dim(d)) and int(d) == 1)  # noqa: E731
             p.bias_axes = (not_one(shape4[1]), not_one(shape4[2]), not_one(shape4[3]))
-    if tile is not None and a.get("causal") and not a.get("window") and additive is None:
+    if tile is not None and a.get("causal") and not a.get("window") and additive is None and hide is None:
         # [tile, tile]: 0 on and below the diagonal, the dtype's minimum above it. Added to a score,
         # it gives the minimum (fp32: |score| is far below the float spacing there) or -inf (fp16,
         # for scores below -16); either way the weight is exactly 0, and the diagonal itself stays
@@ -99,6 +105,61 @@ def prepare(b, a: dict, mask: str | None, bias: str | None, q_t, k_t, tiled: boo
                                    b.node("Unsqueeze", [r, b.i64([1])])[0]])[0]
         p.triangle = b.node("Where", [above, p.min_value, b.const(np.array(0, dtype=np_dtype), "zero")])[0]
     return p
+
+
+def prepare_whole(b, a: dict, mask: str | None, q_t, k_t, fits: str) -> str | None:
+    """The masks of a whole [B, H, Tq, Tk] block (causal, sliding window, two-sided window, padding) as
+    one boolean tensor, True = hidden: [Tq, Tk], [B, 1, 1, Tk] (padding only) or [B, 1, Tq, Tk]. Built in the
+    main graph, before the If of ``attention._short_or``, and kept in the builder (``b.shared``), so
+    every layer with the same lengths, masks and ``fits`` test reads the same tensor instead of
+    building its own Range/Greater/Where inside its short branch (once per layer, where --no-fuse's
+    masks are built once: onnxruntime's common-subexpression pass merges main-graph nodes, not nodes
+    across If branches; docs/BENCHMARKS.md "Short sequences: masks built once"). ``fits`` (the If's condition) bounds it: while it is False the If takes the
+    long branch, which never reads this tensor, and the tensor is empty ([0, 0]), not Tq × Tk.
+    None when the node has no mask at all."""
+    positional = a.get("causal") or a.get("local_window")
+    if not positional and mask is None:
+        return None
+    key = ("whole_masks", fits, str(q_t.shape[-2]), str(k_t.shape[-2]), bool(a.get("causal")),
+           int(a.get("window") or 0), int(a.get("local_window") or 0), mask)
+    if key in b.shared:
+        return b.shared[key]
+    saved, b.current = b.current, ""
+    try:
+        zero, one = _scalar(b, 0), _scalar(b, 1)
+        tq, tk = b.dim_scalar(q_t.shape[-2]), b.dim_scalar(k_t.shape[-2])
+        n_q = b.node("Where", [fits, tq, zero])[0]  # 0 × 0 when the long branch runs
+        n_k = b.node("Where", [fits, tk, zero])[0]
+        hide = None
+        if positional:
+            offset = b.node("Sub", [tk, tq])[0]
+            rows = b.node("Unsqueeze", [b.node("Add", [b.node("Range", [zero, n_q, one])[0], offset])[0],
+                                        b.i64([1])])[0]
+            cols = b.node("Unsqueeze", [b.node("Range", [zero, n_k, one])[0], b.i64([0])])[0]
+            if a.get("causal"):
+                hide = b.node("Greater", [cols, rows])[0]
+                if a.get("window"):
+                    far = b.node("LessOrEqual", [cols, b.node("Sub", [rows, _scalar(b, a["window"])])[0]])[0]
+                    hide = b.node("Or", [hide, far])[0]
+            if a.get("local_window"):  # two-sided: |key - query| >= local_window hidden
+                dist = b.node("Abs", [b.node("Sub", [cols, rows])[0]])[0]
+                far = b.node("GreaterOrEqual", [dist, _scalar(b, a["local_window"])])[0]
+                hide = far if hide is None else b.node("Or", [hide, far])[0]
+        if mask is not None:
+            m_dtype = b.graph.type_of(mask).dtype
+            if m_dtype == "bool":
+                hidden = b.node("Not", [mask])[0]
+            else:
+                zero_m = b.const(np.array(0, dtype=np.int64 if m_dtype == "i64" else np.int32), "zero")
+                hidden = b.node("Equal", [mask, zero_m])[0]
+            hidden = b.node("Slice", [hidden, b.i64([0]), b.node("Unsqueeze", [n_k, b.i64([0])])[0],
+                                      b.i64([1])])[0]  # [B, Tk] or [B, 0]
+            hidden = b.node("Unsqueeze", [hidden, b.i64([1, 2])])[0]  # [B, 1, 1, Tk]
+            hide = hidden if hide is None else b.node("Or", [hidden, hide])[0]
+        b.shared[key] = b.node("Identity", [hide], [b.fresh("block_masks")])[0]
+    finally:
+        b.current = saved
+    return b.shared[key]
 
 
 def _u(b, x: str) -> str:
@@ -130,6 +191,10 @@ def _bias(b, a, s, p: Prepared, blk: Block) -> str:
 
 def _masks(b, a, s, p: Prepared, blk: Block) -> str:
     """Causal, sliding window and padding: hidden scores become the dtype's minimum (weight 0)."""
+    if p.hide is not None:  # the whole block's masks, built once outside (prepare_whole)
+        if blk.rows is not None or blk.cols is not None or blk.view is not None:
+            raise ValueError("the prepared whole-block masks apply to a whole [B, H, Tq, Tk] block only")
+        return b.node("Where", [p.hide, p.min_value, s])[0]
     if p.additive is not None:  # one mask for all three, built by the cached kernel
         if a.get("local_window"):  # the cache builds causal masks only (its kernels' allow-lists refuse this)
             raise ValueError("a two-sided local window has no cached (additive) mask")
