@@ -387,18 +387,23 @@ class Engine:
         while self.waiting:
             self.waiting.popleft()._finish("cancelled")
 
+    def _drop_cancelled(self) -> None:
+        """Under the lock, at the start of a step: cancelled waiting requests finish, cancelled rows
+        (their clients gone) free their slots for this step's admissions."""
+        for h in [h for h in self.waiting if h.cancelled]:
+            self.waiting.remove(h)
+            h._finish("cancelled")
+            self.metrics.finished["cancelled"] += 1
+        for row in [r for r in self.rows if r.handle.cancelled]:
+            row.handle._finish("cancelled")
+            self._release(row)
+
     def step(self) -> bool:
         """One iteration: drop cancelled requests, admit waiting ones into free slots, prefill one chunk
         of the oldest prompt not yet in the cache, then one decoding step for every row that has its
         next token. Returns whether anything ran."""
         with self._cond:
-            for h in [h for h in self.waiting if h.cancelled]:
-                self.waiting.remove(h)
-                h._finish("cancelled")
-                self.metrics.finished["cancelled"] += 1
-            for seq in [s for s in self.rows if s.handle.cancelled]:
-                seq.handle._finish("cancelled")
-                self._release(seq)
+            self._drop_cancelled()
             while self.waiting and len(self.rows) < self.max_batch:
                 seq = _Sequence(self.waiting.popleft(), len(self.rows), self.vocab)
                 self.slots[seq.slot] = 0

@@ -193,13 +193,7 @@ class RowEngine(Engine):
         source through the encoder, at once and gives its first token), then one decoding step for
         every row. Returns whether anything ran."""
         with self._cond:
-            for h in [h for h in self.waiting if h.cancelled]:
-                self.waiting.remove(h)
-                h._finish("cancelled")
-                self.metrics.finished["cancelled"] += 1
-            for row in [r for r in self.rows if r.handle.cancelled]:
-                row.handle._finish("cancelled")
-                self._release(row)
+            self._drop_cancelled()
             admitted = []
             while self.waiting and len(self.rows) < self.max_batch:
                 row = _Row(self.waiting.popleft(), len(self.rows), self.vocab, self.start_token)

@@ -60,6 +60,16 @@ class Block:
     extra: dict = field(default_factory=dict)  # for steps a new feature adds
 
 
+def _hidden_keys(b, mask: str) -> str:
+    """A padding mask ([B, Tk]: true or non-zero = a real key) turned into "hidden" booleans, the form
+    every mask here is combined in: Not of a bool mask, mask == 0 of an integer one."""
+    m_dtype = b.graph.type_of(mask).dtype
+    if m_dtype == "bool":
+        return b.node("Not", [mask])[0]
+    zero_m = b.const(np.array(0, dtype=np.int64 if m_dtype == "i64" else np.int32), "zero")
+    return b.node("Equal", [mask, zero_m])[0]
+
+
 def prepare(b, a: dict, mask: str | None, bias: str | None, q_t, k_t, tiled: bool = False,
             tile: str | None = None, additive: str | None = None,
             positions: tuple[str, str, str] | None = None, hide: str | None = None) -> Prepared:
@@ -78,13 +88,7 @@ def prepare(b, a: dict, mask: str | None, bias: str | None, q_t, k_t, tiled: boo
         p.tq, p.tk = b.dim_scalar(q_t.shape[-2]), b.dim_scalar(k_t.shape[-2])
         p.offset = b.node("Sub", [p.tk, p.tq])[0]
     if mask is not None and additive is None:
-        m_dtype = b.graph.type_of(mask).dtype
-        if m_dtype == "bool":
-            hidden = b.node("Not", [mask])[0]
-        else:
-            zero_m = b.const(np.array(0, dtype=np.int64 if m_dtype == "i64" else np.int32), "zero")
-            hidden = b.node("Equal", [mask, zero_m])[0]
-        p.hidden = b.node("Unsqueeze", [hidden, b.i64([1, 2])])[0]
+        p.hidden = b.node("Unsqueeze", [_hidden_keys(b, mask), b.i64([1, 2])])[0]
     if bias is not None:
         p.bias = bias
         if tiled:
@@ -146,13 +150,7 @@ def prepare_whole(b, a: dict, mask: str | None, q_t, k_t, fits: str) -> str | No
                 far = b.node("GreaterOrEqual", [dist, _scalar(b, a["local_window"])])[0]
                 hide = far if hide is None else b.node("Or", [hide, far])[0]
         if mask is not None:
-            m_dtype = b.graph.type_of(mask).dtype
-            if m_dtype == "bool":
-                hidden = b.node("Not", [mask])[0]
-            else:
-                zero_m = b.const(np.array(0, dtype=np.int64 if m_dtype == "i64" else np.int32), "zero")
-                hidden = b.node("Equal", [mask, zero_m])[0]
-            hidden = b.node("Slice", [hidden, b.i64([0]), b.node("Unsqueeze", [n_k, b.i64([0])])[0],
+            hidden = b.node("Slice", [_hidden_keys(b, mask), b.i64([0]), b.node("Unsqueeze", [n_k, b.i64([0])])[0],
                                       b.i64([1])])[0]  # [B, Tk] or [B, 0]
             hidden = b.node("Unsqueeze", [hidden, b.i64([1, 2])])[0]  # [B, 1, 1, Tk]
             hide = hidden if hide is None else b.node("Or", [hidden, hide])[0]
