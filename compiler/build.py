@@ -72,11 +72,13 @@ def _export(graph: Graph, weights, metadata: dict | None, prune: bool = True) ->
     """The model in memory (only the graph's parameters are read from ``weights``); ``prune``: drop the
     nodes a cached graph leaves unread (backends/onnx/cached_attention.py)."""
     from tessera.compiler.backends.onnx import export as onnx_export
-    from tessera.compiler.backends.onnx.cached_attention import prune_dead_nodes
+    from tessera.compiler.backends.onnx.cached_attention import prune_dead_nodes, settle_packed
 
     model = onnx_export.to_onnx(graph, weights, metadata)
     if prune:
         prune_dead_nodes(model)
+        if settle_packed(model):  # a packed decoding step's prefill-only nodes into the prefill branch
+            prune_dead_nodes(model)
     return model
 
 
