@@ -26,6 +26,7 @@ with the window); a prefill never builds a T×(P+T) mask.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -202,7 +203,9 @@ def _lower_gqa_decode(b, node, outs: list[str], gqa_in) -> None:
 
 
 # ---- the packed decoding step: one GroupQueryAttention reading the fused q+k+v linear's output
-PACK_QKV = True  # tests switch it off to compare with the unpacked step
+# the unpacked step stays reachable: tests switch this off to compare, and TESSERA_PACK_QKV=0 in the
+# environment does for a benchmark's before/after (bench/generate.py compiles in a child process)
+PACK_QKV = os.environ.get("TESSERA_PACK_QKV", "1") != "0"
 PACKED_MARK = "tessera:packed-qkv"  # the If's doc_string: settle_packed sinks its prefill-only nodes
 
 
@@ -274,6 +277,8 @@ def packed_qkv(g, node) -> "PackedQKV | str":
         return "dynamic NTK rope: its frequencies follow the length, no fixed cos/sin cache"
     if rotated_dims(ra, hd) != hd:
         return "partial rotary (GroupQueryAttention is checked here rotating the whole head only)"
+    if hd % 16:
+        return f"head size {hd}: GroupQueryAttention's rotary wants a multiple of 16"
     if not ra.get("max_ctx"):
         return "no trained context bounds the positions (the cos/sin caches need a length)"
     outs = {c.outputs[0] for x in (k_new, v_new) for c in g.consumers(x) if c.op == "identity"}
@@ -283,6 +288,15 @@ def packed_qkv(g, node) -> "PackedQKV | str":
         return "the new keys and values are not the cache's outputs (buffer mode)"
     return PackedQKV(fused, rope_inv_freq(hd, ra["theta"], ra.get("scaling"), kind), rope_attention_factor(
         ra.get("scaling"), kind), bool(ra.get("interleaved")), rq.inputs[1], int(ra["max_ctx"]), key_out, value_out)
+
+
+def packed_note(g, node) -> str:
+    """--explain's words for a gqa decoding site's input: packed, or the failed check and its reason."""
+    packed = packed_qkv(g, node)
+    if isinstance(packed, str):
+        return f"decode input unpacked (pattern rope(split_heads(slice(q+k+v))) not used: {packed})"
+    return ("decode input packed: the q+k+v projection into GroupQueryAttention, rotary inside "
+            f"(do_rotary, cos/sin caches of {packed.max_positions} positions{', interleaved' if packed.interleaved else ''})")
 
 
 def _split_ir(g, x: str) -> tuple[str, str | None]:
