@@ -414,9 +414,51 @@ def settle_packed(model) -> int:
             del branch.node[:]
             branch.node.extend(sunk + rest)
     keep = [n for i, n in enumerate(nodes) if i not in moved_to]
+    inits = {i.name: i for i in graph.initializer}
+    merged = [pair for n in ifs for pair in [_merge_heads_after(keep, n, inits, outputs)] if pair]
+    for ifn, (tr, rs) in merged:
+        _hoist_merge_heads(ifn, tr, rs)
+    dropped = {id(n) for pair in merged for n in pair[1]}
     del graph.node[:]
-    graph.node.extend(keep)
-    return len(moved_to)
+    graph.node.extend(n for n in keep if id(n) not in dropped)
+    return len(moved_to) + 2 * len(merged)
+
+
+def _merge_heads_after(nodes, ifn, inits, outputs):
+    """(If, (Transpose, Reshape)) when the If's attention output is read only by merge_heads' pair
+    (Transpose [0, 2, 1, 3], Reshape to [0, 0, -1]): at T = 1 GroupQueryAttention's [B, 1, H·hd]
+    output is already that, so the pair can move into the prefill branch. Else None."""
+    from onnx import numpy_helper
+
+    def readers(name):
+        return [n for n in nodes if name in _graph_reads([n])]
+
+    (out,) = ifn.output[:1]
+    tr = readers(out)
+    if len(tr) != 1 or tr[0].op_type != "Transpose" or out in outputs:
+        return None
+    perm = next((list(a.ints) for a in tr[0].attribute if a.name == "perm"), None)
+    rs = readers(tr[0].output[0])
+    if perm != [0, 2, 1, 3] or len(rs) != 1 or rs[0].op_type != "Reshape" or tr[0].output[0] in outputs:
+        return None
+    shape = inits.get(rs[0].input[1])
+    if shape is None or numpy_helper.to_array(shape).tolist() != [0, 0, -1]:
+        return None
+    return ifn, (tr[0], rs[0])
+
+
+def _hoist_merge_heads(ifn, tr, rs) -> None:
+    """The If gives the merged [B, T, H·hd] itself: the decode branch GroupQueryAttention's output as it
+    is (its Reshape to heads dropped), the prefill branch its output through the Transpose and Reshape."""
+    then_g, else_g = _branch_graph(ifn, "then_branch"), _branch_graph(ifn, "else_branch")
+    last = next(n for n in then_g.node if n.output[0] == then_g.output[0].name)
+    then_g.output[0].name = last.input[0]
+    then_g.node.remove(last)
+    tr.input[0] = else_g.output[0].name
+    rs.output[0] = rs.output[0] + "/prefill"
+    else_g.node.extend([tr, rs])
+    else_g.output[0].name = rs.output[0]
+    ifn.output[0] = rs.output[0][:-len("/prefill")]
 
 
 def _branch_graph(node, name: str):
