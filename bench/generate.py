@@ -136,7 +136,8 @@ def compile_tessera(folder: Path, model: str, mode: str, quantize: str = "none")
         QuantizeWeights(config)(packed)
         read = sum(int(np.prod(q.shape)) * np.dtype(DTYPES[q.dtype] or np.float32).itemsize  # packed bytes
                    for k, q in packed.params.items() if k not in gathered or (tied and k == "wte.weight"))
-    onnx_model, _ = gen.compile_cached(built, weights, mode=mode, quantize=config)
+    onnx_model, _ = gen.compile_cached(built, weights, mode=mode, quantize=config,
+                                       decode=os.environ.get("BENCH_DECODE", "auto"))
     onnx_export.save(onnx_model, folder / f"tessera-{mode}.onnx", external=True)  # as compile --kv-cache writes it
     stored = sum(f.stat().st_size for f in folder.glob(f"tessera-{mode}.onnx*"))  # the weights, as written
     return {"weights_read_bytes": read, "weights_bytes": stored}
@@ -377,7 +378,7 @@ def _spawn(args, case: str, folder: Path, prompt: int, new: int) -> dict:
            "--new", str(new), "--repeat", str(args.repeat), "--threads", str(args.threads)]
     out = subprocess.run(cmd, capture_output=True, text=True,
                          env={**os.environ, "HF_HUB_OFFLINE": "1", "BENCH_QUANTIZE": args.quantize,
-                              "BENCH_QUANTIZE_HEAD": "1" if args.quantize_head else "0"})
+                              "BENCH_QUANTIZE_HEAD": "1" if args.quantize_head else "0", "BENCH_DECODE": args.decode})
     if out.returncode:
         sys.exit(f"{case} failed:\n{out.stderr[-3000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -412,6 +413,9 @@ def main() -> None:
                         "onnxruntime-genai's builder -p int4 (default none: fp32)")
     p.add_argument("--quantize-head", action="store_true",
                    help="with --quantize: quantise Tessera's output head too (onnxruntime-genai's builder does)")
+    p.add_argument("--decode", choices=["auto", "gqa", "gqa-unpacked", "plain"], default="auto",
+                   help="Tessera's decoding-step kernel (compile --decode): gqa-unpacked is the step before the "
+                        "packed q+k+v input, for before/after comparisons")
     p.add_argument("--json", metavar="FILE")
     p.add_argument("--_child", nargs=2, help=argparse.SUPPRESS)
     args = p.parse_args()

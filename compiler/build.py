@@ -72,12 +72,26 @@ def _export(graph: Graph, weights, metadata: dict | None, prune: bool = True) ->
     """The model in memory (only the graph's parameters are read from ``weights``); ``prune``: drop the
     nodes a cached graph leaves unread (backends/onnx/cached_attention.py)."""
     from tessera.compiler.backends.onnx import export as onnx_export
-    from tessera.compiler.backends.onnx.cached_attention import prune_dead_nodes
+    from tessera.compiler.backends.onnx.cached_attention import prune_dead_nodes, settle_packed
 
     model = onnx_export.to_onnx(graph, weights, metadata)
     if prune:
         prune_dead_nodes(model)
+        if settle_packed(model):  # a packed decoding step's prefill-only nodes into the prefill branch
+            prune_dead_nodes(model)
     return model
+
+
+def _note_packed(graph: Graph, info: CacheInfo) -> None:
+    """Each gqa decoding site's --explain reason says whether its input is the packed projection
+    (backends/onnx/cached_attention.py ``packed_qkv``) and, if not, which check failed."""
+    import dataclasses
+
+    from tessera.compiler.backends.onnx.cached_attention import packed_note
+
+    info.kernels = [dataclasses.replace(k, reason=f"{k.reason}; {packed_note(graph, graph.nodes[layer.node])}")
+                    if layer.buffer_key and layer.node in graph.nodes else k
+                    for layer, k in zip(info.layers, info.kernels)]
 
 
 def compile_cached(graph: Graph, weights, model: ModelInfo, options: PipelineOptions = PipelineOptions()
@@ -86,6 +100,7 @@ def compile_cached(graph: Graph, weights, model: ModelInfo, options: PipelineOpt
     (CacheError among them) when the graph has no cached form or an option does not apply."""
     result = pipeline("cached_decoder", options)(graph)
     info = cache_info(result)
+    _note_packed(result.graph, info)
     onnx_model = _export(result.graph, weights, model_metadata(model, options.quantize, info))
     return CachedDecoder(onnx_model, info, result)
 

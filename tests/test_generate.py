@@ -453,15 +453,18 @@ def test_gqa_decoding_falls_back_where_it_cannot_and_says_why_when_forced():
 @pytest.mark.parametrize("sets", [[], ["rope_factor=8.0"]])
 def test_cached_rope_is_one_rotary_embedding_with_shared_tables(sets):
     """Each rope of the cached graph (explicit positions) is one ONNX RotaryEmbedding (opset 23), and
-    the cos/sin tables are computed once for every layer; a graph without one stays at opset 21."""
+    the cos/sin tables are computed once for every layer; a graph without one stays at opset 21. (The
+    ropes are the prompt's: in the prefill branches; a decoding step rotates inside GroupQueryAttention,
+    whose cos/sin caches are the second Cos and Sin, tests/test_packed_gqa_decode.py.)"""
     from tessera.compiler.backends.onnx import export as onnx_export
+    from tessera.compiler.backends.onnx.walk import all_nodes
 
     hyper = ["layers=2", "d=64", "heads=4", "kv_heads=2", "vocab=100", "d_ff=96"] + sets
     built = pipeline.build(MODELS / "llama.tsr", None, hyper)
     model, _ = compile_cached(built, pipeline.weights_for(built, None, 0))
-    ops = [n.op_type for n in model.graph.node]
+    ops = [n.op_type for n in all_nodes(model.graph.node)]
     assert ops.count("RotaryEmbedding") == 4  # q and k of two layers
-    assert ops.count("Sin") == 1 and ops.count("Cos") == 1 and "Neg" not in ops
+    assert ops.count("Sin") == 2 and ops.count("Cos") == 2 and "Neg" not in ops
     assert {o.domain: o.version for o in model.opset_import}[""] == 23
     plain = pipeline.build(MODELS / "llama.tsr", None, hyper)
     full = onnx_export.to_onnx(plain.graph, pipeline.weights_for(plain, None, 0))

@@ -230,6 +230,8 @@ FUSED_ATTRS: dict[str, Attr] = {
                         _at_least(0)),
     "decode": Attr((str,), "the KV-cached decoding step's kernel (passes/kv_cache.py)", _one_of("gqa")),
     "buffer_outputs": Attr((list, tuple), "the cache buffers a gqa decoding step writes", _names(2)),
+    "pack_qkv": Attr((bool,), "false: the gqa decoding step reads split, rotated q/k/v, not the packed q+k+v "
+                     "projection (--decode gqa-unpacked; backends/onnx/cached_attention.py)"),
     "length_input": Attr((str,), "the cache_length input a gqa decoding step reads", lambda v: None if v else
                          "must name an input"),
 }

@@ -154,7 +154,7 @@ def _propagate(g: Graph) -> None:
 CACHE_MODES = ("auto", "buffer", "concat")
 
 
-DECODE_KERNELS = ("auto", "gqa", "plain")
+DECODE_KERNELS = ("auto", "gqa", "gqa-unpacked", "plain")  # gqa-unpacked: gqa without the packed q+k+v input
 
 
 def _gqa_unfit(node: Node, g: Graph, target: Target) -> str | None:
@@ -511,14 +511,15 @@ class ChooseCacheKernels(Pass):
         for i, node in enumerate(sites):
             unfit = "not the buffer cache" if mode != "buffer" else (
                 f"the {impl} kernel" if impl not in (None, "phased") else _gqa_unfit(node, g, target))
-            if self.options.decode == "gqa" and unfit:
+            if self.options.decode in ("gqa", "gqa-unpacked") and unfit:
                 raise CacheError(f"the gqa decode kernel (--decode gqa) cannot decode the attention at "
                                  f"{node.scope or node.name}: {unfit}")
-            gqa = decode == "gqa" and not unfit
+            gqa = decode in ("gqa", "gqa-unpacked") and not unfit
             node.attrs["impl"], reason = (impl, "forced") if impl else choose_cached(node, g, target, gqa_decode=gqa)
             note = CachedKernel(node.name, CacheKernel(node.scope or node.name, node.attrs["impl"], reason))
             if gqa:
                 node.attrs["decode"] = "gqa"
+                node.attrs["pack_qkv"] = decode == "gqa"  # cached_attention.packed_qkv reads it
                 note = dataclasses.replace(note, buffer_key=f"cache_key.{i}", buffer_value=f"cache_value.{i}")
                 node.attrs["buffer_outputs"] = [note.buffer_key, note.buffer_value]
                 node.attrs["length_input"] = LENGTH

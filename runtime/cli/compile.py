@@ -31,11 +31,12 @@ def add_parser(sub) -> argparse.ArgumentParser:
     c.add_argument("--cache", choices=["auto", "buffer", "concat"], default="auto",
                    help="with --kv-cache: buffer (preallocated, written in place), concat (present = past + new), "
                         "or auto: buffer, or concat for sliding-window models (default)")
-    c.add_argument("--decode", choices=["auto", "gqa", "plain"], default="auto",
+    c.add_argument("--decode", choices=["auto", "gqa", "gqa-unpacked", "plain"], default="auto",
                    help="with --kv-cache, the buffer cache: each decoding step's attention as onnxruntime's "
                         "GroupQueryAttention writing the cache buffer in place (gqa), or plain MatMul/Softmax "
                         "(plain); auto (default): gqa on CPU where it applies (float32, head size a multiple of "
-                        "8), else plain")
+                        "8), else plain; gqa-unpacked: gqa fed split, rotated q/k/v rather than the packed "
+                        "q+k+v projection with rotary inside the kernel (for before/after comparisons)")
     c.add_argument("--genai", action="store_true",
                    help="write an onnxruntime-genai model folder at -o FOLDER: the KV-cached decoder (implies "
                         "--kv-cache; the concat cache) as model.onnx, its genai_config.json and the tokenizer "

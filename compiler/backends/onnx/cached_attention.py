@@ -26,6 +26,8 @@ with the window); a prefill never builds a T×(P+T) mask.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 from onnx import TensorProto, helper
 
@@ -199,6 +201,268 @@ def _lower_gqa_decode(b, node, outs: list[str], gqa_in) -> None:
     b.node("Reshape", [o, b.i64([0, a["heads"], 1, hd])], [outs[0]])
 
 
+# ---- the packed decoding step: one GroupQueryAttention reading the fused q+k+v linear's output
+# the unpacked step stays reachable with --decode gqa-unpacked (passes/kv_cache.py sets the site's
+# pack_qkv attribute): tests and bench/generate.py --decode compare the two
+PACKED_MARK = "tessera:packed-qkv"  # the If's doc_string: settle_packed sinks its prefill-only nodes
+
+
+@dataclass(frozen=True)
+class PackedQKV:
+    """A site whose decoding step can read the packed projection: ``fused`` [B, T, (H + 2·kv)·hd] (the
+    q+k+v linear, passes/fuse_linears.py), the rope's tables, the names of its new key/value outputs."""
+
+    fused: str
+    inv_freq: np.ndarray
+    factor: float
+    interleaved: bool
+    positions: str
+    max_positions: int
+    key_out: str
+    value_out: str
+
+
+def _heads_of(g, value: str, heads: int):
+    """(fused, start, end) when ``value`` is split_heads(slice(fused, start:end)) with ``heads`` heads."""
+    sh = g.producer(value)
+    if sh is None or sh.op != "split_heads" or sh.attrs.get("heads") != heads:
+        return None
+    sl = g.producer(sh.inputs[0])
+    if sl is None or sl.op != "slice" or sl.attrs.get("axis") not in (-1, 2):
+        return None
+    return sl.inputs[0], int(sl.attrs["start"]), int(sl.attrs["end"])
+
+
+def packed_qkv(g, node) -> "PackedQKV | str":
+    """The packed form of a gqa decoding site, or why it has none (the pattern, its check, the reason).
+
+    Pattern: q = rope(split_heads(slice(F, 0:H·hd)), positions), the new keys rope(split_heads(slice(F,
+    H·hd:(H+kv)·hd))), the new values split_heads(slice(F, (H+kv)·hd:(H+2kv)·hd)), F one linear (fused
+    by fuse-linears, float or quantised) of exactly that width; the two ropes alike. Checks: the rope
+    is expressible as GroupQueryAttention's cos/sin caches [max_positions, hd/2] indexed by the
+    position ids (every kind but dynamic NTK, whose frequencies follow the length; the whole head
+    rotated; a trained context bounding the positions, so the caches have a length)."""
+    from tessera.compiler.ops.attention import rotated_dims
+    from tessera.compiler.reference.numerics import rope_attention_factor, rope_inv_freq
+
+    if not node.attrs.get("pack_qkv", True):
+        return "--decode gqa-unpacked"
+    a = node.attrs
+    heads, kv = a["heads"], a["kv_heads"]
+    q = node.inputs[0]
+    (_, k_new), (_, v_new) = _split_ir(g, node.inputs[1]), _split_ir(g, node.inputs[2])
+    if k_new is None or v_new is None:
+        return "keys or values are not concat(past, new)"
+    ropes = [g.producer(x) for x in (q, k_new)]
+    if any(r is None or r.op != "rope" or len(r.inputs) != 2 for r in ropes):
+        return "q or the new keys are not rope(..., position_ids)"
+    rq, rk = ropes
+    keys = ("theta", "scaling", "rope_type", "interleaved", "dims", "max_ctx")
+    if any(rq.attrs.get(k) != rk.attrs.get(k) for k in keys) or rq.inputs[1] != rk.inputs[1]:
+        return "q and k are rotated differently"
+    parts = [_heads_of(g, rq.inputs[0], heads), _heads_of(g, rk.inputs[0], kv), _heads_of(g, v_new, kv)]
+    if any(p is None for p in parts):
+        return "q, k, v are not split_heads(slice(...)) of one projection"
+    hd = int(g.type_of(q).shape[-1])
+    fused = parts[0][0]
+    want = [(0, heads * hd), (heads * hd, (heads + kv) * hd), ((heads + kv) * hd, (heads + 2 * kv) * hd)]
+    width = g.type_of(fused).shape[-1]
+    if any(p[0] != fused for p in parts) or [p[1:] for p in parts] != want or int(width) != want[-1][1]:
+        return "q, k, v are not the consecutive slices of one linear (fuse-linears off, or unequal inputs)"
+    ra = rq.attrs
+    kind = ra.get("rope_type", "llama3")
+    if kind == "dynamic":
+        return "dynamic NTK rope: its frequencies follow the length, no fixed cos/sin cache"
+    if rotated_dims(ra, hd) != hd:
+        return "partial rotary (GroupQueryAttention is checked here rotating the whole head only)"
+    if hd % 16:
+        return f"head size {hd}: GroupQueryAttention's rotary wants a multiple of 16"
+    if not ra.get("max_ctx"):
+        return "no trained context bounds the positions (the cos/sin caches need a length)"
+    outs = {c.outputs[0] for x in (k_new, v_new) for c in g.consumers(x) if c.op == "identity"}
+    key_out = next((c.outputs[0] for c in g.consumers(k_new) if c.op == "identity" and c.outputs[0] in g.outputs), None)
+    value_out = next((c.outputs[0] for c in g.consumers(v_new) if c.op == "identity" and c.outputs[0] in g.outputs), None)
+    if key_out is None or value_out is None or len(outs) != 2:
+        return "the new keys and values are not the cache's outputs (buffer mode)"
+    return PackedQKV(fused, rope_inv_freq(hd, ra["theta"], ra.get("scaling"), kind), rope_attention_factor(
+        ra.get("scaling"), kind), bool(ra.get("interleaved")), rq.inputs[1], int(ra["max_ctx"]), key_out, value_out)
+
+
+def packed_note(g, node) -> str:
+    """--explain's words for a gqa decoding site's input: packed, or the failed check and its reason."""
+    packed = packed_qkv(g, node)
+    if isinstance(packed, str):
+        return f"decode input unpacked (pattern rope(split_heads(slice(q+k+v))) not used: {packed})"
+    return ("decode input packed: the q+k+v projection into GroupQueryAttention, rotary inside "
+            f"(do_rotary, cos/sin caches of {packed.max_positions} positions{', interleaved' if packed.interleaved else ''})")
+
+
+def _split_ir(g, x: str) -> tuple[str, str | None]:
+    """``_split`` on the IR graph alone."""
+    p = g.producer(x)
+    if p is not None and p.op == "concat" and len(p.inputs) == 2 and p.attrs["axis"] in (2, -2):
+        return p.inputs[0], p.inputs[1]
+    return x, None
+
+
+def _rotary_caches(b, packed: PackedQKV) -> tuple[str, str]:
+    """cos and sin [max_positions, hd/2], fp32: the rope's tables at every position, computed in the
+    graph by the same nodes as the per-step tables (Cos, Sin of position · inv_freq, YaRN's factor), so
+    onnxruntime folds them once at load with the same kernels. Built once in the main graph."""
+    key = ("rotary_caches", packed.inv_freq.tobytes(), packed.factor, packed.max_positions)
+    if key not in b.shared:
+        saved, b.current = b.current, ""
+        try:
+            pos = b.const(np.arange(packed.max_positions, dtype=np.float32)[:, None], "rope/positions")
+            freqs = b.node("Mul", [pos, b.const(packed.inv_freq.astype(np.float32), "inv_freq")])[0]
+            tables = []
+            for f in ("Cos", "Sin"):
+                t = b.node(f, [freqs], [b.fresh(f"rope/{f.lower()}_cache")])[0]
+                if packed.factor != 1.0:
+                    t = b.node("Mul", [t, b.const(np.array(packed.factor, dtype=np.float32), "rope_attention_factor")])[0]
+                tables.append(t)
+            b.shared[key] = tuple(tables)
+        finally:
+            b.current = saved
+    return b.shared[key]
+
+
+def _new_column_index(b, node, kv: int, hd: int) -> str:
+    """i64 [B, kv, 1, hd]: each row's cache_length, where GroupQueryAttention wrote its new column
+    (GatherElements reads the new keys and values back from the buffer for the cache outputs)."""
+    key = ("new_column", node.attrs["length_input"], kv, hd)
+    if key not in b.shared:
+        saved, b.current = b.current, ""
+        try:
+            length = node.attrs["length_input"]
+            batch = b.node("Shape", [node.inputs[3]], start=0, end=1)[0]
+            rows = b.node("Reshape", [b.node("Expand", [length, batch])[0], b.i64([-1, 1, 1, 1])])[0]
+            shape = b.node("Concat", [batch, b.i64([kv, 1, hd])], axis=0)[0]
+            b.shared[key] = b.node("Expand", [rows, shape], [b.fresh("gqa/new_column")])[0]
+        finally:
+            b.current = saved
+    return b.shared[key]
+
+
+def _lower_gqa_packed(b, node, outs: list[str], gqa_in, packed: PackedQKV, shared) -> None:
+    """A decoding step as one GroupQueryAttention on the packed projection [B, 1, (H + 2·kv)·hd] with
+    do_rotary (cos/sin caches, the position ids: a left-padded row's position is not its slot), the
+    split and the rotation inside the kernel; the new keys and values (the cache outputs) read back
+    from the buffer where the kernel wrote them."""
+    a = node.attrs
+    seqlens, total, bias = gqa_in
+    (cos, sin), index = shared  # built in the main graph (_rotary_caches, _new_column_index)
+    (k_past, _), (v_past, _) = _split(b, node.inputs[1]), _split(b, node.inputs[2])
+    attrs = {"num_heads": a["heads"], "kv_num_heads": a["kv_heads"], "scale": float(a["scale"]), "do_rotary": 1,
+             "rotary_interleaved": int(packed.interleaved)}
+    if a.get("softcap"):
+        attrs["softcap"] = float(a["softcap"])
+        attrs["scale"] = float(a["scale"]) * float(a["softcap"])
+    o = b.node("GroupQueryAttention", [packed.fused, "", "", k_past, v_past, seqlens, total, cos, sin,
+                                       packed.positions, bias],
+               [b.fresh("gqa_out"), outs[1], outs[2]], domain="com.microsoft", **attrs)[0]
+    hd = int(b.graph.type_of(node.inputs[0]).shape[-1])
+    b.node("Reshape", [o, b.i64([0, a["heads"], 1, hd])], [outs[0]])
+    b.node("GatherElements", [outs[1], index], [outs[3]], axis=2)
+    b.node("GatherElements", [outs[2], index], [outs[4]], axis=2)
+
+
+def _lower_prefill_packed(b, node, outs: list[str]) -> None:
+    """The prompt as ``_lower_prefill_keeping_buffers``, and the new keys and values as the cache outputs
+    (their chain, read by this branch alone, is moved into it by settle_packed)."""
+    _lower_prefill_keeping_buffers(b, node, outs[:3])
+    b.node("Identity", [_split(b, node.inputs[1])[1]], [outs[3]])
+    b.node("Identity", [_split(b, node.inputs[2])[1]], [outs[4]])
+
+
+def settle_packed(model) -> int:
+    """After export: for each packed If, drop the main-graph Identity nodes that gave the cache outputs
+    the If now gives, and move into its prefill branch every main-graph node read by that branch alone
+    (the q/k/v slices, head splits and ropes), so a decoding step does not run them. Returns how many
+    nodes moved."""
+    graph = model.graph
+    ifs = [n for n in graph.node if n.op_type == "If" and n.doc_string == PACKED_MARK]
+    if not ifs:
+        return 0
+    given = {o for n in ifs for o in n.output}
+    nodes = [n for n in graph.node if n.op_type == "If" or not (n.op_type == "Identity" and set(n.output) <= given)]
+    outputs = {o.name for o in graph.output}
+    readers: dict[str, list[int]] = {}
+    for i, n in enumerate(nodes):
+        for name in _graph_reads([n]):
+            readers.setdefault(name, []).append(i)
+    moved_to: dict[int, int] = {}  # node index -> the If index it moves into
+    index = {id(n): i for i, n in enumerate(nodes)}
+    then_reads = {index[id(n)]: _graph_reads(_branch_graph(n, "then_branch").node) | set(n.input) for n in ifs}
+    for i in range(len(nodes) - 1, -1, -1):
+        n = nodes[i]
+        if n.op_type == "If" or any(o in outputs for o in n.output):
+            continue
+        targets = {moved_to.get(r, r) for o in n.output for r in readers.get(o, [])}
+        if len(targets) != 1:
+            continue
+        (t,) = targets
+        if t in then_reads and not any(o in then_reads[t] for o in n.output):
+            moved_to[i] = t
+    for t in then_reads:
+        sunk = [nodes[i] for i in sorted(i for i, to in moved_to.items() if to == t)]
+        if sunk:
+            branch = _branch_graph(nodes[t], "else_branch")
+            rest = list(branch.node)
+            del branch.node[:]
+            branch.node.extend(sunk + rest)
+    keep = [n for i, n in enumerate(nodes) if i not in moved_to]
+    inits = {i.name: i for i in graph.initializer}
+    merged = [pair for n in ifs for pair in [_merge_heads_after(keep, n, inits, outputs)] if pair]
+    for ifn, (tr, rs) in merged:
+        _hoist_merge_heads(ifn, tr, rs)
+    dropped = {id(n) for pair in merged for n in pair[1]}
+    del graph.node[:]
+    graph.node.extend(n for n in keep if id(n) not in dropped)
+    return len(moved_to) + 2 * len(merged)
+
+
+def _merge_heads_after(nodes, ifn, inits, outputs):
+    """(If, (Transpose, Reshape)) when the If's attention output is read only by merge_heads' pair
+    (Transpose [0, 2, 1, 3], Reshape to [0, 0, -1]): at T = 1 GroupQueryAttention's [B, 1, H·hd]
+    output is already that, so the pair can move into the prefill branch. Else None."""
+    from onnx import numpy_helper
+
+    def readers(name):
+        return [n for n in nodes if name in _graph_reads([n])]
+
+    (out,) = ifn.output[:1]
+    tr = readers(out)
+    if len(tr) != 1 or tr[0].op_type != "Transpose" or out in outputs:
+        return None
+    perm = next((list(a.ints) for a in tr[0].attribute if a.name == "perm"), None)
+    rs = readers(tr[0].output[0])
+    if perm != [0, 2, 1, 3] or len(rs) != 1 or rs[0].op_type != "Reshape" or tr[0].output[0] in outputs:
+        return None
+    shape = inits.get(rs[0].input[1])
+    if shape is None or numpy_helper.to_array(shape).tolist() != [0, 0, -1]:
+        return None
+    return ifn, (tr[0], rs[0])
+
+
+def _hoist_merge_heads(ifn, tr, rs) -> None:
+    """The If gives the merged [B, T, H·hd] itself: the decode branch GroupQueryAttention's output as it
+    is (its Reshape to heads dropped), the prefill branch its output through the Transpose and Reshape."""
+    then_g, else_g = _branch_graph(ifn, "then_branch"), _branch_graph(ifn, "else_branch")
+    last = next(n for n in then_g.node if n.output[0] == then_g.output[0].name)
+    then_g.output[0].name = last.input[0]
+    then_g.node.remove(last)
+    tr.input[0] = else_g.output[0].name
+    rs.output[0] = rs.output[0] + "/prefill"
+    else_g.node.extend([tr, rs])
+    else_g.output[0].name = rs.output[0]
+    ifn.output[0] = rs.output[0][:-len("/prefill")]
+
+
+def _branch_graph(node, name: str):
+    return next(a.g for a in node.attribute if a.name == name)
+
+
 def _lower_prefill_keeping_buffers(b, node, outs: list[str]) -> None:
     """The prompt (tiled kernel) and, for the If's buffer outputs, the past inputs as they are."""
     _lower_prefill(b, node, outs[0])
@@ -230,6 +494,22 @@ def lower_phased_attention(b, node, out: str) -> None:
     a = node.attrs
     if a.get("decode") == "gqa":  # decoding writes the buffer in place: the If also gives the buffers
         gqa_in = _gqa_inputs(b, node)
+        packed = packed_qkv(b.graph, node)
+        b.shared.setdefault("packed_qkv", {})[node.name] = packed if isinstance(packed, str) else None
+        if not isinstance(packed, str):  # the If also gives the new keys and values (the cache outputs)
+            elems = [elem] * 5
+            hd = int(b.graph.type_of(node.inputs[0]).shape[-1])
+            shared = (_rotary_caches(b, packed), _new_column_index(b, node, a["kv_heads"], hd))  # main graph
+            then_g = _branch_outputs(b, lambda b, n, o: _lower_gqa_packed(b, n, o, gqa_in, packed, shared), node,
+                                     "decode", elems)
+            else_g = _branch_outputs(b, _lower_prefill_packed, node, "prefill", elems)
+            buffers = list(a["buffer_outputs"])
+            b.node("If", [decoding], [out] + buffers + [packed.key_out, packed.value_out], then_branch=then_g,
+                   else_branch=else_g)
+            b.nodes[-1].doc_string = PACKED_MARK
+            for name, past in zip(buffers, (_split(b, node.inputs[1])[0], _split(b, node.inputs[2])[0])):
+                b.extra_outputs.append((name, b.graph.type_of(past)))
+            return
         elems = [elem] * 3
         then_g = _branch_outputs(b, lambda b, n, o: _lower_gqa_decode(b, n, o, gqa_in), node, "decode", elems)
         else_g = _branch_outputs(b, _lower_prefill_keeping_buffers, node, "prefill", elems)
