@@ -220,3 +220,16 @@ def test_compile_decode_gqa_unpacked_is_a_typed_choice(tmp_path, capsys):
     assert packed
     err, unpacked = rotary_gqa("gqa-unpacked")
     assert not unpacked and "--decode gqa-unpacked" in err
+
+
+def test_a_huge_context_keeps_the_unpacked_step(tmp_path, capsys):
+    """The cos/sin caches hold every trained position: a context of 10^8 positions (6.4 GB of tables at
+    head size 16) is refused for packing with its size, and the step stays unpacked."""
+    from conftest import cli
+
+    sets = ["--set", "layers=1", "--set", "d=64", "--set", "heads=4", "--set", "kv_heads=2", "--set", "vocab=40",
+            "--set", f"ctx={10 ** 8}", "--set", "d_ff=96"]
+    rc, _, err = cli(capsys, "compile", "llama", *sets, "--kv-cache", "--explain", "-o", tmp_path / "big.onnx")
+    need = 10 ** 8 * 16 * 4
+    assert rc == 0, err
+    assert f"cos/sin caches for a context of {10 ** 8:,} positions would take {need:,} bytes" in err

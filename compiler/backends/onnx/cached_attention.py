@@ -204,7 +204,10 @@ def _lower_gqa_decode(b, node, outs: list[str], gqa_in) -> None:
 # ---- the packed decoding step: one GroupQueryAttention reading the fused q+k+v linear's output
 # the unpacked step stays reachable with --decode gqa-unpacked (passes/kv_cache.py sets the site's
 # pack_qkv attribute): tests and bench/generate.py --decode compare the two
-PACKED_MARK = "tessera:packed-qkv"  # the If's doc_string: settle_packed sinks its prefill-only nodes
+PACKED_MARK = "tessera:packed-qkv"
+# the packed step's cos/sin caches hold every trained position: past this size (Llama 3.1's 131,072
+# positions at head size 128 take 64 MiB) the step stays unpacked rather than fold a huge table at load
+ROTARY_CACHE_BYTES = 256 * 2 ** 20  # the If's doc_string: settle_packed sinks its prefill-only nodes
 
 
 @dataclass(frozen=True)
@@ -279,6 +282,9 @@ def packed_qkv(g, node) -> "PackedQKV | str":
         return f"head size {hd}: GroupQueryAttention's rotary wants a multiple of 16"
     if not ra.get("max_ctx"):
         return "no trained context bounds the positions (the cos/sin caches need a length)"
+    if int(ra["max_ctx"]) * hd * 4 > ROTARY_CACHE_BYTES:  # cos and sin, [max_ctx, hd/2] fp32 each
+        return (f"cos/sin caches for a context of {int(ra['max_ctx']):,} positions would take "
+                f"{int(ra['max_ctx']) * hd * 4:,} bytes (over {ROTARY_CACHE_BYTES:,})")
     outs = {c.outputs[0] for x in (k_new, v_new) for c in g.consumers(x) if c.op == "identity"}
     key_out = next((c.outputs[0] for c in g.consumers(k_new) if c.op == "identity" and c.outputs[0] in g.outputs), None)
     value_out = next((c.outputs[0] for c in g.consumers(v_new) if c.op == "identity" and c.outputs[0] in g.outputs), None)
