@@ -204,10 +204,10 @@ def _lower_gqa_decode(b, node, outs: list[str], gqa_in) -> None:
 # ---- the packed decoding step: one GroupQueryAttention reading the fused q+k+v linear's output
 # the unpacked step stays reachable with --decode gqa-unpacked (passes/kv_cache.py sets the site's
 # pack_qkv attribute): tests and bench/generate.py --decode compare the two
-PACKED_MARK = "tessera:packed-qkv"
+PACKED_MARK = "tessera:packed-qkv"  # the If's doc_string: settle_packed sinks its prefill-only nodes
 # the packed step's cos/sin caches hold every trained position: past this size (Llama 3.1's 131,072
 # positions at head size 128 take 64 MiB) the step stays unpacked rather than fold a huge table at load
-ROTARY_CACHE_BYTES = 256 * 2 ** 20  # the If's doc_string: settle_packed sinks its prefill-only nodes
+ROTARY_CACHE_BYTES = 256 * 2 ** 20
 
 
 @dataclass(frozen=True)
