@@ -164,7 +164,7 @@ def _worker(conn, mem_bytes: int) -> None:
     tmp = tempfile.mkdtemp(prefix="tessera-fuzz-")
     try:
         _serve_cases(conn, os.path.join(tmp, "case.tsr"), main)
-    finally:  # a worker killed for a hang leaves its folder; one that returns removes it
+    finally:  # a worker killed for a hang leaves its folder, which run_cases' folder holds and removes
         import shutil
 
         shutil.rmtree(tmp, ignore_errors=True)
@@ -234,6 +234,24 @@ def run_cases(cases: list[dict], workers: int = 2, timeout: float = 20.0,
     ``worker(conn, mem_bytes, *worker_args)`` is the worker's main loop (the command line by default;
     tests/fuzz_targets.py passes its own, which runs hypothesis targets); a fresh worker's first
     ``setup_allowance`` seconds (imports, fixtures) are not counted against its first case."""
+    # Workers make their folders under one folder of the run's (TMPDIR, read by a spawned worker's
+    # tempfile): a worker killed for a hang or its memory cannot remove its own, this run does.
+    root = tempfile.mkdtemp(prefix="tessera-fuzz-run-")
+    saved = os.environ.get("TMPDIR")
+    os.environ["TMPDIR"] = root
+    try:
+        return _run_cases(cases, workers, timeout, mem_bytes, progress, worker, worker_args, setup_allowance)
+    finally:
+        if saved is None:
+            os.environ.pop("TMPDIR", None)
+        else:
+            os.environ["TMPDIR"] = saved
+        import shutil
+
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def _run_cases(cases, workers, timeout, mem_bytes, progress, worker, worker_args, setup_allowance) -> list[dict]:
     ctx = mp.get_context("spawn")
     pending = list(reversed(cases))
     results: dict[int, dict] = {}
