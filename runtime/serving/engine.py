@@ -185,30 +185,12 @@ class Engine:
     def __init__(self, model: CachedModel, max_batch: int = 8, max_queue: int = 64, capacity: int | None = None,
                  prefill_chunk: int = 256, tokenizer=None, eos_ids=(), metrics: Metrics | None = None):
         info = model.info
-        for name, v in (("max_batch", max_batch), ("prefill_chunk", prefill_chunk)):
-            if not isinstance(v, int) or v < 1:
-                raise UsageError(f"{name} must be an integer >= 1, got {v}")
-        if not isinstance(max_queue, int) or max_queue < 0:
-            raise UsageError(f"max_queue must be an integer >= 0, got {max_queue}")
-        if info.states:  # its slots hold keys and values only; a row's recurrent state has no slot yet
+        if info.states:  # its slots hold keys and values only; a row's recurrent state has no slot here
             raise UsageError(f"the engine does not carry recurrent state ({len(info.states)} scan or conv1d "
-                             f"state(s): an attention-free or recurrent model); generate it with `tessera generate`")
-        ctx = info.context
-        if capacity is None:
-            if ctx is None:
-                raise UsageError("the model has no context length of its own; give the engine a capacity "
-                                 "(--max-context N)")
-            capacity = ctx
-        if not isinstance(capacity, int) or capacity < 2:
-            raise UsageError(f"the capacity must be an integer >= 2, got {capacity}")
-        if ctx is not None and capacity > ctx:
-            raise UsageError(f"--max-context {capacity} is past the model's context of {ctx} positions")
-        self.model, self.info = model, info
-        self.max_batch, self.max_queue, self.capacity = max_batch, max_queue, capacity
-        self.prefill_chunk = prefill_chunk
-        self.tokenizer, self.eos_ids = tokenizer, frozenset(int(t) for t in eos_ids)
-        self.metrics = metrics or Metrics()
-        self.vocab = model.vocab
+                             f"state(s): an attention-free or recurrent model); the row engine serves it "
+                             f"(row_engine.py engine_for), `tessera generate` generates it")
+        self._setup(model, max_batch, max_queue, capacity, None, prefill_chunk, tokenizer, eos_ids, metrics)
+        capacity = self.capacity
         # ---- the cache, once: max_batch x kv_heads x capacity x hd elements per layer and key/value
         check_cache_fits(info, max_batch, capacity, np.dtype(model.np_dtype).itemsize,
                          "the engine's KV cache (--max-batch slots x --max-context positions)")
@@ -224,12 +206,6 @@ class Engine:
         self.relayouts = 0
         self.slots = np.zeros((max_batch, capacity), dtype=np.int64)
         self.cache_allocations = 1  # the tests check that no step adds to it
-        self.rows: list[_Sequence] = []  # slot i holds rows[i]; the active ones are the first len(rows)
-        self.waiting: collections.deque[Handle] = collections.deque()
-        self._cond = threading.Condition()
-        self._accepting, self._closed = True, False
-        self._thread: threading.Thread | None = None
-        self.steps = 0  # decoding steps run (one onnxruntime call each)
         # GroupQueryAttention decoding (model.py DECODE): the kernel writes the new columns in place
         self.in_place = bool(info.length_input)
         self._buffer_output = {}
@@ -239,8 +215,41 @@ class Engine:
         self._copied = [layer for layer in info.layers if not (self.in_place and layer.buffer_key)]
         self._wanted = [info.logits] + [o for layer in self._copied for o in (layer.present_key, layer.present_value)]
         self._binding = None  # ((rows, width), IOBinding) of the last in-place step
-        self.speculation = None  # serving/speculation.py's Speculation (serve --speculative), set by build_server
         self.metrics.cache_bytes = self.memory_bytes
+
+    def _setup(self, model, max_batch, max_queue, capacity, no_context_capacity, prefill_chunk, tokenizer,
+               eos_ids, metrics) -> None:
+        """What every engine checks and holds (this one and row_engine.py's): the bounds, the capacity
+        (the model's context by default; ``no_context_capacity`` for a model without one, else an
+        error), the token choice's settings, the queue and the lock. ``model`` is the decoder."""
+        for name, v in (("max_batch", max_batch), ("prefill_chunk", prefill_chunk)):
+            if not isinstance(v, int) or v < 1:
+                raise UsageError(f"{name} must be an integer >= 1, got {v}")
+        if not isinstance(max_queue, int) or max_queue < 0:
+            raise UsageError(f"max_queue must be an integer >= 0, got {max_queue}")
+        ctx = model.info.context
+        if capacity is None:
+            capacity = ctx if ctx is not None else no_context_capacity
+            if capacity is None:
+                raise UsageError("the model has no context length of its own; give the engine a capacity "
+                                 "(--max-context N)")
+        if not isinstance(capacity, int) or capacity < 2:
+            raise UsageError(f"the capacity must be an integer >= 2, got {capacity}")
+        if ctx is not None and capacity > ctx:
+            raise UsageError(f"--max-context {capacity} is past the model's context of {ctx} positions")
+        self.model, self.info = model, model.info
+        self.max_batch, self.max_queue, self.capacity = max_batch, max_queue, capacity
+        self.prefill_chunk = prefill_chunk
+        self.tokenizer, self.eos_ids = tokenizer, frozenset(int(t) for t in eos_ids)
+        self.metrics = metrics or Metrics()
+        self.vocab = model.vocab
+        self.rows: list[_Sequence] = []  # slot i holds rows[i]; the active ones are the first len(rows)
+        self.waiting: collections.deque[Handle] = collections.deque()
+        self._cond = threading.Condition()
+        self._accepting, self._closed = True, False
+        self._thread: threading.Thread | None = None
+        self.steps = 0  # decoding iterations run
+        self.speculation = None  # serving/speculation.py's Speculation (serve --speculative), set by build_server
 
     # ------------------------------------------------------------------ what it holds
     @property
@@ -546,6 +555,10 @@ class Engine:
         outs = io.get_outputs()  # OrtValues, no copy; the buffer outputs (the cache itself) are not read
         return {name: outs[i].numpy() for i, name in enumerate(wanted)}
 
+    def _history(self, seq: _Sequence) -> list[int]:
+        """The tokens the decoder has read, for the processors that look back: prompt and output."""
+        return seq.handle.request.prompt + seq.handle.tokens
+
     def _choose(self, seq: _Sequence, logits: np.ndarray) -> int:
         """The sequence's next token, by generation/sampling.py as generate chooses it (its tokens so
         far and its stop ids for the processors that look back; its log-probabilities if asked)."""
@@ -553,7 +566,7 @@ class Engine:
         sampling, step = req.sampling, None
         if sampling.looks_back:
             stops = tuple(req.stop_tokens) + (() if req.ignore_eos else tuple(self.eos_ids))
-            step = Step([req.prompt + h.tokens], [len(h.tokens)], stops)
+            step = Step([self._history(seq)], [len(h.tokens)], stops)
         chosen = choose(logits, seq.seen, sampling, seq.rng, step)
         tok = int(chosen[0])
         if sampling.logprobs is not None:

@@ -29,8 +29,6 @@ RequestError (HTTP 400) before the request takes a place.
 
 from __future__ import annotations
 
-import collections
-import threading
 
 import numpy as np
 
@@ -67,11 +65,6 @@ class RowEngine(Engine):
     def __init__(self, model, max_batch: int = 8, max_queue: int = 64, capacity: int | None = None,
                  prefill_chunk: int = 256, tokenizer=None, eos_ids=(), metrics: Metrics | None = None,
                  start_token: int | None = None):
-        for name, v in (("max_batch", max_batch), ("prefill_chunk", prefill_chunk)):
-            if not isinstance(v, int) or v < 1:
-                raise UsageError(f"{name} must be an integer >= 1, got {v}")
-        if not isinstance(max_queue, int) or max_queue < 0:
-            raise UsageError(f"max_queue must be an integer >= 0, got {max_queue}")
         self.seq2seq = model if hasattr(model, "s2s") else None
         decoder = self.seq2seq.s2s.decoder if self.seq2seq is not None else model
         info = decoder.info
@@ -92,19 +85,9 @@ class RowEngine(Engine):
             raise UsageError("--start-token applies to encoder-decoders; a decoder-only model starts from its prompt")
         if decoder.vocab is None:
             raise UsageError("the model's vocabulary size is not static; the engine needs it")
-        ctx = info.context
-        if capacity is None:
-            capacity = ctx if ctx is not None else NO_CONTEXT_CAP
-        if not isinstance(capacity, int) or capacity < 2:
-            raise UsageError(f"the capacity must be an integer >= 2, got {capacity}")
-        if ctx is not None and capacity > ctx:
-            raise UsageError(f"--max-context {capacity} is past the model's context of {ctx} positions")
-        self.model, self.info, self.start_token = decoder, info, start_token
-        self.max_batch, self.max_queue, self.capacity = max_batch, max_queue, capacity
-        self.prefill_chunk = prefill_chunk
-        self.tokenizer, self.eos_ids = tokenizer, frozenset(int(t) for t in eos_ids)
-        self.metrics = metrics or Metrics()
-        self.vocab = decoder.vocab
+        self._setup(decoder, max_batch, max_queue, capacity, NO_CONTEXT_CAP, prefill_chunk, tokenizer, eos_ids,
+                    metrics)
+        capacity, self.start_token = self.capacity, start_token
         # batched: every decoding row in one call (state only, no per-row encoder outputs)
         self.batched = self.seq2seq is None and not info.layers
         itemsize = np.dtype(decoder.np_dtype).itemsize
@@ -113,12 +96,6 @@ class RowEngine(Engine):
         self.row_bytes = sum(int(np.prod(s.shape)) for s in info.states) * itemsize + sum(
             layer.kv_heads * capacity * (layer.head_size + layer.value_size) * itemsize for layer in info.layers)
         self.cache_allocations = 0
-        self.rows: list[_Row] = []
-        self.waiting: collections.deque[Handle] = collections.deque()
-        self._cond = threading.Condition()
-        self._accepting, self._closed = True, False
-        self._thread: threading.Thread | None = None
-        self.steps = 0  # decoding iterations run (one onnxruntime call each when batched, else one per row)
         self.metrics.cache_bytes = self.memory_bytes
 
     # ------------------------------------------------------------------ what it holds
@@ -272,23 +249,10 @@ class RowEngine(Engine):
         row.next_token = tok
         self._emit(row, tok)
 
-    def _choose(self, seq: _Row, logits: np.ndarray) -> int:
-        """As Engine._choose, over what the decoder has read (an encoder-decoder's start token and its
-        tokens, not the source) for the processors that look back."""
-        from .model import Step, choose, token_logprobs
-
-        h, req = seq.handle, seq.handle.request
-        sampling, step = req.sampling, None
-        if sampling.looks_back:
-            stops = tuple(req.stop_tokens) + (() if req.ignore_eos else tuple(self.eos_ids))
-            step = Step([list(seq.history)], [len(h.tokens)], stops)
-        chosen = choose(logits, seq.seen, sampling, seq.rng, step)
-        tok = int(chosen[0])
-        if sampling.logprobs is not None:
-            h.logprobs.append(token_logprobs(logits, chosen, sampling.logprobs)[0])
-        if seq.seen is not None:
-            seq.seen[0, tok] = True
-        return tok
+    def _history(self, seq: _Row) -> list[int]:
+        """What the decoder has read (an encoder-decoder's start token and its tokens, not the source),
+        for the processors that look back; Engine._choose does the rest."""
+        return list(seq.history)
 
     def _release(self, seq: _Row) -> None:
         """Free seq's slot (its decoder or state goes with it); the last row takes its place."""
