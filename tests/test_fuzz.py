@@ -29,7 +29,13 @@ def test_mutations_are_deterministic_and_varied():
     assert len({c["source"] for c in a}) >= 5
 
 
-def test_the_harness_counts_each_kind_of_failure():
+def test_the_harness_counts_each_kind_of_failure(tmp_path, monkeypatch):
+    """Each kind of failure is counted; and the workers killed for a hang or dead of their memory,
+    which cannot remove their own folders, leave none behind (the run's folder holds them)."""
+    import tempfile
+
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    monkeypatch.setattr(tempfile, "tempdir", None)  # read TMPDIR again
     good = {"id": 0, "source": "-", "mutations": [], "argv": ["ir", "{spec}"],
             "text": "model M() {\n in x: f32[B, 4]\n out y: f32[B, 4]\n y = x\n}\n"}
     cases = [good, {**good, "id": 1, "text": "model M( {"},
@@ -42,6 +48,7 @@ def test_the_harness_counts_each_kind_of_failure():
     results = fuzz_specs.run_cases(cases, workers=2, timeout=1.0)
     assert [r["status"] for r in results] == ["ok", "user_error", "hang", "hang", "memory", "memory",
                                               "traceback", "ok"]
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_fuzzed_specs_never_crash_hang_or_blow_up():
