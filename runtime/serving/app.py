@@ -433,6 +433,7 @@ def create_app(server: Server):
         whose text the chunk first covers (the finish chunk gets any left, e.g. behind a stop string),
         else None."""
         wanted = handle.request.sampling.logprobs is not None
+        sent = 0  # entries already in a chunk
 
         def entries(upto: int) -> list[dict] | None:
             nonlocal sent
@@ -441,8 +442,6 @@ def create_app(server: Server):
             new = handle.logprobs[sent:max(sent, upto)]
             sent += len(new)
             return new
-
-        sent = 0
 
         async def events():
             shown, detok = "", Detokenizer(server.tokenizer)

@@ -38,7 +38,7 @@ class Speculation:
 
     DRAFT_TOKENS = 4  # --draft-tokens' default, as generate's
 
-    def __init__(self, draft_tokens: int = 4):
+    def __init__(self, draft_tokens: int = DRAFT_TOKENS):
         if not isinstance(draft_tokens, int) or isinstance(draft_tokens, bool) or draft_tokens < 1:
             raise UsageError(f"--draft-tokens must be an integer >= 1, got {draft_tokens}")
         self.k = draft_tokens
