@@ -110,3 +110,21 @@ class Recomputation:
                 diff /= float(np.abs(ref).max()) + 1e-6
             self.worst = max(self.worst, diff)
             seq.append(int(np.argmax(logits[r])))
+
+
+def hf_greedy(hf, prompts: list[list[int]], new: int, **kw) -> list[list[int]]:
+    """transformers' greedy generate, the reference of the generation tests: prompts of any lengths
+    left-padded with their attention mask, exactly ``new`` tokens each (no EOS stop), ``kw`` more
+    generate options (processors)."""
+    import torch
+
+    t0 = max(len(p) for p in prompts)
+    ids = torch.zeros((len(prompts), t0), dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for r, p in enumerate(prompts):
+        ids[r, t0 - len(p):] = torch.tensor(p)
+        mask[r, t0 - len(p):] = 1
+    with torch.no_grad():
+        out = hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
+                          do_sample=False, pad_token_id=0, eos_token_id=None, **kw)
+    return out[:, t0:].tolist()

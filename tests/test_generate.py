@@ -16,7 +16,7 @@ import os
 import numpy as np
 import pytest
 
-from conftest import MODELS, ROOT, Recomputation
+from conftest import MODELS, ROOT, Recomputation, hf_greedy
 
 SPECS = ROOT / "tests" / "specs"
 from tessera.runtime import pipeline
@@ -123,16 +123,7 @@ class Case:
         return [rng.integers(1, self.vocab, n).tolist() for n in lengths]
 
     def hf_generate(self, prompts, new, **kw):
-        t0 = max(len(p) for p in prompts)
-        ids = torch.zeros((len(prompts), t0), dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        for r, p in enumerate(prompts):
-            ids[r, t0 - len(p):] = torch.tensor(p)
-            mask[r, t0 - len(p):] = 1
-        with torch.no_grad():
-            out = self.hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
-                                   do_sample=False, pad_token_id=0, eos_token_id=None, **kw)
-        return out[:, t0:].tolist()
+        return hf_greedy(self.hf, prompts, new, **kw)
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ import os
 import numpy as np
 import pytest
 
-from conftest import MODELS
+from conftest import MODELS, hf_greedy
 
 from tessera.compiler.backends.onnx import cached_attention
 from tessera.runtime import pipeline
@@ -58,16 +58,7 @@ class Case:
         return CachedModel(model.SerializeToString(), info), model
 
     def hf_generate(self, prompts, new):
-        t0 = max(len(p) for p in prompts)
-        ids = torch.zeros((len(prompts), t0), dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        for r, p in enumerate(prompts):
-            ids[r, t0 - len(p):] = torch.tensor(p)
-            mask[r, t0 - len(p):] = 1
-        with torch.no_grad():
-            out = self.hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
-                                   do_sample=False, pad_token_id=0, eos_token_id=None)
-        return out[:, t0:].tolist()
+        return hf_greedy(self.hf, prompts, new)
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 
-from conftest import cli
+from conftest import cli, hf_greedy
 from tessera.runtime.generation import cached as gen
 from tessera.runtime.serving import model as serving_model
 from tessera.runtime.serving.engine import Engine, Request
@@ -49,10 +49,7 @@ def _hf(family: str):
 
 
 def _hf_greedy(hf, prompt: list[int], new: int) -> list[int]:
-    with torch.no_grad():
-        out = hf.generate(input_ids=torch.tensor([prompt]), attention_mask=torch.ones((1, len(prompt)), dtype=torch.long),
-                          max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0, eos_token_id=None)
-    return out[0, len(prompt):].tolist()
+    return hf_greedy(hf, [prompt], new)[0]
 
 
 class Case:

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 import tessera
-from conftest import MODELS, cli, cli_error
+from conftest import MODELS, cli, cli_error, hf_greedy
 from tessera.runtime.generation import drafting, rollback, speculative
 from tessera.runtime.generation.cached import Stats
 from tessera.runtime.pipeline import UsageError
@@ -65,17 +65,7 @@ def _prompts(vocab: int) -> list[list[int]]:
     return [a + a + a[:5], b + [7] + b]
 
 
-def _hf_greedy(hf, prompts, new):
-    t0 = max(len(p) for p in prompts)
-    ids = torch.zeros((len(prompts), t0), dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for r, p in enumerate(prompts):
-        ids[r, t0 - len(p):] = torch.tensor(p)
-        mask[r, t0 - len(p):] = 1
-    with torch.no_grad():
-        out = hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
-                          do_sample=False, pad_token_id=0, eos_token_id=None)
-    return out[:, t0:].tolist()
+_hf_greedy = hf_greedy
 
 
 class Case:
