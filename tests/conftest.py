@@ -128,3 +128,16 @@ def hf_greedy(hf, prompts: list[list[int]], new: int, **kw) -> list[list[int]]:
         out = hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
                           do_sample=False, pad_token_id=0, eos_token_id=None, **kw)
     return out[:, t0:].tolist()
+
+
+def perturbed(model, scale: float, seed: int = 0):
+    """A transformers model's weights moved away from its initialisation (norms by 0.1, the rest by
+    ``scale``), so that greedy tokens differ by row and by step (a tied head at its initialisation
+    copies the input token)."""
+    import torch
+
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.add_(torch.randn_like(p) * (0.1 if "norm" in name else scale))
+    return model.eval()

@@ -20,7 +20,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from conftest import cli, cli_error  # noqa: E402
+from conftest import cli, cli_error, perturbed  # noqa: E402
 
 VOCAB, NEW = 64, 8
 BART_SRC = [[5, 17, 42, 9, 3, 30, 2], [7, 11, 21, 2, 1, 1, 1]]  # the second padded with pad id 1
@@ -28,14 +28,7 @@ BART_MASK = [[1] * 7, [1, 1, 1, 1, 0, 0, 0]]
 BART_START, WHISPER_START = 2, 3
 
 
-def _perturbed(model, scale, seed=0):
-    """Random weights far enough from the initialisation that greedy tokens differ by row and by step
-    (a tied head at its initialisation copies the input token); norms moved less."""
-    torch.manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.add_(torch.randn_like(p) * (0.1 if "norm" in name else scale))
-    return model.eval()
+_perturbed = perturbed
 
 
 @pytest.fixture(scope="module")

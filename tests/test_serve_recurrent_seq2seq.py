@@ -22,20 +22,14 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("fastapi")
 pytest.importorskip("httpx")
 
-from conftest import cli_error  # noqa: E402
+from conftest import cli_error, perturbed  # noqa: E402
 
 VOCAB, NEW, CTX = 64, 8, 32
 BART_START, BART_EOS = 2, 2
 SOURCES = [[5, 17, 42, 9, 3, 30, 2], [7, 11, 21, 2], [33, 8, 2]]
 
 
-def _perturbed(model, scale, seed=0):
-    """Weights moved away from the initialisation, so greedy tokens differ by row and by step."""
-    torch.manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.add_(torch.randn_like(p) * (0.1 if "norm" in name else scale))
-    return model.eval()
+_perturbed = perturbed
 
 
 @pytest.fixture(scope="module")
