@@ -2,7 +2,7 @@
 
     python bench/speculative.py                         # generate: plain / ngram / draft model
     python bench/speculative.py --serve                 # also the server, with and without --speculative
-    python bench/speculative.py --rounds 5 --threads 2 --draft-tokens 6 --serve
+    python bench/speculative.py --rounds 5 --threads 2 --draft-tokens 6 --serve   # K = 6 for both drafters
 
 The target is bench/spec_target.py's (built once, ~5 min, then cached in
 ~/.cache/tessera/bench/spec-target-<hash>): a small Llama trained on a copy task and the seed
@@ -139,7 +139,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=1000, help="training steps of the target's small model")
     ap.add_argument("--passage", type=int, default=160, help="tokens of the passage in the prompt")
     ap.add_argument("--new", type=int, default=128, help="new tokens per generation")
-    ap.add_argument("--draft-tokens", type=int, default=6)
+    ap.add_argument("--draft-tokens", type=int, default=None,
+                    help="tokens drafted per round (default: tessera's, 10 with ngram and 4 with a draft model)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--no-draft", action="store_true", help="skip the draft-model case")
@@ -147,7 +148,7 @@ def main() -> None:
     ap.add_argument("--json", metavar="FILE", help="also write the report to FILE")
     args = ap.parse_args()
     for name in ("steps", "passage", "new", "draft_tokens", "rounds"):
-        if getattr(args, name) < 1:
+        if getattr(args, name) is not None and getattr(args, name) < 1:
             sys.exit(f"--{name.replace('_', '-')} must be at least 1")
 
     import tessera
@@ -171,7 +172,8 @@ def main() -> None:
     if args.serve:
         servers = {"serve plain": Server(root / "target", args.threads, []),
                    "serve ngram": Server(root / "target", args.threads,
-                                         ["--speculative", "ngram", "--draft-tokens", str(args.draft_tokens)])}
+                                         ["--speculative", "ngram"] + ([] if args.draft_tokens is None else
+                                                                      ["--draft-tokens", str(args.draft_tokens)]))}
     times = {c: [] for c in [*cases, *servers]}
     cpus = {c: [] for c in times}
     stats, outs = {}, {}

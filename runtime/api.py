@@ -212,8 +212,8 @@ class Model:
         prompt or ``start_token`` (the decoder's start token, for every source row; then no prompt; without
         either, the checkpoint's decoder_start_token_id).
         ``speculative`` ("ngram", a draft model's spec, checkpoint folder or .onnx file, or a loaded Model)
-        with ``draft_tokens`` (default 4): speculative decoding, greedy only, the same tokens as without it
-        (docs/generate.md); streamed, a round's tokens come together."""
+        with ``draft_tokens`` (default 10 with "ngram", 4 with a draft model): speculative decoding, greedy
+        only, the same tokens as without it (docs/generate.md); streamed, a round's tokens come together."""
         # an encoder-decoder may have no prompt: its sources and a start token (given or the checkpoint's)
         no_prompt = prompt is None and (start_token is not None or bool(inputs))
         texts, ids, single = ([], None, False) if no_prompt else split_prompt(prompt)

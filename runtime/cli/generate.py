@@ -94,7 +94,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
                         "by prompt lookup (ngram) or with a smaller draft model of the same vocabulary (a .tsr spec, "
                         "checkpoint folder or compiled .onnx), verified by the model in one call per round")
     g.add_argument("--draft-tokens", type=int, metavar="K",
-                   help=f"with --speculative: tokens drafted per round (default {GenerateOptions.DRAFT_TOKENS})")
+                   help=f"with --speculative: tokens drafted per round (default {GenerateOptions.NGRAM_DRAFT_TOKENS} "
+                        f"with ngram, {GenerateOptions.MODEL_DRAFT_TOKENS} with a draft model)")
     return g
 
 

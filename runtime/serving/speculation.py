@@ -36,7 +36,7 @@ from .model import UsageError
 class Speculation:
     """Prompt-lookup drafting and one verifying call per engine step; counts what it drafted."""
 
-    DRAFT_TOKENS = 4  # --draft-tokens' default, as generate's
+    DRAFT_TOKENS = 10  # --draft-tokens' default, as generate's with ngram (options.GenerateOptions)
 
     def __init__(self, draft_tokens: int = DRAFT_TOKENS):
         if not isinstance(draft_tokens, int) or isinstance(draft_tokens, bool) or draft_tokens < 1:
