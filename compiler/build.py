@@ -79,7 +79,23 @@ def _export(graph: Graph, weights, metadata: dict | None, prune: bool = True) ->
         prune_dead_nodes(model)
         if settle_packed(model):  # a packed decoding step's prefill-only nodes into the prefill branch
             prune_dead_nodes(model)
+        _fuse_skip_norms(graph, model)
     return model
+
+
+def _fuse_skip_norms(graph: Graph, model: onnx.ModelProto) -> None:
+    """A cached decoder's residual Add + norm as onnxruntime's Skip(Simplified)LayerNormalization
+    (backends/onnx/skip_norm.py), when the graph already uses onnxruntime's com.microsoft ops (the
+    GroupQueryAttention step) and TESSERA_SKIP_NORM is not 0 (kept for measuring the two)."""
+    import os
+
+    from tessera.compiler.backends.onnx.skip_norm import fuse_skip_norms, ir_types
+    from tessera.compiler.backends.onnx.walk import all_nodes
+
+    if os.environ.get("TESSERA_SKIP_NORM", "1") == "0":
+        return
+    if any(n.domain == "com.microsoft" for n in all_nodes(model.graph.node)):
+        fuse_skip_norms(model, ir_types(graph))
 
 
 def _note_packed(graph: Graph, info: CacheInfo) -> None:
