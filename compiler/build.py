@@ -118,7 +118,21 @@ def compile_cached(graph: Graph, weights, model: ModelInfo, options: PipelineOpt
     info = cache_info(result)
     _note_packed(result.graph, info)
     onnx_model = _export(result.graph, weights, model_metadata(model, options.quantize, info))
+    _split_bound_step(onnx_model, info)
     return CachedDecoder(onnx_model, info, result)
+
+
+def _split_bound_step(model: onnx.ModelProto, info: CacheInfo) -> None:
+    """The bound decoding step as a branch of its own under one If (backends/onnx/bound_step.py), unless
+    TESSERA_BOUND_STEP is 0 (kept for measuring the two); a graph it does not fit is left as it is."""
+    import os
+
+    from tessera.compiler.backends.onnx.bound_step import split_bound_step
+
+    if os.environ.get("TESSERA_BOUND_STEP", "1") == "0":
+        return
+    split_bound_step(model, {n for layer in info.layers if layer.buffer_key
+                             for n in (layer.present_key, layer.present_value)})
 
 
 def compile_seq2seq(graph: Graph, weights, options: PipelineOptions, model: ModelInfo | None = None
