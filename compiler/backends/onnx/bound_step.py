@@ -26,7 +26,9 @@ copied into the file). Each branch's nodes are a copy: the value names inside th
 two sibling branches, which ONNX scoping allows; only the graph outputs are renamed per branch.
 
 Checks (each failed one is the returned reason, and the graph is left as it was): every top-level
-If computes the same condition (the same nodes over the same inputs), there is one at least, at least one decoding branch runs GroupQueryAttention, and no other top-level node holds a
+If computes the same condition (the same nodes over the same inputs), there is one at least, at
+least one decoding branch runs GroupQueryAttention, no graph output is computed with the condition,
+and no other top-level node holds a
 subgraph.
 """
 
@@ -84,6 +86,13 @@ def _rename(nodes, names: dict) -> None:
                 n.output[i] = names[x]
 
 
+def _give_outer(nodes: list, names: list[str], suffix: str) -> None:
+    """An Identity for each graph output no node of the branch produces (an input or initializer given
+    as it is), so the branch's renamed output exists."""
+    made = {o for n in nodes for o in n.output}
+    nodes.extend(helper.make_node("Identity", [x], [f"{x}/{suffix}"]) for x in names if f"{x}/{suffix}" not in made)
+
+
 def _live(nodes, outputs: list[str]) -> list:
     """The nodes some output reads (through subgraphs too), in their order."""
     live, keep = set(outputs), []
@@ -100,9 +109,11 @@ def _copy(node):
     return c
 
 
-def _inline_decode(node) -> list:
-    """The decoding (then) branch's nodes of a phased If, writing the If's own output names."""
+def _inline_decode(node, inits: list) -> list:
+    """The decoding (then) branch's nodes of a phased If, writing the If's own output names (its own
+    initializers, if it has any, appended to ``inits``)."""
     branch = _attr_graph(node, "then_branch")
+    inits.extend(_copy(i) for i in branch.initializer)
     nodes = [_copy(n) for n in branch.node]
     produced = {o for n in nodes for o in n.output}
     names = {}
@@ -139,32 +150,36 @@ def split_bound_step(model, columns: set[str]) -> "int | str":
     prefix = _ancestors(producer, decoding)
     if any(n.op_type == "If" for n in prefix):
         return "the condition is computed from an If"
+    if {o for n in prefix for o in n.output} & {o.name for o in graph.output}:
+        return "a graph output is computed with the condition"
     prefix_ids = {id(n) for n in prefix}
     body_prefix = [_copy(n) for n in graph.node if id(n) in prefix_ids]  # in the graph's (topological) order
     body = [n for n in graph.node if id(n) not in prefix_ids]
     outputs = list(graph.output)
 
     # bound: the phased Ifs' decoding branches inlined, the columns as empty tensors, the rest pruned
-    bound_nodes = []
+    bound_nodes, branch_inits = [], []
     for n in body:
-        bound_nodes.extend(_inline_decode(n) if n.op_type == "If" else [_copy(n)])
-    empties, bound_outs = [], []
+        bound_nodes.extend(_inline_decode(n, branch_inits) if n.op_type == "If" else [_copy(n)])
+    bound_outs = []
     for o in outputs:
         if o.name in columns:
             t = o.type.tensor_type
             rank = max(1, len(t.shape.dim))
             dtype = helper.tensor_dtype_to_np_dtype(t.elem_type)
-            empties.append(numpy_helper.from_array(np.zeros((0,) + (1,) * (rank - 1), dtype), f"{o.name}/unbound"))
+            branch_inits.append(numpy_helper.from_array(np.zeros((0,) + (1,) * (rank - 1), dtype), f"{o.name}/unbound"))
             bound_outs.append(helper.make_tensor_value_info(f"{o.name}/unbound", t.elem_type, None))
         else:
             bound_outs.append(helper.make_tensor_value_info(f"{o.name}/bound", o.type.tensor_type.elem_type, None))
     bound_nodes = _live(bound_nodes, [o.name for o in outputs if o.name not in columns])
     _rename(bound_nodes, {o.name: f"{o.name}/bound" for o in outputs})
-    bound = helper.make_graph(bound_nodes, "bound_step", [], bound_outs, empties)
+    _give_outer(bound_nodes, [o.name for o in outputs if o.name not in columns], "bound")
+    bound = helper.make_graph(bound_nodes, "bound_step", [], bound_outs, branch_inits)
 
     # general: the graph as it was, its outputs renamed (a branch value may not shadow the If's outputs)
     general_nodes = [_copy(n) for n in body]
     _rename(general_nodes, {o.name: f"{o.name}/general" for o in outputs})
+    _give_outer(general_nodes, [o.name for o in outputs], "general")
     general = helper.make_graph(general_nodes, "general", [], [
         helper.make_tensor_value_info(f"{o.name}/general", o.type.tensor_type.elem_type, None) for o in outputs])
 

@@ -86,7 +86,9 @@ def _match_rms(g: _Graph, mul) -> "dict | str":
     div = next((g.op(x, "Div") for x in mul.input if g.op(x, "Div") is not None), None)
     if mul.op_type != "Mul" or div is None:
         return "not Mul(Div(...), gamma)"
-    gamma = next(x for x in mul.input if x != div.output[0])
+    gamma = next((x for x in mul.input if x != div.output[0]), None)
+    if gamma is None:
+        return "not Mul(Div(...), gamma): the Div is multiplied by itself"
     sqrt = g.op(div.input[1], "Sqrt")
     add_eps = sqrt and g.op(sqrt.input[0], "Add")
     if add_eps is None:
