@@ -28,8 +28,7 @@ two sibling branches, which ONNX scoping allows; only the graph outputs are rena
 Checks (each failed one is the returned reason, and the graph is left as it was): every top-level
 If computes the same condition (the same nodes over the same inputs), there is one at least, at
 least one decoding branch runs GroupQueryAttention, no graph output is computed with the condition,
-and no other top-level node holds a
-subgraph.
+and no other top-level node holds a subgraph.
 """
 
 from __future__ import annotations
