@@ -79,14 +79,14 @@ def _export(graph: Graph, weights, metadata: dict | None, prune: bool = True) ->
         prune_dead_nodes(model)
         if settle_packed(model):  # a packed decoding step's prefill-only nodes into the prefill branch
             prune_dead_nodes(model)
-        _fuse_skip_norms(graph, model)
     return model
 
 
-def _fuse_skip_norms(graph: Graph, model: onnx.ModelProto) -> None:
+def _fuse_skip_norms(graph: Graph, model: onnx.ModelProto, info: CacheInfo) -> None:
     """A cached decoder's residual Add + norm as onnxruntime's Skip(Simplified)LayerNormalization
     (backends/onnx/skip_norm.py), when the graph already uses onnxruntime's com.microsoft ops (the
-    GroupQueryAttention step) and TESSERA_SKIP_NORM is not 0 (kept for measuring the two)."""
+    GroupQueryAttention step) and TESSERA_SKIP_NORM is not 0 (kept for measuring the two); what it
+    fused and why a norm kept its Add go to --explain."""
     import os
 
     from tessera.compiler.backends.onnx.skip_norm import fuse_skip_norms, ir_types
@@ -95,7 +95,11 @@ def _fuse_skip_norms(graph: Graph, model: onnx.ModelProto) -> None:
     if os.environ.get("TESSERA_SKIP_NORM", "1") == "0":
         return
     if any(n.domain == "com.microsoft" for n in all_nodes(model.graph.node)):
-        fuse_skip_norms(model, ir_types(graph))
+        report = fuse_skip_norms(model, ir_types(graph))
+        fused = ", ".join(f"{n} {kind}" for kind, n in report.fused.items()) or "none"
+        kept = "; ".join(f"{name}: {why}" for name, why in list(report.kept.items())[:3])
+        info.notes.append(f"residual Add + norm fused (Skip(Simplified)LayerNormalization): {fused}"
+                          + (f"; left: {kept}{' ...' if len(report.kept) > 3 else ''}" if kept else ""))
 
 
 def _note_packed(graph: Graph, info: CacheInfo) -> None:
@@ -118,6 +122,7 @@ def compile_cached(graph: Graph, weights, model: ModelInfo, options: PipelineOpt
     info = cache_info(result)
     _note_packed(result.graph, info)
     onnx_model = _export(result.graph, weights, model_metadata(model, options.quantize, info))
+    _fuse_skip_norms(result.graph, onnx_model, info)
     _split_bound_step(onnx_model, info)
     return CachedDecoder(onnx_model, info, result)
 
@@ -131,8 +136,10 @@ def _split_bound_step(model: onnx.ModelProto, info: CacheInfo) -> None:
 
     if os.environ.get("TESSERA_BOUND_STEP", "1") == "0":
         return
-    split_bound_step(model, {n for layer in info.layers if layer.buffer_key
-                             for n in (layer.present_key, layer.present_value)})
+    done = split_bound_step(model, {n for layer in info.layers if layer.buffer_key
+                                    for n in (layer.present_key, layer.present_value)})
+    info.notes.append(f"decoding step bound in place: one If, a branch of its own ({done} nodes; no per-layer If, "
+                      "no cache columns)" if isinstance(done, int) else f"decoding step bound in place: as above ({done})")
 
 
 def compile_seq2seq(graph: Graph, weights, options: PipelineOptions, model: ModelInfo | None = None

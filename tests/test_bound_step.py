@@ -42,6 +42,7 @@ def test_one_if_whose_bound_branch_has_no_per_layer_if_and_no_column_gather(monk
     ops = [n.op_type for n in bound.node]
     assert "If" not in ops and "GatherElements" not in ops and ops.count("GroupQueryAttention") == 2
     assert [n.op_type for n in general_graph(model).node].count("If") == 2  # the general branch: as before
+    assert f"a branch of its own ({len(bound.node)} nodes" in info.explain()
     inits = {i.name for i in model.graph.initializer}
     assert INPUT in inits and INPUT in {i.name for i in model.graph.input}
     # the weights are the main graph's, read from the outer scope: neither branch holds one
@@ -121,6 +122,11 @@ def test_a_graph_it_does_not_fit_is_left_as_it_is_with_the_reason(conds, reason)
     before = model.SerializeToString()
     assert reason in split_bound_step(model, set())
     assert model.SerializeToString() == before
+
+
+def test_explain_says_why_a_decoder_keeps_its_per_layer_ifs(monkeypatch):
+    _, info = _compile(monkeypatch, True, decode="plain")  # no GroupQueryAttention: nothing bound in place
+    assert "as above (no decoding branch runs GroupQueryAttention" in info.explain()
 
 
 def test_ifs_on_different_conditions_are_not_gathered(monkeypatch):

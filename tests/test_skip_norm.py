@@ -127,6 +127,9 @@ def test_compiled_decoder_fuses_every_residual_norm_and_decodes_as_before(monkey
     plain, info0 = _compile(family, sets, monkeypatch, False)
     ops = [n.op_type for n in general_graph(fused).node]
     assert ops.count(op) == count
+    assert f"residual Add + norm fused (Skip(Simplified)LayerNormalization): {count}" in info.explain()
+    if family == "llama":  # --explain says why the first norm kept no Add
+        assert "layers.0.attn_norm: its input is not an Add" in info.explain()
     assert ops.count("Add") < [n.op_type for n in general_graph(plain).node].count("Add") - 3
     prompts = [[5, 9, 13, 2, 7], [3, 1]]
     steps_a, steps_b = [], []
