@@ -5,6 +5,7 @@ weights, at B = 1 and B = 16 rows of the same cached length.
 
     python bench/decode_profile.py --genai-python /work/venvs/genai/bin/python
     python bench/decode_profile.py --genai-python PY --rows 1 16 --past 128 --steps 10 --threads 2 --json out.json
+    python bench/decode_profile.py --genai-python PY --rows 1 --quantize int4 --folder DIR   # int4, head included
 
 Why: at a static batch of 16, Tessera's step was 2-6 % slower than onnxruntime-genai's on equal
 prompts, and the serving issue (#23) needs to know whether that is the matrix products (the same
