@@ -5,6 +5,7 @@ weights, at B = 1 and B = 16 rows of the same cached length.
 
     python bench/decode_profile.py --genai-python /work/venvs/genai/bin/python
     python bench/decode_profile.py --genai-python PY --rows 1 16 --past 128 --steps 10 --threads 2 --json out.json
+    python bench/decode_profile.py --genai-python PY --rows 1 --quantize int4 --folder DIR   # int4, head included
 
 Why: at a static batch of 16, Tessera's step was 2-6 % slower than onnxruntime-genai's on equal
 prompts, and the serving issue (#23) needs to know whether that is the matrix products (the same
@@ -103,7 +104,8 @@ def summarise(events: list[dict], steps: int) -> dict:
                          "count": med([r[5].get(op, 0) for r in per_step])} for op in ops}}
 
 
-def profile_tessera(folder: Path, rows: int, past: int, warmup: int, steps: int, threads: int, tmp: Path) -> dict:
+def profile_tessera(folder: Path, rows: int, past: int, warmup: int, steps: int, threads: int, tmp: Path,
+                    quantize: str = "none") -> dict:
     from tessera.runtime import pipeline
     from tessera.runtime.generation import cached as gen
     from tessera.runtime.serving import model as serving_model
@@ -112,7 +114,8 @@ def profile_tessera(folder: Path, rows: int, past: int, warmup: int, steps: int,
     m = MODELS["llama"]
     built = pipeline.build(Path(__file__).resolve().parents[1] / "models" / m["spec"], m["variant"], m["sets"])
     weights = pipeline.weights_for(built, str(folder / "model.safetensors"), 0)
-    proto, info = gen.compile_cached(built, weights, mode="buffer", decode=serving_model.DECODE)
+    config = None if quantize == "none" else pipeline.quant_config(quantize, head=True)  # as genai's builder
+    proto, info = gen.compile_cached(built, weights, mode="buffer", decode=serving_model.DECODE, quantize=config)
     data = proto.SerializeToString()
     del proto, weights
     model = gen.CachedModel(data, info, threads=threads)
@@ -195,6 +198,9 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--steps", type=int, default=20, help="profiled decoding steps per case")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--quantize", choices=["none", "int4"], default="none",
+                   help="int4: Tessera's --quantize int4 with the head quantised, genai's builder -p int4 "
+                        "(use a --folder of its own: the export is kept there)")
     p.add_argument("--json", metavar="FILE")
     p.add_argument("--folder", metavar="DIR",
                    help="keep the checkpoint and onnxruntime-genai's export here (reused when present)")
@@ -217,12 +223,12 @@ def main() -> None:
         if not (folder / "model.safetensors").exists():
             make_weights(folder, "llama")
         if not (folder / "genai" / "model.onnx").exists():
-            make_genai_model(folder, args.genai_python)
+            make_genai_model(folder, args.genai_python, "fp32" if args.quantize == "none" else args.quantize)
         for b in args.rows:  # alternating per width: both graphs see about the same load
             results[f"tessera B={b}"] = profile_tessera(folder, b, args.past, args.warmup, args.steps,
-                                                        args.threads, tmp)
+                                                        args.threads, tmp, args.quantize)
             results[f"genai B={b}"] = profile_genai(args, folder, b, tmp)
-    print(f"Llama-shaped fp32 (hidden 768, 12 layers, vocab 32000), {args.past} cached positions per row, "
+    print(f"Llama-shaped {'fp32' if args.quantize == 'none' else args.quantize + ' weights'} (hidden 768, 12 layers, vocab 32000), {args.past} cached positions per row, "
           f"{args.steps} profiled steps, threads {args.threads}, load average {os.getloadavg()[0]:.1f}; "
           f"onnxruntime {ort.__version__} here, (onnxruntime, onnxruntime-genai) in --genai-python: "
           f"{genai_ort.stdout.strip() or genai_ort.stderr.strip()[-200:]}")

@@ -82,6 +82,26 @@ def _export(graph: Graph, weights, metadata: dict | None, prune: bool = True) ->
     return model
 
 
+def _fuse_skip_norms(graph: Graph, model: onnx.ModelProto, info: CacheInfo) -> None:
+    """A cached decoder's residual Add + norm as onnxruntime's Skip(Simplified)LayerNormalization
+    (backends/onnx/skip_norm.py), when the graph already uses onnxruntime's com.microsoft ops (the
+    GroupQueryAttention step) and TESSERA_SKIP_NORM is not 0 (kept for measuring the two); what it
+    fused and why a norm kept its Add go to --explain."""
+    import os
+
+    from tessera.compiler.backends.onnx.skip_norm import fuse_skip_norms, ir_types
+    from tessera.compiler.backends.onnx.walk import all_nodes
+
+    if os.environ.get("TESSERA_SKIP_NORM", "1") == "0":
+        return
+    if any(n.domain == "com.microsoft" for n in all_nodes(model.graph.node)):
+        report = fuse_skip_norms(model, ir_types(graph))
+        fused = ", ".join(f"{n} {kind}" for kind, n in report.fused.items()) or "none"
+        kept = "; ".join(f"{name}: {why}" for name, why in list(report.kept.items())[:3])
+        info.notes.append(f"residual Add + norm fused (Skip(Simplified)LayerNormalization): {fused}"
+                          + (f"; left: {kept}{' ...' if len(report.kept) > 3 else ''}" if kept else ""))
+
+
 def _note_packed(graph: Graph, info: CacheInfo) -> None:
     """Each gqa decoding site's --explain reason says whether its input is the packed projection
     (backends/onnx/cached_attention.py ``packed_qkv``) and, if not, which check failed."""
@@ -102,7 +122,24 @@ def compile_cached(graph: Graph, weights, model: ModelInfo, options: PipelineOpt
     info = cache_info(result)
     _note_packed(result.graph, info)
     onnx_model = _export(result.graph, weights, model_metadata(model, options.quantize, info))
+    _fuse_skip_norms(result.graph, onnx_model, info)
+    _split_bound_step(onnx_model, info)
     return CachedDecoder(onnx_model, info, result)
+
+
+def _split_bound_step(model: onnx.ModelProto, info: CacheInfo) -> None:
+    """The bound decoding step as a branch of its own under one If (backends/onnx/bound_step.py), unless
+    TESSERA_BOUND_STEP is 0 (kept for measuring the two); a graph it does not fit is left as it is."""
+    import os
+
+    from tessera.compiler.backends.onnx.bound_step import split_bound_step
+
+    if os.environ.get("TESSERA_BOUND_STEP", "1") == "0":
+        return
+    done = split_bound_step(model, {n for layer in info.layers if layer.buffer_key
+                                    for n in (layer.present_key, layer.present_value)})
+    info.notes.append(f"decoding step bound in place: one If, a branch of its own ({done} nodes; no per-layer If, "
+                      "no cache columns)" if isinstance(done, int) else f"decoding step bound in place: as above ({done})")
 
 
 def compile_seq2seq(graph: Graph, weights, options: PipelineOptions, model: ModelInfo | None = None

@@ -18,6 +18,7 @@ import pytest
 from conftest import MODELS, hf_greedy
 
 from tessera.compiler.backends.onnx import cached_attention
+from tessera.compiler.backends.onnx.bound_step import general_graph
 from tessera.runtime import pipeline
 from tessera.runtime.generation.cached import CachedModel, compile_cached, generate
 
@@ -80,7 +81,7 @@ def _run(model, prompts):
 
 def _top_level(model) -> dict[str, int]:
     counts: dict[str, int] = {}
-    for n in model.graph.node:
+    for n in general_graph(model).node:  # the graph with the per-layer Ifs (bound_step.py keeps it whole)
         counts[n.op_type] = counts.get(n.op_type, 0) + 1
     return counts
 
@@ -105,7 +106,7 @@ def test_the_packed_graph_reads_the_fused_projection_and_has_fewer_nodes(cases):
     case = cases("plain")
     _, packed = case.cached(True)
     _, unpacked = case.cached(False)
-    ifs = [n for n in packed.graph.node if n.op_type == "If"]
+    ifs = [n for n in general_graph(packed).node if n.op_type == "If"]
     assert len(ifs) == 2 and all(n.doc_string == cached_attention.PACKED_MARK for n in ifs)
     for n in ifs:
         then = next(a.g for a in n.attribute if a.name == "then_branch")
@@ -118,7 +119,7 @@ def test_the_packed_graph_reads_the_fused_projection_and_has_fewer_nodes(cases):
     assert "RotaryEmbedding" not in a and b["RotaryEmbedding"] == 4  # q and k of two layers
     # per layer: the head splits of q, k, v and the merge after attention, all moved into the prefill branch
     assert b["Transpose"] == 2 * 4 and "Transpose" not in a
-    readers = [n.op_type for n in packed.graph.node
+    readers = [n.op_type for n in general_graph(packed).node
                if any(i.endswith("attn.q+k+v") for i in cached_attention._graph_reads([n]))]
     assert readers == ["If", "If"]  # the slices moved into the prefill branches
     print(f"top-level nodes: {sum(a.values())} packed, {sum(b.values())} unpacked")
@@ -128,7 +129,7 @@ def test_the_packed_graph_reads_the_fused_projection_and_has_fewer_nodes(cases):
 def test_without_the_fused_projection_the_step_stays_unpacked(cases):
     case = cases("plain")
     cached, proto = case.cached(True, fuse_linears=False)
-    assert not any(n.doc_string == cached_attention.PACKED_MARK for n in proto.graph.node)
+    assert not any(n.doc_string == cached_attention.PACKED_MARK for n in general_graph(proto).node)
     prompts = [[5, 9, 13, 2]]
     assert generate(cached, prompts, 8).tokens == case.hf_generate(prompts, 8)
 
@@ -140,8 +141,8 @@ def test_int4_packed_step_equals_its_unpacked_step(cases):
     q = QuantConfig("int4", block_size=32)
     packed, proto = case.cached(True, quantize=q)
     unpacked, _ = case.cached(False, quantize=q)
-    assert any(n.doc_string == cached_attention.PACKED_MARK for n in proto.graph.node)
-    assert any(n.op_type == "MatMulNBits" for n in proto.graph.node)
+    assert any(n.doc_string == cached_attention.PACKED_MARK for n in general_graph(proto).node)
+    assert any(n.op_type == "MatMulNBits" for n in general_graph(proto).node)
     prompts = [[5, 9, 13, 2, 77, 41, 8], [100, 3]]
     ours, a = _run(packed, prompts)
     ref, b = _run(unpacked, prompts)
@@ -178,7 +179,7 @@ def test_q_k_v_biases_and_interleaved_rotary_give_the_unpacked_step(tmp_path, se
 
     packed, proto = compiled(True)
     unpacked, _ = compiled(False)
-    assert any(n.doc_string == cached_attention.PACKED_MARK for n in proto.graph.node)
+    assert any(n.doc_string == cached_attention.PACKED_MARK for n in general_graph(proto).node)
     prompts = [[5, 9, 13, 2, 33, 41, 8], [60, 3]]
     ours, a = _run(packed, prompts)
     ref, b = _run(unpacked, prompts)

@@ -109,6 +109,8 @@ class CacheInfo:
     kernels: list[CacheKernel] = field(default_factory=list)
     length_input: str | None = None  # LENGTH when decoding steps write the buffer in place (decode = "gqa")
     states: list[CacheState] = field(default_factory=list)  # recurrent state carried call to call
+    # --explain's lines from the passes over the exported graph (compiler/build.py); not in the file's metadata
+    notes: list[str] = field(default_factory=list, compare=False)
 
     def explain(self) -> str:
         """--explain's listing for a cached compile: every cached site's kernel per phase and why."""
@@ -121,6 +123,7 @@ class CacheInfo:
             groups.setdefault((k.impl, k.reason), []).append(k.site)
         for (impl, reason), sites in groups.items():
             lines.append(f"  {len(sites)} site(s) ({sites[0]}{', ...' if len(sites) > 1 else ''}): {impl} -- {reason}")
+        lines.extend(f"  {note}" for note in self.notes)
         return "\n".join(lines)
 
     def to_json(self) -> dict:

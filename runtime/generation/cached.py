@@ -122,6 +122,22 @@ class CachedModel:
                                    {o.name for o in model.graph.output})
         return cls(str(path), info, provider, threads)
 
+    def bind_step_inputs(self, io) -> bool:
+        """Bind on ``io`` (a decoding step bound in place) ``cache_columns`` = False when the graph has the
+        bound step's branch (compiler/backends/onnx/bound_step.py): the step then skips the cache column
+        outputs it does not read. Returns whether it did (the graph then gives empty columns for the
+        layers written in place). Looked up on the session each time (a bench may swap it)."""
+        from tessera.compiler.backends.onnx.bound_step import INPUT
+
+        if INPUT not in {i.name for i in self.session.get_overridable_initializers()}:
+            return False
+        from tessera.runtime.session import _ort
+
+        value = _ort().OrtValue.ortvalue_from_numpy(np.array(False))
+        io.bind_ortvalue_input(INPUT, value)  # an initializer input: IOBinding takes it as an OrtValue only
+        io._tessera_keep = value  # the OrtValue lives as long as the binding
+        return True
+
     def run(self, feeds: dict[str, np.ndarray], bound: "BoundStep | None" = None) -> dict[str, np.ndarray]:
         """One step: through ``bound`` (the cache buffers bound in place, a decoding step of a graph whose
         attention writes them: info.length_input) or with numpy feeds and outputs."""
@@ -311,7 +327,8 @@ class BoundStep:
         self.outputs: dict[str, np.ndarray] = {}
         b = next(iter(cache.values())).shape[0]
         shapes = {info.logits: (b, 1, model.vocab)}
-        for layer in info.layers:
+        skips = model.bind_step_inputs(self.io)  # then the graph gives no columns for the layers written in place
+        for layer in self.copied if skips else info.layers:
             shapes[layer.present_key] = (b, layer.kv_heads, 1, layer.head_size)
             shapes[layer.present_value] = (b, layer.kv_heads, 1, layer.value_size)
         for state in info.states:  # recurrent state (a hybrid model's): returned, fed back by the decoder

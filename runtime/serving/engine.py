@@ -543,6 +543,7 @@ class Engine:
                 out = self._buffer_output.get(name)
                 if out:
                     io.bind_output(out, "cpu", 0, view.dtype.type, list(view.shape), view.ctypes.data)
+            self.model.bind_step_inputs(io)  # the graph's bound step, if it has one: no cache columns
             self._binding = (key, io)
         io = self._binding[1]
         for name, value in feeds.items():

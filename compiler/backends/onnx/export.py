@@ -166,7 +166,9 @@ def checkable(model: onnx.ModelProto, streamed: list[stream.Streamed]) -> onnx.M
     kept = [i for i in m.graph.initializer if i.name not in names]
     m.graph.ClearField("initializer")
     m.graph.initializer.extend(kept)
-    m.graph.input.extend(helper.make_tensor_value_info(t.name, t.onnx_type, list(t.shape)) for t in streamed)
+    inputs = {i.name for i in m.graph.input}  # an initializer that is also an input (a default) is one already
+    m.graph.input.extend(helper.make_tensor_value_info(t.name, t.onnx_type, list(t.shape)) for t in streamed
+                         if t.name not in inputs)
     return m
 
 
