@@ -63,10 +63,24 @@ def _marker(b, node) -> tuple[str, str]:
     return b.shared[key]
 
 
+def _chunk_filled(b, node) -> str:
+    """i64 [1]: the chunk row's filled columns, cache_length[chunk_row] (main graph, built once)."""
+    key = ("mixed", "filled")
+    if key not in b.shared:
+        saved, b.current = b.current, ""
+        try:
+            b.shared[key] = b.node("Gather", [node.attrs["length_input"], _marker(b, node)[1]],
+                                   [b.fresh("mixed/chunk_filled")], axis=0)[0]
+        finally:
+            b.current = saved
+    return b.shared[key]
+
+
 def main_graph_inputs(b, node) -> None:
     """What every site's branches read from the main graph (the If's condition, the chunk's row):
     called before a site's branches are built, so the nodes land in the main graph."""
     _marker(b, node)
+    _chunk_filled(b, node)
 
 
 def lower_prefill_or_combined(b, node, outs: list[str], prefill, branch_outputs, gqa_in, elems: list[int]) -> None:
@@ -114,25 +128,25 @@ def _lower_combined(b, node, outs: list[str], gqa_in) -> None:
                [b.fresh("gqa_out"), outs[1], outs[2]], domain="com.microsoft", **_gqa_attrs(a))[0]
     o_rows = b.node("Transpose", [b.node("Reshape", [o, b.i64([1, -1, heads, hd])])[0]], perm=[0, 2, 1, 3])[0]
 
-    # ---- the chunk: the later-chunk prefill over its row's past (one row of the view) and its mask row
-    r = _marker(b, node)[1]
+    # ---- the chunk: the prefill over its row's filled columns (cache_length[r] of them: none for a
+    # prompt's first chunk, which then runs as a prompt alone does) and its mask there
+    r, filled = _marker(b, node)[1], _chunk_filled(b, node)
     r1 = b.node("Add", [r, b.i64([1])])[0]
-    axis0 = b.i64([0])
-    past_k = b.node("Slice", [k_past, r, r1, axis0])[0]
-    past_v = b.node("Slice", [v_past, r, r1, axis0])[0]
+    starts, ends = b.node("Concat", [r, zero], axis=0)[0], b.node("Concat", [r1, filled], axis=0)[0]
+    past_k = b.node("Slice", [k_past, starts, ends, b.i64([0, 2])])[0]  # [1, kv, filled, hd]: one row's
+    past_v = b.node("Slice", [v_past, starts, ends, b.i64([0, 2])])[0]
     q_c, k_c, v_c = (b.node("Slice", [x, n, big, axis2])[0] for x in (q, k_new, v_new))
     keys = b.node("Concat", [past_k, k_c], axis=2)[0]
     values = b.node("Concat", [past_v, v_c], axis=2)[0]
-    width = b.node("Shape", [k_past], start=2, end=3)[0]
+    width = filled
     t_c = b.node("Shape", [q_c], start=2, end=3)[0]
     mask = node.inputs[3]
-    mask_row = b.node("Slice", [mask, b.node("Concat", [r, zero], axis=0)[0], b.node("Concat", [r1, width], axis=0)[0],
-                                b.i64([0, 1])])[0]  # [1, W]: the row's filled columns
+    mask_row = b.node("Slice", [mask, starts, ends, b.i64([0, 1])])[0]  # [1, filled]
     ones = b.node("Expand", [b.const(np.ones((1, 1), dtype=np.int64), "one"),
                              b.node("Concat", [b.i64([1]), t_c], axis=0)[0]])[0]
     mask_c = b.node("Concat", [mask_row, ones], axis=1)[0]
     # the tiled kernel reads B, T and P from the graph's inputs (tokens [1, n + T], past [n, ...]): here
-    # they are the chunk's (1, T, W), so its run-time dimensions are given for this branch alone
+    # they are the chunk's (1, T, its filled columns), so its run-time dimensions are given for this branch alone
     # (_branch_outputs restores the builder's after)
     b._dims = {dims.dim(q_t.shape[0]): b.i64([1]), dims.dim(q_t.shape[-2]): t_c, dims.symbol("P"): width}
     o_c = b.fresh("chunk_out")
