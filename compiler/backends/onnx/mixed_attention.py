@@ -8,27 +8,30 @@ of the 16-row step (bench/prefill_mix_cost.py, docs/BENCHMARKS.md S5). This modu
 call; it exists only in the engine's variant of the cached decoder (compile option ``mixed``, set by
 runtime/serving/model.py ``load``), so ``generate``'s graph is not changed by a node.
 
-The call's inputs, as the engine feeds them (``CHUNK_ROW`` >= 0 says it is one):
+The call's inputs, as the engine feeds them (no input is added: every other caller -- ``generate``,
+a decoding step, a prompt's chunk alone -- feeds what it fed before):
 
 - the tokens ``[1, n + T]``: first one token per row of the cache view ``[:n]`` (a decoding row's
   next token; a dummy for a row not decoding, which rides along as in a decoding step), then the
   chunk's T prompt tokens; ``position_ids`` ``[1, n + T]`` each token's own position;
 - the cache views ``[n, kv_heads, W, hd]`` (bound in place), ``attention_mask`` ``[n, W + 1]`` and
-  ``cache_length`` ``[n]`` exactly as for a decoding step of those n rows;
-- ``chunk_row`` ``[1]``: the chunk's row among the n (its filled columns are its past; a graph input
-  with the default -1, so every other caller -- ``generate``, a decoding step, a prompt's chunk alone --
-  feeds nothing new).
+  ``cache_length`` ``[n]`` exactly as for a decoding step of those n rows, except that the chunk's
+  row has a 0 in the mask's last column (its new token's, 1 in every other call): that marks the
+  call as combined and names the chunk's row (``_marker``). (A graph input with a default, which
+  onnxruntime allows, cannot be bound through IOBinding, which the in-place cache needs.)
 
 Everything but attention treats the n + T tokens as n + T rows of one sequence (the MatMuls run
-once over all of them). Each attention site, in the branch of its If taken when ``chunk_row`` >= 0
+once over all of them). Each attention site, in the branch of its If taken for a combined call
 (nested in the T > 1 branch, so a decoding step's branch is untouched), slices q, k, v at n: the
 first n tokens, one per row, are the decoding step's GroupQueryAttention over the shared buffer
-(per-row ``seqlens_k``, each row's new column written in place); the last T are the later-chunk
-prefill, the tiled kernel over the chunk row's past (its view row, one row copied, and its mask row)
-and the chunk, causal with offset W. The two outputs are concatenated in token order. The cache
-outputs (``key.{i}``) give every token's new keys; the engine writes the chunk's into its row. The
-logits are taken at the n row tokens and the chunk's last (``settle_mixed`` turns the last-position
-slice before the head into that gather), so the head costs a decoding step's plus one row.
+(per-row ``seqlens_k``, each row's new column written in place: the branch's buffer outputs are the
+bound buffers, as in the decoding branch); the last T are the prompt chunk, the tiled kernel over
+the chunk row's filled columns (``cache_length`` of its row: one row's prefix copied, none for a
+prompt's first chunk, which then runs as a prompt alone does) and the chunk, causal with that
+offset. The two outputs are concatenated in token order. The cache outputs (``key.{i}``) give every
+token's new keys; the engine writes the chunk's into its row. The logits are taken at the n row
+tokens and the chunk's last (``settle_mixed`` turns the last-position slice before the head into
+that gather), so the head costs a decoding step's plus one row.
 """
 
 from __future__ import annotations
