@@ -153,15 +153,64 @@ def _lower_combined(b, node, outs: list[str], gqa_in) -> None:
     # (_branch_outputs restores the builder's after)
     b._dims = {dims.dim(q_t.shape[0]): b.i64([1]), dims.dim(q_t.shape[-2]): t_c, dims.symbol("P"): width}
     o_c = b.fresh("chunk_out")
-    graph, b.graph = b.graph, _Typed(g, {mask_c: g.type_of(mask)})  # the kernel asks the mask's dtype by name
-    try:
-        _portable(b, node, o_c, names=[q_c, keys, values, mask_c])
-    finally:
-        b.graph = graph
+    if _block_fits(a):
+        _chunk_block(b, node, o_c, q_c, keys, values, mask_c, t_c, width)
+    else:  # a score feature the block here does not compute: the tiled kernel, as a prompt's chunk alone
+        graph, b.graph = b.graph, _Typed(g, {mask_c: g.type_of(mask)})  # the kernel asks the mask's dtype by name
+        try:
+            _portable(b, node, o_c, names=[q_c, keys, values, mask_c])
+        finally:
+            b.graph = graph
     b.node("Concat", [o_rows, o_c], [outs[0]], axis=2)
     if len(outs) == 5:  # a packed site: the If gives the new keys and values of every token
         b.node("Identity", [k_new], [outs[3]])
         b.node("Identity", [v_new], [outs[4]])
+
+
+# the score features ``_chunk_block`` computes: a gqa decoding site's (attention.py GQA_DECODE_FEATURES)
+BLOCK_FEATURES = ("scale", "softcap", "causal", "padding")
+
+
+def _block_fits(a: dict) -> bool:
+    """Whether the site's scores need nothing but BLOCK_FEATURES (every gqa decoding site: its kernel
+    allows no more), so the chunk can be one block rather than the tiled kernel."""
+    from tessera.compiler.reference import score_epilogue
+
+    return set(score_epilogue.used(a)) <= set(BLOCK_FEATURES)
+
+
+def _chunk_block(b, node, out: str, q: str, keys: str, values: str, mask: str, t: str, past: str) -> None:
+    """The chunk's attention as one block: its T queries against its row's P filled columns and its
+    own T keys (P + T: tens to hundreds), scores [1, kv, rep·T, P + T] -- small, so plain
+    MatMul/Softmax beat the tiled kernel's Loop, whose per-iteration nodes cost more than the
+    products at these sizes (bench/prefill_mix_cost.py). Grouped-query heads read their group's keys
+    in place ([1, kv, rep·T, hd] queries), the scale and soft-cap as the score epilogue has them
+    (c·tanh(scale·s)), the causal mask with offset P and the row's mask as hidden scores (the
+    dtype's minimum: weight 0)."""
+    g, a = b.graph, node.attrs
+    q_t, v_t = g.type_of(node.inputs[0]), g.type_of(node.inputs[2])
+    np_dtype = np.float16 if q_t.dtype == "f16" else np.float32
+    heads, kv = a["heads"], a["kv_heads"]
+    rep, hd, hv = heads // kv, int(q_t.shape[-1]), int(v_t.shape[-1])
+    qs = b.node("Mul", [q, b.const(np.array(a["scale"], dtype=np_dtype), "scale")])[0]
+    qg = b.node("Reshape", [qs, b.i64([1, kv, -1, hd])])[0]  # [1, kv, rep·T, hd]: a group's heads stacked
+    s = b.node("MatMul", [qg, b.node("Transpose", [keys], perm=[0, 1, 3, 2])[0]])[0]  # [1, kv, rep·T, P + T]
+    if a.get("softcap"):
+        s = b.node("Mul", [b.node("Tanh", [s])[0], b.const(np.array(a["softcap"], dtype=np_dtype), "softcap")])[0]
+    total = b.node("Add", [past, t])[0]
+    s5 = b.node("Reshape", [s, b.node("Concat", [b.i64([1, kv, rep]), t, total], axis=0)[0]])[0]
+    zero, one = b.const(np.array(0, dtype=np.int64), "zero"), b.const(np.array(1, dtype=np.int64), "one")
+    scalar = lambda x: b.node("Squeeze", [x, b.i64([0])])[0]  # noqa: E731
+    rows = b.node("Add", [b.node("Range", [zero, scalar(t), one])[0], past])[0]  # each query's position
+    cols = b.node("Range", [zero, scalar(total), one])[0]
+    hidden = b.node("Or", [b.node("Greater", [b.node("Unsqueeze", [cols, b.i64([0])])[0],
+                                              b.node("Unsqueeze", [rows, b.i64([1])])[0]])[0],
+                           b.node("Equal", [mask, b.const(np.array(0, dtype=np.int64), "zero")])[0]])[0]  # [T, P + T]
+    s5 = b.node("Where", [hidden, b.const(np.array(np.finfo(np_dtype).min, dtype=np_dtype), "min"), s5])[0]
+    p = b.node("Reshape", [b.node("Softmax", [s5], axis=-1)[0], b.node("Concat", [b.i64([1, kv, -1]), total],
+                                                                      axis=0)[0]])[0]
+    o = b.node("MatMul", [p, values])[0]  # [1, kv, rep·T, hv]
+    b.node("Reshape", [o, b.i64([1, heads, -1, hv])], [out])
 
 
 class _Typed:
