@@ -39,7 +39,7 @@ from __future__ import annotations
 import numpy as np
 from onnx import helper, numpy_helper
 
-from tessera.compiler.ir import dims
+POSITIONS = "position_ids"  # the cached graph's input (compiler/passes/kv_cache.py)
 
 COMBINED_KEY = "tessera.combined_call"  # the model's metadata entry saying it has the combined call
 LAST_SLICE = "cache/last"  # the IR node passes/kv_cache.py LastPositionLogits puts before the head
@@ -66,30 +66,55 @@ def _marker(b, node) -> tuple[str, str]:
     return b.shared[key]
 
 
-def _chunk_filled(b, node) -> str:
-    """i64 [1]: the chunk row's filled columns, cache_length[chunk_row] (main graph, built once)."""
-    key = ("mixed", "filled")
+def _chunk(b, node, split) -> dict:
+    """What every site's chunk reads, built once in the main graph (on every call of the engine's
+    variant: a dozen small nodes, whose values only a combined call uses; in any other call they are
+    empty or unread): ``n`` the view's rows (i64 [1]), ``t`` the chunk's tokens (N - n), ``starts`` /
+    ``ends`` the chunk row's filled columns as Slice bounds over [rows, ..., columns] ([r, 0] to
+    [r + 1, cache_length[r]]), ``total`` its keys (filled + t), ``hidden`` the causal mask [t, total]
+    (True: hidden; query i is at position filled + i)."""
+    key = ("mixed", "chunk")
     if key not in b.shared:
         saved, b.current = b.current, ""
         try:
-            b.shared[key] = b.node("Gather", [node.attrs["length_input"], _marker(b, node)[1]],
-                                   [b.fresh("mixed/chunk_filled")], axis=0)[0]
+            r = _marker(b, node)[1]
+            filled = b.node("Gather", [node.attrs["length_input"], r], axis=0)[0]
+            n = b.node("Shape", [split(b, node.inputs[1])[0]], start=0, end=1)[0]
+            tokens = b.node("Shape", [POSITIONS], start=1, end=2)[0]
+            t = b.node("Sub", [tokens, n])[0]
+            total = b.node("Add", [filled, t])[0]
+            zero, one = b.const(np.array(0, dtype=np.int64), "zero"), b.const(np.array(1, dtype=np.int64), "one")
+            scalar = lambda x: b.node("Squeeze", [x, b.i64([0])])[0]  # noqa: E731
+            rows = b.node("Add", [b.node("Range", [zero, scalar(t), one])[0], filled])[0]
+            cols = b.node("Range", [zero, scalar(total), one])[0]
+            hidden = b.node("Greater", [b.node("Unsqueeze", [cols, b.i64([0])])[0],
+                                        b.node("Unsqueeze", [rows, b.i64([1])])[0]], [b.fresh("mixed/causal")])[0]
+            b.shared[key] = {"n": n, "t": t, "total": total, "hidden": hidden,
+                             "starts": b.node("Concat", [r, b.i64([0])], axis=0)[0],
+                             "ends": b.node("Concat", [b.node("Add", [r, b.i64([1])])[0], filled], axis=0)[0]}
         finally:
             b.current = saved
     return b.shared[key]
 
 
-def main_graph_inputs(b, node) -> None:
-    """What every site's branches read from the main graph (the If's condition, the chunk's row):
-    called before a site's branches are built, so the nodes land in the main graph."""
+def main_graph_inputs(b, node, split) -> None:
+    """What every site's branches read from the main graph (the If's condition, the chunk's bounds and
+    mask): called before a site's branches are built, so the nodes land in the main graph."""
     _marker(b, node)
-    _chunk_filled(b, node)
+    a = node.attrs
+    _block_shapes(b, _chunk(b, node, split), a["kv_heads"], a["heads"] // a["kv_heads"])
 
 
-def lower_prefill_or_combined(b, node, outs: list[str], prefill, branch_outputs, gqa_in, elems: list[int]) -> None:
-    """The T > 1 branch of a mixed site's If: an If on ``chunk_row`` >= 0 between the combined call
-    (``_lower_combined``) and the site's own prefill lowering ``prefill(b, node, outs)``."""
-    then_g = branch_outputs(b, lambda b, n, o: _lower_combined(b, n, o, gqa_in), node, "combined", elems)
+def lower_prefill_or_combined(b, node, outs: list[str], prefill, branch_outputs, split, gqa_in,
+                              elems: list[int], packed=None) -> None:
+    """The T > 1 branch of a mixed site's If: an If on the combined call's marker between the combined
+    call (``_lower_combined``) and the site's own prefill lowering ``prefill(b, node, outs)``.
+    ``branch_outputs`` and ``split`` are cached_attention.py's (passed in: that module imports this one)."""
+    if not _block_fits(node.attrs):  # every gqa decoding site fits (its kernel allows no more)
+        raise ValueError(f"the combined call computes {', '.join(BLOCK_FEATURES)} only; the attention at "
+                         f"{node.scope or node.name} also needs {', '.join(sorted(_extra(node.attrs)))}")
+    then_g = branch_outputs(b, lambda b, n, o: _lower_combined(b, n, o, gqa_in, split, packed), node, "combined",
+                            elems)
     else_g = branch_outputs(b, prefill, node, "prompt", elems)
     b.node("If", [_marker(b, node)[0]], outs, then_branch=then_g, else_branch=else_g)
 
@@ -103,20 +128,18 @@ def _gqa_attrs(a: dict) -> dict:
     return attrs
 
 
-def _lower_combined(b, node, outs: list[str], gqa_in) -> None:
+def _lower_combined(b, node, outs: list[str], gqa_in, split, packed=None) -> None:
     """The combined call at one site (see the module docstring). ``outs``: the attention output
     [1, H, n + T, hd], the two cache buffers (GroupQueryAttention's present outputs, the buffer
     itself when bound), and for a packed site the new keys and values of every token."""
-    from tessera.compiler.backends.onnx.attention import _portable
-    from tessera.compiler.backends.onnx.cached_attention import _split
-
     g, a = b.graph, node.attrs
     q, k, v = node.inputs[:3]
-    (k_past, k_new), (v_past, v_new) = _split(b, k), _split(b, v)
+    (k_past, k_new), (v_past, v_new) = split(b, k), split(b, v)
     q_t = g.type_of(q)
     hd = int(q_t.shape[-1])
     heads, kv = a["heads"], a["kv_heads"]
-    n = b.node("Shape", [k_past], start=0, end=1)[0]  # the rows of the view: the first n tokens
+    chunk = _chunk(b, node, split)
+    n = chunk["n"]  # the rows of the view: the first n tokens
     big, axis2 = b.i64([2**62]), b.i64([2])
     zero = b.i64([0])
 
@@ -126,41 +149,32 @@ def _lower_combined(b, node, outs: list[str], gqa_in) -> None:
         return b.node("Reshape", [b.node("Transpose", [first], perm=[0, 2, 1, 3])[0], b.i64([-1, 1, h * hd])])[0]
 
     seqlens, total, bias = gqa_in
-    o = b.node("GroupQueryAttention", [rows(q, heads), rows(k_new, kv), rows(v_new, kv), k_past, v_past, seqlens,
-                                       total, "", "", "", bias],
-               [b.fresh("gqa_out"), outs[1], outs[2]], domain="com.microsoft", **_gqa_attrs(a))[0]
+    if packed is None:
+        o = b.node("GroupQueryAttention", [rows(q, heads), rows(k_new, kv), rows(v_new, kv), k_past, v_past, seqlens,
+                                           total, "", "", "", bias],
+                   [b.fresh("gqa_out"), outs[1], outs[2]], domain="com.microsoft", **_gqa_attrs(a))[0]
+    else:  # a packed site: the rows read the q+k+v projection, rotated in the kernel, as its decoding step
+        proj, (cos, sin) = packed
+        first = lambda x, shape: b.node("Reshape", [b.node("Slice", [x, zero, n, b.i64([1])])[0],  # noqa: E731
+                                                    b.i64(shape)])[0]
+        width = (heads + 2 * kv) * hd
+        o = b.node("GroupQueryAttention", [first(proj.fused, [-1, 1, width]), "", "", k_past, v_past, seqlens, total,
+                                           cos, sin, first(proj.positions, [-1, 1]), bias],
+                   [b.fresh("gqa_out"), outs[1], outs[2]], domain="com.microsoft", do_rotary=1,
+                   rotary_interleaved=int(proj.interleaved), **_gqa_attrs(a))[0]
     o_rows = b.node("Transpose", [b.node("Reshape", [o, b.i64([1, -1, heads, hd])])[0]], perm=[0, 2, 1, 3])[0]
 
-    # ---- the chunk: the prefill over its row's filled columns (cache_length[r] of them: none for a
-    # prompt's first chunk, which then runs as a prompt alone does) and its mask there
-    r, filled = _marker(b, node)[1], _chunk_filled(b, node)
-    r1 = b.node("Add", [r, b.i64([1])])[0]
-    starts, ends = b.node("Concat", [r, zero], axis=0)[0], b.node("Concat", [r1, filled], axis=0)[0]
-    past_k = b.node("Slice", [k_past, starts, ends, b.i64([0, 2])])[0]  # [1, kv, filled, hd]: one row's
-    past_v = b.node("Slice", [v_past, starts, ends, b.i64([0, 2])])[0]
+    # ---- the chunk: its queries against its row's filled columns (cache_length[r] of them, every one a
+    # real token: a row fills its columns from 0; none for a prompt's first chunk, which then runs as a
+    # prompt alone does) and its own keys, causally
+    bounds = [chunk["starts"], chunk["ends"], b.i64([0, 2])]
+    past_k = b.node("Slice", [k_past] + bounds)[0]  # [1, kv, filled, hd]: one row's prefix
+    past_v = b.node("Slice", [v_past] + bounds)[0]
     q_c, k_c, v_c = (b.node("Slice", [x, n, big, axis2])[0] for x in (q, k_new, v_new))
     keys = b.node("Concat", [past_k, k_c], axis=2)[0]
     values = b.node("Concat", [past_v, v_c], axis=2)[0]
-    width = filled
-    t_c = b.node("Shape", [q_c], start=2, end=3)[0]
-    mask = node.inputs[3]
-    mask_row = b.node("Slice", [mask, starts, ends, b.i64([0, 1])])[0]  # [1, filled]
-    ones = b.node("Expand", [b.const(np.ones((1, 1), dtype=np.int64), "one"),
-                             b.node("Concat", [b.i64([1]), t_c], axis=0)[0]])[0]
-    mask_c = b.node("Concat", [mask_row, ones], axis=1)[0]
-    # the tiled kernel reads B, T and P from the graph's inputs (tokens [1, n + T], past [n, ...]): here
-    # they are the chunk's (1, T, its filled columns), so its run-time dimensions are given for this branch alone
-    # (_branch_outputs restores the builder's after)
-    b._dims = {dims.dim(q_t.shape[0]): b.i64([1]), dims.dim(q_t.shape[-2]): t_c, dims.symbol("P"): width}
     o_c = b.fresh("chunk_out")
-    if _block_fits(a):
-        _chunk_block(b, node, o_c, q_c, keys, values, mask_c, t_c, width)
-    else:  # a score feature the block here does not compute: the tiled kernel, as a prompt's chunk alone
-        graph, b.graph = b.graph, _Typed(g, {mask_c: g.type_of(mask)})  # the kernel asks the mask's dtype by name
-        try:
-            _portable(b, node, o_c, names=[q_c, keys, values, mask_c])
-        finally:
-            b.graph = graph
+    _chunk_block(b, node, o_c, q_c, keys, values, chunk)
     b.node("Concat", [o_rows, o_c], [outs[0]], axis=2)
     if len(outs) == 5:  # a packed site: the If gives the new keys and values of every token
         b.node("Identity", [k_new], [outs[3]])
@@ -171,22 +185,27 @@ def _lower_combined(b, node, outs: list[str], gqa_in) -> None:
 BLOCK_FEATURES = ("scale", "softcap", "causal", "padding")
 
 
-def _block_fits(a: dict) -> bool:
-    """Whether the site's scores need nothing but BLOCK_FEATURES (every gqa decoding site: its kernel
-    allows no more), so the chunk can be one block rather than the tiled kernel."""
+def _extra(a: dict) -> set[str]:
+    """The site's score features beyond BLOCK_FEATURES."""
     from tessera.compiler.reference import score_epilogue
 
-    return set(score_epilogue.used(a)) <= set(BLOCK_FEATURES)
+    return set(score_epilogue.used(a)) - set(BLOCK_FEATURES)
 
 
-def _chunk_block(b, node, out: str, q: str, keys: str, values: str, mask: str, t: str, past: str) -> None:
+def _block_fits(a: dict) -> bool:
+    """Whether the site's scores need nothing but BLOCK_FEATURES (every gqa decoding site: its kernel
+    allows no more), so the chunk is one block."""
+    return not _extra(a)
+
+
+def _chunk_block(b, node, out: str, q: str, keys: str, values: str, chunk: dict) -> None:
     """The chunk's attention as one block: its T queries against its row's P filled columns and its
     own T keys (P + T: tens to hundreds), scores [1, kv, rep·T, P + T] -- small, so plain
     MatMul/Softmax beat the tiled kernel's Loop, whose per-iteration nodes cost more than the
     products at these sizes (bench/prefill_mix_cost.py). Grouped-query heads read their group's keys
     in place ([1, kv, rep·T, hd] queries), the scale and soft-cap as the score epilogue has them
-    (c·tanh(scale·s)), the causal mask with offset P and the row's mask as hidden scores (the
-    dtype's minimum: weight 0)."""
+    (c·tanh(scale·s)), the causal mask with offset P (``chunk["hidden"]``, built once) as hidden
+    scores (the dtype's minimum: weight 0). No padding: every key is a real token."""
     g, a = b.graph, node.attrs
     q_t, v_t = g.type_of(node.inputs[0]), g.type_of(node.inputs[2])
     np_dtype = np.float16 if q_t.dtype == "f16" else np.float32
@@ -197,33 +216,26 @@ def _chunk_block(b, node, out: str, q: str, keys: str, values: str, mask: str, t
     s = b.node("MatMul", [qg, b.node("Transpose", [keys], perm=[0, 1, 3, 2])[0]])[0]  # [1, kv, rep·T, P + T]
     if a.get("softcap"):
         s = b.node("Mul", [b.node("Tanh", [s])[0], b.const(np.array(a["softcap"], dtype=np_dtype), "softcap")])[0]
-    total = b.node("Add", [past, t])[0]
-    s5 = b.node("Reshape", [s, b.node("Concat", [b.i64([1, kv, rep]), t, total], axis=0)[0]])[0]
-    zero, one = b.const(np.array(0, dtype=np.int64), "zero"), b.const(np.array(1, dtype=np.int64), "one")
-    scalar = lambda x: b.node("Squeeze", [x, b.i64([0])])[0]  # noqa: E731
-    rows = b.node("Add", [b.node("Range", [zero, scalar(t), one])[0], past])[0]  # each query's position
-    cols = b.node("Range", [zero, scalar(total), one])[0]
-    hidden = b.node("Or", [b.node("Greater", [b.node("Unsqueeze", [cols, b.i64([0])])[0],
-                                              b.node("Unsqueeze", [rows, b.i64([1])])[0]])[0],
-                           b.node("Equal", [mask, b.const(np.array(0, dtype=np.int64), "zero")])[0]])[0]  # [T, P + T]
-    s5 = b.node("Where", [hidden, b.const(np.array(np.finfo(np_dtype).min, dtype=np_dtype), "min"), s5])[0]
-    p = b.node("Reshape", [b.node("Softmax", [s5], axis=-1)[0], b.node("Concat", [b.i64([1, kv, -1]), total],
-                                                                      axis=0)[0]])[0]
+    shapes = _block_shapes(b, chunk, kv, rep)
+    s5 = b.node("Reshape", [s, shapes[0]])[0]  # [1, kv, rep, T, P + T]
+    s5 = b.node("Where", [chunk["hidden"], b.const(np.array(np.finfo(np_dtype).min, dtype=np_dtype), "min"), s5])[0]
+    p = b.node("Reshape", [b.node("Softmax", [s5], axis=-1)[0], shapes[1]])[0]
     o = b.node("MatMul", [p, values])[0]  # [1, kv, rep·T, hv]
     b.node("Reshape", [o, b.i64([1, heads, -1, hv])], [out])
 
 
-class _Typed:
-    """The IR graph, answering ``type_of`` also for values made here (the chunk's mask)."""
-
-    def __init__(self, graph, types: dict):
-        self._graph, self._types = graph, types
-
-    def type_of(self, value: str):
-        return self._types[value] if value in self._types else self._graph.type_of(value)
-
-    def __getattr__(self, name: str):
-        return getattr(self._graph, name)
+def _block_shapes(b, chunk: dict, kv: int, rep: int) -> tuple[str, str]:
+    """The block's score shapes [1, kv, rep, T, P + T] and [1, kv, rep·T, P + T]: built once, in the
+    main graph (``main_graph_inputs``), for every site of that grouping."""
+    key = ("mixed", "shapes", kv, rep)
+    if key not in b.shared:
+        saved, b.current = b.current, ""
+        try:
+            b.shared[key] = (b.node("Concat", [b.i64([1, kv, rep]), chunk["t"], chunk["total"]], axis=0)[0],
+                             b.node("Concat", [b.i64([1, kv, -1]), chunk["total"]], axis=0)[0])
+        finally:
+            b.current = saved
+    return b.shared[key]
 
 
 def settle_mixed(model) -> bool:
