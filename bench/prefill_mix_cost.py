@@ -22,7 +22,8 @@ weights, --threads onnxruntime threads), in alternating rounds so every case see
 - ``chunk T @P``: one prefill call as the engine makes it (``Engine._prefill_chunk``'s feeds): T
   prompt tokens of one row against P cached positions (P = 0: the prompt's first chunk, against an
   empty past; P > 0: the row's filled columns, the view rounded up to 64 columns), --steps per round;
-- ``one call T @P`` and ``two calls T @P``: a whole iteration of an engine with --rows decoding rows
+- ``decode alone``, ``one call T @P`` and ``two calls T @P``: that engine's decoding step alone (the
+  unit of the next two), and a whole iteration of an engine with --rows decoding rows
   and one prompt whose chunk of T tokens goes in after P cached positions, run as the combined call
   (``Engine._combined_step``: the decoding rows and the chunk in one onnxruntime call,
   compiler/backends/onnx/mixed_attention.py) and as the two calls the engine makes without it
@@ -144,7 +145,9 @@ def main() -> None:
     for k in feeds:
         print(f"  {big} + {k}: {(med[big] + med[k]) / med['decode-1']:.2f} one-stream steps (goal for p99 ITL: <= 3)")
     for k in iterations:
-        print(f"  iteration, {k}: {med[k] / med[big]:.2f} of {big}, {med[k] / med['decode-1']:.2f} one-stream steps")
+        if k != "decode alone":
+            print(f"  iteration, {k}: {med[k] / med['decode alone']:.2f} of the same engine's decoding step alone, "
+                  f"{med[k] / med[big]:.2f} of {big}, {med[k] / med['decode-1']:.2f} one-stream steps")
     if args.json:
         path = Path(args.json)
         part = path.with_name(path.name + ".part")
@@ -187,7 +190,12 @@ def _iterations(model, args, vocab: int, rng, need: int) -> dict:
     if max(args.past) > 0:  # the row's first max(past) columns, once: every case reads its first p0
         seq.filled = 0
         e._prefill_chunk(seq, max(args.past))
-    cases = {}
+    def decode_alone() -> float:  # this engine's own decoding step, the chunk row left out: the unit
+        start = time.perf_counter()
+        e._decode_step()
+        return time.perf_counter() - start
+
+    cases = {"decode alone": decode_alone}
     for p0 in args.past:
         for t in args.chunks:
             for one in ((True, False) if e.combined else (False,)):

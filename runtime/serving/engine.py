@@ -545,10 +545,11 @@ class Engine:
         """One iteration as ONE onnxruntime call (compiler/backends/onnx/mixed_attention.py): the tokens
         [1, n + T] are one per row of the view's first n (the decoding rows' next tokens; a dummy for a
         row not decoding, which rides along as in ``_decode_step``) and then the chunk's T prompt tokens
-        of ``seq`` (whose row is among the n: ``chunk_row``). The decoding part is ``_decode_step``'s
-        (GroupQueryAttention writing each row's new column in place: the same feeds), the chunk
-        ``_prefill_chunk``'s later-chunk prefill over its row's columns; the chunk's keys and values
-        come back as the cache outputs' last T columns and are written into its row here, as there."""
+        of ``seq``, whose row is among the n and marked by a 0 in the mask's last column. The decoding
+        part is ``_decode_step``'s (GroupQueryAttention writing each row's new column in place: the same
+        feeds), the chunk attends over its row's filled columns and itself, as ``_prefill_chunk``'s; the
+        chunk's keys and values come back as the cache outputs' last T columns and are written into its
+        row here, as there. A prompt finished here takes its first decoding step at the next iteration."""
         info, rows, req = self.info, self.rows, seq.handle.request
         decoding = [s for s in rows if not s.prefilling]
         start, r = seq.filled, seq.slot
