@@ -109,7 +109,7 @@ def main() -> None:
     feeds = {f"chunk {t} @{p0}": chunk_feeds(model, t, p0, vocab) for p0 in args.past for t in args.chunks}
     for f in feeds.values():
         model.run(f)  # warm-up of each shape
-    iterations = _iterations(model, args, vocab, rng, (args.rounds * args.steps + 2) * 2 * len(feeds) + 8)
+    iterations = _iterations(model, args, vocab, rng, (args.rounds * args.steps + 2) * (2 * len(feeds) + 1) + 8)
     times: dict[str, list[float]] = {k: [] for k in [*engines, *feeds, *iterations]}
     for _ in range(args.rounds):
         for name, e in engines.items():
