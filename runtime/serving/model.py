@@ -62,13 +62,13 @@ DECODE_REASONS = {
 
 
 # The combined call (compiler/backends/onnx/mixed_attention.py): measured by bench/prefill_mix_cost.py
-# (docs/BENCHMARKS.md S5 and S6): an iteration of 16 decoding rows and a 16-token chunk as one call
-# costs about one 16-row step, against 1.7 as two calls.
+# (docs/BENCHMARKS.md S7, under load): an iteration of 16 decoding rows and a 16-token chunk as one call
+# costs about 1.2 of the engine's decoding step, against 1.6-1.7 as two calls.
 COMBINED_REASONS = {
     True: ("iteration: the decoding rows and a prompt chunk in ONE onnxruntime call (the combined call: the tokens "
            "packed [1, rows + chunk], every weight read once; each attention site runs the decoding rows' "
-           "GroupQueryAttention in place and the chunk's tiled prefill over its row); a prompt with no decoding "
-           "row beside it, or a decoding step with no prompt waiting, runs alone"),
+           "GroupQueryAttention in place and the chunk's attention as one block over its row's filled columns); "
+           "a prompt with no decoding row beside it, or a decoding step with no prompt waiting, runs alone"),
     False: ("iteration: a prompt chunk and the decoding step in two onnxruntime calls (this model has no combined "
             "call: it needs GroupQueryAttention decoding at every site, last-position logits, and no speculation)"),
 }
