@@ -25,10 +25,10 @@ once over all of them). Each attention site, in the branch of its If taken for a
 (nested in the T > 1 branch, so a decoding step's branch is untouched), slices q, k, v at n: the
 first n tokens, one per row, are the decoding step's GroupQueryAttention over the shared buffer
 (per-row ``seqlens_k``, each row's new column written in place: the branch's buffer outputs are the
-bound buffers, as in the decoding branch); the last T are the prompt chunk, the tiled kernel over
-the chunk row's filled columns (``cache_length`` of its row: one row's prefix copied, none for a
-prompt's first chunk, which then runs as a prompt alone does) and the chunk, causal with that
-offset. The two outputs are concatenated in token order. The cache outputs (``key.{i}``) give every
+bound buffers, as in the decoding branch); the last T are the prompt chunk, one MatMul/Softmax
+block (``_chunk_block``) over the chunk row's filled columns (``cache_length`` of its row: one row's
+prefix copied, none for a prompt's first chunk) and the chunk, causal with that offset. The two
+outputs are concatenated in token order. The cache outputs (``key.{i}``) give every
 token's new keys; the engine writes the chunk's into its row. The logits are taken at the n row
 tokens and the chunk's last (``settle_mixed`` turns the last-position slice before the head into
 that gather), so the head costs a decoding step's plus one row.
@@ -165,8 +165,8 @@ def _lower_combined(b, node, outs: list[str], gqa_in, split, packed=None) -> Non
     o_rows = b.node("Transpose", [b.node("Reshape", [o, b.i64([1, -1, heads, hd])])[0]], perm=[0, 2, 1, 3])[0]
 
     # ---- the chunk: its queries against its row's filled columns (cache_length[r] of them, every one a
-    # real token: a row fills its columns from 0; none for a prompt's first chunk, which then runs as a
-    # prompt alone does) and its own keys, causally
+    # real token: a row fills its columns from 0; none for a prompt's first chunk) and its own keys,
+    # causally
     bounds = [chunk["starts"], chunk["ends"], b.i64([0, 2])]
     past_k = b.node("Slice", [k_past] + bounds)[0]  # [1, kv, filled, hd]: one row's prefix
     past_v = b.node("Slice", [v_past] + bounds)[0]
