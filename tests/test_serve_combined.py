@@ -178,3 +178,24 @@ def test_generates_graph_has_no_combined_call(cases):
     assert any(n.startswith("mixed/") for n in names(mixed))
     assert COMBINED_KEY in {p.key for p in mixed.metadata_props}
     assert len(plain.graph.node) < len(mixed.graph.node)
+
+
+def test_combined_calls_give_the_distributions_of_two_calls(cases):
+    """Beyond the argmax: greedy requests asking for log-probabilities (every token's, the first one
+    from a combined call's chunk among them) get, through combined calls, the log-probabilities the
+    two-call engine gives (whose tokens are transformers', above), to float rounding."""
+    case = cases("llama_gqa")
+    reqs = lambda: [Request(list(r.prompt), r.max_tokens, gen.Sampling(logprobs=3))  # noqa: E731
+                    for r in case.requests[:10]]
+    one = Engine(case.model, max_batch=4, max_queue=16, prefill_chunk=16)
+    two = Engine(case.model, max_batch=4, max_queue=16, prefill_chunk=16)
+    two.combined = False
+    got, want = _staggered(one, reqs()), _staggered(two, reqs())
+    assert one.combined_calls > 0 and two.combined_calls == 0
+    for g, w in zip(got, want):
+        assert g.tokens == w.tokens
+        assert len(g.logprobs) == len(w.logprobs) == len(g.tokens)
+        for a, b in zip(g.logprobs, w.logprobs):
+            assert a["token"] == b["token"]
+            np.testing.assert_allclose([a["logprob"]] + [t["logprob"] for t in a["top"]],
+                                       [b["logprob"]] + [t["logprob"] for t in b["top"]], atol=1e-4)

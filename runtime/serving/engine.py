@@ -23,6 +23,9 @@ mask, the engine writing the new columns (serving/model.py ``DECODE_REASONS``).
 
 Prompts are prefilled between decoding steps in chunks of at most ``prefill_chunk`` tokens, one
 chunk per iteration, so a long prompt delays the running streams by at most one chunk per step.
+Where the model has the combined call (compiler/backends/onnx/mixed_attention.py; serving/model.py
+``load`` builds it), an iteration with both a chunk and decoding rows is ONE onnxruntime call
+(``_combined_step``: every weight read once for both); otherwise the chunk and the step are a call each.
 ``prefill_chunk`` is the iteration's token budget: each decoding row takes one token of it and the
 chunk the rest (at least ``MIN_PREFILL_CHUNK``; ``chunk_for``), so the more streams run, the less a
 chunk delays them.
