@@ -21,11 +21,19 @@ weights, --threads onnxruntime threads), in alternating rounds so every case see
   own row), against the two calls the engine makes today;
 - ``chunk T @P``: one prefill call as the engine makes it (``Engine._prefill_chunk``'s feeds): T
   prompt tokens of one row against P cached positions (P = 0: the prompt's first chunk, against an
-  empty past; P > 0: the row's filled columns, the view rounded up to 64 columns), --steps per round.
+  empty past; P > 0: the row's filled columns, the view rounded up to 64 columns), --steps per round;
+- ``decode alone``, ``one call T @P`` and ``two calls T @P``: that engine's decoding step alone (the
+  unit of the next two), and a whole iteration of an engine with --rows decoding rows
+  and one prompt whose chunk of T tokens goes in after P cached positions, run as the combined call
+  (``Engine._combined_step``: the decoding rows and the chunk in one onnxruntime call,
+  compiler/backends/onnx/mixed_attention.py) and as the two calls the engine makes without it
+  (``_prefill_chunk`` then ``_decode_step``), on the same engine; the chunk is rolled back after each
+  iteration so every one prefills the same T tokens after P (the decoding rows go on).
 
 Reported per case: best and median ms per call over rounds, and each chunk's median as a fraction of
 ``decode-16``'s median; then the iteration a stream sees at 16 rows with a chunk T (decode-16 +
-chunk) in one-stream steps, against the goal's 3.
+chunk) in one-stream steps, against the goal's 3; and each iteration, one call and two, as a fraction
+of ``decode-16`` and in one-stream steps.
 
 Not a timed test: the figures depend on the machine and what else runs on it.
 """
@@ -101,7 +109,8 @@ def main() -> None:
     feeds = {f"chunk {t} @{p0}": chunk_feeds(model, t, p0, vocab) for p0 in args.past for t in args.chunks}
     for f in feeds.values():
         model.run(f)  # warm-up of each shape
-    times: dict[str, list[float]] = {k: [] for k in [*engines, *feeds]}
+    iterations = _iterations(model, args, vocab, rng, (args.rounds * args.steps + 2) * (2 * len(feeds) + 1) + 8)
+    times: dict[str, list[float]] = {k: [] for k in [*engines, *feeds, *iterations]}
     for _ in range(args.rounds):
         for name, e in engines.items():
             start = time.perf_counter()
@@ -113,6 +122,11 @@ def main() -> None:
             for _ in range(args.steps):
                 model.run(f)
             times[name].append((time.perf_counter() - start) / args.steps * 1e3)
+        for name, run in iterations.items():
+            spent = 0.0
+            for _ in range(args.steps):
+                spent += run()
+            times[name].append(spent / args.steps * 1e3)
     big = next(iter(engines))
     med = {k: statistics.median(v) for k, v in times.items()}
     print(f"model {args.model}, {args.rows} decoding rows of {args.prompt}+ cached positions, threads "
@@ -130,11 +144,65 @@ def main() -> None:
                   f"{(med[big] + med[alone]) / med[big]:.2f}")
     for k in feeds:
         print(f"  {big} + {k}: {(med[big] + med[k]) / med['decode-1']:.2f} one-stream steps (goal for p99 ITL: <= 3)")
+    for k in iterations:
+        if k != "decode alone":
+            print(f"  iteration, {k}: {med[k] / med['decode alone']:.2f} of the same engine's decoding step alone, "
+                  f"{med[k] / med[big]:.2f} of {big}, {med[k] / med['decode-1']:.2f} one-stream steps")
     if args.json:
         path = Path(args.json)
         part = path.with_name(path.name + ".part")
         part.write_text(json.dumps({"times_ms": times, "median_ms": med}, indent=1))
         part.replace(path)
+
+
+def _iterations(model, args, vocab: int, rng, need: int) -> dict:
+    """``one call T @P`` / ``two calls T @P``: callables timing one engine iteration (--rows decoding
+    rows and a chunk of T prompt tokens after P cached ones) as the combined call and as two calls,
+    on one engine whose chunk is rolled back after each (its columns unmarked, its ``filled`` reset)."""
+    from tessera.runtime.serving.engine import Engine, Request, _Sequence
+
+    e = Engine(model, max_batch=args.rows + 1, max_queue=1, prefill_chunk=max(256, args.prompt))
+    if not e.combined:
+        print("  (this model has no combined call: one-call cases left out)")
+    for _ in range(args.rows):
+        e.submit(Request(rng.integers(1, vocab, args.prompt).tolist(), need))
+    while any(s.prefilling for s in e.rows) or e.queued:
+        e.step()
+    longest = max(args.past) + max(args.chunks) + 1
+    e.submit(Request(rng.integers(1, vocab, longest).tolist(), 1))
+    seq = _Sequence(e.waiting.popleft(), len(e.rows), e.vocab)  # admitted by hand: its prefill is timed below
+    e.slots[seq.slot] = 0
+    e.rows.append(seq)
+
+    def iteration(t: int, p0: int, one: bool):
+        def run() -> float:
+            seq.filled = p0
+            e.slots[seq.slot, p0:] = 0
+            start = time.perf_counter()
+            if one:
+                e._combined_step(seq, t)
+            else:
+                e._prefill_chunk(seq, t)
+                e._decode_step()
+            return time.perf_counter() - start
+        return run
+
+    if max(args.past) > 0:  # the row's first max(past) columns, once: every case reads its first p0
+        seq.filled = 0
+        e._prefill_chunk(seq, max(args.past))
+    def decode_alone() -> float:  # this engine's own decoding step, the chunk row left out: the unit
+        start = time.perf_counter()
+        e._decode_step()
+        return time.perf_counter() - start
+
+    cases = {"decode alone": decode_alone}
+    for p0 in args.past:
+        for t in args.chunks:
+            for one in ((True, False) if e.combined else (False,)):
+                cases[f"{'one call' if one else 'two calls'} {t} @{p0}"] = iteration(t, p0, one)
+    for run in cases.values():
+        run()  # warm-up of each shape
+    return cases
 
 
 if __name__ == "__main__":

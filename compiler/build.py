@@ -73,12 +73,14 @@ def _export(graph: Graph, weights, metadata: dict | None, prune: bool = True) ->
     nodes a cached graph leaves unread (backends/onnx/cached_attention.py)."""
     from tessera.compiler.backends.onnx import export as onnx_export
     from tessera.compiler.backends.onnx.cached_attention import prune_dead_nodes, settle_packed
+    from tessera.compiler.backends.onnx.mixed_attention import settle_mixed
 
     model = onnx_export.to_onnx(graph, weights, metadata)
     if prune:
         prune_dead_nodes(model)
         if settle_packed(model):  # a packed decoding step's prefill-only nodes into the prefill branch
             prune_dead_nodes(model)
+        settle_mixed(model)  # the serving engine's combined call: chunk_row an input, the logits it needs
     return model
 
 

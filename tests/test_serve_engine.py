@@ -125,10 +125,13 @@ def test_chunked_prefill_equals_unchunked(gpt2, llama):
         assert h.tokens == want
 
 
-def test_short_request_after_long_one_finishes_first(gpt2):
+@pytest.mark.parametrize("combined", [False, True])
+def test_short_request_after_long_one_finishes_first(gpt2, combined):
     """Continuous, not static: a short request submitted while a long one decodes joins at the next
     step and leaves when done, long before the long one ends."""
     engine = Engine(gpt2, max_batch=4)
+    assert engine.combined
+    engine.combined = combined
     long = engine.submit(Request([1, 2, 3], 100))
     for _ in range(5):
         engine.step()
@@ -138,8 +141,10 @@ def test_short_request_after_long_one_finishes_first(gpt2):
     while not short.finished:
         engine.step()
         steps += 1
-    assert steps == 2  # joined at once: prefill (first token) and a decoding step, then one more step
-    assert not long.finished and len(long.tokens) == 8
+    # joined at once: two calls, its prefill (first token) and a decoding step, then one more step;
+    # the combined call, its prefill beside the long one's step (first token), then two steps
+    assert steps == (3 if combined else 2)
+    assert not long.finished and len(long.tokens) == 6 + steps
     _run_all(engine, [long])
     assert long.tokens == _alone(gpt2, Request([1, 2, 3], 100))
     assert short.tokens == _alone(gpt2, Request([4, 5], 3))
@@ -295,6 +300,7 @@ def test_decoding_kernels_per_row(llama, llama_plain):
     reqs = _requests(10, seed=21) + [Request(list(range(1, 18)), 9), Request(list(range(2, 35)), 5)]
     engines = [Engine(m, max_batch=4, max_queue=16, prefill_chunk=16) for m in (llama, llama_plain)]
     assert engines[0].in_place and not engines[1].in_place
+    engines[0].combined = False  # the same iterations as the plain branch's two calls (test_serve_combined.py)
     assert "GroupQueryAttention" in engines[0].describe() and "seqlens_k" in engines[0].describe()
     assert "plain MatMul/Softmax" in engines[1].describe()
     handles = [[e.submit(r) for r in reqs] for e in engines]
@@ -316,12 +322,15 @@ def test_decoding_kernels_per_row(llama, llama_plain):
     assert [h.tokens for h in handles[1]] == want
 
 
+@pytest.mark.parametrize("combined", [False, True])
 @pytest.mark.parametrize("budget, chunks", [(40, [35, 35, 30]), (20, [16] * 6 + [4])])
-def test_prefill_chunk_is_the_iterations_token_budget(llama, budget, chunks):
+def test_prefill_chunk_is_the_iterations_token_budget(llama, budget, chunks, combined):
     """With 5 streams decoding, a 100-token prompt goes in chunks of budget - 5 (40: 35, 35, 30), never
     under 16 (20: six of 16 and the rest); alone, a prompt's chunk is the whole budget. Every iteration
-    that prefills also runs the decoding step, and the tokens are generate's."""
+    that prefills also runs the decoding step (in a call of its own, or in the combined call), and the
+    tokens are generate's."""
     engine = Engine(llama, max_batch=8, prefill_chunk=budget)
+    engine.combined = combined
     assert engine.chunk_for(0) == budget and engine.chunk_for(5) == max(16, budget - 5)
     sizes = []
     run = llama.run
@@ -329,6 +338,10 @@ def test_prefill_chunk_is_the_iterations_token_budget(llama, budget, chunks):
     def spy(feeds, bound=None):
         sizes.append(feeds[llama.info.tokens].shape[1])
         return run(feeds)
+
+    step = engine._combined_step  # the combined call's chunk: the prompt tokens it takes
+    engine._combined_step = lambda seq, size: sizes.append(
+        min(size, len(seq.handle.request.prompt) - seq.filled)) or step(seq, size)
 
     short = [Request([3 + i, 4, 5], 60) for i in range(5)]
     long = Request(np.random.default_rng(9).integers(0, 50, 100).tolist(), 8)
@@ -346,6 +359,7 @@ def test_prefill_chunk_is_the_iterations_token_budget(llama, budget, chunks):
             engine.step()
         assert sizes == chunks
         assert engine.steps - before == len(chunks)  # the streams decoded at every one of those iterations
+        assert engine.combined_calls == (len(chunks) + 4 if combined else 0)  # and the short prompts' 2nd-5th
         _run_all(engine, handles)
     finally:
         llama.run = run

@@ -189,6 +189,7 @@ class CacheOptions:
     max_positions: int = 4096
     target: Target = Target()
     decode: str = "auto"
+    mixed: bool = False  # the serving engine's combined call (backends/onnx/mixed_attention.py), gqa sites only
 
     def check(self) -> None:
         if self.mode not in CACHE_MODES:
@@ -526,6 +527,8 @@ class ChooseCacheKernels(Pass):
                 note = dataclasses.replace(note, buffer_key=f"cache_key.{i}", buffer_value=f"cache_value.{i}")
                 node.attrs["buffer_outputs"] = [note.buffer_key, note.buffer_value]
                 node.attrs["length_input"] = LENGTH
+                if self.options.mixed:  # the engine's combined call too (backends/onnx/mixed_attention.py)
+                    node.attrs["mixed"] = True
             notes.append(note)
         if any(n.buffer_key for n in notes):
             g.add_input(LENGTH, TensorType("i64", (dims.symbol(LENGTH_ROWS),)))

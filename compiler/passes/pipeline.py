@@ -67,10 +67,11 @@ class PipelineOptions:
     fuse_linears: bool = True
     max_positions: int = 4096
     decoder_input: str | None = None
+    mixed: bool = False  # the serving engine's combined prefill+decode call (backends/onnx/mixed_attention.py)
 
     def cache_options(self) -> CacheOptions:
         return CacheOptions(self.last_only, self.cache, None, self.decoder_input, self.max_positions, self.target,
-                            self.decode)
+                            self.decode, self.mixed)
 
     def check_cached(self) -> None:
         """The cached pipelines choose the attention kernels per phase themselves."""

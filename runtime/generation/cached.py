@@ -149,15 +149,16 @@ class CachedModel:
 
 
 def cached_options(mode: str = "auto", dtype: str = "fp32", target=None, sparse_moe: bool = True,
-                   fuse_linears: bool = True, decode: str = "auto", last_only: bool = True, quantize=None):
+                   fuse_linears: bool = True, decode: str = "auto", last_only: bool = True, quantize=None,
+                   mixed: bool = False):
     """The cached_decoder pipeline's PipelineOptions from the keyword choices tests and benches name
     (``mode``: the cache, buffer or concat; ``target`` a passes.attention_kernels.Target, else the CPU
-    at ``dtype``; ``quantize`` a QuantConfig)."""
+    at ``dtype``; ``quantize`` a QuantConfig; ``mixed`` the serving engine's combined call)."""
     from tessera.compiler.passes.attention_kernels import Target
     from tessera.compiler.passes.pipeline import PipelineOptions
 
     return PipelineOptions(target or Target("cpu", dtype), quantize=quantize, sparse_moe=sparse_moe, cache=mode,
-                           decode=decode, last_only=last_only, fuse_linears=fuse_linears)
+                           decode=decode, last_only=last_only, fuse_linears=fuse_linears, mixed=mixed)
 
 
 def compile_cached(built, weights, options=None, **choices):

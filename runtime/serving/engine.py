@@ -23,6 +23,9 @@ mask, the engine writing the new columns (serving/model.py ``DECODE_REASONS``).
 
 Prompts are prefilled between decoding steps in chunks of at most ``prefill_chunk`` tokens, one
 chunk per iteration, so a long prompt delays the running streams by at most one chunk per step.
+Where the model has the combined call (compiler/backends/onnx/mixed_attention.py; serving/model.py
+``load`` builds it), an iteration with both a chunk and decoding rows is ONE onnxruntime call
+(``_combined_step``: every weight read once for both); otherwise the chunk and the step are a call each.
 ``prefill_chunk`` is the iteration's token budget: each decoding row takes one token of it and the
 chunk the rest (at least ``MIN_PREFILL_CHUNK``; ``chunk_for``), so the more streams run, the less a
 chunk delays them.
@@ -49,8 +52,8 @@ from typing import Callable, Iterator
 import numpy as np
 
 from .metrics import Metrics
-from .model import (CachedModel, Sampling, Step, TextStopper, UsageError, check_cache_fits, choose, ort_message,
-                    token_logprobs)
+from .model import (COMBINED_REASONS, CachedModel, Sampling, Step, TextStopper, UsageError, check_cache_fits, choose,
+                    has_combined_call, ort_message, token_logprobs)
 
 WIDTH_STEP = 64  # attention width granularity of a decoding step (fewer distinct shapes)
 MIN_PREFILL_CHUNK = 16  # prompt tokens an iteration prefills at least (Engine.chunk_for)
@@ -215,6 +218,13 @@ class Engine:
         self._copied = [layer for layer in info.layers if not (self.in_place and layer.buffer_key)]
         self._wanted = [info.logits] + [o for layer in self._copied for o in (layer.present_key, layer.present_value)]
         self._binding = None  # ((rows, width), IOBinding) of the last in-place step
+        self._bindings = {}  # kind -> ((rows, width), IOBinding): the decoding step's and the combined call's
+        # the combined call (compiler/backends/onnx/mixed_attention.py): an iteration's decoding rows and
+        # prompt chunk in one onnxruntime call, where the model has it (serving/model.py load builds it)
+        self.combined = self.in_place and info.last_only and not self._copied and has_combined_call(model)
+        self.combined_calls = 0  # iterations run as one call (the tests check mixed iterations happen)
+        self._wanted_combined = [info.logits] + [o for layer in info.layers for o in (layer.present_key,
+                                                                                    layer.present_value)]
         self.metrics.cache_bytes = self.memory_bytes
 
     def _setup(self, model, max_batch, max_queue, capacity, no_context_capacity, prefill_chunk, tokenizer,
@@ -273,7 +283,8 @@ class Engine:
                 f"{per_slot / 2**20:.2f} MiB over {len(self.info.layers)} layers, viewed {WIDTH_STEP} "
                 f"columns at a time as the longest row grows); no step allocates cache; per request only its "
                 f"tokens (and a vocabulary-sized mask with repetition_penalty)\n"
-                f"{DECODE_REASONS[decode_kernel(self.info)]}"
+                f"{DECODE_REASONS[decode_kernel(self.info)]}\n"
+                f"{COMBINED_REASONS[self.combined and self.speculation is None]}"
                 + (f"\n{self.speculation.describe()}" if self.speculation is not None else ""))
 
     @property
@@ -422,10 +433,14 @@ class Engine:
             return False
         try:
             prefilling = [s for s in self.rows if s.prefilling]
-            if prefilling:
-                self._prefill_chunk(prefilling[0], self.chunk_for(len(self.rows) - len(prefilling)))
-            if any(not s.prefilling for s in self.rows):
-                self._decode_step()
+            decoding = len(self.rows) - len(prefilling)
+            if prefilling and decoding and self.combined and self.speculation is None:
+                self._combined_step(prefilling[0], self.chunk_for(decoding))  # one call for both
+            else:
+                if prefilling:
+                    self._prefill_chunk(prefilling[0], self.chunk_for(decoding))
+                if any(not s.prefilling for s in self.rows):
+                    self._decode_step()
         except Exception as e:  # onnxruntime failed: every running request ends with the reason, the engine goes on
             msg = f"the model could not run a step: {ort_message(e)}"
             for seq in list(self.rows):
@@ -507,7 +522,13 @@ class Engine:
             views[layer.past_key][idx, :, cols] = out[layer.present_key][idx, :, 0]
             views[layer.past_value][idx, :, cols] = out[layer.present_value][idx, :, 0]
         self.slots[idx, cols] = 1
-        logits = out[info.logits][:, -1, :]
+        for s in sorted(self._decoded(decoding, out[info.logits][:, -1, :]), key=lambda s: -s.slot):
+            self._release(s)
+
+    def _decoded(self, decoding: list[_Sequence], logits: np.ndarray) -> list[_Sequence]:
+        """After a decoding step (or the combined call): each decoding row's next token from its row of
+        ``logits`` [rows, vocab] (by slot), emitted; returns the rows that finished (released by the
+        caller, last slot first, once nothing indexes by slot any more)."""
         greedy = [s for s in decoding if s.handle.request.sampling.plain_greedy]
         picks = {}
         if greedy:
@@ -521,19 +542,74 @@ class Engine:
             self._emit(s, tok)
             if s.handle.finished:
                 finished.append(s)
+        return finished
+
+    def _combined_step(self, seq: _Sequence, size: int) -> None:
+        """One iteration as ONE onnxruntime call (compiler/backends/onnx/mixed_attention.py): the tokens
+        [1, n + T] are one per row of the view's first n (the decoding rows' next tokens; a dummy for a
+        row not decoding, which rides along as in ``_decode_step``) and then the chunk's T prompt tokens
+        of ``seq``, whose row is among the n and marked by a 0 in the mask's last column. The decoding
+        part is ``_decode_step``'s (GroupQueryAttention writing each row's new column in place: the same
+        feeds), the chunk attends over its row's filled columns and itself, as ``_prefill_chunk``'s; the
+        chunk's keys and values come back as the cache outputs' last T columns and are written into its
+        row here, as there. A prompt finished here takes its first decoding step at the next iteration."""
+        info, rows, req = self.info, self.rows, seq.handle.request
+        decoding = [s for s in rows if not s.prefilling]
+        start, r = seq.filled, seq.slot
+        chunk = req.prompt[start:start + size]
+        t = len(chunk)
+        n = max(max(s.slot for s in decoding), r) + 1
+        self._fit(max(max(s.filled for s in rows[:n]) + 1, start + t))
+        views, width = self._views(), self.width
+        past = {name: v[:n] for name, v in views.items()}
+        tokens = np.zeros((1, n + t), dtype=np.int64)
+        positions = np.zeros((1, n + t), dtype=np.int64)
+        for s in decoding:
+            tokens[0, s.slot], positions[0, s.slot] = s.next_token, s.filled
+        tokens[0, n:], positions[0, n:] = chunk, np.arange(start, start + t)
+        idx = np.array([s.slot for s in decoding])
+        cols = np.array([s.filled for s in decoding])
+        mask = np.concatenate([self.slots[:n, :width], np.ones((n, 1), dtype=np.int64)], axis=1)
+        mask[idx, cols] = 1  # the chunk's row keeps its filled columns only: its mask row is its past's
+        mask[r, -1] = 0  # the combined call's marker: the chunk's row (mixed_attention.py ``_marker``)
+        feeds = {info.tokens: tokens, "attention_mask": mask, "position_ids": positions, **past,
+                 info.length_input: np.array([s.filled for s in rows[:n]], dtype=np.int64)}
+        out = self._run_in_place(feeds, past, "combined")
+        self.steps += 1
+        self.combined_calls += 1
+        for layer in info.layers:  # the chunk's keys and values into its row (the decoding rows' are in place)
+            views[layer.past_key][r, :, start:start + t] = out[layer.present_key][0, :, n:]
+            views[layer.past_value][r, :, start:start + t] = out[layer.present_value][0, :, n:]
+        self.slots[r, start:start + t] = 1
+        self.slots[idx, cols] = 1
+        seq.filled += t
+        self.metrics.prompt_tokens += t
+        logits = out[info.logits][0]  # [n + 1, vocab]: the n row tokens, then the chunk's last
+        finished = self._decoded(decoding, logits[:n])
+        if seq.filled == len(req.prompt):  # the whole prompt is in: its first token, as _prefill_chunk
+            tok = self._choose(seq, logits[n:n + 1])
+            seq.next_token = tok
+            self._emit(seq, tok)
+            if seq.handle.finished:
+                finished.append(seq)
         for s in sorted(finished, key=lambda s: -s.slot):
             self._release(s)
 
-    def _run_in_place(self, feeds: dict[str, np.ndarray], past: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    def _run_in_place(self, feeds: dict[str, np.ndarray], past: dict[str, np.ndarray],
+                      kind: str = "decode") -> dict[str, np.ndarray]:
         """A decoding step of a GroupQueryAttention graph: each past view is bound (IOBinding) as both
         its input and its buffer output, so the kernel writes every row's new column into the engine's
         cache where it lies (no copy of the cache); the logits and the new columns of the layers it
-        does not write (``_copied``) come back as arrays."""
+        does not write (``_copied``) come back as arrays. ``kind`` "combined": the combined call, whose
+        cache outputs (every layer's new keys and values) come back too; each kind keeps its binding."""
         from .model import RunError, ort_message
 
-        wanted = self._wanted
+        wanted = self._wanted if kind == "decode" else self._wanted_combined
         view = next(iter(past.values()))
         key = (view.shape[0], view.shape[2])  # rows and width: the views' shapes (their memory never moves)
+        if kind != "decode":  # and the tokens: the outputs onnxruntime allocates keep their first shape
+            key += (feeds[self.info.tokens].shape[1],)
+        self._binding = self._bindings.get(kind)
         if self._binding is None or self._binding[0] != key:  # bound again only when the shapes change
             io = self.model.session.io_binding()
             for name in wanted:  # bound first: get_outputs gives the outputs in the order bound
@@ -543,8 +619,9 @@ class Engine:
                 out = self._buffer_output.get(name)
                 if out:
                     io.bind_output(out, "cpu", 0, view.dtype.type, list(view.shape), view.ctypes.data)
-            self.model.bind_step_inputs(io)  # the graph's bound step, if it has one: no cache columns
-            self._binding = (key, io)
+            if kind == "decode":  # the graph's bound step, if it has one: no cache columns
+                self.model.bind_step_inputs(io)
+            self._binding = self._bindings[kind] = (key, io)
         io = self._binding[1]
         for name, value in feeds.items():
             if name not in past:
@@ -552,7 +629,8 @@ class Engine:
         try:
             self.model.session.run_with_iobinding(io)
         except Exception as e:  # onnxruntime's own exception types
-            raise RunError(f"onnxruntime could not run a decoding step: {ort_message(e)}") from None
+            what = "a decoding step" if kind == "decode" else "a combined prefill and decoding call"
+            raise RunError(f"onnxruntime could not run {what}: {ort_message(e)}") from None
         outs = io.get_outputs()  # OrtValues, no copy; the buffer outputs (the cache itself) are not read
         return {name: outs[i].numpy() for i, name in enumerate(wanted)}
 

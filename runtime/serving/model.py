@@ -61,6 +61,28 @@ DECODE_REASONS = {
 }
 
 
+# The combined call (compiler/backends/onnx/mixed_attention.py): measured by bench/prefill_mix_cost.py
+# (docs/BENCHMARKS.md S7, under load): an iteration of 16 decoding rows and a 16-token chunk as one call
+# costs about 1.2 of the engine's decoding step, against 1.6-1.7 as two calls.
+COMBINED_REASONS = {
+    True: ("iteration: the decoding rows and a prompt chunk in ONE onnxruntime call (the combined call: the tokens "
+           "packed [1, rows + chunk], every weight read once; each attention site runs the decoding rows' "
+           "GroupQueryAttention in place and the chunk's attention as one block over its row's filled columns); "
+           "a prompt with no decoding row beside it, or a decoding step with no prompt waiting, runs alone"),
+    False: ("iteration: a prompt chunk and the decoding step in two onnxruntime calls (this model has no combined "
+            "call: it needs GroupQueryAttention decoding at every site, last-position logits, and no speculation)"),
+}
+
+
+def has_combined_call(model) -> bool:
+    """Whether the loaded decoder has the engine's combined call (its metadata says so,
+    compiler/backends/onnx/mixed_attention.py: ``load`` builds it for every GroupQueryAttention decoder)."""
+    from tessera.compiler.backends.onnx.mixed_attention import COMBINED_KEY
+
+    session = getattr(model, "session", None)
+    return session is not None and session.get_modelmeta().custom_metadata_map.get(COMBINED_KEY) == "1"
+
+
 def decode_kernel(info) -> str:
     """The decoding kernel a loaded model runs: "gqa" when its steps write the buffer in place."""
     return "gqa" if info.length_input else "plain"
@@ -101,8 +123,9 @@ def load(spec: str, variant: str | None = None, sets: list[str] | None = None, w
                 proto, info = _gen.compile_cached(built, w)
             return CachedModel(proto.SerializeToString(), info, threads=threads)
         try:
+            # the engine's variant: with the combined call (last-position logits only: not for speculation)
             proto, info = _gen.compile_cached(built, w, mode="buffer", decode=decode or DECODE,
-                                             last_only=last_only)
+                                             last_only=last_only, mixed=last_only)
             if info.length_input and not all(layer.buffer_key for layer in info.layers):
                 # mixed kernels would read one attention mask two ways (see check_fit): all plain
                 proto, info = _gen.compile_cached(built, w, mode="buffer", decode="plain", last_only=last_only)

@@ -491,6 +491,19 @@ def _branch_outputs(b, lower, node, hint: str, elems: list[int]):
         b.nodes, b._dims = saved_nodes, saved_dims
 
 
+def _or_combined(b, node, prefill, gqa_in, elems: list[int], packed=None):
+    """A gqa site's T > 1 lowering: ``prefill``, or with the ``mixed`` attribute (the serving engine's
+    variant) an If between the engine's combined call and it (backends/onnx/mixed_attention.py);
+    ``packed``: (PackedQKV, (cos, sin)) of a packed site, whose decoding rows then read the projection."""
+    if not node.attrs.get("mixed"):
+        return prefill
+    from tessera.compiler.backends.onnx import mixed_attention
+
+    mixed_attention.main_graph_inputs(b, node, _split)  # built now, in the main graph, before the branches
+    return lambda b, n, outs: mixed_attention.lower_prefill_or_combined(b, n, outs, prefill, _branch_outputs, _split,
+                                                                        gqa_in, elems, packed)
+
+
 def lower_phased_attention(b, node, out: str) -> None:
     """If T == 1 (a decoding step) the cached lowering, else (a prompt) the tiled one."""
     q_t = b.graph.type_of(node.inputs[0])
@@ -508,7 +521,8 @@ def lower_phased_attention(b, node, out: str) -> None:
             shared = (_rotary_caches(b, packed), _new_column_index(b, node, a["kv_heads"], hd))  # main graph
             then_g = _branch_outputs(b, lambda b, n, o: _lower_gqa_packed(b, n, o, gqa_in, packed, shared), node,
                                      "decode", elems)
-            else_g = _branch_outputs(b, _lower_prefill_packed, node, "prefill", elems)
+            else_g = _branch_outputs(b, _or_combined(b, node, _lower_prefill_packed, gqa_in, elems, (packed, shared[0])),
+                                     node, "prefill", elems)
             buffers = list(a["buffer_outputs"])
             b.node("If", [decoding], [out] + buffers + [packed.key_out, packed.value_out], then_branch=then_g,
                    else_branch=else_g)
@@ -518,7 +532,8 @@ def lower_phased_attention(b, node, out: str) -> None:
             return
         elems = [elem] * 3
         then_g = _branch_outputs(b, lambda b, n, o: _lower_gqa_decode(b, n, o, gqa_in), node, "decode", elems)
-        else_g = _branch_outputs(b, _lower_prefill_keeping_buffers, node, "prefill", elems)
+        else_g = _branch_outputs(b, _or_combined(b, node, _lower_prefill_keeping_buffers, gqa_in, elems), node, "prefill",
+                                 elems)
         buffers = list(a["buffer_outputs"])
         b.node("If", [decoding], [out] + buffers, then_branch=then_g, else_branch=else_g)
         for name, past in zip(buffers, (_split(b, node.inputs[1])[0], _split(b, node.inputs[2])[0])):
