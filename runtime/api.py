@@ -117,9 +117,10 @@ class Model:
                 quantize_head: bool = False, quantize_activations: str | None = None,
                 sparse_moe: bool = True, genai: bool = False, tokenizer: str | Path | None = None,
                 context_length: int | None = None, cache: str = "auto", decode: str = "auto",
-                recurrence: str = "auto", attention_probs: list[int | str] = (), explain: bool = False) -> list[Path]:
+                recurrence: str = "auto", attention_probs: list[int | str] = (), explain: bool = False,
+                combined_call: bool = False) -> list[Path]:
         """Write the ONNX file (kv_cache=True: the cached decoder that ``tessera generate`` loads, with
-        ``cache`` and ``decode`` as --cache and --decode); the weights are streamed to it one tensor at a
+        ``cache``, ``decode`` and ``combined_call`` as --cache, --decode and --combined-call); the weights are streamed to it one tensor at a
         time. ``quantize`` "int8" or "int4" (with ``quantize_block``, ``quantize_head``,
         ``quantize_activations``) is --quantize's quantisation; ``sparse_moe=False`` is --no-sparse-moe;
         ``recurrence`` is --recurrence; ``attention_probs`` (site numbers or "all") --attention-probs;
@@ -130,7 +131,7 @@ class Model:
                            check_model=check, quantize=quantize, quantize_block=quantize_block,
                            quantize_head=quantize_head, quantize_activations=quantize_activations,
                            sparse_moe=sparse_moe, genai=genai, tokenizer=tokenizer, context_length=context_length,
-                           cache=cache, decode=decode, recurrence=recurrence,
+                           cache=cache, decode=decode, combined_call=combined_call, recurrence=recurrence,
                            attention_probs=list(attention_probs) if isinstance(attention_probs, (list, tuple))
                            else attention_probs, explain=explain).for_api()
         return driver.compile(self.ref, o, weights=self._weights).files

@@ -88,6 +88,8 @@ def _compile_cached(built, weights, ref: ModelRef, o: CompileOptions, progress=N
                          f"decoder state; {built.graph.name} takes {', '.join(built.graph.inputs)} "
                          f"(encoder-decoders are not supported)")
     model, info = gen.compile_cached(built, weights, o.cached_pipeline_options())
+    if o.combined_call:
+        _check_combined(model, info)
     if o.explain:
         print(explain(built.attention_sites) + "\n" + info.explain(), file=sys.stderr)
     verify = onnx_export.check if o.check_model else None
@@ -99,6 +101,18 @@ def _compile_cached(built, weights, ref: ModelRef, o: CompileOptions, progress=N
     # external data always: onnxruntime maps the weights from the .data file instead of copying them out of
     # the parsed model, so the generating process holds them once (docs/generate.md)
     return onnx_export.save(model, o.output, verify=verify, external=True, progress=progress)
+
+
+def _check_combined(model, info) -> None:
+    """--combined-call: refused when the decoder did not get it (its metadata says whether it did,
+    compiler/backends/onnx/mixed_attention.py), with the kernels' reasons, rather than written without it."""
+    from tessera.compiler.backends.onnx.mixed_attention import COMBINED_KEY
+
+    if any(p.key == COMBINED_KEY and p.value == "1" for p in model.metadata_props):
+        return
+    why = "; ".join(sorted({k.reason for k in info.kernels if getattr(k, "reason", "")})) or "no attention site"
+    raise UsageError(f"--combined-call needs GroupQueryAttention decoding at every attention site, and this model's "
+                     f"decoding step does not have it ({why}); compile without --combined-call")
 
 
 # ------------------------------------------------------------------ run

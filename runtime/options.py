@@ -280,6 +280,7 @@ class CompileOptions(OptimizeOptions):
     kv_cache: bool = False
     cache: str = "auto"
     decode: str = "auto"
+    combined_call: bool = False
     genai: bool = False
     tokenizer: str | Path | None = None
     context_length: int | None = None
@@ -289,7 +290,7 @@ class CompileOptions(OptimizeOptions):
     def check(self) -> None:
         super().check()
         check_path(self.label("output"), self.output, optional=False)
-        for name in ("check_model", "kv_cache", "genai"):
+        for name in ("check_model", "kv_cache", "genai", "combined_call"):
             check_bool(self.label(name), getattr(self, name))
         check_bool(self.label("quiet"), self.quiet)
         check_choice(self.label("cache"), self.cache, CACHES)
@@ -312,7 +313,16 @@ class CompileOptions(OptimizeOptions):
             if self.no_fuse or self.attention != "auto":
                 raise UsageError("--kv-cache chooses the attention kernels per phase itself: it takes neither "
                                  "--no-fuse nor --attention")
-        else:
+        if self.combined_call:
+            if not self.kv_cache or self.genai:
+                raise UsageError(self.say("--combined-call applies with --kv-cache (a decoder for `tessera serve`), "
+                                          "not without it or with --genai",
+                                          "combined_call applies with kv_cache=True, not with genai=True"))
+            if self.decode == "plain" or self.cache == "concat":
+                raise UsageError(f"{self.flag('combined_call')} needs GroupQueryAttention decoding over the buffer "
+                                 f"cache (the combined call runs the decoding rows' GroupQueryAttention in place); "
+                                 f"drop {'--decode plain' if self.decode == 'plain' else '--cache concat'}")
+        if not (self.kv_cache or self.genai):
             if self.cache != "auto":
                 raise UsageError(self.say("--cache applies with --kv-cache", "cache applies with kv_cache=True"))
             if self.decode != "auto":
@@ -349,7 +359,7 @@ class CompileOptions(OptimizeOptions):
 
         return PipelineOptions(Target(self.target, self.dtype), quantize=self.quant_config(),
                                sparse_moe=self.sparse_moe, recurrence=self.recurrence, cache=self.cache_mode,
-                               decode=self.decode)
+                               decode=self.decode, mixed=self.combined_call)
 
 
 @dataclass(kw_only=True)

@@ -199,3 +199,26 @@ def test_combined_calls_give_the_distributions_of_two_calls(cases):
             assert a["token"] == b["token"]
             np.testing.assert_allclose([a["logprob"]] + [t["logprob"] for t in a["top"]],
                                        [b["logprob"]] + [t["logprob"] for t in b["top"]], atol=1e-4)
+
+
+def test_compiled_file_with_combined_call_serves_in_one_call(cases, tmp_path):
+    """`tessera compile --kv-cache --combined-call` writes a decoder whose served iterations are one call,
+    with transformers' greedy tokens; without the flag the same file serves in two calls; the flag is
+    refused where the combined call cannot be built (a clear error, nothing written)."""
+    from tessera.runtime.cli import main
+
+    case = cases("llama_gqa")
+    root = tmp_path / "ckpt"
+    case.hf.save_pretrained(root, safe_serialization=True)
+    for flag, combined in ((["--combined-call"], True), ([], False)):
+        out = tmp_path / f"m{int(combined)}.onnx"
+        assert main(["compile", str(root), "--kv-cache", *flag, "-o", str(out), "-q"]) == 0
+        model = serving_model.load(str(out), threads=1)
+        assert serving_model.has_combined_call(model) is combined
+        engine = Engine(model, max_batch=5, max_queue=16, prefill_chunk=16)
+        handles = _staggered(engine, [Request(list(r.prompt), r.max_tokens) for r in case.requests])
+        assert (engine.combined_calls > 0) is combined
+        assert [h.tokens for h in handles] == case.reference
+    bad = tmp_path / "bad.onnx"
+    assert main(["compile", str(root), "--kv-cache", "--combined-call", "--decode", "plain", "-o", str(bad)]) == 2
+    assert not bad.exists()

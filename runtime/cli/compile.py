@@ -37,6 +37,12 @@ def add_parser(sub) -> argparse.ArgumentParser:
                         "(plain); auto (default): gqa on CPU where it applies (float32, head size a multiple of "
                         "8), else plain; gqa-unpacked: gqa fed split, rotated q/k/v rather than the packed "
                         "q+k+v projection with rotary inside the kernel (for before/after comparisons)")
+    c.add_argument("--combined-call", action="store_true",
+                   help="with --kv-cache: also build the serving engine's combined call, so that `tessera serve "
+                        "OUT.onnx` runs each iteration's decoding rows and prompt chunk in one onnxruntime call "
+                        "(as it does when it compiles a spec itself); generate's decoding step is unchanged, its "
+                        "prompt runs one more If per attention site. Needs GroupQueryAttention decoding (not "
+                        "--decode plain)")
     c.add_argument("--genai", action="store_true",
                    help="write an onnxruntime-genai model folder at -o FOLDER: the KV-cached decoder (implies "
                         "--kv-cache; the concat cache) as model.onnx, its genai_config.json and the tokenizer "
