@@ -105,7 +105,7 @@ def summarise(events: list[dict], steps: int) -> dict:
 
 
 def profile_tessera(folder: Path, rows: int, past: int, warmup: int, steps: int, threads: int, tmp: Path,
-                    quantize: str = "none") -> dict:
+                    quantize: str = "none", before_step_passes: bool = False) -> dict:
     from tessera.runtime import pipeline
     from tessera.runtime.generation import cached as gen
     from tessera.runtime.serving import model as serving_model
@@ -115,7 +115,8 @@ def profile_tessera(folder: Path, rows: int, past: int, warmup: int, steps: int,
     built = pipeline.build(Path(__file__).resolve().parents[1] / "models" / m["spec"], m["variant"], m["sets"])
     weights = pipeline.weights_for(built, str(folder / "model.safetensors"), 0)
     config = None if quantize == "none" else pipeline.quant_config(quantize, head=True)  # as genai's builder
-    proto, info = gen.compile_cached(built, weights, mode="buffer", decode=serving_model.DECODE, quantize=config)
+    proto, info = gen.compile_cached(built, weights, mode="buffer", decode=serving_model.DECODE, quantize=config,
+                                     skip_norm=not before_step_passes, bound_step=not before_step_passes)
     data = proto.SerializeToString()
     del proto, weights
     model = gen.CachedModel(data, info, threads=threads)
@@ -201,6 +202,8 @@ def main() -> None:
     p.add_argument("--quantize", choices=["none", "int4"], default="none",
                    help="int4: Tessera's --quantize int4 with the head quantised, genai's builder -p int4 "
                         "(use a --folder of its own: the export is kept there)")
+    p.add_argument("--before-step-passes", action="store_true",
+                   help="compile Tessera's decoder without the skip-norm and bound-step passes (the step before them)")
     p.add_argument("--json", metavar="FILE")
     p.add_argument("--folder", metavar="DIR",
                    help="keep the checkpoint and onnxruntime-genai's export here (reused when present)")
@@ -226,7 +229,7 @@ def main() -> None:
             make_genai_model(folder, args.genai_python, "fp32" if args.quantize == "none" else args.quantize)
         for b in args.rows:  # alternating per width: both graphs see about the same load
             results[f"tessera B={b}"] = profile_tessera(folder, b, args.past, args.warmup, args.steps,
-                                                        args.threads, tmp, args.quantize)
+                                                        args.threads, tmp, args.quantize, args.before_step_passes)
             results[f"genai B={b}"] = profile_genai(args, folder, b, tmp)
     print(f"Llama-shaped {'fp32' if args.quantize == 'none' else args.quantize + ' weights'} (hidden 768, 12 layers, vocab 32000), {args.past} cached positions per row, "
           f"{args.steps} profiled steps, threads {args.threads}, load average {os.getloadavg()[0]:.1f}; "

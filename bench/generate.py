@@ -137,7 +137,10 @@ def compile_tessera(folder: Path, model: str, mode: str, quantize: str = "none")
         read = sum(int(np.prod(q.shape)) * np.dtype(DTYPES[q.dtype] or np.float32).itemsize  # packed bytes
                    for k, q in packed.params.items() if k not in gathered or (tied and k == "wte.weight"))
     onnx_model, _ = gen.compile_cached(built, weights, mode=mode, quantize=config,
-                                       decode=os.environ.get("BENCH_DECODE", "auto"))
+                                       decode=os.environ.get("BENCH_DECODE", "auto"),
+                                       # sn1's "before": BENCH_SKIP_NORM=0 BENCH_BOUND_STEP=0
+                                       skip_norm=os.environ.get("BENCH_SKIP_NORM", "1") != "0",
+                                       bound_step=os.environ.get("BENCH_BOUND_STEP", "1") != "0")
     onnx_export.save(onnx_model, folder / f"tessera-{mode}.onnx", external=True)  # as compile --kv-cache writes it
     stored = sum(f.stat().st_size for f in folder.glob(f"tessera-{mode}.onnx*"))  # the weights, as written
     return {"weights_read_bytes": read, "weights_bytes": stored}

@@ -87,15 +87,11 @@ def _export(graph: Graph, weights, metadata: dict | None, prune: bool = True) ->
 def _fuse_skip_norms(graph: Graph, model: onnx.ModelProto, info: CacheInfo) -> None:
     """A cached decoder's residual Add + norm as onnxruntime's Skip(Simplified)LayerNormalization
     (backends/onnx/skip_norm.py), when the graph already uses onnxruntime's com.microsoft ops (the
-    GroupQueryAttention step) and TESSERA_SKIP_NORM is not 0 (kept for measuring the two); what it
+    GroupQueryAttention step); what it
     fused and why a norm kept its Add go to --explain."""
-    import os
-
     from tessera.compiler.backends.onnx.skip_norm import fuse_skip_norms, ir_types
     from tessera.compiler.backends.onnx.walk import all_nodes
 
-    if os.environ.get("TESSERA_SKIP_NORM", "1") == "0":
-        return
     if any(n.domain == "com.microsoft" for n in all_nodes(model.graph.node)):
         report = fuse_skip_norms(model, ir_types(graph))
         fused = ", ".join(f"{n} {kind}" for kind, n in report.fused.items()) or "none"
@@ -124,20 +120,18 @@ def compile_cached(graph: Graph, weights, model: ModelInfo, options: PipelineOpt
     info = cache_info(result)
     _note_packed(result.graph, info)
     onnx_model = _export(result.graph, weights, model_metadata(model, options.quantize, info))
-    _fuse_skip_norms(result.graph, onnx_model, info)
-    _split_bound_step(onnx_model, info)
+    if options.skip_norm:  # both on by default; PipelineOptions turns them off to measure them
+        _fuse_skip_norms(result.graph, onnx_model, info)
+    if options.bound_step:
+        _split_bound_step(onnx_model, info)
     return CachedDecoder(onnx_model, info, result)
 
 
 def _split_bound_step(model: onnx.ModelProto, info: CacheInfo) -> None:
-    """The bound decoding step as a branch of its own under one If (backends/onnx/bound_step.py), unless
-    TESSERA_BOUND_STEP is 0 (kept for measuring the two); a graph it does not fit is left as it is."""
-    import os
-
+    """The bound decoding step as a branch of its own under one If (backends/onnx/bound_step.py); a graph
+    it does not fit is left as it is."""
     from tessera.compiler.backends.onnx.bound_step import split_bound_step
 
-    if os.environ.get("TESSERA_BOUND_STEP", "1") == "0":
-        return
     done = split_bound_step(model, {n for layer in info.layers if layer.buffer_key
                                     for n in (layer.present_key, layer.present_value)})
     info.notes.append(f"decoding step bound in place: one If, a branch of its own ({done} nodes; no per-layer If, "

@@ -1,6 +1,6 @@
 """The bound decoding step under one If (compiler/backends/onnx/bound_step.py).
 
-References: the same decoder compiled without the rewrite (TESSERA_BOUND_STEP=0: the per-layer Ifs,
+References: the same decoder compiled without the rewrite (bound_step=False: the per-layer Ifs,
 checked against transformers by tests/test_packed_gqa_decode.py and tests/test_generate.py), run on
 the same feeds: the bound branch's logits and buffers must equal the unsplit graph's bit for bit, the
 general branch's every output too; hand-built graphs for the refusals."""
@@ -23,9 +23,8 @@ SETS = ["layers=2", "d=64", "heads=4", "kv_heads=2", "vocab=100", "d_ff=96"]
 
 
 def _compile(monkeypatch, on: bool, **kw):
-    monkeypatch.setenv("TESSERA_BOUND_STEP", "1" if on else "0")
     built = pipeline.build(MODELS / "llama.tsr", None, SETS)
-    return compile_cached(built, pipeline.weights_for(built, None, 0), **kw)
+    return compile_cached(built, pipeline.weights_for(built, None, 0), bound_step=on, **kw)
 
 
 def _session(model):

@@ -109,9 +109,8 @@ def test_a_norm_that_does_not_fit_keeps_its_add_and_says_why(case, reason):
 
 
 def _compile(family: str, sets: list[str], monkeypatch, on: bool):
-    monkeypatch.setenv("TESSERA_SKIP_NORM", "1" if on else "0")
     built = pipeline.build(MODELS / f"{family}.tsr", None, sets)
-    return compile_cached(built, pipeline.weights_for(built, None, 0))
+    return compile_cached(built, pipeline.weights_for(built, None, 0), skip_norm=on)
 
 
 @pytest.mark.parametrize("family, sets, op, count", [

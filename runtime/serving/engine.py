@@ -217,8 +217,7 @@ class Engine:
         # the layers whose new columns the engine writes into the cache itself after a step
         self._copied = [layer for layer in info.layers if not (self.in_place and layer.buffer_key)]
         self._wanted = [info.logits] + [o for layer in self._copied for o in (layer.present_key, layer.present_value)]
-        self._binding = None  # ((rows, width), IOBinding) of the last in-place step
-        self._bindings = {}  # kind -> ((rows, width), IOBinding): the decoding step's and the combined call's
+        self._bindings = {}  # kind -> (shape key, IOBinding): the decoding step's and the combined call's
         # the combined call (compiler/backends/onnx/mixed_attention.py): an iteration's decoding rows and
         # prompt chunk in one onnxruntime call, where the model has it (serving/model.py load builds it)
         self.combined = self.in_place and info.last_only and not self._copied and has_combined_call(model)
@@ -609,8 +608,8 @@ class Engine:
         key = (view.shape[0], view.shape[2])  # rows and width: the views' shapes (their memory never moves)
         if kind != "decode":  # and the tokens: the outputs onnxruntime allocates keep their first shape
             key += (feeds[self.info.tokens].shape[1],)
-        self._binding = self._bindings.get(kind)
-        if self._binding is None or self._binding[0] != key:  # bound again only when the shapes change
+        binding = self._bindings.get(kind)
+        if binding is None or binding[0] != key:  # bound again only when the shapes change
             io = self.model.session.io_binding()
             for name in wanted:  # bound first: get_outputs gives the outputs in the order bound
                 io.bind_output(name, "cpu")
@@ -621,8 +620,8 @@ class Engine:
                     io.bind_output(out, "cpu", 0, view.dtype.type, list(view.shape), view.ctypes.data)
             if kind == "decode":  # the graph's bound step, if it has one: no cache columns
                 self.model.bind_step_inputs(io)
-            self._binding = self._bindings[kind] = (key, io)
-        io = self._binding[1]
+            binding = self._bindings[kind] = (key, io)
+        io = binding[1]
         for name, value in feeds.items():
             if name not in past:
                 io.bind_cpu_input(name, np.ascontiguousarray(value))
