@@ -290,8 +290,9 @@ class CompileOptions(OptimizeOptions):
     def check(self) -> None:
         super().check()
         check_path(self.label("output"), self.output, optional=False)
-        for name in ("check_model", "kv_cache", "genai", "combined_call"):
+        for name in ("check_model", "kv_cache", "genai"):
             check_bool(self.label(name), getattr(self, name))
+        check_bool(self.label("combined_call"), self.combined_call)
         check_bool(self.label("quiet"), self.quiet)
         check_choice(self.label("cache"), self.cache, CACHES)
         check_choice(self.label("decode"), self.decode, DECODES)
