@@ -117,8 +117,8 @@ class Model:
                 quantize_head: bool = False, quantize_activations: str | None = None,
                 sparse_moe: bool = True, genai: bool = False, tokenizer: str | Path | None = None,
                 context_length: int | None = None, cache: str = "auto", decode: str = "auto",
-                recurrence: str = "auto", attention_probs: list[int | str] = (), explain: bool = False,
-                combined_call: bool = False) -> list[Path]:
+                combined_call: bool = False,
+                recurrence: str = "auto", attention_probs: list[int | str] = (), explain: bool = False) -> list[Path]:
         """Write the ONNX file (kv_cache=True: the cached decoder that ``tessera generate`` loads, with
         ``cache``, ``decode`` and ``combined_call`` as --cache, --decode and --combined-call); the weights are streamed to it one tensor at a
         time. ``quantize`` "int8" or "int4" (with ``quantize_block``, ``quantize_head``,
