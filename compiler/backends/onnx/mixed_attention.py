@@ -102,7 +102,7 @@ def main_graph_inputs(b, node, split) -> None:
     mask): called before a site's branches are built, so the nodes land in the main graph."""
     _marker(b, node)
     a = node.attrs
-    _block_mask(b, _chunk(b, node, split), a["heads"] // a["kv_heads"])
+    _block_shapes(b, _chunk(b, node, split), a["kv_heads"], a["heads"] // a["kv_heads"])
 
 
 def lower_prefill_or_combined(b, node, outs: list[str], prefill, branch_outputs, split, gqa_in,
@@ -204,44 +204,35 @@ def _chunk_block(b, node, out: str, q: str, keys: str, values: str, chunk: dict)
     MatMul/Softmax beat the tiled kernel's Loop, whose per-iteration nodes cost more than the
     products at these sizes (bench/prefill_mix_cost.py). Grouped-query heads read their group's keys
     in place ([1, kv, rep·T, hd] queries), the scale and soft-cap as the score epilogue has them
-    (c·tanh(scale·s)), the causal mask with offset P (``chunk["hidden"]`` repeated per grouped head,
-    ``_block_mask``, built once) as hidden scores (the dtype's minimum: weight 0). No padding: every
-    key is a real token. As few nodes as the block allows (each costs its own dispatch, a dozen
-    sites a call): the scale is a Mul right before the product, which onnxruntime folds with the
-    keys' transpose into one FusedMatMul; no reshape where the grouping is one head per key
-    (rep = 1)."""
+    (c·tanh(scale·s)), the causal mask with offset P (``chunk["hidden"]``, built once) as hidden
+    scores (the dtype's minimum: weight 0). No padding: every key is a real token."""
     g, a = b.graph, node.attrs
     q_t, v_t = g.type_of(node.inputs[0]), g.type_of(node.inputs[2])
     np_dtype = np.float16 if q_t.dtype == "f16" else np.float32
     heads, kv = a["heads"], a["kv_heads"]
     rep, hd, hv = heads // kv, int(q_t.shape[-1]), int(v_t.shape[-1])
-    qg = q if rep == 1 else b.node("Reshape", [q, b.i64([1, kv, -1, hd])])[0]  # [1, kv, rep·T, hd]: a group's heads
-    qs = b.node("Mul", [qg, b.const(np.array(a["scale"], dtype=np_dtype), "scale")])[0]
-    s = b.node("MatMul", [qs, b.node("Transpose", [keys], perm=[0, 1, 3, 2])[0]])[0]  # [1, kv, rep·T, P + T]
+    qs = b.node("Mul", [q, b.const(np.array(a["scale"], dtype=np_dtype), "scale")])[0]
+    qg = b.node("Reshape", [qs, b.i64([1, kv, -1, hd])])[0]  # [1, kv, rep·T, hd]: a group's heads stacked
+    s = b.node("MatMul", [qg, b.node("Transpose", [keys], perm=[0, 1, 3, 2])[0]])[0]  # [1, kv, rep·T, P + T]
     if a.get("softcap"):
         s = b.node("Mul", [b.node("Tanh", [s])[0], b.const(np.array(a["softcap"], dtype=np_dtype), "softcap")])[0]
-    s = b.node("Where", [_block_mask(b, chunk, rep), b.const(np.array(np.finfo(np_dtype).min, dtype=np_dtype), "min"),
-                         s])[0]
-    p = b.node("Softmax", [s], axis=-1)[0]
-    if rep == 1:
-        b.node("MatMul", [p, values], [out])  # [1, heads, T, hv]
-    else:
-        o = b.node("MatMul", [p, values])[0]  # [1, kv, rep·T, hv]
-        b.node("Reshape", [o, b.i64([1, heads, -1, hv])], [out])
+    shapes = _block_shapes(b, chunk, kv, rep)
+    s5 = b.node("Reshape", [s, shapes[0]])[0]  # [1, kv, rep, T, P + T]
+    s5 = b.node("Where", [chunk["hidden"], b.const(np.array(np.finfo(np_dtype).min, dtype=np_dtype), "min"), s5])[0]
+    p = b.node("Reshape", [b.node("Softmax", [s5], axis=-1)[0], shapes[1]])[0]
+    o = b.node("MatMul", [p, values])[0]  # [1, kv, rep·T, hv]
+    b.node("Reshape", [o, b.i64([1, heads, -1, hv])], [out])
 
 
-def _block_mask(b, chunk: dict, rep: int) -> str:
-    """The block's causal mask for ``rep`` grouped heads a key/value head: ``chunk["hidden"]`` [T, P + T]
-    repeated rep times down ([rep·T, P + T]: score row h·T + i is head h's query i), so it broadcasts
-    over the scores [1, kv, rep·T, P + T] with no reshape per site; built once, in the main graph
-    (``main_graph_inputs``), for every site of that grouping."""
-    if rep == 1:
-        return chunk["hidden"]
-    key = ("mixed", "mask", rep)
+def _block_shapes(b, chunk: dict, kv: int, rep: int) -> tuple[str, str]:
+    """The block's score shapes [1, kv, rep, T, P + T] and [1, kv, rep·T, P + T]: built once, in the
+    main graph (``main_graph_inputs``), for every site of that grouping."""
+    key = ("mixed", "shapes", kv, rep)
     if key not in b.shared:
         saved, b.current = b.current, ""
         try:
-            b.shared[key] = b.node("Tile", [chunk["hidden"], b.i64([rep, 1])])[0]
+            b.shared[key] = (b.node("Concat", [b.i64([1, kv, rep]), chunk["t"], chunk["total"]], axis=0)[0],
+                             b.node("Concat", [b.i64([1, kv, -1]), chunk["total"]], axis=0)[0])
         finally:
             b.current = saved
     return b.shared[key]
