@@ -30,8 +30,10 @@ weights, --threads onnxruntime threads), in alternating rounds so every case see
   (``_prefill_chunk`` then ``_decode_step``), on the same engine; the chunk is rolled back after each
   iteration so every one prefills the same T tokens after P (the decoding rows go on).
 
-Reported per case: best and median ms per call over rounds, and each chunk's median as a fraction of
-``decode-16``'s median; then the iteration a stream sees at 16 rows with a chunk T (decode-16 +
+Reported per case: best and median ms per call over rounds (and, for each iteration, its CPU time
+over the decoding step's, the median of per-round ratios: with ``--threads 1`` onnxruntime runs the
+call on this thread, so that ratio is the call's own cost, which a busy machine barely moves), and
+each chunk's median as a fraction of ``decode-16``'s median; then the iteration a stream sees at 16 rows with a chunk T (decode-16 +
 chunk) in one-stream steps, against the goal's 3; and each iteration, one call and two, as a fraction
 of ``decode-16`` and in one-stream steps.
 
@@ -111,22 +113,26 @@ def main() -> None:
         model.run(f)  # warm-up of each shape
     iterations = _iterations(model, args, vocab, rng, (args.rounds * args.steps + 2) * (2 * len(feeds) + 1) + 8)
     times: dict[str, list[float]] = {k: [] for k in [*engines, *feeds, *iterations]}
+    cpu: dict[str, list[float]] = {k: [] for k in times}  # this process's CPU ms a call (see --threads 1)
     for _ in range(args.rounds):
         for name, e in engines.items():
-            start = time.perf_counter()
+            start, c0 = time.perf_counter(), time.process_time()
             for _ in range(args.steps):
                 e.step()
             times[name].append((time.perf_counter() - start) / args.steps * 1e3)
+            cpu[name].append((time.process_time() - c0) / args.steps * 1e3)
         for name, f in feeds.items():
-            start = time.perf_counter()
+            start, c0 = time.perf_counter(), time.process_time()
             for _ in range(args.steps):
                 model.run(f)
             times[name].append((time.perf_counter() - start) / args.steps * 1e3)
+            cpu[name].append((time.process_time() - c0) / args.steps * 1e3)
         for name, run in iterations.items():
-            spent = 0.0
+            spent, c0 = 0.0, time.process_time()
             for _ in range(args.steps):
                 spent += run()
             times[name].append(spent / args.steps * 1e3)
+            cpu[name].append((time.process_time() - c0) / args.steps * 1e3)
     big = next(iter(engines))
     med = {k: statistics.median(v) for k, v in times.items()}
     print(f"model {args.model}, {args.rows} decoding rows of {args.prompt}+ cached positions, threads "
@@ -148,10 +154,13 @@ def main() -> None:
         if k != "decode alone":
             print(f"  iteration, {k}: {med[k] / med['decode alone']:.2f} of the same engine's decoding step alone, "
                   f"{med[k] / med[big]:.2f} of {big}, {med[k] / med['decode-1']:.2f} one-stream steps")
+            ratios = [c / d for c, d in zip(cpu[k], cpu["decode alone"])]
+            print(f"    in CPU time: {statistics.median(ratios):.2f} of the decoding step alone (median of per-round "
+                  f"ratios; with --threads 1 the call's own cost, little moved by other processes)")
     if args.json:
         path = Path(args.json)
         part = path.with_name(path.name + ".part")
-        part.write_text(json.dumps({"times_ms": times, "median_ms": med}, indent=1))
+        part.write_text(json.dumps({"times_ms": times, "median_ms": med, "cpu_ms": cpu}, indent=1))
         part.replace(path)
 
 
