@@ -23,6 +23,10 @@ positions of a 256-slot buffer, one new token; --threads intra-op threads, 1 int
 - ``tessera-separate``: the same, but with compiler/passes/fuse_linears.py not fusing gate and up
   (q, k and v still fused), so each MLP runs two MatMulNBits and no Split, as genai's graph does (a
   measurement only: the pass is patched in this process, no option of the compiler);
+- ``tessera-unwrapped``: Tessera's graph with its bound-step branch (compiler/backends/onnx/bound_step.py)
+  lifted out of the top-level If into a model of its own (the branch's nodes, the main graph's
+  initializers, the Shape the branch reads): what the If itself costs a step (a measurement only:
+  the product would need a second session sharing the weights);
 - ``genai``: onnxruntime-genai's model builder export (``-p int4``, its head quantised), bound as
   its generator binds it on CPU (past_key_values.i and present.i one memory, the mask of the filled
   positions and the new one).
@@ -82,6 +86,42 @@ def compile_variants(folder: Path, genai_python: str) -> None:
             compile_tessera(sub, "llama", "buffer", "int4")
         finally:
             fuse_linears.FuseSharedInputLinears._key = original
+    unwrapped = folder / "tessera-unwrapped" / "tessera-buffer.onnx"
+    if not unwrapped.exists():
+        unwrapped.parent.mkdir(exist_ok=True)
+        unwrap_bound_step(folder / "tessera" / "tessera-buffer.onnx", unwrapped)
+
+
+def unwrap_bound_step(src: Path, dst: Path) -> None:
+    """The else branch of the graph's last node (the bound step's If) as the main graph of dst; its
+    outputs take the If's names, outputs no branch node makes (the empty cache columns) are dropped."""
+    import onnx
+    from onnx import helper
+
+    m = onnx.load(str(src))
+    top = m.graph.node[-1]
+    if top.op_type != "If":
+        raise SystemExit(f"{src}: the last node is {top.op_type}, not the bound step's If")
+    branch = next(a.g for a in top.attribute if a.name == "else_branch")
+    rename = {b.name: o for b, o in zip(branch.output, top.output)}
+    for n in branch.node:
+        n.output[:] = [rename.get(o, o) for o in n.output]
+        n.input[:] = [rename.get(x, x) for x in n.input]
+    made = {o for n in branch.node for o in n.output}
+    outputs = []
+    for b, o in zip(branch.output, top.output):
+        if o in made:
+            vi = onnx.ValueInfoProto()
+            vi.CopyFrom(b)
+            vi.name = o
+            outputs.append(vi)
+    read = {x for n in branch.node for x in n.input}
+    before = [n for n in m.graph.node[:-1] if any(o in read for o in n.output)]
+    graph = helper.make_graph(before + list(branch.node), "bound_step",
+                              [i for i in m.graph.input if i.name != "cache_columns"], outputs,
+                              [i for i in m.graph.initializer if i.name != "cache_columns"] + list(branch.initializer))
+    onnx.save(helper.make_model(graph, opset_imports=m.opset_import, ir_version=m.ir_version), str(dst),
+              save_as_external_data=True, location=dst.name + ".data")
 
 
 def _options(threads: int):
@@ -146,7 +186,7 @@ def time_steps(folder: Path, rounds: int, threads: int) -> dict:
 
     rng, keep = np.random.default_rng(0), []
     cases = {c: tessera_step(folder / c / "tessera-buffer.onnx", threads, rng, keep)
-             for c in ("tessera", "tessera-separate")}
+             for c in ("tessera", "tessera-unwrapped", "tessera-separate")}
     cases["genai"] = genai_step(folder / "genai" / "model.onnx", threads, rng, keep)
     ms: dict[str, list[float]] = {c: [] for c in cases}
     busy: dict[str, list[float]] = {c: [] for c in cases}
