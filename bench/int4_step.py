@@ -32,7 +32,9 @@ positions of a 256-slot buffer, one new token; --threads intra-op threads, 1 int
   positions and the new one).
 
 Per case and round: 3 warm-up steps, then 40 timed steps; the round's figure is their median. Per case:
-min and median over rounds, CPU/wall of the timed steps. Not a test: the figures depend on the
+min and median over rounds, CPU/wall of the timed steps. ``--profile``: instead, each case's session
+with onnxruntime's profiler, 33 steps, and per step (median of the last 30) the time per op type, the
+MatMulNBits split by the linear they are (qkv, o, gate+up or gate and up, down, head), the If whole. Not a test: the figures depend on the
 machine and its load.
 """
 
@@ -124,6 +126,51 @@ def unwrap_bound_step(src: Path, dst: Path) -> None:
               save_as_external_data=True, location=dst.name + ".data")
 
 
+ROLES = [(r"q\+k\+v|qkv_proj", "qkv"), (r"attn\.o\b|o_proj", "o"), (r"gate\+up", "gate+up"), (r"gate", "gate"),
+         (r"up_proj|mlp\.up", "up"), (r"down", "down"), (r"head", "head")]
+
+
+def _role(node: str) -> str:
+    import re
+
+    return next((r for pattern, r in ROLES if re.search(pattern, node)), "other")
+
+
+def profile_steps(folder: Path, threads: int, tmp: Path, steps: int = 30) -> dict:
+    """Each case profiled (its own session, onnxruntime's profiler): ms per step by op type, median of
+    the last ``steps`` runs; MatMulNBits also by role; an If counted whole (its branch's nodes are
+    counted under their own types as well)."""
+    import onnxruntime as ort
+
+    out = {}
+    for case in ("tessera", "tessera-unwrapped", "tessera-separate", "genai"):
+        rng, keep = np.random.default_rng(0), []
+        opts = _options(threads)
+        opts.enable_profiling = True
+        opts.profile_file_prefix = str(tmp / case)
+        s, io = (genai_step(folder / "genai" / "model.onnx", threads, rng, keep, opts) if case == "genai"
+                 else tessera_step(folder / case / "tessera-buffer.onnx", threads, rng, keep, opts))
+        for _ in range(steps + 3):
+            s.run_with_iobinding(io)
+        events = json.loads(Path(s.end_profiling()).read_text())
+        runs = sorted((e for e in events if e.get("name") == "model_run"), key=lambda e: e["ts"])[-steps:]
+        nodes = [e for e in events if e.get("cat") == "Node" and e["name"].endswith("_kernel_time")]
+        per_step = []
+        for run in runs:
+            lo, hi = run["ts"], run["ts"] + run["dur"]
+            t: dict[str, float] = {"model_run": run["dur"]}
+            for e in (e for e in nodes if lo <= e["ts"] <= hi):
+                op = e["args"].get("op_name", "?")
+                key = f"MatMulNBits {_role(e['name'])}" if op == "MatMulNBits" else ("If (whole)" if op == "If" else op)
+                t[key] = t.get(key, 0.0) + e["dur"]
+                if op not in ("MatMulNBits", "GroupQueryAttention", "If"):
+                    t["small nodes (all)"] = t.get("small nodes (all)", 0.0) + e["dur"]
+            per_step.append(t)
+        keys = {k for t in per_step for k in t}
+        out[case] = {k: float(np.median([t.get(k, 0.0) for t in per_step])) / 1e3 for k in keys}
+    return {"onnxruntime": ort.__version__, "load": os.getloadavg()[0], "profile": out}
+
+
 def _options(threads: int):
     import onnxruntime as ort
 
@@ -150,10 +197,10 @@ def _buffers(io, keep: list, rng, past: str, present: str) -> None:
     io.bind_output("logits", "cpu", 0, np.float32, [1, 1, VOCAB], logits.ctypes.data)
 
 
-def tessera_step(path: Path, threads: int, rng, keep: list):
+def tessera_step(path: Path, threads: int, rng, keep: list, opts=None):
     import onnxruntime as ort
 
-    s = ort.InferenceSession(str(path), _options(threads), providers=["CPUExecutionProvider"])
+    s = ort.InferenceSession(str(path), opts or _options(threads), providers=["CPUExecutionProvider"])
     io = s.io_binding()
     _buffers(io, keep, rng, "past_{kind}.{i}", "cache_{kind}.{i}")
     mask = np.zeros((1, CAPACITY + 1), np.int64)  # the buffer's slots, then the new token's column
@@ -169,10 +216,10 @@ def tessera_step(path: Path, threads: int, rng, keep: list):
     return s, io
 
 
-def genai_step(path: Path, threads: int, rng, keep: list):
+def genai_step(path: Path, threads: int, rng, keep: list, opts=None):
     import onnxruntime as ort
 
-    s = ort.InferenceSession(str(path), _options(threads), providers=["CPUExecutionProvider"])
+    s = ort.InferenceSession(str(path), opts or _options(threads), providers=["CPUExecutionProvider"])
     io = s.io_binding()
     _buffers(io, keep, rng, "past_key_values.{i}.{kind}", "present.{i}.{kind}")
     _bind(io, keep, "input_ids", np.array([[5]], np.int64))
@@ -216,12 +263,19 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--also", metavar="PYTHON", nargs="*", default=[],
                    help="time the same graphs in these Pythons' onnxruntime too (e.g. --genai-python's 1.32)")
+    p.add_argument("--profile", action="store_true", help="a per-op profile of each case instead of the timing")
     p.add_argument("--json", metavar="FILE")
     p.add_argument("--_time", nargs=3, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args._time:
         folder, rounds, threads = args._time
-        print(json.dumps(time_steps(Path(folder), int(rounds), int(threads))))
+        if args.profile:
+            import tempfile
+
+            with tempfile.TemporaryDirectory() as tmp:
+                print(json.dumps(profile_steps(Path(folder), int(threads), Path(tmp))))
+        else:
+            print(json.dumps(time_steps(Path(folder), int(rounds), int(threads))))
         return
     folder = Path(args.folder).resolve()
     folder.mkdir(parents=True, exist_ok=True)
@@ -229,12 +283,20 @@ def main() -> None:
     results = []
     for python in [sys.executable] + args.also:
         done = subprocess.run([python, __file__, "--_time", str(folder), str(args.rounds), str(args.threads),
-                               "--genai-python", args.genai_python, "--folder", str(folder)],
-                              capture_output=True, text=True)
+                               "--genai-python", args.genai_python, "--folder", str(folder)]
+                              + (["--profile"] if args.profile else []), capture_output=True, text=True)
         if done.returncode:
             raise SystemExit(f"timing in {python} failed:\n{done.stderr[-3000:]}")
         res = json.loads(done.stdout.strip().splitlines()[-1])
         results.append(res)
+        if args.profile:
+            prof = res["profile"]
+            keys = sorted({k for v in prof.values() for k in v}, key=lambda k: -max(v.get(k, 0) for v in prof.values()))
+            print(f"onnxruntime {res['onnxruntime']} (load average {res['load']:.1f}), ms per step, profiled:")
+            print(f"  {'':<26}" + "".join(f"{c:>19}" for c in prof))
+            for k in keys:
+                print(f"  {k:<26}" + "".join(f"{prof[c][k]:>19.3f}" if k in prof[c] else f"{'-':>19}" for c in prof))
+            continue
         print(f"onnxruntime {res['onnxruntime']} (load average {res['load']:.1f}), one int4 step, B=1, "
               f"{FILLED} cached positions, ms (min / median of {args.rounds} rounds):")
         g = res["cases"]["genai"]
