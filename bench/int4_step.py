@@ -25,7 +25,7 @@ positions of a 256-slot buffer, one new token; --threads intra-op threads, 1 int
   measurement only: the pass is patched in this process, no option of the compiler);
 - ``tessera-unwrapped``: Tessera's graph with its bound-step branch (compiler/backends/onnx/bound_step.py)
   lifted out of the top-level If into a model of its own (the branch's nodes, the main graph's
-  initializers, the Shape the branch reads): what the If itself costs a step (a measurement only:
+  initializers, the top-level nodes the branch reads): what the If itself costs a step (a measurement only:
   the product would need a second session sharing the weights);
 - ``genai``: onnxruntime-genai's model builder export (``-p int4``, its head quantised), bound as
   its generator binds it on CPU (past_key_values.i and present.i one memory, the mask of the filled
@@ -95,7 +95,8 @@ def compile_variants(folder: Path, genai_python: str) -> None:
 
 
 def unwrap_bound_step(src: Path, dst: Path) -> None:
-    """The else branch of the graph's last node (the bound step's If) as the main graph of dst; its
+    """The else branch of the graph's last node (the bound step's If) as the main graph of dst, with the
+    top-level nodes, inputs and initializers it reads (not the If's condition: cache_columns); its
     outputs take the If's names, outputs no branch node makes (the empty cache columns) are dropped."""
     import onnx
     from onnx import helper
@@ -105,7 +106,8 @@ def unwrap_bound_step(src: Path, dst: Path) -> None:
     if top.op_type != "If":
         raise SystemExit(f"{src}: the last node is {top.op_type}, not the bound step's If")
     branch = next(a.g for a in top.attribute if a.name == "else_branch")
-    rename = {b.name: o for b, o in zip(branch.output, top.output)}
+    inner = {o for n in branch.node for o in n.output}  # a branch output may also be an outer value
+    rename = {b.name: o for b, o in zip(branch.output, top.output) if b.name in inner}
     for n in branch.node:
         n.output[:] = [rename.get(o, o) for o in n.output]
         n.input[:] = [rename.get(x, x) for x in n.input]
@@ -118,10 +120,14 @@ def unwrap_bound_step(src: Path, dst: Path) -> None:
             vi.name = o
             outputs.append(vi)
     read = {x for n in branch.node for x in n.input}
-    before = [n for n in m.graph.node[:-1] if any(o in read for o in n.output)]
+    before = []
+    for n in reversed(m.graph.node[:-1]):  # the top-level nodes the branch reads, and what they read
+        if any(o in read for o in n.output):
+            before.insert(0, n)
+            read.update(n.input)
     graph = helper.make_graph(before + list(branch.node), "bound_step",
-                              [i for i in m.graph.input if i.name != "cache_columns"], outputs,
-                              [i for i in m.graph.initializer if i.name != "cache_columns"] + list(branch.initializer))
+                              [i for i in m.graph.input if i.name in read], outputs,  # not the If's condition's
+                              [i for i in m.graph.initializer if i.name in read] + list(branch.initializer))
     onnx.save(helper.make_model(graph, opset_imports=m.opset_import, ir_version=m.ir_version), str(dst),
               save_as_external_data=True, location=dst.name + ".data")
 
