@@ -154,6 +154,25 @@ def test_drafts_are_accepted_when_the_output_repeats_the_prompt(cases):
     assert stats.rounds < NEW - 1
 
 
+def test_default_draft_lengths_are_ten_for_prompt_lookup_and_four_for_a_draft_model(cases, monkeypatch):
+    """Without draft_tokens, prompt lookup may draft 10 tokens a round (docs/generate.md: a hit copies a
+    run) and a draft model 4: the budgets the verifier hands each drafter. Tokens stay plain's."""
+    from tessera.runtime.generation import drafting
+
+    budgets = {}
+    for cls in (drafting.NgramDrafter, drafting.ModelDrafter):
+        real = cls.propose
+        monkeypatch.setattr(cls, "propose", lambda self, h, b, real=real: (
+            budgets.setdefault(self.name, []).extend(b), real(self, h, b))[1])
+    case = cases("gpt2")
+    prompt = [case.reference[0][:12] * 3]
+    plain = case.model.generate(prompt, NEW)
+    for spec in ("ngram", str(case.other)):
+        out, _ = _run(case.model, prompt, speculative=spec)
+        assert out == plain
+    assert max(budgets["ngram"]) == 10 and max(budgets["model"]) == 4
+
+
 def test_rollback_compaction_keeps_the_tokens(cases, monkeypatch):
     """A cache with almost no spare columns compacts its rows (masked holes packed away) many times;
     the tokens stay plain greedy's."""
