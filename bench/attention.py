@@ -38,6 +38,8 @@ from pathlib import Path
 
 import numpy as np
 
+from jsonout import write_json  # the bench folder: this script's own
+
 SPEC = """
 model Attention(heads = 12, hd = 64) {
   in q: f32[B, heads, T, hd]
@@ -185,7 +187,7 @@ def main() -> None:
                 print(f"{n:>6} {case:<11} {min(times) * 1e3:>9.3f} {statistics.median(times) * 1e3:>10.3f} "
                       f"{'':>10} {'pooled':>9}", flush=True)
     if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=2))
+        write_json(args.json, results, indent=2)
 
 
 if __name__ == "__main__":

@@ -51,6 +51,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from jsonout import write_json  # noqa: E402
 from generate import MODELS, make_genai_model, make_weights  # noqa: E402
 
 
@@ -245,10 +246,7 @@ def main() -> None:
               f"{g['nodes_ms'] - mm(g):.2f} ms; between nodes {t['between_ms']:.2f} vs {g['between_ms']:.2f} ms; "
               f"top-level nodes {t['top_nodes']:.0f} vs {g['top_nodes']:.0f}")
     if args.json:
-        path = Path(args.json)
-        part = path.with_name(path.name + ".part")
-        part.write_text(json.dumps(results, indent=1))
-        part.replace(path)
+        write_json(args.json, results, indent=1)
 
 
 if __name__ == "__main__":

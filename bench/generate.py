@@ -62,6 +62,8 @@ from pathlib import Path
 
 import numpy as np
 
+from jsonout import write_json  # the bench folder: this script's own
+
 ROOT = Path(__file__).resolve().parents[1]
 CASES = ("tessera", "tessera-concat", "hf-eager", "hf-sdpa", "ort-genai", "llama-cpp")
 MODELS = {
@@ -506,11 +508,8 @@ def main() -> None:
         print(f"memory: RSS after loading {ti['rss_loaded_mib']:.0f} MiB, peak {ti['peak_rss_mib']:.0f} MiB "
               f"(+{growth:.0f} MiB during generation; the preallocated cache is {layers_bytes / 2**20:.1f} MiB)")
     if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(args.json).with_suffix(".tmp")
-        tmp.write_text(json.dumps({"rows": rows, "summary": summary, "bandwidth": bandwidth,
-                                   "settings": vars(args) | {"machine": machine}}, indent=2))
-        tmp.replace(args.json)
+        write_json(args.json, {"rows": rows, "summary": summary, "bandwidth": bandwidth,
+                               "settings": vars(args) | {"machine": machine}}, indent=2)
 
 
 def positions(args, folder: Path, machine: str) -> None:

@@ -51,6 +51,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from jsonout import write_json  # noqa: E402
 
 LAYERS, HEADS, HEAD_SIZE, VOCAB = 12, 12, 64, 32000
 CAPACITY, FILLED = 256, 128
@@ -310,10 +311,7 @@ def main() -> None:
             print(f"  {c:<18} {r['min']:.3f} / {r['median']:.3f}   genai ÷ it (above 1: faster than genai) {g['min'] / r['min']:.3f} / "
                   f"{g['median'] / r['median']:.3f}   CPU/wall {r['cpu_per_wall']:.2f}")
     if args.json:
-        path = Path(args.json)
-        part = path.with_name(path.name + ".part")
-        part.write_text(json.dumps(results, indent=1))
-        part.replace(path)
+        write_json(args.json, results, indent=1)
 
 
 if __name__ == "__main__":

@@ -43,7 +43,6 @@ Not a timed test: the figures depend on the machine and what else runs on it.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -53,6 +52,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from jsonout import write_json  # noqa: E402
 from serve import MODELS, _vocab  # noqa: E402
 
 
@@ -158,10 +158,7 @@ def main() -> None:
             print(f"    in CPU time: {statistics.median(ratios):.2f} of the decoding step alone (median of per-round "
                   f"ratios; with --threads 1 the call's own cost, little moved by other processes)")
     if args.json:
-        path = Path(args.json)
-        part = path.with_name(path.name + ".part")
-        part.write_text(json.dumps({"times_ms": times, "median_ms": med, "cpu_ms": cpu}, indent=1))
-        part.replace(path)
+        write_json(args.json, {"times_ms": times, "median_ms": med, "cpu_ms": cpu}, indent=1)
 
 
 def _iterations(model, args, vocab: int, rng, need: int) -> dict:

@@ -61,6 +61,8 @@ from pathlib import Path
 
 import numpy as np
 
+from jsonout import write_json  # the bench folder: this script's own
+
 ROOT = Path(__file__).resolve().parents[1]
 MODELS = {
     "tiny": {"spec": "gpt2", "sets": ["layers=2", "d=64", "heads=4", "vocab=1000", "ctx=512"]},
@@ -357,10 +359,7 @@ def main() -> None:
         if f"serve-{c}" in by and f"ort-genai-static-{c}" in by:
             print(f"serve-{c} / ort-genai-static-{c}: {by[f'serve-{c}'] / by[f'ort-genai-static-{c}']:.3f}")
     if args.json:
-        path = Path(args.json)
-        part = path.with_name(path.name + ".part")  # written whole, then renamed over the target
-        part.write_text(json.dumps(rows, indent=1))
-        part.replace(path)
+        write_json(args.json, rows, indent=1)
 
 
 if __name__ == "__main__":

@@ -41,6 +41,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from jsonout import write_json  # noqa: E402
 
 import spec_target  # noqa: E402
 
@@ -229,9 +230,7 @@ def main() -> None:
               "continuation": tok.decode(outs["plain"][:40])}
     print(json.dumps(report, indent=1))
     if args.json:
-        tmp = Path(args.json + ".tmp")
-        tmp.write_text(json.dumps(report, indent=1))
-        os.replace(tmp, args.json)
+        write_json(args.json, report)
 
 
 if __name__ == "__main__":

@@ -141,3 +141,26 @@ def perturbed(model, scale: float, seed: int = 0):
         for name, p in model.named_parameters():
             p.add_(torch.randn_like(p) * (0.1 if "norm" in name else scale))
     return model.eval()
+
+
+def tiny_hf(family: str, vocab: int = 300):
+    """A 2-layer transformers model of width 64 (``family`` "gpt2", else a Llama with grouped-query
+    attention: 4 query heads, 2 key/value heads), seeded, its weights moved further from the
+    initialisation so that its greedy output is not one repeated token: the serving tests' reference."""
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    if family == "gpt2":
+        cfg = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=vocab, n_positions=256,
+                                      bos_token_id=0, eos_token_id=0)
+        model = transformers.GPT2LMHeadModel(cfg)
+    else:
+        cfg = transformers.LlamaConfig(vocab_size=vocab, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                       num_key_value_heads=2, intermediate_size=96, rms_norm_eps=1e-5,
+                                       max_position_embeddings=256, tie_word_embeddings=False)
+        model = transformers.LlamaForCausalLM(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.08)
+    return model.eval()

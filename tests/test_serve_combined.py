@@ -16,7 +16,7 @@ import os
 import numpy as np
 import pytest
 
-from conftest import hf_greedy
+from conftest import hf_greedy, tiny_hf
 from tessera.runtime.generation import cached as gen
 from tessera.runtime.serving import model as serving_model
 from tessera.runtime.serving.engine import Engine, Request
@@ -28,26 +28,10 @@ transformers = pytest.importorskip("transformers")
 VOCAB = 300
 
 
-def _hf(family: str):
-    torch.manual_seed(0)
-    if family == "gpt2":
-        cfg = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=VOCAB, n_positions=256,
-                                      bos_token_id=0, eos_token_id=0)
-        model = transformers.GPT2LMHeadModel(cfg)
-    else:
-        cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                                       num_key_value_heads=2, intermediate_size=96, rms_norm_eps=1e-5,
-                                       max_position_embeddings=256, tie_word_embeddings=False)
-        model = transformers.LlamaForCausalLM(cfg)
-    with torch.no_grad():  # further from the initialisation: the greedy output is not one repeated token
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * 0.08)
-    return model.eval()
-
 
 class Case:
     def __init__(self, family, root):
-        self.hf = _hf(family)
+        self.hf = tiny_hf(family, VOCAB)
         self.hf.save_pretrained(root, safe_serialization=True)
         self.model = serving_model.load(str(root), threads=1)
         rng = np.random.default_rng(4)

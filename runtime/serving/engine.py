@@ -476,18 +476,28 @@ class Engine:
         if info.length_input:  # the filled slots: a chunk of one token runs the decoding branch (T = 1)
             feeds[info.length_input] = np.array([start], dtype=np.int64)
         out = self.model.run(feeds)
-        for layer in info.layers:
-            views[layer.past_key][r, :, start:start + t] = out[layer.present_key][0]
-            views[layer.past_value][r, :, start:start + t] = out[layer.present_value][0]
+        if self._chunk_in(seq, t, out, slice(None), out[info.logits][:, -1, :]):
+            self._release(seq)
+
+    def _chunk_in(self, seq: _Sequence, t: int, out: dict[str, np.ndarray], columns: slice,
+                  last_logits: np.ndarray) -> bool:
+        """After a call that ran ``t`` prompt tokens of ``seq`` (a chunk alone, or in the combined call):
+        their keys and values (``columns`` of each cache output's token axis) into its row, and when the
+        whole prompt is in, its first token from ``last_logits`` (the chunk's last position). Returns
+        whether the request finished there (the caller releases it once nothing indexes by slot)."""
+        views, r, start = self._views(), seq.slot, seq.filled
+        for layer in self.info.layers:
+            views[layer.past_key][r, :, start:start + t] = out[layer.present_key][0, :, columns]
+            views[layer.past_value][r, :, start:start + t] = out[layer.present_value][0, :, columns]
         self.slots[r, start:start + t] = 1
         seq.filled += t
         self.metrics.prompt_tokens += t
-        if seq.filled == len(req.prompt):  # the whole prompt is in: its last logits give the first token
-            tok = self._choose(seq, out[info.logits][:, -1, :])
-            seq.next_token = tok
-            self._emit(seq, tok)
-            if seq.handle.finished:
-                self._release(seq)
+        if seq.filled < len(seq.handle.request.prompt):
+            return False
+        tok = self._choose(seq, last_logits)  # the whole prompt is in: its last logits give the first token
+        seq.next_token = tok
+        self._emit(seq, tok)
+        return seq.handle.finished
 
     def _decode_step(self) -> None:
         if self.speculation is not None and self.speculation.step(self):  # greedy rows had drafts: checked
@@ -576,21 +586,12 @@ class Engine:
         out = self._run_in_place(feeds, past, "combined")
         self.steps += 1
         self.combined_calls += 1
-        for layer in info.layers:  # the chunk's keys and values into its row (the decoding rows' are in place)
-            views[layer.past_key][r, :, start:start + t] = out[layer.present_key][0, :, n:]
-            views[layer.past_value][r, :, start:start + t] = out[layer.present_value][0, :, n:]
-        self.slots[r, start:start + t] = 1
-        self.slots[idx, cols] = 1
-        seq.filled += t
-        self.metrics.prompt_tokens += t
+        self.slots[idx, cols] = 1  # the decoding rows' new columns (written in place by the kernel)
         logits = out[info.logits][0]  # [n + 1, vocab]: the n row tokens, then the chunk's last
         finished = self._decoded(decoding, logits[:n])
-        if seq.filled == len(req.prompt):  # the whole prompt is in: its first token, as _prefill_chunk
-            tok = self._choose(seq, logits[n:n + 1])
-            seq.next_token = tok
-            self._emit(seq, tok)
-            if seq.handle.finished:
-                finished.append(seq)
+        # the chunk's keys and values: the cache outputs' columns after the n row tokens'
+        if self._chunk_in(seq, t, out, slice(n, None), logits[n:n + 1]):
+            finished.append(seq)
         for s in sorted(finished, key=lambda s: -s.slot):
             self._release(s)
 
