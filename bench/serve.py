@@ -10,6 +10,9 @@ Tessera's one-request-at-a-time ``generate`` and a static batch, on the same wei
                                                             # and onnxruntime-genai's static batches
     python bench/serve.py --model llama --concurrency 16 --no-serve --genai-python PY
                                                             # the static batches only (equal prompts: both)
+    python bench/serve.py --model llama --concurrency 16 --requests 64 --prefill-chunk 32 64 128 --rounds 2
+                                                            # steady state (prompts arriving while others
+                                                            # decode), one server per chunk budget
 
 What runs (weights seeded; a word-level tokenizer over the model's vocabulary, one word per id, so
 every new token is one streamed chunk of text):
@@ -35,7 +38,13 @@ every new token is one streamed chunk of text):
   each, greedy, ``ignore_eos``). Per level: aggregate output tokens/s (all completion tokens / the
   level's wall time), time to first token p50/p99 (from sending the request to its first text chunk),
   inter-token latency p50/p99 (between successive chunks of one stream), the server's CPU time
-  over wall time and its resident memory after the level.
+  over wall time and its resident memory after the level. A level C > 1 runs --requests requests
+  (at least C): with more than C, each client sends its next request when its last one ends, so
+  prompts arrive while the others decode (the steady state of a loaded server; with exactly C they
+  all arrive at once, a burst, whose start and end run fewer rows than C). Level 1 runs
+  --baseline-requests requests, the prompts ``generate-1`` runs. With several --prefill-chunk
+  values (the engine's token budget per iteration: what trades inter-token latency for throughput),
+  one server per value, the values in alternating order over --rounds rounds.
 
 Every case also gives its CPU seconds (``cpu_s``: the process's user + system time over the case,
 all its threads; for ``serve-C`` the server process's), so a case that waited on a busy machine shows
@@ -51,7 +60,6 @@ import json
 import os
 import signal
 import socket
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -211,14 +219,15 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def serve_levels(args, model_args: dict, tokenizer: Path, ps: list[list[int]]) -> list[dict]:
+def serve_levels(args, model_args: dict, tokenizer: Path, ps: list[list[int]], chunk: int) -> list[dict]:
+    """Each concurrency level against one server started with --prefill-chunk ``chunk``."""
     import httpx
 
     port = _free_port()
     cmd = [sys.executable, "-c", "import sys; from tessera.runtime.cli import main; sys.exit(main())", "serve",
            model_args["spec"], *sum((["--set", s] for s in model_args["sets"]), []), "--tokenizer", str(tokenizer),
            "--port", str(port), "--max-batch", str(max(args.concurrency)), "--max-queue", "256",
-           "--prefill-chunk", str(args.prefill_chunk)]
+           "--prefill-chunk", str(chunk)]
     if model_args.get("variant"):
         cmd += ["--variant", model_args["variant"]]
     if args.threads:
@@ -257,7 +266,7 @@ def serve_levels(args, model_args: dict, tokenizer: Path, ps: list[list[int]]) -
 
         one(httpx.Client(timeout=600), texts[0])  # warm-up
         for c in args.concurrency:
-            n = max(args.requests, c)
+            n = args.baseline_requests if c == 1 else max(args.requests, c)
             todo = list(range(n))
             lock, results, errors = threading.Lock(), [], [0]
 
@@ -285,7 +294,7 @@ def serve_levels(args, model_args: dict, tokenizer: Path, ps: list[list[int]]) -
             ttft = [s[0] - sent for sent, s, _ in results if s]
             itl = [b - a for _, s, _ in results for a, b in zip(s, s[1:])]
             total = sum(t for _, _, t in results)
-            rows.append({"case": f"serve-{c}", "requests": len(results), "errors": errors[0],
+            rows.append({"case": f"serve-{c}", "prefill_chunk": chunk, "requests": len(results), "errors": errors[0],
                          "tokens_per_s": total / wall, "wall_s": wall, "ttft_p50_ms": pct(ttft, 50),
                          "ttft_p99_ms": pct(ttft, 99), "itl_p50_ms": pct(itl, 50), "itl_p99_ms": pct(itl, 99),
                          "cpu_per_wall": cpu / wall, "cpu_s": cpu, "server_rss_mib": _rss_mib(proc.pid)})
@@ -298,16 +307,26 @@ def serve_levels(args, model_args: dict, tokenizer: Path, ps: list[list[int]]) -
     return rows
 
 
+def _label(r: dict) -> str:
+    """A row's case, with the chunk budget and round of a serve level when the run had several."""
+    if "prefill_chunk" not in r:
+        return r["case"]
+    return f"{r['case']} (chunk {r['prefill_chunk']}, round {r['round']})"
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", choices=list(MODELS), default="small")
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
     p.add_argument("--requests", type=int, default=16, help="requests per concurrency level (at least the level)")
-    p.add_argument("--baseline-requests", type=int, default=4, help="requests run one at a time by generate")
+    p.add_argument("--baseline-requests", type=int, default=4,
+                   help="requests run one at a time by generate (and by the server at concurrency 1)")
     p.add_argument("--prompt-min", type=int, default=32)
     p.add_argument("--prompt-max", type=int, default=256)
     p.add_argument("--new", type=int, default=64, help="new tokens per request (default 64)")
-    p.add_argument("--prefill-chunk", type=int, default=128)
+    p.add_argument("--prefill-chunk", type=int, nargs="+", default=[128],
+                   help="the server's --prefill-chunk (its token budget per iteration); several: one server each")
+    p.add_argument("--rounds", type=int, default=1, help="rounds of the serve levels (the chunk values alternating)")
     p.add_argument("--threads", type=int, default=None, help="onnxruntime intra-op threads (default: all cores)")
     p.add_argument("--genai-python", metavar="PYTHON",
                    help="a Python with onnxruntime-genai 0.18 (and its builder's torch, transformers, onnx_ir): "
@@ -330,7 +349,9 @@ def main() -> None:
         tokenizer = make_tokenizer(Path(tmp), vocab)
         rows = baselines(args, model_args, ps)
         if not args.no_serve:
-            rows += serve_levels(args, model_args, tokenizer, ps)
+            for r in range(args.rounds):
+                for chunk in (args.prefill_chunk if r % 2 == 0 else args.prefill_chunk[::-1]):
+                    rows += [{**row, "round": r} for row in serve_levels(args, model_args, tokenizer, ps, chunk)]
     if args.genai_python:
         rows += genai_static(args, ps)
     print(f"model {args.model} ({' '.join(model_args['sets']) or model_args.get('variant')}), prompts "
@@ -345,19 +366,24 @@ def main() -> None:
             extra = (f"  {r['x_one_stream']:.2f}x one stream (a step of these rows = {r['step_in_one_stream_steps']:.2f} "
                      f"one-stream steps)")
         cpu = f"  CPU {r['cpu_s']:.2f} s / wall {r['wall_s']:.2f} s" if "cpu_s" in r else ""
-        print(f"{r['case']:<48} {r['tokens_per_s']:8.1f} tokens/s{cpu}{extra}")
+        print(f"{_label(r):<48} {r['tokens_per_s']:8.1f} tokens/s{cpu}{extra}")
     one = rows[0]["tokens_per_s"]
+    step = 1e3 / one  # one stream's step, ms
     for r in rows:
         if r["case"].startswith(("serve-", "ort-genai-static-")):
-            print(f"{r['case'].split(' ')[0]}: {r['tokens_per_s'] / one:.2f}x generate-1")
-    by = {r["case"].split(" ")[0]: r["tokens_per_s"] for r in rows}
+            itl = f", p99 ITL {r['itl_p99_ms'] / step:.2f}x one stream's step" if "itl_p99_ms" in r else ""
+            name = _label(r) if "prefill_chunk" in r else r["case"].split(" ")[0]
+            print(f"{name}: {r['tokens_per_s'] / one:.2f}x generate-1{itl}")
+    by = {r["case"].split(" ")[0]: r["tokens_per_s"] for r in rows if "prefill_chunk" not in r}
     for c in args.concurrency:  # the two static batches on the same equal prompts (apples to apples)
-        if f"static-{c}-equal" in by and f"ort-genai-static-{c}" in by:
-            ratio = by[f"static-{c}-equal"] / by[f"ort-genai-static-{c}"]
+        genai = by.get(f"ort-genai-static-{c}")
+        if f"static-{c}-equal" in by and genai:
+            ratio = by[f"static-{c}-equal"] / genai
             print(f"static-{c}-equal / ort-genai-static-{c}: {ratio:.3f}"
                   f" (the same {(args.prompt_min + args.prompt_max) // 2}-token prompts)")
-        if f"serve-{c}" in by and f"ort-genai-static-{c}" in by:
-            print(f"serve-{c} / ort-genai-static-{c}: {by[f'serve-{c}'] / by[f'ort-genai-static-{c}']:.3f}")
+        for r in rows:
+            if genai and r["case"] == f"serve-{c}":
+                print(f"{_label(r)} / ort-genai-static-{c}: {r['tokens_per_s'] / genai:.3f}")
     if args.json:
         write_json(args.json, rows, indent=1)
 

@@ -13,7 +13,8 @@ import pytest
 
 from tessera.runtime.generation import cached as gen
 from tessera.runtime.serving import model as serving_model
-from tessera.runtime.serving.engine import Engine, Overloaded, Request, RequestError, Unavailable
+from tessera.runtime.serving.engine import (IDLE_PREFILL_CHUNK, Engine, Overloaded, Request, RequestError,
+                                           Unavailable)
 
 GPT2 = ["layers=2", "d=64", "heads=4", "vocab=50", "ctx=128"]
 LLAMA = ["layers=2", "d=64", "heads=4", "kv_heads=2", "d_ff=128", "vocab=50", "ctx=128"]
@@ -105,6 +106,7 @@ def test_chunked_prefill_equals_unchunked(gpt2, llama):
         want = gen.generate(model, [prompt], 5, on_logits=lambda s, lg: whole.append(lg.copy())).tokens[0]
         info = model.info
         engine = Engine(model, max_batch=2, prefill_chunk=7)
+        engine.idle_chunk = 7  # alone too: chunks of 7 against the filled past
         seen = []
         run = model.run
 
@@ -322,16 +324,42 @@ def test_decoding_kernels_per_row(llama, llama_plain):
     assert [h.tokens for h in handles[1]] == want
 
 
+def test_a_prompt_with_no_stream_decoding_goes_in_by_the_idle_chunk(llama):
+    """A small budget cuts a prompt only while streams decode: alone, a 40-token prompt runs in one
+    call of 40 under a budget of 8 (then decoding steps of one token), and with the idle chunk set
+    to 16, in calls of 16, 16 and 8; the tokens are generate's either way."""
+    prompt = np.random.default_rng(4).integers(0, 50, 40).tolist()
+    run = llama.run
+    for idle, want in ((IDLE_PREFILL_CHUNK, [40]), (16, [16, 16, 8])):
+        engine = Engine(llama, max_batch=2, prefill_chunk=8)
+        engine.idle_chunk = idle
+        sizes = []
+
+        def spy(feeds, bound=None):
+            sizes.append(feeds[llama.info.tokens].shape[1])
+            return run(feeds)
+
+        llama.run = spy
+        try:
+            h = engine.submit(Request(prompt, 4))
+            _run_all(engine, [h])
+        finally:
+            llama.run = run
+        assert [t for t in sizes if t > 1] == want
+        assert h.tokens == _alone(llama, Request(prompt, 4))
+
+
 @pytest.mark.parametrize("combined", [False, True])
 @pytest.mark.parametrize("budget, chunks", [(40, [35, 35, 30]), (20, [16] * 6 + [4])])
 def test_prefill_chunk_is_the_iterations_token_budget(llama, budget, chunks, combined):
     """With 5 streams decoding, a 100-token prompt goes in chunks of budget - 5 (40: 35, 35, 30), never
-    under 16 (20: six of 16 and the rest); alone, a prompt's chunk is the whole budget. Every iteration
-    that prefills also runs the decoding step (in a call of its own, or in the combined call), and the
-    tokens are generate's."""
+    under 16 (20: six of 16 and the rest); with none decoding, by up to IDLE_PREFILL_CHUNK tokens (no
+    stream waits for it). Every iteration that prefills also runs the decoding step (in a call of its
+    own, or in the combined call), and the tokens are generate's."""
     engine = Engine(llama, max_batch=8, prefill_chunk=budget)
     engine.combined = combined
-    assert engine.chunk_for(0) == budget and engine.chunk_for(5) == max(16, budget - 5)
+    assert engine.chunk_for(0) == IDLE_PREFILL_CHUNK and engine.chunk_for(5) == max(16, budget - 5)
+    assert Engine(llama, max_batch=2, prefill_chunk=600).chunk_for(0) == 600  # a budget above it stands
     sizes = []
     run = llama.run
 

@@ -9,7 +9,7 @@ import argparse
 import sys
 
 from .batch import ROW_FIELDS, BatchOptions, read_rows, run_local, write_atomically
-from .server import add_model_arguments
+from .server import add_model_arguments, prefill_chunk_help
 
 EXAMPLES = """examples:
   tessera batch models/gpt2.tsr -V small --weights gpt2/model.safetensors --tokenizer gpt2/tokenizer.json \\
@@ -47,8 +47,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
     b.add_argument("--max-context", type=int, default=None, metavar="N",
                    help="positions per slot, prompt and new tokens together (default: the model's context)")
     b.add_argument("--prefill-chunk", type=int, default=d.prefill_chunk, metavar="N",
-                   help=f"tokens per iteration: each decoding row takes one, a prompt's chunk the rest (at least "
-                        f"16), so at most N prompt tokens run between two decoding steps (default {d.prefill_chunk})")
+                   help=prefill_chunk_help(d.prefill_chunk))
     b.add_argument("--ray", action="store_true", help="run on Ray Data: one engine per actor (the serve extra)")
     b.add_argument("--concurrency", type=int, default=d.concurrency, metavar="N",
                    help="with --ray: actors, each holding one engine (default 1)")

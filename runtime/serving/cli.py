@@ -15,7 +15,7 @@ import sys
 import threading
 
 from .model import UsageError
-from .server import ServeOptions, add_model_arguments, build_server, require_extra
+from .server import ServeOptions, add_model_arguments, build_server, prefill_chunk_help, require_extra
 
 EXAMPLES = """examples:
   tessera serve models/gpt2.tsr -V small --weights gpt2/model.safetensors --tokenizer gpt2/tokenizer.json
@@ -46,8 +46,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="positions per slot, prompt and new tokens together (default: the model's context); "
                         "the cache is max-batch x N positions, allocated at start")
     s.add_argument("--prefill-chunk", type=int, default=d.prefill_chunk, metavar="N",
-                   help=f"tokens per iteration: each decoding row takes one, a prompt's chunk the rest (at least "
-                        f"16), so at most N prompt tokens run between two decoding steps (default {d.prefill_chunk})")
+                   help=prefill_chunk_help(d.prefill_chunk))
     s.add_argument("--drain-timeout", type=float, default=d.drain_timeout, metavar="S",
                    help=f"on SIGTERM, seconds to let running requests finish (default {d.drain_timeout:g})")
     s.add_argument("--start-token", type=int, default=None, metavar="ID",

@@ -28,7 +28,8 @@ Where the model has the combined call (compiler/backends/onnx/mixed_attention.py
 (``_combined_step``: every weight read once for both); otherwise the chunk and the step are a call each.
 ``prefill_chunk`` is the iteration's token budget: each decoding row takes one token of it and the
 chunk the rest (at least ``MIN_PREFILL_CHUNK``; ``chunk_for``), so the more streams run, the less a
-chunk delays them.
+chunk delays them; with no stream decoding a prompt goes in by up to ``IDLE_PREFILL_CHUNK`` tokens
+a call (or the budget, if larger), since no stream waits for it.
 A prompt's first chunk runs against an empty past (the tiled prefill kernel over the chunk alone,
 exactly as ``generate`` prefills), later chunks against the row's filled columns (the tiled kernel
 with the causal offset of the past and the mask hiding the unfilled columns).
@@ -57,6 +58,7 @@ from .model import (COMBINED_REASONS, CachedModel, Sampling, Step, TextStopper, 
 
 WIDTH_STEP = 64  # attention width granularity of a decoding step (fewer distinct shapes)
 MIN_PREFILL_CHUNK = 16  # prompt tokens an iteration prefills at least (Engine.chunk_for)
+IDLE_PREFILL_CHUNK = 512  # prompt tokens a call takes at most while no stream decodes (Engine.chunk_for)
 
 
 class RequestError(UsageError):
@@ -249,6 +251,7 @@ class Engine:
         self.model, self.info = model, model.info
         self.max_batch, self.max_queue, self.capacity = max_batch, max_queue, capacity
         self.prefill_chunk = prefill_chunk
+        self.idle_chunk = IDLE_PREFILL_CHUNK  # a prompt's chunk with no stream decoding (chunk_for)
         self.tokenizer, self.eos_ids = tokenizer, frozenset(int(t) for t in eos_ids)
         self.metrics = metrics or Metrics()
         self.vocab = model.vocab
@@ -276,7 +279,8 @@ class Engine:
 
         per_slot = self.cache_bytes // self.max_batch
         return (f"engine: {self.max_batch} slots x {self.capacity} positions, up to {self.max_queue} queued; "
-                f"prefill chunk {self.prefill_chunk} tokens\n"
+                f"prefill chunk {self.prefill_chunk} tokens an iteration (a prompt with no stream decoding: "
+                f"{max(self.prefill_chunk, self.idle_chunk)})\n"
                 f"memory budget: {self.memory_bytes / 2**20:.1f} MiB allocated once at start "
                 f"(KV cache {self.cache_bytes / 2**20:.1f} MiB = {self.max_batch} slots x "
                 f"{per_slot / 2**20:.2f} MiB over {len(self.info.layers)} layers, viewed {WIDTH_STEP} "
@@ -454,8 +458,14 @@ class Engine:
         the iteration's token budget, each decoding row takes one, the chunk the rest, and at least
         ``MIN_PREFILL_CHUNK`` (so a prompt always advances). Why: on CPU a prompt token costs about
         what a decoding row does, and the running streams wait for the whole iteration; so the more
-        streams run, the smaller the chunk that delays them, and with none running (the start of a
-        burst) the prompts go in at the full budget."""
+        streams run, the smaller the chunk that delays them. With none running (a lone request, the
+        start of a burst) no stream waits, and a small budget would only cost calls (each reads
+        every weight: a lone 150-token prompt in chunks of 32 took 1.6x the time to its first token
+        of one chunk of 128, docs/BENCHMARKS.md S11): the prompt goes in by ``idle_chunk`` tokens
+        (``IDLE_PREFILL_CHUNK``, or the budget if larger), a bound that keeps one call's activations
+        and the wait of a request arriving meanwhile in proportion."""
+        if decoding == 0:
+            return max(self.prefill_chunk, self.idle_chunk)
         return max(min(MIN_PREFILL_CHUNK, self.prefill_chunk), self.prefill_chunk - decoding)
 
     def _prefill_chunk(self, seq: _Sequence, size: int) -> None:

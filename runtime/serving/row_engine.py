@@ -240,7 +240,7 @@ class RowEngine(Engine):
 
     def _take(self, row: _Row, logits: np.ndarray) -> None:
         """Choose the row's next token from its logits [1, vocab] and emit it."""
-        h, req = row.handle, row.handle.request
+        req = row.handle.request
         if req.sampling.plain_greedy:
             tok = int(np.argmax(logits[0]))
         else:

@@ -124,6 +124,13 @@ def build_server(opts: ServeOptions):
     return engine, Server(engine, opts.served_name, tokenizer, template, template_error)
 
 
+def prefill_chunk_help(default: int) -> str:
+    """--prefill-chunk's help, as `tessera serve` and `tessera batch` give it (engine.py ``chunk_for``)."""
+    return (f"the iteration's token budget: each decoding row takes one, a prompt's chunk the rest (at least 16), so "
+            f"at most N prompt tokens run between two decoding steps; a prompt with no stream decoding goes in "
+            f"by up to max(N, 512) tokens a call (default {default})")
+
+
 def add_model_arguments(p: argparse.ArgumentParser, seed_default: int, tokenizer_help: str) -> None:
     """The model as `tessera serve` and `tessera batch` take it (as `tessera generate` does): MODEL,
     --variant, --set, --weights, --seed, --tokenizer."""
