@@ -349,6 +349,14 @@ def test_a_prompt_with_no_stream_decoding_goes_in_by_the_idle_chunk(llama):
         assert h.tokens == _alone(llama, Request(prompt, 4))
 
 
+def test_the_help_states_the_engines_idle_chunk():
+    """`serve --help` and `batch --help` write the bound as a number (the parsers import no numpy, so
+    not the engine's constant): it must be the engine's."""
+    from tessera.runtime.serving.server import prefill_chunk_help
+
+    assert f"max(N, {IDLE_PREFILL_CHUNK})" in prefill_chunk_help(256)
+
+
 @pytest.mark.parametrize("combined", [False, True])
 @pytest.mark.parametrize("budget, chunks", [(40, [35, 35, 30]), (20, [16] * 6 + [4])])
 def test_prefill_chunk_is_the_iterations_token_budget(llama, budget, chunks, combined):

@@ -125,7 +125,8 @@ def build_server(opts: ServeOptions):
 
 
 def prefill_chunk_help(default: int) -> str:
-    """--prefill-chunk's help, as `tessera serve` and `tessera batch` give it (engine.py ``chunk_for``)."""
+    """--prefill-chunk's help, as `tessera serve` and `tessera batch` give it (engine.py ``chunk_for``; its
+    512 is engine.py's IDLE_PREFILL_CHUNK, written out: the parsers import no numpy, tests check the two agree)."""
     return (f"the iteration's token budget: each decoding row takes one, a prompt's chunk the rest (at least 16), so "
             f"at most N prompt tokens run between two decoding steps; a prompt with no stream decoding goes in "
             f"by up to max(N, 512) tokens a call (default {default})")
