@@ -14,11 +14,8 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import pytest
 
@@ -335,7 +332,7 @@ def test_explain_states_the_budget_and_the_kernel(capsys):
 
 
 @pytest.mark.parametrize("kind", ["bytelevel", "metaspace", "wordlevel"])
-def test_incremental_detokenizer_equals_one_decode(kind):
+def test_incremental_detokenizer_equals_one_decode(kind, tmp_path):
     """The stream's text, decoded a window at a time, is the text of one decode of all the tokens."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
@@ -344,7 +341,7 @@ def test_incremental_detokenizer_equals_one_decode(kind):
     corpus = ["The quick brown fox jumps over the lazy dog.", "Ünïcödé text, façade café 東京 ok?",
               "Serving many callers at once with one model, step by step."] * 20
     if kind == "wordlevel":
-        tok = Tokenizer.from_file(str(_tokenizer_folder(Path(tempfile.mkdtemp()), None)))
+        tok = Tokenizer.from_file(str(_tokenizer_folder(tmp_path, None)))
     else:
         tok = Tokenizer(models.BPE(unk_token=None if kind == "bytelevel" else "<unk>"))
         if kind == "bytelevel":

@@ -21,8 +21,7 @@ import pytest
 
 import tessera
 from conftest import MODELS, cli, cli_error, hf_greedy
-from tessera.runtime.generation import drafting, rollback, speculative
-from tessera.runtime.generation.cached import Stats
+from tessera.runtime.generation import drafting, rollback
 from tessera.runtime.pipeline import UsageError
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

@@ -33,7 +33,6 @@ a numpy Generator seeded once per call, so the same seed gives the same tokens.
 from __future__ import annotations
 
 import sys
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator
