@@ -67,17 +67,22 @@ def _session(source, threads: int, prefix: str):
     return ort.InferenceSession(source, opts, providers=["CPUExecutionProvider"])
 
 
+def step_windows(events: list[dict], steps: int) -> list[tuple[dict, list[dict]]]:
+    """The last ``steps`` model_run events of an onnxruntime profile, each with the node kernel events
+    that lie within it (in time order): one step's nodes."""
+    runs = sorted((e for e in events if e.get("name") == "model_run"), key=lambda e: e["ts"])[-steps:]
+    nodes = [e for e in events if e.get("cat") == "Node" and e["name"].endswith("_kernel_time")]
+    return [(run, sorted((e for e in nodes if run["ts"] <= e["ts"] <= run["ts"] + run["dur"]), key=lambda e: e["ts"]))
+            for run in runs]
+
+
 def summarise(events: list[dict], steps: int) -> dict:
     """Per step, the median over the last ``steps`` model_run events (a busy machine stretches some
     nodes of some steps: the median of each figure over the steps is what a quiet step would show
     most nearly) of the run's time and of each op type's time within it (see the module's docstring
     for how an If is split)."""
-    runs = sorted((e for e in events if e.get("name") == "model_run"), key=lambda e: e["ts"])[-steps:]
-    nodes = [e for e in events if e.get("cat") == "Node" and e["name"].endswith("_kernel_time")]
     per_step: list[tuple[float, float, int, int, dict, dict]] = []
-    for run in runs:
-        lo, hi = run["ts"], run["ts"] + run["dur"]
-        inside = sorted((e for e in nodes if lo <= e["ts"] <= hi), key=lambda e: e["ts"])
+    for run, inside in step_windows(events, steps):
         per_type: dict[str, float] = defaultdict(float)
         count: dict[str, int] = defaultdict(int)
         nested = set()

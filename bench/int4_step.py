@@ -148,6 +148,7 @@ def profile_steps(folder: Path, threads: int, tmp: Path, steps: int = 30) -> dic
     the last ``steps`` runs; MatMulNBits also by role; an If counted whole (its branch's nodes are
     counted under their own types as well)."""
     import onnxruntime as ort
+    from decode_profile import step_windows
 
     out = {}
     for case in ("tessera", "tessera-unwrapped", "tessera-separate", "genai"):
@@ -160,13 +161,10 @@ def profile_steps(folder: Path, threads: int, tmp: Path, steps: int = 30) -> dic
         for _ in range(steps + 3):
             s.run_with_iobinding(io)
         events = json.loads(Path(s.end_profiling()).read_text())
-        runs = sorted((e for e in events if e.get("name") == "model_run"), key=lambda e: e["ts"])[-steps:]
-        nodes = [e for e in events if e.get("cat") == "Node" and e["name"].endswith("_kernel_time")]
         per_step = []
-        for run in runs:
-            lo, hi = run["ts"], run["ts"] + run["dur"]
+        for run, inside in step_windows(events, steps):
             t: dict[str, float] = {"model_run": run["dur"]}
-            for e in (e for e in nodes if lo <= e["ts"] <= hi):
+            for e in inside:
                 op = e["args"].get("op_name", "?")
                 key = f"MatMulNBits {_role(e['name'])}" if op == "MatMulNBits" else ("If (whole)" if op == "If" else op)
                 t[key] = t.get(key, 0.0) + e["dur"]

@@ -87,8 +87,7 @@ def _export(graph: Graph, weights, metadata: dict | None, prune: bool = True) ->
 def _fuse_skip_norms(graph: Graph, model: onnx.ModelProto, info: CacheInfo) -> None:
     """A cached decoder's residual Add + norm as onnxruntime's Skip(Simplified)LayerNormalization
     (backends/onnx/skip_norm.py), when the graph already uses onnxruntime's com.microsoft ops (the
-    GroupQueryAttention step); what it
-    fused and why a norm kept its Add go to --explain."""
+    GroupQueryAttention step); what it fused and why a norm kept its Add go to --explain."""
     from tessera.compiler.backends.onnx.skip_norm import fuse_skip_norms, ir_types
     from tessera.compiler.backends.onnx.walk import all_nodes
 

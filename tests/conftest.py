@@ -12,6 +12,23 @@ from tessera.compiler.frontend.elaborate import elaborate
 from tessera.spec import load_program
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def load_bench(name: str):
+    """bench/NAME.py as a module (its own imports from bench/ resolved while it loads), for the tests
+    of a bench's parsing and graph surgery: bench/ is not a package."""
+    import importlib.util
+    import sys
+
+    folder = str(ROOT / "bench")
+    sys.path.insert(0, folder)
+    try:
+        spec = importlib.util.spec_from_file_location(name, ROOT / "bench" / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(folder)
+    return module
 MODELS = ROOT / "models"
 
 

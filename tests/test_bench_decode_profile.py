@@ -8,25 +8,14 @@ worked out by hand below, so the test does not depend on onnxruntime's timings.
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from conftest import load_bench
 
 
 @pytest.fixture(scope="module")
 def profile():
-    sys.path.insert(0, str(ROOT / "bench"))
-    try:
-        spec = importlib.util.spec_from_file_location("decode_profile", ROOT / "bench" / "decode_profile.py")
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    finally:
-        sys.path.remove(str(ROOT / "bench"))
-    return module
+    return load_bench("decode_profile")
 
 
 def _run(ts, dur):

@@ -14,6 +14,8 @@ import signal
 import sys
 import threading
 
+from tessera.runtime.options import GenerateOptions
+
 from .model import UsageError
 from .server import ServeOptions, add_model_arguments, build_server, prefill_chunk_help, require_extra
 
@@ -57,7 +59,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="speculative decoding for greedy requests: prompt lookup drafts tokens that one step checks "
                         "(output unchanged; faster when the output repeats the prompt). See docs/serve.md")
     s.add_argument("--draft-tokens", type=int, default=None, metavar="K",
-                   help="tokens drafted per request and step with --speculative (default 10)")
+                   help=f"tokens drafted per request and step with --speculative "
+                        f"(default {GenerateOptions.NGRAM_DRAFT_TOKENS})")
     s.add_argument("--explain", action="store_true",
                    help="print the engine's plan (slots, memory budget, decoding kernel and why) and exit")
     from .ray_serve import add_arguments as add_ray_arguments  # --ray, --replicas, ... (serving/ray_serve.py)

@@ -29,6 +29,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from tessera.runtime.options import GenerateOptions
+
 from . import model as serving_model
 from .model import UsageError
 
@@ -36,7 +38,7 @@ from .model import UsageError
 class Speculation:
     """Prompt-lookup drafting and one verifying call per engine step; counts what it drafted."""
 
-    DRAFT_TOKENS = 10  # --draft-tokens' default, as generate's with ngram (options.GenerateOptions)
+    DRAFT_TOKENS = GenerateOptions.NGRAM_DRAFT_TOKENS  # --draft-tokens' default: generate's with prompt lookup
 
     def __init__(self, draft_tokens: int = DRAFT_TOKENS):
         if not isinstance(draft_tokens, int) or isinstance(draft_tokens, bool) or draft_tokens < 1:
