@@ -17,6 +17,7 @@ from tessera.compiler.ir.graph import DTYPES, Graph
 from tessera.spec import Program, SpecError, did_you_mean, load_program
 
 from tessera.runtime.errors import UsageError  # noqa: F401  (re-exported: callers import it from here)
+from tessera.runtime.options import QUANTIZE_CHOICES  # one list, which the parsers read without the compiler
 from tessera.runtime.io.weights import SeededWeights, init_weights, load_weights, name_map_for
 
 
@@ -174,9 +175,6 @@ def weights_for(built: Built, weights: str | None, seed: int, allow_large: bool 
     return SeededWeights(built.graph, seed)
 
 
-QUANTIZE_CHOICES = ("none", "int8", "int4")
-
-
 @contextmanager
 def compiler_errors():
     """The one place a compiler PassError (CacheError among them) becomes the runtime's UsageError:
@@ -193,15 +191,22 @@ def quant_config(scheme: str = "none", block: int | None = None, head: bool = Fa
                  activations: str | None = None):
     """The QuantConfig that --quantize, --quantize-block, --quantize-head and --quantize-activations
     ask for (None for none)."""
-    from tessera.compiler.passes.quantize import DEFAULT_BLOCK, QuantConfig
+    from tessera.compiler.passes.quantize import DEFAULT_BLOCK, ROW_SCHEMES, QuantConfig
+    from tessera.compiler.reference.quant import ROWS
 
     scheme = scheme or "none"
     if scheme not in QUANTIZE_CHOICES:
         raise UsageError(f"quantize must be one of {', '.join(QUANTIZE_CHOICES)}, got {scheme!r}")
     if scheme == "none":
         if block is not None or head or activations is not None:
-            raise UsageError("--quantize-block, --quantize-head and --quantize-activations need --quantize int8 or int4")
+            raise UsageError("--quantize-block, --quantize-head and --quantize-activations need --quantize "
+                             "(int8, int4 or w8a8)")
         return None
+    if scheme in ROW_SCHEMES:
+        if block is not None or activations is not None:
+            raise UsageError(f"--quantize {scheme} has one scale per output row and quantises the activations per "
+                             f"tensor at run time: --quantize-block and --quantize-activations apply to int8 and int4")
+        block = ROWS
     config = QuantConfig(scheme, DEFAULT_BLOCK if block is None else block, head, activations or "int8")
     with compiler_errors():
         config.check()
@@ -227,7 +232,7 @@ def optimize(built: Built, options, explain: bool = False) -> list:
         if built.quantize is not None:
             done = sum(n.quantized for n in notes)
             lines.append(f"quantised linears: {done} of {len(notes)} ({built.quantize.scheme}, "
-                         f"block {built.quantize.block_size})")
+                         f"{built.quantize.granularity})")
             lines += [f"  {n.describe()}" for n in notes if not n.quantized]
         experts = explain_experts(expert_sites(result))
         if experts:

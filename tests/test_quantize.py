@@ -143,9 +143,9 @@ def test_report_gives_the_quantised_weight_bytes(capsys):
 
 
 @pytest.mark.parametrize("args, expected", [
-    (["--quantize-block", "32"], "need --quantize int8 or int4"),
-    (["--quantize-head"], "need --quantize int8 or int4"),
-    (["--quantize-activations", "float"], "need --quantize int8 or int4"),
+    (["--quantize-block", "32"], "need --quantize (int8, int4 or w8a8)"),
+    (["--quantize-head"], "need --quantize (int8, int4 or w8a8)"),
+    (["--quantize-activations", "float"], "need --quantize (int8, int4 or w8a8)"),
     (["--quantize", "int4", "--quantize-block", "24"], "power of two of at least 16"),
     (["--quantize", "int4", "--quantize-block", "8"], "power of two of at least 16"),
 ])

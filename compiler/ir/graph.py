@@ -28,7 +28,7 @@ from tessera.compiler.ir import dims
 from tessera.compiler.ir.dims import Shape
 
 DTYPES = {"f32": np.float32, "f16": np.float16, "bf16": None, "i64": np.int64, "i32": np.int32,
-          "bool": np.bool_, "u8": np.uint8}
+          "bool": np.bool_, "u8": np.uint8, "i8": np.int8}
 FLOAT_DTYPES = {"f32", "f16", "bf16"}
 # Precisions as the command line, kernel choice and the report name them (--dtype fp32|fp16|bf16),
 # and their element sizes; IR tensor types spell them f32, f16, bf16.
@@ -67,7 +67,8 @@ class Param:
     std: float = 0.02
     pos: Pos | None = None
     # Set for a parameter computed from another one at export (the quantisation pass's packed
-    # weights and scales): ("quantize", source path, bits, block, "packed" | "scales"); the fusion of
+    # weights and scales): ("quantize", source path, bits, block, "packed" | "scales"), block 0 for one
+    # scale per output row (the w8a8 scheme, compiler/reference/quant.py quantize_rows); the fusion of
     # linears sharing an input (compiler/passes/fuse_linears.py): ("concat", source paths, axis,
     # the sources' own recipes or None: the sources themselves are dropped from the graph).
     derive: tuple | None = None

@@ -52,7 +52,7 @@ def _linear_nbits_ref(x, a, ev):
 @op("linear_nbits", reference=_linear_nbits_ref,
     # the same products as the linear it replaces: y[..., N] = x[..., K] W^T
     cost=product(lambda c: c.out() * c.attrs["K"]),
-    saved=common.saved_weight_product, traits=("dense", "matmul_class"))
+    saved=common.saved_weight_product, traits=("dense", "matmul_class", "quantized"))
 def _linear_nbits(t, a):
     """y = x W^T (+ b) with W [N, K] quantised block-wise to ``bits`` (compiler/reference/quant.py):
     input 1 the packed uint8 [N, blocks, block_size*bits/8], input 2 the scales [N, blocks].
@@ -78,6 +78,39 @@ def _linear_nbits(t, a):
     if len(t) == 4 and not dims.shapes_equal(t[3].shape, (n,)):
         raise ShapeError(f"linear_nbits bias must be [{n}], got {dims.fmt_shape(t[3].shape)}")
     return [TensorType(x.dtype, x.shape[:-1] + (dims.dim(n),))]
+
+
+# ------------------------------------------------------------------ linear_int8
+def _linear_int8_ref(x, a, ev):
+    from tessera.compiler.reference.quant import int8_product
+
+    y = int8_product(x[0], x[1], x[2]).astype(x[0].dtype)
+    return y + x[3] if len(x) == 4 else y
+
+
+@op("linear_int8", reference=_linear_int8_ref,
+    # the same products as the linear it replaces: y[..., N] = x[..., K] W^T
+    cost=product(lambda c: c.out() * c.dim(c.type(1).shape[1])),
+    saved=common.saved_weight_product, traits=("dense", "matmul_class", "quantized"))
+def _linear_int8(t, a):
+    """y = x W^T (+ b) in integers (the w8a8 scheme, compiler/passes/quantize.py): input 1 W [N, K] as
+    int8, one symmetric scale per output row (input 2, [N]); at run time the activations are quantised
+    per tensor to uint8 (onnxruntime's DynamicQuantizeMatMul; compiler/reference/quant.py says how,
+    and the reference computes exactly that)."""
+    x, q, scales = t[0], t[1], t[2]
+    common.need_float(x, "linear_int8")
+    if q.dtype != "i8" or q.rank != 2:
+        raise ShapeError(f"linear_int8 weight must be i8[N, K], got {q}")
+    n, k = q.shape
+    if scales.dtype != "f32" or not dims.shapes_equal(scales.shape, (n,)):
+        raise ShapeError(f"linear_int8 scales must be f32[{dims.fmt(n)}], got {scales}")
+    if x.dtype != "f32":
+        raise ShapeError(f"linear_int8 takes f32 activations (DynamicQuantizeMatMul), got {x}")
+    if x.rank < 1 or not dims.equal(x.shape[-1], k):
+        raise ShapeError(f"linear_int8 expects input [..., {dims.fmt(k)}], got {dims.fmt_shape(x.shape)}")
+    if len(t) == 4 and not dims.shapes_equal(t[3].shape, (n,)):
+        raise ShapeError(f"linear_int8 bias must be [{dims.fmt(n)}], got {dims.fmt_shape(t[3].shape)}")
+    return [TensorType(x.dtype, x.shape[:-1] + (n,))]
 
 
 # ------------------------------------------------------------------ matmul

@@ -72,6 +72,8 @@ TRAITS = {
     "dense": "a product with weights (projections, convolutions): the N·D² work; input 1 is the weight",
     "matmul_class": "work counted as multiply-adds and run at tensor-core (matmul) peak",
     "conv": "a convolution (its parameters are reported as a convolution)",
+    "quantized": "a quantised linear: input 1 the weight's integer values, input 2 their scales, input 3 the "
+                 "optional bias (compiler/passes/quantize.py)",
 }
 
 

@@ -6,7 +6,7 @@ three kernel launches, three reads of the input and three sets of threads. onnxr
 builder exports q, k and v as one MatMul for this reason.
 
 Pattern (compiler/patterns/linears.py): two or more ``linear`` nodes (or ``linear_nbits``, the
-quantised form, with the same bits, block and K) with the same input value, each weight a parameter
+quantised form, with the same bits, block and K, or ``linear_int8``, whose scales are per row too) with the same input value, each weight a parameter
 of the same dtype and input width that nothing but that one linear reads (a tied head is left
 alone), all with a bias parameter or all without. Rewrite: one linear over the concatenated weight ([sum of outs, in]; for linear_nbits the
 packed values and the scales, which are per output row, so concatenating them quantises nothing
@@ -52,7 +52,7 @@ def _fused_path(paths: list[str]) -> str:
 
 
 # per op: the inputs that are weights concatenated along their axis 0 (the outputs), and the optional bias's index
-WEIGHT_INPUTS = {"linear": ((1,), 2), "linear_nbits": ((1, 2), 3)}
+WEIGHT_INPUTS = {"linear": ((1,), 2), "linear_nbits": ((1, 2), 3), "linear_int8": ((1, 2), 3)}
 
 
 class FuseSharedInputLinears(Pass):

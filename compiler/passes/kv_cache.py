@@ -565,7 +565,7 @@ class LastPositionLogits(Pass):
         while head is not None and (head.op == "identity" or (ops.has_trait(head.op, "elementwise") and
                                                               all(_fixed(g, v) for v in head.inputs[1:]))):
             head = g.producer(head.inputs[0])
-        if head is None or head.op not in ("linear", "linear_nbits"):
+        if head is None or not (head.op == "linear" or ops.has_trait(head.op, "quantized")):
             raise CacheError("last_only needs the logits to come from a linear output head")
         x = head.inputs[0]
         xt = g.type_of(x)

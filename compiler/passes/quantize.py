@@ -1,11 +1,19 @@
-"""Weight-only quantisation: each ``linear`` whose weight is a parameter becomes ``linear_nbits``
-(onnxruntime's com.microsoft.MatMulNBits), its weight replaced by derived parameters: the packed
-int8 or int4 values and their block-wise scales (compiler/reference/quant.py).
+"""Weight quantisation: each ``linear`` whose weight is a parameter becomes a quantised linear, its
+weight replaced by derived parameters (compiler/reference/quant.py):
 
-Why weights: decoding reads every weight once per token, so its time is the weight bytes (4x
-fewer with int8, 8x with int4, plus a scale per block). Activations are stored in float; by
-default MatMulNBits quantises them to int8 on the fly inside the product (accuracy_level 4,
-``activations="int8"``), ``activations="float"`` keeps the product in fp32 (accuracy_level 0).
+- schemes ``int8`` and ``int4``: ``linear_nbits`` (onnxruntime's com.microsoft.MatMulNBits), the
+  packed values and their block-wise scales. Activations are stored in float; by default
+  MatMulNBits quantises them to int8 on the fly inside the product (accuracy_level 4,
+  ``activations="int8"``), ``activations="float"`` keeps the product in fp32 (accuracy_level 0);
+- scheme ``w8a8``: ``linear_int8`` (com.microsoft.DynamicQuantizeMatMul), int8 values with one
+  scale per output row; the activations are quantised per tensor at run time and the product runs
+  in onnxruntime's integer GEMM (VNNI, AMX where the CPU has them).
+
+Why: decoding reads every weight once per token, so its time is the weight bytes (4x fewer with
+int8, 8x with int4, plus the scales). A batch of rows or a prompt is bound by arithmetic instead,
+and there the integer GEMM of ``w8a8`` is several times fp32's, where MatMulNBits' int8 path is not
+(docs/BENCHMARKS.md "w8a8"); its activations carry one scale per tensor, coarser than
+MatMulNBits' per block of 32.
 
 Which linears: every one whose weight is a parameter, except
 - the output head (a linear whose result is a model output, through views or not, or whose weight is also an embedding
@@ -25,9 +33,10 @@ from dataclasses import dataclass
 
 from tessera.compiler.ir.graph import Graph, Param
 from tessera.compiler.passes.base import Pass, PassError, PassResult
-from tessera.compiler.reference.quant import BITS, blocks, packed_shape
+from tessera.compiler.reference.quant import BITS, ROWS, blocks, packed_shape
 
-SCHEMES = {"int8": 8, "int4": 4}
+SCHEMES = {"int8": 8, "int4": 4, "w8a8": 8}
+ROW_SCHEMES = ("w8a8",)  # one scale per output row, DynamicQuantizeMatMul (linear_int8)
 # MatMulNBits' accuracy_level: 0 computes in fp32 from dequantised weights; 4 quantises each block
 # of activations to int8 at run time and uses onnxruntime's integer kernels (several times faster
 # for one token at a time on this CPU: docs/BENCHMARKS.md).
@@ -50,9 +59,26 @@ class QuantConfig:
     def bits(self) -> int:
         return SCHEMES[self.scheme]
 
+    @property
+    def per_row(self) -> bool:
+        return self.scheme in ROW_SCHEMES
+
+    @property
+    def granularity(self) -> str:
+        """What one scale covers, in words: "per row" (w8a8) or "block 32"."""
+        return "per row" if self.per_row else f"block {self.block_size}"
+
     def check(self) -> None:
         if self.scheme not in SCHEMES:
             raise PassError(f"quantize must be one of {', '.join(SCHEMES)}, got {self.scheme!r}")
+        if self.per_row:
+            if self.block_size != ROWS or self.activations != "int8":
+                raise PassError(f"{self.scheme} has one scale per output row and quantises the activations per "
+                                f"tensor: the block size and the activations' precision are int8/int4's "
+                                f"(drop --quantize-block and --quantize-activations)")
+            if not isinstance(self.head, bool):
+                raise PassError(f"quantize head must be true or false, got {self.head!r}")
+            return
         b = self.block_size
         if isinstance(b, bool) or not isinstance(b, int) or b < 16 or b & (b - 1):
             raise PassError(f"the quantisation block size must be a power of two of at least 16 "
@@ -84,7 +110,9 @@ class QuantizeWeights(Pass):
         self.config = config
 
     def requires(self, graph: Graph) -> None:
-        done = next((n.name for n in graph.nodes.values() if n.op == "linear_nbits"), None)
+        from tessera.compiler import ops
+
+        done = next((n.name for n in graph.nodes.values() if ops.has_trait(n.op, "quantized")), None)
         if done:
             raise PassError(f"the graph is already quantised (node {done})")
 
@@ -101,15 +129,38 @@ class QuantizeWeights(Pass):
                 return "the output head, tied to the embedding (--quantize-head quantises it too)"
             if _is_output(graph, node.outputs[0]):
                 return "the output head (--quantize-head quantises it too)"
-        if k < self.config.block_size:
+        if self.config.per_row:
+            if graph.type_of(node.inputs[0]).dtype != "f32":
+                return "its input is not f32 (DynamicQuantizeMatMul takes f32 activations)"
+        elif k < self.config.block_size:
             return f"{k} input features, fewer than the block size {self.config.block_size}"
         if n < MIN_OUTPUTS:
             return f"{n} outputs, fewer than {MIN_OUTPUTS} (too small to gain; a router's choice is brittle)"
         return None
 
+    def _replace(self, graph: Graph, node, n: int, k: int) -> None:
+        """``node`` (a linear over the weight [n, k]) as the scheme's quantised linear."""
+        bits, block, w = self.config.bits, self.config.block_size, node.inputs[1]
+        p = graph.params[w]
+        if self.config.per_row:
+            op, block = "linear_int8", ROWS
+            parts = (("packed", (n, k), "i8"), ("scales", (n,), "f32"))
+            attrs = {}
+        else:
+            op = "linear_nbits"
+            parts = (("packed", packed_shape(n, k, bits, block), "u8"), ("scales", (n, blocks(k, block)), "f32"))
+            attrs = {"bits": bits, "block_size": block, "K": k, "N": n,
+                     "accuracy_level": ACTIVATIONS[self.config.activations]}
+        names = {}
+        for part, shape, dtype in parts:
+            path = f"{w}.{self.config.scheme}_{part}"  # a parameter path: no '/' (constants have one)
+            if path not in graph.params:  # a weight read by two linears is quantised once
+                graph.add_param(Param(path, shape, dtype, "derived", 0.0, p.pos, ("quantize", w, bits, block, part)))
+            names[part] = path
+        graph.replace_node(node.name, op, [node.inputs[0], names["packed"], names["scales"], *node.inputs[2:]], attrs)
+
     def run(self, graph: Graph) -> PassResult:
-        bits, block = self.config.bits, self.config.block_size
-        assert bits in BITS
+        assert self.config.bits in BITS
         notes = []
         for node in list(graph.nodes.values()):
             if node.op != "linear":
@@ -119,19 +170,8 @@ class QuantizeWeights(Pass):
             if reason is not None:
                 notes.append(QuantNote(node.name, w, False, reason))
                 continue
-            p = graph.params[w]
-            n, k = p.shape
-            names = {}
-            for part, shape, dtype in (("packed", packed_shape(n, k, bits, block), "u8"),
-                                       ("scales", (n, blocks(k, block)), "f32")):
-                path = f"{w}.{self.config.scheme}_{part}"  # a parameter path: no '/' (constants have one)
-                if path not in graph.params:  # a weight read by two linears is quantised once
-                    graph.add_param(Param(path, shape, dtype, "derived", 0.0, p.pos, ("quantize", w, bits, block, part)))
-                names[part] = path
-            inputs = [node.inputs[0], names["packed"], names["scales"], *node.inputs[2:]]
-            graph.replace_node(node.name, "linear_nbits", inputs,
-                               {"bits": bits, "block_size": block, "K": k, "N": n,
-                                "accuracy_level": ACTIVATIONS[self.config.activations]})
+            n, k = graph.params[w].shape
+            self._replace(graph, node, n, k)
             if not graph.consumers(w):
                 graph.remove_param(w)
             notes.append(QuantNote(node.name, w, True))

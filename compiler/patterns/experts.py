@@ -26,8 +26,8 @@ def _linear(what: str):
     def check(graph: Graph, value: str, node: Node | None) -> str | None:
         if node is None or node.op != "linear":
             op = node.op if node is not None else "an input"
-            if op == "linear_nbits":
-                return "the experts are quantised (linear_nbits): sparse_moe takes float weights"
+            if op in ("linear_nbits", "linear_int8"):
+                return f"the experts are quantised ({op}): sparse_moe takes float weights"
             return f"an expert's {what} is {op}, not a linear (only SwiGLU experts are made sparse)"
         if len(node.inputs) != 2:
             return f"an expert's {what} linear has a bias (only bias-free SwiGLU experts are made sparse)"

@@ -2,7 +2,7 @@
 concatenate with the other linears reading the same input.
 
 One pattern per op (``OWN_WEIGHT_LINEAR``): ``linear`` (x, weight, optional bias) and
-``linear_nbits``, the quantised form (x, packed weight, scales, optional bias). Each weight must be
+the quantised forms ``linear_nbits`` and ``linear_int8`` (x, quantised weight, scales, optional bias). Each weight must be
 a parameter that nothing but this one linear reads, once (a tied head is left alone: the token
 table is also gathered by the embedding); the bias, when there is one, a vector parameter of its
 own likewise. Captured: ``x``, the weights ``w0`` (and ``w1``), and ``bias`` when present."""
@@ -30,6 +30,7 @@ def _own_vector(graph: Graph, value: str, node: Node | None) -> str | None:
 _X = Pat(name="x")
 OWN_WEIGHT_LINEAR = {
     "linear": Pat("linear", (_X, Pat(name="w0", check=_own_param), Pat(name="bias", check=_own_vector)), optional=1),
-    "linear_nbits": Pat("linear_nbits", (_X, Pat(name="w0", check=_own_param), Pat(name="w1", check=_own_param),
-                                         Pat(name="bias", check=_own_vector)), optional=1),
+    **{op: Pat(op, (_X, Pat(name="w0", check=_own_param), Pat(name="w1", check=_own_param),
+                    Pat(name="bias", check=_own_vector)), optional=1)
+       for op in ("linear_nbits", "linear_int8")},
 }

@@ -11,6 +11,11 @@ is quantised symmetrically: scale = max|w| / (2^(bits-1) - 1), q = round(w / sca
 point when the zero_points input is absent). ``packed`` is uint8 [N, blocks, block * bits / 8]: for
 int4 two values a byte, the even index in the low nibble; ``scales`` is float32 [N, blocks].
 Dequantised: w = (q_unsigned - 2^(bits-1)) * scale.
+
+The ``w8a8`` scheme (com.microsoft.DynamicQuantizeMatMul, ``linear_int8``): W [N, K] quantised per
+output row, symmetrically, to int8 [N, K] with one float32 scale per row (``quantize_rows``); at run
+time onnxruntime quantises the activations per tensor to uint8 (``dynamic_quantize``) and multiplies
+in integers (``int8_product``).
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from collections.abc import Mapping
 import numpy as np
 
 BITS = (4, 8)
+ROWS = 0  # a derived parameter's block size meaning one scale per output row (quantize_rows)
 
 
 def blocks(k: int, block: int) -> int:
@@ -62,6 +68,36 @@ def dequantize(packed: np.ndarray, scales: np.ndarray, bits: int, block: int, k:
     return w.reshape(packed.shape[0], -1)[:, :k]
 
 
+def quantize_rows(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(int8 [N, K], float32 scales [N]) of a float weight [N, K]: per row, scale = max|w| / 127 and
+    q = round(w / scale) in [-127, 127] (symmetric: no zero point)."""
+    w = np.asarray(w, dtype=np.float32)
+    scales = np.abs(w).max(axis=1) / np.float32(127)
+    safe = np.where(scales > 0, scales, np.float32(1))
+    q = np.clip(np.rint(w / safe[:, None]), -127, 127).astype(np.int8)
+    return q, scales.astype(np.float32)
+
+
+def dynamic_quantize(x: np.ndarray) -> tuple[np.ndarray, np.float32, int]:
+    """(uint8 values, scale, zero point) of ``x`` quantised per tensor as onnxruntime's
+    DynamicQuantizeLinear does: the range [min(x, 0), max(x, 0)] over 0..255, the zero point rounded
+    half to even."""
+    x = np.asarray(x, dtype=np.float32)
+    lo, hi = min(float(x.min()), 0.0), max(float(x.max()), 0.0)
+    scale = np.float32((hi - lo) / 255.0) if hi > lo else np.float32(1.0)
+    zero = int(np.rint(np.clip(0.0 - lo / scale, 0, 255)))
+    q = np.clip(np.rint(x / scale) + zero, 0, 255).astype(np.uint8)
+    return q, scale, zero
+
+
+def int8_product(x: np.ndarray, q: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """x [..., K] W^T with W given as ``quantize_rows``' (q [N, K], scales [N]), computed as
+    DynamicQuantizeMatMul does: x quantised per tensor, the product in integers, then rescaled."""
+    xq, xs, xz = dynamic_quantize(x)
+    acc = (xq.astype(np.int64) - xz) @ q.astype(np.int64).T
+    return (acc.astype(np.float32) * (xs * scales.astype(np.float32))).astype(np.float32)
+
+
 class ParamValues(Mapping):
     """The values of a graph's parameters: those in ``weights`` (a mapping by path) as they are,
     and each derived parameter (``Param.derive``, set by the quantisation pass and by the fusion of
@@ -91,7 +127,8 @@ class ParamValues(Mapping):
         with self._lock:
             if self._key != (source, bits, block):
                 self._key = self._value = None  # drop the previous weight's before computing this one
-                self._value = quantize(np.asarray(self.weights[source]), bits, block)
+                w = np.asarray(self.weights[source])
+                self._value = quantize_rows(w) if block == ROWS else quantize(w, bits, block)
                 self._key = (source, bits, block)
             packed, scales = self._value
         return packed if part == "packed" else scales

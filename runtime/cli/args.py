@@ -25,12 +25,16 @@ def dtype_arg(text: str) -> str:
 def add_quant_arguments(p: argparse.ArgumentParser) -> None:
     """--quantize, --quantize-block, --quantize-head (compile, run, generate and report share them)."""
     p.add_argument("--quantize", choices=list(options.QUANTIZE_CHOICES), default="none",
-                   help="quantise the weights of the linear layers to int8 or int4 with block-wise scales, "
-                        "run by onnxruntime's MatMulNBits (activations are stored in float; see "
-                        "--quantize-activations). The embedding tables stay float; the output head too unless "
-                        "--quantize-head (default none)")
+                   help="quantise the weights of the linear layers. int8, int4: block-wise scales, run by "
+                        "onnxruntime's MatMulNBits (activations stored in float; see --quantize-activations); "
+                        "smallest and fastest for one sequence at a time. w8a8: int8 weights with a scale per "
+                        "output row, activations quantised per tensor at run time, the product in onnxruntime's "
+                        "integer GEMM (DynamicQuantizeMatMul; VNNI/AMX): fastest for prompts and batches (fp32 "
+                        "only). The embedding tables stay float; the output head too unless --quantize-head "
+                        "(default none)")
     p.add_argument("--quantize-block", type=int, metavar="N",
-                   help="input features per quantisation scale: a power of two, at least 16 (default 32)")
+                   help="input features per quantisation scale: a power of two, at least 16 (default 32; "
+                        "int8 and int4)")
     p.add_argument("--quantize-activations", choices=["int8", "float"],
                    help="int8: MatMulNBits quantises the activations to int8 inside each product "
                         "(accuracy_level 4, faster); float: the product runs in fp32 (accuracy_level 0) "

@@ -215,7 +215,7 @@ def sections(rep: dict) -> list[tuple[str, list[str], list[list[str]]]]:
         rows += [[f"  kept: {k['node']}: {k['reason']}", "", ""] for k in q["kept_in_float"][:8]]
         if len(q["kept_in_float"]) > 8:
             rows.append([f"  ... and {len(q['kept_in_float']) - 8} more kept in float", "", ""])
-        out.append((f"Quantisation ({q['scheme']}, block {q['block_size']}, head "
+        out.append((f"Quantisation ({q['scheme']}, {q['granularity']}, head "
                     f"{'quantised' if q['head'] else 'float'})", ["", "bytes", ""], rows))
     return out
 

@@ -18,12 +18,16 @@ from tessera.compiler.ir.graph import Graph
 
 ONNX_DTYPES = {"f32": TensorProto.FLOAT, "f16": TensorProto.FLOAT16, "bf16": TensorProto.BFLOAT16,
                "i64": TensorProto.INT64, "i32": TensorProto.INT32, "bool": TensorProto.BOOL,
-               "u8": TensorProto.UINT8}
+               "u8": TensorProto.UINT8, "i8": TensorProto.INT8}
+
+
+# the ops whose weight (input 1, [out, in] in the IR) the ONNX op takes as [in, out]
+TRANSPOSED_BY = ("linear", "linear_int8")
 
 
 def transposed_weights(graph: Graph) -> frozenset[str]:
     """The parameters written to ONNX transposed, [in, out] where the IR has [out, in]: every 2-d
-    parameter that only ``linear`` nodes read, and only as their weight. ONNX's MatMul takes B as
+    parameter that only ``linear`` (or ``linear_int8``) nodes read, and only as their weight. ONNX's MatMul takes B as
     [in, out]; exporting the IR's layout behind a Transpose made onnxruntime fold the Transpose into
     a second copy of every weight (the session held about 2.2x the weights). A parameter read by
     anything else (GPT-2's head tied to the token table, which the embedding gathers rows of) keeps
@@ -33,7 +37,7 @@ def transposed_weights(graph: Graph) -> frozenset[str]:
         if len(p.shape) != 2 or path not in graph.values:
             continue
         users = graph.consumers(path)
-        if users and all(u.op == "linear" and u.inputs.index(path) == 1 and u.inputs.count(path) == 1
+        if users and all(u.op in TRANSPOSED_BY and u.inputs.index(path) == 1 and u.inputs.count(path) == 1
                          for u in users):
             out.add(path)
     return frozenset(out)

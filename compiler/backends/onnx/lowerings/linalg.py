@@ -1,5 +1,6 @@
 """ONNX lowerings of the products (compiler/ops/linalg.py): linear (MatMul on weights written
-[in, out]), the block-quantised linear (com.microsoft MatMulNBits), matmul, embedding, convolutions."""
+[in, out]), the block-quantised linear (com.microsoft MatMulNBits), the int8 linear (com.microsoft
+DynamicQuantizeMatMul, its weight written [in, out] too), matmul, embedding, convolutions."""
 
 from __future__ import annotations
 
@@ -26,6 +27,15 @@ def _linear_nbits(L):
 
 
 
+def _linear_int8(L):
+    # DynamicQuantizeMatMul(A, B [K, N] int8, b_scale [N], b_zero_point, bias): the weight is written
+    # [in, out] (builder.transposed_weights), no zero point (symmetric)
+    assert L.x[1] in L.b.transposed, f"linear_int8's weight {L.x[1]} must be written [in, out]"
+    bias = [L.x[3]] if len(L.x) == 4 else []
+    L.emit("DynamicQuantizeMatMul", [L.x[0], L.x[1], L.x[2], *(["", *bias] if bias else [])], domain="com.microsoft")
+
+
+
 def _conv2d(L):
     k = L.a["kernel"]
     L.emit("Conv", L.x, kernel_shape=[k, k], strides=[L.a["stride"], L.a["stride"]])
@@ -42,6 +52,7 @@ def _conv1d(L):
 LOWERINGS = {
     "linear": _linear,
     "linear_nbits": _linear_nbits,
+    "linear_int8": _linear_int8,
     "matmul": lambda L: L.emit("MatMul", L.x),
     "embedding": lambda L: L.emit("Gather", [L.x[1], L.x[0]], axis=0),
     "conv2d": _conv2d,
