@@ -5,7 +5,9 @@ with the same rules. Each command's options are one dataclass with typed, defaul
 one ``check()`` holds every rule about them: a value's type and range (the API and the server pass
 raw Python values, so ``seed="x"`` or ``batch=1.5`` must be refused here, naming the argument) and
 the rules between options (``--decode`` needs ``--kv-cache``, ``--full`` needs ``--format json``).
-argparse only fills these objects (``from_args``); runtime/driver.py does the work. A new option is
+argparse only fills these objects (``from_args``); runtime/driver.py does the work. (The --quantize
+flags are defined here, ``add_quant_arguments``, because serving's commands take them too and
+runtime/serving/ does not import the command line.) A new option is
 one field here, one flag in runtime/cli/ and one keyword in runtime/api.py, and
 tests/test_options_parity.py fails until all three exist.
 
@@ -227,6 +229,28 @@ class QuantOptions(Options):
         from tessera.runtime.pipeline import quant_config
 
         return quant_config(self.quantize, self.quantize_block, self.quantize_head, self.quantize_activations)
+
+
+def add_quant_arguments(p: argparse.ArgumentParser) -> None:
+    """The flags that fill QuantOptions: --quantize, --quantize-block, --quantize-activations, --quantize-head
+    (compile, run, report, generate, serve and batch share them)."""
+    p.add_argument("--quantize", choices=list(QUANTIZE_CHOICES), default="none",
+                   help="quantise the weights of the linear layers. int8, int4: block-wise scales, run by "
+                        "onnxruntime's MatMulNBits (activations stored in float; see --quantize-activations); "
+                        "smallest and fastest for one sequence at a time. w8a8: int8 weights with a scale per "
+                        "output row, each activation row (token) quantised at run time, the product in "
+                        "onnxruntime's integer GEMM (VNNI/AMX): fastest for prompts and batches (fp32 only). The embedding tables stay float; the output head too unless --quantize-head "
+                        "(default none)")
+    p.add_argument("--quantize-block", type=int, metavar="N",
+                   help="input features per quantisation scale: a power of two, at least 16 (default 32; "
+                        "int8 and int4)")
+    p.add_argument("--quantize-activations", choices=list(QUANT_ACTIVATIONS),
+                   help="int8: MatMulNBits quantises the activations to int8 inside each product "
+                        "(accuracy_level 4, faster); float: the product runs in fp32 (accuracy_level 0) "
+                        "(default int8)")
+    p.add_argument("--quantize-head", action="store_true",
+                   help="quantise the output head as well (by default it stays float: its errors go "
+                        "straight into the logits)")
 
 
 @dataclass(kw_only=True)

@@ -205,7 +205,7 @@ def quant_config(scheme: str = "none", block: int | None = None, head: bool = Fa
     if scheme in ROW_SCHEMES:
         if block is not None or activations is not None:
             raise UsageError(f"--quantize {scheme} has one scale per output row and quantises the activations per "
-                             f"tensor at run time: --quantize-block and --quantize-activations apply to int8 and int4")
+                             f"row at run time: --quantize-block and --quantize-activations apply to int8 and int4")
         block = ROWS
     config = QuantConfig(scheme, DEFAULT_BLOCK if block is None else block, head, activations or "int8")
     with compiler_errors():

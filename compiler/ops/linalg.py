@@ -94,9 +94,9 @@ def _linear_int8_ref(x, a, ev):
     saved=common.saved_weight_product, traits=("dense", "matmul_class", "quantized"))
 def _linear_int8(t, a):
     """y = x W^T (+ b) in integers (the w8a8 scheme, compiler/passes/quantize.py): input 1 W [N, K] as
-    int8, one symmetric scale per output row (input 2, [N]); at run time the activations are quantised
-    per tensor to uint8 (onnxruntime's DynamicQuantizeMatMul; compiler/reference/quant.py says how,
-    and the reference computes exactly that)."""
+    int8, one symmetric scale per output row (input 2, [N]); at run time each row of x is quantised
+    to int8 with a scale of its own (compiler/reference/quant.py says how, and the reference computes
+    exactly that), so a row's result does not depend on the other rows."""
     x, q, scales = t[0], t[1], t[2]
     common.need_float(x, "linear_int8")
     if q.dtype != "i8" or q.rank != 2:
@@ -105,7 +105,7 @@ def _linear_int8(t, a):
     if scales.dtype != "f32" or not dims.shapes_equal(scales.shape, (n,)):
         raise ShapeError(f"linear_int8 scales must be f32[{dims.fmt(n)}], got {scales}")
     if x.dtype != "f32":
-        raise ShapeError(f"linear_int8 takes f32 activations (DynamicQuantizeMatMul), got {x}")
+        raise ShapeError(f"linear_int8 takes f32 activations (onnxruntime's integer products are fp32 around), got {x}")
     if x.rank < 1 or not dims.equal(x.shape[-1], k):
         raise ShapeError(f"linear_int8 expects input [..., {dims.fmt(k)}], got {dims.fmt_shape(x.shape)}")
     if len(t) == 4 and not dims.shapes_equal(t[3].shape, (n,)):

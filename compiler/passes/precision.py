@@ -37,7 +37,7 @@ class LowerPrecision(Pass):
             raise PassError(f"the graph is already lowered to {self.dtype} (parameter {lowered})")
         int8 = next((n.name for n in graph.nodes.values() if n.op == "linear_int8"), None)
         if int8:
-            raise PassError(f"--quantize w8a8 computes in fp32 (onnxruntime's DynamicQuantizeMatMul takes fp32 "
+            raise PassError(f"--quantize w8a8 computes in fp32 (onnxruntime's integer product takes and gives fp32 "
                             f"activations; node {int8}): drop --dtype {'fp16' if self.dtype == 'f16' else self.dtype}, "
                             f"or quantise with int8 or int4")
 

@@ -5,14 +5,15 @@ weight replaced by derived parameters (compiler/reference/quant.py):
   packed values and their block-wise scales. Activations are stored in float; by default
   MatMulNBits quantises them to int8 on the fly inside the product (accuracy_level 4,
   ``activations="int8"``), ``activations="float"`` keeps the product in fp32 (accuracy_level 0);
-- scheme ``w8a8``: ``linear_int8`` (com.microsoft.DynamicQuantizeMatMul), int8 values with one
-  scale per output row; the activations are quantised per tensor at run time and the product runs
-  in onnxruntime's integer GEMM (VNNI, AMX where the CPU has them).
+- scheme ``w8a8``: ``linear_int8``, int8 values with one scale per output row; at run time each
+  row (token) of the activations is quantised to int8 with a scale of its own, and the product runs
+  in onnxruntime's integer GEMM (com.microsoft.MatMulIntegerToFloat: VNNI, AMX where the CPU has
+  them). Per row, not per tensor: a token's result must not depend on the rest of its batch.
 
 Why: decoding reads every weight once per token, so its time is the weight bytes (4x fewer with
 int8, 8x with int4, plus the scales). A batch of rows or a prompt is bound by arithmetic instead,
 and there the integer GEMM of ``w8a8`` is several times fp32's, where MatMulNBits' int8 path is not
-(docs/BENCHMARKS.md "w8a8"); its activations carry one scale per tensor, coarser than
+(docs/BENCHMARKS.md "w8a8"); its activations carry one scale per row, coarser than
 MatMulNBits' per block of 32.
 
 Which linears: every one whose weight is a parameter, except
@@ -36,7 +37,7 @@ from tessera.compiler.passes.base import Pass, PassError, PassResult
 from tessera.compiler.reference.quant import BITS, ROWS, blocks, packed_shape
 
 SCHEMES = {"int8": 8, "int4": 4, "w8a8": 8}
-ROW_SCHEMES = ("w8a8",)  # one scale per output row, DynamicQuantizeMatMul (linear_int8)
+ROW_SCHEMES = ("w8a8",)  # one scale per output row and per activation row (linear_int8)
 # MatMulNBits' accuracy_level: 0 computes in fp32 from dequantised weights; 4 quantises each block
 # of activations to int8 at run time and uses onnxruntime's integer kernels (several times faster
 # for one token at a time on this CPU: docs/BENCHMARKS.md).
@@ -74,7 +75,7 @@ class QuantConfig:
         if self.per_row:
             if self.block_size != ROWS or self.activations != "int8":
                 raise PassError(f"{self.scheme} has one scale per output row and quantises the activations per "
-                                f"tensor: the block size and the activations' precision are int8/int4's "
+                                f"row: the block size and the activations' precision are int8/int4's "
                                 f"(drop --quantize-block and --quantize-activations)")
             if not isinstance(self.head, bool):
                 raise PassError(f"quantize head must be true or false, got {self.head!r}")
@@ -131,7 +132,7 @@ class QuantizeWeights(Pass):
                 return "the output head (--quantize-head quantises it too)"
         if self.config.per_row:
             if graph.type_of(node.inputs[0]).dtype != "f32":
-                return "its input is not f32 (DynamicQuantizeMatMul takes f32 activations)"
+                return "its input is not f32 (the integer product takes f32 activations)"
         elif k < self.config.block_size:
             return f"{k} input features, fewer than the block size {self.config.block_size}"
         if n < MIN_OUTPUTS:

@@ -12,10 +12,10 @@ point when the zero_points input is absent). ``packed`` is uint8 [N, blocks, blo
 int4 two values a byte, the even index in the low nibble; ``scales`` is float32 [N, blocks].
 Dequantised: w = (q_unsigned - 2^(bits-1)) * scale.
 
-The ``w8a8`` scheme (com.microsoft.DynamicQuantizeMatMul, ``linear_int8``): W [N, K] quantised per
-output row, symmetrically, to int8 [N, K] with one float32 scale per row (``quantize_rows``); at run
-time onnxruntime quantises the activations per tensor to uint8 (``dynamic_quantize``) and multiplies
-in integers (``int8_product``).
+The ``w8a8`` scheme (``linear_int8``): W [N, K] quantised per output row, symmetrically, to int8
+[N, K] with one float32 scale per row (``quantize_rows``); at run time each row of the activations
+is quantised likewise (``quantize_activation_rows``) and onnxruntime multiplies in integers
+(com.microsoft.MatMulIntegerToFloat; ``int8_product``).
 """
 
 from __future__ import annotations
@@ -78,24 +78,30 @@ def quantize_rows(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return q, scales.astype(np.float32)
 
 
-def dynamic_quantize(x: np.ndarray) -> tuple[np.ndarray, np.float32, int]:
-    """(uint8 values, scale, zero point) of ``x`` quantised per tensor as onnxruntime's
-    DynamicQuantizeLinear does: the range [min(x, 0), max(x, 0)] over 0..255, the zero point rounded
-    half to even."""
+# Activations: each row (token) quantised on its own, symmetrically, so that a row's product never
+# depends on the other rows of its batch (a per-tensor scale would make a request's tokens depend on
+# whatever else the serving engine runs with it). A row of zeros gets the smallest scale instead of 0.
+ROW_SCALE_FLOOR = np.float32(1e-30)
+INV_127 = np.float32(1 / 127)
+ACTIVATION_ZERO_POINT = 128  # the row's int8 value + 128 as uint8: onnxruntime's fast u8 x s8 GEMM
+
+
+def quantize_activation_rows(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(int values in [-127, 127], float32 scales [..., 1]) of ``x`` [..., K], one scale per row:
+    scale = max(max|x_row| * (1/127), 1e-30), q = round(x / scale) (half to even), in float32 and
+    in the order the ONNX lowering computes them (compiler/backends/onnx/lowerings/linalg.py)."""
     x = np.asarray(x, dtype=np.float32)
-    lo, hi = min(float(x.min()), 0.0), max(float(x.max()), 0.0)
-    scale = np.float32((hi - lo) / 255.0) if hi > lo else np.float32(1.0)
-    zero = int(np.rint(np.clip(0.0 - lo / scale, 0, 255)))
-    q = np.clip(np.rint(x / scale) + zero, 0, 255).astype(np.uint8)
-    return q, scale, zero
+    scale = np.maximum(np.abs(x).max(axis=-1, keepdims=True) * INV_127, ROW_SCALE_FLOOR)
+    return np.rint(x / scale), scale
 
 
 def int8_product(x: np.ndarray, q: np.ndarray, scales: np.ndarray) -> np.ndarray:
-    """x [..., K] W^T with W given as ``quantize_rows``' (q [N, K], scales [N]), computed as
-    DynamicQuantizeMatMul does: x quantised per tensor, the product in integers, then rescaled."""
-    xq, xs, xz = dynamic_quantize(x)
-    acc = (xq.astype(np.int64) - xz) @ q.astype(np.int64).T
-    return (acc.astype(np.float32) * (xs * scales.astype(np.float32))).astype(np.float32)
+    """x [..., K] W^T with W given as ``quantize_rows``' (q [N, K], scales [N]), as the lowering
+    computes it: x quantised per row, the product in integers (exact), times W's row scales, times
+    x's row scale."""
+    xq, xs = quantize_activation_rows(x)
+    acc = xq.astype(np.int64) @ q.astype(np.int64).T
+    return (acc.astype(np.float32) * scales.astype(np.float32)) * xs
 
 
 class ParamValues(Mapping):

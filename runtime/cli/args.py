@@ -22,26 +22,9 @@ def dtype_arg(text: str) -> str:
     return _DTYPE_ALIASES.get(text, text)
 
 
-def add_quant_arguments(p: argparse.ArgumentParser) -> None:
-    """--quantize, --quantize-block, --quantize-head (compile, run, generate and report share them)."""
-    p.add_argument("--quantize", choices=list(options.QUANTIZE_CHOICES), default="none",
-                   help="quantise the weights of the linear layers. int8, int4: block-wise scales, run by "
-                        "onnxruntime's MatMulNBits (activations stored in float; see --quantize-activations); "
-                        "smallest and fastest for one sequence at a time. w8a8: int8 weights with a scale per "
-                        "output row, activations quantised per tensor at run time, the product in onnxruntime's "
-                        "integer GEMM (DynamicQuantizeMatMul; VNNI/AMX): fastest for prompts and batches (fp32 "
-                        "only). The embedding tables stay float; the output head too unless --quantize-head "
-                        "(default none)")
-    p.add_argument("--quantize-block", type=int, metavar="N",
-                   help="input features per quantisation scale: a power of two, at least 16 (default 32; "
-                        "int8 and int4)")
-    p.add_argument("--quantize-activations", choices=["int8", "float"],
-                   help="int8: MatMulNBits quantises the activations to int8 inside each product "
-                        "(accuracy_level 4, faster); float: the product runs in fp32 (accuracy_level 0) "
-                        "(default int8)")
-    p.add_argument("--quantize-head", action="store_true",
-                   help="quantise the output head as well (by default it stays float: its errors go "
-                        "straight into the logits)")
+# --quantize and its details: defined beside QuantOptions (runtime/options.py), since `tessera serve`
+# and `tessera batch` (runtime/serving/, which does not import the command line) take them too
+add_quant_arguments = options.add_quant_arguments
 
 
 def model_args(p: argparse.ArgumentParser, spec_help: str, metavar: str = "SPEC") -> None:

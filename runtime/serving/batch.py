@@ -28,6 +28,8 @@ from pathlib import Path
 
 from typing import TYPE_CHECKING
 
+from tessera.runtime.options import QuantOptions
+
 from .model import UsageError
 
 if TYPE_CHECKING:  # the engine (and onnxruntime behind it) is imported when a batch runs, not for --help
@@ -37,9 +39,10 @@ ROW_FIELDS = ("prompt", "max_tokens", "temperature", "top_p", "top_k", "repetiti
               "no_repeat_ngram_size", "min_tokens")
 
 @dataclass
-class BatchOptions:
-    """`tessera batch`'s options: the model (as `tessera serve` takes it), the files, the engine's
-    bounds, and where it runs. Picklable: Ray Data's actors build their engines from it."""
+class BatchOptions(QuantOptions):
+    """`tessera batch`'s options: the model (as `tessera serve` takes it, its quantisation included),
+    the files, the engine's bounds, and where it runs. Picklable: Ray Data's actors build their
+    engines from it."""
 
     spec: str
     input: str = ""
@@ -60,6 +63,7 @@ class BatchOptions:
     address: str | None = None
 
     def check(self) -> None:
+        QuantOptions.check(self)
         for name, low in (("max_tokens", 1), ("max_batch", 1), ("max_queue", 0), ("prefill_chunk", 1),
                           ("concurrency", 1), ("threads", 1), ("max_context", 2)):
             value = getattr(self, name)
@@ -233,7 +237,7 @@ def load_engine(opts: BatchOptions, threads: int | None = None) -> Engine:
     tokenizer_path = serving_model.tokenizer_path(opts.tokenizer, opts.spec)
     tokenizer = serving_model.load_tokenizer(tokenizer_path) if tokenizer_path else None
     model = serving_model.load(opts.spec, opts.variant, opts.sets, opts.weights, opts.seed,
-                               threads if threads is not None else opts.threads)
+                               threads if threads is not None else opts.threads, quantize=opts.quant_config())
     start = serving_model.decoder_start(tokenizer_path, opts.spec, opts.weights) if hasattr(model, "s2s") else None
     return engine_for(model, opts.max_batch, opts.max_queue, opts.max_context, opts.prefill_chunk,
                                     tokenizer, serving_model.eos_ids(tokenizer, tokenizer_path, opts.spec,

@@ -90,12 +90,13 @@ def decode_kernel(info) -> str:
 
 def load(spec: str, variant: str | None = None, sets: list[str] | None = None, weights: str | None = None,
          seed: int = 0, threads: int | None = None, decode: str | None = None,
-         last_only: bool = True) -> "CachedModel":
+         last_only: bool = True, quantize=None) -> "CachedModel":
     """The model for the engine (row_engine.py ``engine_for`` picks it): a .tsr spec (or a bundled spec's name) compiled
     now with the plain decoding branch in buffer mode, or an .onnx file compiled with ``--kv-cache
     --decode plain``; a decoder with recurrent state compiled with its state as cache state, and an
     encoder-decoder as generation/loop.py's EncoderDecoder (both for the RowEngine, row_engine.py).
-    ``last_only=False``: the logits of every position (serve --speculative checks drafts with them)."""
+    ``last_only=False``: the logits of every position (serve --speculative checks drafts with them).
+    ``quantize``: a QuantConfig (options.QuantOptions.quant_config), applied by the pipeline's first pass."""
     from tessera.runtime import pipeline as _pipeline
     from tessera.runtime.generation import cached as _gen
     from tessera.runtime.generation.cached import CachedModel
@@ -107,8 +108,9 @@ def load(spec: str, variant: str | None = None, sets: list[str] | None = None, w
         spec, weights = checkpoint.spec_for(Path(spec)), str(spec)
     path = Path(spec)
     if path.suffix == ".onnx" or path.is_dir():
-        if variant or sets or weights:
-            raise UsageError("--variant, --set and --weights apply to .tsr specs; an .onnx file is already compiled")
+        if variant or sets or weights or quantize:
+            raise UsageError("--variant, --set, --weights and --quantize apply to .tsr specs; an .onnx file is "
+                             "already compiled (compile it with --kv-cache --quantize ...)")
         model = CachedModel.from_onnx(path, threads=threads)
     else:
         built = _pipeline.build(spec, variant, sets or [], weights)
@@ -117,18 +119,19 @@ def load(spec: str, variant: str | None = None, sets: list[str] | None = None, w
         w = _pipeline.weights_for(built, weights, seed)
         target = target_input(built.graph)
         if target is not None:  # served by the RowEngine (row_engine.py), one decoder per row
-            return _encoder_decoder(built, w, target, threads)
+            return _encoder_decoder(built, w, target, threads, quantize)
         if _carries_state(built.graph):  # the RowEngine's per-slot state; no buffer cache to fit
             with _pipeline.compiler_errors():
-                proto, info = _gen.compile_cached(built, w)
+                proto, info = _gen.compile_cached(built, w, quantize=quantize)
             return CachedModel(proto.SerializeToString(), info, threads=threads)
         try:
             # the engine's variant: with the combined call (last-position logits only: not for speculation)
             proto, info = _gen.compile_cached(built, w, mode="buffer", decode=decode or DECODE,
-                                             last_only=last_only, mixed=last_only)
+                                             last_only=last_only, mixed=last_only, quantize=quantize)
             if info.length_input and not all(layer.buffer_key for layer in info.layers):
                 # mixed kernels would read one attention mask two ways (see check_fit): all plain
-                proto, info = _gen.compile_cached(built, w, mode="buffer", decode="plain", last_only=last_only)
+                proto, info = _gen.compile_cached(built, w, mode="buffer", decode="plain", last_only=last_only,
+                                                 quantize=quantize)
         except UsageError as e:  # e.g. a sliding window: no buffer-mode cache
             raise UsageError(f"{e}; `tessera serve` needs the buffer cache (one row per slot), so it cannot serve "
                              f"this model") from None
@@ -171,7 +174,7 @@ def served_sources(model) -> tuple[str, list[str]]:
     return prompt, masks
 
 
-def _encoder_decoder(built, weights, target: str, threads: int | None):
+def _encoder_decoder(built, weights, target: str, threads: int | None, quantize=None):
     """An encoder-decoder for the RowEngine (generation/loop.py's EncoderDecoder: the encoder part and
     the cached decoder), its sources checked first: float features cannot come over HTTP."""
     from tessera.compiler.ir.signature import input_limits, specs_from_graph
@@ -184,7 +187,7 @@ def _encoder_decoder(built, weights, target: str, threads: int | None):
         limits = input_limits(built.graph)
 
     served_sources(Sources)
-    return EncoderDecoder(built, weights, target, threads, PipelineOptions())
+    return EncoderDecoder(built, weights, target, threads, PipelineOptions(quantize=quantize))
 
 
 def check_fit(model: CachedModel) -> None:

@@ -162,14 +162,16 @@ def build(opts: ServeOptions, ray_opts: RayOptions):
 # ------------------------------------------------------------------------------------ serve run
 
 _INT_ARGS = {"seed", "max_batch", "max_queue", "threads", "max_context", "prefill_chunk", "replicas",
-             "min_replicas", "max_replicas"}
+             "min_replicas", "max_replicas", "quantize_block"}
+_BOOL_ARGS = {"quantize_head"}
 
 
 def options_from_args(args: dict) -> tuple[ServeOptions, RayOptions]:
     """``serve run ...:app key=value ...`` arguments (strings) as the command's options: ``model``
     (required), ``variant``, ``set`` (comma-separated NAME=VALUE), ``weights``, ``seed``,
     ``tokenizer``, ``max_batch``, ``max_queue``, ``threads``, ``max_context``, ``prefill_chunk``,
-    ``drain_timeout``, ``model_name``, ``replicas``, ``min_replicas``, ``max_replicas``."""
+    ``drain_timeout``, ``model_name``, ``quantize``, ``quantize_block``, ``quantize_head``,
+    ``quantize_activations``, ``replicas``, ``min_replicas``, ``max_replicas``."""
     names = {n: n for n in {f.name for f in fields(ServeOptions)} - {"spec", "sets", "host", "port", "explain"}}
     names.update({"model": "spec", "set": "sets", "replicas": "replicas", "min_replicas": "min_replicas",
                   "max_replicas": "max_replicas"})
@@ -185,6 +187,10 @@ def options_from_args(args: dict) -> tuple[ServeOptions, RayOptions]:
                 raw = int(raw)
             except ValueError:
                 raise UsageError(f"{key} must be an integer, got {raw!r}") from None
+        elif name in _BOOL_ARGS and isinstance(raw, str):
+            if raw.lower() not in ("true", "false", "1", "0"):
+                raise UsageError(f"{key} must be true or false, got {raw!r}")
+            raw = raw.lower() in ("true", "1")
         elif name == "drain_timeout" and isinstance(raw, str):
             try:
                 raw = float(raw)

@@ -10,14 +10,17 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass, field, fields
 
+from tessera.runtime.options import QuantOptions, add_quant_arguments
+
 from .model import UsageError
 
 EXTRA_MODULES = ("fastapi", "uvicorn", "jinja2")
 
 
 @dataclass
-class ServeOptions:
-    """Everything `tessera serve` takes (the model as `tessera generate` takes it, and the server's)."""
+class ServeOptions(QuantOptions):
+    """Everything `tessera serve` takes (the model as `tessera generate` takes it, its quantisation
+    included, and the server's)."""
 
     spec: str
     variant: str | None = None
@@ -44,6 +47,7 @@ class ServeOptions:
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
                 raise UsageError(f"--{name.replace('_', '-')} must be an integer >= {low}, got {value}")
 
+        QuantOptions.check(self)
         whole("max_batch", self.max_batch, 1)
         whole("max_queue", self.max_queue, 0)
         whole("prefill_chunk", self.prefill_chunk, 1)
@@ -106,7 +110,7 @@ def build_server(opts: ServeOptions):
         except ChatTemplateError as e:  # the completion route still works; the chat route says why
             template_error = str(e)
     model = serving_model.load(opts.spec, opts.variant, opts.sets, opts.weights, opts.seed, opts.threads,
-                               last_only=opts.speculative is None)
+                               last_only=opts.speculative is None, quantize=opts.quant_config())
     start = opts.start_token
     if start is None and hasattr(model, "s2s"):  # an encoder-decoder: the checkpoint's decoder_start_token_id
         start = serving_model.decoder_start(tokenizer_path, opts.spec, opts.weights)
@@ -134,7 +138,7 @@ def prefill_chunk_help(default: int) -> str:
 
 def add_model_arguments(p: argparse.ArgumentParser, seed_default: int, tokenizer_help: str) -> None:
     """The model as `tessera serve` and `tessera batch` take it (as `tessera generate` does): MODEL,
-    --variant, --set, --weights, --seed, --tokenizer."""
+    --variant, --set, --weights, --seed, --tokenizer, --quantize and its details."""
     p.add_argument("spec", metavar="MODEL", help="a .tsr spec (or a bundled spec's name), a checkpoint folder, or "
                    "an .onnx file compiled with --kv-cache")
     p.add_argument("--variant", "-V", help="a variant defined in the spec file (e.g. small)")
@@ -143,3 +147,4 @@ def add_model_arguments(p: argparse.ArgumentParser, seed_default: int, tokenizer
     p.add_argument("--weights", metavar="FILE", help="a .safetensors file or folder of shards (else seeded weights)")
     p.add_argument("--seed", type=int, default=seed_default, help="seed of the weight initialiser without --weights")
     p.add_argument("--tokenizer", metavar="tokenizer.json", help=tokenizer_help)
+    add_quant_arguments(p)

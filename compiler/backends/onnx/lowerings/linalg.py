@@ -1,8 +1,12 @@
 """ONNX lowerings of the products (compiler/ops/linalg.py): linear (MatMul on weights written
-[in, out]), the block-quantised linear (com.microsoft MatMulNBits), the int8 linear (com.microsoft
-DynamicQuantizeMatMul, its weight written [in, out] too), matmul, embedding, convolutions."""
+[in, out]), the block-quantised linear (com.microsoft MatMulNBits), the int8 linear (activations
+quantised per row, com.microsoft MatMulIntegerToFloat; its weight written [in, out] too), matmul,
+embedding, convolutions."""
 
 from __future__ import annotations
+
+import numpy as np
+from onnx import TensorProto
 
 
 def _linear(L):
@@ -28,11 +32,25 @@ def _linear_nbits(L):
 
 
 def _linear_int8(L):
-    # DynamicQuantizeMatMul(A, B [K, N] int8, b_scale [N], b_zero_point, bias): the weight is written
-    # [in, out] (builder.transposed_weights), no zero point (symmetric)
-    assert L.x[1] in L.b.transposed, f"linear_int8's weight {L.x[1]} must be written [in, out]"
+    """x quantised per row (compiler/reference/quant.py quantize_activation_rows: scale = max|x_row| / 127,
+    q = round(x / scale) + 128 as uint8), MatMulIntegerToFloat (u8 x s8 in onnxruntime's integer GEMM,
+    times W's row scales, + bias), times x's row scale. Not DynamicQuantizeMatMul: its one scale for
+    the whole tensor would make each row's result depend on the other rows of the batch."""
+    from tessera.compiler.reference.quant import ACTIVATION_ZERO_POINT, INV_127, ROW_SCALE_FLOOR
+
+    b, x = L.b, L.x[0]
+    assert L.x[1] in b.transposed, f"linear_int8's weight {L.x[1]} must be written [in, out]"
+    peak = b.node("ReduceMax", [b.node("Abs", [x])[0], b.i64([-1])], keepdims=1)[0]
+    scale = b.node("Max", [b.node("Mul", [peak, b.const(INV_127, "inv127")])[0],
+                           b.const(ROW_SCALE_FLOOR, "row_scale_floor")])[0]
+    rounded = b.node("Round", [b.node("Div", [x, scale])[0]])[0]
+    shifted = b.node("Add", [rounded, b.const(np.float32(ACTIVATION_ZERO_POINT), "f128")])[0]
+    xq = b.node("Cast", [shifted], to=TensorProto.UINT8)[0]
     bias = [L.x[3]] if len(L.x) == 4 else []
-    L.emit("DynamicQuantizeMatMul", [L.x[0], L.x[1], L.x[2], *(["", *bias] if bias else [])], domain="com.microsoft")
+    product = b.node("MatMulIntegerToFloat",
+                     [xq, L.x[1], b.const(np.float32(1), "one"), L.x[2], b.const(np.uint8(ACTIVATION_ZERO_POINT), "u128"),
+                      *(["", *bias] if bias else [])], domain="com.microsoft")[0]
+    L.emit("Mul", [product, scale])
 
 
 
