@@ -278,6 +278,20 @@ def test_default_max_tokens_and_prompt_ids_without_tokenizer(model, tmp_path, ca
     assert "needs --tokenizer" in out[1]["error"] and "--tokenizer" in out[2]["error"]
 
 
+def test_batch_takes_quantize_as_generate_does(tmp_path, capsys):
+    """`tessera batch --quantize w8a8` compiles the model as `tessera generate --quantize w8a8` does:
+    the same greedy tokens row by row."""
+    src = _rows_file(tmp_path / "in.jsonl", [{"prompt": [8, 9]}, {"prompt": [5, 6, 7, 30, 31]}])
+    rc, _, err = cli(capsys, "batch", "gpt2", *SET_ARGS, "--input", src, "--output", tmp_path / "o.jsonl",
+                     "--max-tokens", 7, "--threads", 1, "--quantize", "w8a8", "--quantize-head")
+    assert rc == 0, err
+    got = [row["tokens"] for row in _results(tmp_path / "o.jsonl")]
+    rc, out, err = cli(capsys, "generate", "gpt2", *SET_ARGS, "--input", "tokens=[[8, 9], [5, 6, 7, 30, 31]]",
+                       "--max-new-tokens", 7, "--quantize", "w8a8", "--quantize-head", "--format", "json")
+    assert rc == 0, err
+    assert got == [row["tokens"] for row in json.loads(out)["outputs"]]
+
+
 def test_output_is_written_atomically(tmp_path, capsys, monkeypatch):
     from tessera.runtime.serving import batch
 
