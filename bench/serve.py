@@ -13,6 +13,9 @@ Tessera's one-request-at-a-time ``generate`` and a static batch, on the same wei
     python bench/serve.py --model llama --concurrency 16 --requests 64 --prefill-chunk 32 64 128 --rounds 2
                                                             # steady state (prompts arriving while others
                                                             # decode), one server per chunk budget
+    python bench/serve.py --model llama --concurrency 1 16 --requests 64 --quantize w8a8 --quantize-head \
+        --genai-python PY                                   # every case quantised (the server, generate,
+                                                            # the static batches); genai at int8
 
 What runs (weights seeded; a word-level tokenizer over the model's vocabulary, one word per id, so
 every new token is one streamed chunk of text):
@@ -32,6 +35,9 @@ every new token is one streamed chunk of text):
   --prompt-max: its best case), on its model builder's fp32 export of a checkpoint of the same shape
   (bench/generate.py ``make_weights``, ``make_genai_model``), in a child process of that Python
   (onnxruntime-genai 0.18 brings its own onnxruntime; its builder needs torch, transformers, onnx_ir);
+- with ``--quantize`` (and ``--quantize-head``), every Tessera case runs the model quantised so (the
+  server gets the same flags) and onnxruntime-genai's builder exports at ``--genai-precision``
+  (default: int8 for int8 and w8a8, int4 for int4, fp32 without --quantize);
 - ``serve-C``: the server in its own process (``tessera serve``, --max-batch = the largest C), C
   client threads each sending streaming completions one after another until the level's requests
   are done (prompts of different lengths, uniform in [--prompt-min, --prompt-max], ``--new`` tokens
@@ -119,9 +125,13 @@ def baselines(args, model_args: dict, ps: list[list[int]]) -> list[dict]:
     from tessera.runtime.generation import cached as gen
     from tessera.runtime.serving import model as serving_model
 
+    from tessera.runtime.pipeline import quant_config
+
     rows = []
+    config = quant_config(args.quantize, head=args.quantize_head)
     load = lambda decode=None: serving_model.load(model_args["spec"], model_args.get("variant"),  # noqa: E731
-                                                  model_args["sets"], threads=args.threads, decode=decode)
+                                                  model_args["sets"], threads=args.threads, decode=decode,
+                                                  quantize=config)
     engine_model, plain = load(), load("plain")
     kernel = serving_model.decode_kernel(engine_model.info)
     one = None
@@ -163,14 +173,14 @@ def genai_static(args, ps: list[list[int]]) -> list[dict]:
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
         make_weights(folder, "llama")
-        make_genai_model(folder, args.genai_python)
+        make_genai_model(folder, args.genai_python, args.genai_precision)
         for c in args.concurrency:
             cmd = [args.genai_python, __file__, "--_genai", str(folder / "genai"), str(c), str(length), str(args.new),
                    str(args.threads or os.cpu_count())]
             out = subprocess.run(cmd, capture_output=True, text=True)
             if out.returncode:
                 raise SystemExit(f"onnxruntime-genai failed:\n{out.stderr[-3000:]}")
-            rows.append({"case": f"ort-genai-static-{c} (batch_size {c}, {length}-token prompts)",
+            rows.append({"case": f"ort-genai-static-{c} (batch_size {c}, {length}-token prompts, {args.genai_precision})",
                          **json.loads(out.stdout.strip().splitlines()[-1])})
     return rows
 
@@ -232,6 +242,8 @@ def serve_levels(args, model_args: dict, tokenizer: Path, ps: list[list[int]], c
         cmd += ["--variant", model_args["variant"]]
     if args.threads:
         cmd += ["--threads", str(args.threads)]
+    if args.quantize != "none":
+        cmd += ["--quantize", args.quantize] + (["--quantize-head"] if args.quantize_head else [])
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}"
     rows = []
@@ -331,6 +343,12 @@ def main() -> None:
     p.add_argument("--genai-python", metavar="PYTHON",
                    help="a Python with onnxruntime-genai 0.18 (and its builder's torch, transformers, onnx_ir): "
                         "adds its static batch of each concurrency (--model llama only)")
+    p.add_argument("--quantize", choices=["none", "int8", "int4", "w8a8"], default="none",
+                   help="every Tessera case quantised so (tessera's --quantize)")
+    p.add_argument("--quantize-head", action="store_true", help="with --quantize: the output head too")
+    p.add_argument("--genai-precision", choices=["fp32", "int8", "int4"],
+                   help="onnxruntime-genai's builder precision (default: int8 for --quantize int8 and w8a8, int4 "
+                        "for int4, else fp32)")
     p.add_argument("--no-serve", action="store_true",
                    help="the in-process baselines (and onnxruntime-genai's static batches) only, no server")
     p.add_argument("--json", metavar="FILE")
@@ -340,6 +358,7 @@ def main() -> None:
         folder, c, length, new, threads = args._genai
         print(json.dumps(genai_child(folder, int(c), int(length), int(new), int(threads))))
         return
+    args.genai_precision = args.genai_precision or {"none": "fp32", "int4": "int4"}.get(args.quantize, "int8")
     if args.genai_python and args.model != "llama":
         raise SystemExit("--genai-python needs --model llama (onnxruntime-genai's builder has no GPT-2 here)")
     model_args = MODELS[args.model]
@@ -354,7 +373,9 @@ def main() -> None:
                     rows += [{**row, "round": r} for row in serve_levels(args, model_args, tokenizer, ps, chunk)]
     if args.genai_python:
         rows += genai_static(args, ps)
-    print(f"model {args.model} ({' '.join(model_args['sets']) or model_args.get('variant')}), prompts "
+    quantized = f", --quantize {args.quantize}{' --quantize-head' if args.quantize_head else ''}" \
+        if args.quantize != "none" else ""
+    print(f"model {args.model} ({' '.join(model_args['sets']) or model_args.get('variant')}{quantized}), prompts "
           f"{args.prompt_min}-{args.prompt_max} tokens, {args.new} new, threads {args.threads or os.cpu_count()}")
     for r in rows:
         extra = ""

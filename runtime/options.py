@@ -25,7 +25,7 @@ from pathlib import Path
 from tessera.runtime.errors import UsageError
 
 # runtime/pipeline.py's quant_config takes these (compiler/passes/quantize.py SCHEMES, and none;
-# tests/test_startup.py keeps the two equal); here so the command line's parsers are built without
+# tests/test_cli_help.py keeps the three equal); here so the command line's parsers are built without
 # importing the compiler (tessera --help stays quick)
 QUANTIZE_CHOICES = ("none", "int8", "int4", "w8a8")
 

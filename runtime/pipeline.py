@@ -17,7 +17,6 @@ from tessera.compiler.ir.graph import DTYPES, Graph
 from tessera.spec import Program, SpecError, did_you_mean, load_program
 
 from tessera.runtime.errors import UsageError  # noqa: F401  (re-exported: callers import it from here)
-from tessera.runtime.options import QUANTIZE_CHOICES  # one list, which the parsers read without the compiler
 from tessera.runtime.io.weights import SeededWeights, init_weights, load_weights, name_map_for
 
 
@@ -173,6 +172,11 @@ def weights_for(built: Built, weights: str | None, seed: int, allow_large: bool 
             print(f"note: {note}", file=sys.stderr)
         return loaded
     return SeededWeights(built.graph, seed)
+
+
+# runtime/options.py has the same list for the parsers (options imports this module, not the reverse;
+# tests/test_cli_help.py keeps the two and compiler/passes/quantize.py's SCHEMES equal)
+QUANTIZE_CHOICES = ("none", "int8", "int4", "w8a8")
 
 
 @contextmanager
