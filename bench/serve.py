@@ -44,7 +44,8 @@ every new token is one streamed chunk of text):
   each, greedy, ``ignore_eos``). Per level: aggregate output tokens/s (all completion tokens / the
   level's wall time), time to first token p50/p99 (from sending the request to its first text chunk),
   inter-token latency p50/p99 (between successive chunks of one stream), the server's CPU time
-  over wall time and its resident memory after the level. A level C > 1 runs --requests requests
+  over wall time, the load generator's own (``client_cpu_s``: its threads run on the same cores) and
+  the server's resident memory after the level. A level C > 1 runs --requests requests
   (at least C): with more than C, each client sends its next request when its last one ends, so
   prompts arrive while the others decode (the steady state of a loaded server; with exactly C they
   all arrive at once, a burst, whose start and end run fewer rows than C). Level 1 runs
@@ -296,20 +297,22 @@ def serve_levels(args, model_args: dict, tokenizer: Path, ps: list[list[int]], c
                             else:
                                 results.append(r)
 
-            cpu0, start = _cpu_s(proc.pid), time.perf_counter()
+            cpu0, start, client0 = _cpu_s(proc.pid), time.perf_counter(), time.process_time()
             threads = [threading.Thread(target=worker) for _ in range(c)]
             for t in threads:
                 t.start()
             for t in threads:
                 t.join()
             wall, cpu = time.perf_counter() - start, _cpu_s(proc.pid) - cpu0
+            client_cpu = time.process_time() - client0  # the load generator's threads, on the same cores
             ttft = [s[0] - sent for sent, s, _ in results if s]
             itl = [b - a for _, s, _ in results for a, b in zip(s, s[1:])]
             total = sum(t for _, _, t in results)
             rows.append({"case": f"serve-{c}", "prefill_chunk": chunk, "requests": len(results), "errors": errors[0],
                          "tokens_per_s": total / wall, "wall_s": wall, "ttft_p50_ms": pct(ttft, 50),
                          "ttft_p99_ms": pct(ttft, 99), "itl_p50_ms": pct(itl, 50), "itl_p99_ms": pct(itl, 99),
-                         "cpu_per_wall": cpu / wall, "cpu_s": cpu, "server_rss_mib": _rss_mib(proc.pid)})
+                         "cpu_per_wall": cpu / wall, "cpu_s": cpu, "client_cpu_s": client_cpu,
+                         "server_rss_mib": _rss_mib(proc.pid)})
     finally:
         proc.send_signal(signal.SIGTERM)
         try:
@@ -381,7 +384,8 @@ def main() -> None:
         extra = ""
         if "ttft_p50_ms" in r:
             extra = (f"  TTFT p50 {r['ttft_p50_ms']:.0f} p99 {r['ttft_p99_ms']:.0f} ms  ITL p50 {r['itl_p50_ms']:.1f} "
-                     f"p99 {r['itl_p99_ms']:.1f} ms  CPU/wall {r['cpu_per_wall']:.2f}  RSS {r['server_rss_mib']:.0f} MiB  "
+                     f"p99 {r['itl_p99_ms']:.1f} ms  CPU/wall {r['cpu_per_wall']:.2f} (client "
+                     f"{r['client_cpu_s'] / r['wall_s']:.2f})  RSS {r['server_rss_mib']:.0f} MiB  "
                      f"{r['requests']} requests, {r['errors']} errors")
         if "x_one_stream" in r:
             extra = (f"  {r['x_one_stream']:.2f}x one stream (a step of these rows = {r['step_in_one_stream_steps']:.2f} "

@@ -52,13 +52,15 @@ def test_rows_round_within_half_a_step(rng):
 
 
 def test_the_exported_product_is_w8a8s_arithmetic_row_by_row(rng, tmp_path):
-    """One linear through the pass and the ONNX lowering, on onnxruntime: x W^T as written above, and
+    """One linear (with a bias) through the pass and the ONNX lowering, on onnxruntime: x W^T + b as written above, and
     each row's result the same whatever the other rows of the batch hold (one scale per row: a
     request's tokens must not depend on what the serving engine runs beside it)."""
     spec = tmp_path / "one.tsr"
     spec.write_text(ONE_LINEAR)
     graph = build(str(spec))
-    weights = SeededWeights(graph, 0)
+    seeded = SeededWeights(graph, 0)
+    weights = {path: np.asarray(seeded[path]) for path in graph.params}
+    weights["proj.bias"] = rng.standard_normal(48).astype(np.float32)  # seeded biases are zeros
     QuantizeWeights(QuantConfig("w8a8", quant.ROWS, head=True))(graph)  # the one linear is the output
     assert [n.op for n in graph.nodes.values() if n.op.startswith("linear")] == ["linear_int8"]
     sess = ort.InferenceSession(onnx_export.to_bytes(graph, weights), providers=["CPUExecutionProvider"])
@@ -66,9 +68,10 @@ def test_the_exported_product_is_w8a8s_arithmetic_row_by_row(rng, tmp_path):
     x[1] *= 40  # rows of very different ranges in one batch
     x[2, 0] = 0  # and a row of zeros
     got = sess.run(None, {"x": x})[0]
-    want = product_here(x.astype(np.float64), np.asarray(weights["proj.weight"], np.float64))
+    want = product_here(x.astype(np.float64), weights["proj.weight"].astype(np.float64)) + weights["proj.bias"]
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
-    assert not np.isnan(got).any() and np.all(got[2, 0] == 0)
+    assert not np.isnan(got).any()
+    np.testing.assert_allclose(got[2, 0], weights["proj.bias"], rtol=1e-6)  # a row of zeros: the bias alone
     for b in range(3):
         alone = sess.run(None, {"x": x[b:b + 1]})[0]
         np.testing.assert_array_equal(alone[0], got[b])

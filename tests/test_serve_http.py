@@ -329,6 +329,17 @@ def test_explain_states_the_budget_and_the_kernel(capsys):
     assert rc == 0
     assert "4 slots x 128 positions" in err and "memory budget" in err and "plain" in err
     assert "GroupQueryAttention" in err
+    assert "weights: float (no --quantize)" in err
+
+
+def test_serve_takes_quantize_and_explain_says_so(capsys):
+    rc, out, err = cli(capsys, "serve", "gpt2", *SETS, "--quantize", "w8a8", "--explain")
+    assert rc == 0, err
+    assert "weights: w8a8 (one scale per output row, each activation row quantised at run time; the output " \
+           "head in float)" in err
+    rc, out, err = cli(capsys, "serve", "gpt2", *SETS, "--quantize", "int4", "--quantize-head", "--explain")
+    assert rc == 0 and "weights: int4 (one scale per 32 input features, activations int8 in the product; the " \
+                       "output head quantised)" in err, err
 
 
 @pytest.mark.parametrize("kind", ["bytelevel", "metaspace", "wordlevel"])

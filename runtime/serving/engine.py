@@ -275,7 +275,7 @@ class Engine:
 
     def describe(self) -> str:
         """The start-up statement: slots, capacity, the memory budget and the decoding kernel."""
-        from .model import DECODE_REASONS, decode_kernel
+        from .model import DECODE_REASONS, decode_kernel, weights_line
 
         per_slot = self.cache_bytes // self.max_batch
         return (f"engine: {self.max_batch} slots x {self.capacity} positions, up to {self.max_queue} queued; "
@@ -286,6 +286,7 @@ class Engine:
                 f"{per_slot / 2**20:.2f} MiB over {len(self.info.layers)} layers, viewed {WIDTH_STEP} "
                 f"columns at a time as the longest row grows); no step allocates cache; per request only its "
                 f"tokens (and a vocabulary-sized mask with repetition_penalty)\n"
+                f"{weights_line(self.model)}\n"
                 f"{DECODE_REASONS[decode_kernel(self.info)]}\n"
                 f"{COMBINED_REASONS[self.combined and self.speculation is None]}"
                 + (f"\n{self.speculation.describe()}" if self.speculation is not None else ""))

@@ -83,6 +83,21 @@ def has_combined_call(model) -> bool:
     return session is not None and session.get_modelmeta().custom_metadata_map.get(COMBINED_KEY) == "1"
 
 
+def weights_line(model) -> str:
+    """The --explain line on the served weights: float, or the quantisation the file records
+    (compiler/build.py's ``tessera.quantize`` metadata)."""
+    import json
+
+    session = getattr(model, "session", None)
+    meta = session.get_modelmeta().custom_metadata_map if session is not None else {}
+    if "tessera.quantize" not in meta:
+        return "weights: float (no --quantize)"
+    q = json.loads(meta["tessera.quantize"])
+    how = "one scale per output row, each activation row quantised at run time" if q["block_size"] == 0 \
+        else f"one scale per {q['block_size']} input features, activations {q['activations']} in the product"
+    return f"weights: {q['scheme']} ({how}; the output head {'quantised' if q['head'] else 'in float'})"
+
+
 def decode_kernel(info) -> str:
     """The decoding kernel a loaded model runs: "gqa" when its steps write the buffer in place."""
     return "gqa" if info.length_input else "plain"

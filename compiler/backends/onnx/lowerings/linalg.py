@@ -34,7 +34,7 @@ def _linear_nbits(L):
 def _linear_int8(L):
     """x quantised per row (compiler/reference/quant.py quantize_activation_rows: scale = max|x_row| / 127,
     q = round(x / scale) + 128 as uint8), MatMulIntegerToFloat (u8 x s8 in onnxruntime's integer GEMM,
-    times W's row scales, + bias), times x's row scale. Not DynamicQuantizeMatMul: its one scale for
+    times W's row scales), times x's row scale, + bias. Not DynamicQuantizeMatMul: its one scale for
     the whole tensor would make each row's result depend on the other rows of the batch."""
     from tessera.compiler.reference.quant import ACTIVATION_ZERO_POINT, INV_127, ROW_SCALE_FLOOR
 
@@ -46,11 +46,13 @@ def _linear_int8(L):
     rounded = b.node("Round", [b.node("Div", [x, scale])[0]])[0]
     shifted = b.node("Add", [rounded, b.const(np.float32(ACTIVATION_ZERO_POINT), "f128")])[0]
     xq = b.node("Cast", [shifted], to=TensorProto.UINT8)[0]
-    bias = [L.x[3]] if len(L.x) == 4 else []
     product = b.node("MatMulIntegerToFloat",
-                     [xq, L.x[1], b.const(np.float32(1), "one"), L.x[2], b.const(np.uint8(ACTIVATION_ZERO_POINT), "u128"),
-                      *(["", *bias] if bias else [])], domain="com.microsoft")[0]
-    L.emit("Mul", [product, scale])
+                     [xq, L.x[1], b.const(np.float32(1), "one"), L.x[2], b.const(np.uint8(ACTIVATION_ZERO_POINT), "u128")],
+                     domain="com.microsoft")[0]
+    if len(L.x) == 4:  # the bias after x's row scale (MatMulIntegerToFloat's own bias input would be scaled by it)
+        L.emit("Add", [b.node("Mul", [product, scale])[0], L.x[3]])
+    else:
+        L.emit("Mul", [product, scale])
 
 
 
