@@ -276,6 +276,11 @@ class OptimizeOptions(QuantOptions):
         check_bool(self.label("explain"), self.explain)
         if self.no_fuse and self.attention not in ("auto", "unfused"):
             raise UsageError(f"--no-fuse contradicts --attention {self.attention}")
+        if self.quantize == "w8a8" and self.target == "cuda":
+            raise UsageError(self.say("--quantize w8a8 runs onnxruntime's CPU integer GEMM (MatMulIntegerToFloat has "
+                                      "no CUDA kernel): use --target cpu, or --quantize int8 / int4 on CUDA",
+                                      "quantize='w8a8' runs onnxruntime's CPU integer GEMM (MatMulIntegerToFloat has "
+                                      "no CUDA kernel): use target='cpu', or quantize='int8' / 'int4' on CUDA"))
 
     @property
     def attention_lowering(self) -> str:

@@ -152,6 +152,7 @@ def test_report_gives_the_w8a8_weight_bytes(capsys):
     (["--quantize", "w8a8", "--quantize-block", "32"], "--quantize-block and --quantize-activations apply to int8"),
     (["--quantize", "w8a8", "--quantize-activations", "float"], "apply to int8 and int4"),
     (["--quantize", "w8a8", "--dtype", "fp16"], "--quantize w8a8 computes in fp32"),
+    (["--quantize", "w8a8", "--target", "cuda"], "MatMulIntegerToFloat has no CUDA kernel"),
 ])
 def test_bad_w8a8_options_are_clean_errors(capsys, tmp_path, args, expected):
     sets = [f"--set={k}={v}" for k, v in TINY.items()]
