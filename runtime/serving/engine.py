@@ -157,10 +157,12 @@ class Handle:
 
 
 def _committed(elements: int, dtype) -> np.ndarray:
-    """A zeroed array whose every page is written now. np.zeros maps pages the kernel first backs
-    when they are touched: the cache's first widening to many rows then paid for hundreds of MB of
-    page faults inside one step (bench/serve.py's steady state: 0.9-3.7 s stalls mid-run on a VM
-    where a fault costs ~15 us). Touched at start, they cost that once, before the first request."""
+    """A zeroed array whose every page is written now. np.zeros maps pages the kernel backs only
+    when they are first touched, so the cache's first widening to many rows paid for hundreds of MB
+    of page faults inside one step. Usually cheap (the 600 MB cache of the Llama shape at 16 slots:
+    widenings of 13-47 ms either way), but on a VM whose memory is not yet backed by its host a
+    fault cost ~15 us and those widenings took 0.9-3.7 s mid-run. Written at start, whatever they
+    cost is paid before the first request."""
     arr = np.empty(elements, dtype=dtype)
     arr.fill(0)
     return arr
