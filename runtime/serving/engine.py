@@ -159,10 +159,11 @@ class Handle:
 def _committed(elements: int, dtype) -> np.ndarray:
     """A zeroed array whose every page is written now. np.zeros maps pages the kernel backs only
     when they are first touched, so the cache's first widening to many rows paid for hundreds of MB
-    of page faults inside one step. Usually cheap (the 600 MB cache of the Llama shape at 16 slots:
-    widenings of 13-47 ms either way), but on a VM whose memory is not yet backed by its host a
-    fault cost ~15 us and those widenings took 0.9-3.7 s mid-run. Written at start, whatever they
-    cost is paid before the first request."""
+    of page faults inside steps. How much depends on the machine: on the benchmark VM (memory its
+    host had not backed yet) the w8a8 server at 16 streams ran 343-345 tokens/s with np.zeros
+    against 445-446 written at start, time to first token p99 5.4-5.6 s against 1.6 s (docs/
+    BENCHMARKS.md, ab1); where the pages were recycled from the process's own freed memory, widenings
+    took 13-47 ms either way. Written at start, whatever they cost is paid before the first request."""
     arr = np.empty(elements, dtype=dtype)
     arr.fill(0)
     return arr
