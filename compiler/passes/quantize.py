@@ -13,7 +13,7 @@ weight replaced by derived parameters (compiler/reference/quant.py):
 Why: decoding reads every weight once per token, so its time is the weight bytes (4x fewer with
 int8, 8x with int4, plus the scales). A batch of rows or a prompt is bound by arithmetic instead,
 and there the integer GEMM of ``w8a8`` is several times fp32's, where MatMulNBits' int8 path is not
-(docs/BENCHMARKS.md "w8a8"); its activations carry one scale per row, coarser than
+(docs/BENCHMARKS.md "Serving with w8a8"); its activations carry one scale per row, coarser than
 MatMulNBits' per block of 32.
 
 Which linears: every one whose weight is a parameter, except
@@ -72,20 +72,18 @@ class QuantConfig:
     def check(self) -> None:
         if self.scheme not in SCHEMES:
             raise PassError(f"quantize must be one of {', '.join(SCHEMES)}, got {self.scheme!r}")
+        if not isinstance(self.head, bool):
+            raise PassError(f"quantize head must be true or false, got {self.head!r}")
         if self.per_row:
             if self.block_size != ROWS or self.activations != "int8":
                 raise PassError(f"{self.scheme} has one scale per output row and quantises the activations per "
                                 f"row: the block size and the activations' precision are int8/int4's "
                                 f"(drop --quantize-block and --quantize-activations)")
-            if not isinstance(self.head, bool):
-                raise PassError(f"quantize head must be true or false, got {self.head!r}")
             return
         b = self.block_size
         if isinstance(b, bool) or not isinstance(b, int) or b < 16 or b & (b - 1):
             raise PassError(f"the quantisation block size must be a power of two of at least 16 "
                             f"(MatMulNBits' rule), got {b!r}")
-        if not isinstance(self.head, bool):
-            raise PassError(f"quantize head must be true or false, got {self.head!r}")
         if self.activations not in ACTIVATIONS:
             raise PassError(f"quantize activations must be one of {', '.join(ACTIVATIONS)}, got {self.activations!r}")
 
