@@ -182,3 +182,23 @@ def test_generate_with_w8a8_mostly_agrees_with_fp32_and_fuses_qkv(capsys, tmp_pa
 
     nodes = general_graph(onnx.load(str(tmp_path / "dec.onnx"))).node
     assert sum(n.op_type == "MatMulIntegerToFloat" for n in nodes) == 8  # per layer: q+k+v, o, fc, proj
+
+
+@pytest.mark.parametrize("scheme", ["int4", "w8a8"])
+def test_the_cost_of_a_quantised_linear_counts_its_bias_only_when_it_has_one(scheme):
+    """A quantised linear's bias is input 3 (the `quantized` trait): Llama's bias-free linears add no
+    bias FLOPs once quantised (a bias-free MatMulNBits has three inputs, which a count of "input 2 is
+    the bias" took for one); GPT-2's biases count as they do in float, one add per output element."""
+    from tessera.compiler.analysis import cost
+
+    def bias_flops(spec, sets, quantize):
+        graph = build(spec, **sets)
+        if quantize:
+            QuantizeWeights(quantize)(graph)
+        costs, _ = cost.node_costs(graph)
+        return cost.flops_by_category(costs).get("bias")
+
+    config = QuantConfig("w8a8", quant.ROWS) if scheme == "w8a8" else QuantConfig("int4")
+    llama = dict(layers=1, d=64, heads=4, kv_heads=2, vocab=100, d_ff=64)
+    assert bias_flops("llama", llama, None) is None and bias_flops("llama", llama, config) is None
+    assert bias_flops("gpt2", TINY, config) == bias_flops("gpt2", TINY, None)
