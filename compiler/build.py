@@ -34,7 +34,7 @@ def model_metadata(info: ModelInfo, quantize=None, cache: CacheInfo | None = Non
     QuantConfig), and the KV cache's interface for a cached decoder."""
     meta = {"tessera.model": info.model, "tessera.variant": info.variant or "",
             "tessera.hyperparams": {k: jsonable(v) for k, v in info.hyperparams.items()}}
-    if quantize is not None:
+    if quantize is not None:  # runtime/metadata.py ``quantization`` reads it back
         meta["tessera.quantize"] = {"scheme": quantize.scheme, "block_size": quantize.block_size,
                                     "head": quantize.head, "activations": quantize.activations}
     if cache is not None:

@@ -155,6 +155,23 @@ def cache_info(text: str, path, inputs: set[str], outputs: set[str]) -> CacheInf
         raise _changed(path, key, str(e)) from None
 
 
+QUANTIZE_KEY = "tessera.quantize"  # compiler/build.py model_metadata writes it
+
+
+def quantization(text: str, path) -> dict:
+    """``tessera.quantize``: the scheme, block size (0: one scale per output row), head, activations."""
+    data = parse_json(text, path, QUANTIZE_KEY)
+    try:
+        q = _obj(data, "the value", ("scheme", "block_size", "head", "activations"))
+        _str(q["scheme"], "scheme")
+        _int(q["block_size"], "block_size", 0)
+        _bool(q["head"], "head")
+        _str(q["activations"], "activations")
+        return q
+    except _Bad as e:
+        raise _changed(path, QUANTIZE_KEY, str(e)) from None
+
+
 def input_limits(text: str, path, inputs: set[str]) -> InputLimits:
     """``tessera.input_limits``: id ranges of inputs (names the graph has) and bounds of dimensions."""
     key = InputLimits.METADATA_KEY

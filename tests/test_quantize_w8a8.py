@@ -202,3 +202,22 @@ def test_the_cost_of_a_quantised_linear_counts_its_bias_only_when_it_has_one(sch
     llama = dict(layers=1, d=64, heads=4, kv_heads=2, vocab=100, d_ff=64)
     assert bias_flops("llama", llama, None) is None and bias_flops("llama", llama, config) is None
     assert bias_flops("gpt2", TINY, config) == bias_flops("gpt2", TINY, None)
+
+
+@pytest.mark.parametrize("text, message", [
+    ("{not json", "not JSON"),
+    ('{"scheme": "w8a8", "block_size": -1, "head": false, "activations": "int8"}', "block_size must be an integer"),
+    ('{"scheme": "w8a8", "head": false, "activations": "int8"}', "has no 'block_size'"),
+    ('[1, 2]', "must be a JSON object"),
+])
+def test_a_files_quantize_metadata_is_read_as_untrusted_input(text, message):
+    """`serve --explain` reads tessera.quantize back from the file: a changed value is a ModelFileError
+    naming the file and the key, not a traceback."""
+    from tessera.runtime import metadata
+    from tessera.runtime.errors import ModelFileError
+
+    good = '{"scheme": "w8a8", "block_size": 0, "head": false, "activations": "int8"}'
+    assert metadata.quantization(good, "m.onnx") == json.loads(good)
+    with pytest.raises(ModelFileError, match=message) as e:
+        metadata.quantization(text, "m.onnx")
+    assert "m.onnx: its 'tessera.quantize' metadata is malformed" in str(e.value)

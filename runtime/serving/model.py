@@ -85,15 +85,16 @@ def has_combined_call(model) -> bool:
 
 def weights_line(model) -> str:
     """The --explain line on the served weights: float, or the quantisation the file records
-    (compiler/build.py's ``tessera.quantize`` metadata)."""
-    import json
+    (compiler/build.py's ``tessera.quantize`` metadata, read as untrusted input by runtime/metadata.py)."""
+    from tessera.compiler.reference.quant import ROWS
+    from tessera.runtime import metadata
 
     session = getattr(model, "session", None)
     meta = session.get_modelmeta().custom_metadata_map if session is not None else {}
-    if "tessera.quantize" not in meta:
+    if metadata.QUANTIZE_KEY not in meta:
         return "weights: float (no --quantize)"
-    q = json.loads(meta["tessera.quantize"])
-    how = "one scale per output row, each activation row quantised at run time" if q["block_size"] == 0 \
+    q = metadata.quantization(meta[metadata.QUANTIZE_KEY], "the served model")
+    how = "one scale per output row, each activation row quantised at run time" if q["block_size"] == ROWS \
         else f"one scale per {q['block_size']} input features, activations {q['activations']} in the product"
     return f"weights: {q['scheme']} ({how}; the output head {'quantised' if q['head'] else 'in float'})"
 
