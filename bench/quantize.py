@@ -52,8 +52,11 @@ def child(model: str, scheme: str, ns: list[int], repeat: int, threads: int, out
 
     spec, variant, sets = MODELS[model]
     m = tessera.load(ROOT / "models" / f"{spec}.tsr", variant=variant, **sets)
-    quant = {} if scheme == "fp32" else {"quantize": "w8a8"} if scheme == "w8a8" else {
-        "quantize": scheme.split("-")[0], "quantize_activations": "float" if scheme.endswith("-float") else "int8"}
+    if scheme in ("fp32", "w8a8"):  # w8a8 has no activations option: its activations are quantised per row
+        quant = {} if scheme == "fp32" else {"quantize": "w8a8"}
+    else:
+        quant = {"quantize": scheme.split("-")[0],
+                 "quantize_activations": "float" if scheme.endswith("-float") else "int8"}
     with tempfile.TemporaryDirectory(dir=ROOT / "out") as tmp:
         path = Path(tmp) / "m.onnx"
         m.compile(path, **quant)
