@@ -35,7 +35,13 @@ over the decoding step's, the median of per-round ratios: with ``--threads 1`` o
 call on this thread, so that ratio is the call's own cost, which a busy machine barely moves), and
 each chunk's median as a fraction of ``decode-16``'s median; then the iteration a stream sees at 16 rows with a chunk T (decode-16 +
 chunk) in one-stream steps, against the goal's 3; and each iteration, one call and two, as a fraction
-of ``decode-16`` and in one-stream steps.
+of ``decode-16`` and in one-stream steps. Last, issue #23's serving goals at their best case on this
+machine (``goal_bounds``): the aggregate tokens/s of --rows streams over one stream's, and the
+iteration that carries the prompt tokens those streams need, in one-stream steps, if every iteration
+decoded all rows and a prompt token cost its cheapest measured cost; add ``--chunks ... 144`` for the
+one stream's prompt in one call (``--goal-prompt``, the mean of bench/serve.py's prompts).
+
+    python bench/prefill_mix_cost.py --chunks 16 48 112 144 --past 0 128 --rounds 5   # with the bound
 
 Not a timed test: the figures depend on the machine and what else runs on it.
 """
@@ -91,6 +97,9 @@ def main() -> None:
     p.add_argument("--proxy-rows", type=int, nargs="*", default=[32],
                    help="decoding steps of this many rows too: what one call over --rows decoding rows and a "
                         "chunk of (N - rows) prompt tokens would cost in its matrix products (default 32)")
+    p.add_argument("--goal-prompt", type=int, default=144,
+                   help="mean prompt tokens of the goals' workload (bench/serve.py's prompts 32-256: 144)")
+    p.add_argument("--goal-new", type=int, default=128, help="new tokens a request of that workload (default 128)")
     p.add_argument("--json", metavar="FILE")
     args = p.parse_args()
     m = MODELS[args.model]
@@ -157,8 +166,56 @@ def main() -> None:
             ratios = [c / d for c, d in zip(cpu[k], cpu["decode alone"])]
             print(f"    in CPU time: {statistics.median(ratios):.2f} of the decoding step alone (median of per-round "
                   f"ratios; with --threads 1 the call's own cost, little moved by other processes)")
+    bounds = goal_bounds(med, big, args.rows, args.goal_prompt, args.goal_new)
+    if bounds:
+        print(f"  the serving goals' best case on this machine, from these medians ({args.rows} streams, prompts of "
+              f"{args.goal_prompt} tokens, {args.goal_new} new; every iteration decoding all {args.rows} rows, a "
+              f"prompt token at its cheapest measured cost {bounds['prompt_token_ms']:.2f} ms ({bounds['cheapest']}), "
+              f"nothing else):")
+        print(f"    aggregate tokens/s <= {bounds['rate_ratio']:.2f}x one stream (goal >= 6); one stream "
+              f"{bounds['one_stream_tok_s']:.1f} tokens/s with its prompt prefilled whole ({bounds['one_stream_prefill']})")
+        print(f"    an iteration carrying the {bounds['prompt_tokens_per_iteration']:.1f} prompt tokens the {args.rows} "
+              f"streams need >= {bounds['iteration_steps']:.2f} one-stream steps (goal for p99 inter-token latency: <= 3)")
     if args.json:
-        write_json(args.json, {"times_ms": times, "median_ms": med, "cpu_ms": cpu}, indent=1)
+        write_json(args.json, {"times_ms": times, "median_ms": med, "cpu_ms": cpu, "goal_bounds": bounds}, indent=1)
+
+
+def goal_bounds(med: dict[str, float], big: str, rows: int, prompt: int, new: int) -> dict | None:
+    """Issue #23's serving goals at their best case on this machine, from this run's medians: what no
+    scheduler can beat while a prompt token costs what it costs here. Why: the goals were set on
+    another CPU; whether they are reachable on this one is a question of these costs, not of the engine.
+
+    - A prompt token's cost: the cheapest of the measured ways in (a chunk alone, ms / T; or the
+      combined call's extra over the decoding step alone, / T), so the bound is generous.
+    - One stream: ``new - 1`` decoding steps (``decode-1``) plus its prompt in one call (``chunk P @0``
+      with P = ``prompt``, else the cheapest token cost x P): ``new`` tokens in that time.
+    - ``rows`` streams at best: every iteration decodes all rows (``big``'s step over ``rows``, a
+      decoding row's share) and each request's prompt tokens cost the cheapest token cost: ``new``
+      tokens per (``new - 1``) x step / rows + ``prompt`` x token cost of machine time.
+    - The p99 bound: the streams need ``rows x prompt / (new - 1)`` prompt tokens an iteration on
+      average; an iteration carrying them costs at least ``big`` + that many tokens' cost."""
+    if big not in med or "decode-1" not in med:
+        return None
+    per_token = {}
+    for k, v in med.items():
+        parts = k.split()  # "chunk T @P" and "one call T @P"
+        if k.startswith("chunk "):
+            per_token[k] = v / int(parts[1])
+        elif k.startswith("one call ") and "decode alone" in med:
+            per_token[k + " minus the step alone"] = (v - med["decode alone"]) / int(parts[2])
+    if not per_token:
+        return None
+    cheapest = min(per_token, key=per_token.get)
+    token_ms = per_token[cheapest]
+    whole = f"chunk {prompt} @0"
+    prefill_ms = med.get(whole, token_ms * prompt)
+    one_s = ((new - 1) * med["decode-1"] + prefill_ms) / 1e3
+    many_s = ((new - 1) * med[big] / rows + prompt * token_ms) / 1e3
+    need = rows * prompt / (new - 1)
+    return {"prompt_token_ms": token_ms, "cheapest": cheapest, "one_stream_tok_s": new / one_s,
+            "one_stream_prefill": whole if whole in med else "cheapest token cost x prompt",
+            "rate_ratio": one_s / many_s, "prompt_tokens_per_iteration": need,
+            "iteration_steps": (med[big] + need * token_ms) / med["decode-1"]}
 
 
 def _iterations(model, args, vocab: int, rng, need: int) -> dict:
