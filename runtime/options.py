@@ -242,8 +242,9 @@ def add_quant_arguments(p: argparse.ArgumentParser) -> None:
                         "onnxruntime's integer GEMM (VNNI/AMX): fastest for prompts and batches (fp32 only). The embedding tables stay float; the output head too unless --quantize-head "
                         "(default none)")
     p.add_argument("--quantize-block", type=int, metavar="N",
-                   help="input features per quantisation scale: a power of two, at least 16 (default 32; "
-                        "int8 and int4)")
+                   help="input features per quantisation scale: a power of two, at least 16; larger is "
+                        "faster and less accurate (int4 at 128: about 1.3x faster decoding, a larger error; "
+                        "docs/BENCHMARKS.md Q8) (default 32; int8 and int4)")
     p.add_argument("--quantize-activations", choices=list(QUANT_ACTIVATIONS),
                    help="int8: MatMulNBits quantises the activations to int8 inside each product "
                         "(accuracy_level 4, faster); float: the product runs in fp32 (accuracy_level 0) "
