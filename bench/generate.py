@@ -421,7 +421,7 @@ def main() -> None:
     p.add_argument("--quantize", choices=["none", "int4"], default="none",
                    help="weight-only int4 (MatMulNBits, block --quantize-block): Tessera's --quantize int4 against "
                         "onnxruntime-genai's builder -p int4 (default none: fp32)")
-    p.add_argument("--quantize-block", type=int, default=32, metavar="N",
+    p.add_argument("--quantize-block", type=int, metavar="N",
                    help="with --quantize int4: input features per scale, Tessera's --quantize-block and "
                         "onnxruntime-genai's builder option block_size (llama.cpp's Q4_0 stays 32) (default 32)")
     p.add_argument("--quantize-head", action="store_true",
@@ -436,6 +436,9 @@ def main() -> None:
         case, folder = args._child
         print(json.dumps(child(case, folder, args.model, args.prompt, args.new, args.repeat, args.threads)))
         return
+    if args.quantize_block is not None and args.quantize == "none":
+        sys.exit("--quantize-block needs --quantize int4")
+    args.quantize_block = args.quantize_block or 32
     cases = args.cases or [c for c in CASES if (c != "ort-genai" or args.genai_python)
                            and (c != "llama-cpp" or args.llama_cpp_python)]
     if "ort-genai" in cases and (not args.genai_python or args.model != "llama"):
