@@ -239,7 +239,8 @@ def add_quant_arguments(p: argparse.ArgumentParser) -> None:
                         "onnxruntime's MatMulNBits (activations stored in float; see --quantize-activations); "
                         "smallest and fastest for one sequence at a time. w8a8: int8 weights with a scale per "
                         "output row, each activation row (token) quantised at run time, the product in "
-                        "onnxruntime's integer GEMM (VNNI/AMX): fastest for prompts and batches (fp32 only). The embedding tables stay float; the output head too unless --quantize-head "
+                        "onnxruntime's integer GEMM (VNNI/AMX): fastest for prompts and batches (fp32 only). "
+                        "The embedding tables stay float; the output head too unless --quantize-head "
                         "(default none)")
     p.add_argument("--quantize-block", type=int, metavar="N",
                    help="input features per quantisation scale: a power of two, at least 16; larger is "
