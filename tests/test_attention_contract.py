@@ -84,7 +84,7 @@ def _add_to_reference(monkeypatch):
     """The clamp as a feature of the numpy epilogue: one FEATURES row and one step (after the soft-cap)."""
     feature = ref_epilogue.Feature("clamp", 1, {"clamp_hi": ref_epilogue.Attr((float,), "upper bound of the "
                                                                              "scores", ref_epilogue.finite)},
-                                   lambda a: a.get("clamp_hi") is not None, "clamp")
+                                   lambda a: a.get("clamp_hi") is not None, "clamp", elementwise=True)
     monkeypatch.setitem(ref_epilogue.FEATURES, "clamp", feature)
     monkeypatch.setattr(ref_epilogue, "STEPS", ref_epilogue.STEPS + [
         (("clamp",), lambda s, a, w: np.minimum(s, np.asarray(a["clamp_hi"], s.dtype)))])

@@ -243,8 +243,10 @@ for kernel in ("auto", "block", "portable"):
 
 
 def add_score_floor(pkg: Path) -> None:
-    """max(s, lo) on the scores. Its feature shares stage 1 with the soft-cap, which it does not commute
-    with: enough for this throwaway (the spec has no soft-cap); a real option takes a stage of its own."""
+    """max(s, lo) on the scores, before the masks. Its feature shares stage 1 with the soft-cap; the pair
+    is not declared in COMMUTING (it does not commute), so a site using both would stay unfused; this
+    spec has no soft-cap. It is declared elementwise (a max is), which the contract's property test,
+    run on the copy, checks."""
     edit(pkg, "compiler/patterns/attention.py", "SCORE_RULES: dict[str, ScoreRule] = {", '''
 def _check_floor(g: Graph, n: Node, m: AttentionMatch) -> str | None:
     return None if _scalar_const(g, n.inputs[1]) is not None else "the scores are floored by a tensor"
@@ -259,9 +261,9 @@ def _absorb_floor(g: Graph, n: Node, m: AttentionMatch) -> None:
          '"tanh": ScoreRule(_check_softcap, _absorb_softcap, _first, "softcap"),', """
     "maximum": ScoreRule(_check_floor, _absorb_floor, _first, "floor"),
 """)
-    edit(pkg, "compiler/reference/score_epilogue.py", 'lambda a: bool(a.get("softcap")), "logit soft-capping"),', """
+    edit(pkg, "compiler/reference/score_epilogue.py", 'flops={"elementwise": 2, "activation": 1}),', """
     Feature("floor", 1, {"floor_lo": Attr((float,), "lower bound of the scores", finite)},
-            lambda a: a.get("floor_lo") is not None, "score floor"),
+            lambda a: a.get("floor_lo") is not None, "score floor", elementwise=True),
 """)
     edit(pkg, "compiler/reference/score_epilogue.py", '    (("softcap",), _softcap),', """
     (("floor",), lambda s, a, w: np.maximum(s, np.asarray(a["floor_lo"], s.dtype))),
@@ -281,7 +283,7 @@ def test_a_score_option_is_a_rule_a_feature_and_two_steps(tmp_path):
     spec.write_text(FLOOR_SPEC)
     out = ok(python_in(pkg, FLOOR_CHECK, str(spec), str(LO)))
     assert out.count("fused and exact") == 3, out
-    ok(pytest_in(pkg, "tests/test_attention_contract.py"))
+    ok(pytest_in(pkg, "tests/test_attention_contract.py", "tests/test_attention_contract_property.py"))
 
 
 # ------------------------------------------------------------------ a compile flag

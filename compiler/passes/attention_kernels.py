@@ -31,7 +31,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from tessera.compiler.backends.onnx.attention import kernel_features
+from tessera.compiler.backends.onnx.attention import KERNEL_ASSUMES, kernel_features
 from tessera.compiler.ir import dims
 from tessera.compiler.ir.graph import PRECISION_BYTES, Graph, Node
 from tessera.compiler.passes.base import Pass, PassError, PassResult
@@ -72,13 +72,17 @@ _NAMES = {"gqa": "GroupQueryAttention", "mha": "MultiHeadAttention", "block": "t
 
 def unsupported(kernel: str, attrs: dict) -> str | None:
     """Why ``kernel`` cannot compute the score epilogue these attributes ask for: the features the node
-    uses that the kernel's allow-list (backends/onnx/attention.py KERNEL_FEATURES) lacks; None if none."""
+    uses that the kernel's allow-list (backends/onnx/attention.py KERNEL_FEATURES) lacks, or a shortcut
+    the kernel takes (KERNEL_ASSUMES) that one of them breaks; None if neither."""
     have = kernel_features(kernel, attrs.get("decode"))
     missing = [f for f in score_epilogue.used(attrs) if f not in have]
-    if not missing:
-        return None
-    return (f"{_NAMES.get(kernel, kernel)} computes no {score_epilogue.words(missing)} "
-            f"(of the score epilogue it computes {score_epilogue.words(sorted(have)) or 'nothing'})")
+    if missing:
+        return (f"{_NAMES.get(kernel, kernel)} computes no {score_epilogue.words(missing)} "
+                f"(of the score epilogue it computes {score_epilogue.words(sorted(have)) or 'nothing'})")
+    broken = score_epilogue.broken(KERNEL_ASSUMES[kernel], attrs)
+    if broken:
+        return f"{_NAMES.get(kernel, kernel)} cannot be exact here: {'; '.join(broken)}"
+    return None
 
 
 def no_kernel(attrs: dict) -> str | None:
@@ -144,6 +148,10 @@ def choose(node: Node, graph: Graph, target: Target) -> tuple[str, str]:
     score block fits BLOCK_BYTES gets the block kernel; one whose length is only known at run time
     keeps the long-sequence kernel named here, with the block in front of it (``block_for``)."""
     impl, reason = _choose_long(node, graph, target)
+    refused = why_not(impl, node, graph, target)
+    if refused:  # a feature breaks the long kernel's shortcut: the block kernel computes every score
+        return "block", (f"the block kernel, which takes no shortcut, computes every score of the whole block "
+                         f"(memory O(N²)): {refused}")
     if target.device != "cpu":
         return impl, reason
     n = score_bytes(node, graph, target)

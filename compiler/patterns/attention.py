@@ -18,8 +18,9 @@ score path: (op, check, absorb, scores, feature), where
 - ``scores`` names the operand that carries the scores, so the walk goes on,
 - ``feature`` names the score-epilogue feature (compiler/reference/score_epilogue.py
   ``FEATURES``) the absorbed node becomes. A feature the epilogue does not know, a
-  rule with none, an absorb that records nothing, or features in an order the
-  epilogue does not apply them in keep the site unfused with that reason, so a new
+  rule with none, an absorb that records nothing, features in an order the
+  epilogue does not apply them in, or two features of one stage not declared to
+  commute keep the site unfused with that reason, so a new
   rule can never be fused into a kernel that would ignore it (the kernels' allow-lists
   and passes/attention_kernels.py ``no_kernel`` do the rest).
 
@@ -310,8 +311,12 @@ def _unknown_feature(rule: ScoreRule, n: Node) -> str | None:
 
 def _epilogue_order(features: list[str]) -> str | None:
     """Why features applied in this graph order (scale aside: it folds anywhere before a bias) differ
-    from the epilogue's order, in which features of one stage commute."""
+    from the epilogue's order: a later stage first, or two features of one stage whose commutation is
+    not declared (score_epilogue.COMMUTING; the epilogue applies a stage's steps in its own order)."""
     staged = [f for f in features if f != "scale"]
+    reason = score_epilogue.not_commuting(staged)
+    if reason:
+        return reason
     for before, after in zip(staged, staged[1:]):
         if score_epilogue.FEATURES[after].stage < score_epilogue.FEATURES[before].stage:
             return f"the {score_epilogue.words([before])} is applied before the {score_epilogue.words([after])}; " \

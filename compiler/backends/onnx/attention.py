@@ -24,6 +24,8 @@ take at most that many bytes, else its ``impl``.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
 # onnx is imported in the lowering functions, not here: passes/attention_kernels.py reads this module's
@@ -42,15 +44,36 @@ MIN_CAUSAL_TILES = 4  # a causal tile holds at most 1/MIN_CAUSAL_TILES of the qu
 # uses, and fusion leaves a site unfused when none does. Tessera's own kernels (block, portable, and
 # the cached decode/prefill in cached_attention.py) compute scores through the one ONNX epilogue
 # (score_epilogue.py), so they compute exactly what it computes; the contrib ops have their own.
-EPILOGUE = "every feature backends/onnx/score_epilogue.py computes"
-KERNEL_FEATURES: dict[str, frozenset | str] = {
+@dataclass(frozen=True)
+class Epilogue:
+    """Every feature backends/onnx/score_epilogue.py computes, less ``less``: read when asked, so a
+    feature added to the epilogue's STEPS reaches every kernel that computes scores through it."""
+
+    less: frozenset = frozenset()
+
+
+EPILOGUE = Epilogue()
+KERNEL_FEATURES: dict[str, frozenset | Epilogue] = {
     "gqa": frozenset({"scale", "causal", "window"}),   # scale, local_window_size; no mask, bias or cap here
     "mha": frozenset({"scale"}),                        # no mask, bias, cap (not causal: see attention_kernels)
     "block": EPILOGUE,
     "portable": EPILOGUE,
     # the cached kernels add one mask the cache builds (causal, window, padding): no two-sided window
-    "cached": epilogue.computed() - {"local_window"},
-    "phased": epilogue.computed() - {"local_window"},
+    "cached": Epilogue(frozenset({"local_window"})),
+    "phased": Epilogue(frozenset({"local_window"})),
+}
+# The structural shortcuts each lowering takes (compiler/reference/score_epilogue.py ASSUMPTIONS): a
+# kernel is picked only for a node none of whose features breaks one (passes/attention_kernels.py
+# ``unsupported``). The block kernel computes every score of [Tq, Tk] and takes none; the portable
+# kernel's causal tiles end at their last row and its windows start late; the cached kernels read a
+# buffer whose slots past the positions are hidden keys; the contrib kernels are flash/tiled kernels.
+KERNEL_ASSUMES: dict[str, frozenset[str]] = {
+    "gqa": frozenset({"hidden_weigh_zero", "tiles_scores"}),
+    "mha": frozenset({"hidden_weigh_zero", "tiles_scores"}),
+    "block": frozenset(),
+    "portable": frozenset({"hidden_weigh_zero", "tiles_scores"}),
+    "cached": frozenset({"hidden_weigh_zero"}),
+    "phased": frozenset({"hidden_weigh_zero", "tiles_scores"}),
 }
 # A phased node's decoding step as one GroupQueryAttention (cached_attention.py ``_lower_gqa_decode``):
 # its scale and softcap attributes, and the cache's mask (padding, causal) as its attention_bias.
@@ -60,7 +83,7 @@ GQA_DECODE_FEATURES = frozenset({"scale", "softcap", "causal", "padding"})
 def kernel_features(impl: str, decode: str | None = None) -> frozenset[str]:
     """The score-epilogue features lowering ``impl`` computes (with ``decode`` "gqa": both branches)."""
     have = KERNEL_FEATURES[impl]
-    have = epilogue.computed() if have == EPILOGUE else have
+    have = epilogue.computed() - have.less if isinstance(have, Epilogue) else have
     return have & GQA_DECODE_FEATURES if decode == "gqa" else have
 
 
