@@ -206,8 +206,8 @@ def choose_cached(node: Node, graph: Graph, target: Target, gqa_decode: bool = F
     with past copies the past every step and has no grouped key/value heads. On CUDA the plain
     branch stands, unmeasured (no GPU was lent)."""
     missing = unsupported("phased", {**node.attrs, "decode": "gqa" if gqa_decode else None})
-    if missing:  # the cache adds no score feature fusion did not check (no_kernel); a bug if reached
-        raise PassError(f"the cached attention at {node.scope}: {missing}")
+    if missing:  # fused for the block kernel alone (a feature breaking the cache's shortcuts): no cache
+        raise PassError(f"the attention at {node.scope} cannot be cached: {missing}")
     prefill = "prefill (T > 1): portable tiled kernel, the T x (P+T) scores never formed"
     if gqa_decode:  # passes/kv_cache.py found the site fit for it (buffer cache, float32, head size)
         return "phased", (f"{prefill}; decode (T = 1): GroupQueryAttention over the cache buffer, bound as its "
