@@ -245,7 +245,7 @@ def add_quant_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quantize-block", type=int, metavar="N",
                    help="input features per quantisation scale: a power of two, at least 16; larger is "
                         "faster and less accurate (int4 at 128: about 1.3x faster decoding, a larger error; "
-                        "docs/BENCHMARKS.md Q8) (default 32; int8 and int4)")
+                        "docs/benchmarks/table.md Q8) (default 32; int8 and int4)")
     p.add_argument("--quantize-activations", choices=list(QUANT_ACTIVATIONS),
                    help="int8: MatMulNBits quantises the activations to int8 inside each product "
                         "(accuracy_level 4, faster); float: the product runs in fp32 (accuracy_level 0) "
@@ -630,7 +630,8 @@ class GenerateOptions(QuantOptions):
 
     # --draft-tokens' defaults. Prompt lookup: 10, as transformers' prompt-lookup examples use: a lookup
     # that finds nothing drafts nothing, and one that hits copies a run, which a short draft cuts into
-    # several verifying calls (docs/BENCHMARKS.md, speculative decoding: 1.73x plain at 4, 2.04x at 10).
+    # several verifying calls (docs/benchmarks/log.md, "Speculative decoding and llama.cpp, quietly
+    # after the merge": 1.73x plain at 4, 2.04x at 10).
     # A draft model: 4, since each drafted token is a call of the draft model, paid when rejected.
     NGRAM_DRAFT_TOKENS = 10
     MODEL_DRAFT_TOKENS = 4

@@ -5,7 +5,7 @@ Lowerings (``--attention NAME`` forces one):
 - ``gqa``: onnxruntime's com.microsoft.GroupQueryAttention. On CUDA it has
   flash kernels for fp16/bf16 with head size a multiple of 8, at most 256. On
   CPU, onnxruntime 1.31 allocates the N×N attention probabilities (measured:
-  3.3 GB extra at N=8192 with 12 heads, docs/BENCHMARKS.md) and is slower than
+  3.3 GB extra at N=8192 with 12 heads, docs/benchmarks/log.md) and is slower than
   the portable kernel, so auto does not pick it there; --attention gqa still can.
   It is causal only (optionally with a local window), without padding mask or
   bias, and needs queries and keys of the same length.
@@ -42,8 +42,8 @@ KERNELS = ("gqa", "mha", "block", "portable")
 
 # The whole score block of a site (B·H·Tq·Tk scores) up to this many bytes is computed as one
 # block with no Loop on CPU. bench/attention.py, B = 1, 12 heads of 64, causal, fp32, 2 threads
-# (docs/BENCHMARKS.md): the block is faster than the portable Loop up to N = 256 (3 MiB of scores)
-# and slower from 384 (6.75 MiB) on, by 3x at 512 (12 MiB).
+# (docs/benchmarks/log.md, "Short sequences: the block kernel"): the block is faster than the
+# portable Loop up to N = 256 (3 MiB of scores) and slower from 384 (6.75 MiB) on, by 3x at 512 (12 MiB).
 BLOCK_BYTES = 4 * 1024 * 1024
 BLOCK_MEASURED = "N = 128: 1.0 against 1.4 ms for the Loop and 1.1 ms unfused"
 
@@ -158,7 +158,7 @@ def choose(node: Node, graph: Graph, target: Target) -> tuple[str, str]:
     if dims.is_static(n):
         if int(n) <= BLOCK_BYTES:
             return "block", (f"the whole score block ({_mib(int(n))}) fits {_mib(BLOCK_BYTES)}: one block of plain "
-                             f"MatMul/Softmax with no Loop is faster there ({BLOCK_MEASURED}; docs/BENCHMARKS.md)")
+                             f"MatMul/Softmax with no Loop is faster there ({BLOCK_MEASURED}; docs/benchmarks/log.md)")
         return impl, reason
     return impl, (f"the block kernel (no Loop) while the B·H·Tq·Tk scores fit {_mib(BLOCK_BYTES)} at run time "
                   f"({BLOCK_MEASURED}); longer: {reason}")
@@ -184,7 +184,7 @@ def _choose_long(node: Node, graph: Graph, target: Target) -> tuple[str, str]:
     if node.attrs["causal"] and target.device == "cpu" and why_not("gqa", node, graph, target) is None:
         return "portable", ("Tessera's tiled kernel: onnxruntime 1.31's GroupQueryAttention on CPU holds the "
                             "N×N probabilities and is slower (3.3 GB extra, 1.6–1.8× the time at N=8192, 12 heads; "
-                            "docs/BENCHMARKS.md)")
+                            "docs/benchmarks/log.md)")
     reason = why_not("gqa", node, graph, target) if node.attrs["causal"] else why_not("mha", node, graph, target)
     return "portable", f"Tessera's tiled kernel: onnxruntime's contrib kernels would not be tiled here ({reason})"
 

@@ -45,14 +45,15 @@ def __getattr__(name: str):
 # The engine's decoding kernel, measured (bench/serve_decode.py: one engine step at 16 rows of uneven
 # lengths, the Llama shape, alternating rounds): GroupQueryAttention with per-row lengths was
 # faster than the plain branch in 11 of 12 rounds over two runs (medians 1.08x and 1.25x, under load;
-# docs/BENCHMARKS.md S3).
+# docs/benchmarks/table.md S3).
 DECODE = "auto"  # GroupQueryAttention where every cached site takes it, else the plain branch
 DECODE_REASONS = {
     "gqa": ("decode (T = 1): onnxruntime's GroupQueryAttention over the shared cache buffer with per-row "
             "seqlens_k (cache_length [B]): each row attends over its own filled slots and the kernel writes "
             "its new column at its own slot, in place (the buffer bound as past and present), so rows of any "
             "lengths share a step. Chosen over the plain MatMul/Softmax branch with a per-row mask: faster in "
-            "11 of 12 rounds of bench/serve_decode.py (one step at 16 rows of uneven lengths; docs/BENCHMARKS.md)."),
+            "11 of 12 rounds of bench/serve_decode.py (one step at 16 rows of uneven lengths; "
+            "docs/benchmarks/table.md S3)."),
     "plain": ("decode (T = 1): plain MatMul/Softmax over the cache buffer with a per-row slot mask and per-row "
               "positions, so every row of one step has its own length; the engine writes each row's new "
               "column at that row's own slot. (GroupQueryAttention with per-row lengths, faster where it "
@@ -62,7 +63,7 @@ DECODE_REASONS = {
 
 
 # The combined call (compiler/backends/onnx/mixed_attention.py): measured by bench/prefill_mix_cost.py
-# (docs/BENCHMARKS.md S7, under load): an iteration of 16 decoding rows and a 16-token chunk as one call
+# (docs/benchmarks/table.md S7, under load): an iteration of 16 decoding rows and a 16-token chunk as one call
 # costs about 1.2 of the engine's decoding step, against 1.6-1.7 as two calls.
 COMBINED_REASONS = {
     True: ("iteration: the decoding rows and a prompt chunk in ONE onnxruntime call (the combined call: the tokens "

@@ -246,7 +246,7 @@ def _portable(b, node, out: str, names: list[str] | None = None) -> None:
     # within SCORE_BLOCK_BUDGET (bigger tiles make bigger, faster matrix products), at most MAX_TILE,
     # and for causal attention at most a quarter of the queries (a causal tile computes its whole
     # diagonal block, half of it hidden: four or more tiles per head keep that waste at an eighth or
-    # less). Faster than 512-row tiles on CPU at N = 512 to 2048, as fast at 8192 and 16384 (docs/BENCHMARKS.md).
+    # less). Faster than 512-row tiles on CPU at N = 512 to 2048, as fast at 8192 and 16384 (docs/benchmarks/log.md).
     bytes_per = 2 if dtype == "f16" else 4
     row_bytes = b.node("Mul", [b.dim_scalar(q_t.shape[0]), b.node("Mul", [tk, _scalar(b, bytes_per)])[0]])[0]
     fit = b.node("Div", [_scalar(b, SCORE_BLOCK_BUDGET), row_bytes])[0]
