@@ -5,11 +5,13 @@ with the same rules. Each command's options are one dataclass with typed, defaul
 one ``check()`` holds every rule about them: a value's type and range (the API and the server pass
 raw Python values, so ``seed="x"`` or ``batch=1.5`` must be refused here, naming the argument) and
 the rules between options (``--decode`` needs ``--kv-cache``, ``--full`` needs ``--format json``).
-argparse only fills these objects (``from_args``); runtime/driver.py does the work. (The --quantize
-flags are defined here, ``add_quant_arguments``, because serving's commands take them too and
-runtime/serving/ does not import the command line.) A new option is
-one field here, one flag in runtime/cli/ and one keyword in runtime/api.py, and
-tests/test_options_parity.py fails until all three exist.
+argparse only fills these objects (``from_args``); runtime/driver.py does the work. The fields
+several commands share (the model, ``ModelRef``; the compile options, ``BuildOptions``; the serving
+engine's, ``EngineOptions``) are declared with their flags (``flag(...)``) and every command generates
+them from here (``add_arguments``), since runtime/serving/ does not import the command line. A compile
+option is one field of BuildOptions (with its flag, its rule and its pipeline keyword) and one keyword
+of each API method that compiles; an option of one command is one field here, one flag in
+runtime/cli/ and one keyword in runtime/api.py; tests/test_options_parity.py fails until all exist.
 
 Rules that need the model itself (its inputs, its graph) are checked by the driver once it is built.
 """

@@ -2,8 +2,10 @@
 (``load``: runtime/driver.py's ``serve_model``, which compiles it as every other command compiles;
 row_engine.py ``engine_for`` picks the engine that serves it), token choice, the tokenizer and the errors.
 
-Why one module: the engine and the server import the runtime only through here, so the runtime can
-be reorganised by changing these imports alone. The parsers of `tessera serve` and `tessera batch`
+Why one module: the engines and the routes (engine.py, row_engine.py, speculation.py, app.py) import
+the runtime only through here, so the runtime can be reorganised by changing these imports alone; what
+builds them (server.py, batch.py) takes its options from runtime/options.py and its model from the
+driver. The parsers of `tessera serve` and `tessera batch`
 do not import it (they must not import onnxruntime, onnx or the compiler: tests/test_cli_help.py).
 """
 
