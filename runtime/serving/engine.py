@@ -224,7 +224,7 @@ class Engine:
         self.relayouts = 0
         self.slots = np.zeros((max_batch, capacity), dtype=np.int64)
         self.cache_allocations = 1  # the tests check that no step adds to it
-        # GroupQueryAttention decoding (model.py DECODE): the kernel writes the new columns in place
+        # GroupQueryAttention decoding (runtime/driver.py DECODE): the kernel writes the new columns in place
         self.in_place = bool(info.length_input)
         self._buffer_output = {}
         for layer in info.layers:
