@@ -275,7 +275,7 @@ class QuantOptions(Options):
     quantize_block: int | None = flag(None, type=int, metavar="N",
                                       help="input features per quantisation scale: a power of two, at least 16; "
                                            "larger is faster and less accurate (int4 at 128: about 1.3x faster "
-                                           "decoding, a larger error; docs/BENCHMARKS.md Q8) (default 32; int8 and "
+                                           "decoding, a larger error; docs/benchmarks/table.md Q8) (default 32; int8 and "
                                            "int4)")
     quantize_activations: str | None = flag(None, choices=list(QUANT_ACTIVATIONS),
                                             help="int8: MatMulNBits quantises the activations to int8 inside each "
@@ -300,33 +300,9 @@ class QuantOptions(Options):
 
 
 def add_quant_arguments(p: argparse.ArgumentParser) -> None:
-<<<<<<< HEAD
-    """The flags that fill QuantOptions: --quantize, --quantize-block, --quantize-activations, --quantize-head
-    (compile, run, report, generate, serve and batch share them)."""
-    p.add_argument("--quantize", choices=list(QUANTIZE_CHOICES), default="none",
-                   help="quantise the weights of the linear layers. int8, int4: block-wise scales, run by "
-                        "onnxruntime's MatMulNBits (activations stored in float; see --quantize-activations); "
-                        "smallest and fastest for one sequence at a time. w8a8: int8 weights with a scale per "
-                        "output row, each activation row (token) quantised at run time, the product in "
-                        "onnxruntime's integer GEMM (VNNI/AMX): fastest for prompts and batches (fp32 only). "
-                        "The embedding tables stay float; the output head too unless --quantize-head "
-                        "(default none)")
-    p.add_argument("--quantize-block", type=int, metavar="N",
-                   help="input features per quantisation scale: a power of two, at least 16; larger is "
-                        "faster and less accurate (int4 at 128: about 1.3x faster decoding, a larger error; "
-                        "docs/benchmarks/table.md Q8) (default 32; int8 and int4)")
-    p.add_argument("--quantize-activations", choices=list(QUANT_ACTIVATIONS),
-                   help="int8: MatMulNBits quantises the activations to int8 inside each product "
-                        "(accuracy_level 4, faster); float: the product runs in fp32 (accuracy_level 0) "
-                        "(default int8)")
-    p.add_argument("--quantize-head", action="store_true",
-                   help="quantise the output head as well (by default it stays float: its errors go "
-                        "straight into the logits)")
-=======
     """The flags that fill QuantOptions (report takes them alone; the commands that compile take them
     with the rest of BuildOptions: ``add_build_arguments``)."""
     add_arguments(p, QuantOptions)
->>>>>>> driver
 
 
 @dataclass(kw_only=True)
