@@ -132,7 +132,7 @@ import onnxruntime as ort
 from tessera.compiler.analysis import cost
 from tessera.compiler.backends.onnx import export
 from tessera.compiler.frontend.elaborate import elaborate
-from tessera.compiler.reference import interpret
+from tessera.compiler.ops import interpret
 from tessera.spec import load_program
 
 g, _ = elaborate(load_program(sys.argv[1]), None, {})
@@ -212,7 +212,7 @@ from tessera.compiler.backends.onnx import export
 from tessera.compiler.frontend.elaborate import elaborate
 from tessera.compiler.passes.attention_kernels import Target
 from tessera.compiler.passes.pipeline import optimize
-from tessera.compiler.reference import interpret
+from tessera.compiler.ops import interpret
 from tessera.runtime.io.weights import init_weights
 from tessera.spec import load_program
 
