@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
 from typing import Annotated, Literal, Union
 
@@ -29,6 +30,13 @@ from .engine import Engine, Handle, Overloaded, Request, RequestError, Unavailab
 from .model import ChatTemplate, ChatTemplateError, Sampling, UsageError, encode_prompts, stop_token_ids
 
 Number = Union[StrictInt, StrictFloat]
+
+
+class StreamOptions(BaseModel):
+    """OpenAI's ``stream_options``: ``include_usage`` only (unknown keys and wrong types are 400s)."""
+    model_config = ConfigDict(extra="forbid")
+
+    include_usage: StrictBool | None = None
 
 
 class _Body(BaseModel):
@@ -43,7 +51,7 @@ class _Body(BaseModel):
     seed: StrictInt | None = None
     stop: StrictStr | Annotated[list[StrictStr], Field(max_length=4)] | None = None
     stream: StrictBool = False
-    stream_options: dict | None = None
+    stream_options: StreamOptions | None = None
     n: StrictInt = 1
     user: StrictStr | None = None
     presence_penalty: Number = 0.0
@@ -273,17 +281,51 @@ class Server:
         return self.visible(handle, text, True)
 
 
+_BYTE_TOKEN = re.compile(r"<0x[0-9A-Fa-f]{2}>")
+_byte_tokens_of: dict[int, tuple[object, frozenset]] = {}
+
+
+def byte_tokens(tokenizer) -> frozenset:
+    """The ids of sentencepiece's byte-fallback pieces (``<0xE2>``) in ``tokenizer``'s vocabulary:
+    its ByteFallback decoder turns a run of them into text only as a whole (a run that is not valid
+    UTF-8 becomes one U+FFFD per byte, so ``<0x41>`` reads "A" alone and "\ufffd\ufffd" once an
+    ``<0xE2>`` follows). Found once per tokenizer."""
+    hit = _byte_tokens_of.get(id(tokenizer))
+    if hit is not None and hit[0] is tokenizer:
+        return hit[1]
+    ids = frozenset()
+    vocab = getattr(tokenizer, "get_vocab", None)
+    if vocab is not None:
+        try:
+            ids = frozenset(i for t, i in vocab(with_added_tokens=False).items() if _BYTE_TOKEN.fullmatch(t))
+        except TypeError:
+            ids = frozenset()
+    _byte_tokens_of[id(tokenizer)] = (tokenizer, ids)
+    return ids
+
+
 class Detokenizer:
     """The text of a growing token list, each update decoding a short window instead of the whole
     completion (a stream would otherwise cost O(n^2) decodes): the window starts at the tokens of
     the previous update, so word joins and spaces come out as in one decode (vLLM's prefix and read
-    offsets); an update whose text ends in an incomplete character waits for the next token."""
+    offsets). An update waits for the next token when its text ends in an incomplete character
+    (U+FFFD) or its last token is a byte-fallback piece (the run's text is not settled). The last
+    update (``final``) is one decode of all the tokens, so what a stream has shown is always
+    completed to exactly the unstreamed text: a trailing incomplete character and the tokens held
+    back with it are never lost."""
 
     def __init__(self, tokenizer):
         self.tokenizer, self.text, self.prefix, self.read = tokenizer, "", 0, 0
+        self.held = byte_tokens(tokenizer) if tokenizer is not None else frozenset()
 
-    def update(self, tokens: list[int]) -> str:
-        if self.tokenizer is None or len(tokens) <= self.read:
+    def update(self, tokens: list[int], final: bool = False) -> str:
+        if self.tokenizer is None:
+            return self.text
+        if final:
+            self.text = self.tokenizer.decode(list(tokens), skip_special_tokens=True)
+            self.prefix = self.read = len(tokens)
+            return self.text
+        if len(tokens) <= self.read or tokens[-1] in self.held:
             return self.text
         before = self.tokenizer.decode(tokens[self.prefix:self.read], skip_special_tokens=True)
         after = self.tokenizer.decode(tokens[self.prefix:], skip_special_tokens=True)
@@ -294,6 +336,27 @@ class Detokenizer:
             self.text = self.tokenizer.decode(tokens, skip_special_tokens=True)
             self.prefix = self.read = len(tokens)
         return self.text
+
+
+class StreamText:
+    """What a stream sends: each wake ``delta(count, done)`` is the new visible text (stop strings
+    cut, their possible beginnings and incomplete characters held back while running); the deltas
+    joined are ``Server.text_of`` of the finished request."""
+
+    def __init__(self, server: "Server", handle: Handle):
+        self.server, self.handle = server, handle
+        self.detok, self.shown = Detokenizer(server.tokenizer), ""
+
+    def tokens(self, count: int, done: bool) -> list[int]:
+        return self.server.text_tokens(self.handle, done, None if done else count)
+
+    def delta(self, count: int, done: bool) -> str:
+        tokens = self.tokens(count, done)
+        text = self.server.visible(self.handle, self.detok.update(tokens, final=done), done)
+        if text.startswith(self.shown) and len(text) > len(self.shown):
+            new, self.shown = text[len(self.shown):], text
+            return new
+        return ""
 
 
 def _parse(model, data):
@@ -444,17 +507,16 @@ def create_app(server: Server):
             return new
 
         async def events():
-            shown, detok = "", Detokenizer(server.tokenizer)
+            text = StreamText(server, handle)
             try:
                 first = chunk(None, None)
                 if first is not None:
                     yield f"data: {json.dumps(first)}\n\n"
                 async for count, done in _updates(handle, request):
-                    tokens = server.text_tokens(handle, done, None if done else count)
-                    text = server.visible(handle, detok.update(tokens), done)
-                    if text.startswith(shown) and len(text) > len(shown):
-                        yield f"data: {json.dumps(chunk(text[len(shown):], None, entries=entries(len(tokens))))}\n\n"
-                        shown = text
+                    tokens = text.tokens(count, done)
+                    new = text.delta(count, done)
+                    if new:
+                        yield f"data: {json.dumps(chunk(new, None, entries=entries(len(tokens))))}\n\n"
                     if done:
                         if handle.finish_reason in ("error", "cancelled"):
                             err = handle.error or "the request was cancelled: the server is shutting down"
@@ -496,7 +558,7 @@ def create_app(server: Server):
                 return {"id": rid, "object": "text_completion", "created": created, "model": server.model_name,
                         "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}]}
 
-            return stream(handle, request, chunk, bool((body.stream_options or {}).get("include_usage")))
+            return stream(handle, request, chunk, bool(body.stream_options and body.stream_options.include_usage))
         await wait_for(handle, request)
         check_outcome(handle)
         return {"id": rid, "object": "text_completion", "created": created, "model": server.model_name,
@@ -520,7 +582,7 @@ def create_app(server: Server):
                 return {**base, "choices": [{"index": 0, "delta": delta, "logprobs": logprobs,
                                              "finish_reason": finish}]}
 
-            return stream(handle, request, chunk, bool((body.stream_options or {}).get("include_usage")))
+            return stream(handle, request, chunk, bool(body.stream_options and body.stream_options.include_usage))
         await wait_for(handle, request)
         check_outcome(handle)
         return {"id": rid, "object": "chat.completion", "created": created, "model": server.model_name,
