@@ -24,12 +24,30 @@ import time
 from typing import Annotated, Literal, Union
 
 from fastapi import Request as HttpRequest
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationError
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationError
 
 from .engine import Engine, Handle, Overloaded, Request, RequestError, Unavailable
 from .model import ChatTemplate, ChatTemplateError, Sampling, UsageError, encode_prompts, stop_token_ids
 
-Number = Union[StrictInt, StrictFloat]
+MAX_BODY_BYTES = 4 * 1024 * 1024  # a request body, checked as it is read (413 past it): 4 MiB holds a
+# 128k-token prompt as text or ids many times over; a 100 MB body held 6 GiB while tokenized
+PREPARE_THREADS = 2  # requests tokenized or rendered at once, off the event loop (Server.prepare)
+MAX_FIELD_PATH = 64  # characters of a refused field's path quoted in an error
+
+
+def _finite_float(v):
+    """A number field as a float: a 401-digit integer (past float's range) or a non-finite value
+    (json's NaN, Infinity) is the client's error, not an OverflowError later."""
+    try:
+        f = float(v)
+    except OverflowError:
+        raise ValueError("the number is too large") from None
+    if f != f or f in (float("inf"), float("-inf")):
+        raise ValueError("the number must be finite")
+    return f
+
+
+Number = Annotated[Union[StrictInt, StrictFloat], AfterValidator(_finite_float)]
 
 
 class StreamOptions(BaseModel):
@@ -106,11 +124,46 @@ class ApiError(Exception):
         self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
 
 
+def _printable(text):
+    """``text`` encodable as UTF-8 (a lone surrogate a client sent, echoed in a message, escaped)."""
+    if not isinstance(text, str):
+        return text
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 def _error_response(e: ApiError):
     from fastapi.responses import JSONResponse
 
-    return JSONResponse({"error": {"message": e.message, "type": e.type, "param": e.param, "code": e.code}},
-                        status_code=e.status)
+    return JSONResponse({"error": {"message": _printable(e.message), "type": e.type, "param": _printable(e.param),
+                                   "code": e.code}}, status_code=e.status)
+
+
+def check_text(data, root: str = "") -> None:
+    """Every string in a parsed JSON body (keys too) must be valid Unicode, encodable as UTF-8:
+    json.loads takes ``"\\ud800"`` (a lone surrogate), which nothing downstream can encode (the
+    tokenizer, the stop strings, the error body). Walked without recursion."""
+    stack = [(root, data)]
+    while stack:
+        path, value = stack.pop()
+        if isinstance(value, str):
+            items = ()
+            strings = [value]
+        elif isinstance(value, dict):
+            items = [(f"{path}.{k}" if path else str(k), v) for k, v in value.items()]
+            strings = list(value)
+        elif isinstance(value, list):
+            items = [(f"{path}[{i}]", v) for i, v in enumerate(value)]
+            strings = []
+        else:
+            continue
+        for text in strings:
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError:
+                where = _printable(path)[:MAX_FIELD_PATH] or "the body"
+                raise ApiError(400, f"{where}: the text is not valid Unicode (a lone surrogate such as \\ud800); "
+                                    f"send UTF-8 text", param=_printable(path)[:MAX_FIELD_PATH] or None) from None
+        stack.extend(items)
 
 
 def _validation_error(e: ValidationError) -> ApiError:
@@ -130,6 +183,17 @@ class Server:
         self.engine, self.model_name, self.tokenizer = engine, model_name, tokenizer
         self.chat_template, self.chat_template_error = chat_template, chat_template_error
         self.created = int(time.time())
+        self._pool = None
+
+    async def prepare(self, fn, data):
+        """``fn(data)`` (a route's request: tokenizing the prompt, rendering the chat template) in a
+        worker thread, so that a long prompt or a slow template never holds the event loop (every
+        other client, /health); at most PREPARE_THREADS at once, so their memory is bounded too."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(PREPARE_THREADS, thread_name_prefix="tessera-prepare")
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, data)
 
     # ---------------------------------------------------------------- request -> engine Request
     def _request(self, body: _Body, prompt_ids: list[int], max_tokens: int | None) -> Request:
@@ -437,7 +501,26 @@ def create_app(server: Server):
         return _error_response(ApiError(500, f"internal error: {type(e).__name__}", "server_error"))
 
     async def read_json(request: HttpRequest):
-        raw = await request.body()
+        """The body as a JSON object, read with MAX_BODY_BYTES checked as it comes (413), its text
+        valid Unicode (check_text)."""
+        from starlette.requests import ClientDisconnect
+
+        length = request.headers.get("content-length")
+        if length is not None and length.strip().isdigit() and int(length) > MAX_BODY_BYTES:
+            raise ApiError(413, f"the body is {int(length)} bytes, past the server's limit of {MAX_BODY_BYTES}",
+                           code="body_too_large")
+        parts, size = [], 0
+        try:
+            async for part in request.stream():
+                size += len(part)
+                if size > MAX_BODY_BYTES:
+                    raise ApiError(413, f"the body is past the server's limit of {MAX_BODY_BYTES} bytes",
+                                   code="body_too_large")
+                parts.append(part)
+        except ClientDisconnect:  # the client went away or sent a malformed (e.g. chunked) body
+            raise ApiError(400, "the body could not be read (the client disconnected or sent a malformed "
+                                "body)") from None
+        raw = b"".join(parts)
         try:
             data = json.loads(raw)
         except (ValueError, UnicodeDecodeError) as e:
@@ -446,6 +529,7 @@ def create_app(server: Server):
             raise ApiError(400, "the body is not valid JSON: arrays or objects nested too deep") from None
         if not isinstance(data, dict):
             raise ApiError(400, "the body must be a JSON object")
+        check_text(data)
         return data
 
     @app.get("/health")
@@ -538,7 +622,7 @@ def create_app(server: Server):
 
     @app.post("/v1/completions")
     async def completions(request: HttpRequest):
-        body, req = server.completion_request(await read_json(request))
+        body, req = await server.prepare(server.completion_request, await read_json(request))
         handle = server._submit(req)
         rid, created = f"cmpl-{handle.id}", int(time.time())
         if body.stream:
@@ -568,7 +652,7 @@ def create_app(server: Server):
 
     @app.post("/v1/chat/completions")
     async def chat(request: HttpRequest):
-        body, req = server.chat_request(await read_json(request))
+        body, req = await server.prepare(server.chat_request, await read_json(request))
         handle = server._submit(req)
         rid, created = f"chatcmpl-{handle.id}", int(time.time())
         if body.stream:
