@@ -109,6 +109,9 @@ def build_server(opts: ServeOptions):
             template = ChatTemplate.from_tokenizer_folder(tokenizer_path)
         except ChatTemplateError as e:  # the completion route still works; the chat route says why
             template_error = str(e)
+            import sys
+
+            print(f"warning: {e}; /v1/chat/completions answers 400 saying so", file=sys.stderr)
     model = serving_model.load(opts.spec, opts.variant, opts.sets, opts.weights, opts.seed, opts.threads,
                                last_only=opts.speculative is None, quantize=opts.quant_config())
     start = opts.start_token
