@@ -474,6 +474,29 @@ def _finish_reason(handle: Handle) -> str:
     return {"stop": "stop", "length": "length"}.get(handle.finish_reason, handle.finish_reason)
 
 
+class _HeaderLimit:
+    """Refuse a request whose header block is past http.py's MAX_HEADER_BYTES (431, OpenAI's error
+    body): uvicorn's h11 bounds a header block that arrives in pieces, this one that came whole."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        from .http import MAX_HEADER_BYTES
+
+        if scope["type"] == "http" and sum(len(k) + len(v) + 4 for k, v in scope.get("headers", ())) + \
+                len(scope.get("raw_path") or b"") + len(scope.get("query_string") or b"") > MAX_HEADER_BYTES:
+            body = json.dumps({"error": {"message": f"the request's headers are past the server's limit of "
+                                                    f"{MAX_HEADER_BYTES} bytes", "type": "invalid_request_error",
+                                         "param": None, "code": "headers_too_large"}}).encode()
+            await send({"type": "http.response.start", "status": 431,
+                        "headers": [(b"content-type", b"application/json"),
+                                    (b"content-length", str(len(body)).encode())]})
+            await send({"type": "http.response.body", "body": body})
+            return
+        await self.app(scope, receive, send)
+
+
 def create_app(server: Server):
     """The FastAPI application over ``server`` (its engine must be started)."""
     from fastapi import FastAPI
@@ -482,6 +505,7 @@ def create_app(server: Server):
     from starlette.exceptions import HTTPException as StarletteHTTPException
 
     app = FastAPI(title="tessera serve", docs_url=None, redoc_url=None, openapi_url=None)
+    app.add_middleware(_HeaderLimit)
 
     @app.exception_handler(ApiError)
     async def _api_error(request, e: ApiError):

@@ -109,8 +109,10 @@ def cmd_serve(args) -> int:
 
             threading.Thread(target=finish, daemon=True).start()
 
+    from .http import uvicorn_limits
+
     config = uvicorn.Config(create_app(server), log_level="warning", access_log=False,
-                            timeout_graceful_shutdown=max(1, int(opts.drain_timeout)))
+                            timeout_graceful_shutdown=max(1, int(opts.drain_timeout)), **uvicorn_limits())
     engine.start()
     port = sock.getsockname()[1]
     print(f"serving {opts.served_name} on http://{opts.host}:{port} (POST /v1/completions, "
