@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .batch import ROW_FIELDS, BatchOptions, read_rows, run_local, write_atomically
+from .batch import ROW_FIELDS, BatchOptions, Journal, check_output, read_rows, run_local, write_atomically
 from .server import add_model_arguments, prefill_chunk_help
 
 EXAMPLES = """examples:
@@ -48,6 +48,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="positions per slot, prompt and new tokens together (default: the model's context)")
     b.add_argument("--prefill-chunk", type=int, default=d.prefill_chunk, metavar="N",
                    help=prefill_chunk_help(d.prefill_chunk))
+    b.add_argument("--resume", action="store_true",
+                   help="continue an interrupted run: rows already in its journal (--output's name + .journal, "
+                        "written as rows finish) are not run again")
     b.add_argument("--ray", action="store_true", help="run on Ray Data: one engine per actor (the serve extra)")
     b.add_argument("--concurrency", type=int, default=d.concurrency, metavar="N",
                    help="with --ray: actors, each holding one engine (default 1)")
@@ -60,13 +63,26 @@ def cmd_batch(args) -> int:
     opts = BatchOptions.from_args(args)
     opts.check()
     rows = read_rows(opts.input)
+    check_output(opts.output)  # before the model loads: a bad --output costs no work
     if opts.ray:
         from .ray_batch import run_on_ray
 
         results = run_on_ray(opts, rows)
+        write_atomically(opts.output, results)
     else:
-        results = run_local(opts, rows)
-    write_atomically(opts.output, results)
+        journal = Journal(opts, len(rows))
+        if journal.done:
+            print(f"--resume: {len(journal.done)} of {len(rows)} rows already done ({journal.path})", file=sys.stderr)
+        try:
+            results = run_local(opts, rows, journal)
+            write_atomically(opts.output, results)
+        except BaseException:
+            journal.close(finished=False)
+            if journal.kept:
+                print(f"{len(journal.done)} finished rows are kept in {journal.path}: the same command with "
+                      f"--resume continues", file=sys.stderr)
+            raise
+        journal.close(finished=True)
     failed = sum("error" in r for r in results)
     print(f"{len(results)} rows -> {opts.output}" + (f" ({failed} failed: see their error)" if failed else ""),
           file=sys.stderr)
