@@ -118,6 +118,9 @@ def load(spec: str, variant: str | None = None, sets: list[str] | None = None, w
     from tessera.runtime.generation.cached import CachedModel
     from tessera.runtime.io import checkpoint
 
+    if threads is not None and (not isinstance(threads, int) or isinstance(threads, bool) or threads < 1):
+        raise UsageError(f"threads must be an integer >= 1 (None: all cores), got {threads!r}")
+
     if checkpoint.is_checkpoint(spec):  # a Hugging Face checkpoint folder: its bundled spec, its own weights
         if weights and Path(weights).resolve() != Path(spec).resolve():
             raise UsageError(f"{spec} is a checkpoint folder, its own weights; give it without --weights")
@@ -264,8 +267,8 @@ def eos_ids(tokenizer, tokenizer_path: str | Path | None, spec=None, weights=Non
     if f is not None:
         try:
             data = json.loads(f.read_text(encoding="utf-8"))
-        except (OSError, ValueError):
-            data = None
+        except (OSError, ValueError, RecursionError):  # unreadable: no eos_token from it (the chat template
+            data = None  # reader, io/chat_template.py, says why when a template is wanted)
         tok = data.get("eos_token") if isinstance(data, dict) else None
         if isinstance(tok, dict):
             tok = tok.get("content")
