@@ -545,7 +545,10 @@ def _rope(call, x, theta, factor, low_freq, high_freq, original_ctx, dims, layou
     factor as transformers does). max_ctx > 0
     declares the positions the model was trained for: `run` and `generate` refuse longer sequences
     (0: no limit declared)."""
-    attrs = {"theta": _float(call, theta, "theta")}
+    base = _float(call, theta, "theta")
+    if not (base > 0.0 and math.isfinite(base)):
+        raise call.error(f"'theta' (the rotary base) must be a finite number > 0, got {base}", theta[1])
+    attrs = {"theta": base}
     n_ctx = _int(call, max_ctx, "max_ctx", 0)
     if n_ctx:
         attrs["max_ctx"] = n_ctx
@@ -574,6 +577,8 @@ def _rope(call, x, theta, factor, low_freq, high_freq, original_ctx, dims, layou
             if not 0.0 < slow < fast:
                 raise call.error(f"yarn needs 0 < beta_slow < beta_fast, got beta_fast={fast}, beta_slow={slow}",
                                  beta_fast[1] or beta_slow[1])
+            if not base > 1.0:  # its correction dimensions divide by log(theta)
+                raise call.error(f"yarn needs 'theta' (the rotary base) > 1, got {base}", theta[1])
             af = _float(call, attention_factor, "attention_factor")
             if af < 0.0:
                 raise call.error(f"'attention_factor' must be 0 (derived) or more, got {af}", attention_factor[1])
