@@ -116,3 +116,21 @@ def test_a_malformed_chunked_body_leaves_no_traceback(url, caplog):
     assert not [r for r in caplog.records if r.exc_info], [r.getMessage() for r in caplog.records]
     health = _exchange(url, b"GET /health HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n")
     assert health.startswith(b"HTTP/1.1 200")
+
+
+def test_a_body_a_byte_at_a_time_times_out(url, monkeypatch):
+    from tessera.runtime.serving import app as app_module
+
+    monkeypatch.setattr(app_module, "BODY_TIMEOUT_S", 1.0)
+    start = time.monotonic()
+    with socket.create_connection(url, timeout=10) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                  b"content-length: 100\r\n\r\n{\"prompt\"")
+        out = b""
+        try:
+            while b"\r\n\r\n" not in out and (chunk := s.recv(65536)):
+                out += chunk
+        except socket.timeout:
+            pass
+    assert out.startswith(b"HTTP/1.1 408"), out[:200]
+    assert time.monotonic() - start < 8

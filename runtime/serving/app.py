@@ -31,6 +31,8 @@ from .model import ChatTemplate, ChatTemplateError, Sampling, UsageError, encode
 
 MAX_BODY_BYTES = 4 * 1024 * 1024  # a request body, checked as it is read (413 past it): 4 MiB holds a
 # 128k-token prompt as text or ids many times over; a 100 MB body held 6 GiB while tokenized
+BODY_TIMEOUT_S = 60.0  # reading a request's body, once its headers are in (408 past it: a client sending it a
+# byte at a time holds nothing for long)
 PREPARE_THREADS = 2  # requests tokenized or rendered at once, off the event loop (Server.prepare)
 MAX_FIELD_PATH = 64  # characters of a refused field's path quoted in an error
 
@@ -533,14 +535,22 @@ def create_app(server: Server):
         if length is not None and length.strip().isdigit() and int(length) > MAX_BODY_BYTES:
             raise ApiError(413, f"the body is {int(length)} bytes, past the server's limit of {MAX_BODY_BYTES}",
                            code="body_too_large")
-        parts, size = [], 0
-        try:
+        parts = []
+
+        async def read() -> None:
+            size = 0
             async for part in request.stream():
                 size += len(part)
                 if size > MAX_BODY_BYTES:
                     raise ApiError(413, f"the body is past the server's limit of {MAX_BODY_BYTES} bytes",
                                    code="body_too_large")
                 parts.append(part)
+
+        try:
+            await asyncio.wait_for(read(), BODY_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            raise ApiError(408, f"the body did not arrive within {BODY_TIMEOUT_S:g} s",
+                           code="request_timeout") from None
         except ClientDisconnect:  # the client went away or sent a malformed (e.g. chunked) body
             raise ApiError(400, "the body could not be read (the client disconnected or sent a malformed "
                                 "body)") from None
