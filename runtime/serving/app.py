@@ -24,7 +24,8 @@ import time
 from typing import Annotated, Literal, Union
 
 from fastapi import Request as HttpRequest
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationError
+from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr,
+                      ValidationError)
 
 from .engine import Engine, Handle, Overloaded, Request, RequestError, Unavailable
 from .model import ChatTemplate, ChatTemplateError, Sampling, UsageError, encode_prompts, stop_token_ids

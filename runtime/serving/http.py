@@ -56,8 +56,9 @@ def guarded_protocol():
             body = json.dumps({"error": {"message": f"the request's headers did not arrive within "
                                                     f"{HEADER_TIMEOUT_S:g} s", "type": "invalid_request_error",
                                          "param": None, "code": "request_timeout"}}).encode()
-            self.transport.write(b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\n"
-                                 b"connection: close\r\ncontent-length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+            head = (b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\nconnection: close\r\n"
+                    b"content-length: " + str(len(body)).encode() + b"\r\n\r\n")
+            self.transport.write(head + body)
             self.transport.close()
 
     return GuardedH11Protocol
