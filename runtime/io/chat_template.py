@@ -101,7 +101,7 @@ def _environment():
                 _over(f"`+` would make {len(left) + len(right):,} items, past the budget of {MAX_RENDERED_CHARS:,}")
             return _sized(super().call_binop(context, operator, left, right), f"`{operator}`")
 
-        def call(self, context, obj, *args, **kwargs):
+        def call(self, context, obj, /, *args, **kwargs):  # positional: a template may pass obj=
             _check_time()
             return _sized(super().call(context, obj, *args, **kwargs), "a call")
 
