@@ -54,3 +54,17 @@ def test_a_quoted_set_value_is_the_string(capsys):
     assert rc == 0, err
     rc2, out2, err2 = cli(capsys, "ir", "llama", *LLAMA, "--set", "rope_type=yarn", "--set", "rope_factor=4.0")
     assert rc2 == 0 and out == out2
+
+
+def test_a_router_past_the_expert_budget_is_refused_at_once(capsys):
+    """2 layers of 1,000 experts did not start generating in 240 s; refused before anything is built."""
+    import time
+
+    start = time.monotonic()
+    err = cli_error(capsys, "ir", "mixtral", "--set", "layers=2", "--set", "d=32", "--set", "heads=2", "--set",
+                    "kv_heads=2", "--set", "d_ff=32", "--set", "vocab=50", "--set", "experts=1000")
+    assert "1,000 experts is past the budget of 512 per router" in err
+    assert time.monotonic() - start < 30
+    rc, _, err = cli(capsys, "ir", "mixtral", "--set", "layers=1", "--set", "d=32", "--set", "heads=2", "--set",
+                     "kv_heads=2", "--set", "d_ff=32", "--set", "vocab=50", "--set", "experts=384")
+    assert rc == 0, err  # the most a published model routes over still elaborates

@@ -593,6 +593,9 @@ def _rope(call, x, theta, factor, low_freq, high_freq, original_ctx, dims, layou
     return call.emit("rope", [t], attrs)
 
 
+MAX_EXPERTS = 512  # experts one router (topk_gates) may choose among: Kimi K2's 384 is the most published
+
+
 @builtin("topk_gates", ("logits", R), ("k", R), ("normalize", True))
 def _topk_gates(call, logits, k, normalize):
     """Mixture-of-experts routing: softmax over the top-k logits, zero elsewhere, shape kept [..., E];
@@ -600,7 +603,13 @@ def _topk_gates(call, logits, k, normalize):
     attrs = {"k": _int(call, k, "k", 1)}
     if not _bool(call, normalize, "normalize"):
         attrs["normalize"] = False
-    return call.emit("topk_gates", [_tensor(call, logits, "logits")], attrs)
+    t = _tensor(call, logits, "logits")
+    if t.type.rank and dims.is_static(t.type.shape[-1]) and int(t.type.shape[-1]) > MAX_EXPERTS:
+        raise call.error(f"{int(t.type.shape[-1]):,} experts is past the budget of {MAX_EXPERTS} per router (the "
+                         f"most a published model routes over is 384): each expert adds its own subgraph, and "
+                         f"onnxruntime's start-up grows faster than their count (2 layers of 1,000 did not "
+                         f"start generating in 240 s)", logits[1])
+    return call.emit("topk_gates", [t], attrs)
 
 
 # ------------------------------------------------------------------ positions
