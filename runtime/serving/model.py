@@ -127,8 +127,8 @@ def eos_ids(tokenizer, tokenizer_path: str | Path | None, spec=None, weights=Non
     if f is not None:
         try:
             data = json.loads(f.read_text(encoding="utf-8"))
-        except (OSError, ValueError):
-            data = None
+        except (OSError, ValueError, RecursionError):  # unreadable: no eos_token from it (the chat template
+            data = None  # reader, io/chat_template.py, says why when a template is wanted)
         tok = data.get("eos_token") if isinstance(data, dict) else None
         if isinstance(tok, dict):
             tok = tok.get("content")
