@@ -197,7 +197,8 @@ def batch_engine():
 
         tok = _tokenizer_folder(Path(tempfile.mkdtemp(prefix="tessera-fuzz-tok-")), None)
         _BATCH_ENGINE.append(load_engine(BatchOptions(spec="gpt2", sets=["layers=1", "d=32", "heads=2", "vocab=50",
-                                                                          "ctx=32"], tokenizer=str(tok)), threads=1))
+                                                                          "ctx=32"], tokenizer=str(tok), threads=1,
+                                                      input="rows.jsonl", output="results.jsonl")))
     return _BATCH_ENGINE[0]
 
 
