@@ -28,7 +28,7 @@ from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, StrictBool, 
                       ValidationError)
 
 from .engine import Engine, Handle, Overloaded, Request, RequestError, Unavailable
-from .model import ChatTemplate, ChatTemplateError, Sampling, UsageError, encode_prompts, stop_token_ids
+from .model import ChatTemplate, ChatTemplateError, Sampling, StopStrings, UsageError, encode_prompts, stop_token_ids
 
 MAX_BODY_BYTES = 4 * 1024 * 1024  # a request body, checked as it is read (413 past it): 4 MiB holds a
 # 128k-token prompt as text or ids many times over; a 100 MB body held 6 GiB while tokenized
@@ -294,16 +294,7 @@ class Server:
     def visible(handle: Handle, text: str, final: bool) -> str:
         """``text`` trimmed at a stop string; while not final, without the tail that could still become
         a stop string or is an incomplete character."""
-        stops = handle.request.stop_strings
-        cut = min((text.find(s) for s in stops if s in text), default=-1)
-        if cut >= 0:
-            return text[:cut]
-        if not final:
-            hold = max((len(s) - 1 for s in stops), default=0)
-            text = text[:len(text) - hold] if hold else text
-            while text.endswith("\ufffd"):
-                text = text[:-1]
-        return text
+        return StopStrings(handle.request.stop_strings).visible(text, final)
 
     def _token_text(self, token: int) -> str:
         return self.tokenizer.decode([token], skip_special_tokens=False) if self.tokenizer is not None else str(token)

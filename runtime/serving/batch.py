@@ -207,6 +207,8 @@ def row_request(row: dict, engine: Engine, default_max_tokens: int) -> Request:
 def result_of(handle: Handle, engine: Engine) -> dict:
     """A finished request's output line: text as the completion route gives it (a final stop or
     end-of-sequence token left out, cut at a stop string), all new token ids, the finish reason."""
+    from .model import StopStrings
+
     if handle.finish_reason in ("error", "cancelled"):
         return {"error": handle.error or f"the request was {handle.finish_reason}"}
     out: dict = {}
@@ -217,8 +219,7 @@ def result_of(handle: Handle, engine: Engine) -> dict:
                                                            tokens[-1] in engine.eos_ids):
             shown = tokens[:-1]
         text = tokenizer.decode(shown, skip_special_tokens=True)
-        cut = min((text.find(s) for s in req.stop_strings if s in text), default=-1)
-        out["text"] = text[:cut] if cut >= 0 else text
+        out["text"] = StopStrings(req.stop_strings).trim(text)
     out["tokens"] = tokens
     out["finish_reason"] = handle.finish_reason
     return out

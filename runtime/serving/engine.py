@@ -53,7 +53,7 @@ from typing import Callable, Iterator
 import numpy as np
 
 from .metrics import Metrics
-from .model import (COMBINED_REASONS, CachedModel, Sampling, Step, TextStopper, UsageError, check_cache_fits, choose,
+from .model import (COMBINED_REASONS, CachedModel, Sampling, Step, StopStrings, UsageError, check_cache_fits, choose,
                     has_combined_call, ort_message, token_logprobs)
 
 WIDTH_STEP = 64  # attention width granularity of a decoding step (fewer distinct shapes)
@@ -726,7 +726,7 @@ class Engine:
         if tok in req.stop_tokens or (tok in self.eos_ids and not req.ignore_eos):
             reason = "stop"
         elif req.stop_strings and len(h.tokens) >= req.sampling.min_new_tokens and \
-                TextStopper(self.tokenizer, list(req.stop_strings))(0, h.tokens):
+                StopStrings(req.stop_strings).hit(self.tokenizer, h.tokens):
             reason = "stop"
         elif len(h.tokens) >= req.max_tokens:
             reason = "length"

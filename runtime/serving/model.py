@@ -17,7 +17,8 @@ from tessera.runtime import driver
 from tessera.runtime.driver import DECODE, check_fit, served_sources  # noqa: F401  (re-exported)
 from tessera.runtime.errors import UsageError  # noqa: F401  (re-exported)
 from tessera.runtime.generation.cached import (NO_CONTEXT_CAP, CachedDecoder, CachedModel, Stats,  # noqa: F401
-                                               TextStopper, check_cache_fits, encode_prompts, stop_token_ids)
+                                               check_cache_fits, encode_prompts, stop_token_ids)
+from tessera.runtime.generation.stops import StopStrings, TextStopper  # noqa: F401
 from tessera.runtime.generation.drafting import NgramDrafter  # noqa: F401
 from tessera.runtime.generation.sampling import Sampling, Step, choose, token_logprobs  # noqa: F401
 from tessera.runtime.io.chat_template import ChatTemplate, ChatTemplateError  # noqa: F401
