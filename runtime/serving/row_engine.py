@@ -241,7 +241,7 @@ class RowEngine(Engine):
     def _take(self, row: _Row, logits: np.ndarray) -> None:
         """Choose the row's next token from its logits [1, vocab] and emit it."""
         req = row.handle.request
-        if req.sampling.plain_greedy:
+        if req.sampling.plain_greedy and row.mask is None:
             tok = int(np.argmax(logits[0]))
         else:
             tok = self._choose(row, logits)
