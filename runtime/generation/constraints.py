@@ -161,7 +161,10 @@ class TokenMask:
             raise GrammarError(f"the grammar cannot be used: {self.matcher.get_error()}")
         self.vocab = compiler.vocab
         self._pending: Future | None = None
+        # every call into the matcher holds this lock: llguidance's matcher is a Rust object that refuses
+        # a second borrow while the worker thread computes a mask ("Already mutably borrowed")
         self._lock = threading.Lock()
+        self.done = False  # the grammar has ended (nothing may follow): the request stops
         self._prefetch()
 
     def _compute(self) -> np.ndarray:
@@ -188,7 +191,9 @@ class TokenMask:
         if out.shape[-1] > v:
             out[..., v:] = -np.inf
         if not np.isfinite(out).any():  # the grammar allows nothing: a matcher error
-            raise GrammarError(f"the grammar allows no token here: {self.matcher.get_error() or 'no way on'}")
+            with self._lock:
+                why = self.matcher.get_error() or "no way on"
+            raise GrammarError(f"the grammar allows no token here: {why}")
         return out
 
     def consume(self, token: int, prefetch: bool = True) -> None:
@@ -197,10 +202,12 @@ class TokenMask:
             self._pending.result()
         with self._lock:
             ok = self.matcher.consume_token(int(token))
+            why = "" if ok else self.matcher.get_error()
+            self.done = self.matcher.is_stopped()
         if not ok:
-            raise GrammarError(f"token {token} is outside the grammar: {self.matcher.get_error()}")
+            raise GrammarError(f"token {token} is outside the grammar: {why}")
         self._pending = None
-        if prefetch and not self.matcher.is_stopped():
+        if prefetch and not self.done:
             self._prefetch()
 
     def valid_prefix(self, tokens: list[int]) -> int:
@@ -216,16 +223,8 @@ class TokenMask:
                 self._pending.result()
             with self._lock:
                 self.matcher.rollback(count)
+                self.done = self.matcher.is_stopped()
             self._pending = None
-
-    @property
-    def done(self) -> bool:
-        """The grammar has ended (nothing may follow): the request stops."""
-        return self.matcher.is_stopped()
-
-    @property
-    def accepting(self) -> bool:
-        return self.matcher.is_accepting()
 
 
 def masked_argmax(logits: np.ndarray, allowed: np.ndarray) -> int:

@@ -60,6 +60,24 @@ class StreamOptions(BaseModel):
     include_usage: StrictBool | None = None
 
 
+class JsonSchemaFormat(BaseModel):
+    """``response_format.json_schema``: OpenAI's name, description, schema and strict."""
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    name: StrictStr
+    description: StrictStr | None = None
+    schema_: dict | StrictBool | None = Field(None, alias="schema")
+    strict: StrictBool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's ``response_format``: text (no constraint), json_object (any JSON object) or json_schema."""
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
 class _Body(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -81,6 +99,35 @@ class _Body(BaseModel):
     min_p: Number = 0.0  # extensions, as vLLM takes them (generation/sampling.py)
     no_repeat_ngram_size: StrictInt = 0
     min_tokens: StrictInt = 0  # vLLM's name for min_new_tokens
+    # structured output (generation/constraints.py): OpenAI's response_format, and vLLM's extensions
+    response_format: ResponseFormat | None = None
+    guided_json: dict | StrictStr | None = None
+    guided_regex: StrictStr | None = None
+    guided_grammar: StrictStr | None = None  # a Lark grammar (llguidance's dialect)
+
+    def grammar(self):
+        """The Grammar the request asks for (None: free text), and the field that asked for it."""
+        from tessera.runtime.generation.constraints import Grammar
+
+        asked = []
+        rf = self.response_format
+        if rf is not None and rf.type == "json_object":
+            asked.append(("response_format", Grammar.json_object()))
+        elif rf is not None and rf.type == "json_schema":
+            if rf.json_schema is None or rf.json_schema.schema_ is None:
+                raise ApiError(400, "response_format of type json_schema needs json_schema.schema",
+                               param="response_format")
+            asked.append(("response_format", Grammar.json_schema(rf.json_schema.schema_)))
+        if self.guided_json is not None:
+            asked.append(("guided_json", Grammar.json_schema(self.guided_json)))
+        if self.guided_regex is not None:
+            asked.append(("guided_regex", Grammar.regex(self.guided_regex)))
+        if self.guided_grammar is not None:
+            asked.append(("guided_grammar", Grammar.lark(self.guided_grammar)))
+        if len(asked) > 1:
+            raise ApiError(400, f"give one of response_format (json), guided_json, guided_regex and guided_grammar, "
+                                f"not {' and '.join(n for n, _ in asked)}", param=asked[1][0])
+        return asked[0] if asked else (None, None)
 
     def top_logprobs_wanted(self) -> int | None:
         """The alternatives per token asked for (None: no logprobs)."""
@@ -217,8 +264,22 @@ class Server:
         logprobs = body.top_logprobs_wanted()
         sampling = Sampling(float(body.temperature), body.top_k, float(body.top_p), float(body.repetition_penalty),
                             body.seed, float(body.min_p), body.no_repeat_ngram_size, body.min_tokens, logprobs)
-        return Request(prompt_ids, max_tokens, sampling, tuple(stop_token_ids(self.tokenizer, stops)),
-                       tuple(s for s in stops if s), body.ignore_eos)
+        req = Request(prompt_ids, max_tokens, sampling, tuple(stop_token_ids(self.tokenizer, stops)),
+                      tuple(s for s in stops if s), body.ignore_eos)
+        field, grammar = body.grammar()
+        if grammar is not None:  # compiled here, in the worker thread: a large schema takes a while
+            if self.tokenizer is None:
+                raise ApiError(400, "structured output needs the server to have a tokenizer (--tokenizer)",
+                               param=field)
+            try:
+                self.engine.check(req)  # the request's own errors first, then the grammar's
+            except RequestError as e:
+                raise ApiError(400, str(e), param="prompt" if "prompt" in str(e) else None) from None
+            try:
+                req.grammar, req.mask = grammar, self.engine.grammar_mask(grammar)
+            except RequestError as e:
+                raise ApiError(400, str(e), param=field) from None
+        return req
 
     def _encode(self, text: str) -> list[int]:
         if self.tokenizer is None:
