@@ -222,3 +222,82 @@ def test_bad_grammars_are_request_errors(gpt2, tok):
     no_tok = Engine(gpt2, max_batch=2, capacity=64)
     with pytest.raises(RequestError, match="tokenizer"):
         no_tok.submit(Request([1, 2], 4, grammar=Grammar.json_object()))
+
+
+# ------------------------------------------------------------------ tessera generate, the API, tessera batch
+@pytest.fixture(scope="module")
+def tok_folder(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("bpe")
+    make_tokenizer(folder)
+    return folder
+
+
+CLI_SETS = [a for s in SETS for a in ("--set", s)]
+
+
+def test_generate_cli_follows_the_grammar(capsys, tok_folder, tmp_path):
+    from conftest import cli
+
+    schema_file = tmp_path / "schema.json"
+    schema_file.write_text(json.dumps(SCHEMAS[1]))
+    lark_file = tmp_path / "g.lark"
+    lark_file.write_text('start: "yes" | "no" | "maybe" " " NUM\nNUM: /[0-9]{1,2}/')
+    regex = r"[a-c]{1,4}-[0-9]{2,3}"
+    cases = [(["--json-schema", schema_file], lambda t: _valid(SCHEMAS[1], json.loads(t))),
+             (["--regex", regex], lambda t: re.fullmatch(regex, t)),
+             (["--grammar", lark_file], lambda t: re.fullmatch(r"yes|no|maybe [0-9]{1,2}", t))]
+    for flags, ok in cases:
+        rc, out, err = cli(capsys, "generate", "gpt2", *CLI_SETS, "--tokenizer", tok_folder / "tokenizer.json",
+                           "--prompt", "hello", "--prompt", "yes no", "--temperature", 1, "--max-new-tokens", 100,
+                           *flags, "--format", "json", "--quiet")
+        assert rc == 0, err
+        for row in json.loads(out)["outputs"]:
+            assert ok(row["text"]), (flags, row["text"])
+
+
+def test_generate_cli_refuses_bad_grammars(capsys, tok_folder, tmp_path):
+    from conftest import cli_error
+
+    tok = ["--tokenizer", tok_folder / "tokenizer.json"]
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    for flags, words in ((["--regex", "(ab"], "invalid regular expression"),
+                         (["--json-schema", bad], "not JSON"),
+                         (["--json-schema", tmp_path / "missing.json"], "cannot read"),
+                         (["--regex", "a", "--grammar", bad], "give one of"),
+                         (["--regex", "a", "--speculative", "ngram"], "serve")):
+        err = cli_error(capsys, "generate", "gpt2", *CLI_SETS, *tok, "--prompt", "hi", *flags)
+        assert words in err, err
+    err = cli_error(capsys, "generate", "gpt2", *CLI_SETS, "--input", "tokens=[[1,2]]", "--regex", "a")
+    assert "--tokenizer" in err
+
+
+def test_api_generate_json_schema(tok_folder):
+    import tessera
+
+    m = tessera.load("gpt2", **dict(s.split("=") for s in SETS))
+    texts = m.generate(["hello", "yes"], 100, temperature=1.0, seed=3, json_schema=SCHEMAS[0],
+                       tokenizer=str(tok_folder / "tokenizer.json"))
+    for t in texts:
+        assert _valid(SCHEMAS[0], json.loads(t)), t
+
+
+def test_batch_rows_with_grammars(capsys, tok_folder, tmp_path):
+    from conftest import cli
+
+    rows = [{"prompt": "hello", "max_tokens": 100, "temperature": 1.0, "seed": s,
+             "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMAS[3]}}}
+            for s in range(4)]
+    rows += [{"prompt": "hello", "max_tokens": 40, "guided_regex": r"[a-c]{1,4}-[0-9]{2,3}", "seed": 1,
+              "temperature": 1.0},
+             {"prompt": "hello", "max_tokens": 4, "guided_regex": "(ab"}]
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text("\n".join(json.dumps(r) for r in rows))
+    rc, _, err = cli(capsys, "batch", "gpt2", *CLI_SETS, "--tokenizer", tok_folder / "tokenizer.json",
+                     "--input", src, "--output", out, "--threads", 1)
+    assert rc == 0, err
+    res = [json.loads(line) for line in out.read_text().splitlines()]
+    for r in res[:4]:
+        assert _valid(SCHEMAS[3], json.loads(r["text"])), r
+    assert re.fullmatch(r"[a-c]{1,4}-[0-9]{2,3}", res[4]["text"])
+    assert "invalid regular expression" in res[5]["error"]

@@ -154,6 +154,7 @@ class Generation:
     logprobs: list[list[dict]] = field(default_factory=list)
     drafter: object = None          # speculative decoding's (generation/drafting.py), else None
     draft_tokens: int = 0
+    masks: list | None = None       # structured output: one generation/constraints.TokenMask per prompt
 
     def steps(self):
         if self.drafter is not None:
@@ -164,7 +165,8 @@ class Generation:
         self.logprobs = [[] for _ in self.prompts]
         return gen.stream(self.model, self.prompts, self.max_new_tokens, self.sampling, self.stop_ids,
                           stats=self.stats, should_stop=self.stopper, extra_feeds=self.fixed,
-                          logprobs=self.logprobs if self.sampling.logprobs is not None else None)
+                          logprobs=self.logprobs if self.sampling.logprobs is not None else None,
+                          masks=self.masks)
 
     def explain(self) -> str | None:
         """--explain's line on speculative decoding once the steps have run (None without it)."""
@@ -266,8 +268,22 @@ def prepare(ref, o, prompt_ids: list[list[int]] | None = None, weights=None, mod
         speculative.check_target(model)
         _check_speculative_sampling(o, sampling)
         drafter = load_drafter(o, draft_ref, model)
+    masks = None
+    grammar = o.constraint()
+    if grammar is not None:
+        from tessera.runtime.generation.constraints import GrammarCompiler
+
+        if sampling.min_new_tokens or sampling.no_repeat_ngram_size:
+            raise UsageError("min_new_tokens and no_repeat_ngram_size cannot be combined with structured output "
+                             "(--json-schema, --regex, --grammar): they could forbid every token the grammar allows")
+        eos = [t for t in getattr(o, "eos_tokens", ()) if model.vocab is None or t < model.vocab]
+        compiler = GrammarCompiler(tokenizer, model.vocab, eos)
+        text = compiler.compile(grammar)  # GrammarError (a UsageError) saying what is wrong
+        from tessera.runtime.generation.constraints import TokenMask
+
+        masks = [TokenMask(compiler, text) for _ in prompts]
     return Generation(model, prompts, o.max_new_tokens, sampling, stop_tokens, tokenizer, stopper, fixed,
-                      drafter=drafter, draft_tokens=o.k)
+                      drafter=drafter, draft_tokens=o.k, masks=masks)
 
 
 def _check_speculative_sampling(o, sampling) -> None:
