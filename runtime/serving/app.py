@@ -151,8 +151,39 @@ class Message(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     role: Literal["system", "user", "assistant", "developer", "tool"]
-    content: StrictStr | list[dict]
+    content: StrictStr | list[dict] | None = None  # None: an assistant's turn that only called tools
     name: StrictStr | None = None
+    tool_calls: list[dict] | None = None  # an assistant's calls, as this server returned them
+    tool_call_id: StrictStr | None = None  # a tool's answer: the call it answers
+
+
+class FunctionDef(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: Annotated[str, Field(strict=True, min_length=1, max_length=64)]
+    description: StrictStr | None = None
+    parameters: dict | None = None
+    strict: StrictBool | None = None
+
+
+class ToolDef(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: StrictStr
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatBody(_Body):
@@ -160,6 +191,25 @@ class ChatBody(_Body):
     max_completion_tokens: StrictInt | None = None
     logprobs: StrictBool | None = None
     top_logprobs: StrictInt | None = None
+    tools: Annotated[list[ToolDef], Field(max_length=128)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: StrictBool = True
+
+    def functions(self) -> list[dict]:
+        return [t.function.model_dump(exclude_none=True) for t in self.tools or []]
+
+    def calls_tools(self) -> bool:
+        """Whether the reply is parsed for tool calls (tools given and tool_choice not "none")."""
+        return bool(self.tools) and self.tool_choice != "none"
+
+    def forced_functions(self) -> list[dict] | None:
+        """The functions one of which the reply must call (tool_choice "required" or named), else None."""
+        if not self.tools or self.tool_choice in (None, "none", "auto"):
+            return None
+        fns = self.functions()
+        if self.tool_choice == "required":
+            return fns
+        return [f for f in fns if f["name"] == self.tool_choice.function.name]
 
     def top_logprobs_wanted(self) -> int | None:
         if self.top_logprobs is not None and not self.logprobs:
@@ -314,6 +364,8 @@ class Server:
         req = Request(prompt_ids, max_tokens, sampling, tuple(stop_token_ids(self.tokenizer, stops)),
                       tuple(s for s in stops if s), body.ignore_eos)
         field, grammar = body.grammar()
+        if isinstance(body, ChatBody) and body.forced_functions() is not None:
+            field = "tools"  # the grammar is the call's form, from the tools' parameters
         if grammar is not None:  # compiled here, in the worker thread: a large schema takes a while
             if self.tokenizer is None:
                 raise ApiError(400, "structured output needs the server to have a tokenizer (--tokenizer)",
@@ -371,19 +423,51 @@ class Server:
             why = self.chat_template_error or ("this model has no chat template (no chat_template in the "
                                                "tokenizer folder's tokenizer_config.json); use /v1/completions")
             raise ApiError(400, why, param="messages", code="no_chat_template")
+        from . import tools as tool_calls
+
         messages = []
-        for m in body.messages:
+        for i, m in enumerate(body.messages):
             content = m.content
             if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
                 if not all(isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)
                            for part in content):
                     raise ApiError(400, "only text content parts are supported", param="messages")
                 content = "".join(part["text"] for part in content)
-            messages.append({"role": m.role, "content": content, **({"name": m.name} if m.name else {})})
+            if content is None and not (m.role == "assistant" and m.tool_calls):
+                raise ApiError(400, f"messages[{i}].content is missing (only an assistant's turn with tool_calls "
+                                    f"may have none)", param=f"messages[{i}].content")
+            if m.tool_calls and m.role != "assistant":
+                raise ApiError(400, f"messages[{i}]: only an assistant's message has tool_calls",
+                               param=f"messages[{i}].tool_calls")
+            if m.role == "tool" and m.tool_call_id is None:
+                raise ApiError(400, f"messages[{i}]: a tool message needs tool_call_id (the call it answers)",
+                               param=f"messages[{i}].tool_call_id")
+            msg = {"role": m.role, "content": content, **({"name": m.name} if m.name else {})}
+            if m.tool_calls:
+                msg["tool_calls"] = m.tool_calls
+            if m.tool_call_id is not None:
+                msg["tool_call_id"] = m.tool_call_id
+            messages.append(msg)
+        if body.tool_choice is not None and not body.tools:
+            raise ApiError(400, "tool_choice needs tools", param="tool_choice")
+        names = [t.function.name for t in body.tools or []]
+        if len(set(names)) < len(names):
+            raise ApiError(400, "tools: two functions have the same name", param="tools")
+        if isinstance(body.tool_choice, NamedToolChoice) and body.tool_choice.function.name not in names:
+            raise ApiError(400, f"tool_choice names the function '{body.tool_choice.function.name}', which is not "
+                                f"among the tools", param="tool_choice")
+        forced = body.forced_functions()
+        if forced is not None and body.grammar()[1] is not None:
+            raise ApiError(400, "tool_choice that requires a call and a response_format or guided_* constraint "
+                                "exclude each other", param="tool_choice")
         try:  # the template is read only beside a tokenizer: self.tokenizer is there
-            ids = self.chat_template.encode(self.tokenizer, messages)
+            ids = self.chat_template.encode(self.tokenizer, tool_calls.template_messages(messages),
+                                            [t.model_dump(exclude_none=True) for t in body.tools] if body.tools
+                                            else None)
         except ChatTemplateError as e:
             raise ApiError(400, str(e), param="messages") from None
+        if forced is not None:  # the reply is held to the call's JSON form (serving/tools.py)
+            body.guided_json = tool_calls.forced_schema(forced, body.parallel_tool_calls)
         if body.max_tokens is not None and body.max_completion_tokens is not None:
             raise ApiError(400, "give max_tokens or max_completion_tokens, not both", param="max_tokens")
         limit = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
@@ -449,6 +533,22 @@ class Server:
         return {"content": [{**item(e["token"], e["logprob"]), "top_logprobs": [item(a["token"], a["logprob"])
                                                                                for a in e["top"]]}
                             for e in entries]}
+
+    def chat_reply(self, body: "ChatBody", handle: Handle) -> tuple[dict, str]:
+        """The assistant's message and the finish reason: with tools (tool_choice not "none") the text
+        parsed for calls (serving/tools.py), ``tool_calls`` and finish_reason "tool_calls" when it has
+        some; else the text as content."""
+        from . import tools as tool_calls
+
+        text, finish = self.text_of(handle), _finish_reason(handle)
+        if not body.calls_tools():
+            return {"role": "assistant", "content": text}, finish
+        content, calls = tool_calls.parse(text, body.functions())
+        if not calls:
+            return {"role": "assistant", "content": text}, finish
+        if not body.parallel_tool_calls:
+            calls = calls[:1]
+        return {"role": "assistant", "content": content, "tool_calls": calls}, "tool_calls"
 
     def text_of(self, handle: Handle) -> str:
         """The finished request's completion text (one decode of all its tokens)."""
@@ -765,6 +865,48 @@ def create_app(server: Server):
         return StreamingResponse(events(), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
+    def tool_stream(body: ChatBody, handle: Handle, request: HttpRequest, chunk, usage_wanted: bool):
+        """A streamed chat reply that may call tools: whether the text is a call is known only at its end,
+        so the reply is held until the request finishes, then sent as one content chunk or as one
+        ``tool_calls`` delta per call (index, id, type, name and the whole arguments), then the finish
+        chunk ("tool_calls" when it called), usage if asked, [DONE]."""
+        async def events():
+            try:
+                yield f"data: {json.dumps(chunk(None, None))}\n\n"
+                async for _count, done in _updates(handle, request):
+                    if done:
+                        break
+                else:
+                    return  # the client went away
+                if handle.finish_reason in ("error", "cancelled"):
+                    err = handle.error or "the request was cancelled: the server is shutting down"
+                    yield f"data: {json.dumps({'error': {'message': err, 'type': 'server_error'}})}\n\n"
+                    yield "data: [DONE]\n\n"
+                    return
+                message, finish = server.chat_reply(body, handle)
+                entries = handle.logprobs if handle.request.sampling.logprobs is not None else None
+                if "tool_calls" in message:
+                    base = chunk("", None)
+                    for i, call in enumerate(message["tool_calls"]):
+                        part = json.loads(json.dumps(base))
+                        part["choices"][0]["delta"] = {"tool_calls": [{"index": i, **call}]}
+                        yield f"data: {json.dumps(part)}\n\n"
+                elif message["content"]:
+                    yield f"data: {json.dumps(chunk(message['content'], None, entries=entries))}\n\n"
+                    entries = None
+                last = chunk("", None, entries=entries)
+                last["choices"][0]["finish_reason"] = finish
+                yield f"data: {json.dumps(last)}\n\n"
+                if usage_wanted:
+                    yield f"data: {json.dumps(chunk(None, None, usage=_usage(handle)))}\n\n"
+                yield "data: [DONE]\n\n"
+            finally:
+                if not handle.finished:
+                    handle.cancel()
+
+        return StreamingResponse(events(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
     @app.post("/v1/completions")
     async def completions(request: HttpRequest):
         body, req = await server.prepare(server.completion_request, await read_json(request))
@@ -828,12 +970,16 @@ def create_app(server: Server):
                 return {**base, "choices": [{"index": 0, "delta": delta, "logprobs": logprobs,
                                              "finish_reason": finish}]}
 
-            return stream(handle, request, chunk, bool(body.stream_options and body.stream_options.include_usage))
+            usage_wanted = bool(body.stream_options and body.stream_options.include_usage)
+            if body.calls_tools():
+                return tool_stream(body, handle, request, chunk, usage_wanted)
+            return stream(handle, request, chunk, usage_wanted)
         await wait_for(handle, request)
         check_outcome(handle)
+        message, finish = server.chat_reply(body, handle)
         return {"id": rid, "object": "chat.completion", "created": created, "model": server.model_name,
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": server.text_of(handle)},
-                             "logprobs": server.chat_logprobs(handle), "finish_reason": _finish_reason(handle),
+                "choices": [{"index": 0, "message": message,
+                             "logprobs": server.chat_logprobs(handle), "finish_reason": finish,
                              "token_ids": list(handle.tokens)}],
                 "usage": _usage(handle)}
 
