@@ -301,3 +301,57 @@ def test_batch_rows_with_grammars(capsys, tok_folder, tmp_path):
         assert _valid(SCHEMAS[3], json.loads(r["text"])), r
     assert re.fullmatch(r"[a-c]{1,4}-[0-9]{2,3}", res[4]["text"])
     assert "invalid regular expression" in res[5]["error"]
+
+
+# ------------------------------------------------------------------ random schemas, the row engine
+def _random_schema(rng, depth=0):
+    """A random JSON schema whose instances are bounded (so a sampled tiny model always finishes)."""
+    kinds = ["integer", "boolean", "enum", "string", "null"] + (["object", "array"] if depth < 2 else [])
+    kind = kinds[rng.integers(len(kinds))]
+    if kind == "integer":
+        lo = int(rng.integers(-50, 50))
+        return {"type": "integer", "minimum": lo, "maximum": lo + int(rng.integers(0, 200))}
+    if kind == "boolean":
+        return {"type": "boolean"}
+    if kind == "null":
+        return {"type": "null"}
+    if kind == "enum":
+        pool = ["a", "bc", 1, 2.5, True, None, "xyz"]
+        return {"enum": [pool[i] for i in rng.choice(len(pool), size=int(rng.integers(1, 4)), replace=False)]}
+    if kind == "string":
+        return {"type": "string", "minLength": 0, "maxLength": int(rng.integers(1, 6)),
+                **({"pattern": "^[a-c]*$"} if rng.random() < 0.5 else {})}
+    if kind == "array":
+        return {"type": "array", "items": _random_schema(rng, depth + 1), "maxItems": int(rng.integers(1, 4))}
+    props = {f"k{i}": _random_schema(rng, depth + 1) for i in range(int(rng.integers(1, 4)))}
+    required = [k for k in props if rng.random() < 0.7]
+    return {"type": "object", "properties": props, "required": required, "additionalProperties": False}
+
+
+def test_random_schemas_sampled(gpt2, tok):
+    """60 random schemas, two sampled requests each (temperature 1.5: far from the model's favourites):
+    every output is valid JSON of its schema."""
+    rng = np.random.default_rng(41)
+    schemas = [_random_schema(rng) for _ in range(60)]
+    engine = _engine(gpt2, tok)
+    prompt = tok.encode("{").ids
+    reqs = [Request(list(prompt), 200, Sampling(temperature=1.5, seed=s), grammar=Grammar.json_schema(sc))
+            for sc in schemas for s in range(2)]
+    for i in range(0, len(reqs), 40):
+        for h, r in zip(_run(engine, reqs[i:i + 40]), reqs[i:i + 40]):
+            schema = r.grammar.source
+            assert h.finish_reason == "stop", (schema, _text(tok, h))
+            assert _valid(schema, json.loads(_text(tok, h))), (schema, _text(tok, h))
+
+
+def test_row_engine_follows_the_grammar(tok):
+    from tessera.runtime.serving.row_engine import RowEngine, engine_for
+
+    mamba = serving_model.load("mamba", sets=["layers=1", "d=32", "d_inner=64", "rank=4", f"vocab={VOCAB}"], threads=1)
+    engine = engine_for(mamba, 4, 16, 128, 64, tok, [EOS], None)
+    assert isinstance(engine, RowEngine)
+    regex = r"[a-c]{1,4}-[0-9]{2,3}"
+    reqs = [Request(tok.encode("hello").ids, 30, Sampling(temperature=t, seed=s), grammar=Grammar.regex(regex))
+            for t in (0.0, 1.0) for s in range(3)]
+    for h in _run(engine, reqs):
+        assert h.finish_reason == "stop" and re.fullmatch(regex, _text(tok, h)), _text(tok, h)
