@@ -329,10 +329,10 @@ def _random_schema(rng, depth=0):
 
 
 def test_random_schemas_sampled(gpt2, tok):
-    """60 random schemas, two sampled requests each (temperature 1.5: far from the model's favourites):
+    """200 random schemas, two sampled requests each (temperature 1.5: far from the model's favourites):
     every output is valid JSON of its schema."""
     rng = np.random.default_rng(41)
-    schemas = [_random_schema(rng) for _ in range(60)]
+    schemas = [_random_schema(rng) for _ in range(200)]
     engine = _engine(gpt2, tok)
     prompt = tok.encode("{").ids
     reqs = [Request(list(prompt), 200, Sampling(temperature=1.5, seed=s), grammar=Grammar.json_schema(sc))
