@@ -336,8 +336,9 @@ class Server:
             raise ApiError(400, str(e), param="input") from None
 
     def embed(self, rows: list[list[int]]):
+        """The future of the rows' embeddings (the embeddings engine batches the waiting requests)."""
         try:
-            return self.embedder.embed(rows)
+            return self.embedder.submit(rows)
         except Overloaded as e:
             raise ApiError(429, str(e), "rate_limit_exceeded", code="overloaded") from None
         except Unavailable as e:
@@ -944,7 +945,12 @@ def create_app(server: Server):
         import numpy as np
 
         body, rows = await server.prepare(server.embedding_request, await read_json(request))
-        vectors = await server.prepare(server.embed, rows)
+        try:
+            vectors = await asyncio.wrap_future(server.embed(rows))
+        except Unavailable as e:
+            raise ApiError(503, str(e), "service_unavailable") from None
+        except RuntimeError as e:
+            raise ApiError(500, str(e), "server_error") from None
         data = []
         for i, v in enumerate(vectors):
             v = np.asarray(v, dtype=np.float32)

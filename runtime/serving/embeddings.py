@@ -2,12 +2,13 @@
 
 `tessera serve` of a model whose graph gives hidden states ``hidden [B, T, d]`` and no logits (an
 encoder: models/bert.tsr) serves this route instead of the generation routes. A request's inputs
-(texts through the tokenizer, or token ids) run as one padded batch in ONE onnxruntime call; the
+(texts through the tokenizer, or token ids) and those of the other requests waiting run as one
+padded batch in ONE onnxruntime call (up to MAX_ROWS inputs); the
 hidden states are pooled as the model's folder declares (sentence-transformers' ``1_Pooling/config.json``:
 mean or CLS; mean by default, as ``tessera run --pool mean``) over the attention mask and
 L2-normalised when the folder's ``modules.json`` has a Normalize module (or has no modules.json:
-normalised by default). Calls run in the server's worker threads, one at a time (``EmbeddingEngine``
-holds a lock): the event loop never waits for the model.
+normalised by default). The calls run in the engine's own thread: the event loop awaits each
+request's future and never waits for the model.
 
 ``EmbeddingEngine`` has what the server's shell asks of an engine (``accepting``, ``running``,
 ``queued``, ``drain``, ``wait_idle``, ``start``, ``close``, ``describe``, ``metrics``), so
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import threading
 import time
+from concurrent.futures import Future
 
 import numpy as np
 
@@ -26,10 +28,13 @@ from tessera.runtime.embedding import EmbeddingError, EmbeddingModel  # noqa: F4
 from .metrics import Metrics
 
 MAX_INPUTS = 2048  # inputs in one request (OpenAI's limit)
+MAX_ROWS = 64  # inputs of several requests run together in one call (a larger request runs alone)
 
 
 class EmbeddingEngine:
-    """Embedding requests, one onnxruntime call each (a request's inputs batched), one at a time."""
+    """Embedding requests, batched: a thread of its own takes every waiting request (up to
+    ``MAX_ROWS`` inputs together; a larger request runs alone) and runs them in ONE onnxruntime call,
+    padded to the longest input; each request's rows come back to its future."""
 
     def __init__(self, model: EmbeddingModel, tokenizer=None, max_queue: int = 64, metrics: Metrics | None = None):
         self.model, self.tokenizer = model, tokenizer
@@ -37,10 +42,12 @@ class EmbeddingEngine:
         self.max_queue = max_queue
         self.capacity = model.context
         self.eos_ids = frozenset()
-        self._lock = threading.Lock()
-        self._accepting = True
+        self._cond = threading.Condition()
+        self._pending: list[tuple[list[list[int]], Future]] = []
+        self._accepting, self._closed = True, False
         self._busy = 0
-        self._waiting = 0
+        self._thread: threading.Thread | None = None
+        self.calls = 0  # onnxruntime calls run (the tests check that requests share them)
         self.pad_id = 0
         if tokenizer is not None:
             from tessera.runtime.io.text import _pad_ids
@@ -62,9 +69,12 @@ class EmbeddingEngine:
 
     @property
     def queued(self) -> int:
-        return self._waiting
+        return len(self._pending)
 
     def start(self) -> "EmbeddingEngine":
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="tessera-embeddings", daemon=True)
+            self._thread.start()
         return self
 
     def drain(self) -> None:
@@ -72,21 +82,30 @@ class EmbeddingEngine:
 
     def wait_idle(self, timeout: float | None = None) -> bool:
         end = None if timeout is None else time.monotonic() + timeout
-        while self._busy or self._waiting:
+        while self._busy or self._pending:
             if end is not None and time.monotonic() > end:
                 return False
             time.sleep(0.01)
         return True
 
     def close(self) -> None:
-        self._accepting = False
+        from .engine import Unavailable
+
+        with self._cond:
+            self._accepting, self._closed = False, True
+            pending, self._pending = self._pending, []
+            self._cond.notify_all()
+        for _, fut in pending:
+            fut.set_exception(Unavailable("the request was cancelled: the server is shutting down"))
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join()
 
     def describe(self) -> str:
         m = self.model
         return (f"embeddings: {m.name}, {m.dim} dimensions, {m.pooling} pooling"
                 f"{', L2-normalised' if m.normalize else ''} ({m.pooling_source}); "
-                f"context {m.context} tokens; one onnxruntime call per request (its inputs batched), one at a time; "
-                f"routes: /v1/embeddings (the generation routes answer 400)")
+                f"context {m.context} tokens; the waiting requests' inputs (up to {MAX_ROWS}) in one onnxruntime "
+                f"call; routes: /v1/embeddings (the generation routes answer 400)")
 
     # requests
     def encode(self, inputs) -> list[list[int]]:
@@ -123,28 +142,72 @@ class EmbeddingEngine:
             rows.append(ids)
         return rows
 
+    def submit(self, rows: list[list[int]]) -> Future:
+        """Queue a request's rows; its future gives their embeddings [N, dim]. Overloaded past
+        ``max_queue`` waiting requests, Unavailable once draining."""
+        from .engine import Overloaded, Unavailable
+
+        fut: Future = Future()
+        with self._cond:
+            if not self._accepting:
+                raise Unavailable("the server is shutting down")
+            if len(self._pending) >= self.max_queue:
+                self.metrics.rejected += 1
+                raise Overloaded(f"the server is at capacity ({self.max_queue} requests waiting); retry later")
+            self._pending.append((rows, fut))
+            self.metrics.queue_depth = len(self._pending)
+            self._cond.notify_all()
+        if self._thread is None:  # driven by hand (tests): run now
+            self.step()
+        return fut
+
     def embed(self, rows: list[list[int]]) -> np.ndarray:
-        """Embeddings [N, dim] (one call; callers wait their turn)."""
-        if not self._accepting:
-            from .engine import Unavailable
+        """Embeddings [N, dim], waiting for the batch that runs them."""
+        return self.submit(rows).result()
 
-            raise Unavailable("the server is shutting down")
-        if self._waiting >= self.max_queue:
-            from .engine import Overloaded
+    def _take(self) -> list[tuple[list[list[int]], Future]]:
+        """Under the lock: the waiting requests whose inputs together are at most MAX_ROWS (at least one)."""
+        batch, rows = [], 0
+        while self._pending and (not batch or rows + len(self._pending[0][0]) <= MAX_ROWS):
+            item = self._pending.pop(0)
+            batch.append(item)
+            rows += len(item[0])
+        self.metrics.queue_depth = len(self._pending)
+        return batch
 
-            self.metrics.rejected += 1
-            raise Overloaded(f"the server is at capacity ({self.max_queue} requests waiting); retry later")
-        self._waiting += 1
+    def step(self) -> bool:
+        """Run one batch of waiting requests; whether there was any."""
+        with self._cond:
+            batch = self._take()
+            self._busy += len(batch)
+        if not batch:
+            return False
         try:
-            with self._lock:
-                self._waiting -= 1
-                self._busy += 1
-                try:
-                    out = self.model.run(rows, self.pad_id)
-                finally:
-                    self._busy -= 1
-        except BaseException:
-            raise
-        self.metrics.prompt_tokens += sum(len(r) for r in rows)
-        self.metrics.finished["stop"] += 1
-        return out
+            rows = [r for item, _ in batch for r in item]
+            try:
+                out = self.model.run(rows, self.pad_id)
+            except Exception as e:  # onnxruntime failed: these requests end with it, the engine goes on
+                from .model import ort_message
+
+                for _, fut in batch:
+                    fut.set_exception(RuntimeError(f"the model could not run: {ort_message(e)}"))
+                return True
+            self.calls += 1
+            at = 0
+            for item, fut in batch:
+                fut.set_result(out[at:at + len(item)])
+                at += len(item)
+                self.metrics.finished["stop"] += 1
+            self.metrics.prompt_tokens += sum(len(r) for r in rows)
+        finally:
+            with self._cond:
+                self._busy -= len(batch)
+        return True
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._closed or self._pending)
+                if self._closed:
+                    return
+            self.step()
