@@ -355,3 +355,14 @@ def test_row_engine_follows_the_grammar(tok):
             for t in (0.0, 1.0) for s in range(3)]
     for h in _run(engine, reqs):
         assert h.finish_reason == "stop" and re.fullmatch(regex, _text(tok, h)), _text(tok, h)
+
+
+def test_logprobs_are_the_models_under_a_grammar(gpt2, tok):
+    """Log-probabilities stay the model's (log_softmax of its logits), not the masked distribution's."""
+    engine = _engine(gpt2, tok)
+    prompt = tok.encode("hello").ids
+    (h,) = _run(engine, [Request(list(prompt), 6, Sampling(temperature=0.0, logprobs=2),
+                                 grammar=Grammar.regex(r"[a-c]{1,4}-[0-9]{2,3}"))])
+    raw = _logits(engine, prompt).astype(np.float64)
+    logp = raw - raw.max() - np.log(np.exp(raw - raw.max()).sum())
+    assert abs(h.logprobs[0]["logprob"] - logp[h.tokens[0]]) < 1e-4

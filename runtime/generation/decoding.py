@@ -52,6 +52,7 @@ def decode_steps(decoder: Decoder, max_new_tokens: int, sampling: Sampling, stop
         logits = decoder.step(last)
         if on_logits is not None:
             on_logits(step, logits)
+        raw = logits  # the model's, for the log-probabilities (as without a grammar)
         if masks is not None:
             logits = np.array(logits, copy=True)
             for r, m in enumerate(masks):
@@ -59,7 +60,7 @@ def decode_steps(decoder: Decoder, max_new_tokens: int, sampling: Sampling, stop
                     logits[r] = m.apply(logits[r:r + 1])[0]
         where = Step(history, [step] * b, tuple(sorted(stop))) if sampling.looks_back else None
         nxt = choose(logits, seen, sampling, rng, where)
-        chosen_logprobs = (token_logprobs(logits, nxt, sampling.logprobs)
+        chosen_logprobs = (token_logprobs(raw, nxt, sampling.logprobs)
                            if logprobs is not None and sampling.logprobs is not None else None)
         if stats is not None:
             elapsed = time.perf_counter() - start

@@ -740,6 +740,7 @@ class Engine:
         far and its stop ids for the processors that look back; its log-probabilities if asked)."""
         h, req = seq.handle, seq.handle.request
         sampling, step = req.sampling, None
+        raw = logits  # the model's, for the log-probabilities (as without a grammar)
         if seq.mask is not None:  # structured output: the tokens outside the grammar at -inf, first
             logits = seq.mask.apply(logits)
         if sampling.looks_back:
@@ -748,7 +749,7 @@ class Engine:
         chosen = choose(logits, seq.seen, sampling, seq.rng, step)
         tok = int(chosen[0])
         if sampling.logprobs is not None:
-            h.logprobs.append(token_logprobs(logits, chosen, sampling.logprobs)[0])
+            h.logprobs.append(token_logprobs(raw, chosen, sampling.logprobs)[0])
         if seq.seen is not None:
             seq.seen[0, tok] = True
         return tok
