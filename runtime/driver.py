@@ -371,7 +371,8 @@ def generate(ref: ModelRef, o: GenerateOptions, prompt_ids: list[list[int]] | No
     from tessera.runtime.generation import loop
 
     ref.check()
-    ref, o = from_checkpoint(ref, o, wants_tokenizer=bool(o.prompts or o.stops))
+    structured = o.json_schema is not None or o.regex is not None or o.grammar is not None
+    ref, o = from_checkpoint(ref, o, wants_tokenizer=bool(o.prompts or o.stops or structured))
     o.check()
     o = with_model_defaults(ref, o)
     draft_ref = None
