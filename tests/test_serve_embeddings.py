@@ -151,3 +151,34 @@ def test_waiting_requests_share_one_call():
     assert f1.done() and not f2.done()
     engine.step()
     assert f2.result(0).shape == (1, 32)
+
+
+def test_the_folder_declares_the_pooling(tmp_path):
+    """sentence-transformers' 1_Pooling/config.json and modules.json; CLS pooling is the first position's
+    hidden state (a seeded tiny BERT against its own hidden states)."""
+    import json
+
+    from tessera.runtime import driver
+    from tessera.runtime.embedding import folder_pooling
+    from tessera.runtime.errors import UsageError
+    from tessera.runtime.options import EngineOptions
+    from tessera.runtime.session import run_session
+
+    assert folder_pooling(None)[:2] == ("mean", True)
+    assert folder_pooling(MODEL_DIR)[:2] == ("mean", True)
+    (tmp_path / "1_Pooling").mkdir()
+    (tmp_path / "1_Pooling" / "config.json").write_text(json.dumps({"pooling_mode_cls_token": True}))
+    (tmp_path / "modules.json").write_text(json.dumps([{"type": "sentence_transformers.models.Transformer"}]))
+    assert folder_pooling(tmp_path)[:2] == ("cls", False)
+    (tmp_path / "1_Pooling" / "config.json").write_text(json.dumps({"pooling_mode_max_tokens": True}))
+    with pytest.raises(UsageError, match="mean or CLS"):
+        folder_pooling(tmp_path)
+
+    o = EngineOptions(spec="bert", sets=["layers=1", "d=32", "heads=2", "d_ff=64", "vocab=100", "ctx=64"], threads=1)
+    model = driver.serve_model(o.model, o)
+    model.pooling, model.normalize = "cls", False
+    rows = [[5, 6, 7, 8], [9, 10]]
+    ids = np.array([[5, 6, 7, 8], [9, 10, 0, 0]])
+    mask = (np.arange(4)[None] < np.array([[4], [2]])).astype(np.int64)
+    hidden = run_session(model.session, {"tokens": ids, "mask": mask, "token_types": np.zeros_like(ids)})["hidden"]
+    assert np.abs(model.run(rows) - hidden[:, 0]).max() <= 1e-6
