@@ -366,3 +366,26 @@ def test_logprobs_are_the_models_under_a_grammar(gpt2, tok):
     raw = _logits(engine, prompt).astype(np.float64)
     logp = raw - raw.max() - np.log(np.exp(raw - raw.max()).sum())
     assert abs(h.logprobs[0]["logprob"] - logp[h.tokens[0]]) < 1e-4
+
+
+def test_a_failing_matcher_ends_its_request_alone(gpt2, tok):
+    from tessera.runtime.generation.constraints import GrammarError
+
+    engine = _engine(gpt2, tok)
+    prompt = tok.encode("hello").ids
+    bad = Request(list(prompt), 10, Sampling(temperature=0.0), grammar=Grammar.regex("[a-c]{1,9}"))
+    good = Request(list(prompt), 10, Sampling(temperature=0.0), grammar=Grammar.regex("[a-c]{1,9}"))
+    plain = Request(list(prompt), 10, Sampling(temperature=0.0))
+    hb = engine.submit(bad)
+
+    def fail(logits):
+        raise GrammarError("the matcher failed")
+
+    bad.mask.apply = fail
+    hg, hp = engine.submit(good), engine.submit(plain)
+    for _ in range(100):
+        if not engine.step():
+            break
+    assert hb.finish_reason == "error" and "matcher failed" in hb.error and hb.tokens == []
+    assert hg.finish_reason in ("stop", "length") and re.fullmatch("[a-c]{1,9}", _text(tok, hg))
+    assert hp.finish_reason == "length" and len(hp.tokens) == 10

@@ -742,7 +742,10 @@ class Engine:
         sampling, step = req.sampling, None
         raw = logits  # the model's, for the log-probabilities (as without a grammar)
         if seq.mask is not None:  # structured output: the tokens outside the grammar at -inf, first
-            logits = seq.mask.apply(logits)
+            try:
+                logits = seq.mask.apply(logits)
+            except GrammarError as e:  # this request's matcher failed (a limit of llguidance's): it alone ends
+                h._finish("error", str(e))
         if sampling.looks_back:
             stops = tuple(req.stop_tokens) + (() if req.ignore_eos else tuple(self.eos_ids))
             step = Step([self._history(seq)], [len(h.tokens)], stops)
@@ -756,6 +759,8 @@ class Engine:
 
     def _emit(self, seq: _Sequence, tok: int) -> None:
         h, req, now = seq.handle, seq.handle.request, time.perf_counter()
+        if h.finished:  # ended while its token was chosen (its grammar failed): nothing more to emit
+            return
         if h.first_token_at is None:
             h.first_token_at = now
             self.metrics.ttft.observe(now - h.submitted)
@@ -766,7 +771,11 @@ class Engine:
         h._push(tok)
         grammar_done = False
         if seq.mask is not None:  # advanced past the token; the next step's mask starts computing now
-            seq.mask.consume(tok)
+            try:
+                seq.mask.consume(tok)
+            except GrammarError as e:
+                h._finish("error", str(e))
+                return
             grammar_done = seq.mask.done
         if tok in req.stop_tokens or (tok in self.eos_ids and not req.ignore_eos) or grammar_done:
             reason = "stop"
