@@ -139,3 +139,34 @@ def test_parser():
     assert [json.loads(c["function"]["arguments"])["city"] for c in calls] == ["oslo", "paris"]
     assert parse('{"name": "other", "arguments": {}}', fns) == ('{"name": "other", "arguments": {}}', [])
     assert parse("<tool_call>not json</tool_call>", fns)[1] == []
+
+
+def test_hermes_template_gets_tool_call_blocks(tmp_path):
+    """A template that writes Hermes/Qwen's <tool_call> form: a required call is constrained to that form
+    (parallel: one or more blocks), and the reply parses into tool_calls."""
+    from tessera.runtime.io.chat_template import ChatTemplate
+    from tessera.runtime.serving import model as serving_model
+    from tessera.runtime.serving.app import Server
+    from tessera.runtime.serving.engine import Engine
+
+    tok = make_tokenizer()
+    hermes = ("{% if tools %}<tools>{{ tools | tojson }}</tools> answer with <tool_call>{json}</tool_call>\n{% endif %}"
+              "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant: ")
+    model = serving_model.load("gpt2", sets=["layers=1", "d=32", "heads=2", f"vocab={VOCAB}", "ctx=1024"], threads=1)
+    engine = Engine(model, max_batch=4, capacity=1024, tokenizer=tok, eos_ids=[0])
+    server = Server(engine, "gpt2", tok, ChatTemplate(hermes))
+    for parallel in (True, False):
+        for seed in range(3):
+            body, req = server.chat_request({"messages": [{"role": "user", "content": "weather?"}], "tools": [WEATHER],
+                                             "tool_choice": "required", "parallel_tool_calls": parallel,
+                                             "temperature": 1.0, "seed": seed, "max_tokens": 300})
+            h = engine.submit(req)
+            for _ in range(400):
+                if not engine.step():
+                    break
+            text = tok.decode([t for t in h.tokens if t != 0])
+            assert text.startswith("<tool_call>\n{") and text.endswith("}\n</tool_call>"), text
+            assert parallel or text.count("<tool_call>") == 1
+            message, finish = server.chat_reply(body, h)
+            assert finish == "tool_calls" and len(message["tool_calls"]) == text.count("<tool_call>")
+            assert json.loads(message["tool_calls"][0]["function"]["arguments"])["city"] in ("paris", "rome", "oslo")

@@ -124,7 +124,7 @@ class ChatTemplate:
         def raise_exception(message):
             raise ChatTemplateError(f"{self.origin}: {message}")
 
-        self.origin = origin
+        self.origin, self.source = origin, source
         env = _environment()
         env.globals["raise_exception"] = raise_exception
         try:

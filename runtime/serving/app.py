@@ -467,8 +467,12 @@ class Server:
                                             else None)
         except ChatTemplateError as e:
             raise ApiError(400, str(e), param="messages") from None
-        if forced is not None:  # the reply is held to the call's JSON form (serving/tools.py)
-            body.guided_json = tool_calls.forced_schema(forced, body.parallel_tool_calls)
+        if forced is not None:  # the reply is held to a call's form (serving/tools.py)
+            g = tool_calls.forced_grammar(forced, body.parallel_tool_calls, getattr(self.chat_template, "source", ""))
+            if g.kind == "lark":
+                body.guided_grammar = g.source
+            else:
+                body.guided_json = g.source
         if body.max_tokens is not None and body.max_completion_tokens is not None:
             raise ApiError(400, "give max_tokens or max_completion_tokens, not both", param="max_tokens")
         limit = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens

@@ -8,10 +8,11 @@ JSON object ``{"name": ..., "arguments"|"parameters": {...}}`` (Llama 3.1's) or 
 that is not among the tools, or text that does not parse, is content, not a call.
 
 Where ``tool_choice`` requires a call ("required", or a named function) the reply is constrained
-(generation/constraints.py) to the JSON form: one object ``{"name": NAME, "arguments": ARGS}`` whose
-NAME is one of the allowed functions and ARGS valid against that function's ``parameters`` schema --
-a list of one or more of them when ``parallel_tool_calls`` is true (the default) -- so it always
-parses into ``tool_calls``.
+(generation/constraints.py) to a call: one object ``{"name": NAME, "arguments": ARGS}`` whose NAME is
+one of the allowed functions and ARGS valid against that function's ``parameters`` schema -- in
+``<tool_call>`` blocks where the chat template writes that form (one or more blocks when
+``parallel_tool_calls`` is true, the default), else as JSON (a list of one or more objects when
+parallel) -- so it always parses into ``tool_calls``.
 """
 
 from __future__ import annotations
@@ -31,6 +32,22 @@ def forced_schema(functions: list[dict], parallel: bool) -> dict:
             "required": ["name", "arguments"], "additionalProperties": False} for f in functions]
     item = one[0] if len(one) == 1 else {"anyOf": one}
     return {"type": "array", "items": item, "minItems": 1} if parallel else item
+
+
+def forced_grammar(functions: list[dict], parallel: bool, template_source: str = ""):
+    """The grammar of a reply that must call one of ``functions``: Hermes/Qwen's ``<tool_call>`` blocks
+    (each one call's JSON, several separated by a newline when ``parallel``) where the chat template
+    writes that form (its source mentions ``<tool_call>``), else the JSON form (``forced_schema``)."""
+    from tessera.runtime.generation.constraints import Grammar
+
+    if "<tool_call>" not in template_source:
+        return Grammar.json_schema(forced_schema(functions, parallel))
+    one = forced_schema(functions, False)
+    one = {"x-guidance": {"whitespace_flexible": False}, **one}  # JSON without free whitespace, as elsewhere
+    more = ' ("\\n" call)*' if parallel else ""
+    return Grammar.lark("start: call" + more + "\n"
+                        + 'call: "<tool_call>\\n" call_json "\\n</tool_call>"\n'
+                        + "call_json: %json " + json.dumps(one) + "\n")
 
 
 def _call(obj, names: set[str]) -> dict | None:
