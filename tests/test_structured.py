@@ -342,6 +342,7 @@ def test_random_schemas_sampled(gpt2, tok):
             schema = r.grammar.source
             assert h.finish_reason == "stop", (schema, _text(tok, h))
             assert _valid(schema, json.loads(_text(tok, h))), (schema, _text(tok, h))
+    assert engine.combined_calls > 0  # prompts went in beside constrained rows decoding (the combined call)
 
 
 def test_row_engine_follows_the_grammar(tok):
