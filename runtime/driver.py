@@ -371,7 +371,8 @@ def generate(ref: ModelRef, o: GenerateOptions, prompt_ids: list[list[int]] | No
     from tessera.runtime.generation import loop
 
     ref.check()
-    ref, o = from_checkpoint(ref, o, wants_tokenizer=bool(o.prompts or o.stops))
+    structured = o.json_schema is not None or o.regex is not None or o.grammar is not None
+    ref, o = from_checkpoint(ref, o, wants_tokenizer=bool(o.prompts or o.stops or structured))
     o.check()
     o = with_model_defaults(ref, o)
     draft_ref = None
@@ -423,6 +424,12 @@ def serve_model(ref: ModelRef, o: EngineOptions, decode: str = DECODE, last_only
     else:
         built = pipeline.build(ref.spec, ref.variant, ref.sets, ref.weights)
         weights = pipeline.weights_for(built, ref.weights, ref.seed, ref.allow_large)
+        from tessera.runtime import embedding as embeddings
+
+        if embeddings.is_encoder(built.graph):  # hidden states, no logits: served for /v1/embeddings
+            folder = Path(ref.weights) if ref.weights else None
+            folder = folder.parent if folder is not None and folder.is_file() else folder
+            return embeddings.load(built, weights, o.threads, folder, Path(ref.spec).stem)
         target = target_input(built.graph)
         if target is not None:  # served by the RowEngine (row_engine.py), one decoder per row
             served_sources(_Sources(built, target))  # float features cannot come over HTTP: before compiling

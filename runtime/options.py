@@ -710,6 +710,11 @@ class GenerateOptions(BuildOptions):
     # or compiled .onnx; the API also takes a loaded tessera.Model), and the tokens drafted per round
     speculative: str | Path | object | None = None
     draft_tokens: int | None = None
+    # structured output (generation/constraints.py): a JSON schema file (the API also takes the schema as a
+    # dict), a regular expression, a Lark grammar file; at most one
+    json_schema: str | Path | dict | None = None
+    regex: str | None = None
+    grammar: str | Path | None = None
 
     # --draft-tokens' defaults. Prompt lookup: 10, as transformers' prompt-lookup examples use: a lookup
     # that finds nothing drafts nothing, and one that hits copies a run, which a short draft cuts into
@@ -745,6 +750,7 @@ class GenerateOptions(BuildOptions):
         check_bool(self.label("quiet"), self.quiet)
         self.sampling(0).check()
         self._check_speculative()
+        self._check_structured()
         if self.prompts and any(item.partition("=")[0] == "tokens" for item in self.inputs):
             raise UsageError("give the prompts either as --prompt text or as --input tokens, not both")
         if self.prompts and not self.tokenizer:
@@ -759,6 +765,30 @@ class GenerateOptions(BuildOptions):
         if self.logprobs is not None and self.format == "text" and not self.api:
             raise UsageError("--logprobs N is printed with --format json or jsonl (the text output has no place "
                              "for it)")
+
+    def _check_structured(self) -> None:
+        """--json-schema, --regex, --grammar: one at most, of the right types, with a tokenizer."""
+        given = [n for n in ("json_schema", "regex", "grammar") if getattr(self, n) is not None]
+        if not given:
+            return
+        if len(given) > 1:
+            raise UsageError(f"give one of {self.flag('json_schema')}, {self.flag('regex')} and "
+                             f"{self.flag('grammar')}, not {' and '.join(self.flag(n) for n in given)}")
+        if not (isinstance(self.json_schema, (str, Path)) or self.json_schema is None or
+                (self.api and isinstance(self.json_schema, dict))):
+            raise UsageError(f"{self.label('json_schema')} must be a JSON schema file"
+                             + (" or a dict" if self.api else "") + f", got {type(self.json_schema).__name__}")
+        if self.regex is not None and (not isinstance(self.regex, str) or not self.regex):
+            raise UsageError(f"{self.label('regex')} must be a non-empty regular expression")
+        if self.grammar is not None:
+            check_path(self.label("grammar"), self.grammar)
+        if isinstance(self.json_schema, (str, Path)):
+            check_path(self.label("json_schema"), self.json_schema)
+        if not self.tokenizer:
+            raise UsageError(f"{self.flag(given[0])} needs --tokenizer: the grammar is over the tokenizer's texts")
+        if self.speculative is not None:
+            raise UsageError(f"{self.flag(given[0])} and {self.flag('speculative')} together are `tessera serve`'s "
+                             f"(--speculative ngram); `tessera generate` does one or the other")
 
     def _check_speculative(self) -> None:
         """--speculative and --draft-tokens: their values and what they exclude (the rules that need

@@ -94,6 +94,12 @@ def add_parser(sub) -> argparse.ArgumentParser:
     g.add_argument("--draft-tokens", type=int, metavar="K",
                    help=f"with --speculative: tokens drafted per round (default {GenerateOptions.NGRAM_DRAFT_TOKENS} "
                         f"with ngram, {GenerateOptions.MODEL_DRAFT_TOKENS} with a draft model)")
+    g.add_argument("--json-schema", metavar="FILE",
+                   help="structured output: every output is JSON valid against this JSON schema file (needs "
+                        "--tokenizer; llguidance, the structured extra)")
+    g.add_argument("--regex", metavar="R", help="structured output: every output matches this regular expression")
+    g.add_argument("--grammar", metavar="FILE.lark",
+                   help="structured output: every output follows this Lark grammar (llguidance's dialect)")
     return g
 
 

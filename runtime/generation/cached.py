@@ -478,7 +478,7 @@ def stream(model: CachedModel, prompts, max_new_tokens: int, sampling: Sampling 
            should_stop: Callable[[int, list[int]], bool] | None = None,
            on_logits: Callable[[int, np.ndarray], None] | None = None,
            extra_feeds: dict[str, np.ndarray] | None = None,
-           logprobs: list[list[dict]] | None = None) -> Iterator[list[int | None]]:
+           logprobs: list[list[dict]] | None = None, masks: list | None = None) -> Iterator[list[int | None]]:
     """Yield, step by step, the new token of every prompt (None for prompts already finished).
 
     ``should_stop(row, tokens so far)`` may end a row (e.g. on a stop text); ``on_logits(step, logits
@@ -497,7 +497,7 @@ def stream(model: CachedModel, prompts, max_new_tokens: int, sampling: Sampling 
     stats.prompt_tokens = sum(len(p) for p in prompts)
     decoder = CachedDecoder(model, prompts, max_new_tokens, pad_id, stats, extra_feeds)
     return decode_steps(decoder, max_new_tokens, sampling, stop_tokens, stats, should_stop, on_logits, seen, pad_id,
-                        prompts=prompts, logprobs=logprobs)
+                        prompts=prompts, logprobs=logprobs, masks=masks)
 
 
 def generate(model: CachedModel, prompts, max_new_tokens: int, sampling: Sampling | None = None,

@@ -30,14 +30,16 @@ def decode_steps(decoder: Decoder, max_new_tokens: int, sampling: Sampling, stop
                  should_stop: Callable[[int, list[int]], bool] | None = None,
                  on_logits: Callable[[int, np.ndarray], None] | None = None, seen: np.ndarray | None = None,
                  pad_id: int = 0, prompts: list[list[int]] | None = None,
-                 logprobs: list[list[dict]] | None = None) -> Iterator[list[int | None]]:
+                 logprobs: list[list[dict]] | None = None, masks: list | None = None) -> Iterator[list[int | None]]:
     """Yield, step by step, the new token of every row (None for rows already finished). ``seen``
     [rows, vocab] marks the tokens the repetition penalty applies to (updated as tokens are chosen);
     ``prompts`` are the rows' first tokens, which the no-repeat n-grams look at with the new ones;
     ``logprobs`` (one list per row), when given and ``sampling.logprobs`` is set, gets each emitted
     token's log-probabilities (sampling.token_logprobs); ``stats`` (generation/cached.Stats), when
     given, gets the prefill and decoding times. Until ``sampling.min_new_tokens`` are new, a row
-    chooses no stop token and ``should_stop`` is not asked."""
+    chooses no stop token and ``should_stop`` is not asked. ``masks`` (structured output: one
+    generation/constraints.TokenMask or None per row): a row's tokens outside its grammar are at -inf
+    before the choice, and the row ends when its grammar does."""
     rng = np.random.default_rng(sampling.seed)
     stop = set(int(t) for t in stop_tokens)
     b = decoder.rows
@@ -50,9 +52,15 @@ def decode_steps(decoder: Decoder, max_new_tokens: int, sampling: Sampling, stop
         logits = decoder.step(last)
         if on_logits is not None:
             on_logits(step, logits)
+        raw = logits  # the model's, for the log-probabilities (as without a grammar)
+        if masks is not None:
+            logits = np.array(logits, copy=True)
+            for r, m in enumerate(masks):
+                if m is not None and not done[r]:
+                    logits[r] = m.apply(logits[r:r + 1])[0]
         where = Step(history, [step] * b, tuple(sorted(stop))) if sampling.looks_back else None
         nxt = choose(logits, seen, sampling, rng, where)
-        chosen_logprobs = (token_logprobs(logits, nxt, sampling.logprobs)
+        chosen_logprobs = (token_logprobs(raw, nxt, sampling.logprobs)
                            if logprobs is not None and sampling.logprobs is not None else None)
         if stats is not None:
             elapsed = time.perf_counter() - start
@@ -73,6 +81,10 @@ def decode_steps(decoder: Decoder, max_new_tokens: int, sampling: Sampling, stop
                 logprobs[r].append(chosen_logprobs[r])
             if seen is not None:
                 seen[r, tok] = True
+            if masks is not None and masks[r] is not None:
+                masks[r].consume(tok)
+                if masks[r].done:
+                    done[r] = True
             if tok in stop or (should_stop is not None and len(generated[r]) >= sampling.min_new_tokens
                                and should_stop(r, generated[r])):
                 done[r] = True

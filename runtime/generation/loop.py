@@ -155,6 +155,7 @@ class Generation:
     logprobs: list[list[dict]] = field(default_factory=list)
     drafter: object = None          # speculative decoding's (generation/drafting.py), else None
     draft_tokens: int = 0
+    masks: list | None = None       # structured output: one generation/constraints.TokenMask per prompt
 
     def steps(self):
         if self.drafter is not None:
@@ -165,7 +166,8 @@ class Generation:
         self.logprobs = [[] for _ in self.prompts]
         return gen.stream(self.model, self.prompts, self.max_new_tokens, self.sampling, self.stop_ids,
                           stats=self.stats, should_stop=self.stopper, extra_feeds=self.fixed,
-                          logprobs=self.logprobs if self.sampling.logprobs is not None else None)
+                          logprobs=self.logprobs if self.sampling.logprobs is not None else None,
+                          masks=self.masks)
 
     def explain(self) -> str | None:
         """--explain's line on speculative decoding once the steps have run (None without it)."""
@@ -267,8 +269,43 @@ def prepare(ref, o, prompt_ids: list[list[int]] | None = None, weights=None, mod
         speculative.check_target(model)
         _check_speculative_sampling(o, sampling)
         drafter = load_drafter(o, draft_ref, model)
+    masks = None
+    grammar = constraint_of(o)
+    if grammar is not None:
+        from tessera.runtime.generation.constraints import GrammarCompiler
+
+        if sampling.min_new_tokens or sampling.no_repeat_ngram_size:
+            raise UsageError("min_new_tokens and no_repeat_ngram_size cannot be combined with structured output "
+                             "(--json-schema, --regex, --grammar): they could forbid every token the grammar allows")
+        eos = [t for t in getattr(o, "eos_tokens", ()) if model.vocab is None or t < model.vocab]
+        compiler = GrammarCompiler(tokenizer, model.vocab, eos)
+        text = compiler.compile(grammar)  # GrammarError (a UsageError) saying what is wrong
+        from tessera.runtime.generation.constraints import TokenMask
+
+        masks = [TokenMask(compiler, text) for _ in prompts]
     return Generation(model, prompts, o.max_new_tokens, sampling, stop_tokens, tokenizer, stopper, fixed,
-                      drafter=drafter, draft_tokens=o.k)
+                      drafter=drafter, draft_tokens=o.k, masks=masks)
+
+
+def constraint_of(o):
+    """The Grammar the options ask for (--json-schema, --regex, --grammar: generation/constraints.py),
+    files read; None without one."""
+    from tessera.runtime.generation.constraints import Grammar
+
+    def read(path, what):
+        try:
+            return Path(path).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise UsageError(f"cannot read the {what} {path}: {e}") from None
+
+    if o.json_schema is not None:
+        src = o.json_schema if isinstance(o.json_schema, dict) else read(o.json_schema, "JSON schema")
+        return Grammar.json_schema(src)
+    if o.regex is not None:
+        return Grammar.regex(o.regex)
+    if o.grammar is not None:
+        return Grammar.lark(read(o.grammar, "Lark grammar"))
+    return None
 
 
 def _check_speculative_sampling(o, sampling) -> None:

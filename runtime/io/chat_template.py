@@ -124,7 +124,7 @@ class ChatTemplate:
         def raise_exception(message):
             raise ChatTemplateError(f"{self.origin}: {message}")
 
-        self.origin = origin
+        self.origin, self.source = origin, source
         env = _environment()
         env.globals["raise_exception"] = raise_exception
         try:
@@ -161,8 +161,10 @@ class ChatTemplate:
         return cls(source, _token_text(data.get("bos_token")), _token_text(data.get("eos_token")),
                    origin=f"the chat template of {config.parent.name}/{config.name}")
 
-    def render(self, messages: list[dict]) -> str:
+    def render(self, messages: list[dict], tools: list[dict] | None = None) -> str:
         """The prompt text for ``messages`` (role/content dicts), ending with the assistant's turn;
+        ``tools``: the template's ``tools`` variable, as transformers passes it (a list of
+        ``{"type": "function", "function": {...}}``; undefined without tools);
         within TEMPLATE_SECONDS and MAX_RENDERED_CHARS (a ChatTemplateError naming the template past
         either, and for anything the template raises)."""
         _budget.deadline, _budget.items = time.monotonic() + TEMPLATE_SECONDS, 0
@@ -170,8 +172,9 @@ class ChatTemplate:
         sys.settrace(_tracer)  # every line the template's own code runs checks the deadline
         try:
             out, size = [], 0
+            extra = {"tools": tools} if tools else {}
             for piece in self.template.generate(messages=messages, add_generation_prompt=True,
-                                                bos_token=self.bos_token, eos_token=self.eos_token):
+                                                bos_token=self.bos_token, eos_token=self.eos_token, **extra):
                 size += len(piece)
                 if size > MAX_RENDERED_CHARS:
                     _over(f"its output is past the budget of {MAX_RENDERED_CHARS:,} characters")
@@ -210,7 +213,7 @@ class ChatTemplate:
                                     f"give the prompt without {asked_by}")
         return template
 
-    def encode(self, tokenizer, messages: list[dict]) -> list[int]:
+    def encode(self, tokenizer, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
         """The prompt ids for ``messages``: rendered, then tokenized without the tokenizer's special
         tokens (the template writes its own BOS), as transformers' apply_chat_template(tokenize=True)."""
-        return list(tokenizer.encode(self.render(messages), add_special_tokens=False).ids)
+        return list(tokenizer.encode(self.render(messages, tools), add_special_tokens=False).ids)

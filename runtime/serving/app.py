@@ -60,6 +60,24 @@ class StreamOptions(BaseModel):
     include_usage: StrictBool | None = None
 
 
+class JsonSchemaFormat(BaseModel):
+    """``response_format.json_schema``: OpenAI's name, description, schema and strict."""
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    name: StrictStr
+    description: StrictStr | None = None
+    schema_: dict | StrictBool | None = Field(None, alias="schema")
+    strict: StrictBool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's ``response_format``: text (no constraint), json_object (any JSON object) or json_schema."""
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
 class _Body(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -81,6 +99,35 @@ class _Body(BaseModel):
     min_p: Number = 0.0  # extensions, as vLLM takes them (generation/sampling.py)
     no_repeat_ngram_size: StrictInt = 0
     min_tokens: StrictInt = 0  # vLLM's name for min_new_tokens
+    # structured output (generation/constraints.py): OpenAI's response_format, and vLLM's extensions
+    response_format: ResponseFormat | None = None
+    guided_json: dict | StrictStr | None = None
+    guided_regex: StrictStr | None = None
+    guided_grammar: StrictStr | None = None  # a Lark grammar (llguidance's dialect)
+
+    def grammar(self):
+        """The Grammar the request asks for (None: free text), and the field that asked for it."""
+        from tessera.runtime.generation.constraints import Grammar
+
+        asked = []
+        rf = self.response_format
+        if rf is not None and rf.type == "json_object":
+            asked.append(("response_format", Grammar.json_object()))
+        elif rf is not None and rf.type == "json_schema":
+            if rf.json_schema is None or rf.json_schema.schema_ is None:
+                raise ApiError(400, "response_format of type json_schema needs json_schema.schema",
+                               param="response_format")
+            asked.append(("response_format", Grammar.json_schema(rf.json_schema.schema_)))
+        if self.guided_json is not None:
+            asked.append(("guided_json", Grammar.json_schema(self.guided_json)))
+        if self.guided_regex is not None:
+            asked.append(("guided_regex", Grammar.regex(self.guided_regex)))
+        if self.guided_grammar is not None:
+            asked.append(("guided_grammar", Grammar.lark(self.guided_grammar)))
+        if len(asked) > 1:
+            raise ApiError(400, f"give one of response_format (json), guided_json, guided_regex and guided_grammar, "
+                                f"not {' and '.join(n for n, _ in asked)}", param=asked[1][0])
+        return asked[0] if asked else (None, None)
 
     def top_logprobs_wanted(self) -> int | None:
         """The alternatives per token asked for (None: no logprobs)."""
@@ -104,8 +151,39 @@ class Message(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     role: Literal["system", "user", "assistant", "developer", "tool"]
-    content: StrictStr | list[dict]
+    content: StrictStr | list[dict] | None = None  # None: an assistant's turn that only called tools
     name: StrictStr | None = None
+    tool_calls: list[dict] | None = None  # an assistant's calls, as this server returned them
+    tool_call_id: StrictStr | None = None  # a tool's answer: the call it answers
+
+
+class FunctionDef(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: Annotated[str, Field(strict=True, min_length=1, max_length=64)]
+    description: StrictStr | None = None
+    parameters: dict | None = None
+    strict: StrictBool | None = None
+
+
+class ToolDef(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: StrictStr
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatBody(_Body):
@@ -113,11 +191,41 @@ class ChatBody(_Body):
     max_completion_tokens: StrictInt | None = None
     logprobs: StrictBool | None = None
     top_logprobs: StrictInt | None = None
+    tools: Annotated[list[ToolDef], Field(max_length=128)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: StrictBool = True
+
+    def functions(self) -> list[dict]:
+        return [t.function.model_dump(exclude_none=True) for t in self.tools or []]
+
+    def calls_tools(self) -> bool:
+        """Whether the reply is parsed for tool calls (tools given and tool_choice not "none")."""
+        return bool(self.tools) and self.tool_choice != "none"
+
+    def forced_functions(self) -> list[dict] | None:
+        """The functions one of which the reply must call (tool_choice "required" or named), else None."""
+        if not self.tools or self.tool_choice in (None, "none", "auto"):
+            return None
+        fns = self.functions()
+        if self.tool_choice == "required":
+            return fns
+        return [f for f in fns if f["name"] == self.tool_choice.function.name]
 
     def top_logprobs_wanted(self) -> int | None:
         if self.top_logprobs is not None and not self.logprobs:
             raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
         return (self.top_logprobs or 0) if self.logprobs else None
+
+
+class EmbeddingBody(BaseModel):
+    """OpenAI's /v1/embeddings request."""
+    model_config = ConfigDict(extra="forbid")
+
+    input: StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictInt]]
+    model: StrictStr | None = None
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: StrictInt | None = None
+    user: StrictStr | None = None
 
 
 class ApiError(Exception):
@@ -182,8 +290,9 @@ class Server:
     """What the routes share: the engine, the tokenizer, the chat template, the served model's name."""
 
     def __init__(self, engine: Engine, model_name: str, tokenizer=None, chat_template: ChatTemplate | None = None,
-                 chat_template_error: str | None = None):
+                 chat_template_error: str | None = None, embedder=None):
         self.engine, self.model_name, self.tokenizer = engine, model_name, tokenizer
+        self.embedder = embedder  # an encoder's EmbeddingEngine (serving/embeddings.py): /v1/embeddings only
         self.chat_template, self.chat_template_error = chat_template, chat_template_error
         self.created = int(time.time())
         self._pool = None
@@ -199,6 +308,42 @@ class Server:
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, data)
 
     # ---------------------------------------------------------------- request -> engine Request
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise ApiError(404, f"the model '{model}' does not exist; this server serves '{self.model_name}'",
+                           param="model", code="model_not_found")
+
+    def _not_encoder(self) -> None:
+        if self.embedder is not None:
+            raise ApiError(400, f"'{self.model_name}' is an encoder model: this server answers /v1/embeddings, not "
+                                f"the generation routes", code="model_not_supported")
+
+    def embedding_request(self, data) -> tuple["EmbeddingBody", list[list[int]]]:
+        body = _parse(EmbeddingBody, data)
+        self._check_model(body.model)
+        if self.embedder is None:
+            raise ApiError(400, f"'{self.model_name}' is a decoder: /v1/embeddings is served for encoder models "
+                                f"(tessera serve bert --variant minilm_l6 --weights ...)", code="model_not_supported")
+        dim = self.embedder.model.dim
+        if body.dimensions is not None and body.dimensions != dim:
+            raise ApiError(400, f"dimensions={body.dimensions}: this model gives {dim}-dimensional embeddings and "
+                                f"cannot shorten them (it was not trained for it)", param="dimensions")
+        from .embeddings import EmbeddingError
+
+        try:
+            return body, self.embedder.encode(body.input)
+        except EmbeddingError as e:
+            raise ApiError(400, str(e), param="input") from None
+
+    def embed(self, rows: list[list[int]]):
+        """The future of the rows' embeddings (the embeddings engine batches the waiting requests)."""
+        try:
+            return self.embedder.submit(rows)
+        except Overloaded as e:
+            raise ApiError(429, str(e), "rate_limit_exceeded", code="overloaded") from None
+        except Unavailable as e:
+            raise ApiError(503, str(e), "service_unavailable") from None
+
     def _request(self, body: _Body, prompt_ids: list[int], max_tokens: int | None) -> Request:
         """The engine's Request; ``max_tokens`` None: what the context leaves (the chat route's default)."""
         if body.model is not None and body.model != self.model_name:
@@ -217,8 +362,24 @@ class Server:
         logprobs = body.top_logprobs_wanted()
         sampling = Sampling(float(body.temperature), body.top_k, float(body.top_p), float(body.repetition_penalty),
                             body.seed, float(body.min_p), body.no_repeat_ngram_size, body.min_tokens, logprobs)
-        return Request(prompt_ids, max_tokens, sampling, tuple(stop_token_ids(self.tokenizer, stops)),
-                       tuple(s for s in stops if s), body.ignore_eos)
+        req = Request(prompt_ids, max_tokens, sampling, tuple(stop_token_ids(self.tokenizer, stops)),
+                      tuple(s for s in stops if s), body.ignore_eos)
+        field, grammar = body.grammar()
+        if isinstance(body, ChatBody) and body.forced_functions() is not None:
+            field = "tools"  # the grammar is the call's form, from the tools' parameters
+        if grammar is not None:  # compiled here, in the worker thread: a large schema takes a while
+            if self.tokenizer is None:
+                raise ApiError(400, "structured output needs the server to have a tokenizer (--tokenizer)",
+                               param=field)
+            try:
+                self.engine.check(req)  # the request's own errors first, then the grammar's
+            except RequestError as e:
+                raise ApiError(400, str(e), param="prompt" if "prompt" in str(e) else None) from None
+            try:
+                req.grammar, req.mask = grammar, self.engine.grammar_mask(grammar)
+            except RequestError as e:
+                raise ApiError(400, str(e), param=field) from None
+        return req
 
     def _encode(self, text: str) -> list[int]:
         if self.tokenizer is None:
@@ -243,6 +404,7 @@ class Server:
             raise ApiError(503, str(e), "service_unavailable") from None
 
     def completion_request(self, data) -> tuple[CompletionBody, Request]:
+        self._not_encoder()
         body = _parse(CompletionBody, data)
         p = body.prompt
         if isinstance(p, list) and p and isinstance(p[0], list):
@@ -256,24 +418,61 @@ class Server:
         return body, self._request(body, ids, 16 if body.max_tokens is None else body.max_tokens)  # OpenAI's default
 
     def chat_request(self, data) -> tuple[ChatBody, Request]:
+        self._not_encoder()
         body = _parse(ChatBody, data)
         if self.chat_template is None:
             why = self.chat_template_error or ("this model has no chat template (no chat_template in the "
                                                "tokenizer folder's tokenizer_config.json); use /v1/completions")
             raise ApiError(400, why, param="messages", code="no_chat_template")
+        from . import tools as tool_calls
+
         messages = []
-        for m in body.messages:
+        for i, m in enumerate(body.messages):
             content = m.content
             if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
                 if not all(isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)
                            for part in content):
                     raise ApiError(400, "only text content parts are supported", param="messages")
                 content = "".join(part["text"] for part in content)
-            messages.append({"role": m.role, "content": content, **({"name": m.name} if m.name else {})})
+            if content is None and not (m.role == "assistant" and m.tool_calls):
+                raise ApiError(400, f"messages[{i}].content is missing (only an assistant's turn with tool_calls "
+                                    f"may have none)", param=f"messages[{i}].content")
+            if m.tool_calls and m.role != "assistant":
+                raise ApiError(400, f"messages[{i}]: only an assistant's message has tool_calls",
+                               param=f"messages[{i}].tool_calls")
+            if m.role == "tool" and m.tool_call_id is None:
+                raise ApiError(400, f"messages[{i}]: a tool message needs tool_call_id (the call it answers)",
+                               param=f"messages[{i}].tool_call_id")
+            msg = {"role": m.role, "content": content, **({"name": m.name} if m.name else {})}
+            if m.tool_calls:
+                msg["tool_calls"] = m.tool_calls
+            if m.tool_call_id is not None:
+                msg["tool_call_id"] = m.tool_call_id
+            messages.append(msg)
+        if body.tool_choice is not None and not body.tools:
+            raise ApiError(400, "tool_choice needs tools", param="tool_choice")
+        names = [t.function.name for t in body.tools or []]
+        if len(set(names)) < len(names):
+            raise ApiError(400, "tools: two functions have the same name", param="tools")
+        if isinstance(body.tool_choice, NamedToolChoice) and body.tool_choice.function.name not in names:
+            raise ApiError(400, f"tool_choice names the function '{body.tool_choice.function.name}', which is not "
+                                f"among the tools", param="tool_choice")
+        forced = body.forced_functions()
+        if forced is not None and body.grammar()[1] is not None:
+            raise ApiError(400, "tool_choice that requires a call and a response_format or guided_* constraint "
+                                "exclude each other", param="tool_choice")
         try:  # the template is read only beside a tokenizer: self.tokenizer is there
-            ids = self.chat_template.encode(self.tokenizer, messages)
+            ids = self.chat_template.encode(self.tokenizer, tool_calls.template_messages(messages),
+                                            [t.model_dump(exclude_none=True) for t in body.tools] if body.tools
+                                            else None)
         except ChatTemplateError as e:
             raise ApiError(400, str(e), param="messages") from None
+        if forced is not None:  # the reply is held to a call's form (serving/tools.py)
+            g = tool_calls.forced_grammar(forced, body.parallel_tool_calls, getattr(self.chat_template, "source", ""))
+            if g.kind == "lark":
+                body.guided_grammar = g.source
+            else:
+                body.guided_json = g.source
         if body.max_tokens is not None and body.max_completion_tokens is not None:
             raise ApiError(400, "give max_tokens or max_completion_tokens, not both", param="max_tokens")
         limit = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
@@ -330,6 +529,22 @@ class Server:
         return {"content": [{**item(e["token"], e["logprob"]), "top_logprobs": [item(a["token"], a["logprob"])
                                                                                for a in e["top"]]}
                             for e in entries]}
+
+    def chat_reply(self, body: "ChatBody", handle: Handle) -> tuple[dict, str]:
+        """The assistant's message and the finish reason: with tools (tool_choice not "none") the text
+        parsed for calls (serving/tools.py), ``tool_calls`` and finish_reason "tool_calls" when it has
+        some; else the text as content."""
+        from . import tools as tool_calls
+
+        text, finish = self.text_of(handle), _finish_reason(handle)
+        if not body.calls_tools():
+            return {"role": "assistant", "content": text}, finish
+        content, calls = tool_calls.parse(text, body.functions())
+        if not calls:
+            return {"role": "assistant", "content": text}, finish
+        if not body.parallel_tool_calls:
+            calls = calls[:1]
+        return {"role": "assistant", "content": content, "tool_calls": calls}, "tool_calls"
 
     def text_of(self, handle: Handle) -> str:
         """The finished request's completion text (one decode of all its tokens)."""
@@ -646,6 +861,48 @@ def create_app(server: Server):
         return StreamingResponse(events(), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
+    def tool_stream(body: ChatBody, handle: Handle, request: HttpRequest, chunk, usage_wanted: bool):
+        """A streamed chat reply that may call tools: whether the text is a call is known only at its end,
+        so the reply is held until the request finishes, then sent as one content chunk or as one
+        ``tool_calls`` delta per call (index, id, type, name and the whole arguments), then the finish
+        chunk ("tool_calls" when it called), usage if asked, [DONE]."""
+        async def events():
+            try:
+                yield f"data: {json.dumps(chunk(None, None))}\n\n"
+                async for _count, done in _updates(handle, request):
+                    if done:
+                        break
+                else:
+                    return  # the client went away
+                if handle.finish_reason in ("error", "cancelled"):
+                    err = handle.error or "the request was cancelled: the server is shutting down"
+                    yield f"data: {json.dumps({'error': {'message': err, 'type': 'server_error'}})}\n\n"
+                    yield "data: [DONE]\n\n"
+                    return
+                message, finish = server.chat_reply(body, handle)
+                entries = handle.logprobs if handle.request.sampling.logprobs is not None else None
+                if "tool_calls" in message:
+                    base = chunk("", None)
+                    for i, call in enumerate(message["tool_calls"]):
+                        part = json.loads(json.dumps(base))
+                        part["choices"][0]["delta"] = {"tool_calls": [{"index": i, **call}]}
+                        yield f"data: {json.dumps(part)}\n\n"
+                elif message["content"]:
+                    yield f"data: {json.dumps(chunk(message['content'], None, entries=entries))}\n\n"
+                    entries = None
+                last = chunk("", None, entries=entries)
+                last["choices"][0]["finish_reason"] = finish
+                yield f"data: {json.dumps(last)}\n\n"
+                if usage_wanted:
+                    yield f"data: {json.dumps(chunk(None, None, usage=_usage(handle)))}\n\n"
+                yield "data: [DONE]\n\n"
+            finally:
+                if not handle.finished:
+                    handle.cancel()
+
+        return StreamingResponse(events(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
     @app.post("/v1/completions")
     async def completions(request: HttpRequest):
         body, req = await server.prepare(server.completion_request, await read_json(request))
@@ -676,6 +933,28 @@ def create_app(server: Server):
                              "finish_reason": _finish_reason(handle), "token_ids": list(handle.tokens)}],
                 "usage": _usage(handle)}
 
+    @app.post("/v1/embeddings")
+    async def embeddings(request: HttpRequest):
+        import base64
+
+        import numpy as np
+
+        body, rows = await server.prepare(server.embedding_request, await read_json(request))
+        try:
+            vectors = await asyncio.wrap_future(server.embed(rows))
+        except Unavailable as e:
+            raise ApiError(503, str(e), "service_unavailable") from None
+        except RuntimeError as e:
+            raise ApiError(500, str(e), "server_error") from None
+        data = []
+        for i, v in enumerate(vectors):
+            v = np.asarray(v, dtype=np.float32)
+            emb = base64.b64encode(v.tobytes()).decode("ascii") if body.encoding_format == "base64" else v.tolist()
+            data.append({"object": "embedding", "index": i, "embedding": emb})
+        tokens = sum(len(r) for r in rows)
+        return {"object": "list", "data": data, "model": server.model_name,
+                "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
+
     @app.post("/v1/chat/completions")
     async def chat(request: HttpRequest):
         body, req = await server.prepare(server.chat_request, await read_json(request))
@@ -692,12 +971,16 @@ def create_app(server: Server):
                 return {**base, "choices": [{"index": 0, "delta": delta, "logprobs": logprobs,
                                              "finish_reason": finish}]}
 
-            return stream(handle, request, chunk, bool(body.stream_options and body.stream_options.include_usage))
+            usage_wanted = bool(body.stream_options and body.stream_options.include_usage)
+            if body.calls_tools():
+                return tool_stream(body, handle, request, chunk, usage_wanted)
+            return stream(handle, request, chunk, usage_wanted)
         await wait_for(handle, request)
         check_outcome(handle)
+        message, finish = server.chat_reply(body, handle)
         return {"id": rid, "object": "chat.completion", "created": created, "model": server.model_name,
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": server.text_of(handle)},
-                             "logprobs": server.chat_logprobs(handle), "finish_reason": _finish_reason(handle),
+                "choices": [{"index": 0, "message": message,
+                             "logprobs": server.chat_logprobs(handle), "finish_reason": finish,
                              "token_ids": list(handle.tokens)}],
                 "usage": _usage(handle)}
 

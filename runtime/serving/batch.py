@@ -34,7 +34,7 @@ if TYPE_CHECKING:  # the engine (and onnxruntime behind it) is imported when a b
     from .engine import Engine, Handle, Request
 
 ROW_FIELDS = ("prompt", "max_tokens", "temperature", "top_p", "top_k", "repetition_penalty", "seed", "stop", "min_p",
-              "no_repeat_ngram_size", "min_tokens")
+              "no_repeat_ngram_size", "min_tokens", "response_format", "guided_json", "guided_regex", "guided_grammar")
 
 @dataclass(kw_only=True)
 class BatchOptions(EngineOptions):
@@ -198,7 +198,39 @@ def row_request(row: dict, engine: Engine, default_max_tokens: int) -> Request:
                         _number(row, "repetition_penalty", 1.0), _whole(row, "seed"), _number(row, "min_p", 0.0),
                         _whole(row, "no_repeat_ngram_size", 0) or 0, _whole(row, "min_tokens", 0) or 0)
     return Request(ids, max_tokens if max_tokens is not None else default_max_tokens, sampling,
-                   tuple(stop_token_ids(tokenizer, stops)), tuple(s for s in stops if s))
+                   tuple(stop_token_ids(tokenizer, stops)), tuple(s for s in stops if s), grammar=row_grammar(row))
+
+
+def row_grammar(row: dict):
+    """Structured output as the server's routes take it: ``response_format`` ({"type": "json_object"} or
+    {"type": "json_schema", "json_schema": {"schema": ...}}), ``guided_json``, ``guided_regex``,
+    ``guided_grammar`` (Lark); at most one. None: free text. Compiled by the engine at submission."""
+    from tessera.runtime.generation.constraints import Grammar
+
+    asked = []
+    rf = row.get("response_format")
+    if rf is not None:
+        if not isinstance(rf, dict) or rf.get("type") not in ("text", "json_object", "json_schema"):
+            raise RowError(f"response_format must be an object whose type is text, json_object or json_schema, "
+                           f"got {_shown(rf)}")
+        if rf["type"] == "json_object":
+            asked.append(Grammar.json_object())
+        elif rf["type"] == "json_schema":
+            js = rf.get("json_schema")
+            if not isinstance(js, dict) or "schema" not in js:
+                raise RowError("response_format of type json_schema needs json_schema.schema")
+            asked.append(Grammar.json_schema(js["schema"]))
+    if row.get("guided_json") is not None:
+        asked.append(Grammar.json_schema(row["guided_json"]))
+    for name, make in (("guided_regex", Grammar.regex), ("guided_grammar", Grammar.lark)):
+        v = row.get(name)
+        if v is not None:
+            if not isinstance(v, str):
+                raise RowError(f"{name} must be a string, got {_shown(v)}")
+            asked.append(make(v))
+    if len(asked) > 1:
+        raise RowError("give one of response_format, guided_json, guided_regex and guided_grammar")
+    return asked[0] if asked else None
 
 
 # ---------------------------------------------------------------------------------------- results

@@ -52,6 +52,8 @@ from typing import Callable, Iterator
 
 import numpy as np
 
+from tessera.runtime.generation.constraints import Grammar, GrammarCompiler, GrammarError, TokenMask, masked_argmax
+
 from .metrics import Metrics
 from .model import (COMBINED_REASONS, CachedModel, Sampling, Step, StopStrings, UsageError, check_cache_fits, choose,
                     has_combined_call, ort_message, token_logprobs)
@@ -83,6 +85,11 @@ class Request:
     stop_tokens: tuple[int, ...] = ()
     stop_strings: tuple[str, ...] = ()
     ignore_eos: bool = False
+    # structured output (generation/constraints.py): the grammar the tokens must follow; ``mask`` is its
+    # compiled matcher (Engine.grammar_mask, built by submit when not given: the server builds it in a
+    # worker thread)
+    grammar: Grammar | None = None
+    mask: TokenMask | None = None
 
 
 def check_request_types(req) -> None:
@@ -117,6 +124,11 @@ def check_request_types(req) -> None:
             raise RequestError("a stop string is not valid Unicode (a lone surrogate such as \\ud800)") from None
     if not isinstance(req.ignore_eos, bool):
         raise RequestError(f"ignore_eos must be a bool, got {type(req.ignore_eos).__name__}")
+    if req.grammar is not None and not isinstance(req.grammar, Grammar):
+        raise RequestError(f"grammar must be a Grammar (tessera.runtime.generation.constraints.Grammar), got "
+                           f"{type(req.grammar).__name__}")
+    if req.mask is not None and not isinstance(req.mask, TokenMask):
+        raise RequestError(f"mask must be a TokenMask (Engine.grammar_mask), got {type(req.mask).__name__}")
 
 
 class Handle:
@@ -226,6 +238,11 @@ class _Sequence:
     def prefilling(self) -> bool:
         return self.next_token is None
 
+    @property
+    def mask(self) -> TokenMask | None:
+        """The request's grammar matcher (structured output), or None."""
+        return self.handle.request.mask
+
 
 class Engine:
     """The scheduler, the slots and the step; see the module docstring.
@@ -309,6 +326,8 @@ class Engine:
         self._thread: threading.Thread | None = None
         self.steps = 0  # decoding iterations run
         self.speculation = None  # serving/speculation.py's Speculation (serve --speculative), set by build_server
+        self._grammars: GrammarCompiler | None = None  # the tokenizer's llguidance form, built at the first grammar
+        self._grammar_lock = threading.Lock()
 
     # ------------------------------------------------------------------ what it holds
     @property
@@ -383,6 +402,23 @@ class Engine:
                 raise RequestError(f"unknown stop token {t}: ids are in [0, {self.vocab})")
         if req.stop_strings and self.tokenizer is None:
             raise RequestError("stop strings need the server to have a tokenizer (--tokenizer)")
+        if req.grammar is not None or req.mask is not None:
+            # these take tokens away after the grammar's mask, and could leave none
+            if req.sampling.min_new_tokens or req.sampling.no_repeat_ngram_size:
+                raise RequestError("min_tokens and no_repeat_ngram_size cannot be combined with structured output "
+                                   "(a JSON schema, regex or grammar)")
+
+    def grammar_mask(self, grammar: Grammar) -> TokenMask:
+        """A request's matcher for ``grammar`` over this engine's tokenizer (RequestError if the grammar
+        is bad or the engine has no tokenizer). Compiling a large schema can take a while: the server
+        calls this in a worker thread and passes the result as ``Request.mask``."""
+        try:
+            with self._grammar_lock:
+                if self._grammars is None:
+                    self._grammars = GrammarCompiler(self.tokenizer, self.vocab, self.eos_ids)
+            return self._grammars.mask(grammar)
+        except GrammarError as e:
+            raise RequestError(str(e)) from None
 
     def submit(self, req: Request) -> Handle:
         """Queue a request; raises RequestError (never runnable), Overloaded (bounds reached) or
@@ -390,6 +426,8 @@ class Engine:
         check_request_types(req)
         self.check(req)
         req.prompt = [int(t) for t in req.prompt]
+        if req.grammar is not None and req.mask is None:
+            req.mask = self.grammar_mask(req.grammar)
         handle = Handle(req)
         handle._engine = self
         with self._cond:
@@ -597,7 +635,7 @@ class Engine:
         """After a decoding step (or the combined call): each decoding row's next token from its row of
         ``logits`` [rows, vocab] (by slot), emitted; returns the rows that finished (released by the
         caller, last slot first, once nothing indexes by slot any more)."""
-        greedy = [s for s in decoding if s.handle.request.sampling.plain_greedy]
+        greedy = [s for s in decoding if s.handle.request.sampling.plain_greedy and s.mask is None]
         picks = {}
         if greedy:
             g = np.array([s.slot for s in greedy])
@@ -702,19 +740,27 @@ class Engine:
         far and its stop ids for the processors that look back; its log-probabilities if asked)."""
         h, req = seq.handle, seq.handle.request
         sampling, step = req.sampling, None
+        raw = logits  # the model's, for the log-probabilities (as without a grammar)
+        if seq.mask is not None:  # structured output: the tokens outside the grammar at -inf, first
+            try:
+                logits = seq.mask.apply(logits)
+            except GrammarError as e:  # this request's matcher failed (a limit of llguidance's): it alone ends
+                h._finish("error", str(e))
         if sampling.looks_back:
             stops = tuple(req.stop_tokens) + (() if req.ignore_eos else tuple(self.eos_ids))
             step = Step([self._history(seq)], [len(h.tokens)], stops)
         chosen = choose(logits, seq.seen, sampling, seq.rng, step)
         tok = int(chosen[0])
         if sampling.logprobs is not None:
-            h.logprobs.append(token_logprobs(logits, chosen, sampling.logprobs)[0])
+            h.logprobs.append(token_logprobs(raw, chosen, sampling.logprobs)[0])
         if seq.seen is not None:
             seq.seen[0, tok] = True
         return tok
 
     def _emit(self, seq: _Sequence, tok: int) -> None:
         h, req, now = seq.handle, seq.handle.request, time.perf_counter()
+        if h.finished:  # ended while its token was chosen (its grammar failed): nothing more to emit
+            return
         if h.first_token_at is None:
             h.first_token_at = now
             self.metrics.ttft.observe(now - h.submitted)
@@ -723,7 +769,15 @@ class Engine:
         seq.last_token_at = now
         self.metrics.generated_tokens += 1
         h._push(tok)
-        if tok in req.stop_tokens or (tok in self.eos_ids and not req.ignore_eos):
+        grammar_done = False
+        if seq.mask is not None:  # advanced past the token; the next step's mask starts computing now
+            try:
+                seq.mask.consume(tok)
+            except GrammarError as e:
+                h._finish("error", str(e))
+                return
+            grammar_done = seq.mask.done
+        if tok in req.stop_tokens or (tok in self.eos_ids and not req.ignore_eos) or grammar_done:
             reason = "stop"
         elif req.stop_strings and len(h.tokens) >= req.sampling.min_new_tokens and \
                 StopStrings(req.stop_strings).hit(self.tokenizer, h.tokens):

@@ -241,7 +241,7 @@ class RowEngine(Engine):
     def _take(self, row: _Row, logits: np.ndarray) -> None:
         """Choose the row's next token from its logits [1, vocab] and emit it."""
         req = row.handle.request
-        if req.sampling.plain_greedy:
+        if req.sampling.plain_greedy and row.mask is None:
             tok = int(np.argmax(logits[0]))
         else:
             tok = self._choose(row, logits)
@@ -273,6 +273,11 @@ def engine_for(model, max_batch: int = 8, max_queue: int = 64, capacity: int | N
     decoder-only transformer, one onnxruntime call per step for every row; the RowEngine
     (this module) for what that cannot batch: recurrent state (per-slot state, one call per step)
     and encoder-decoders (one decoder per row, one call per row per step)."""
+    from tessera.runtime.embedding import EmbeddingModel
+
+    if isinstance(model, EmbeddingModel):  # serve's build_server gives it the embeddings engine instead
+        raise UsageError("this model is an encoder (hidden states, no logits): it generates no tokens; "
+                         "`tessera serve` serves it on /v1/embeddings")
     if hasattr(model, "s2s") or model.info.states:
         return RowEngine(model, max_batch, max_queue, capacity, prefill_chunk, tokenizer, eos_ids,
                          start_token=start_token)

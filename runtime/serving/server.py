@@ -92,6 +92,16 @@ def build_server(opts: ServeOptions):
 
             print(f"warning: {e}; /v1/chat/completions answers 400 saying so", file=sys.stderr)
     model = driver.serve_model(opts.model, opts, last_only=opts.speculative is None)
+    from tessera.runtime.embedding import EmbeddingModel
+
+    if isinstance(model, EmbeddingModel):  # an encoder: /v1/embeddings (serving/embeddings.py)
+        from .embeddings import EmbeddingEngine
+
+        if opts.speculative:
+            raise UsageError("--speculative is for decoders; this model is an encoder, served for /v1/embeddings")
+        engine = EmbeddingEngine(model, tokenizer, opts.max_queue)
+        return engine, Server(engine, opts.served_name, tokenizer, None,
+                              "this server serves an encoder model: /v1/embeddings only", embedder=engine)
     start = opts.start_token
     if start is None and hasattr(model, "s2s"):  # an encoder-decoder: the checkpoint's decoder_start_token_id
         start = serving_model.decoder_start(tokenizer_path, opts.spec, opts.weights)

@@ -32,6 +32,8 @@ import numpy as np
 from tessera.runtime.options import GenerateOptions
 
 from . import model as serving_model
+from tessera.runtime.generation.constraints import masked_argmax
+
 from .model import UsageError
 
 
@@ -86,6 +88,8 @@ class Speculation:
             budget = min(self.k, req.max_tokens - len(h.tokens) - 1, engine.capacity - s.filled - 1)
             if budget > 0:
                 d = self.drafter.lookup(req.prompt + h.tokens, budget)
+                if d and s.mask is not None:  # structured output: drafts past the grammar are rejected unchecked
+                    d = d[:s.mask.valid_prefix(d)]
                 if d:
                     out[s.slot] = d
         return out
@@ -133,13 +137,20 @@ class Speculation:
                 tok = engine._choose(s, logits[r:r + 1, t - 1])
                 kept, emitted = 1, [tok]
             else:
-                d, emitted, kept = drafts[r], [], 1
+                d, emitted, kept, mask = drafts[r], [], 1, s.mask
                 for j in range(m):  # position j's logits choose the token after chunk[j]
-                    tok = int(np.argmax(logits[r, t - m + j]))
+                    if mask is None:
+                        tok = int(np.argmax(logits[r, t - m + j]))
+                    else:  # the greedy choice among the tokens the grammar allows after the drafts so far
+                        tok = masked_argmax(logits[r, t - m + j], mask.allowed())
                     emitted.append(tok)
                     if j == m - 1 or tok != d[j]:
                         break
                     kept += 1
+                    if mask is not None:
+                        mask.consume(d[j])
+                if mask is not None:  # back to the row's state: _emit advances it over the emitted tokens
+                    mask.rollback(kept - 1)
                 self.drafted += len(d)
             engine.slots[r, f:f + kept] = 1
             s.filled += kept
