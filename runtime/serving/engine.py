@@ -589,9 +589,13 @@ class Engine:
             # last its new token's, written there by the kernel; its mask column says so
             mask[idx, cols] = 1
             feeds[info.length_input] = np.array([s.filled for s in rows[:n]], dtype=np.int64)
+            started = time.perf_counter()
             out = self._run_in_place(feeds, past)
         else:
+            started = time.perf_counter()
             out = self.model.run(feeds)
+        if self.speculation is not None:  # its price of the plain step (speculation.py, adaptive)
+            self.speculation.observe_plain(n, time.perf_counter() - started)
         self.steps += 1
         for layer in self._copied:
             views[layer.past_key][idx, :, cols] = out[layer.present_key][idx, :, 0]
