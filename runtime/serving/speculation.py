@@ -35,7 +35,8 @@ expected tokens per second, or the plain step when that is better. Why: a verify
 its n x T tokens cost; at one stream that is about one weight read (speculation pays), at 16 streams
 the products are compute-bound and 16 x 7 tokens cost several plain steps (it loses unless nearly
 every draft is accepted). While a kind of call has not been measured yet, it is run (each once
-first), and every ``EXPLORE``-th decision takes the other choice, so the prices follow the load.
+first), and every ``EXPLORE``-th decision takes the other choice (the plain step, or a verifying
+call of one draft: the cheapest), so the prices follow the load.
 """
 
 from __future__ import annotations
@@ -93,7 +94,7 @@ class Speculation:
     """Prompt-lookup drafting and one verifying call per engine step; counts what it drafted."""
 
     DRAFT_TOKENS = GenerateOptions.NGRAM_DRAFT_TOKENS  # --draft-tokens' default: generate's with prompt lookup
-    EXPLORE = 16  # every EXPLORE-th decision takes the other choice, to keep both prices current
+    EXPLORE = 32  # every EXPLORE-th decision takes the other choice, to keep both prices current
 
     def __init__(self, draft_tokens: int = DRAFT_TOKENS, adaptive: bool = True):
         if not isinstance(draft_tokens, int) or isinstance(draft_tokens, bool) or draft_tokens < 1:
@@ -154,8 +155,8 @@ class Speculation:
             rate = tokens / self.verify_cost(n * (k + 1))
             if rate > best_rate:
                 best, best_rate = k, rate
-        if self.decisions % self.EXPLORE == 0:  # now and then the other choice, so its price stays current
-            best = longest if best == 0 else 0
+        if self.decisions % self.EXPLORE == 0:  # now and then the other choice, so its price stays current:
+            best = 1 if best == 0 else 0  # the cheapest verifying call, or the plain step
         return best
 
     def metric_lines(self) -> list[str]:
