@@ -188,3 +188,46 @@ def test_the_row_engine_refuses_it():
     model = driver.serve_model(opts.model, opts)
     with pytest.raises(UsageError, match="--prefix-cache-mb applies to the KV-cache engine"):
         engine_for(model, prefix_cache_mb=1)
+
+
+def test_batch_takes_the_option_and_gives_the_same_rows(capsys, tmp_path):
+    """`tessera batch --prefix-cache-mb`: rows sharing a prefix give the lines they give without it."""
+    import json
+
+    from conftest import cli
+
+    sets = [a for s in LLAMA for a in ("--set", s)]
+    head = list(range(3, 43))
+    src = tmp_path / "in.jsonl"
+    src.write_text("".join(json.dumps({"prompt": head + [i, i + 1], "max_tokens": 5}) + "\n" for i in range(6)))
+    outs = []
+    for mb in ("0", "1"):
+        out = tmp_path / f"out{mb}.jsonl"
+        rc, _, err = cli(capsys, "batch", "llama", *sets, "--input", src, "--output", out, "--threads", "1",
+                         "--max-batch", "2", "--prefix-cache-mb", mb)
+        assert rc == 0, err
+        outs.append(out.read_text())
+    assert outs[0] == outs[1] and outs[0].count("tokens") == 6
+
+
+def test_with_speculation_the_tokens_stay():
+    """Prefix blocks reused by rows whose steps check drafts (every draft: no timing in the path), and
+    rows' outputs stored after verifying calls: the tokens of the same engine without the cache."""
+    from tessera.runtime.serving.speculation import Speculation
+
+    model = serving_model.load("llama", sets=LLAMA, threads=1, last_only=False)
+    rng = np.random.default_rng(6)
+    passage = rng.integers(0, 50, 20).tolist()
+    reqs = [Request(passage + passage + rng.integers(0, 50, int(rng.integers(1, 6))).tolist(), 16) for _ in range(8)]
+    runs = []
+    for mb in (0, 1):
+        engine = Engine(model, max_batch=3, max_queue=8, prefill_chunk=16)
+        Speculation(4, adaptive=False).attach(engine)
+        cache = PrefixCache.for_engine(engine, mb)
+        handles = [engine.submit(copy.deepcopy(r)) for r in reqs]
+        while any(not h.finished for h in handles):
+            engine.step()
+        runs.append([h.tokens for h in handles])
+        if cache is not None:
+            assert cache.hits > 0 and engine.speculation.calls > 0
+    assert runs[0] == runs[1]
