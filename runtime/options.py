@@ -924,6 +924,10 @@ class EngineOptions(BuildOptions, ModelRef):
                                    help="positions per slot, prompt and new tokens together (default: the model's "
                                         "context); the cache is max-batch x N positions, allocated at start")
     prefill_chunk: int = flag(256, type=int, metavar="N", help=prefill_chunk_help(256))
+    prefix_cache_mb: float = flag(0.0, type=float, metavar="MB",
+                                  help="keep the keys and values of prompt prefixes (blocks of 16 positions) for later "
+                                       "requests starting with the same tokens, in at most MB MiB, least recently "
+                                       "used evicted first (default 0: off). See docs/serve.md")
 
     def check(self) -> None:
         ModelRef.check(self)
@@ -934,6 +938,9 @@ class EngineOptions(BuildOptions, ModelRef):
         _whole("prefill_chunk", self.prefill_chunk, 1)
         _whole("threads", self.threads, 1, optional=True)
         _whole("max_context", self.max_context, 2, optional=True)
+        mb = self.prefix_cache_mb
+        if isinstance(mb, bool) or not isinstance(mb, (int, float)) or not 0 <= mb < float("inf"):
+            raise UsageError(f"--prefix-cache-mb must be a number of MiB >= 0, got {mb}")
 
     @property
     def model(self) -> ModelRef:

@@ -22,7 +22,7 @@ from conftest import cli, hf_greedy, tiny_hf
 from tessera.runtime.generation import cached as gen
 from tessera.runtime.serving import model as serving_model
 from tessera.runtime.serving.engine import Engine, Request
-from tessera.runtime.serving.speculation import Speculation
+from tessera.runtime.serving.speculation import Speculation, StepCosts, expected_tokens
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 torch = pytest.importorskip("torch")
@@ -59,9 +59,10 @@ def cases(tmp_path_factory):
     return get
 
 
-def _engine(model, k: int = 4, **kw) -> Engine:
+def _engine(model, k: int = 4, adaptive: bool = False, **kw) -> Engine:
+    """Every draft checked (adaptive=False: no timing in the path), unless asked."""
     engine = Engine(model, **{"max_batch": 4, "prefill_chunk": 8, **kw})
-    Speculation(k).attach(engine)
+    Speculation(k, adaptive=adaptive).attach(engine)
     return engine
 
 
@@ -123,6 +124,71 @@ def test_describe_and_metrics_count_the_drafts(cases):
     s = engine.speculation
     assert f"tessera_speculative_drafted_tokens_total {s.drafted}" in text
     assert f"tessera_speculative_accepted_tokens_total {s.accepted}" in text and s.accepted > 0
+
+
+def test_step_costs_interpolate_between_the_sizes_measured():
+    c = StepCosts()
+    assert not c
+    c.observe(4, 0.010)
+    assert c(1) == c(16) == 0.010  # one size: flat
+    c.observe(16, 0.030)
+    assert c(10) == pytest.approx(0.020) and c(28) == pytest.approx(0.050) and c(1) == pytest.approx(0.005)
+    c.observe(4, 0.020)  # an exponential average: 0.7 of the old, 0.3 of the new
+    assert c(4) == pytest.approx(0.013)
+    assert expected_tokens(0.5, 3) == pytest.approx(1.875) and expected_tokens(1.0, 4) == 5
+
+
+def _priced(plain, verify, k=4) -> Speculation:
+    """A Speculation whose prices are given: plain(rows) and verify(rows x positions) seconds."""
+    s = Speculation(k)
+    s.EXPLORE = 10**9
+    for rows in (1, 16):
+        s.plain_cost.observe(rows, plain(rows))
+    for tokens in (1, 256):
+        s.verify_cost.observe(tokens, verify(tokens))
+    s.plain_cost.observe = s.verify_cost.observe = lambda size, seconds: None  # the engine's timings ignored
+    return s
+
+
+def test_the_choice_follows_the_price_of_a_verifying_call():
+    """One stream, the call bound by reading the weights (a token more costs little): every draft is
+    checked. 16 streams, each token of a call costing what a plain row does: the plain step, unless
+    the drafts are nearly always accepted; a request whose drafts were rejected is worth less."""
+    weight_bound = _priced(lambda n: 0.020 + 0.0005 * n, lambda t: 0.020 + 0.0005 * t)
+    assert weight_bound.choose(1, {0: [1, 2, 3, 4]}, {0: 0.5}) == 4
+    compute_bound = _priced(lambda n: 0.020 + 0.002 * n, lambda t: 0.020 + 0.0022 * t)
+    drafts = {r: [1, 2, 3, 4] for r in range(16)}
+    assert compute_bound.choose(16, drafts, {r: 0.5 for r in range(16)}) == 0
+    assert compute_bound.choose(16, drafts, {r: 1.0 for r in range(16)}) > 0
+    middle = _priced(lambda n: 0.010 + 0.001 * n, lambda t: 0.010 + 0.0012 * t)
+    assert middle.choose(4, {0: [1, 2, 3, 4]}, {0: 0.9}) == 0  # one row of four drafts: not worth 4 x 5 tokens
+    assert middle.choose(1, {0: [1, 2, 3, 4]}, {0: 0.9}) == 4
+    unmeasured = Speculation(4)
+    assert unmeasured.choose(1, {0: [1, 2]}, {0: 0.5}) == 0  # the plain step's price first
+    unmeasured.observe_plain(1, 0.01)
+    assert unmeasured.choose(1, {0: [1, 2]}, {0: 0.5}) == 2  # then a verifying call's
+
+
+def test_declined_drafts_run_the_plain_step_with_the_same_tokens(cases):
+    """Priced so that checking never pays: every step runs the plain step (none verifies), the tokens
+    are transformers'; priced so that it always pays: drafts are checked and accepted, same tokens.
+    The acceptance rates are kept per request and dropped when it leaves."""
+    case = cases("llama_gqa")
+    never = Engine(case.model, max_batch=4, prefill_chunk=8)
+    _priced(lambda n: 0.001 * n, lambda t: 1.0 + t).attach(never)
+    handles = _run(never, [Request(p, NEW) for p in case.prompts])
+    assert [h.tokens for h in handles] == case.reference
+    s = never.speculation
+    assert s.calls == 0 and s.declined > 0 and s.drafted == 0
+    assert "tessera_speculative_declined_steps_total" in never.metrics.render()
+    assert "adaptive" in never.describe()
+    always = Engine(case.model, max_batch=4, prefill_chunk=8)
+    _priced(lambda n: 1.0, lambda t: 0.001).attach(always)
+    handles = _run(always, [Request(p, NEW) for p in case.prompts])
+    assert [h.tokens for h in handles] == case.reference
+    s = always.speculation
+    assert s.calls > 0 and s.declined == 0 and s.accepted > 0
+    assert s.rates == {} or set(s.rates) <= {h.id for h in handles}
 
 
 def test_last_only_file_is_refused(tmp_path, capsys):

@@ -319,7 +319,8 @@ def load_engine(opts: BatchOptions) -> Engine:
     start = serving_model.decoder_start(tokenizer_path, opts.spec, opts.weights) if hasattr(model, "s2s") else None
     return engine_for(model, opts.max_batch, opts.max_queue, opts.max_context, opts.prefill_chunk,
                                     tokenizer, serving_model.eos_ids(tokenizer, tokenizer_path, opts.spec,
-                                                                     opts.weights), start)
+                                                                     opts.weights), start,
+                      prefix_cache_mb=opts.prefix_cache_mb)
 
 
 def run_local(opts: BatchOptions, rows: list[dict], journal: "Journal | None" = None) -> list[dict]:

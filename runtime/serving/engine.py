@@ -328,6 +328,7 @@ class Engine:
         self.speculation = None  # serving/speculation.py's Speculation (serve --speculative), set by build_server
         self._grammars: GrammarCompiler | None = None  # the tokenizer's llguidance form, built at the first grammar
         self._grammar_lock = threading.Lock()
+        self.prefix_cache = None  # serving/prefix_cache.py's PrefixCache (--prefix-cache-mb), set by engine_for
 
     # ------------------------------------------------------------------ what it holds
     @property
@@ -354,7 +355,9 @@ class Engine:
                 f"tokens (and a vocabulary-sized mask with repetition_penalty)\n"
                 f"{weights_line(self.model)}\n"
                 f"{DECODE_REASONS[decode_kernel(self.info)]}\n"
-                f"{COMBINED_REASONS[self.combined and self.speculation is None]}"
+                f"{COMBINED_REASONS[self.combined and self.speculation is None]}\n"
+                + (self.prefix_cache.describe() if self.prefix_cache is not None else
+                   "prefix cache: off (--prefix-cache-mb 0): every prompt is prefilled whole")
                 + (f"\n{self.speculation.describe()}" if self.speculation is not None else ""))
 
     @property
@@ -524,6 +527,8 @@ class Engine:
         try:
             prefilling = [s for s in self.rows if s.prefilling]
             decoding = len(self.rows) - len(prefilling)
+            if prefilling and self.prefix_cache is not None:  # as its prefill starts (so it sees the blocks the
+                self.prefix_cache.admit(self, prefilling[0])  # prompts before it stored): a cached prefix goes in
             if prefilling and decoding and self.combined and self.speculation is None:
                 self._combined_step(prefilling[0], self.chunk_for(decoding))  # one call for both
             else:
@@ -589,6 +594,8 @@ class Engine:
         self.slots[r, start:start + t] = 1
         seq.filled += t
         self.metrics.prompt_tokens += t
+        if self.prefix_cache is not None:  # its whole blocks, for later requests starting the same way
+            self.prefix_cache.store(self, seq, seq.handle.request.prompt[:seq.filled])
         if seq.filled < len(seq.handle.request.prompt):
             return False
         tok = self._choose(seq, last_logits)  # the whole prompt is in: its last logits give the first token
@@ -620,9 +627,13 @@ class Engine:
             # last its new token's, written there by the kernel; its mask column says so
             mask[idx, cols] = 1
             feeds[info.length_input] = np.array([s.filled for s in rows[:n]], dtype=np.int64)
+            started = time.perf_counter()
             out = self._run_in_place(feeds, past)
         else:
+            started = time.perf_counter()
             out = self.model.run(feeds)
+        if self.speculation is not None:  # its price of the plain step (speculation.py, adaptive)
+            self.speculation.observe_plain(n, time.perf_counter() - started)
         self.steps += 1
         for layer in self._copied:
             views[layer.past_key][idx, :, cols] = out[layer.present_key][idx, :, 0]
@@ -793,6 +804,8 @@ class Engine:
         active rows stay the first n slots."""
         r, last = seq.slot, len(self.rows) - 1
         self.metrics.finished[seq.handle.finish_reason or "cancelled"] += 1
+        if self.prefix_cache is not None and seq.handle.finish_reason != "error":  # prompt and output: a next turn
+            self.prefix_cache.store(self, seq, self._history(seq)[:seq.filled])
         if r != last:
             moved = self.rows[last]
             f = moved.filled

@@ -268,19 +268,28 @@ class RowEngine(Engine):
 
 
 def engine_for(model, max_batch: int = 8, max_queue: int = 64, capacity: int | None = None,
-               prefill_chunk: int = 256, tokenizer=None, eos_ids=(), start_token: int | None = None):
+               prefill_chunk: int = 256, tokenizer=None, eos_ids=(), start_token: int | None = None,
+               prefix_cache_mb: float = 0):
     """The engine that serves ``model`` (what ``load`` gave): the KV-cache Engine (engine.py) for a
     decoder-only transformer, one onnxruntime call per step for every row; the RowEngine
     (this module) for what that cannot batch: recurrent state (per-slot state, one call per step)
-    and encoder-decoders (one decoder per row, one call per row per step)."""
+    and encoder-decoders (one decoder per row, one call per row per step). ``prefix_cache_mb`` > 0:
+    the KV-cache engine's prefix cache (prefix_cache.py), refused for the row engine."""
     from tessera.runtime.embedding import EmbeddingModel
+
+    from .prefix_cache import PrefixCache
 
     if isinstance(model, EmbeddingModel):  # serve's build_server gives it the embeddings engine instead
         raise UsageError("this model is an encoder (hidden states, no logits): it generates no tokens; "
                          "`tessera serve` serves it on /v1/embeddings")
     if hasattr(model, "s2s") or model.info.states:
+        if prefix_cache_mb:
+            raise UsageError("--prefix-cache-mb applies to the KV-cache engine (decoder-only transformers); this "
+                             "model is served by the row engine (recurrent state or an encoder-decoder): drop it")
         return RowEngine(model, max_batch, max_queue, capacity, prefill_chunk, tokenizer, eos_ids,
                          start_token=start_token)
     if start_token is not None:
         raise UsageError("--start-token applies to encoder-decoders; a decoder-only model starts from its prompt")
-    return Engine(model, max_batch, max_queue, capacity, prefill_chunk, tokenizer, eos_ids)
+    engine = Engine(model, max_batch, max_queue, capacity, prefill_chunk, tokenizer, eos_ids)
+    PrefixCache.for_engine(engine, prefix_cache_mb)
+    return engine

@@ -106,7 +106,8 @@ def build_server(opts: ServeOptions):
     if start is None and hasattr(model, "s2s"):  # an encoder-decoder: the checkpoint's decoder_start_token_id
         start = serving_model.decoder_start(tokenizer_path, opts.spec, opts.weights)
     engine = engine_for(model, opts.max_batch, opts.max_queue, opts.max_context, opts.prefill_chunk,
-                        tokenizer, serving_model.eos_ids(tokenizer, tokenizer_path, opts.spec, opts.weights), start)
+                        tokenizer, serving_model.eos_ids(tokenizer, tokenizer_path, opts.spec, opts.weights), start,
+                        prefix_cache_mb=opts.prefix_cache_mb)
     if opts.speculative:
         from .row_engine import RowEngine
         from .speculation import Speculation

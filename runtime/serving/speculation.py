@@ -23,9 +23,25 @@ so the engine needs no rollback of its own. Every token is the one plain greedy 
 (the same argmax; the attention kernel differs, as a prompt's last logits differ from a step's, by
 rounding). Only greedy requests with nothing else asked of the logits (``Sampling.plain_greedy``:
 no repetition penalty, no logprobs, no look-back processors) speculate.
+
+Adaptive (the default, ``adaptive=True``): each step chooses how many tokens to check, 0 (the
+engine's plain step) included, from what calls cost on this machine now and what each request's
+drafts have been worth. A verifying call of n rows x T positions is priced by ``StepCosts`` -- the
+measured seconds of this engine's own calls, an exponential average per size, linear in the
+tokens a call runs between sizes measured -- against the plain step of n rows, measured the same
+way. Each row's acceptance rate a (accepted / (accepted + rejections), a prior of one each) gives the
+tokens it is expected to emit with d drafts, 1 + a + ... + a^d; the step takes the T maximising
+expected tokens per second, or the plain step when that is better. Why: a verifying call costs what
+its n x T tokens cost; at one stream that is about one weight read (speculation pays), at 16 streams
+the products are compute-bound and 16 x 7 tokens cost several plain steps (it loses unless nearly
+every draft is accepted). While a kind of call has not been measured yet, it is run (each once
+first), and every ``EXPLORE``-th decision takes the other choice (the plain step, or a verifying
+call of one draft: the cheapest), so the prices follow the load.
 """
 
 from __future__ import annotations
+
+import time
 
 import numpy as np
 
@@ -37,17 +53,62 @@ from tessera.runtime.generation.constraints import masked_argmax
 from .model import UsageError
 
 
+class StepCosts:
+    """Measured seconds of one kind of call by its size (rows, or rows x positions): an exponential
+    average per size (``DECAY``); between and past the sizes measured, a straight line through the two
+    nearest (one size measured: that figure, flat)."""
+
+    DECAY = 0.3  # weight of a new measurement
+
+    def __init__(self):
+        self.seconds: dict[int, float] = {}
+
+    def observe(self, size: int, seconds: float) -> None:
+        old = self.seconds.get(size)
+        self.seconds[size] = seconds if old is None else (1 - self.DECAY) * old + self.DECAY * seconds
+
+    def __bool__(self) -> bool:
+        return bool(self.seconds)
+
+    def __call__(self, size: int) -> float:
+        if size in self.seconds:
+            return self.seconds[size]
+        sizes = sorted(self.seconds)
+        if len(sizes) == 1:
+            return self.seconds[sizes[0]]
+        below = [x for x in sizes if x < size][-1:] or sizes[:1]
+        above = [x for x in sizes if x > size][:1] or sizes[-1:]
+        if below == above:  # past the ends: the two nearest
+            pair = sizes[:2] if size < sizes[0] else sizes[-2:]
+        else:
+            pair = below + above
+        (x0, x1), (y0, y1) = pair, (self.seconds[pair[0]], self.seconds[pair[1]])
+        return max(y0 + (y1 - y0) * (size - x0) / (x1 - x0), 1e-9)
+
+
+def expected_tokens(rate: float, drafts: int) -> float:
+    """Tokens a row emits from a verifying call with ``drafts`` drafts, each accepted with probability
+    ``rate`` until the first rejection: the model's own token, plus rate + rate^2 + ... + rate^drafts."""
+    return 1.0 + sum(rate ** j for j in range(1, drafts + 1))
+
+
 class Speculation:
     """Prompt-lookup drafting and one verifying call per engine step; counts what it drafted."""
 
     DRAFT_TOKENS = GenerateOptions.NGRAM_DRAFT_TOKENS  # --draft-tokens' default: generate's with prompt lookup
+    EXPLORE = 32  # every EXPLORE-th decision takes the other choice, to keep both prices current
 
-    def __init__(self, draft_tokens: int = DRAFT_TOKENS):
+    def __init__(self, draft_tokens: int = DRAFT_TOKENS, adaptive: bool = True):
         if not isinstance(draft_tokens, int) or isinstance(draft_tokens, bool) or draft_tokens < 1:
             raise UsageError(f"--draft-tokens must be an integer >= 1, got {draft_tokens}")
         self.k = draft_tokens
+        self.adaptive = adaptive
         self.drafter = serving_model.NgramDrafter()
         self.drafted = self.accepted = self.calls = 0
+        self.plain_cost, self.verify_cost = StepCosts(), StepCosts()  # by rows; by rows x positions
+        self.decisions = 0
+        self.declined = 0  # steps with drafts that ran the plain step instead (the cost said so)
+        self.rates: dict[int, list[int]] = {}  # handle id -> [accepted, rejections] of its drafts
 
     @staticmethod
     def check(model) -> None:
@@ -64,8 +125,41 @@ class Speculation:
         return self
 
     def describe(self) -> str:
+        how = ("adaptive: each step checks the number of drafts (0: the plain step) that maximises the expected "
+               "tokens per second, from this engine's measured call times and each request's acceptance rate"
+               if self.adaptive else "every draft checked")
         return (f"speculative decoding: prompt lookup (ngram), up to {self.k} drafted tokens per greedy request "
-                f"per step, checked in the step's one call (the model gives every position's logits)")
+                f"per step, checked in the step's one call (the model gives every position's logits); {how}")
+
+    def observe_plain(self, rows: int, seconds: float) -> None:
+        """The engine's plain decoding step of ``rows`` rows took ``seconds`` (engine._decode_step)."""
+        self.plain_cost.observe(rows, seconds)
+
+    def _rate(self, seq) -> float:
+        acc, rej = self.rates.get(seq.handle.id, (0, 0))
+        return (acc + 1) / (acc + rej + 2)
+
+    def choose(self, n: int, drafts: dict[int, list[int]], rates: dict[int, float]) -> int:
+        """How many drafts a row may have this step (0: none, the plain step), for ``n`` rows in the
+        call, ``drafts`` by slot and each drafting row's acceptance ``rates``: the most expected tokens
+        per second, the plain step's n / plain_cost(n) against each T = k + 1's."""
+        longest = max(len(d) for d in drafts.values())
+        if not self.adaptive:
+            return longest
+        self.decisions += 1
+        if not self.plain_cost:
+            return 0  # measure the plain step first
+        if not self.verify_cost:
+            return longest
+        best, best_rate = 0, n / self.plain_cost(n)
+        for k in range(1, longest + 1):
+            tokens = n - len(drafts) + sum(expected_tokens(rates[r], min(k, len(d))) for r, d in drafts.items())
+            rate = tokens / self.verify_cost(n * (k + 1))
+            if rate > best_rate:
+                best, best_rate = k, rate
+        if self.decisions % self.EXPLORE == 0:  # now and then the other choice, so its price stays current:
+            best = 1 if best == 0 else 0  # the cheapest verifying call, or the plain step
+        return best
 
     def metric_lines(self) -> list[str]:
         """Prometheus counters (serving/metrics.py renders them after its own)."""
@@ -73,7 +167,9 @@ class Speculation:
         for name, help_, value in (
                 ("tessera_speculative_drafted_tokens_total", "Tokens drafted by prompt lookup.", self.drafted),
                 ("tessera_speculative_accepted_tokens_total", "Drafted tokens the model agreed with.", self.accepted),
-                ("tessera_speculative_steps_total", "Engine steps that checked drafts.", self.calls)):
+                ("tessera_speculative_steps_total", "Engine steps that checked drafts.", self.calls),
+                ("tessera_speculative_declined_steps_total", "Steps with drafts that ran the plain step: "
+                 "checking them was priced slower.", self.declined)):
             out += [f"# HELP {name} {help_}", f"# TYPE {name} counter", f"{name} {value}"]
         return out
 
@@ -102,6 +198,15 @@ class Speculation:
         drafts = self._drafts(engine, decoding)
         if not drafts:
             return False
+        live = {s.handle.id for s in rows}
+        for gone in [i for i in self.rates if i not in live]:
+            del self.rates[gone]
+        k = self.choose(max(s.slot for s in decoding) + 1, drafts,
+                        {s.slot: self._rate(s) for s in decoding if s.slot in drafts})
+        if k == 0:
+            self.declined += 1
+            return False
+        drafts = {r: d[:k] for r, d in drafts.items()}
         chunks = {s.slot: [s.next_token] + drafts.get(s.slot, []) for s in decoding}
         n = max(chunks) + 1
         t = max(len(c) for c in chunks.values())
@@ -122,7 +227,9 @@ class Speculation:
                  "position_ids": positions, **{name: v[:n] for name, v in views.items()}}
         if info.length_input:  # read by the one-token branch only; T > 1 takes the prompt branch
             feeds[info.length_input] = np.array([s.filled for s in rows[:n]], dtype=np.int64)
+        started = time.perf_counter()
         out = engine.model.run(feeds)
+        self.verify_cost.observe(n * t, time.perf_counter() - started)
         engine.steps += 1
         self.calls += 1
         logits = out[info.logits]
@@ -163,6 +270,9 @@ class Speculation:
                     break
             if r in drafts:
                 self.accepted += min(kept - 1, done)
+                rate = self.rates.setdefault(s.handle.id, [0, 0])
+                rate[0] += kept - 1
+                rate[1] += kept - 1 < len(drafts[r])  # a rejection ended the run
             if s.handle.finished:
                 finished.append(s)
         for s in sorted(finished, key=lambda s: -s.slot):
