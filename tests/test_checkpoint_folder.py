@@ -50,10 +50,12 @@ def _decoder(kind):
     if kind == "gpt2":
         cfg = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=VOCAB, n_positions=64, **ids)
         return _perturbed(transformers.GPT2LMHeadModel(cfg), 0.2)
-    if kind == "llama":  # grouped-query attention: 4 query heads over 2 key/value heads
+    if kind in ("llama", "llama_tied"):  # grouped-query attention: 4 query heads over 2 key/value heads
+        # llama_tied: the head is the embedding (SmolLM2, Llama 3.2 1B/3B); the folder has no lm_head.weight
         cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                                        num_key_value_heads=2, intermediate_size=48, max_position_embeddings=64,
-                                       rope_theta=10000.0, rms_norm_eps=1e-5, tie_word_embeddings=False, **ids)
+                                       rope_theta=10000.0, rms_norm_eps=1e-5, tie_word_embeddings=kind != "llama",
+                                       **ids)
         return _perturbed(transformers.LlamaForCausalLM(cfg), 0.05)
     cfg = transformers.MixtralConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                                      num_key_value_heads=2, intermediate_size=24, num_local_experts=4,
@@ -63,7 +65,7 @@ def _decoder(kind):
     return _perturbed(transformers.MixtralForCausalLM(cfg), 0.05)
 
 
-@pytest.mark.parametrize("kind", ["gpt2", "llama", "mixtral"])
+@pytest.mark.parametrize("kind", ["gpt2", "llama", "llama_tied", "mixtral"])
 def test_generate_from_a_checkpoint_folder_equals_transformers(kind, tmp_path, capsys):
     model = _decoder(kind)
     model.save_pretrained(tmp_path, safe_serialization=True)
