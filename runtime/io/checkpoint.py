@@ -67,11 +67,31 @@ def spec_for(folder: Path) -> str:
     return str(bundled_spec(MODEL_TYPES[kind]))
 
 
+def unshadowed(spec):
+    """A bare name (``llama``) that is both a folder in the working directory and a bundled spec, the
+    folder neither a checkpoint (no config.json) nor a compiled model (no .onnx), is the bundled spec:
+    a virtualenv or a source tree named ``llama/`` is not a model. Anything else unchanged."""
+    text = str(spec)
+    p = Path(text)
+    if "/" in text or "\\" in text or not p.is_dir() or is_checkpoint(p) or any(p.glob("*.onnx")):
+        return spec
+    from tessera.models import bundled_spec
+
+    bundled = bundled_spec(text)
+    return str(bundled) if bundled is not None else spec
+
+
 def resolve(ref):
     """``ref`` (options.ModelRef) with a checkpoint folder as the model replaced by its bundled spec,
-    the folder as the weights; any other ref unchanged."""
+    the folder as the weights (a folder merely named like a bundled spec: that spec); any other ref
+    unchanged."""
     if not is_checkpoint(ref.spec):
-        return ref
+        spec = unshadowed(ref.spec)
+        if spec is ref.spec:
+            return ref
+        out = dataclasses.replace(ref, spec=spec)
+        out.api = ref.api
+        return out
     folder = Path(ref.spec)
     if ref.weights is not None and Path(ref.weights).resolve() != folder.resolve():
         raise UsageError(f"{folder} is a checkpoint folder, its own weights; --weights {ref.weights} would be a "
