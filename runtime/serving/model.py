@@ -118,7 +118,8 @@ def load(spec: str, variant: str | None = None, sets: list[str] | None = None, w
     from tessera.runtime.generation.cached import CachedModel
     from tessera.runtime.io import checkpoint
 
-    spec = checkpoint.unshadowed(spec)  # a folder merely named like a bundled spec (a virtualenv `llama/`)
+    spec = checkpoint.local(checkpoint.unshadowed(spec))  # a folder merely named like a bundled spec: that spec;
+    weights = checkpoint.local(weights)                    # a GGUF file: its checkpoint folder
     if checkpoint.is_checkpoint(spec):  # a Hugging Face checkpoint folder: its bundled spec, its own weights
         if weights and Path(weights).resolve() != Path(spec).resolve():
             raise UsageError(f"{spec} is a checkpoint folder, its own weights; give it without --weights")
