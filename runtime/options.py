@@ -773,4 +773,35 @@ class GenerateOptions(QuantOptions):
                 "min_p": 0.0, "no_repeat_ngram_size": 0, "min_new_tokens": 0}
 
 
-COMMANDS = {"compile": CompileOptions, "run": RunOptions, "report": ReportOptions, "generate": GenerateOptions}
+PERPLEXITY_FORMATS = ("text", "json")
+
+
+@dataclass(kw_only=True)
+class PerplexityOptions(QuantOptions):
+    """``tessera perplexity`` / ``Model.perplexity``: a causal language model's perplexity on a text file
+    (runtime/driver.perplexity says which windows are scored)."""
+
+    text: str | Path
+    tokenizer: str | Path | None = None
+    context: int = 512
+    stride: int | None = None
+    provider: str = "auto"
+    format: str = "text"
+    quiet: bool = False
+
+    def check(self) -> None:
+        super().check()
+        check_path(self.label("text"), self.text, optional=False)
+        check_path(self.label("tokenizer"), self.tokenizer)
+        check_int(self.label("context"), self.context, minimum=4)
+        check_int(self.label("stride"), self.stride, minimum=1, optional=True)
+        if self.stride is not None and self.stride > self.context:
+            raise UsageError(f"{self.flag('stride')} {self.stride} is longer than {self.flag('context')} "
+                             f"{self.context}: the windows would skip tokens (a stride is at most the context)")
+        check_choice(self.label("provider"), self.provider, PROVIDERS)
+        check_choice(self.label("format"), self.format, PERPLEXITY_FORMATS)
+        check_bool(self.label("quiet"), self.quiet)
+
+
+COMMANDS = {"compile": CompileOptions, "run": RunOptions, "report": ReportOptions, "generate": GenerateOptions,
+            "perplexity": PerplexityOptions}
