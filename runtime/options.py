@@ -27,7 +27,7 @@ from tessera.runtime.errors import UsageError
 # runtime/pipeline.py's quant_config takes these (compiler/passes/quantize.py SCHEMES, and none;
 # tests/test_cli_help.py keeps the three equal); here so the command line's parsers are built without
 # importing the compiler (tessera --help stays quick)
-QUANTIZE_CHOICES = ("none", "int8", "int4", "w8a8")
+QUANTIZE_CHOICES = ("none", "int8", "int4", "w8a8", "int4-asym")
 
 TARGETS = ("cpu", "cuda")
 DTYPES = ("fp32", "fp16", "bf16")
@@ -240,6 +240,9 @@ def add_quant_arguments(p: argparse.ArgumentParser) -> None:
                         "smallest and fastest for one sequence at a time. w8a8: int8 weights with a scale per "
                         "output row, each activation row (token) quantised at run time, the product in "
                         "onnxruntime's integer GEMM (VNNI/AMX): fastest for prompts and batches (fp32 only). "
+                        "int4-asym: int4 blocks with zero points over each block's [min, max] and a searched "
+                        "scale (--quantize-head: the head at 8 bits); keeps a real model's quality best at "
+                        "4 bits (docs/real-models.md). "
                         "The embedding tables stay float; the output head too unless --quantize-head "
                         "(default none)")
     p.add_argument("--quantize-block", type=int, metavar="N",

@@ -12,6 +12,14 @@ point when the zero_points input is absent). ``packed`` is uint8 [N, blocks, blo
 int4 two values a byte, the even index in the low nibble; ``scales`` is float32 [N, blocks].
 Dequantised: w = (q_unsigned - 2^(bits-1)) * scale.
 
+Asymmetric blocks (the ``int4-asym`` scheme, ``quantize_zp``): each block has an integer zero point
+zp in [0, 2^bits - 1] (MatMulNBits' zero_points input, uint8 [N, ceil(blocks * bits / 8)], for 4 bits
+two a byte, the even block in the low nibble) besides its scale, w = (q - zp) * scale with q in
+[0, 2^bits - 1]: the whole range of levels covers [min, max] of the block rather than
+[-max|w|, max|w|], and the scale is searched per block (``SEARCH`` candidate ranges around
+(max - min) / (2^bits - 1), each with its least-squares scale for the levels it rounds to, the
+smallest squared error kept; llama.cpp's make_qkx2_quants does the like for its K-quants).
+
 The ``w8a8`` scheme (``linear_int8``): W [N, K] quantised per output row, symmetrically, to int8
 [N, K] with one float32 scale per row (``quantize_rows``); at run time each row of the activations
 is quantised likewise (``quantize_activation_rows``) and onnxruntime multiplies in integers
@@ -58,14 +66,90 @@ def quantize(w: np.ndarray, bits: int, block: int) -> tuple[np.ndarray, np.ndarr
     return np.ascontiguousarray(u), scales.astype(np.float32)
 
 
-def dequantize(packed: np.ndarray, scales: np.ndarray, bits: int, block: int, k: int) -> np.ndarray:
-    """The float weight [N, K] that ``packed`` and ``scales`` stand for."""
+def dequantize(packed: np.ndarray, scales: np.ndarray, bits: int, block: int, k: int,
+               zeros: np.ndarray | None = None) -> np.ndarray:
+    """The float weight [N, K] that ``packed`` and ``scales`` (and the packed zero points ``zeros``,
+    else MatMulNBits' default 2^(bits-1)) stand for."""
     if bits == 4:
         u = np.stack([packed & 0x0F, packed >> 4], axis=-1).reshape(packed.shape[0], packed.shape[1], block)
     else:
         u = packed
-    w = (u.astype(np.float32) - 2 ** (bits - 1)) * scales[..., None].astype(np.float32)
+    zp = np.float32(2 ** (bits - 1)) if zeros is None else \
+        unpack_zeros(zeros, bits, packed.shape[1]).astype(np.float32)[..., None]
+    w = (u.astype(np.float32) - zp) * scales[..., None].astype(np.float32)
     return w.reshape(packed.shape[0], -1)[:, :k]
+
+
+def zeros_shape(n: int, k: int, bits: int, block: int) -> tuple[int, int]:
+    """MatMulNBits' zero points of a weight [N, K]: uint8, ``bits`` each, a row's blocks packed in bytes."""
+    return (n, -(-blocks(k, block) * bits // 8))
+
+
+def pack_zeros(zp: np.ndarray, bits: int) -> np.ndarray:
+    """Zero points [N, blocks] (integers in [0, 2^bits)) packed as MatMulNBits reads them."""
+    zp = zp.astype(np.uint8)
+    if bits == 8:
+        return np.ascontiguousarray(zp)
+    if zp.shape[1] % 2:
+        zp = np.concatenate([zp, np.zeros((zp.shape[0], 1), np.uint8)], axis=1)
+    return np.ascontiguousarray(zp[:, 0::2] | (zp[:, 1::2] << 4))
+
+
+def unpack_zeros(packed: np.ndarray, bits: int, nb: int) -> np.ndarray:
+    if bits == 8:
+        return packed[:, :nb]
+    return np.stack([packed & 0x0F, packed >> 4], axis=-1).reshape(packed.shape[0], -1)[:, :nb]
+
+
+SEARCH = 21  # candidate ranges a block's scale is searched over (quantize_zp)
+
+
+def quantize_zp(w: np.ndarray, bits: int, block: int, search: int = SEARCH) -> tuple[np.ndarray, np.ndarray,
+                                                                                      np.ndarray]:
+    """(packed uint8 [N, blocks, block*bits/8], scales float32 [N, blocks], zero points packed
+    (``zeros_shape``)) of a float weight [N, K]: asymmetric blocks, w ~ (q - zp) * scale with
+    q, zp in [0, 2^bits - 1], the scale searched per block for the least squared error."""
+    if bits not in BITS:
+        raise ValueError(f"bits must be one of {BITS}, got {bits}")
+    n, k = w.shape
+    nb = blocks(k, block)
+    w = np.asarray(w, dtype=np.float32)
+    if nb * block != k:  # padded with zeros, as quantize: the padding's error is its own (never read)
+        w = np.concatenate([w, np.zeros((n, nb * block - k), np.float32)], axis=1)
+    w = w.reshape(n, nb, block)
+    top = np.float32(2 ** bits - 1)
+    lo = np.minimum(w.min(axis=2, keepdims=True), 0)  # zero is a level: a zero weight stays zero
+    hi = np.maximum(w.max(axis=2, keepdims=True), 0)
+    span = hi - lo
+    flat = span <= 0
+    span = np.where(flat, np.float32(1), span)
+    best_err = best_s = best_zp = best_q = None
+    steps = np.linspace(top - 1, top + 1, search, dtype=np.float32) if search > 1 else np.array([top], np.float32)
+    for levels in steps:
+        s = span / levels
+        zp = np.clip(np.rint(-lo / s), 0, top)
+        q = np.clip(np.rint(w / s) + zp, 0, top)
+        c = q - zp
+        cc = (c * c).sum(axis=2, keepdims=True)
+        s_ls = np.where(cc > 0, (w * c).sum(axis=2, keepdims=True) / np.where(cc > 0, cc, 1), s)
+        s_ls = np.where(s_ls > 0, s_ls, s).astype(np.float32)
+        err = ((c * s_ls - w) ** 2).sum(axis=2, keepdims=True)
+        if best_err is None:
+            best_err, best_s, best_zp, best_q = err, s_ls, zp, q
+        else:
+            better = err < best_err
+            best_err = np.where(better, err, best_err)
+            best_s = np.where(better, s_ls, best_s)
+            best_zp = np.where(better, zp, best_zp)
+            best_q = np.where(better, q, best_q)
+    best_s = np.where(flat, np.float32(1), best_s)
+    best_zp = np.where(flat, np.float32(0), best_zp)
+    best_q = np.where(flat, np.float32(0), best_q)
+    u = best_q.astype(np.uint8)
+    if bits == 4:
+        u = u[..., 0::2] | (u[..., 1::2] << 4)
+    return (np.ascontiguousarray(u), best_s[..., 0].astype(np.float32),
+            pack_zeros(best_zp[..., 0].astype(np.uint8), bits))
 
 
 def quantize_rows(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -128,16 +212,18 @@ class ParamValues(Mapping):
             _, sources, axis, recipes = recipe
             return np.concatenate([np.asarray(self._derived(s, r)) for s, r in zip(sources, recipes)], axis=axis)
         kind, source, bits, block, part = recipe
-        if kind != "quantize" or part not in ("packed", "scales"):
+        if kind not in ("quantize", "quantize_zp") or part not in ("packed", "scales", "zeros") or \
+                (part == "zeros" and kind != "quantize_zp"):
             raise ValueError(f"unknown derived parameter {path}: {recipe}")
         with self._lock:
-            if self._key != (source, bits, block):
+            if self._key != (kind, source, bits, block):
                 self._key = self._value = None  # drop the previous weight's before computing this one
                 w = np.asarray(self.weights[source])
-                self._value = quantize_rows(w) if block == ROWS else quantize(w, bits, block)
-                self._key = (source, bits, block)
-            packed, scales = self._value
-        return packed if part == "packed" else scales
+                self._value = quantize_rows(w) if block == ROWS else quantize_zp(w, bits, block) \
+                    if kind == "quantize_zp" else quantize(w, bits, block)
+                self._key = (kind, source, bits, block)
+            value = self._value
+        return value[("packed", "scales", "zeros").index(part)]
 
     def __iter__(self):
         return iter(self.graph.params)
