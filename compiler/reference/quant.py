@@ -17,8 +17,8 @@ zp in [0, 2^bits - 1] (MatMulNBits' zero_points input, uint8 [N, ceil(blocks * b
 two a byte, the even block in the low nibble) besides its scale, w = (q - zp) * scale with q in
 [0, 2^bits - 1]: the whole range of levels covers [min, max] of the block rather than
 [-max|w|, max|w|], and the scale is searched per block (``SEARCH`` candidate ranges around
-(max - min) / (2^bits - 1), each with its least-squares scale for the levels it rounds to, the
-smallest squared error kept; llama.cpp's make_qkx2_quants does the like for its K-quants).
+(max - min) / (2^bits - 1), each rounded and refit by least squares ``ROUNDS`` times, the candidate
+of the smallest squared error kept; llama.cpp's make_qkx2_quants does the like for its K-quants).
 
 The ``w8a8`` scheme (``linear_int8``): W [N, K] quantised per output row, symmetrically, to int8
 [N, K] with one float32 scale per row (``quantize_rows``); at run time each row of the activations
@@ -101,6 +101,7 @@ def unpack_zeros(packed: np.ndarray, bits: int, nb: int) -> np.ndarray:
     return np.stack([packed & 0x0F, packed >> 4], axis=-1).reshape(packed.shape[0], -1)[:, :nb]
 
 
+ROUNDS = 2  # roundings and least-squares refits of each candidate's scale (quantize_zp)
 SEARCH = 21  # candidate ranges a block's scale is searched over (quantize_zp)
 
 
@@ -125,23 +126,27 @@ def quantize_zp(w: np.ndarray, bits: int, block: int, search: int = SEARCH) -> t
     span = np.where(flat, np.float32(1), span)
     best_err = best_s = best_zp = best_q = None
     steps = np.linspace(top - 1, top + 1, search, dtype=np.float32) if search > 1 else np.array([top], np.float32)
+    def keep(s, zp, q):
+        nonlocal best_err, best_s, best_zp, best_q
+        err = (((q - zp) * s - w) ** 2).sum(axis=2, keepdims=True)
+        if best_err is None:
+            best_err, best_s, best_zp, best_q = err, s, zp, q
+            return
+        better = err < best_err
+        best_err = np.where(better, err, best_err)
+        best_s, best_zp, best_q = np.where(better, s, best_s), np.where(better, zp, best_zp), np.where(better, q, best_q)
+
     for levels in steps:
         s = span / levels
         zp = np.clip(np.rint(-lo / s), 0, top)
-        q = np.clip(np.rint(w / s) + zp, 0, top)
-        c = q - zp
-        cc = (c * c).sum(axis=2, keepdims=True)
-        s_ls = np.where(cc > 0, (w * c).sum(axis=2, keepdims=True) / np.where(cc > 0, cc, 1), s)
-        s_ls = np.where(s_ls > 0, s_ls, s).astype(np.float32)
-        err = ((c * s_ls - w) ** 2).sum(axis=2, keepdims=True)
-        if best_err is None:
-            best_err, best_s, best_zp, best_q = err, s_ls, zp, q
-        else:
-            better = err < best_err
-            best_err = np.where(better, err, best_err)
-            best_s = np.where(better, s_ls, best_s)
-            best_zp = np.where(better, zp, best_zp)
-            best_q = np.where(better, q, best_q)
+        for _ in range(ROUNDS):  # round with the scale, refit the scale to those levels (least squares): each is a candidate
+            q = np.clip(np.rint(w / s) + zp, 0, top)
+            c = q - zp
+            cc = (c * c).sum(axis=2, keepdims=True)
+            s_ls = np.where(cc > 0, (w * c).sum(axis=2, keepdims=True) / np.where(cc > 0, cc, 1), s)
+            s = np.where(s_ls > 0, s_ls, s).astype(np.float32)
+            keep(s, zp, q)
+        keep(s, zp, np.clip(np.rint(w / s) + zp, 0, top))
     best_s = np.where(flat, np.float32(1), best_s)
     best_zp = np.where(flat, np.float32(0), best_zp)
     best_q = np.where(flat, np.float32(0), best_q)
