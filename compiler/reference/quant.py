@@ -17,8 +17,8 @@ zp in [0, 2^bits - 1] (MatMulNBits' zero_points input, uint8 [N, ceil(blocks * b
 two a byte, the even block in the low nibble) besides its scale, w = (q - zp) * scale with q in
 [0, 2^bits - 1]: the whole range of levels covers [min, max] of the block rather than
 [-max|w|, max|w|], and the scale is searched per block (``SEARCH`` candidate ranges around
-(max - min) / (2^bits - 1), each rounded and refit by least squares ``ROUNDS`` times, the candidate
-of the smallest squared error kept; llama.cpp's make_qkx2_quants does the like for its K-quants).
+(max - min) / (2^bits - 1), each rounded and its scale refit by least squares ``ROUNDS`` times, the
+levels and scale of the smallest squared error kept; llama.cpp's make_qkx2_quants does the like for its K-quants).
 
 The ``w8a8`` scheme (``linear_int8``): W [N, K] quantised per output row, symmetrically, to int8
 [N, K] with one float32 scale per row (``quantize_rows``); at run time each row of the activations
@@ -102,7 +102,7 @@ def unpack_zeros(packed: np.ndarray, bits: int, nb: int) -> np.ndarray:
 
 
 ROUNDS = 2  # roundings and least-squares refits of each candidate's scale (quantize_zp)
-SEARCH = 21  # candidate ranges a block's scale is searched over (quantize_zp)
+SEARCH = 9  # candidate ranges a block's scale is searched over (quantize_zp)
 
 
 def quantize_zp(w: np.ndarray, bits: int, block: int, search: int = SEARCH) -> tuple[np.ndarray, np.ndarray,
@@ -126,27 +126,26 @@ def quantize_zp(w: np.ndarray, bits: int, block: int, search: int = SEARCH) -> t
     span = np.where(flat, np.float32(1), span)
     best_err = best_s = best_zp = best_q = None
     steps = np.linspace(top - 1, top + 1, search, dtype=np.float32) if search > 1 else np.array([top], np.float32)
-    def keep(s, zp, q):
-        nonlocal best_err, best_s, best_zp, best_q
-        err = (((q - zp) * s - w) ** 2).sum(axis=2, keepdims=True)
-        if best_err is None:
-            best_err, best_s, best_zp, best_q = err, s, zp, q
-            return
-        better = err < best_err
-        best_err = np.where(better, err, best_err)
-        best_s, best_zp, best_q = np.where(better, s, best_s), np.where(better, zp, best_zp), np.where(better, q, best_q)
-
+    w2 = (w * w).sum(axis=2, keepdims=True)
     for levels in steps:
         s = span / levels
         zp = np.clip(np.rint(-lo / s), 0, top)
-        for _ in range(ROUNDS):  # round with the scale, refit the scale to those levels (least squares): each is a candidate
-            q = np.clip(np.rint(w / s) + zp, 0, top)
-            c = q - zp
-            cc = (c * c).sum(axis=2, keepdims=True)
-            s_ls = np.where(cc > 0, (w * c).sum(axis=2, keepdims=True) / np.where(cc > 0, cc, 1), s)
-            s = np.where(s_ls > 0, s_ls, s).astype(np.float32)
-            keep(s, zp, q)
-        keep(s, zp, np.clip(np.rint(w / s) + zp, 0, top))
+        for _ in range(ROUNDS):  # round with the scale, refit the scale to those levels: each is a candidate
+            c = np.rint(w * (1 / s))
+            c += zp
+            np.clip(c, 0, top, out=c)
+            c -= zp
+            wc, cc = (w * c).sum(axis=2, keepdims=True), (c * c).sum(axis=2, keepdims=True)
+            ok = (cc > 0) & (wc > 0)
+            s = np.where(ok, wc / np.where(ok, cc, 1), s).astype(np.float32)  # least squares for these levels
+            err = np.where(ok, w2 - wc * wc / np.where(ok, cc, 1), w2)
+            if best_err is None:
+                best_err, best_s, best_zp, best_q = err, s, zp, c + zp
+            else:
+                better = err < best_err
+                best_err = np.where(better, err, best_err)
+                best_s, best_zp = np.where(better, s, best_s), np.where(better, zp, best_zp)
+                best_q = np.where(better, c + zp, best_q)
     best_s = np.where(flat, np.float32(1), best_s)
     best_zp = np.where(flat, np.float32(0), best_zp)
     best_q = np.where(flat, np.float32(0), best_q)
@@ -193,18 +192,21 @@ def int8_product(x: np.ndarray, q: np.ndarray, scales: np.ndarray) -> np.ndarray
     return (acc.astype(np.float32) * scales.astype(np.float32)) * xs
 
 
+RECENT = 4  # quantised weights ParamValues keeps: a fused q/k/v reads each part of its three weights in turn
+
+
 class ParamValues(Mapping):
     """The values of a graph's parameters: those in ``weights`` (a mapping by path) as they are,
     and each derived parameter (``Param.derive``, set by the quantisation pass and by the fusion of
     linears sharing an input) computed from its sources' values when it is read. One of these serves one export (or one interpreter run): it
-    keeps the last weight it quantised, so the packed values and the scales of a weight (read
-    one after the other, maybe by two writer threads) are computed once."""
+    keeps the last ``RECENT`` weights it quantised, so the packed values, the scales (and zero
+    points) of a weight, read one after the other (maybe by two writer threads, and for a fused
+    q/k/v each part of the three in turn), are computed once."""
 
     def __init__(self, graph, weights):
         self.graph, self.weights = graph, weights
         self._lock = threading.Lock()
-        self._key = None
-        self._value = None
+        self._recent: dict = {}  # (kind, source, bits, block) -> the quantised parts, the last RECENT weights
 
     def __getitem__(self, path: str) -> np.ndarray:
         p = self.graph.params.get(path)
@@ -221,13 +223,15 @@ class ParamValues(Mapping):
                 (part == "zeros" and kind != "quantize_zp"):
             raise ValueError(f"unknown derived parameter {path}: {recipe}")
         with self._lock:
-            if self._key != (kind, source, bits, block):
-                self._key = self._value = None  # drop the previous weight's before computing this one
+            key = (kind, source, bits, block)
+            value = self._recent.pop(key, None)
+            if value is None:
                 w = np.asarray(self.weights[source])
-                self._value = quantize_rows(w) if block == ROWS else quantize_zp(w, bits, block) \
+                value = quantize_rows(w) if block == ROWS else quantize_zp(w, bits, block) \
                     if kind == "quantize_zp" else quantize(w, bits, block)
-                self._key = (kind, source, bits, block)
-            value = self._value
+            self._recent[key] = value  # most recent last
+            while len(self._recent) > RECENT:
+                self._recent.pop(next(iter(self._recent)))
         return value[("packed", "scales", "zeros").index(part)]
 
     def __iter__(self):
