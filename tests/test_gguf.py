@@ -305,3 +305,29 @@ def test_the_packaged_smollm2_chats_and_reads_as_llama_cpp_does(tmp_path_factory
                        "--max-new-tokens", 12, "--format", "json", "-q")
     assert rc == 0, err
     assert "Paris" in json.loads(out)["outputs"][0]["text"]
+
+
+def test_serve_takes_a_gguf_file_and_its_chat_template(tmp_path, capsys, monkeypatch):
+    pytest.importorskip("fastapi")
+    pytest.importorskip("httpx")
+    from fastapi.testclient import TestClient
+
+    from tessera.runtime.serving.app import create_app
+    from tessera.runtime.serving.server import ServeOptions, build_server
+
+    monkeypatch.setenv("TESSERA_CACHE_DIR", str(tmp_path / "cache"))
+    _gguf_of(_tiny(True), tmp_path / "tiny.gguf", "F32")
+    rc, out, err = cli(capsys, "generate", tmp_path / "tiny.gguf", "--chat", "--prompt", "a b", "--max-new-tokens",
+                       3, "--ignore-eos", "--format", "json", "-q")
+    assert rc == 0, err
+    want = json.loads(out)["outputs"][0]["tokens"]
+    engine, server = build_server(ServeOptions(spec=str(tmp_path / "tiny.gguf"), max_batch=2))
+    engine.start()
+    try:
+        with TestClient(create_app(server)) as client:
+            r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "a b"}],
+                                                          "max_tokens": 3, "temperature": 0, "ignore_eos": True})
+            assert r.status_code == 200, r.text
+            assert r.json()["choices"][0]["token_ids"] == want
+    finally:
+        engine.close()
