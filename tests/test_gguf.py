@@ -331,3 +331,20 @@ def test_serve_takes_a_gguf_file_and_its_chat_template(tmp_path, capsys, monkeyp
             assert r.json()["choices"][0]["token_ids"] == want
     finally:
         engine.close()
+
+
+def test_hostile_metadata_is_a_clear_error_or_a_note(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("TESSERA_CACHE_DIR", str(tmp_path / "cache"))
+    model = _tiny(False)
+    _gguf_of(model, tmp_path / "ok.gguf", "F32")
+    src = gguf_file.GGUFModel(tmp_path / "ok.gguf")
+    tensors = {n: ("F32", np.asarray(t.data)) for n, t in src.tensors.items()}
+    meta = _llama_meta(model.config)
+    bad = dict(meta, **{"llama.block_count": "two"})  # a string where a count belongs
+    _write(tmp_path / "count.gguf", tensors, meta=bad)
+    err = cli_error(capsys, "report", tmp_path / "count.gguf")
+    assert "hyperparameters in its metadata cannot be read" in err
+    merges = dict(meta, **{"tokenizer.ggml.merges": ["nospace"]})  # the model runs, the tokenizer is left out
+    _write(tmp_path / "merges.gguf", tensors, meta=merges)
+    rc, _, err = cli(capsys, "run", tmp_path / "merges.gguf", "--input", "tokens=[[1, 2]]")
+    assert rc == 0 and "no tokenizer read" in err and "merges" in err

@@ -321,6 +321,8 @@ def _tokenizer(m: GGUFModel, folder: Path) -> str | None:
     if pre_tok is None:
         return f"its pre-tokenizer {pre!r} is not one Tessera knows ({', '.join(PRE_TOKENIZERS)})"
     merges = [tuple(x.split(" ", 1)) for x in m.meta.get("tokenizer.ggml.merges") or []]
+    if any(len(pair) != 2 for pair in merges) or not all(isinstance(t, str) for t in tokens):
+        return "its merges or tokens are not BPE's (a merge is two tokens separated by a space)"
     vocab = {t: i for i, t in enumerate(tokens)}
     tok = Tokenizer(models.BPE(vocab, merges, fuse_unk=False, byte_fallback=False, ignore_merges=False))
     tok.pre_tokenizer = pre_tok
@@ -370,7 +372,10 @@ def convert(path: Path, folder: Path) -> str:
                            f"{', '.join(ARCHITECTURES)}); for another architecture use its Hugging Face "
                            f"checkpoint folder with a bundled spec, or write a spec (docs/language.md)")
     make_config, names, tensor = ARCHITECTURES[m.arch]
-    config = make_config(m)
+    try:
+        config = make_config(m)
+    except (TypeError, ValueError, OverflowError) as e:  # a metadata value of the wrong type ("30" layers, a list)
+        raise WeightsError(f"{path}: the {m.arch} hyperparameters in its metadata cannot be read: {e}") from None
     unknown = [n for n in m.tensors if _hf_name(n, names) is None]
     if unknown:
         raise WeightsError(f"{path}: tensors the {m.arch} reader does not know: {', '.join(unknown[:8])}"
@@ -409,7 +414,10 @@ def convert(path: Path, folder: Path) -> str:
     flush()
     (folder / "config.json").write_text(json.dumps(config, indent=1))
     (folder / "generation_config.json").write_text(json.dumps(_generation_config(m), indent=1))
-    why = _tokenizer(m, folder)
+    try:
+        why = _tokenizer(m, folder)
+    except Exception as e:  # tokenizers raises plain Exceptions for a vocabulary or merges it cannot take
+        why = f"its tokenizer metadata could not be built into a tokenizer ({type(e).__name__}: {e})"
     types = ", ".join(f"{k} {v}" for k, v in m.types().items())
     note = (f"{path}: GGUF {m.arch}, {len(m.tensors)} tensors ({types}) dequantised to fp32 in {folder}")
     if why:
