@@ -348,3 +348,16 @@ def test_hostile_metadata_is_a_clear_error_or_a_note(tmp_path, capsys, monkeypat
     _write(tmp_path / "merges.gguf", tensors, meta=merges)
     rc, _, err = cli(capsys, "run", tmp_path / "merges.gguf", "--input", "tokens=[[1, 2]]")
     assert rc == 0 and "no tokenizer read" in err and "merges" in err
+
+
+def test_chat_in_text_mode_prints_the_reply_alone(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("TESSERA_CACHE_DIR", str(tmp_path / "cache"))
+    _gguf_of(_tiny(True), tmp_path / "tiny.gguf", "F32")
+    rc, out, err = cli(capsys, "generate", tmp_path / "tiny.gguf", "--chat", "--prompt", "a b", "--max-new-tokens",
+                       3, "--ignore-eos", "--format", "json", "-q")
+    assert rc == 0, err
+    reply = json.loads(out)["outputs"][0]["text"]
+    rc, out, err = cli(capsys, "generate", tmp_path / "tiny.gguf", "--chat", "--prompt", "a b", "--max-new-tokens",
+                       3, "--ignore-eos", "-q")
+    assert rc == 0, err
+    assert out == reply + "\n" and "<|start|>" not in out
