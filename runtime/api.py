@@ -31,7 +31,8 @@ from tessera.runtime import driver, pipeline
 from tessera.runtime.errors import UsageError
 from tessera.runtime.generation import cached as gen
 from tessera.runtime.generation import loop
-from tessera.runtime.options import CompileOptions, GenerateOptions, ModelRef, ReportOptions, RunOptions, split_prompt
+from tessera.runtime.options import (CompileOptions, GenerateOptions, ModelRef, PerplexityOptions, ReportOptions,
+                                     RunOptions, split_prompt)
 from tessera.runtime.report.view import Report
 
 
@@ -171,6 +172,21 @@ class Model:
         return driver.run(self.ref, o, inputs, weights=self._weights).alignment
 
     # ---------------------------------------------------------------- generation
+    def perplexity(self, text: str | Path, context: int = 512, stride: int | None = None,
+                   tokenizer: str | Path | None = None, provider: str = "auto", quantize: str = "none",
+                   quantize_block: int | None = None, quantize_head: bool = False,
+                   quantize_activations: str | None = None) -> dict:
+        """The perplexity on the text file ``text``, as ``tessera perplexity --format json`` gives it: by
+        default llama.cpp's llama-perplexity figure (windows of ``context`` tokens, each scoring its
+        second half), with ``stride`` transformers' sliding window (runtime/driver.perplexity_windows);
+        ``tokenizer`` as --tokenizer (a checkpoint folder or GGUF file as the model brings its own),
+        ``quantize``... as --quantize...."""
+        o = PerplexityOptions(text=text, context=context, stride=stride,
+                              tokenizer=tokenizer if tokenizer is not None else self._folder_tokenizer,
+                              provider=provider, quantize=quantize, quantize_block=quantize_block,
+                              quantize_head=quantize_head, quantize_activations=quantize_activations).for_api()
+        return driver.perplexity(self.ref, o, weights=self._weights).as_dict()
+
     def cached(self, threads: int | None = None, cache: str = "auto") -> gen.CachedModel:
         """The KV-cached decoder in an onnxruntime session (compiled once per thread count and cache mode)."""
         o = GenerateOptions(threads=threads, cache=cache).for_api()

@@ -518,3 +518,142 @@ def check_fit(model) -> None:
                              "`tessera compile --kv-cache --decode plain`, or serve the .tsr spec")
     if model.vocab is None:
         raise UsageError("the model's vocabulary size is not static; the engine needs it")
+# ------------------------------------------------------------------ perplexity
+@dataclass
+class PerplexityResult:
+    """``perplexity``'s figure and how it was reached (``as_dict``: ``--format json``)."""
+
+    perplexity: float
+    uncertainty: float       # llama.cpp's ±: the standard error of the mean NLL, times the perplexity
+    mean_nll: float          # nats per scored token
+    scored: int              # tokens scored
+    windows: int
+    text_tokens: int
+    context: int
+    stride: int | None
+    convention: str          # "llama.cpp" or "sliding"
+    provider: str
+    seconds: float
+
+    def as_dict(self) -> dict:
+        from dataclasses import asdict
+
+        return asdict(self)
+
+    def line(self) -> str:
+        how = (f"{self.windows} windows of {self.context} tokens, each scoring its second half "
+               f"(llama.cpp's llama-perplexity)" if self.convention == "llama.cpp" else
+               f"{self.windows} windows of at most {self.context} tokens every {self.stride}, each scoring the "
+               f"tokens no earlier window scored (transformers' sliding window)")
+        return (f"perplexity {self.perplexity:.4f} ± {self.uncertainty:.4f} over {self.scored:,} tokens of "
+                f"{self.text_tokens:,} ({how}; {self.seconds:.1f} s, {self.provider})")
+
+
+def perplexity_windows(n_tokens: int, context: int, stride: int | None) -> list[tuple[int, int, int]]:
+    """The windows as (start, end, first scored position): each window's tokens are [start, end) and it
+    scores the tokens at [first, end), each predicted from the ones before it in the window.
+
+    stride None (llama.cpp's ``llama-perplexity``): non-overlapping windows of ``context`` tokens, the
+    tokens past the last whole window left out; each scores the last context - context // 2 - 1 tokens
+    (positions context // 2 + 1 ... context - 1), whose predictions all see at least half a window.
+    stride S (transformers' "perplexity of fixed-length models"): a window of up to ``context`` tokens
+    starting every S tokens, scoring the tokens no earlier window scored (the first window every token
+    but its first), to the end of the text."""
+    if stride is None:
+        first = context // 2 + 1
+        return [(k * context, (k + 1) * context, k * context + first) for k in range(n_tokens // context)]
+    out, prev_end = [], 0
+    for begin in range(0, n_tokens, stride):
+        end = min(begin + context, n_tokens)
+        if end - begin >= 2:
+            out.append((begin, end, max(prev_end, begin + 1)))
+        prev_end = end
+        if end == n_tokens:
+            break
+    return out
+
+
+def _leading_special(tokenizer) -> int | None:
+    """The token the tokenizer puts before every text (a BOS), if it adds one."""
+    plain = tokenizer.encode("a", add_special_tokens=False).ids
+    full = tokenizer.encode("a").ids
+    return full[0] if len(full) == len(plain) + 1 and full[1:] == plain else None
+
+
+def perplexity(ref: ModelRef, o, weights=None, progress=None) -> PerplexityResult:
+    """The perplexity of a causal language model (one token input, a ``logits`` output) on the text
+    file ``o.text``: exp of the mean negative log-likelihood of the scored tokens (perplexity_windows).
+    In llama.cpp's convention the text is tokenized with the BOS the tokenizer adds (if any) and no
+    other special token, and each window's first token is replaced by that BOS, as llama-perplexity
+    does; in the sliding
+    convention the text is tokenized as transformers' tokenizer(text) does (its BOS once, first).
+    ``progress(windows done, windows)``: the command line's bar."""
+    from tessera.compiler.ir.signature import bind_inputs
+    from tessera.runtime.files import stat_or_raise
+    from tessera.runtime.io import text as text_mod
+    from tessera.runtime.session import run_session
+
+    t0 = time.perf_counter()
+    ref.check()
+    ref, o = from_checkpoint(ref, o, wants_tokenizer=True)
+    o.check()
+    if not o.tokenizer:
+        raise UsageError(o.say("perplexity needs a tokenizer: --tokenizer tokenizer.json (a checkpoint folder or a "
+                               "GGUF file as the model brings its own)", "perplexity needs tokenizer=... (a "
+                               "checkpoint folder or a GGUF file as the model brings its own)"))
+    import stat as stat_
+
+    st = stat_or_raise(Path(o.text), "text file", UsageError)
+    if not stat_.S_ISREG(st.st_mode):
+        raise UsageError(f"text file {o.text} is not a regular file")
+    try:
+        body = Path(o.text).read_bytes().decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise UsageError(f"text file {o.text} is not UTF-8 text (byte {e.start}: {e.reason})") from None
+    tokenizer = text_mod.load_tokenizer(o.tokenizer)
+    if o.stride is None:
+        bos = _leading_special(tokenizer)  # llama-perplexity: the text with the vocabulary's BOS (if it adds
+        ids = ([bos] if bos is not None else []) + list(tokenizer.encode(body, add_special_tokens=False).ids)
+    else:
+        ids, bos = list(tokenizer.encode(body).ids), None
+    windows = perplexity_windows(len(ids), o.context, o.stride)
+    if not windows:
+        raise UsageError(f"{o.text} has {len(ids):,} tokens; {o.flag('context')} {o.context} needs at least "
+                         f"{o.context if o.stride is None else 2} (give a longer text or a shorter context)")
+    run_o = RunOptions(provider=o.provider, quantize=o.quantize, quantize_block=o.quantize_block,
+                       quantize_head=o.quantize_head, quantize_activations=o.quantize_activations)
+    runnable = prepare_run(ref, run_o, weights)
+    ints = [s for s in runnable.specs if s.dtype.startswith(("i", "u"))]
+    if len(runnable.specs) != 1 or len(ints) != 1:
+        raise UsageError(f"perplexity needs a causal language model with one token input; {ref.spec} takes "
+                         f"{', '.join(f'{s.name}: {s}' for s in runnable.specs)}")
+    name = ints[0].name
+    sess = runnable.open(o.provider)
+    if "logits" not in [x.name for x in sess.get_outputs()]:
+        raise UsageError(f"perplexity needs a model with a logits output; {ref.spec} has "
+                         f"{', '.join(x.name for x in sess.get_outputs())}")
+    total = total2 = 0.0
+    count = 0
+    for k, (start, end, first) in enumerate(windows):
+        window = np.asarray(ids[start:end], dtype=np.int64)[None]
+        if bos is not None:
+            window[0, 0] = bos
+        feeds = {name: window}
+        bind_inputs(runnable.specs, feeds, runnable.limits)  # a context past the model's: a clear InputError
+        logits = run_session(sess, feeds)["logits"][0, first - start - 1:end - start - 1].astype(np.float64)
+        targets = window[0, first - start:end - start]
+        top = logits.max(axis=-1, keepdims=True)
+        logz = np.log(np.exp(logits - top).sum(axis=-1)) + top[:, 0]
+        nll = logz - logits[np.arange(len(targets)), targets]
+        total += float(nll.sum())
+        total2 += float((nll ** 2).sum())
+        count += len(targets)
+        if progress is not None:
+            progress(k + 1, len(windows))
+    mean = total / count
+    ppl = float(np.exp(mean))
+    spread = max(total2 / count - mean * mean, 0.0)
+    err = float(np.sqrt(spread / (count - 1)) * ppl) if count > 1 else 0.0
+    return PerplexityResult(ppl, err, mean, count, len(windows), len(ids), o.context, o.stride,
+                            "llama.cpp" if o.stride is None else "sliding", sess.get_providers()[0],
+                            time.perf_counter() - t0)

@@ -29,7 +29,7 @@ from tessera.runtime.errors import UsageError
 # runtime/pipeline.py's quant_config takes these (compiler/passes/quantize.py SCHEMES, and none;
 # tests/test_cli_help.py keeps the three equal); here so the command line's parsers are built without
 # importing the compiler (tessera --help stays quick)
-QUANTIZE_CHOICES = ("none", "int8", "int4", "w8a8")
+QUANTIZE_CHOICES = ("none", "int8", "int4", "w8a8", "int4-asym")
 
 TARGETS = ("cpu", "cuda")
 DTYPES = ("fp32", "fp16", "bf16")
@@ -270,6 +270,9 @@ class QuantOptions(Options):
                               "smallest and fastest for one sequence at a time. w8a8: int8 weights with a scale per "
                               "output row, each activation row (token) quantised at run time, the product in "
                               "onnxruntime's integer GEMM (VNNI/AMX): fastest for prompts and batches (fp32 only). "
+                              "int4-asym: int4 blocks with zero points over each block's [min, max] and a searched "
+                              "scale (--quantize-head: the head at 8 bits); keeps a real model's quality best at "
+                              "4 bits (docs/real-models.md). "
                               "The embedding tables stay float; the output head too unless --quantize-head "
                               "(default none)")
     quantize_block: int | None = flag(None, type=int, metavar="N",
@@ -973,4 +976,35 @@ def add_engine_arguments(p: argparse.ArgumentParser, helps: dict[str, str] | Non
     add_arguments(p, EngineOptions, {"allow_large": LOAD_ALLOW_LARGE, **(helps or {})})
 
 
-COMMANDS = {"compile": CompileOptions, "run": RunOptions, "report": ReportOptions, "generate": GenerateOptions}
+PERPLEXITY_FORMATS = ("text", "json")
+
+
+@dataclass(kw_only=True)
+class PerplexityOptions(QuantOptions):
+    """``tessera perplexity`` / ``Model.perplexity``: a causal language model's perplexity on a text file
+    (runtime/driver.perplexity says which windows are scored)."""
+
+    text: str | Path
+    tokenizer: str | Path | None = None
+    context: int = 512
+    stride: int | None = None
+    provider: str = "auto"
+    format: str = "text"
+    quiet: bool = False
+
+    def check(self) -> None:
+        super().check()
+        check_path(self.label("text"), self.text, optional=False)
+        check_path(self.label("tokenizer"), self.tokenizer)
+        check_int(self.label("context"), self.context, minimum=4)
+        check_int(self.label("stride"), self.stride, minimum=1, optional=True)
+        if self.stride is not None and self.stride > self.context:
+            raise UsageError(f"{self.flag('stride')} {self.stride} is longer than {self.flag('context')} "
+                             f"{self.context}: the windows would skip tokens (a stride is at most the context)")
+        check_choice(self.label("provider"), self.provider, PROVIDERS)
+        check_choice(self.label("format"), self.format, PERPLEXITY_FORMATS)
+        check_bool(self.label("quiet"), self.quiet)
+
+
+COMMANDS = {"compile": CompileOptions, "run": RunOptions, "report": ReportOptions, "generate": GenerateOptions,
+            "perplexity": PerplexityOptions}

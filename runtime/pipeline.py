@@ -17,7 +17,7 @@ from tessera.compiler.ir.graph import DTYPES, Graph
 from tessera.spec import Program, SpecError, did_you_mean, load_program
 
 from tessera.runtime.errors import UsageError  # noqa: F401  (re-exported: callers import it from here)
-from tessera.runtime.io.weights import SeededWeights, init_weights, load_weights, name_map_for
+from tessera.runtime.io.weights import SeededWeights, WeightsError, init_weights, load_weights, name_map_for
 
 
 @dataclass
@@ -60,7 +60,9 @@ def resolve_spec(spec: str | Path) -> Path:
     (``gpt2`` or ``gpt2.tsr``, shipped in ``tessera.models``). Raises SpecError for neither."""
     from tessera.models import bundled_names, bundled_spec
 
-    path = Path(spec)
+    from tessera.runtime.io.checkpoint import unshadowed
+
+    path = Path(unshadowed(spec))  # a folder named like a bundled spec that is no model: the bundled spec
     if path.exists():
         return path  # a path wins (load_program reports a folder or an unreadable file)
     text = str(spec)
@@ -88,7 +90,24 @@ def build(spec: str | Path, variant: str | None = None, sets: list[str] | None =
     if weights:
         overrides.update(config_overrides(program, name_map_for(path), weights, variant, overrides))
     graph, info = elaborate(program, variant, overrides)
+    if weights:
+        _drop_unfed_outputs(graph, Path(weights), name_map_for(path), info.hyperparams)
     return Built(program, graph, info, path)
+
+
+def _drop_unfed_outputs(graph: Graph, weights: Path, name_map, hyper: dict) -> None:
+    """A checkpoint without the weights of some outputs (a BERT saved without its pooler) runs with
+    those outputs dropped and a note, as transformers does; any other gap is the load's error."""
+    from tessera.runtime.io.weights import absent_params, drop_unfed_outputs
+
+    try:
+        absent = absent_params(graph, weights, name_map, hyper)
+    except WeightsError:
+        return  # an unreadable checkpoint: load_weights says why
+    outputs, params = drop_unfed_outputs(graph, absent)
+    if outputs:
+        print(f"note: {weights} has no {', '.join(params)}: output{'s' if len(outputs) > 1 else ''} "
+              f"{', '.join(outputs)} dropped (computed from them), the other outputs run", file=sys.stderr)
 
 
 # Running a spec holds the weights about three times over (the serialised model, onnxruntime's
@@ -178,7 +197,7 @@ def weights_for(built: Built, weights: str | None, seed: int, allow_large: bool 
 
 # runtime/options.py has the same list for the parsers (options imports this module, not the reverse;
 # tests/test_cli_help.py keeps the two and compiler/passes/quantize.py's SCHEMES equal)
-QUANTIZE_CHOICES = ("none", "int8", "int4", "w8a8")
+QUANTIZE_CHOICES = ("none", "int8", "int4", "w8a8", "int4-asym")
 
 
 @contextmanager

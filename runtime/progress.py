@@ -85,6 +85,8 @@ class Progress:
         seconds = time.perf_counter() - self.started
         if self.unit == "bytes":
             return f"{self.title}: {_bytes(self.total)} in {seconds:.1f} s"
+        if self.unit != "stages":  # a count of things (windows, ...)
+            return f"{self.title}: {self.done} of {self.total} {self.unit} in {seconds:.1f} s"
         if self.stages:
             self.stages[-1][1] = time.perf_counter() - self.stages[-1][1]
         parts = ", ".join(f"{name} {s:.1f} s" for name, s in self.stages)

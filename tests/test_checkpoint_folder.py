@@ -50,10 +50,12 @@ def _decoder(kind):
     if kind == "gpt2":
         cfg = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=VOCAB, n_positions=64, **ids)
         return _perturbed(transformers.GPT2LMHeadModel(cfg), 0.2)
-    if kind == "llama":  # grouped-query attention: 4 query heads over 2 key/value heads
+    if kind in ("llama", "llama_tied"):  # grouped-query attention: 4 query heads over 2 key/value heads
+        # llama_tied: the head is the embedding (SmolLM2, Llama 3.2 1B/3B); the folder has no lm_head.weight
         cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                                        num_key_value_heads=2, intermediate_size=48, max_position_embeddings=64,
-                                       rope_theta=10000.0, rms_norm_eps=1e-5, tie_word_embeddings=False, **ids)
+                                       rope_theta=10000.0, rms_norm_eps=1e-5, tie_word_embeddings=kind != "llama",
+                                       **ids)
         return _perturbed(transformers.LlamaForCausalLM(cfg), 0.05)
     cfg = transformers.MixtralConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                                      num_key_value_heads=2, intermediate_size=24, num_local_experts=4,
@@ -63,7 +65,7 @@ def _decoder(kind):
     return _perturbed(transformers.MixtralForCausalLM(cfg), 0.05)
 
 
-@pytest.mark.parametrize("kind", ["gpt2", "llama", "mixtral"])
+@pytest.mark.parametrize("kind", ["gpt2", "llama", "llama_tied", "mixtral"])
 def test_generate_from_a_checkpoint_folder_equals_transformers(kind, tmp_path, capsys):
     model = _decoder(kind)
     model.save_pretrained(tmp_path, safe_serialization=True)
@@ -105,6 +107,29 @@ def test_run_a_bert_folder_equals_transformers(tmp_path, capsys):
         ref = model(input_ids=torch.tensor([PROMPT_IDS]))
     np.testing.assert_allclose(got["hidden"], ref.last_hidden_state.numpy(), atol=1e-4, rtol=0)
     np.testing.assert_allclose(got["pooled"], ref.pooler_output.numpy(), atol=1e-4, rtol=0)
+
+
+def test_a_bert_folder_without_its_pooler_runs_with_the_pooled_output_dropped(tmp_path, capsys):
+    """transformers' add_pooling_layer=False (embedding models) saves no pooler weights: the hidden
+    states run, equal to transformers', and the pooled output is dropped with a note."""
+    torch.manual_seed(0)
+    cfg = transformers.BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                  intermediate_size=48, max_position_embeddings=64)
+    model = _perturbed(transformers.BertModel(cfg, add_pooling_layer=False), 0.05)
+    (tmp_path / "ckpt").mkdir()
+    model.save_pretrained(tmp_path / "ckpt", safe_serialization=True)
+    _tokenizer(tmp_path / "ckpt")
+    capsys.readouterr()
+    out = tmp_path / "out"
+    rc, _, err = cli(capsys, "run", tmp_path / "ckpt", "--text", PROMPT, "--save", out)
+    assert rc == 0, err
+    assert "pooler.weight, pooler.bias" in err and "pooled dropped" in err
+    assert sorted(p.stem for p in out.glob("*.npy")) == ["hidden"]
+    with torch.no_grad():
+        ref = model(input_ids=torch.tensor([PROMPT_IDS]))
+    np.testing.assert_allclose(np.load(out / "hidden.npy"), ref.last_hidden_state.numpy(), atol=1e-4, rtol=0)
+    rc, _, err = cli(capsys, "run", tmp_path / "ckpt", "--text", PROMPT, "--pool", "mean")  # embeddings
+    assert rc == 0, err
 
 
 def test_run_a_vit_folder_equals_transformers(tmp_path, capsys):
@@ -186,3 +211,22 @@ def test_a_folder_named_like_its_bundled_spec_in_the_working_directory(tmp_path,
     assert rc == 0, err
     rc, _, err = cli(capsys, "report", "llama")
     assert rc == 0, err
+
+
+def test_a_folder_named_like_a_bundled_spec_that_is_no_model_does_not_shadow_it(tmp_path, capsys, monkeypatch):
+    """A virtualenv called ``gpt2/`` in the working directory: no config.json, no .onnx, so the name
+    is the bundled spec for generate, run, report and compile (before: 'an .onnx file is already
+    compiled', or 'is a folder')."""
+    (tmp_path / "gpt2" / "bin").mkdir(parents=True)
+    (tmp_path / "gpt2" / "pyvenv.cfg").write_text("home = /usr/bin\n")
+    monkeypatch.chdir(tmp_path)
+    small = ["--set", "d=32", "--set", "layers=1", "--set", "heads=4", "--set", "vocab=64", "--set", "ctx=16"]
+    rc, out, err = cli(capsys, "generate", "gpt2", *small, "--input", "tokens=[[1, 2]]", "--max-new-tokens", 2,
+                       "--format", "json", "-q")
+    assert rc == 0, err
+    assert len(json.loads(out)["outputs"][0]["tokens"]) == 2
+    rc, out, err = cli(capsys, "report", "gpt2", *small, "--format", "json")
+    assert rc == 0, err
+    rc, _, err = cli(capsys, "compile", "gpt2", *small, "-o", tmp_path / "g.onnx")
+    assert rc == 0, err
+    assert (tmp_path / "g.onnx").is_file()

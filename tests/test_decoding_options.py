@@ -349,6 +349,27 @@ def test_chat_renders_transformers_apply_chat_template_ids(tmp_path, capsys):
     assert got["prompt_tokens"] == ids and got["tokens"] == want
 
 
+def test_chat_reads_chat_template_jinja_as_transformers_saves_it(tmp_path, capsys):
+    """transformers >= 4.50 saves the template as chat_template.jinja beside tokenizer.json, not in
+    tokenizer_config.json: --chat reads it, with the ids of apply_chat_template on the same folder."""
+    model = _model()
+    model.save_pretrained(tmp_path, safe_serialization=True)
+    _word_tokenizer(tmp_path, bos=True)
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>",
+        "chat_template": "a stale template that the .jinja file overrides"}))
+    (tmp_path / "chat_template.jinja").write_text(TEMPLATE)
+    hf_tok = transformers.AutoTokenizer.from_pretrained(tmp_path)
+    ids = hf_tok.apply_chat_template([{"role": "user", "content": "w5 w6 w7"}], add_generation_prompt=True,
+                                     tokenize=True)
+    ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    assert ids == [0, 2, 5, 6, 7, 1, 3]
+    rc, out, err = cli(capsys, "generate", tmp_path, "--chat", "--prompt", "w5 w6 w7", "--max-new-tokens", 1,
+                       "--ignore-eos", "--format", "json", "-q")
+    assert rc == 0, err
+    assert json.loads(out)["outputs"][0]["prompt_tokens"] == ids
+
+
 def test_the_chat_route_renders_as_generate_chat_and_gives_openai_logprobs(tmp_path, capsys):
     """The server's chat route and `generate --chat` share the template code: the same prompt ids,
     the same tokens, and the chat logprobs shape with generate's values."""

@@ -28,15 +28,16 @@ import pytest
 from tessera.runtime import api
 from tessera.runtime.cli import make_parser
 from tessera.runtime.options import (BuildOptions, CompileOptions, EngineOptions, GenerateOptions, ModelRef,
-                                     ReportOptions, RunOptions, UsageError, flag_fields)
+                                     PerplexityOptions, ReportOptions, RunOptions, UsageError, flag_fields)
 from tessera.runtime.serving import ray_serve
 from tessera.runtime.serving.batch import BatchOptions
 from tessera.runtime.serving.ray_serve import RayOptions
 from tessera.runtime.serving.server import ServeOptions
 
-CLASSES = {"compile": CompileOptions, "run": RunOptions, "report": ReportOptions, "generate": GenerateOptions}
+CLASSES = {"compile": CompileOptions, "run": RunOptions, "report": ReportOptions, "generate": GenerateOptions,
+           "perplexity": PerplexityOptions}
 METHODS = {"compile": [api.Model.compile], "run": [api.Model.run, api.Model.alignment],
-           "report": [api.Model.report], "generate": [api.Model.generate]}
+           "report": [api.Model.report], "generate": [api.Model.generate], "perplexity": [api.Model.perplexity]}
 # API keyword -> option field, where the API names it otherwise (the option classes' API_NAMES, inverted)
 API_NAMES = {command: {k: f for f, k in cls.API_NAMES.items()} for command, cls in CLASSES.items()}
 
@@ -51,10 +52,12 @@ CLI_ONLY = {
     "report": {"format": "printing: the API returns the report as a dict"},
     "generate": {"format": "printing: the API returns the tokens or texts",
                  "quiet": "printing: the API prints no progress"},
+    "perplexity": {"format": "printing: the API returns the figure as a dict",
+                   "quiet": "printing: the API prints no progress"},
 }
 # fields the API has and the command line deliberately lacks
 API_ONLY = {
-    "compile": {}, "report": {},
+    "compile": {}, "report": {}, "perplexity": {},
     "run": {"alignment": "the command computes the alignment when --plot-attention FILE is given; "
                          "Model.alignment() returns it without drawing"},
     "generate": {"sampling_seed": "the command's --seed seeds both the weights and the sampler; the API's "
@@ -138,11 +141,12 @@ def test_load_takes_every_model_field():
 
 @pytest.mark.parametrize("command,argv", [
     ("compile", ["compile", "gpt2", "-o", "x.onnx"]), ("run", ["run", "gpt2"]), ("report", ["report", "gpt2"]),
-    ("generate", ["generate", "gpt2"])])  # --max-new-tokens is optional now (generation_config)
+    ("generate", ["generate", "gpt2"]),  # --max-new-tokens is optional now (generation_config)
+    ("perplexity", ["perplexity", "gpt2", "--text", "t.txt"])])
 def test_the_flags_defaults_are_the_options_defaults(command, argv):
     ns = make_parser().parse_args(argv)
     cls = CLASSES[command]
-    extra = {"output": "x.onnx"} if command == "compile" else {}
+    extra = {"output": "x.onnx"} if command == "compile" else {"text": "t.txt"} if command == "perplexity" else {}
     assert cls.from_args(ns) == cls(**extra)
     assert ModelRef.from_args(ns) == ModelRef(spec="gpt2")
 

@@ -171,7 +171,8 @@ def _flops(graph: Graph, n: Node, macs: Poly, elems: Poly | None = None) -> dict
     f: dict[str, Poly] = {}
     if cost.kind == "product":
         f["matmul"] = macs * 2
-        bias = 3 if "quantized" in d.traits else 2  # a quantised linear's weight takes two inputs
+        # a quantised linear's weight takes two inputs (three with zero points)
+        bias = 3 + int(n.attrs.get("zero_points", 0)) if "quantized" in d.traits else 2
         if "dense" in d.traits and len(n.inputs) == bias + 1:
             f["bias"] = elems if elems is not None else _out(graph, n)
     elif cost.kind == "per_element":

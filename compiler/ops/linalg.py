@@ -44,9 +44,10 @@ def _linear(t, a):
 def _linear_nbits_ref(x, a, ev):
     from tessera.compiler.reference.quant import dequantize
 
-    w = dequantize(x[1], x[2], a["bits"], a["block_size"], a["K"])
+    zp = a.get("zero_points", 0)
+    w = dequantize(x[1], x[2], a["bits"], a["block_size"], a["K"], x[3] if zp else None)
     y = (x[0].astype(np.float32) @ w.T).astype(x[0].dtype)
-    return y + x[3] if len(x) == 4 else y
+    return y + x[3 + zp] if len(x) == 4 + zp else y
 
 
 @op("linear_nbits", reference=_linear_nbits_ref,
@@ -55,12 +56,15 @@ def _linear_nbits_ref(x, a, ev):
     saved=common.saved_weight_product, traits=("dense", "matmul_class", "quantized"))
 def _linear_nbits(t, a):
     """y = x W^T (+ b) with W [N, K] quantised block-wise to ``bits`` (compiler/reference/quant.py):
-    input 1 the packed uint8 [N, blocks, block_size*bits/8], input 2 the scales [N, blocks].
-    ``accuracy_level`` 4 lets onnxruntime quantise x to int8 per block inside the product; the
-    reference computes the product in fp32 (the test tolerances cover the difference)."""
-    from tessera.compiler.reference.quant import BITS, blocks, packed_shape
+    input 1 the packed uint8 [N, blocks, block_size*bits/8], input 2 the scales [N, blocks]; with
+    ``zero_points`` 1 (asymmetric blocks, the int4-asym scheme) input 3 the packed uint8 zero points
+    [N, ceil(blocks * bits / 8)] and the bias after them. ``accuracy_level`` 4 lets onnxruntime
+    quantise x to int8 per block inside the product; the reference computes the product in fp32
+    (the test tolerances cover the difference)."""
+    from tessera.compiler.reference.quant import BITS, blocks, packed_shape, zeros_shape
 
     x, packed, scales = t[0], t[1], t[2]
+    zp = a.get("zero_points", 0)
     common.need_float(x, "linear_nbits")
     bits, block, k, n = a["bits"], a["block_size"], a["K"], a["N"]
     if a.get("accuracy_level", 0) not in (0, 4):
@@ -75,8 +79,15 @@ def _linear_nbits(t, a):
         raise ShapeError(f"linear_nbits scales must be {x.dtype}[{n}, {blocks(k, block)}], got {scales}")
     if x.rank < 1 or not dims.equal(x.shape[-1], k):
         raise ShapeError(f"linear_nbits expects input [..., {k}], got {dims.fmt_shape(x.shape)}")
-    if len(t) == 4 and not dims.shapes_equal(t[3].shape, (n,)):
-        raise ShapeError(f"linear_nbits bias must be [{n}], got {dims.fmt_shape(t[3].shape)}")
+    if zp not in (0, 1):
+        raise ShapeError(f"linear_nbits zero_points must be 0 or 1, got {zp!r}")
+    if zp and (len(t) < 4 or t[3].dtype != "u8" or not dims.shapes_equal(t[3].shape, zeros_shape(n, k, bits, block))):
+        raise ShapeError(f"linear_nbits zero points must be u8{list(zeros_shape(n, k, bits, block))}, got "
+                         f"{t[3] if len(t) > 3 else 'none'}")
+    if len(t) > 4 + zp:
+        raise ShapeError(f"linear_nbits takes at most {4 + zp} inputs, got {len(t)}")
+    if len(t) == 4 + zp and not dims.shapes_equal(t[3 + zp].shape, (n,)):
+        raise ShapeError(f"linear_nbits bias must be [{n}], got {dims.fmt_shape(t[3 + zp].shape)}")
     return [TensorType(x.dtype, x.shape[:-1] + (dims.dim(n),))]
 
 

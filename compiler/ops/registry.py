@@ -73,7 +73,8 @@ TRAITS = {
     "matmul_class": "work counted as multiply-adds and run at tensor-core (matmul) peak",
     "conv": "a convolution (its parameters are reported as a convolution)",
     "quantized": "a quantised linear: input 1 the weight's integer values, input 2 their scales, input 3 the "
-                 "optional bias (compiler/passes/quantize.py)",
+                 "optional bias, or with attribute zero_points 1 the zero points and input 4 the bias "
+                 "(compiler/passes/quantize.py)",
 }
 
 

@@ -53,6 +53,11 @@ def _fused_path(paths: list[str]) -> str:
 
 # per op: the inputs that are weights concatenated along their axis 0 (the outputs), and the optional bias's index
 WEIGHT_INPUTS = {"linear": ((1,), 2), "linear_nbits": ((1, 2), 3), "linear_int8": ((1, 2), 3)}
+ZERO_POINT_INPUTS = ((1, 2, 3), 4)  # a linear_nbits with zero_points: its zero points concatenated too
+
+
+def _weight_inputs(node) -> tuple[tuple[int, ...], int]:
+    return ZERO_POINT_INPUTS if node.attrs.get("zero_points") else WEIGHT_INPUTS[node.op]
 
 
 class FuseSharedInputLinears(Pass):
@@ -66,7 +71,7 @@ class FuseSharedInputLinears(Pass):
         pat = OWN_WEIGHT_LINEAR.get(node.op)
         if pat is None or not match(graph, pat, node.outputs[0]):
             return None
-        idx, bias_idx = WEIGHT_INPUTS[node.op]
+        idx, bias_idx = _weight_inputs(node)
         params = [graph.params[node.inputs[i]] for i in idx]
         has_bias = len(node.inputs) > bias_idx
         shapes = tuple((p.dtype,) + tuple(int(s) for s in p.shape[1:]) for p in params)  # all but the outputs
@@ -83,7 +88,7 @@ class FuseSharedInputLinears(Pass):
         for (x, op, _, _, has_bias), nodes in groups.items():
             if len(nodes) < 2:
                 continue
-            idx, bias_idx = WEIGHT_INPUTS[op]
+            idx, bias_idx = _weight_inputs(nodes[0])  # the key holds the attributes: one layout for the group
             slots = list(idx) + ([bias_idx] if has_bias else [])
             outs = [int(graph.params[n.inputs[idx[0]]].shape[0]) for n in nodes]
             total = sum(outs)

@@ -5,6 +5,11 @@ weight replaced by derived parameters (compiler/reference/quant.py):
   packed values and their block-wise scales. Activations are stored in float; by default
   MatMulNBits quantises them to int8 on the fly inside the product (accuracy_level 4,
   ``activations="int8"``), ``activations="float"`` keeps the product in fp32 (accuracy_level 0);
+- scheme ``int4-asym``: ``linear_nbits`` with zero points: asymmetric blocks, all 16 levels over each
+  block's [min, max] and the scale searched per block for the least squared error
+  (compiler/reference/quant.py ``quantize_zp``); with ``head=True`` the output head is quantised
+  at 8 bits (asymmetric too), not 4: llama.cpp's layout (its Q4 files keep the head at 6-8 bits),
+  since the head's errors go straight into the logits;
 - scheme ``w8a8``: ``linear_int8``, int8 values with one scale per output row; at run time each
   row (token) of the activations is quantised to int8 with a scale of its own, and the product runs
   in onnxruntime's integer GEMM (com.microsoft.MatMulIntegerToFloat: VNNI, AMX where the CPU has
@@ -34,10 +39,12 @@ from dataclasses import dataclass
 
 from tessera.compiler.ir.graph import Graph, Param
 from tessera.compiler.passes.base import Pass, PassError, PassResult
-from tessera.compiler.reference.quant import BITS, ROWS, blocks, packed_shape
+from tessera.compiler.reference.quant import BITS, ROWS, blocks, packed_shape, zeros_shape
 
-SCHEMES = {"int8": 8, "int4": 4, "w8a8": 8}
+SCHEMES = {"int8": 8, "int4": 4, "w8a8": 8, "int4-asym": 4}
 ROW_SCHEMES = ("w8a8",)  # one scale per output row and per activation row (linear_int8)
+ZERO_POINT_SCHEMES = ("int4-asym",)  # asymmetric blocks with zero points, the scale searched (quantize_zp)
+HEAD_BITS = {"int4-asym": 8}  # the output head's bits under --quantize-head, where not the scheme's
 # MatMulNBits' accuracy_level: 0 computes in fp32 from dequantised weights; 4 quantises each block
 # of activations to int8 at run time and uses onnxruntime's integer kernels (several times faster
 # for one token at a time on this CPU: docs/benchmarks/log.md).
@@ -63,6 +70,14 @@ class QuantConfig:
     @property
     def per_row(self) -> bool:
         return self.scheme in ROW_SCHEMES
+
+    @property
+    def zero_points(self) -> bool:
+        return self.scheme in ZERO_POINT_SCHEMES
+
+    @property
+    def head_bits(self) -> int:
+        return HEAD_BITS.get(self.scheme, self.bits)
 
     @property
     def granularity(self) -> str:
@@ -137,10 +152,12 @@ class QuantizeWeights(Pass):
             return f"{n} outputs, fewer than {MIN_OUTPUTS} (too small to gain; a router's choice is brittle)"
         return None
 
-    def _replace(self, graph: Graph, node, n: int, k: int) -> None:
-        """``node`` (a linear over the weight [n, k]) as the scheme's quantised linear."""
-        bits, block, w = self.config.bits, self.config.block_size, node.inputs[1]
+    def _replace(self, graph: Graph, node, n: int, k: int, head: bool = False) -> None:
+        """``node`` (a linear over the weight [n, k]) as the scheme's quantised linear (``head``: the
+        output head, at the scheme's head bits)."""
+        bits, block, w = self.config.head_bits if head else self.config.bits, self.config.block_size, node.inputs[1]
         p = graph.params[w]
+        kind = "quantize"
         if self.config.per_row:
             op, block = "linear_int8", ROWS
             parts = (("packed", (n, k), "i8"), ("scales", (n,), "f32"))
@@ -150,13 +167,19 @@ class QuantizeWeights(Pass):
             parts = (("packed", packed_shape(n, k, bits, block), "u8"), ("scales", (n, blocks(k, block)), "f32"))
             attrs = {"bits": bits, "block_size": block, "K": k, "N": n,
                      "accuracy_level": ACTIVATIONS[self.config.activations]}
+            if self.config.zero_points:
+                kind = "quantize_zp"
+                parts += (("zeros", zeros_shape(n, k, bits, block), "u8"),)
+                attrs["zero_points"] = 1
         names = {}
+        tag = self.config.scheme.replace("-", "_") + ("_head8" if bits != self.config.bits else "")
         for part, shape, dtype in parts:
-            path = f"{w}.{self.config.scheme}_{part}"  # a parameter path: no '/' (constants have one)
+            path = f"{w}.{tag}_{part}"  # a parameter path: no '/' (constants have one)
             if path not in graph.params:  # a weight read by two linears is quantised once
-                graph.add_param(Param(path, shape, dtype, "derived", 0.0, p.pos, ("quantize", w, bits, block, part)))
+                graph.add_param(Param(path, shape, dtype, "derived", 0.0, p.pos, (kind, w, bits, block, part)))
             names[part] = path
-        graph.replace_node(node.name, op, [node.inputs[0], names["packed"], names["scales"], *node.inputs[2:]], attrs)
+        graph.replace_node(node.name, op, [node.inputs[0], names["packed"], names["scales"],
+                                           *([names["zeros"]] if "zeros" in names else []), *node.inputs[2:]], attrs)
 
     def run(self, graph: Graph) -> PassResult:
         assert self.config.bits in BITS
@@ -170,7 +193,8 @@ class QuantizeWeights(Pass):
                 notes.append(QuantNote(node.name, w, False, reason))
                 continue
             n, k = graph.params[w].shape
-            self._replace(graph, node, n, k)
+            head = any(c.op == "embedding" for c in graph.consumers(w)) or _is_output(graph, node.outputs[0])
+            self._replace(graph, node, n, k, head)
             if not graph.consumers(w):
                 graph.remove_param(w)
             notes.append(QuantNote(node.name, w, True))

@@ -30,7 +30,10 @@ def _own_vector(graph: Graph, value: str, node: Node | None) -> str | None:
 _X = Pat(name="x")
 OWN_WEIGHT_LINEAR = {
     "linear": Pat("linear", (_X, Pat(name="w0", check=_own_param), Pat(name="bias", check=_own_vector)), optional=1),
-    **{op: Pat(op, (_X, Pat(name="w0", check=_own_param), Pat(name="w1", check=_own_param),
-                    Pat(name="bias", check=_own_vector)), optional=1)
-       for op in ("linear_nbits", "linear_int8")},
+    "linear_int8": Pat("linear_int8", (_X, Pat(name="w0", check=_own_param), Pat(name="w1", check=_own_param),
+                                       Pat(name="bias", check=_own_vector)), optional=1),
+    # zero points (or a bias) third, then a bias (after zero points): both parameters of this linear alone
+    "linear_nbits": Pat("linear_nbits", (_X, Pat(name="w0", check=_own_param), Pat(name="w1", check=_own_param),
+                                         Pat(name="w2", check=_own_param), Pat(name="bias", check=_own_vector)),
+                        optional=2),
 }

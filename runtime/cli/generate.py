@@ -67,8 +67,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="with --format json or jsonl: each new token's log-probability under the model (log_softmax of "
                         "its logits, before the decoding settings) and the N most likely alternatives' (0..20)")
     g.add_argument("--chat", action="store_true",
-                   help="apply the tokenizer folder's chat template (tokenizer_config.json) to each --prompt, "
-                        "as the user's message")
+                   help="apply the tokenizer folder's chat template (chat_template.jinja, else "
+                        "tokenizer_config.json's) to each --prompt, as the user's message; the text format then "
+                        "prints the reply alone")
     g.add_argument("--ignore-eos", action="store_true",
                    help="do not stop at the checkpoint's end-of-sequence token (eos_token_id of "
                         "generation_config.json or config.json beside the model, weights or tokenizer)")
@@ -117,7 +118,7 @@ def cmd_generate(ns: argparse.Namespace) -> int:
     out: list[list[int]] = [[] for _ in prompts]
     live = o.format == "text" and tokenizer is not None and len(prompts) == 1
     shown = ""
-    if live:
+    if live and not o.chat:  # a chat prompt is the template's rendering (system prompt and all): the reply alone
         print(tokenizer.decode(prompts[0], skip_special_tokens=False), end="", flush=True)
     started, last_note = time.perf_counter(), 0.0
     show_progress = not o.quiet
@@ -151,7 +152,7 @@ def cmd_generate(ns: argparse.Namespace) -> int:
     else:
         for r, p in enumerate(prompts):
             if tokenizer is not None:
-                print(tokenizer.decode(p, skip_special_tokens=False) + run.text(out[r]))
+                print(("" if o.chat else tokenizer.decode(p, skip_special_tokens=False)) + run.text(out[r]))
             else:
                 print(" ".join(map(str, out[r])))
     if o.explain and run.explain():

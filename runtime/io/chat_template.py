@@ -7,9 +7,10 @@ since the template writes them itself), so the template is read, rendered and en
 
 Why the sandbox: a chat template is code that came with a downloaded model; jinja2's
 ``ImmutableSandboxedEnvironment`` lets it format messages but not reach Python objects' internals
-or mutate anything, as transformers renders templates. The template is ``chat_template`` of
-``tokenizer_config.json`` next to tokenizer.json (a string, or a list of named templates of which
-"default" is used); ``bos_token`` and ``eos_token`` come from the same file.
+or mutate anything, as transformers renders templates. The template is ``chat_template.jinja`` next
+to tokenizer.json (transformers >= 4.50 saves it there), else ``chat_template`` of
+``tokenizer_config.json`` (a string, or a list of named templates of which "default" is used);
+``bos_token`` and ``eos_token`` come from tokenizer_config.json.
 """
 
 from __future__ import annotations
@@ -42,6 +43,10 @@ def _tracer(frame, event, arg):
 def _line(frame, event, arg):
     _check_time()
     return _line
+
+
+JINJA_FILE = "chat_template.jinja"
+MAX_TEMPLATE = 1024 * 1024  # bytes of a chat_template.jinja read (templates are a few kB)
 
 
 class ChatTemplateError(UsageError):
@@ -143,23 +148,37 @@ class ChatTemplate:
         folder holding it); None when there is none."""
         from tessera.runtime.io.text import tokenizer_file
 
-        config = Path(tokenizer_file(tokenizer_path)).parent / "tokenizer_config.json"
-        if not config.is_file():
-            return None
-        try:
-            data = json.loads(config.read_text(encoding="utf-8"))
-        except (OSError, ValueError) as e:
-            raise ChatTemplateError(f"cannot read {config}: {e}") from None
-        except RecursionError:
-            raise ChatTemplateError(f"cannot read {config}: JSON nested too deep") from None
+        folder = Path(tokenizer_file(tokenizer_path)).parent
+        config = folder / "tokenizer_config.json"
+        data = {}
+        if config.is_file():
+            try:
+                data = json.loads(config.read_text(encoding="utf-8"))
+            except (OSError, ValueError) as e:
+                raise ChatTemplateError(f"cannot read {config}: {e}") from None
+            except RecursionError:
+                raise ChatTemplateError(f"cannot read {config}: JSON nested too deep") from None
         source = data.get("chat_template") if isinstance(data, dict) else None
         if isinstance(source, list):  # [{"name": "default", "template": "..."}, ...]
             named = {t.get("name"): t.get("template") for t in source if isinstance(t, dict)}
             source = named.get("default")
+        jinja = folder / JINJA_FILE  # transformers >= 4.50 saves the template here, and it wins there too
+        if jinja.is_file():
+            try:
+                with open(jinja, "rb") as f:
+                    raw = f.read(MAX_TEMPLATE + 1)
+                source = raw.decode("utf-8")
+            except (OSError, UnicodeDecodeError) as e:
+                raise ChatTemplateError(f"cannot read {jinja}: {e}") from None
+            if len(raw) > MAX_TEMPLATE:
+                raise ChatTemplateError(f"{jinja} is over {MAX_TEMPLATE:,} bytes; a chat template is a few kB")
         if not isinstance(source, str) or not source:
             return None
+        if not isinstance(data, dict):
+            data = {}
+        where = jinja if jinja.is_file() else config
         return cls(source, _token_text(data.get("bos_token")), _token_text(data.get("eos_token")),
-                   origin=f"the chat template of {config.parent.name}/{config.name}")
+                   origin=f"the chat template of {where.parent.name}/{where.name}")
 
     def render(self, messages: list[dict], tools: list[dict] | None = None) -> str:
         """The prompt text for ``messages`` (role/content dicts), ending with the assistant's turn;
@@ -208,9 +227,9 @@ class ChatTemplate:
             from tessera.runtime.io.text import tokenizer_file
 
             folder = Path(tokenizer_file(tokenizer_path)).parent
-            raise ChatTemplateError(f"{folder} has no chat template (no chat_template in tokenizer_config.json "
-                                    f"beside tokenizer.json); {asked_by} needs a chat model's tokenizer folder, or "
-                                    f"give the prompt without {asked_by}")
+            raise ChatTemplateError(f"{folder} has no chat template (no {JINJA_FILE}, no chat_template in "
+                                    f"tokenizer_config.json beside tokenizer.json); {asked_by} needs a chat model's "
+                                    f"tokenizer folder, or give the prompt without {asked_by}")
         return template
 
     def encode(self, tokenizer, messages: list[dict], tools: list[dict] | None = None) -> list[int]:

@@ -7,7 +7,8 @@ as its weights, is then the same model as ``tessera generate SPEC --weights FOLD
 mapping file (``models/NAME.hf.toml``) renames the tensors and its ``[config]`` table takes
 every hyperparameter from config.json (checkpoint_config.py), so no ``--set`` is needed. A
 folder holding .onnx files (``compile --kv-cache`` or ``--genai`` output) is a compiled model,
-not a checkpoint, and is left alone.
+not a checkpoint, and is left alone. A GGUF file is converted into such a folder once
+(runtime/io/gguf_file.py) and is then the same.
 """
 
 from __future__ import annotations
@@ -33,6 +34,14 @@ MODEL_TYPES = {
     "whisper": "whisper",
     "mamba": "mamba",
 }
+
+
+def local(path):
+    """A GGUF file as its checkpoint folder (runtime/io/gguf_file.py: converted once, then cached);
+    any other path unchanged."""
+    from tessera.runtime.io import gguf_file
+
+    return str(gguf_file.folder_for(path)) if path is not None and gguf_file.is_gguf(path) else path
 
 
 def is_checkpoint(path) -> bool:
@@ -68,11 +77,35 @@ def spec_for(folder: Path) -> str:
     return str(bundled_spec(MODEL_TYPES[kind]))
 
 
+def unshadowed(spec):
+    """A bare name (``llama``) that is both a folder in the working directory and a bundled spec, the
+    folder neither a checkpoint (no config.json) nor a compiled model (no .onnx), is the bundled spec:
+    a virtualenv or a source tree named ``llama/`` is not a model. Anything else unchanged."""
+    text = str(spec)
+    p = Path(text)
+    if "/" in text or "\\" in text or not p.is_dir() or is_checkpoint(p) or any(p.glob("*.onnx")):
+        return spec
+    from tessera.models import bundled_spec
+
+    bundled = bundled_spec(text)
+    return str(bundled) if bundled is not None else spec
+
+
 def resolve(ref):
     """``ref`` (options.ModelRef) with a checkpoint folder as the model replaced by its bundled spec,
-    the folder as the weights; any other ref unchanged."""
+    the folder as the weights (a folder merely named like a bundled spec: that spec; a GGUF file: its
+    converted folder, as the model or as --weights); any other ref unchanged."""
+    if local(ref.spec) != ref.spec or local(ref.weights) != ref.weights:
+        api = ref.api
+        ref = dataclasses.replace(ref, spec=local(ref.spec), weights=local(ref.weights))
+        ref.api = api
     if not is_checkpoint(ref.spec):
-        return ref
+        spec = unshadowed(ref.spec)
+        if spec is ref.spec:
+            return ref
+        out = dataclasses.replace(ref, spec=spec)
+        out.api = ref.api
+        return out
     folder = Path(ref.spec)
     if ref.weights is not None and Path(ref.weights).resolve() != folder.resolve():
         raise UsageError(f"{folder} is a checkpoint folder, its own weights; --weights {ref.weights} would be a "
@@ -83,6 +116,7 @@ def resolve(ref):
 
 
 def tokenizer_in(spec) -> Path | None:
-    """The checkpoint folder's tokenizer.json, when the model is such a folder and has one."""
+    """The checkpoint folder's tokenizer.json, when the model is such a folder (or a GGUF file) and has one."""
+    spec = local(spec)
     p = Path(spec) / "tokenizer.json"
     return p if is_checkpoint(spec) and p.is_file() else None

@@ -534,6 +534,40 @@ def load_weights(graph: Graph, path: Path, name_map: NameMap | None = None,
     return CheckpointWeights(ckpt, {p: pieces[p] for p in graph.params}, dtypes)
 
 
+def absent_params(graph: Graph, path: Path, name_map: NameMap | None = None, hyper: dict | None = None) -> list[str]:
+    """The model's parameters a checkpoint has no tensor for, from its headers alone (nothing read)."""
+    ckpt = Checkpoint(path)
+    if name_map is not None and not set(ckpt.shapes) <= set(graph.params):
+        pieces, _ = name_map.plan(ckpt.shapes, frozenset(graph.params),
+                                  {p: v.shape for p, v in graph.params.items()}, hyper)
+    else:
+        pieces = {n: None for n in ckpt.shapes if n in graph.params}
+    return [p for p in graph.params if p not in pieces]
+
+
+def drop_unfed_outputs(graph: Graph, absent: list[str]) -> tuple[list[str], list[str]]:
+    """Outputs computed from parameters the checkpoint lacks (BERT's pooled output of a checkpoint saved
+    without its pooler: transformers' ``add_pooling_layer=False``) removed from ``graph`` with what
+    only they read, as transformers leaves such heads out; returns (outputs dropped, parameters
+    dropped). Nothing changes when every output needs one (the load then lists the missing ones)."""
+    import networkx as nx
+
+    if not absent:
+        return [], []
+    missing = {("v", p) for p in absent}
+    keep, drop = [], []
+    for out in graph.outputs:
+        (drop if nx.ancestors(graph.nx, ("v", out)) & missing else keep).append(out)
+    if not drop or not keep:
+        return [], []
+    graph.outputs = keep
+    graph.eliminate_dead_nodes()
+    unread = [p for p in graph.params if graph.nx.out_degree(("v", p)) == 0 and p not in graph.outputs]
+    for p in unread:
+        graph.remove_param(p)
+    return drop, unread
+
+
 def _np_name(st_dtype: str) -> str:
     """A safetensors dtype as numpy names it (I64 -> int64), for messages."""
     return {"BOOL": "bool", "U8": "uint8", "I8": "int8", "I16": "int16", "U16": "uint16", "I32": "int32",

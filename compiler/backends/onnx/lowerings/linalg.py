@@ -25,7 +25,10 @@ def _linear(L):
 
 
 def _linear_nbits(L):
-    inputs = list(L.x[:3]) + (["", "", L.x[3]] if len(L.x) == 4 else [])  # bias is MatMulNBits' input 5
+    zp = L.a.get("zero_points", 0)
+    inputs = list(L.x[:3 + zp])  # MatMulNBits' inputs: A, B, scales, zero_points, g_idx, bias
+    if len(L.x) == 4 + zp:
+        inputs += ([] if zp else [""]) + ["", L.x[3 + zp]]
     L.emit("MatMulNBits", inputs, domain="com.microsoft", K=L.a["K"], N=L.a["N"], bits=L.a["bits"],
            block_size=L.a["block_size"], accuracy_level=L.a.get("accuracy_level", 0))
 

@@ -1,0 +1,470 @@
+"""A GGUF file (llama.cpp's and Ollama's format) as the model: converted once into a checkpoint folder.
+
+Why a folder: a GGUF file holds what a Hugging Face checkpoint folder spreads over several files
+(config.json's hyperparameters as ``{arch}.*`` metadata, the tensors, the tokenizer's vocabulary and
+merges, the chat template, the end-of-sequence id). Written out as such a folder -- config.json,
+model.safetensors, tokenizer.json, tokenizer_config.json, generation_config.json -- the file then
+takes the path every checkpoint folder takes (runtime/io/checkpoint.py: its ``model_type`` picks the
+bundled spec, the spec's ``.hf.toml`` maps names and hyperparameters), so ``generate``, ``serve``,
+``batch``, ``compile``, ``report`` and ``perplexity`` read it with nothing of their own. The folder
+lives in Tessera's cache folder (spec/cache_folder.py, ``gguf/``), keyed by the file's path, size and
+modification time and by this converter's version, so a file is converted once; with the cache off
+it is a temporary folder removed at exit.
+
+What is read: the ``llama`` architecture (Llama 1/2/3 without rope scaling tensors, Mistral,
+SmolLM2, TinyLlama ...), tensors of type F32, F16, BF16, Q8_0, Q4_0 and Q4_1, each dequantised to
+fp32 exactly as llama.cpp's ``dequantize_row_*`` computes it (``DEQUANTIZE``); and the query and key
+matrices are permuted back from llama.cpp's rotary layout (its converter's ``permute``: each head's
+rows interleaved as pairs) to Hugging Face's (rotate-half). The tokenizer is read where it is
+byte-level BPE (``tokenizer.ggml.model = gpt2``) with a known pre-tokenizer (``PRE_TOKENIZERS``);
+another is left out with a note (give ``--tokenizer``). Anything else -- another architecture, a
+K-quant or other tensor type, rope scaling the spec does not take -- is a WeightsError naming it.
+"""
+
+from __future__ import annotations
+
+import atexit
+import hashlib
+import json
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+from tessera.runtime.io.weights import WeightsError
+
+VERSION = 1  # of the conversion: a change here converts every file again
+SUFFIX = ".gguf"
+MAGIC = b"GGUF"
+SHARD_BYTES = 2 * 1024 ** 3
+
+
+# ------------------------------------------------------------------ tensor types
+def _f16(raw: np.ndarray) -> np.ndarray:
+    return raw.view(np.float16).astype(np.float32)
+
+
+def _halves(block: np.ndarray, at: int) -> np.ndarray:
+    """The fp16 scalar at byte ``at`` of each block, as fp32 [blocks, 1]."""
+    return np.ascontiguousarray(block[:, at:at + 2]).view(np.float16).astype(np.float32)
+
+
+def _nibbles(qs: np.ndarray) -> np.ndarray:
+    """ggml's 4-bit layout: byte j holds element j in its low nibble and element j + 16 in its high one."""
+    return np.concatenate([qs & 0x0F, qs >> 4], axis=1).astype(np.float32)
+
+
+def _q8_0(raw: np.ndarray) -> np.ndarray:   # 34 bytes: fp16 d, 32 x int8 q; w = d * q
+    b = raw.reshape(-1, 34)
+    return (_halves(b, 0) * b[:, 2:].view(np.int8).astype(np.float32)).reshape(-1)
+
+
+def _q4_0(raw: np.ndarray) -> np.ndarray:   # 18 bytes: fp16 d, 16 bytes of nibbles; w = d * (q - 8)
+    b = raw.reshape(-1, 18)
+    return (_halves(b, 0) * (_nibbles(b[:, 2:]) - 8.0)).reshape(-1)
+
+
+def _q4_1(raw: np.ndarray) -> np.ndarray:   # 20 bytes: fp16 d, fp16 m, 16 bytes of nibbles; w = d * q + m
+    b = raw.reshape(-1, 20)
+    return (_halves(b, 0) * _nibbles(b[:, 4:]) + _halves(b, 2)).reshape(-1)
+
+
+def _bf16(raw: np.ndarray) -> np.ndarray:
+    return (raw.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+
+
+# type name -> (elements per block, bytes per block, dequantise raw bytes to fp32 elements)
+DEQUANTIZE = {
+    "F32": (1, 4, lambda raw: raw.view(np.float32).copy()),
+    "F16": (1, 2, _f16),
+    "BF16": (1, 2, _bf16),
+    "Q8_0": (32, 34, _q8_0),
+    "Q4_0": (32, 18, _q4_0),
+    "Q4_1": (32, 20, _q4_1),
+}
+
+
+def dequantize(kind: str, raw: np.ndarray, shape: tuple[int, ...], name: str = "tensor") -> np.ndarray:
+    """A GGUF tensor's bytes as fp32 of ``shape`` (Hugging Face order: GGUF's ne reversed)."""
+    if kind not in DEQUANTIZE:
+        raise WeightsError(f"{name} is of GGUF tensor type {kind}, which Tessera does not read (it reads "
+                           f"{', '.join(DEQUANTIZE)}); convert the file with llama.cpp's llama-quantize to one "
+                           f"of these, or to F16")
+    per, nbytes, fn = DEQUANTIZE[kind]
+    count = int(np.prod(shape, dtype=np.int64))
+    raw = np.ascontiguousarray(raw).reshape(-1).view(np.uint8)
+    if count % per or raw.size != count // per * nbytes:
+        raise WeightsError(f"{name}: {raw.size} bytes of {kind} do not hold {count} elements of shape {list(shape)}")
+    return fn(raw).reshape(shape)
+
+
+# ------------------------------------------------------------------ metadata
+def _value(field):
+    """A GGUF metadata field as a Python value (a string, number, bool or list of them)."""
+    from gguf import GGUFValueType
+
+    types = list(field.types)
+    if not types:
+        return None
+
+    def scalar(kind, part):
+        if kind == GGUFValueType.STRING:
+            return bytes(part).decode("utf-8", errors="replace")
+        v = part[0].item() if hasattr(part[0], "item") else part[0]
+        return bool(v) if kind == GGUFValueType.BOOL else v
+
+    if types[0] == GGUFValueType.ARRAY:
+        if len(types) < 2:
+            return []
+        return [scalar(types[1], field.parts[i]) for i in field.data]
+    return scalar(types[0], field.parts[field.data[0]])
+
+
+def is_gguf(path) -> bool:
+    """A regular file named *.gguf (its magic is checked when it is read)."""
+    p = Path(str(path))
+    return p.suffix.lower() == SUFFIX and p.is_file()
+
+
+class GGUFModel:
+    """A GGUF file opened (memory-mapped): its metadata by key and its tensors by name."""
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        with open(self.path, "rb") as f:
+            if f.read(4) != MAGIC:
+                raise WeightsError(f"{self.path} is not a GGUF file (it does not start with 'GGUF')")
+        try:
+            from gguf import GGUFReader
+        except ImportError:
+            raise WeightsError(f"reading {self.path} needs the gguf package: pip install 'tessera[gguf]' "
+                               f"(gguf and tokenizers)") from None
+        try:
+            self.reader = GGUFReader(str(self.path))
+        except Exception as e:  # the reader raises ValueError, struct errors, IndexError on a damaged file
+            raise WeightsError(f"cannot read {self.path} as GGUF: {type(e).__name__}: {e}") from None
+        self.meta = {}
+        for key, field in self.reader.fields.items():
+            if key.startswith("GGUF."):
+                continue
+            try:
+                self.meta[key] = _value(field)
+            except Exception as e:
+                raise WeightsError(f"{self.path}: metadata {key} cannot be read: {e}") from None
+        self.tensors = {t.name: t for t in self.reader.tensors}
+        self.arch = self.meta.get("general.architecture")
+
+    def get(self, key: str, default=None):
+        return self.meta.get(f"{self.arch}.{key}", default)
+
+    def need(self, key: str):
+        value = self.get(key)
+        if value is None:
+            raise WeightsError(f"{self.path}: metadata {self.arch}.{key} is missing")
+        return value
+
+    def read(self, name: str) -> np.ndarray:
+        t = self.tensors[name]
+        shape = tuple(int(n) for n in reversed(list(t.shape)))
+        return dequantize(t.tensor_type.name, np.asarray(t.data), shape, name)
+
+    def types(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for t in self.tensors.values():
+            out[t.tensor_type.name] = out.get(t.tensor_type.name, 0) + 1
+        return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+
+
+# ------------------------------------------------------------------ architectures
+def _unpermute(w: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp's converter stores q and k as ``w.reshape(heads, 2, hd/2, in).swapaxes(1, 2)``
+    (its rotary pairs adjacent); this is the inverse, back to Hugging Face's rotate-half rows."""
+    out = w.shape[0]
+    return w.reshape(heads, out // heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+LLAMA_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+    "blk.{i}.attn_norm.weight": "model.layers.{i}.input_layernorm.weight",
+    "blk.{i}.attn_q.weight": "model.layers.{i}.self_attn.q_proj.weight",
+    "blk.{i}.attn_k.weight": "model.layers.{i}.self_attn.k_proj.weight",
+    "blk.{i}.attn_v.weight": "model.layers.{i}.self_attn.v_proj.weight",
+    "blk.{i}.attn_output.weight": "model.layers.{i}.self_attn.o_proj.weight",
+    "blk.{i}.ffn_norm.weight": "model.layers.{i}.post_attention_layernorm.weight",
+    "blk.{i}.ffn_gate.weight": "model.layers.{i}.mlp.gate_proj.weight",
+    "blk.{i}.ffn_up.weight": "model.layers.{i}.mlp.up_proj.weight",
+    "blk.{i}.ffn_down.weight": "model.layers.{i}.mlp.down_proj.weight",
+}
+
+
+def _hf_name(name: str, table: dict[str, str]) -> str | None:
+    if name in table:
+        return table[name]
+    parts = name.split(".")
+    if len(parts) > 2 and parts[0] == "blk" and parts[1].isdigit():
+        pattern = ".".join(["blk", "{i}", *parts[2:]])
+        if pattern in table:
+            return table[pattern].format(i=parts[1])
+    return None
+
+
+def _llama_config(m: GGUFModel) -> dict:
+    d, heads = int(m.need("embedding_length")), int(m.need("attention.head_count"))
+    kv = int(m.get("attention.head_count_kv") or heads)
+    if m.get("expert_count"):
+        raise WeightsError(f"{m.path}: llama with {m.get('expert_count')} experts (a mixture of experts) is not "
+                           f"read from GGUF yet; the bundled mixtral spec reads its Hugging Face checkpoint folder")
+    if d % heads:
+        raise WeightsError(f"{m.path}: embedding_length {d} is not divisible by head_count {heads}")
+    head_dim = d // heads
+    for key in ("rope.dimension_count", "attention.key_length", "attention.value_length"):
+        value = m.get(key)
+        if value is not None and int(value) != head_dim:
+            raise WeightsError(f"{m.path}: {m.arch}.{key} = {value} differs from the head size {head_dim} "
+                               f"(embedding_length / head_count); the bundled llama spec rotates and attends "
+                               f"over whole heads of that size")
+    if "rope_freqs.weight" in m.tensors:
+        raise WeightsError(f"{m.path} has rope_freqs.weight (Llama 3.1's rope scaling as per-frequency factors), "
+                           f"which Tessera does not read from GGUF yet; use the Hugging Face checkpoint folder")
+    tokens = m.meta.get("tokenizer.ggml.tokens") or []
+    vocab = m.get("vocab_size") or len(tokens) or int(m.tensors["token_embd.weight"].shape[-1])
+    config = {
+        "model_type": "llama",
+        "architectures": ["LlamaForCausalLM"],
+        "vocab_size": int(vocab),
+        "hidden_size": d,
+        "num_hidden_layers": int(m.need("block_count")),
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv,
+        "intermediate_size": int(m.need("feed_forward_length")),
+        "rms_norm_eps": float(m.get("attention.layer_norm_rms_epsilon", 1e-5)),
+        "max_position_embeddings": int(m.get("context_length", 4096)),
+        "rope_theta": float(m.get("rope.freq_base", 10000.0)),
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "mlp_bias": False,
+        "tie_word_embeddings": "output.weight" not in m.tensors,
+    }
+    scaling = m.get("rope.scaling.type")
+    if scaling not in (None, "none"):
+        factor = m.get("rope.scaling.factor")
+        if scaling == "linear" and factor:
+            config["rope_scaling"] = {"rope_type": "linear", "factor": float(factor)}
+        elif scaling == "yarn" and factor:
+            config["rope_scaling"] = {"rope_type": "yarn", "factor": float(factor),
+                                      "original_max_position_embeddings":
+                                          int(m.get("rope.scaling.original_context_length") or
+                                              config["max_position_embeddings"])}
+        else:
+            raise WeightsError(f"{m.path}: {m.arch}.rope.scaling.type = {scaling!r} is not read from GGUF "
+                               f"(linear and yarn are)")
+    return config
+
+
+def _llama_tensor(m: GGUFModel, gguf_name: str, hf_name: str, config: dict) -> np.ndarray:
+    w = m.read(gguf_name)
+    if hf_name.endswith("self_attn.q_proj.weight"):
+        w = _unpermute(w, config["num_attention_heads"])
+    elif hf_name.endswith("self_attn.k_proj.weight"):
+        w = _unpermute(w, config["num_key_value_heads"])
+    return w
+
+
+# general.architecture -> (config.json from the metadata, tensor names, one tensor as Hugging Face has it)
+ARCHITECTURES = {
+    "llama": (_llama_config, LLAMA_NAMES, _llama_tensor),
+}
+
+
+# ------------------------------------------------------------------ tokenizer
+_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
+                 r"\s*[\r\n]+|\s+(?!\S)|\s+")
+
+
+def _pre_tokenizer(pre: str):
+    """tokenizer.ggml.pre -> the Hugging Face pre-tokenizer llama.cpp's regexes stand for, or None."""
+    from tokenizers import Regex, pre_tokenizers as pt
+
+    byte_level = pt.ByteLevel(add_prefix_space=False, use_regex=True)
+    if pre in ("gpt2", "default", "gpt-2"):
+        return byte_level
+    if pre in ("smollm", "starcoder", "refact"):  # digits one by one, then GPT-2's split
+        return pt.Sequence([pt.Digits(individual_digits=True), byte_level])
+    if pre in ("llama-bpe", "llama3", "llama-v3"):
+        return pt.Sequence([pt.Split(Regex(_LLAMA3_SPLIT), behavior="isolated", invert=False),
+                            pt.ByteLevel(add_prefix_space=False, use_regex=False)])
+    return None
+
+
+PRE_TOKENIZERS = ("gpt2", "default", "smollm", "starcoder", "refact", "llama-bpe")
+
+
+def _tokenizer(m: GGUFModel, folder: Path) -> str | None:
+    """tokenizer.json (and tokenizer_config.json) from the metadata; None, or a note why not."""
+    kind = m.meta.get("tokenizer.ggml.model")
+    tokens = m.meta.get("tokenizer.ggml.tokens")
+    if kind is None or not tokens:
+        return "it has no tokenizer metadata"
+    if kind != "gpt2":
+        return f"its tokenizer model is {kind!r} (only byte-level BPE, 'gpt2', is read)"
+    pre = m.meta.get("tokenizer.ggml.pre", "default")
+    try:
+        from tokenizers import AddedToken, Tokenizer, decoders, models, processors
+    except ImportError:
+        return "the tokenizers package is not installed (pip install 'tessera[gguf]')"
+    pre_tok = _pre_tokenizer(pre)
+    if pre_tok is None:
+        return f"its pre-tokenizer {pre!r} is not one Tessera knows ({', '.join(PRE_TOKENIZERS)})"
+    merges = [tuple(x.split(" ", 1)) for x in m.meta.get("tokenizer.ggml.merges") or []]
+    if any(len(pair) != 2 for pair in merges) or not all(isinstance(t, str) for t in tokens):
+        return "its merges or tokens are not BPE's (a merge is two tokens separated by a space)"
+    vocab = {t: i for i, t in enumerate(tokens)}
+    tok = Tokenizer(models.BPE(vocab, merges, fuse_unk=False, byte_fallback=False, ignore_merges=False))
+    tok.pre_tokenizer = pre_tok
+    tok.decoder = decoders.ByteLevel()
+    types = m.meta.get("tokenizer.ggml.token_type") or []
+    special = [AddedToken(tokens[i], special=t == 3, normalized=False) for i, t in enumerate(types) if t in (3, 4)]
+    tok.add_special_tokens([a for a in special if a.special])
+    tok.add_tokens([a for a in special if not a.special])
+    bos = m.meta.get("tokenizer.ggml.bos_token_id")
+    eos = m.meta.get("tokenizer.ggml.eos_token_id")
+    if m.meta.get("tokenizer.ggml.add_bos_token") and bos is not None:
+        tok.post_processor = processors.TemplateProcessing(single=f"{tokens[bos]} $A",
+                                                           pair=f"{tokens[bos]} $A {tokens[bos]} $B",
+                                                           special_tokens=[(tokens[bos], bos)])
+    tok.save(str(folder / "tokenizer.json"))
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": m.get("context_length", 4096),
+              "add_bos_token": bool(m.meta.get("tokenizer.ggml.add_bos_token", False))}
+    for key, value in (("bos_token", bos), ("eos_token", eos),
+                       ("unk_token", m.meta.get("tokenizer.ggml.unknown_token_id")),
+                       ("pad_token", m.meta.get("tokenizer.ggml.padding_token_id"))):
+        if isinstance(value, int) and 0 <= value < len(tokens):
+            config[key] = tokens[value]
+    template = m.meta.get("tokenizer.chat_template")
+    if isinstance(template, str) and template:
+        config["chat_template"] = template
+    (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=1))
+    return None
+
+
+# ------------------------------------------------------------------ the folder
+def _generation_config(m: GGUFModel) -> dict:
+    out = {}
+    bos, eos, eot = (m.meta.get(f"tokenizer.ggml.{k}_token_id") for k in ("bos", "eos", "eot"))
+    if isinstance(bos, int):
+        out["bos_token_id"] = bos
+    ends = [t for t in (eos, eot) if isinstance(t, int)]
+    if ends:
+        out["eos_token_id"] = ends[0] if len(set(ends)) == 1 else list(dict.fromkeys(ends))
+    return out
+
+
+def convert(path: Path, folder: Path) -> str:
+    """Write the checkpoint folder of GGUF file ``path`` into ``folder`` (made); returns the note."""
+    m = GGUFModel(path)
+    if m.arch not in ARCHITECTURES:
+        raise WeightsError(f"{path}: GGUF architecture {m.arch!r} is not read by Tessera (it reads "
+                           f"{', '.join(ARCHITECTURES)}); for another architecture use its Hugging Face "
+                           f"checkpoint folder with a bundled spec, or write a spec (docs/language.md)")
+    make_config, names, tensor = ARCHITECTURES[m.arch]
+    try:
+        config = make_config(m)
+    except (TypeError, ValueError, OverflowError) as e:  # a metadata value of the wrong type ("30" layers, a list)
+        raise WeightsError(f"{path}: the {m.arch} hyperparameters in its metadata cannot be read: {e}") from None
+    unknown = [n for n in m.tensors if _hf_name(n, names) is None]
+    if unknown:
+        raise WeightsError(f"{path}: tensors the {m.arch} reader does not know: {', '.join(unknown[:8])}"
+                           + (f" and {len(unknown) - 8} more" if len(unknown) > 8 else ""))
+    bad = [f"{n} ({t.tensor_type.name})" for n, t in m.tensors.items() if t.tensor_type.name not in DEQUANTIZE]
+    if bad:
+        raise WeightsError(f"{path}: tensor type(s) Tessera does not read: {', '.join(bad[:6])}"
+                           + (f" and {len(bad) - 6} more" if len(bad) > 6 else "")
+                           + f" (it reads {', '.join(DEQUANTIZE)})")
+    need = sum(int(np.prod([int(x) for x in t.shape])) * 4 for t in m.tensors.values())
+    free = shutil.disk_usage(folder.parent).free
+    if need > free:
+        raise WeightsError(f"{path} dequantised to fp32 is {need / 1e9:.1f} GB; {folder.parent} has "
+                           f"{free / 1e9:.1f} GB free (set TESSERA_CACHE_DIR to a larger disk)")
+    folder.mkdir(parents=True, exist_ok=True)
+    from safetensors.numpy import save_file
+
+    shard: dict[str, np.ndarray] = {}
+    size, index = 0, 0
+
+    def flush():
+        nonlocal shard, size, index
+        if shard:
+            save_file(shard, str(folder / f"model-{index:05d}.safetensors"), metadata={"format": "pt"})
+            shard, size, index = {}, 0, index + 1
+
+    for name in m.tensors:
+        hf = _hf_name(name, names)
+        arr = np.ascontiguousarray(tensor(m, name, hf, config), dtype=np.float32)
+        if not np.isfinite(arr).all():
+            raise WeightsError(f"{path}: tensor {name} holds NaN or infinity")
+        shard[hf] = arr
+        size += arr.nbytes
+        if size >= SHARD_BYTES:
+            flush()
+    flush()
+    (folder / "config.json").write_text(json.dumps(config, indent=1))
+    (folder / "generation_config.json").write_text(json.dumps(_generation_config(m), indent=1))
+    try:
+        why = _tokenizer(m, folder)
+    except Exception as e:  # tokenizers raises plain Exceptions for a vocabulary or merges it cannot take
+        why = f"its tokenizer metadata could not be built into a tokenizer ({type(e).__name__}: {e})"
+    types = ", ".join(f"{k} {v}" for k, v in m.types().items())
+    note = (f"{path}: GGUF {m.arch}, {len(m.tensors)} tensors ({types}) dequantised to fp32 in {folder}")
+    if why:
+        note += f"; no tokenizer read: {why} (give --tokenizer)"
+    (folder / "gguf_source.json").write_text(json.dumps({"source": str(path), "version": VERSION, "note": note}))
+    return note
+
+
+_converted: dict[tuple, Path] = {}
+
+
+def folder_for(path) -> Path:
+    """The checkpoint folder of GGUF file ``path``: from the cache when converted before, else converted
+    now (a note on stderr says so)."""
+    p = Path(str(path)).resolve()
+    try:
+        st = p.stat()
+    except OSError as e:
+        raise WeightsError(f"cannot read {path}: {e.strerror}") from None
+    key = (str(p), st.st_size, st.st_mtime_ns)
+    if key in _converted and _converted[key].is_dir():
+        return _converted[key]
+    from tessera.spec.cache_folder import cache_folder
+
+    digest = hashlib.sha256(repr((key, VERSION)).encode()).hexdigest()[:16]
+    base = cache_folder("gguf")
+    if base is not None:
+        folder = Path(base) / f"{p.stem[:60]}-{digest}"
+        if (folder / "gguf_source.json").is_file():
+            _converted[key] = folder
+            return folder
+        work = Path(tempfile.mkdtemp(prefix=f".{folder.name}-", dir=base))
+        try:
+            note = convert(p, work)
+            try:
+                os.rename(work, folder)
+            except OSError:  # converted meanwhile by another process
+                shutil.rmtree(work, ignore_errors=True)
+        except BaseException:
+            shutil.rmtree(work, ignore_errors=True)
+            raise
+        print(f"note: {note} (once: reused while the file is unchanged)".replace(str(work), str(folder)),
+              file=sys.stderr)
+    else:
+        folder = Path(tempfile.mkdtemp(prefix="tessera-gguf-"))
+        atexit.register(shutil.rmtree, folder, True)
+        note = convert(p, folder)
+        print(f"note: {note} (the cache is off: converted again each run)", file=sys.stderr)
+    _converted[key] = folder
+    return folder
