@@ -56,7 +56,7 @@ from tessera.compiler.ir import dims
 from tessera.compiler.ir.graph import Graph, Node, TensorType
 from tessera.compiler.ir.graph import SymbolSource
 from tessera.compiler import ops
-from tessera.compiler.passes.attention_kernels import Target, choose_cached
+from tessera.compiler.passes.attention_kernels import Target, cached_prefill, choose_cached
 from tessera.compiler.patterns.positions import NotAffine, affine_reads, positions_reached
 from tessera.compiler.passes.base import Pass, PassError, PassManager, PassResult, PipelineResult
 from tessera.compiler.passes.cache_parts import CacheError, CacheState, insert_before as _insert_before
@@ -521,6 +521,9 @@ class ChooseCacheKernels(Pass):
             gqa = decode in ("gqa", "gqa-unpacked") and not unfit
             node.attrs["impl"], reason = (impl, "forced") if impl else choose_cached(node, g, target, gqa_decode=gqa)
             note = CachedKernel(node.name, CacheKernel(node.scope or node.name, node.attrs["impl"], reason))
+            prefill = cached_prefill(node, target, gqa) if node.attrs["impl"] == "phased" else None
+            if prefill:
+                node.attrs["prefill"] = prefill
             if gqa:
                 node.attrs["decode"] = "gqa"
                 node.attrs["pack_qkv"] = decode == "gqa"  # cached_attention.packed_qkv reads it

@@ -29,6 +29,7 @@ import numpy as np
 # onnx is imported in the lowering functions, not here: passes/attention_kernels.py reads this module's
 # kernel tables when `tessera report` runs, and onnx (with ml_dtypes) takes ~0.6 s to import
 from tessera.compiler.backends.onnx import score_epilogue as epilogue
+from tessera.compiler.ir import dims
 from tessera.compiler.ops.attention import check_fused_attrs
 
 
@@ -44,8 +45,13 @@ MIN_CAUSAL_TILES = 4  # a causal tile holds at most 1/MIN_CAUSAL_TILES of the qu
 # (score_epilogue.py), so they compute exactly what it computes; the contrib ops have their own.
 EPILOGUE = "every feature backends/onnx/score_epilogue.py computes"
 KERNEL_FEATURES: dict[str, frozenset | str] = {
-    "gqa": frozenset({"scale", "causal", "window"}),   # scale, local_window_size; no mask, bias or cap here
+    # scale, softcap (c·tanh(scale·s / c), before its causal mask), local_window_size; no padding mask or bias
+    "gqa": frozenset({"scale", "softcap", "causal", "window"}),
     "mha": frozenset({"scale"}),                        # no mask, bias, cap (not causal: see attention_kernels)
+    # onnx's Attention (opset 23): the scale attribute, and every mask and the bias as its one attn_mask
+    # (score_epilogue.prepare_whole's boolean, or bias + the masks as the dtype's lowest value); its softcap
+    # attribute is not used (onnxruntime 1.31's CUDA kernel was not seen to take it)
+    "attn23": frozenset({"scale", "causal", "window", "local_window", "padding", "bias"}),
     "block": EPILOGUE,
     "portable": EPILOGUE,
     # the cached kernels add one mask the cache builds (causal, window, padding): no two-sided window
@@ -57,10 +63,13 @@ KERNEL_FEATURES: dict[str, frozenset | str] = {
 GQA_DECODE_FEATURES = frozenset({"scale", "softcap", "causal", "padding"})
 
 
-def kernel_features(impl: str, decode: str | None = None) -> frozenset[str]:
-    """The score-epilogue features lowering ``impl`` computes (with ``decode`` "gqa": both branches)."""
+def kernel_features(impl: str, decode: str | None = None, prefill: str | None = None) -> frozenset[str]:
+    """The score-epilogue features lowering ``impl`` computes (with ``decode`` "gqa" or ``prefill``
+    "attn23": every branch's)."""
     have = KERNEL_FEATURES[impl]
     have = epilogue.computed() if have == EPILOGUE else have
+    if prefill:
+        have = have & kernel_features(prefill)
     return have & GQA_DECODE_FEATURES if decode == "gqa" else have
 
 
@@ -93,7 +102,7 @@ def lower_fused_attention(b, node, out: str) -> None:
         return lower(b, node, out)
     if impl == "block":
         return _block(b, node, out)
-    lower = {"gqa": _gqa, "mha": _mha, "portable": _portable}[impl]
+    lower = {"gqa": _gqa, "mha": _mha, "attn23": _attn23, "portable": _portable}[impl]
     budget = node.attrs.get("block_bytes") or 0
     if budget:
         return _short_or(b, node, out, lower, budget)
@@ -185,9 +194,15 @@ def _gqa(b, node, out: str) -> None:
     t32 = b.node("Cast", [t], to=TensorProto.INT32)[0]
     last = b.node("Sub", [t32, _scalar(b, 1, np.int32)])[0]
     seqlens = b.node("Expand", [b.node("Unsqueeze", [last, b.i64([0])])[0], b.dim(q_t.shape[0])])[0]
+    # present_key/present_value named: onnxruntime's CUDA kernel refuses a GroupQueryAttention without them
+    # (group_query_attention.cc: "present_key and present_value are required unless borrowing a ... KV cache");
+    # nothing reads them, onnxruntime fills them ([B, kv_heads, T, hd], the keys and values as given)
+    attrs = {"scale": float(a["scale"])}
+    if a.get("softcap"):  # GroupQueryAttention caps as c·tanh(scale·s / c); Tessera folds the 1/c into its scale
+        attrs = {"softcap": float(a["softcap"]), "scale": float(a["scale"]) * float(a["softcap"])}
     res = b.node("GroupQueryAttention", [_to_bsd(b, q), _to_bsd(b, k), _to_bsd(b, v), "", "", seqlens, t32],
-                 1, domain="com.microsoft", num_heads=a["heads"], kv_num_heads=a["kv_heads"],
-                 scale=float(a["scale"]), local_window_size=a["window"] if a["window"] else -1)[0]
+                 3, domain="com.microsoft", num_heads=a["heads"], kv_num_heads=a["kv_heads"],
+                 local_window_size=a["window"] if a["window"] else -1, **attrs)[0]
     _from_bsd(b, res, a["heads"], hv, out)
 
 
@@ -198,6 +213,124 @@ def _mha(b, node, out: str) -> None:
     res = b.node("MultiHeadAttention", [_to_bsd(b, q), _to_bsd(b, k), _to_bsd(b, v)], 1, domain="com.microsoft",
                  num_heads=a["heads"], scale=float(a["scale"]))[0]
     _from_bsd(b, res, a["heads"], hv, out)
+
+
+# onnxruntime 1.31's memory-efficient CUDA kernel takes an attn_mask only when the key length is a multiple
+# of 4 (fp32; seen under tests/cuda_stub: Tk = 7 fell back to MATH, 4 and 8 did not): keys, values and the
+# mask are padded to a multiple of KEY_ALIGN, the padded keys hidden (exact: their weights are 0)
+KEY_ALIGN = 8
+
+
+def _attn23(b, node, out: str, names: list[str] | None = None) -> None:
+    """onnx's Attention (opset 23; the exporter writes the model at 23 for it, export.NEWER_OPS) on the
+    [B, H, T, d] tensors as they are. The masks (causal, sliding and two-sided windows, padding) and the
+    bias become one attn_mask built in the main graph (``attn23_inputs``): a boolean [B, 1, Tq, Tk']
+    (True = attend), or with a bias the float bias plus the hidden scores at the dtype's lowest value;
+    Tk' is Tk rounded up to KEY_ALIGN, the keys and values padded with zeros and the padded keys hidden
+    (exact: their weights are 0). On CUDA (onnxruntime 1.31.1, sm_90) the op then runs the
+    memory-efficient kernel in fp32, fp16 and bf16; ``is_causal`` is not used: in fp32 it selected the
+    unfused MATH path (tests/cuda_stub). ``names`` replaces the inputs' names (same types): a cached
+    prompt's keys and values, past and new concatenated in an If branch (backends/onnx/cached_attention.py),
+    whose mask was built in the main graph before the If."""
+    a = node.attrs
+    q, k, v = (names or node.inputs)[:3]
+    mask, pads = attn23_inputs(b, node)
+    q_t = b.graph.type_of(node.inputs[0])
+    if q_t.dtype == "f32" and a["kv_heads"] != a["heads"]:
+        # grouped key/value heads in fp32: onnxruntime 1.31's CUDA Attention took its MATH path (the whole
+        # N x N scores) for them and the memory-efficient kernel once the heads are repeated (tests/cuda_stub)
+        k, v = (_repeat_heads(b, x, a["heads"], a["heads"] // a["kv_heads"], int(q_t.shape[-1])) for x in (k, v))
+    if pads is not None:
+        k, v = b.node("Pad", [k, pads])[0], b.node("Pad", [v, pads])[0]
+    b.node("Attention", [q, k, v] + ([mask] if mask else []), [out], scale=float(a["scale"]))
+
+
+def _repeat_heads(b, x: str, heads: int, rep: int, hd: int) -> str:
+    """[B, G, T, d] -> [B, G·rep, T, d], each key/value head repeated for its ``rep`` query heads (constant
+    shapes only: no shape arithmetic inside an If branch)."""
+    wide = b.node("Expand", [b.node("Unsqueeze", [x, b.i64([2])])[0], b.i64([1, 1, rep, 1, 1])])[0]
+    return b.node("Reshape", [wide, b.i64([0, heads, -1, hd])])[0]
+
+
+def attn23_inputs(b, node) -> tuple[str | None, str | None]:
+    """The attn_mask of the Attention node lowering ``node`` (None: it needs none) and the pads of its keys
+    and values (None: the key length is a fixed multiple of KEY_ALIGN), built in the main graph: called
+    before the If of a cached prompt (backends/onnx/cached_attention.py), so the branch holds no shape
+    arithmetic (onnxruntime places an If branch's on the device, with a copy to the host for each), and
+    kept per node (``b.shared``); the boolean mask once for every layer alike."""
+    key = ("attn23_inputs", node.name)
+    if key in b.shared:
+        return b.shared[key]
+    a = node.attrs
+    extra = list(node.inputs[3:])
+    mask = extra.pop(0) if a["padding"] else None
+    bias = extra.pop(0) if a["bias"] else None
+    q_t, k_t = b.graph.type_of(node.inputs[0]), b.graph.type_of(node.inputs[1])
+    tk = k_t.shape[-2]
+    aligned = dims.is_static(tk) and int(tk) % KEY_ALIGN == 0
+    saved, b.current = b.current, ""
+    try:
+        hidden = epilogue.prepare_whole(b, a, mask, q_t, k_t, b.const(np.array(True), "true"))
+        attn_mask = None
+        if hidden is not None or bias is not None or not aligned:
+            attn_mask = _attn_mask(b, hidden, bias, q_t, k_t, aligned)
+        b.shared[key] = attn_mask, (None if aligned else _key_pads(b, tk, 2))
+    finally:
+        b.current = saved
+    return b.shared[key]
+
+
+def _key_pads(b, tk, axis: int) -> str:
+    """Pad's pads for a rank-4 tensor: (KEY_ALIGN - Tk % KEY_ALIGN) % KEY_ALIGN at the end of ``axis`` (the keys:
+    2 of [B, H, Tk, d], 3 of the mask [B, 1, Tq, Tk]), once per key length."""
+    key = ("attn23_pads", str(tk), axis)
+    if key not in b.shared:
+        n = b.dim_scalar(tk)
+        align = _scalar(b, KEY_ALIGN)
+        extra = b.node("Mod", [b.node("Sub", [align, b.node("Mod", [n, align])[0]])[0], align])[0]
+        parts = [b.i64([0] * (4 + axis)), b.node("Unsqueeze", [extra, b.i64([0])])[0]]
+        if axis < 3:
+            parts.append(b.i64([0] * (3 - axis)))
+        b.shared[key] = b.node("Concat", parts, [b.fresh("attn23_pads")], axis=0)[0]
+    return b.shared[key]
+
+
+def _attn_mask(b, hidden: str | None, bias: str | None, q_t, k_t, aligned: bool) -> str:
+    """Attention-23's attn_mask: [B, 1, Tq, Tk'] boolean (True = attend) from the hidden-score mask (all
+    True without one), or, with a bias, bias + (the dtype's lowest value where hidden) as the scores'
+    dtype; the keys past Tk hidden. The boolean one once per shape (``b.shared``)."""
+    tq, tk = q_t.shape[-2], k_t.shape[-2]
+    np_dtype = np.float16 if q_t.dtype == "f16" else np.float32
+    if bias is None:
+        key = ("attn23_mask", hidden, str(q_t.shape[0]), str(tq), str(tk))
+        if key not in b.shared:
+            full = b.shape_vec([q_t.shape[0], 1, tq, tk])
+            if hidden is None:
+                keep = b.node("ConstantOfShape", [full], value=_bool_tensor(True))[0]
+            else:
+                keep = b.node("Expand", [b.node("Not", [hidden])[0], full])[0]
+            if not aligned:
+                keep = _pad_keys(b, keep, tk, np.array(False))
+            b.shared[key] = b.node("Identity", [keep], [b.fresh("attn23_mask")])[0]
+        return b.shared[key]
+    lowest = np.array(np.finfo(np_dtype).min, dtype=np_dtype)
+    summed = bias
+    if hidden is not None:
+        where = b.node("Where", [hidden, b.const(lowest, "lowest"), b.const(np.array(0, dtype=np_dtype), "zero")])[0]
+        summed = b.node("Add", [bias, where])[0]
+    summed = b.node("Expand", [summed, b.shape_vec([1, 1, tq, tk])])[0]  # rank 4, Tq x Tk
+    return summed if aligned else _pad_keys(b, summed, tk, lowest)
+
+
+def _bool_tensor(value: bool):
+    from onnx import TensorProto, helper
+
+    return helper.make_tensor("value", TensorProto.BOOL, [1], [value])
+
+
+def _pad_keys(b, x: str, tk, value: np.ndarray) -> str:
+    """x [..., Tk] padded at the end of its last axis to Tk' with ``value``."""
+    return b.node("Pad", [x, _key_pads(b, tk, 3), b.const(value, "pad_value")])[0]
 
 
 def _portable(b, node, out: str, names: list[str] | None = None) -> None:

@@ -135,13 +135,15 @@ def _lower_prefill(b, node, out: str) -> None:
     """The prompt: the portable tiled kernel over concat(past, new) with the causal offset and the
     attention mask as its key padding. The concatenation is made here, inside the branch, so a
     decoding step (the other branch) never copies the cache."""
-    from tessera.compiler.backends.onnx.attention import _portable
+    from tessera.compiler.backends.onnx.attention import _attn23, _portable
 
     names = list(node.inputs)
     for i in (1, 2):
         past, new = _split(b, names[i])
         if new is not None:
             names[i] = b.node("Concat", [past, new], axis=2)[0]
+    if node.attrs.get("prefill") == "attn23":  # CUDA: onnx's Attention, its mask built before the If
+        return _attn23(b, node, out, names=names)
     _portable(b, node, out, names=names)
 
 
@@ -539,6 +541,10 @@ def lower_phased_attention(b, node, out: str) -> None:
         for name, past in zip(buffers, (_split(b, node.inputs[1])[0], _split(b, node.inputs[2])[0])):
             b.extra_outputs.append((name, b.graph.type_of(past)))
         return
+    if a.get("prefill") == "attn23":  # the prompt's attn_mask and key pads in the main graph (no shape
+        from tessera.compiler.backends.onnx.attention import attn23_inputs  # arithmetic in the branch)
+
+        attn23_inputs(b, node)
     if a["padding"] and a["causal"] and not a["window"]:  # one mask for every layer's decoding step
         bias = _decode_bias(b, node, np.float16 if q_t.dtype == "f16" else np.float32)
         then_g = _branch(b, lambda b, n, o: lower_cached_attention(b, n, o, bias), node, "decode", elem)

@@ -42,7 +42,7 @@ OPSET = 21
 # that opset (the others keep 21, so their files do not change). Between 21 and 23 the ops already
 # in use only gained element types, and onnxruntime's fusions apply the same (checked on the
 # Llama-shaped decoder: the same 437 nodes after its optimiser at either opset).
-NEWER_OPS = {"RotaryEmbedding": 23}
+NEWER_OPS = {"RotaryEmbedding": 23, "Attention": 23}
 IR_VERSION = 10  # onnxruntime 1.31 loads IR versions up to 13; onnx 1.23 writes 14 unless told
 EXTERNAL_DATA_THRESHOLD = 2 * 1024**3 - 64 * 1024**2  # leave headroom below protobuf's 2 GiB limit
 
