@@ -22,7 +22,7 @@ through llama-cpp-python's ``Llama.generate``, greedy; the checkpoint converted 
 own ``convert_hf_to_gguf.py`` at f32, and for ``--quantize int4`` quantised to Q4_0 by llama.cpp's
 ``llama_model_quantize``; ``--llama-cpp-python`` is an environment with llama-cpp-python built from the
 package index (``pip install llama-cpp-python``; on a CPU with AMX build it with GGML_NATIVE=OFF and the AMX
-options off, docs/BENCHMARKS.md: the native build crashes on Q4_0 there), ``--llama-cpp-tools`` the llama.cpp source folder the
+options off, docs/benchmarks/log.md: the native build crashes on Q4_0 there), ``--llama-cpp-tools`` the llama.cpp source folder the
 converter lives in: the ``vendor/llama.cpp`` folder of llama-cpp-python's source distribution. The
 Llama-shaped checkpoint has no tokenizer, so the converter is given llama.cpp's own Llama
 SentencePiece vocabulary (``models/ggml-vocab-llama-spm.gguf``, through its ``_set_vocab_builtin``,

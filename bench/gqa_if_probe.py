@@ -5,7 +5,7 @@ IOBinding to the If's outputs, and what does one decoding step of it cost?
 
 Why: Tessera's cached attention is an If per layer (prefill: the tiled kernel; decode: plain ops,
 backends/onnx/cached_attention.py). Its decode branch is about a dozen nodes per layer, which at
-int4 costs a tenth of a step (docs/BENCHMARKS.md, "Where the int4 difference is");
+int4 costs a tenth of a step (docs/benchmarks/log.md, "Where the int4 difference is");
 onnxruntime-genai's builder does the same work in one GroupQueryAttention over a shared buffer.
 GroupQueryAttention shares the buffer only when past_key and present_key are the same memory
 (bench/gqa_buffer_probe.py), and an If's outputs are allocated by the If, so whether the sharing

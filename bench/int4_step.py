@@ -11,7 +11,7 @@ machine's state between them as well as by the graphs, and by the onnxruntime ea
 bundles onnxruntime 1.32, Tessera's environment has 1.31). Here both graphs run in the same
 onnxruntime, in the same process, step after step in alternating rounds: what differs is the graph
 alone. The decoding loop around the step is not timed (Tessera's Python loop costs about 20 µs a
-token without the onnxruntime call: docs/BENCHMARKS.md, "Decode: the int4 step against genai's").
+token without the onnxruntime call: docs/benchmarks/log.md, "Decode: the int4 step against genai's").
 
 What runs (the Llama-shaped checkpoint of bench/generate.py ``make_weights``, 162 M; B = 1, 128 cached
 positions of a 256-slot buffer, one new token; --threads intra-op threads, 1 inter-op):

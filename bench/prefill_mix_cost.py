@@ -104,7 +104,7 @@ def main() -> None:
     args = p.parse_args()
     m = MODELS[args.model]
     vocab = _vocab(m["sets"])
-    model = serving_model.load(m["spec"], m.get("variant"), m["sets"], threads=args.threads)
+    model = serving_model.load(m["spec"], variant=m.get("variant"), sets=m["sets"], threads=args.threads)
     rng = np.random.default_rng(0)
     need = args.rounds * args.steps + 8
     engines = {}

@@ -129,10 +129,10 @@ def baselines(args, model_args: dict, ps: list[list[int]]) -> list[dict]:
     from tessera.runtime.pipeline import quant_config
 
     rows = []
-    config = quant_config(args.quantize, head=args.quantize_head)
-    load = lambda decode=None: serving_model.load(model_args["spec"], model_args.get("variant"),  # noqa: E731
-                                                  model_args["sets"], threads=args.threads, decode=decode,
-                                                  quantize=config)
+    quant_config(args.quantize, head=args.quantize_head)  # a bad combination refused before anything loads
+    load = lambda decode=None: serving_model.load(model_args["spec"], variant=model_args.get("variant"),  # noqa: E731
+                                                  sets=model_args["sets"], threads=args.threads, decode=decode,
+                                                  quantize=args.quantize, quantize_head=args.quantize_head)
     engine_model, plain = load(), load("plain")
     kernel = serving_model.decode_kernel(engine_model.info)
     one = None

@@ -33,8 +33,8 @@ def engine_for(model_args: dict, decode: str, rows: int, threads: int | None, ca
     from tessera.runtime.serving import model as serving_model
     from tessera.runtime.serving.engine import Engine
 
-    model = serving_model.load(model_args["spec"], model_args.get("variant"), model_args["sets"], threads=threads,
-                               decode=decode)
+    model = serving_model.load(model_args["spec"], variant=model_args.get("variant"), sets=model_args["sets"],
+                               threads=threads, decode=decode)
     return Engine(model, max_batch=rows, max_queue=0, capacity=capacity, prefill_chunk=256)
 
 

@@ -7,7 +7,7 @@ The rows run with the user's cache folder, warm after the first run; the "cold c
 run a new empty TESSERA_CACHE_DIR, so it parses the spec files and builds lark's tables every time.
 CPU time (user + system, of the child) is the figure to compare on a loaded machine.
 
-Why measured here and not in a test: times depend on the machine and its load (docs/BENCHMARKS.md
+Why measured here and not in a test: times depend on the machine and its load (docs/benchmarks/log.md
 records them); tests/test_cli_help.py checks only what cannot vary, that building the parsers
 imports neither onnx nor the compiler.
 

@@ -17,8 +17,13 @@ from tessera.compiler.frontend.values import BlockRef
 from tessera.compiler.ir.graph import Graph
 from tessera.compiler.passes.base import PipelineResult
 from tessera.compiler.passes.encdec import SplitEncoder
+from tessera.compiler.passes.expose_attention import ExposeAttentionProbs
 from tessera.compiler.passes.kv_cache import CacheInfo, cache_info
-from tessera.compiler.passes.pipeline import PipelineOptions, attention_sites, pipeline
+from tessera.compiler.passes.model_passes import Exported
+from tessera.compiler.passes.pipeline import PipelineOptions, attention_sites, expert_sites, explain as explain_sites, \
+    explain_experts, pipeline
+from tessera.compiler.passes.quantize import QuantizeWeights
+from tessera.compiler.passes.recurrence import ChooseRecurrenceLowering, explain as explain_scans
 
 if TYPE_CHECKING:  # onnx (and ml_dtypes under it) costs ~0.6 s to import: `tessera report` needs only model_metadata
     import onnx
@@ -68,35 +73,11 @@ class EncoderDecoder:
     result: PipelineResult
 
 
-def _export(graph: Graph, weights, metadata: dict | None, prune: bool = True) -> onnx.ModelProto:
-    """The model in memory (only the graph's parameters are read from ``weights``); ``prune``: drop the
-    nodes a cached graph leaves unread (backends/onnx/cached_attention.py)."""
+def _export(graph: Graph, weights, metadata: dict | None) -> onnx.ModelProto:
+    """The model in memory (only the graph's parameters are read from ``weights``)."""
     from tessera.compiler.backends.onnx import export as onnx_export
-    from tessera.compiler.backends.onnx.cached_attention import prune_dead_nodes, settle_packed
-    from tessera.compiler.backends.onnx.mixed_attention import settle_mixed
 
-    model = onnx_export.to_onnx(graph, weights, metadata)
-    if prune:
-        prune_dead_nodes(model)
-        if settle_packed(model):  # a packed decoding step's prefill-only nodes into the prefill branch
-            prune_dead_nodes(model)
-        settle_mixed(model)  # the serving engine's combined call: chunk_row an input, the logits it needs
-    return model
-
-
-def _fuse_skip_norms(graph: Graph, model: onnx.ModelProto, info: CacheInfo) -> None:
-    """A cached decoder's residual Add + norm as onnxruntime's Skip(Simplified)LayerNormalization
-    (backends/onnx/skip_norm.py), when the graph already uses onnxruntime's com.microsoft ops (the
-    GroupQueryAttention step); what it fused and why a norm kept its Add go to --explain."""
-    from tessera.compiler.backends.onnx.skip_norm import fuse_skip_norms, ir_types
-    from tessera.compiler.backends.onnx.walk import all_nodes
-
-    if any(n.domain == "com.microsoft" for n in all_nodes(model.graph.node)):
-        report = fuse_skip_norms(model, ir_types(graph))
-        fused = ", ".join(f"{n} {kind}" for kind, n in report.fused.items()) or "none"
-        kept = "; ".join(f"{name}: {why}" for name, why in list(report.kept.items())[:3])
-        info.notes.append(f"residual Add + norm fused (Skip(Simplified)LayerNormalization): {fused}"
-                          + (f"; left: {kept}{' ...' if len(report.kept) > 3 else ''}" if kept else ""))
+    return onnx_export.to_onnx(graph, weights, metadata)
 
 
 def _note_packed(graph: Graph, info: CacheInfo) -> None:
@@ -113,38 +94,66 @@ def _note_packed(graph: Graph, info: CacheInfo) -> None:
 
 def compile_cached(graph: Graph, weights, model: ModelInfo, options: PipelineOptions = PipelineOptions()
                    ) -> CachedDecoder:
-    """Run the ``cached_decoder`` pipeline on ``graph`` (in place) and export it. Raises PassError
+    """Run the ``cached_decoder`` pipeline on ``graph`` (in place), export it and run the pipeline's
+    passes over the exported model (their --explain notes go to the CacheInfo). Raises PassError
     (CacheError among them) when the graph has no cached form or an option does not apply."""
-    result = pipeline("cached_decoder", options)(graph)
+    manager = pipeline("cached_decoder", options)
+    result = manager(graph)
     info = cache_info(result)
     _note_packed(result.graph, info)
     onnx_model = _export(result.graph, weights, model_metadata(model, options.quantize, info))
-    if options.skip_norm:  # both on by default; PipelineOptions turns them off to measure them
-        _fuse_skip_norms(result.graph, onnx_model, info)
-    if options.bound_step:
-        _split_bound_step(onnx_model, info)
+    exported = Exported(onnx_model, result.graph, info)
+    manager.after_export(exported)
+    info.notes += exported.notes
     return CachedDecoder(onnx_model, info, result)
-
-
-def _split_bound_step(model: onnx.ModelProto, info: CacheInfo) -> None:
-    """The bound decoding step as a branch of its own under one If (backends/onnx/bound_step.py); a graph
-    it does not fit is left as it is."""
-    from tessera.compiler.backends.onnx.bound_step import split_bound_step
-
-    done = split_bound_step(model, {n for layer in info.layers if layer.buffer_key
-                                    for n in (layer.present_key, layer.present_value)})
-    info.notes.append(f"decoding step bound in place: one If, a branch of its own ({done} nodes; no per-layer If, "
-                      "no cache columns)" if isinstance(done, int) else f"decoding step bound in place: as above ({done})")
 
 
 def compile_seq2seq(graph: Graph, weights, options: PipelineOptions, model: ModelInfo | None = None
                     ) -> EncoderDecoder:
     """Run the ``encoder_decoder`` pipeline on ``graph`` and export both parts (with ``model``, each
-    with its metadata; without, none, as generation has compiled them so far). Raises PassError."""
-    result = pipeline("encoder_decoder", options)(graph)
+    with its metadata; without, none, as generation has compiled them so far); the pipeline's passes
+    after export run on the decoder. Raises PassError."""
+    manager = pipeline("encoder_decoder", options)
+    result = manager(graph)
     (part,) = result.notes(SplitEncoder.name)  # an EncoderPart
     info = cache_info(result)
-    encoder = _export(part.graph, weights, None if model is None else model_metadata(model, options.quantize),
-                      prune=False)
+    encoder = _export(part.graph, weights, None if model is None else model_metadata(model, options.quantize))
     decoder = _export(result.graph, weights, None if model is None else model_metadata(model, options.quantize, info))
+    manager.after_export(Exported(decoder, result.graph, info))
     return EncoderDecoder(encoder, decoder, info, list(part.boundary), result)
+
+
+@dataclass
+class FullCompile:
+    """The ``full`` pipeline's result for a graph to export, with what --explain says of it."""
+
+    result: PipelineResult
+    quantize: object = None  # the QuantConfig applied, if any
+
+    @property
+    def exposed(self) -> list:
+        """The ExposedProbs notes of the sites whose probabilities became outputs."""
+        return self.result.notes(ExposeAttentionProbs.name)
+
+    def explain(self) -> str:
+        """--explain's listing: every attention site's verdict and kernel, the quantised linears, the
+        mixtures of experts and the recurrences (printing is the caller's)."""
+        lines = [explain_sites(attention_sites(self.result), self.exposed)]
+        if self.quantize is not None:
+            notes = self.result.notes(QuantizeWeights.name)
+            done = sum(n.quantized for n in notes)
+            lines.append(f"quantised linears: {done} of {len(notes)} ({self.quantize.scheme}, "
+                         f"{self.quantize.granularity})")
+            lines += [f"  {n.describe()}" for n in notes if not n.quantized]
+        experts = explain_experts(expert_sites(self.result))
+        if experts:
+            lines.append(experts)
+        scans = self.result.notes(ChooseRecurrenceLowering.name)
+        if scans:  # models without recurrence keep their listing as it was
+            lines.append(explain_scans(scans))
+        return "\n".join(lines)
+
+
+def compile_full(graph: Graph, options: PipelineOptions = PipelineOptions()) -> FullCompile:
+    """Run the ``full`` pipeline on ``graph`` (in place) for export. Raises PassError."""
+    return FullCompile(pipeline("full", options)(graph), options.quantize)

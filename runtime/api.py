@@ -152,8 +152,7 @@ class Model:
                        explain=explain, tokenizer=tokenizer, texts=_as_list(texts), images=_as_list(images), pool=pool,
                        save=save).for_api()
         o.check()
-        key = (provider, attention, target, dtype, quantize, quantize_block, quantize_head, quantize_activations,
-               sparse_moe, recurrence)
+        key = (provider, attention, target, dtype, sparse_moe, recurrence, o.build_key())
         if key not in self._runnables or explain:
             self._runnables[key] = driver.prepare_run(self.ref, o, weights=self._weights)
         arrays = {**(inputs or {}), **named_inputs}

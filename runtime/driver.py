@@ -1,7 +1,8 @@
-"""The driver: what ``compile``, ``run``, ``report`` and ``generate`` do, for every entry point.
+"""The driver: what ``compile``, ``run``, ``report`` and ``generate`` do, and the model ``serve``,
+``batch`` and the Ray deployment put on the engine (``serve_model``), for every entry point.
 
 Why one module: the command line (runtime/cli/), the Python API (runtime/api.py) and the server
-(runtime/serving/) are three ways to ask for the same work. Each fills the same option objects
+(runtime/serving/: serve, batch, Ray) are three ways to ask for the same work. Each fills the same option objects
 (runtime/options.py) and calls these functions, which check the options, do the work and return
 what was made; printing belongs to the caller. So an option added here reaches every entry point,
 and a rule checked here holds for all of them.
@@ -20,7 +21,8 @@ from pathlib import Path
 import numpy as np
 
 from tessera.runtime import pipeline
-from tessera.runtime.options import CompileOptions, GenerateOptions, ModelRef, ReportOptions, RunOptions
+from tessera.runtime.options import (CompileOptions, EngineOptions, GenerateOptions, ModelRef, ReportOptions,
+                                     RunOptions)
 from tessera.runtime.pipeline import UsageError
 
 
@@ -389,3 +391,123 @@ def with_model_defaults(ref: ModelRef, o: GenerateOptions) -> GenerateOptions:
     if o.explain:
         print("generation settings:\n" + "\n".join("  " + line for line in lines), file=sys.stderr)
     return o
+
+
+# ------------------------------------------------------------------ serve, batch, Ray: the engine's model
+# The engine's decoding kernel, measured (bench/serve_decode.py: one engine step at 16 rows of uneven
+# lengths, the issue's Llama shape, alternating rounds): GroupQueryAttention with per-row lengths was
+# faster than the plain branch in 11 of 12 rounds over two runs (medians 1.08x and 1.25x, under load;
+# docs/benchmarks/table.md S3).
+DECODE = "auto"  # GroupQueryAttention where every cached site takes it, else the plain branch
+
+
+def serve_model(ref: ModelRef, o: EngineOptions, decode: str = DECODE, last_only: bool = True):
+    """The model for the serving engine (serving/row_engine.py ``engine_for`` picks the engine): a .tsr
+    spec (or a bundled spec's name, or a checkpoint folder) compiled now with ``o``'s compile options in
+    buffer mode (``EngineOptions.engine_pipeline_options``: ``decode``'s kernels, the combined call with
+    last-position logits; ``last_only=False``: every position's, for serve --speculative), or an .onnx
+    file compiled with ``--kv-cache``; a decoder with recurrent state compiled with its state as cache
+    state, and an encoder-decoder as generation/loop.py's EncoderDecoder (both for the RowEngine)."""
+    from tessera.runtime.generation import cached as gen
+    from tessera.runtime.generation.loop import EncoderDecoder, target_input
+
+    ref.check()
+    o.check()
+    ref, _ = from_checkpoint(ref)  # a Hugging Face checkpoint folder: its bundled spec, its own weights
+    path = Path(ref.spec)
+    if ref.compiled or path.is_dir():
+        if ref.variant or ref.sets or ref.weights or o.build_given():
+            raise UsageError("--variant, --set, --weights and --quantize apply to .tsr specs; an .onnx file is "
+                             "already compiled (compile it with --kv-cache --quantize ...)")
+        model = gen.CachedModel.from_onnx(path, threads=o.threads)
+    else:
+        built = pipeline.build(ref.spec, ref.variant, ref.sets, ref.weights)
+        weights = pipeline.weights_for(built, ref.weights, ref.seed, ref.allow_large)
+        target = target_input(built.graph)
+        if target is not None:  # served by the RowEngine (row_engine.py), one decoder per row
+            served_sources(_Sources(built, target))  # float features cannot come over HTTP: before compiling
+            return EncoderDecoder(built, weights, target, o.threads, o.engine_pipeline_options(state=True))
+        if _carries_state(built.graph):  # the RowEngine's per-slot state; no buffer cache to fit
+            proto, info = gen.compile_cached(built, weights, o.engine_pipeline_options(state=True))
+            return gen.CachedModel(proto.SerializeToString(), info, threads=o.threads)
+        try:
+            # the engine's variant: with the combined call (last-position logits only: not for speculation)
+            proto, info = gen.compile_cached(built, weights, o.engine_pipeline_options(decode, last_only))
+            if info.length_input and not all(layer.buffer_key for layer in info.layers):
+                # mixed kernels would read one attention mask two ways (see check_fit): all plain
+                proto, info = gen.compile_cached(built, weights,
+                                                 o.engine_pipeline_options("plain", last_only, mixed=False))
+        except UsageError as e:  # e.g. a sliding window: no buffer-mode cache
+            raise UsageError(f"{e}; `tessera serve` needs the buffer cache (one row per slot), so it cannot serve "
+                             f"this model") from None
+        model = gen.CachedModel(proto.SerializeToString(), info, threads=o.threads)
+    check_fit(model)
+    return model
+
+
+def _carries_state(graph) -> bool:
+    """Whether a decoder-only graph carries recurrent state over time (a scan or causal conv1d over the
+    tokens: compiler/passes/recurrent_state.py), which the KV-cache Engine has no slot for."""
+    from tessera.compiler.ir import dims
+    from tessera.compiler.passes.recurrent_state import carries_state
+
+    logits = graph.type_of(graph.outputs[0])
+    return logits.rank == 3 and carries_state(graph, dims.dim(logits.shape[1]))
+
+
+class _Sources:
+    """What served_sources reads of an encoder-decoder, before anything is compiled."""
+
+    def __init__(self, built, target: str):
+        from tessera.compiler.ir.signature import input_limits, specs_from_graph
+
+        self.specs = [s for s in specs_from_graph(built.graph) if s.name != target]
+        self.sources = [s.name for s in self.specs]
+        self.limits = input_limits(built.graph)
+
+
+def served_sources(model) -> tuple[str, list[str]]:
+    """An encoder-decoder's (prompt source, mask sources): the one integer source that indexes an
+    embedding table takes the prompt's ids; integer sources of the same shape are its mask (all ones:
+    a request is one unpadded row). Anything else (float features) cannot come over HTTP."""
+    specs = {s.name: s for s in model.specs}
+    floats = [s for s in model.specs if not s.dtype.startswith(("i", "u"))]
+    if floats:
+        s = floats[0]
+        raise UsageError(f"the encoder's input '{s.name}' is {s} (float features, as Whisper's log-mel "
+                         f"spectrogram); the server's HTTP API carries text or token prompts only, so this model "
+                         f"cannot be served: generate it with `tessera generate --input {s.name}=FILE.npy`")
+    ids = [name for name in model.sources if name in model.limits.ids]
+    if len(ids) != 1:
+        raise UsageError(f"the server takes the prompt as the encoder's token ids: the model needs exactly one "
+                         f"source of token ids, it has {len(ids)} ({', '.join(model.sources)})")
+    prompt = ids[0]
+    masks = [n for n in model.sources if n != prompt]
+    for n in masks:
+        if specs[n].dims != specs[prompt].dims:
+            raise UsageError(f"the encoder's input '{n}' ({specs[n]}) is neither the prompt's token ids nor their "
+                             f"mask; the server cannot fill it from a prompt")
+    return prompt, masks
+
+
+def check_fit(model) -> None:
+    """The engine needs buffer mode (a preallocated cache, one row per slot) and per-row lengths:
+    the plain decoding branch, or GroupQueryAttention at every cached site with a cache_length of one
+    length per row ([B]; files compiled before it had [1]). Say how to recompile otherwise."""
+    info = model.info
+    if info.mode != "buffer":
+        raise UsageError("the engine needs a buffer-mode cache (sliding-window models compile to concat mode, "
+                         "which the engine does not serve); recompile with --kv-cache --cache buffer")
+    if info.length_input:
+        shape = next((i.shape for i in model.session.get_inputs() if i.name == info.length_input), None)
+        if shape == [1]:
+            raise UsageError("this file decodes with GroupQueryAttention over one cache length for every row "
+                             "(compiled by an older Tessera), so rows of different lengths cannot share a step; "
+                             "recompile it (`tessera compile --kv-cache`, or `--decode plain`), or serve the .tsr "
+                             "spec")
+        if not all(layer.buffer_key for layer in info.layers):
+            raise UsageError("this file decodes some attention layers with GroupQueryAttention and others with "
+                             "the plain branch, which read the engine's mask differently; recompile it with "
+                             "`tessera compile --kv-cache --decode plain`, or serve the .tsr spec")
+    if model.vocab is None:
+        raise UsageError("the model's vocabulary size is not static; the engine needs it")

@@ -5,11 +5,13 @@ with the same rules. Each command's options are one dataclass with typed, defaul
 one ``check()`` holds every rule about them: a value's type and range (the API and the server pass
 raw Python values, so ``seed="x"`` or ``batch=1.5`` must be refused here, naming the argument) and
 the rules between options (``--decode`` needs ``--kv-cache``, ``--full`` needs ``--format json``).
-argparse only fills these objects (``from_args``); runtime/driver.py does the work. (The --quantize
-flags are defined here, ``add_quant_arguments``, because serving's commands take them too and
-runtime/serving/ does not import the command line.) A new option is
-one field here, one flag in runtime/cli/ and one keyword in runtime/api.py, and
-tests/test_options_parity.py fails until all three exist.
+argparse only fills these objects (``from_args``); runtime/driver.py does the work. The fields
+several commands share (the model, ``ModelRef``; the compile options, ``BuildOptions``; the serving
+engine's, ``EngineOptions``) are declared with their flags (``flag(...)``) and every command generates
+them from here (``add_arguments``), since runtime/serving/ does not import the command line. A compile
+option is one field of BuildOptions (with its flag, its rule and its pipeline keyword) and one keyword
+of each API method that compiles; an option of one command is one field here, one flag in
+runtime/cli/ and one keyword in runtime/api.py; tests/test_options_parity.py fails until all exist.
 
 Rules that need the model itself (its inputs, its graph) are checked by the driver once it is built.
 """
@@ -19,7 +21,7 @@ from __future__ import annotations
 import argparse
 import math
 from contextlib import contextmanager
-from dataclasses import dataclass, field, fields
+from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 
 from tessera.runtime.errors import UsageError
@@ -137,6 +139,44 @@ def split_prompt(prompt) -> tuple[list[str], object, bool]:
     return [], rows, False
 
 
+# ------------------------------------------------------------------ flags declared with their fields
+def flag(default=MISSING, *, help: str, names: tuple[str, ...] = (), factory=None, positional: bool = False,
+         **argparse_kwargs):
+    """A field with its command-line flag: ``names`` (default ``--field-name``), argparse's keywords
+    (choices, type, metavar, action...) and its help. Every command that takes the field generates the
+    flag from here (``add_arguments``), so it is declared once: a field added with ``flag(...)`` to a
+    class that compile, generate, serve and batch share reaches all of their command lines."""
+    meta = {"flag": {"names": tuple(names), "help": help, "positional": positional, **argparse_kwargs}}
+    if factory is not None:
+        return field(default_factory=factory, metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+def add_arguments(p, cls, helps: dict[str, str] | None = None, only=None, skip=(), **overrides) -> None:
+    """The flags of ``cls``'s fields declared with ``flag(...)`` (its own and its bases'), in field order,
+    on ``p`` (a parser or an argument group). ``helps``: a command's own help for a field; ``only`` /
+    ``skip``: which fields; ``overrides``: argparse keywords per field (``spec={"metavar": "SPEC"}``)."""
+    for f in fields(cls):
+        spec = f.metadata.get("flag")
+        if spec is None or (only is not None and f.name not in only) or f.name in skip:
+            continue
+        kw = {k: v for k, v in spec.items() if k not in ("names", "help", "positional")}
+        kw.update(overrides.get(f.name, {}))
+        kw["help"] = (helps or {}).get(f.name, spec["help"])
+        if spec["positional"]:
+            p.add_argument(f.name, **kw)
+            continue
+        default = f.default_factory() if f.default_factory is not MISSING else f.default
+        if default is not None and kw.get("action") != "store_true":
+            kw["default"] = default
+        p.add_argument(*(spec["names"] or ("--" + f.name.replace("_", "-"),)), dest=f.name, **kw)
+
+
+def flag_fields(cls) -> list[str]:
+    """The fields of ``cls`` whose flags ``add_arguments`` generates."""
+    return [f.name for f in fields(cls) if "flag" in f.metadata]
+
+
 class Options:
     """What every options class shares: filled from argparse, then checked."""
 
@@ -184,12 +224,24 @@ class ModelRef(Options):
     """The model: a spec (path or bundled name) or a compiled .onnx file, its variant, --set
     overrides (NAME=VALUE texts), its weights (else seeded with ``seed``) and --allow-large."""
 
-    spec: str | Path
-    variant: str | None = None
-    sets: list[str] = field(default_factory=list)
-    weights: str | Path | None = None
-    seed: int = 0
-    allow_large: bool = False
+    spec: str | Path = flag(positional=True, metavar="MODEL",
+                            help="a .tsr spec (or a bundled spec's name), a checkpoint folder, or an .onnx file "
+                                 "compiled with --kv-cache")
+    variant: str | None = flag(None, names=("--variant", "-V"),
+                               help="a variant defined in the spec file (e.g. small, medium)")
+    sets: list[str] = flag(factory=list, names=("--set",), action="append", metavar="NAME=VALUE",
+                           help="override a hyperparameter (repeatable), checked like the spec's own values")
+    seed: int = flag(0, type=int, help="seed of the weight initialiser (default 0)")
+    weights: str | Path | None = flag(None, metavar="FILE",
+                                      help="a .safetensors file or folder of shards; Hugging Face names are mapped "
+                                           "by the <spec>.hf.toml file beside the spec, and a folder's config.json "
+                                           "gives the hyperparameters its [config] table names (a value "
+                                           "contradicting --set or the variant is an error)")
+    allow_large: bool = flag(False, action="store_true",
+                             help="go ahead even when the weights look too large for the memory available "
+                                  "(compile streams them to the file one tensor at a time, so there only its "
+                                  "largest tensor and the free disk count) (by default such a model is refused "
+                                  "before anything is allocated or written)")
 
     def check(self) -> None:
         check_path(self.label("spec"), self.spec, optional=False)
@@ -212,10 +264,26 @@ class ModelRef(Options):
 class QuantOptions(Options):
     """--quantize and its details (compile, run, report and generate share them)."""
 
-    quantize: str = "none"
-    quantize_block: int | None = None
-    quantize_head: bool = False
-    quantize_activations: str | None = None
+    quantize: str = flag("none", choices=list(QUANTIZE_CHOICES),
+                         help="quantise the weights of the linear layers. int8, int4: block-wise scales, run by "
+                              "onnxruntime's MatMulNBits (activations stored in float; see --quantize-activations); "
+                              "smallest and fastest for one sequence at a time. w8a8: int8 weights with a scale per "
+                              "output row, each activation row (token) quantised at run time, the product in "
+                              "onnxruntime's integer GEMM (VNNI/AMX): fastest for prompts and batches (fp32 only). "
+                              "The embedding tables stay float; the output head too unless --quantize-head "
+                              "(default none)")
+    quantize_block: int | None = flag(None, type=int, metavar="N",
+                                      help="input features per quantisation scale: a power of two, at least 16; "
+                                           "larger is faster and less accurate (int4 at 128: about 1.3x faster "
+                                           "decoding, a larger error; docs/benchmarks/table.md Q8) (default 32; int8 and "
+                                           "int4)")
+    quantize_activations: str | None = flag(None, choices=list(QUANT_ACTIVATIONS),
+                                            help="int8: MatMulNBits quantises the activations to int8 inside each "
+                                                 "product (accuracy_level 4, faster); float: the product runs in fp32 "
+                                                 "(accuracy_level 0) (default int8)")
+    quantize_head: bool = flag(False, action="store_true",
+                               help="quantise the output head as well (by default it stays float: its errors go "
+                                    "straight into the logits)")
 
     def check(self) -> None:
         check_choice(self.label("quantize"), self.quantize, QUANTIZE_CHOICES)
@@ -232,31 +300,46 @@ class QuantOptions(Options):
 
 
 def add_quant_arguments(p: argparse.ArgumentParser) -> None:
-    """The flags that fill QuantOptions: --quantize, --quantize-block, --quantize-activations, --quantize-head
-    (compile, run, report, generate, serve and batch share them)."""
-    p.add_argument("--quantize", choices=list(QUANTIZE_CHOICES), default="none",
-                   help="quantise the weights of the linear layers. int8, int4: block-wise scales, run by "
-                        "onnxruntime's MatMulNBits (activations stored in float; see --quantize-activations); "
-                        "smallest and fastest for one sequence at a time. w8a8: int8 weights with a scale per "
-                        "output row, each activation row (token) quantised at run time, the product in "
-                        "onnxruntime's integer GEMM (VNNI/AMX): fastest for prompts and batches (fp32 only). "
-                        "The embedding tables stay float; the output head too unless --quantize-head "
-                        "(default none)")
-    p.add_argument("--quantize-block", type=int, metavar="N",
-                   help="input features per quantisation scale: a power of two, at least 16; larger is "
-                        "faster and less accurate (int4 at 128: about 1.3x faster decoding, a larger error; "
-                        "docs/BENCHMARKS.md Q8) (default 32; int8 and int4)")
-    p.add_argument("--quantize-activations", choices=list(QUANT_ACTIVATIONS),
-                   help="int8: MatMulNBits quantises the activations to int8 inside each product "
-                        "(accuracy_level 4, faster); float: the product runs in fp32 (accuracy_level 0) "
-                        "(default int8)")
-    p.add_argument("--quantize-head", action="store_true",
-                   help="quantise the output head as well (by default it stays float: its errors go "
-                        "straight into the logits)")
+    """The flags that fill QuantOptions (report takes them alone; the commands that compile take them
+    with the rest of BuildOptions: ``add_build_arguments``)."""
+    add_arguments(p, QuantOptions)
 
 
 @dataclass(kw_only=True)
-class OptimizeOptions(QuantOptions):
+class BuildOptions(QuantOptions):
+    """How a model is compiled, for every entry point that compiles one: ``compile``, ``run``,
+    ``generate``, ``serve``, ``batch``, the Ray deployment and the API's methods take these fields.
+    A compile option that all of them should honour is a field here, declared with ``flag(...)`` (the
+    commands generate its flag from it), checked in ``check()`` and handed to the pipeline by
+    ``build_fields()``, which every ``pipeline_options`` below spreads into its PipelineOptions; the
+    API's methods that compile take it as a keyword (tests/test_options_parity.py fails until they
+    do, and until every command line, the server, ``batch`` and Ray reach it)."""
+
+    # the quantisation's fields are QuantOptions'; a new compile option is declared here, with flag(...)
+
+    def check(self) -> None:
+        super().check()  # the quantisation's rules; a new compile option's follow
+
+    def build_fields(self) -> dict:
+        """These options as PipelineOptions keywords (compiler/passes/pipeline.py)."""
+        return {"quantize": self.quant_config()}
+
+    def build_given(self) -> list[str]:
+        """The fields given otherwise than their defaults (an .onnx file is compiled already: it takes none)."""
+        return [f.name for f in fields(BuildOptions) if getattr(self, f.name) != f.default]
+
+    def build_key(self) -> tuple:
+        """The values of these fields: what a caller keeping compiled models (the API's) keys them by."""
+        return tuple((f.name, repr(getattr(self, f.name))) for f in fields(BuildOptions))
+
+
+def add_build_arguments(p: argparse.ArgumentParser) -> None:
+    """The flags that fill BuildOptions (compile, run, generate, serve and batch share them)."""
+    add_arguments(p, BuildOptions)
+
+
+@dataclass(kw_only=True)
+class OptimizeOptions(BuildOptions):
     """How a spec is optimised for a target (compile and run share them)."""
 
     target: str = "cpu"
@@ -294,9 +377,9 @@ class OptimizeOptions(QuantOptions):
         from tessera.compiler.passes.attention_kernels import Target
         from tessera.compiler.passes.pipeline import PipelineOptions
 
-        return PipelineOptions(Target(self.target, self.dtype), self.attention_lowering, self.quant_config(),
-                               self.sparse_moe, self.recurrence, lower_precision=True,
-                               attention_probs=tuple(attention_probs), all_probs=all_probs)
+        return PipelineOptions(Target(self.target, self.dtype), self.attention_lowering, sparse_moe=self.sparse_moe,
+                               recurrence=self.recurrence, lower_precision=True,
+                               attention_probs=tuple(attention_probs), all_probs=all_probs, **self.build_fields())
 
 
 # ------------------------------------------------------------------ one class per command
@@ -390,9 +473,9 @@ class CompileOptions(OptimizeOptions):
         from tessera.compiler.passes.attention_kernels import Target
         from tessera.compiler.passes.pipeline import PipelineOptions
 
-        return PipelineOptions(Target(self.target, self.dtype), quantize=self.quant_config(),
-                               sparse_moe=self.sparse_moe, recurrence=self.recurrence, cache=self.cache_mode,
-                               decode=self.decode, mixed=self.combined_call)
+        return PipelineOptions(Target(self.target, self.dtype), sparse_moe=self.sparse_moe, recurrence=self.recurrence,
+                               cache=self.cache_mode, decode=self.decode, mixed=self.combined_call,
+                               **self.build_fields())
 
 
 @dataclass(kw_only=True)
@@ -593,7 +676,7 @@ class ReportOptions(QuantOptions):
 
 
 @dataclass(kw_only=True)
-class GenerateOptions(QuantOptions):
+class GenerateOptions(BuildOptions):
     """``tessera generate`` / ``Model.generate``. ``sampling_seed`` None: the model's seed (the
     command line's --seed is both)."""
 
@@ -630,7 +713,8 @@ class GenerateOptions(QuantOptions):
 
     # --draft-tokens' defaults. Prompt lookup: 10, as transformers' prompt-lookup examples use: a lookup
     # that finds nothing drafts nothing, and one that hits copies a run, which a short draft cuts into
-    # several verifying calls (docs/BENCHMARKS.md, speculative decoding: 1.73x plain at 4, 2.04x at 10).
+    # several verifying calls (docs/benchmarks/log.md, "Speculative decoding and llama.cpp, quietly
+    # after the merge": 1.73x plain at 4, 2.04x at 10).
     # A draft model: 4, since each drafted token is a call of the draft model, paid when rejected.
     NGRAM_DRAFT_TOKENS = 10
     MODEL_DRAFT_TOKENS = 4
@@ -715,8 +799,8 @@ class GenerateOptions(QuantOptions):
         target input filled in by the loader): the quantisation and the cache mode."""
         from tessera.compiler.passes.pipeline import PipelineOptions
 
-        return PipelineOptions(quantize=self.quant_config(), cache=self.cache,
-                               last_only=self.speculative is None)  # the verifier reads every position's logits
+        return PipelineOptions(cache=self.cache, last_only=self.speculative is None,  # the verifier reads every
+                               **self.build_fields())                                 # position's logits
 
     def value(self, name: str):
         """A decoding setting as given, else its default (DEFAULTS)."""
@@ -771,6 +855,85 @@ class GenerateOptions(QuantOptions):
     start_default = None  # the checkpoint's decoder_start_token_id (with_defaults), likewise no field
     DEFAULTS = {"max_new_tokens": 32, "temperature": 0.0, "top_k": 0, "top_p": 1.0, "repetition_penalty": 1.0,
                 "min_p": 0.0, "no_repeat_ngram_size": 0, "min_new_tokens": 0}
+
+
+# ------------------------------------------------------------------ the serving engine's model
+IDLE_PREFILL_CHUNK = 512  # serving/engine.py's, written out here: the parsers import no numpy (tests check they agree)
+
+
+def prefill_chunk_help(default: int) -> str:
+    """--prefill-chunk's help, as `tessera serve` and `tessera batch` give it (engine.py ``chunk_for``)."""
+    return (f"the iteration's token budget: each decoding row takes one, a prompt's chunk the rest (at least 16), so "
+            f"at most N prompt tokens run between two decoding steps; a prompt with no stream decoding goes in "
+            f"by up to max(N, {IDLE_PREFILL_CHUNK}) tokens a call (default {default})")
+
+
+def _whole(name: str, value, low: int, optional: bool = False) -> None:
+    if value is None and optional:
+        return
+    if not _is_int(value) or value < low:
+        raise UsageError(f"--{name.replace('_', '-')} must be an integer >= {low}, got {value}")
+
+
+@dataclass(kw_only=True)
+class EngineOptions(BuildOptions, ModelRef):
+    """The model on the serving engine, for ``serve``, ``batch`` and the Ray deployment: the model as
+    ``generate`` takes it (ModelRef's fields), its compile (BuildOptions: the same fields, flags and
+    pipeline as every other command), the tokenizer and the engine's bounds. runtime/driver.py's
+    ``serve_model`` loads it. Picklable: Ray's replicas and actors build their engines from it."""
+
+    tokenizer: str | Path | None = flag(None, metavar="tokenizer.json",
+                                        help="a Hugging Face tokenizer.json (or its folder): text prompts, stop "
+                                             "strings; its folder's tokenizer_config.json gives the chat template "
+                                             "and the end-of-sequence token")
+    max_batch: int = flag(8, type=int, metavar="N", help="sequences decoded together, the cache's slots (default 8)")
+    max_queue: int = flag(64, type=int, metavar="N",
+                          help="requests waiting for a slot; past it requests get 429 (default 64)")
+    threads: int | None = flag(None, type=int, help="onnxruntime intra-op threads (default: all cores)")
+    max_context: int | None = flag(None, type=int, metavar="N",
+                                   help="positions per slot, prompt and new tokens together (default: the model's "
+                                        "context); the cache is max-batch x N positions, allocated at start")
+    prefill_chunk: int = flag(256, type=int, metavar="N", help=prefill_chunk_help(256))
+
+    def check(self) -> None:
+        ModelRef.check(self)
+        BuildOptions.check(self)
+        check_path("tokenizer", self.tokenizer)
+        _whole("max_batch", self.max_batch, 1)
+        _whole("max_queue", self.max_queue, 0)
+        _whole("prefill_chunk", self.prefill_chunk, 1)
+        _whole("threads", self.threads, 1, optional=True)
+        _whole("max_context", self.max_context, 2, optional=True)
+
+    @property
+    def model(self) -> ModelRef:
+        """The model these options name, as the driver takes it."""
+        return ModelRef(**{f.name: getattr(self, f.name) for f in fields(ModelRef)})
+
+    def engine_pipeline_options(self, decode: str = "auto", last_only: bool = True, mixed: bool = True,
+                                state: bool = False):
+        """The cached decoder the engine runs (driver.serve_model): the buffer cache (one row per slot),
+        ``decode``'s kernels, the last position's logits (``last_only=False``: every position's, which
+        serve --speculative checks drafts with) and with them the combined call (``mixed``: the engine's
+        variant, compiler/backends/onnx/mixed_attention.py); ``state``: a decoder carrying recurrent
+        state (the row engine's), or an encoder-decoder, compiled as ``generate`` compiles it."""
+        from tessera.compiler.passes.pipeline import PipelineOptions
+
+        if state:
+            return PipelineOptions(**self.build_fields())
+        return PipelineOptions(cache="buffer", decode=decode, last_only=last_only, mixed=mixed and last_only,
+                               **self.build_fields())
+
+
+# --allow-large as the commands that load a model without writing one word it (generate, serve, batch)
+LOAD_ALLOW_LARGE = ("go ahead even when the weights look too large for the memory available (by default such a "
+                    "model is refused before anything is allocated)")
+
+
+def add_engine_arguments(p: argparse.ArgumentParser, helps: dict[str, str] | None = None) -> None:
+    """The flags that fill EngineOptions (serve and batch): the model, its compile, the tokenizer and
+    the engine's bounds, generated from the fields."""
+    add_arguments(p, EngineOptions, {"allow_large": LOAD_ALLOW_LARGE, **(helps or {})})
 
 
 COMMANDS = {"compile": CompileOptions, "run": RunOptions, "report": ReportOptions, "generate": GenerateOptions}

@@ -218,36 +218,17 @@ def quant_config(scheme: str = "none", block: int | None = None, head: bool = Fa
 
 
 def optimize(built: Built, options, explain: bool = False) -> list:
-    """Run the ``full`` pipeline (compiler/passes/pipeline.py) on built.graph with ``options`` (a
+    """Run the ``full`` pipeline (compiler/build.py ``compile_full``) on built.graph with ``options`` (a
     PipelineOptions, from runtime/options.OptimizeOptions.pipeline_options); print --explain's
     listing when asked. Returns the ExposedProbs notes of the sites whose probabilities became outputs."""
-    from tessera.compiler.passes.pipeline import attention_sites, expert_sites, explain as explain_sites, \
-        explain_experts, pipeline
-    from tessera.compiler.passes.expose_attention import ExposeAttentionProbs
-    from tessera.compiler.passes.quantize import QuantizeWeights
+    from tessera.compiler.build import compile_full
 
     built.quantize = options.quantize
     with compiler_errors():
-        result = pipeline("full", options)(built.graph)
-    exposed = result.notes(ExposeAttentionProbs.name)
+        done = compile_full(built.graph, options)
     if explain:
-        lines = [explain_sites(attention_sites(result), exposed)]
-        notes = result.notes(QuantizeWeights.name)
-        if built.quantize is not None:
-            done = sum(n.quantized for n in notes)
-            lines.append(f"quantised linears: {done} of {len(notes)} ({built.quantize.scheme}, "
-                         f"{built.quantize.granularity})")
-            lines += [f"  {n.describe()}" for n in notes if not n.quantized]
-        experts = explain_experts(expert_sites(result))
-        if experts:
-            lines.append(experts)
-        from tessera.compiler.passes.recurrence import ChooseRecurrenceLowering, explain as explain_scans
-
-        scans = result.notes(ChooseRecurrenceLowering.name)
-        if scans:  # models without recurrence keep their listing as it was
-            lines.append(explain_scans(scans))
-        print("\n".join(lines), file=sys.stderr)
-    return exposed
+        print(done.explain(), file=sys.stderr)
+    return done.exposed
 
 
 def metadata(built: Built) -> dict:

@@ -1,5 +1,5 @@
 """Parsed spec files, kept between runs: a command that loads a spec it has parsed before skips
-lark (its import and the parse are most of ``tessera ir``'s start-up, docs/BENCHMARKS.md).
+lark (its import and the parse are most of ``tessera ir``'s start-up, docs/benchmarks/log.md "Start-up").
 
 An entry is the pickled AST of one file, named by the SHA-256 of everything the AST depends on:
 the text, the file name its positions carry, the source of the grammar, the AST classes and the

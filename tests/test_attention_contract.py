@@ -84,7 +84,7 @@ def _add_to_reference(monkeypatch):
     """The clamp as a feature of the numpy epilogue: one FEATURES row and one step (after the soft-cap)."""
     feature = ref_epilogue.Feature("clamp", 1, {"clamp_hi": ref_epilogue.Attr((float,), "upper bound of the "
                                                                              "scores", ref_epilogue.finite)},
-                                   lambda a: a.get("clamp_hi") is not None, "clamp")
+                                   lambda a: a.get("clamp_hi") is not None, "clamp", elementwise=True)
     monkeypatch.setitem(ref_epilogue.FEATURES, "clamp", feature)
     monkeypatch.setattr(ref_epilogue, "STEPS", ref_epilogue.STEPS + [
         (("clamp",), lambda s, a, w: np.minimum(s, np.asarray(a["clamp_hi"], s.dtype)))])
@@ -330,3 +330,15 @@ def test_export_checks_the_schema(spec, monkeypatch):
     node.attrs["clamp_hi"] = 0.5
     with pytest.raises(ShapeError, match="unknown attribute clamp_hi"):
         onnx_export.to_onnx(g, init_weights(g, 1))
+
+
+# ------------------------------------------------------------------ --explain names the spec line
+def test_a_refused_site_names_the_spec_line_of_the_node_it_failed_at(spec):
+    """The clamp is on line 9 of the spec, the softmax on line 11: --explain says both."""
+    lines = CLAMPED.splitlines()
+    clamp_line = next(i for i, text in enumerate(lines, 1) if "clamp(" in text)
+    softmax_line = next(i for i, text in enumerate(lines, 1) if "softmax(" in text)
+    g, site = _site(spec)
+    assert not site.fused
+    assert site.at is not None and site.at.line == clamp_line and site.pos.line == softmax_line
+    assert site.describe().endswith(f"(at {site.at})")

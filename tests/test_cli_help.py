@@ -102,7 +102,7 @@ def test_the_quantize_choices_are_the_pipelines():
 @pytest.mark.parametrize("argv", [["ir", "gpt2", "--set", "layers=1"], ["report", "gpt2", "--set", "layers=1"]])
 def test_ir_and_report_do_not_import_onnx(argv):
     """`tessera ir` and `tessera report` work on the graph alone: onnx (with ml_dtypes, ~0.6 s of start-up)
-    is imported only by the commands that export or run (docs/BENCHMARKS.md, start-up)."""
+    is imported only by the commands that export or run (docs/benchmarks/log.md, start-up)."""
     import subprocess
     import sys
 

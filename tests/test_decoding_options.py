@@ -251,7 +251,7 @@ def test_the_serving_engine_chooses_and_scores_as_generate(ckpt, capsys):
 
     folder, model = ckpt
     want, logits = _hf(model, PROMPT_IDS, NEW, eos_token_id=None, no_repeat_ngram_size=2)
-    engine = Engine(serving_model.load(str(folder), None, [], None, 0, None), max_batch=2)
+    engine = Engine(serving_model.load(str(folder)), max_batch=2)
     handle = engine.submit(Request(list(PROMPT_IDS), NEW, Sampling(no_repeat_ngram_size=2, logprobs=2),
                                    ignore_eos=True))
     other = engine.submit(Request([9, 10, 11], NEW, Sampling()))  # shares the steps, greedy without options
@@ -272,7 +272,7 @@ def test_a_batch_row_takes_the_options(ckpt):
     from tessera.runtime.serving.engine import Engine
 
     folder, model = ckpt
-    engine = Engine(serving_model.load(str(folder), None, [], None, 0, None), max_batch=1)
+    engine = Engine(serving_model.load(str(folder)), max_batch=1)
     req = row_request({"prompt": PROMPT_IDS, "max_tokens": 20, "no_repeat_ngram_size": 2, "min_p": 0.1,
                        "min_tokens": 3}, engine, 16)
     assert (req.sampling.no_repeat_ngram_size, req.sampling.min_p, req.sampling.min_new_tokens) == (2, 0.1, 3)

@@ -362,3 +362,43 @@ def test_cli_md_lists_every_bundled_spec():
     row = next(line for line in cli.splitlines() if line.startswith("| `SPEC` |"))
     assert re.findall(r"`(\w+)`", row.split("(", 1)[1].split(":", 1)[0]) == bundled
     assert f"(bundled specs: {', '.join(bundled)})" in cli
+
+
+# ---------------------------------------------------------------- links between the docs
+def _anchors(path: Path) -> set[str]:
+    """The fragments a page answers: its headings as GitHub names them (lower case, punctuation
+    but ``-`` and ``_`` dropped, spaces to ``-``, repeats numbered) and its ``<a id="...">`` tags."""
+    seen: dict[str, int] = {}
+    out, in_code = set(), False
+    text = path.read_text(encoding="utf-8")
+    for line in text.splitlines():
+        if line.startswith("```"):
+            in_code = not in_code
+        elif not in_code and re.match(r"#{1,6} ", line):
+            slug = re.sub(r"[^\w\- ]", "", line.lstrip("#").strip().lower()).replace(" ", "-")
+            n = seen.get(slug, 0)
+            seen[slug] = n + 1
+            out.add(slug if n == 0 else f"{slug}-{n}")
+    return out | set(re.findall(r'<a id="([^"]+)"', text))
+
+
+def test_relative_links_in_the_docs_resolve():
+    """Every relative link of docs/ and the README names a file of the repository and, with a
+    fragment, a heading or anchor of that page (docs/BENCHMARKS.md's summary links into the run
+    log under docs/benchmarks/ row by row)."""
+    broken = []
+    for path in sorted((ROOT / "docs").rglob("*.md")) + [ROOT / "README.md"]:
+        in_code = False
+        for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+            if line.startswith("```"):
+                in_code = not in_code
+            if in_code or line.startswith("```"):
+                continue
+            for target in re.findall(r"\]\(([^)\s]+)\)", line):
+                if re.match(r"[a-z]+:", target):
+                    continue  # a web address
+                file, _, fragment = target.partition("#")
+                dest = (path.parent / file).resolve() if file else path
+                if not dest.exists() or (fragment and dest.suffix == ".md" and fragment not in _anchors(dest)):
+                    broken.append(f"{path.relative_to(ROOT)}:{number}: {target}")
+    assert not broken, "\n".join(broken)

@@ -135,12 +135,39 @@ def test_each_named_pipeline_lists_its_passes_in_order():
         build_pipeline(Target("cpu", "fp16"), lower_precision=True).describe() == \
         "fuse-attention -> eliminate-dead-nodes -> choose-attention-kernels -> sparse-experts -> lower-precision " \
         "-> choose-recurrence-lowering"
+    onnx = "prune-dead-nodes -> settle-packed -> settle-mixed"
     assert pipeline("cached_decoder", o).describe() == \
-        f"quantize-weights -> {optimize} -> {cache} -> fuse-linears -> lower-precision"
-    assert pipeline("cached_decoder", PipelineOptions(last_only=False, fuse_linears=False)).describe() == \
-        f"{optimize} -> {cache.replace(' -> last-position-logits', '')}"
-    assert pipeline("encoder_decoder", o).describe() == f"quantize-weights -> {optimize} -> split-encoder -> {cache}"
+        f"quantize-weights -> {optimize} -> {cache} -> fuse-linears -> lower-precision | after export: {onnx} " \
+        f"-> fuse-skip-norms -> split-bound-step"
+    assert pipeline("cached_decoder", PipelineOptions(last_only=False, fuse_linears=False, skip_norm=False,
+                                                      bound_step=False)).describe() == \
+        f"{optimize} -> {cache.replace(' -> last-position-logits', '')} | after export: {onnx}"
+    assert pipeline("encoder_decoder", o).describe() == \
+        f"quantize-weights -> {optimize} -> split-encoder -> {cache} | after export: {onnx}"
     assert pipeline("report", o).describe() == "sparse-experts"
+
+
+def test_a_model_pass_that_leaves_a_value_read_before_it_is_written_is_refused():
+    """The model passes' default contract (passes/model_passes.py ModelPass.ensures)."""
+    from onnx import TensorProto, helper
+
+    from tessera.compiler.passes.model_passes import Exported, ModelPass, PassResult
+
+    class Swap(ModelPass):
+        name = "swap"
+
+        def run(self, exported):
+            nodes = list(exported.model.graph.node)
+            del exported.model.graph.node[:]
+            exported.model.graph.node.extend(reversed(nodes))
+            return PassResult(exported.graph, True)
+
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [1])
+    model = helper.make_model(helper.make_graph([helper.make_node("Relu", ["x"], ["h"]),
+                                                 helper.make_node("Relu", ["h"], ["y"])], "g", [x], [y]))
+    with pytest.raises(PassError, match="swap left Relu  reading h before it is written"):
+        Swap()(Exported(model, None))
 
 
 def test_bad_options_and_uncacheable_graphs_raise_pass_errors():

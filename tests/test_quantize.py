@@ -101,7 +101,7 @@ def test_lowering_equals_the_interpreter(scheme, activations, tol, rng):
 
 
 # Accuracy against fp32 on the seeded tiny GPT-2 (tighter figures for GPT-2 small and a Llama-shaped
-# model are in docs/BENCHMARKS.md); the bounds are several times what was measured.
+# model are in docs/benchmarks/log.md, "Weight quantisation"); the bounds are several times what was measured.
 @pytest.mark.parametrize("scheme, max_diff, agree", [("int8", 0.02, 0.97), ("int4", 0.3, 0.75)])
 def test_accuracy_against_fp32(scheme, max_diff, agree, rng):
     graph = build("gpt2", **TINY)
@@ -181,7 +181,7 @@ def test_generate_with_int8_weights_mostly_agrees_with_fp32(capsys):
     fp32, int8 = _greedy(capsys), _greedy(capsys, "--quantize", "int8")
     assert [len(r) for r in int8] == [12, 12, 12]
     same_prefix = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), len(x)) for x, y in zip(fp32, int8)]
-    assert sum(same_prefix) >= 0.9 * 36, (fp32, int8)  # measured: 36 of 36 (docs/BENCHMARKS.md)
+    assert sum(same_prefix) >= 0.9 * 36, (fp32, int8)  # measured: 36 of 36 (docs/benchmarks/log.md)
 
 
 def test_api_compiles_a_cached_int4_decoder(tmp_path):

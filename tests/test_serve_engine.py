@@ -406,10 +406,9 @@ def test_a_w8a8_model_serves_each_request_as_generate_alone():
     """--quantize w8a8 quantises each activation row with its own scale, so a request's tokens do not
     depend on what runs beside it: 12 concurrent requests (prompts in chunks, beside decoding rows in
     the combined call) each equal generate run alone on the same quantised decoder."""
-    from tessera.runtime.pipeline import quant_config
     from tessera.runtime.serving.model import has_combined_call
 
-    model = serving_model.load("llama", sets=LLAMA, threads=1, quantize=quant_config("w8a8", head=True))
+    model = serving_model.load("llama", sets=LLAMA, threads=1, quantize="w8a8", quantize_head=True)
     assert has_combined_call(model)
     reqs = _requests(12, seed=3)
     engine = Engine(model, max_batch=4, max_queue=12, prefill_chunk=16)
@@ -424,12 +423,10 @@ def test_quantize_options_of_serve_and_batch():
     from tessera.runtime.serving.batch import BatchOptions
     from tessera.runtime.serving.server import ServeOptions
 
-    ServeOptions("gpt2", quantize="w8a8", quantize_head=True).check()
+    ServeOptions(spec="gpt2", quantize="w8a8", quantize_head=True).check()
     with pytest.raises(serving_model.UsageError, match="apply to int8 and int4"):
-        ServeOptions("gpt2", quantize="w8a8", quantize_block=64).check()
+        ServeOptions(spec="gpt2", quantize="w8a8", quantize_block=64).check()
     with pytest.raises(serving_model.UsageError, match="quantize must be one of"):
-        BatchOptions("gpt2", input="a", output="b", quantize="int3").check()
+        BatchOptions(spec="gpt2", input="a", output="b", quantize="int3").check()
     with pytest.raises(serving_model.UsageError, match="--quantize apply to .tsr specs"):
-        from tessera.runtime.pipeline import quant_config
-
-        serving_model.load("compiled.onnx", quantize=quant_config("int4"))
+        serving_model.load("compiled.onnx", quantize="int4")

@@ -117,7 +117,7 @@ def test_served_bart_over_http_and_a_too_long_source_is_400(bart):
     from tessera.runtime.serving.server import ServeOptions, build_server
 
     model, folder = bart
-    engine, server = build_server(ServeOptions(str(folder)))
+    engine, server = build_server(ServeOptions(spec=str(folder)))
     engine.start()
     try:
         with TestClient(create_app(server)) as client:

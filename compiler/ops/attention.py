@@ -298,16 +298,13 @@ def _fused_macs(c):
 
 
 def _fused_flops(c):
-    """The products, and per score: scale, masks, bias, softmax (as the unfused ops would count)."""
+    """The products, the softmax, and per score what the node's score-epilogue features do
+    (reference/score_epilogue.py ``flops`` of each: as the unfused ops would count them)."""
     scores = c.numel(c.type(0).shape[:-2]) * _pairs(c)
-    masks = int(bool(c.attrs.get("causal"))) + int(bool(c.attrs.get("padding")))
-    cap = bool(c.attrs.get("softcap"))  # tanh(s / cap) * cap: a divide, a tanh and a multiply per score
-    f = {"matmul": c.macs * 2, "softmax": scores * 5,
-         "elementwise": scores * (1 + int(bool(c.attrs.get("bias"))) + 2 * int(cap))}
-    if cap:
-        f["activation"] = scores
-    if masks:
-        f["mask"] = scores * masks
+    f = {"matmul": c.macs * 2, "softmax": scores * 5}
+    for kind, n in score_epilogue.flops_per_score(c.attrs).items():
+        if n:
+            f[kind] = f.get(kind, 0) + scores * n
     return f
 
 

@@ -9,7 +9,7 @@ dense block; the expert weights stay the block's own parameters (``experts.e.ffn
 each ``[out, in]`` as ``linear`` stores it.
 
 Two lowerings (attribute ``impl``; the pass picks ``gather``, the faster one on this machine's CPU:
-docs/BENCHMARKS.md, "Sparse experts"):
+docs/benchmarks/log.md, "Sparse experts"):
 
 - ``gather``: standard ops only: TopK and Softmax over the logits, then per expert the positions
   routed to it (NonZero), a Gather of those tokens, the SwiGLU on them alone, and a ScatterND add of

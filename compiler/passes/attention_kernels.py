@@ -5,7 +5,7 @@ Lowerings (``--attention NAME`` forces one):
 - ``gqa``: onnxruntime's com.microsoft.GroupQueryAttention. On CUDA it has
   flash kernels for fp16/bf16 with head size a multiple of 8, at most 256. On
   CPU, onnxruntime 1.31 allocates the N×N attention probabilities (measured:
-  3.3 GB extra at N=8192 with 12 heads, docs/BENCHMARKS.md) and is slower than
+  3.3 GB extra at N=8192 with 12 heads, docs/benchmarks/log.md) and is slower than
   the portable kernel, so auto does not pick it there; --attention gqa still can.
   It is causal only (optionally with a local window), without padding mask or
   bias, and needs queries and keys of the same length.
@@ -31,7 +31,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from tessera.compiler.backends.onnx.attention import kernel_features
+from tessera.compiler.backends.onnx.attention import KERNEL_ASSUMES, kernel_features
 from tessera.compiler.ir import dims
 from tessera.compiler.ir.graph import PRECISION_BYTES, Graph, Node
 from tessera.compiler.passes.base import Pass, PassError, PassResult
@@ -42,8 +42,8 @@ KERNELS = ("gqa", "mha", "attn23", "block", "portable")
 
 # The whole score block of a site (B·H·Tq·Tk scores) up to this many bytes is computed as one
 # block with no Loop on CPU. bench/attention.py, B = 1, 12 heads of 64, causal, fp32, 2 threads
-# (docs/BENCHMARKS.md): the block is faster than the portable Loop up to N = 256 (3 MiB of scores)
-# and slower from 384 (6.75 MiB) on, by 3x at 512 (12 MiB).
+# (docs/benchmarks/log.md, "Short sequences: the block kernel"): the block is faster than the
+# portable Loop up to N = 256 (3 MiB of scores) and slower from 384 (6.75 MiB) on, by 3x at 512 (12 MiB).
 BLOCK_BYTES = 4 * 1024 * 1024
 BLOCK_MEASURED = "N = 128: 1.0 against 1.4 ms for the Loop and 1.1 ms unfused"
 
@@ -73,13 +73,17 @@ _NAMES = {"gqa": "GroupQueryAttention", "mha": "MultiHeadAttention", "attn23": "
 
 def unsupported(kernel: str, attrs: dict) -> str | None:
     """Why ``kernel`` cannot compute the score epilogue these attributes ask for: the features the node
-    uses that the kernel's allow-list (backends/onnx/attention.py KERNEL_FEATURES) lacks; None if none."""
+    uses that the kernel's allow-list (backends/onnx/attention.py KERNEL_FEATURES) lacks, or a shortcut
+    the kernel takes (KERNEL_ASSUMES) that one of them breaks; None if neither."""
     have = kernel_features(kernel, attrs.get("decode"), attrs.get("prefill"))
     missing = [f for f in score_epilogue.used(attrs) if f not in have]
-    if not missing:
-        return None
-    return (f"{_NAMES.get(kernel, kernel)} computes no {score_epilogue.words(missing)} "
-            f"(of the score epilogue it computes {score_epilogue.words(sorted(have)) or 'nothing'})")
+    if missing:
+        return (f"{_NAMES.get(kernel, kernel)} computes no {score_epilogue.words(missing)} "
+                f"(of the score epilogue it computes {score_epilogue.words(sorted(have)) or 'nothing'})")
+    broken = score_epilogue.broken(KERNEL_ASSUMES[kernel], attrs)
+    if broken:
+        return f"{_NAMES.get(kernel, kernel)} cannot be exact here: {'; '.join(broken)}"
+    return None
 
 
 def no_kernel(attrs: dict) -> str | None:
@@ -153,13 +157,17 @@ def choose(node: Node, graph: Graph, target: Target) -> tuple[str, str]:
     score block fits BLOCK_BYTES gets the block kernel; one whose length is only known at run time
     keeps the long-sequence kernel named here, with the block in front of it (``block_for``)."""
     impl, reason = _choose_long(node, graph, target)
+    refused = why_not(impl, node, graph, target)
+    if refused:  # a feature breaks the long kernel's shortcut: the block kernel computes every score
+        return "block", (f"the block kernel, which takes no shortcut, computes every score of the whole block "
+                         f"(memory O(N²)): {refused}")
     if target.device != "cpu":
         return impl, reason
     n = score_bytes(node, graph, target)
     if dims.is_static(n):
         if int(n) <= BLOCK_BYTES:
             return "block", (f"the whole score block ({_mib(int(n))}) fits {_mib(BLOCK_BYTES)}: one block of plain "
-                             f"MatMul/Softmax with no Loop is faster there ({BLOCK_MEASURED}; docs/BENCHMARKS.md)")
+                             f"MatMul/Softmax with no Loop is faster there ({BLOCK_MEASURED}; docs/benchmarks/log.md)")
         return impl, reason
     return impl, (f"the block kernel (no Loop) while the B·H·Tq·Tk scores fit {_mib(BLOCK_BYTES)} at run time "
                   f"({BLOCK_MEASURED}); longer: {reason}")
@@ -185,7 +193,7 @@ def _choose_long(node: Node, graph: Graph, target: Target) -> tuple[str, str]:
     if node.attrs["causal"] and target.device == "cpu" and why_not("gqa", node, graph, target) is None:
         return "portable", ("Tessera's tiled kernel: onnxruntime 1.31's GroupQueryAttention on CPU holds the "
                             "N×N probabilities and is slower (3.3 GB extra, 1.6–1.8× the time at N=8192, 12 heads; "
-                            "docs/BENCHMARKS.md)")
+                            "docs/benchmarks/log.md)")
     reason = why_not("gqa", node, graph, target) if node.attrs["causal"] else why_not("mha", node, graph, target)
     return "portable", f"Tessera's tiled kernel: onnxruntime's contrib kernels would not be tiled here ({reason})"
 
@@ -241,8 +249,8 @@ def choose_cached(node: Node, graph: Graph, target: Target, gqa_decode: bool = F
     with past copies the past every step and has no grouped key/value heads. On CUDA the plain
     branch stands, unmeasured (no GPU was lent)."""
     missing = unsupported("phased", {**node.attrs, "decode": "gqa" if gqa_decode else None})
-    if missing:  # the cache adds no score feature fusion did not check (no_kernel); a bug if reached
-        raise PassError(f"the cached attention at {node.scope}: {missing}")
+    if missing:  # fused for the block kernel alone (a feature breaking the cache's shortcuts): no cache
+        raise PassError(f"the attention at {node.scope} cannot be cached: {missing}")
     prefill = "prefill (T > 1): portable tiled kernel, the T x (P+T) scores never formed"
     if cached_prefill(node, target, gqa_decode):
         prefill = (f"prefill (T > 1): onnx's Attention (opset 23) over past and new keys, its masks as one attn_mask "

@@ -79,8 +79,9 @@ class PipelineResult:
 class PassManager:
     """Runs passes in order, each under its contract; the declared pipeline is its ``passes``."""
 
-    def __init__(self, passes: list[Pass]):
+    def __init__(self, passes: list[Pass], model_passes: list | None = None):
         self.passes = list(passes)
+        self.model_passes = list(model_passes or [])  # passes/model_passes.py: over the exported ONNX model
 
     def __call__(self, graph: Graph) -> PipelineResult:
         results = []
@@ -89,8 +90,20 @@ class PassManager:
             graph = results[-1].graph
         return PipelineResult(graph, results)
 
+    def after_export(self, exported) -> list[PassResult]:
+        """The model passes on the exported model (a passes/model_passes.Exported), in place, in order,
+        each under its contract; their notes that are words (for --explain) gathered on ``exported.notes``."""
+        results = []
+        for p in self.model_passes:
+            results.append(p(exported))
+            exported.notes += [n for n in results[-1].notes if isinstance(n, str)]
+        return results
+
     def describe(self) -> str:
-        return " -> ".join(p.name for p in self.passes)
+        text = " -> ".join(p.name for p in self.passes)
+        if self.model_passes:
+            text += " | after export: " + " -> ".join(p.name for p in self.model_passes)
+        return text
 
 
 def run_passes(graph: Graph, passes: list[Pass]) -> list[PassResult]:

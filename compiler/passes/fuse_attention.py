@@ -36,6 +36,7 @@ class AttentionSite:
     node: str | None = None  # the fused_attention node, when fused
     impl: str | None = None  # chosen lowering (set from the kernel-selection pass's notes)
     impl_reason: str = ""
+    at: object = None  # where in the spec the reason arose, when not at the softmax (a node's origin)
 
     def describe(self) -> str:
         where = f"{self.scope or '<model>'} ({self.pos})" if self.pos else (self.scope or "<model>")
@@ -44,7 +45,7 @@ class AttentionSite:
     def verdict(self) -> str:
         """What became of the site and why, without where it is: --explain groups the sites sharing one."""
         if not self.fused:
-            return f"not fused: {self.reason}"
+            return f"not fused: {self.reason}" + (f" (at {self.at})" if self.at and self.at != self.pos else "")
         return f"fused -> {self.impl}: {self.impl_reason}" if self.impl else "fused"
 
 
@@ -65,8 +66,14 @@ def _in_steps(graph: Graph, where: str = "") -> list[AttentionSite]:
         for cand in pattern.recognise(body):
             n = cand.node
             reason = cand.reason if not cand.fusable else IN_STEP
-            sites.append(AttentionSite(n.name, f"{inner}{n.scope}", n.origin, False, reason))
+            sites.append(AttentionSite(n.name, f"{inner}{n.scope}", n.origin, False, reason,
+                                       at=_origin(body, cand.at) if not cand.fusable else None))
     return sites
+
+
+def _origin(graph: Graph, node: str):
+    """The spec position of the node a match failed at (None: the softmax, or no such node)."""
+    return graph.nodes[node].origin if node and node in graph.nodes else None
 
 
 def _scalar_bias(graph: Graph, m: pattern.AttentionMatch) -> str:
@@ -93,7 +100,8 @@ class FuseAttention(Pass):
             reason = cand.reason if not cand.fusable else (DISABLED if not self.enabled else
                                                           no_kernel(pattern.attributes(m)))
             if reason:
-                sites.append(AttentionSite(n.name, n.scope, n.origin, False, reason))
+                at = _origin(graph, cand.at) if not cand.fusable else None
+                sites.append(AttentionSite(n.name, n.scope, n.origin, False, reason, at=at))
                 continue
             if m.bias_const is not None:
                 m.bias = _scalar_bias(graph, m)

@@ -199,7 +199,7 @@ class CacheOptions:
 
     @property
     def decode_kernel(self) -> str:
-        """``decode`` with auto resolved: measured on CPU only (docs/BENCHMARKS.md); CUDA keeps the
+        """``decode`` with auto resolved: measured on CPU only (docs/benchmarks/log.md); CUDA keeps the
         plain branch, unmeasured."""
         if self.decode == "auto":
             return "gqa" if self.target.device == "cpu" else "plain"

@@ -13,6 +13,10 @@ a PassManager under the pass contract (requires -> run -> ensures).
   goes on with the decoder graph), the KV cache passes on the decoder.
 - ``report``: the rewrites the report applies before it counts (sparse experts), run on a copy.
 
+The cached pipelines also list the passes they run on the exported ONNX model (``MODEL_PASSES``,
+passes/model_passes.py: dead nodes, the packed step and the combined call settled, skip norms, the
+bound step), which compiler/build.py runs after export; ``describe()`` shows both.
+
 The attention sites ``--explain`` prints are read from the passes' results (the fusion pass's
 AttentionSite notes, completed by the kernel pass's KernelChoice notes), never handed from one
 pass to the next; so is the CacheInfo (kv_cache.cache_info) and the encoder (EncoderPart).
@@ -32,6 +36,8 @@ from tessera.compiler.passes.expose_attention import ExposeAttentionProbs
 from tessera.compiler.passes.fuse_attention import AttentionSite, FuseAttention
 from tessera.compiler.passes.fuse_linears import FuseSharedInputLinears
 from tessera.compiler.passes.kv_cache import CacheOptions, cache_passes, cache_tensors
+from tessera.compiler.passes.model_passes import (FuseSkipNorms, ModelPass, PruneDeadNodes, SettleMixed, SettlePacked,
+                                                  SplitBoundStep)
 from tessera.compiler.passes.precision import LowerPrecision
 from tessera.compiler.passes.quantize import QuantConfig, QuantizeWeights
 from tessera.compiler.passes.recurrence import ChooseRecurrenceLowering
@@ -136,11 +142,35 @@ PIPELINES: dict[str, Callable[[PipelineOptions], list[Pass]]] = {
     "full": full, "cached_decoder": cached_decoder, "encoder_decoder": encoder_decoder, "report": report}
 
 
+def cached_decoder_after_export(o: PipelineOptions) -> list[ModelPass]:
+    """The cached decoder's rewrites of the exported model: dead nodes out, the packed step's and the
+    combined call's nodes settled, then (both on by default; off only to measure them) the residual
+    Add + norm fused and the bound decoding step split into a branch of its own."""
+    passes: list[ModelPass] = [PruneDeadNodes(), SettlePacked(), SettleMixed()]
+    if o.skip_norm:
+        passes.append(FuseSkipNorms())
+    if o.bound_step:
+        passes.append(SplitBoundStep())
+    return passes
+
+
+def encoder_decoder_after_export(o: PipelineOptions) -> list[ModelPass]:
+    """The decoder's (the encoder is exported as it is)."""
+    return [PruneDeadNodes(), SettlePacked(), SettleMixed()]
+
+
+# The passes over the exported ONNX model (passes/model_passes.py), per pipeline; none for the others.
+MODEL_PASSES: dict[str, Callable[[PipelineOptions], list[ModelPass]]] = {
+    "cached_decoder": cached_decoder_after_export, "encoder_decoder": encoder_decoder_after_export}
+
+
 def pipeline(name: str, options: PipelineOptions = PipelineOptions()) -> PassManager:
-    """The named pipeline for these options."""
+    """The named pipeline for these options: its graph passes, and the passes it runs on the exported
+    model (``PassManager.after_export``)."""
     if name not in PIPELINES:
         raise PassError(f"unknown pipeline '{name}' (choose from {', '.join(PIPELINES)})")
-    return PassManager(PIPELINES[name](options))
+    after = MODEL_PASSES.get(name)
+    return PassManager(PIPELINES[name](options), after(options) if after else [])
 
 
 def run_report(graph: Graph, options: PipelineOptions = PipelineOptions()) -> PipelineResult:

@@ -13,7 +13,7 @@ weight replaced by derived parameters (compiler/reference/quant.py):
 Why: decoding reads every weight once per token, so its time is the weight bytes (4x fewer with
 int8, 8x with int4, plus the scales). A batch of rows or a prompt is bound by arithmetic instead,
 and there the integer GEMM of ``w8a8`` is several times fp32's, where MatMulNBits' int8 path is not
-(docs/BENCHMARKS.md "Serving with w8a8"); its activations carry one scale per row, coarser than
+(docs/benchmarks/log.md "Serving with w8a8"); its activations carry one scale per row, coarser than
 MatMulNBits' per block of 32.
 
 Which linears: every one whose weight is a parameter, except
@@ -40,7 +40,7 @@ SCHEMES = {"int8": 8, "int4": 4, "w8a8": 8}
 ROW_SCHEMES = ("w8a8",)  # one scale per output row and per activation row (linear_int8)
 # MatMulNBits' accuracy_level: 0 computes in fp32 from dequantised weights; 4 quantises each block
 # of activations to int8 at run time and uses onnxruntime's integer kernels (several times faster
-# for one token at a time on this CPU: docs/BENCHMARKS.md).
+# for one token at a time on this CPU: docs/benchmarks/log.md).
 ACTIVATIONS = {"int8": 4, "float": 0}
 DEFAULT_BLOCK = 32
 MIN_OUTPUTS = 16

@@ -21,7 +21,7 @@ from tessera.compiler.ops.experts import IMPLS
 from tessera.compiler.passes.base import Pass, PassError, PassResult
 from tessera.compiler.patterns.experts import sparse_block
 
-# Chosen by measurement (bench/moe.py, docs/BENCHMARKS.md): the standard-op gather/scatter form ran a
+# Chosen by measurement (bench/moe.py, docs/benchmarks/log.md): the standard-op gather/scatter form ran a
 # 2-layer Mixtral-shaped model at N = 512 2.7x faster than dense, onnxruntime's MoE kernel 2.1x (its CPU
 # kernel runs each expert's products on one thread).
 DEFAULT_IMPL = "gather"

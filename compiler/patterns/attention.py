@@ -18,8 +18,9 @@ score path: (op, check, absorb, scores, feature), where
 - ``scores`` names the operand that carries the scores, so the walk goes on,
 - ``feature`` names the score-epilogue feature (compiler/reference/score_epilogue.py
   ``FEATURES``) the absorbed node becomes. A feature the epilogue does not know, a
-  rule with none, an absorb that records nothing, or features in an order the
-  epilogue does not apply them in keep the site unfused with that reason, so a new
+  rule with none, an absorb that records nothing, features in an order the
+  epilogue does not apply them in, or two features of one stage not declared to
+  commute keep the site unfused with that reason, so a new
   rule can never be fused into a kernel that would ignore it (the kernels' allow-lists
   and passes/attention_kernels.py ``no_kernel`` do the rest).
 
@@ -84,6 +85,7 @@ class AttentionMatch:
     softcap: float | None = None  # tanh(s)·c on the scaled scores (logit soft-capping): c
     features: list[str] = field(default_factory=list)  # score-epilogue features the path's rules produced
     attrs: dict = field(default_factory=dict)  # fused-node attributes of features with no field above
+    failed_at: str = ""          # the node where ``reason`` arose ("" : the softmax), for --explain's spec line
 
     @property
     def fusable(self) -> bool:
@@ -96,13 +98,17 @@ class AttentionMatch:
             return [self.anchor]
         return [self.score, *self.path, self.anchor, *self.forward, self.value]
 
-    def fail(self, reason: str | None) -> None:
+    def fail(self, reason: str | None, at: str = "") -> None:
         if reason and not self.reason:
-            self.reason = reason
+            self.reason, self.failed_at = reason, at
 
 
 class NoMatch(Exception):
-    """The softmax is not attention; the message says why."""
+    """The softmax is not attention; the message says why, ``at`` names the node where the walk stopped."""
+
+    def __init__(self, reason: str, at: str = ""):
+        super().__init__(reason)
+        self.at = at
 
 
 @dataclass
@@ -112,6 +118,7 @@ class Candidate:
     node: Node
     match: AttentionMatch | None
     reason: str = ""  # why it is not attention, or why it cannot be fused
+    at: str = ""      # the node where that reason arose ("": the softmax itself)
 
     @property
     def fusable(self) -> bool:
@@ -310,8 +317,12 @@ def _unknown_feature(rule: ScoreRule, n: Node) -> str | None:
 
 def _epilogue_order(features: list[str]) -> str | None:
     """Why features applied in this graph order (scale aside: it folds anywhere before a bias) differ
-    from the epilogue's order, in which features of one stage commute."""
+    from the epilogue's order: a later stage first, or two features of one stage whose commutation is
+    not declared (score_epilogue.COMMUTING; the epilogue applies a stage's steps in its own order)."""
     staged = [f for f in features if f != "scale"]
+    reason = score_epilogue.not_commuting(staged)
+    if reason:
+        return reason
     for before, after in zip(staged, staged[1:]):
         if score_epilogue.FEATURES[after].stage < score_epilogue.FEATURES[before].stage:
             return f"the {score_epilogue.words([before])} is applied before the {score_epilogue.words([after])}; " \
@@ -405,7 +416,8 @@ def match(g: Graph, softmax: Node) -> AttentionMatch:
         through = [u for u in users if u.op in PASS_THROUGH and u.outputs[0] not in g.outputs]
         if len(through) != 1:
             raise NoMatch(f"{what} feed {users[0].op if users else 'nothing'}, not a matmul with V")
-        m.fail(f"the attention weights pass through {through[0].op} ({through[0].name}) before the matmul with V")
+        m.fail(f"the attention weights pass through {through[0].op} ({through[0].name}) before the matmul with V",
+               through[0].name)
         m.forward.append(through[0].name)
         probs = through[0].outputs[0]
         m.internal.append(probs)
@@ -430,22 +442,23 @@ def match(g: Graph, softmax: Node) -> AttentionMatch:
         if node is None:
             raise NoMatch(f"the scores are a graph input or constant ({cur}), not computed from Q and K")
         m.internal.append(cur)
-        m.fail(_exposed(g, cur, f"the scores ({cur})"))
+        m.fail(_exposed(g, cur, f"the scores ({cur})"), node.name)
         if node.op == "matmul":
             break
         rule = SCORE_RULES.get(node.op)
         if rule is None:
-            raise NoMatch(f"the scores pass through {node.op} ({node.name}), which the fused kernel cannot express")
+            raise NoMatch(f"the scores pass through {node.op} ({node.name}), which the fused kernel cannot express",
+                          node.name)
         reason = rule.check(g, node, m) or _unknown_feature(rule, node)
         if reason:
-            m.fail(reason)
+            m.fail(reason, node.name)
         else:
             before = (attributes(m), m.scaled)
             rule.absorb(g, node, m)
             m.features.append(rule.feature)
             if (attributes(m), m.scaled) == before:
                 m.fail(f"the scores pass through {node.op} ({node.name}), but its ScoreRule's absorb records "
-                       f"nothing on the fused node ({rule.feature})")
+                       f"nothing on the fused node ({rule.feature})", node.name)
         path.append(node.name)
         cur = rule.scores(g, node)
     qk = node
@@ -521,9 +534,9 @@ def recognise(g: Graph) -> list[Candidate]:
         elif n.op == "softmax":
             try:
                 m = match(g, n)
-                out.append(Candidate(n, m, m.reason))
+                out.append(Candidate(n, m, m.reason, m.failed_at))
             except NoMatch as e:
-                out.append(Candidate(n, None, str(e)))
+                out.append(Candidate(n, None, str(e), e.at))
     return out
 
 

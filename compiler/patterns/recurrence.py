@@ -1,7 +1,7 @@
 """When a scan's body is exactly one of onnx's recurrent cells (RNN with tanh, GRU, LSTM).
 
 The ONNX export can then emit onnx's own ``RNN``/``GRU``/``LSTM`` op, which onnxruntime runs as one
-kernel (docs/BENCHMARKS.md measures it against the ``Scan`` lowering). The op only computes its own
+kernel (docs/benchmarks/log.md measures it against the ``Scan`` lowering). The op only computes its own
 equations, so the body must be that cell and nothing else: the standard library's block (the
 ``cell`` attribute the ``scan`` builtin sets), with the primitive ops that block elaborates to, one
 per-step input [B, I], states [B, H] and exactly the four parameters W_ih [g·H, I], b_ih [g·H],

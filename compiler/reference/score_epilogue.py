@@ -3,7 +3,10 @@
 One table, ``FEATURES``, names every option a fused_attention node may apply to its scores
 (scale, logit soft-cap, additive bias, causal mask, sliding window, two-sided local window, padding mask), the node
 attributes each one owns (their types and allowed values: ops/attention.py's schema is built
-from them) and where it sits in the epilogue (``stage``: features of one stage commute).
+from them), where it sits in the epilogue (``stage``; two features of one stage must be declared
+to commute, ``COMMUTING``) and what a kernel may take for granted about it (``elementwise``,
+``keeps_hidden``; ``ASSUMPTIONS`` names each kernel shortcut and the features that break it:
+backends/onnx/attention.py ``KERNEL_ASSUMES`` says which shortcuts each kernel takes).
 ``apply`` is the numpy meaning of the table, used by the interpreter (ops/attention.py's
 reference of fused_attention) and by reference/flash.py's plain and tiled attention. The
 ONNX kernels build the same steps in backends/onnx/score_epilogue.py, and a kernel
@@ -12,7 +15,8 @@ each score-path rule produces, so a score option this table does not know is ref
 fusion instead of being dropped by a kernel.
 
 A new score option is one row here, one step in backends/onnx/score_epilogue.py and one
-ScoreRule in compiler/patterns/attention.py.
+ScoreRule in compiler/patterns/attention.py. Its row says what it is (elementwise? does a hidden
+score stay hidden through it?), and the kernels that take a shortcut it breaks refuse it.
 """
 
 from __future__ import annotations
@@ -109,13 +113,29 @@ def _masks(s, a, w):
 
 @dataclass(frozen=True)
 class Feature:
-    """One option of the score epilogue: the attributes it owns and whether a node uses it."""
+    """One option of the score epilogue: the attributes it owns, whether a node uses it, and what the
+    kernels may take for granted about it (the contract; tests/test_attention_contract_property.py
+    checks every claim here numerically, so a wrong claim fails the suite, never a model).
+
+    ``elementwise``: the step reads only its own score and that score's position, so a kernel that
+    computes the scores tile by tile (KERNEL_ASSUMES "tiles_scores") gets the same result. ``keeps_hidden``:
+    applied to a score the masks hid (the dtype's minimum), the result still weighs exactly 0 after the
+    softmax, so a kernel that never computes hidden keys ("hidden_weigh_zero") loses nothing when this
+    step runs after the masks. Both default to False: a new feature is refused by every kernel
+    that takes such a shortcut until it says otherwise (and the test holds it to what it says).
+    ``needs``: features that must be on for this one to do anything (a window needs causal).
+    ``flops``: operations per score, by the report's categories, for the fused node's cost."""
 
     name: str
-    stage: int                      # order in the epilogue; features of one stage commute
-    attrs: dict = field(default_factory=dict)
+    stage: int                      # order in the epilogue; two features of one stage must be declared
+    attrs: dict = field(default_factory=dict)   # to commute (COMMUTING) before a site may use both
     active: Callable[[dict], bool] = lambda a: True
     what: str = ""                  # in words, for --explain ("padding mask"); the name if empty
+    elementwise: bool = False
+    keeps_hidden: bool = False
+    hides: bool = False             # the step hides keys (fills scores with the dtype's minimum)
+    needs: tuple = ()
+    flops: dict = field(default_factory=lambda: {"elementwise": 1})
 
     @property
     def words(self) -> str:
@@ -123,24 +143,131 @@ class Feature:
 
 
 FEATURES: dict[str, Feature] = {f.name: f for f in (
-    Feature("scale", 0, {"scale": Attr((float,), "multiplies the scores", finite, required=True)}, what="scale"),
+    Feature("scale", 0, {"scale": Attr((float,), "multiplies the scores", finite, required=True)}, what="scale",
+            elementwise=True),
     Feature("softcap", 1, {"softcap": Attr((float,), "tanh(s)·c on the scaled scores", positive)},
-            lambda a: bool(a.get("softcap")), "logit soft-capping"),
+            lambda a: bool(a.get("softcap")), "logit soft-capping", elementwise=True,
+            flops={"elementwise": 2, "activation": 1}),  # a divide (folded into the scale), tanh, multiply
     Feature("bias", 2, {"bias": Attr((bool,), "an additive bias tensor is an input (after the mask)",
                                      required=True)},
-            lambda a: bool(a.get("bias")), "additive bias"),
+            lambda a: bool(a.get("bias")), "additive bias", elementwise=True, keeps_hidden=True),
     Feature("causal", 2, {"causal": Attr((bool,), "hide keys after each query", required=True)},
-            lambda a: bool(a.get("causal")), "causal mask"),
+            lambda a: bool(a.get("causal")), "causal mask", elementwise=True, keeps_hidden=True, hides=True,
+            flops={"mask": 1}),
     Feature("window", 2, {"window": Attr((int,), "with causal: also hide keys this far back (0: none)",
                                          non_negative, required=True)},
-            lambda a: bool(a.get("window")), "sliding window"),
+            lambda a: bool(a.get("window")), "sliding window", elementwise=True, keeps_hidden=True, hides=True,
+            needs=("causal",), flops={}),  # the causal mask's one select covers it
     Feature("local_window", 2, {"local_window": Attr((int,), "without causal: hide keys this far from the query "
                                                      "or farther, on either side (0: none)", non_negative)},
-            lambda a: bool(a.get("local_window")), "two-sided local window"),
+            lambda a: bool(a.get("local_window")), "two-sided local window", elementwise=True, keeps_hidden=True,
+            hides=True, flops={"mask": 1}),
     Feature("padding", 2, {"padding": Attr((bool,), "a key padding mask [B, Tk] is an input (0 = padding)",
                                            required=True)},
-            lambda a: bool(a.get("padding")), "padding mask"),
+            lambda a: bool(a.get("padding")), "padding mask", elementwise=True, keeps_hidden=True, hides=True,
+            flops={"mask": 1}),
 )}
+
+# Pairs of features of one stage that give the same weights in either order (a site may apply them in
+# any order the recogniser accepts). Declared, never assumed: a site using two features of one stage
+# that are not listed here stays unfused, and tests/test_attention_contract_property.py checks every
+# pair listed here in both orders on random scores. Mask fills commute with each other; an added
+# bias commutes with a fill because min + b rounds to min (|b| < 1e30 in fp32).
+COMMUTING: frozenset[frozenset[str]] = frozenset(frozenset(p) for p in (
+    ("bias", "causal"), ("bias", "window"), ("bias", "local_window"), ("bias", "padding"),
+    ("causal", "window"), ("causal", "padding"), ("window", "padding"), ("local_window", "padding"),
+    ("causal", "local_window"), ("window", "local_window"),
+))
+
+
+def not_commuting(features) -> str | None:
+    """Why features used together cannot be applied in the epilogue's order: two of one stage whose
+    commutation is not declared in COMMUTING (None: every such pair is)."""
+    fs = [f for f in features if f in FEATURES]
+    for i, f in enumerate(fs):
+        for g in fs[i + 1:]:
+            if f != g and FEATURES[f].stage == FEATURES[g].stage and frozenset((f, g)) not in COMMUTING:
+                return (f"the {words([f])} and the {words([g])} share stage {FEATURES[f].stage} of the score "
+                        f"epilogue but are not declared to commute (COMMUTING in "
+                        f"compiler/reference/score_epilogue.py)")
+    return None
+
+
+@dataclass(frozen=True)
+class Assumption:
+    """A structural shortcut a kernel takes, and what it takes for granted about the score epilogue."""
+
+    name: str
+    what: str                                         # the shortcut, in words
+    broken_by: Callable[[list], "str | None"]        # why these used features break it (None: they don't)
+
+
+def _mask_stage() -> int:
+    return min(f.stage for f in FEATURES.values() if f.hides)
+
+
+def _hidden_may_weigh(features) -> str | None:
+    late = [f for f in features if f in FEATURES and FEATURES[f].stage > _mask_stage()
+            and not FEATURES[f].keeps_hidden]
+    if late:
+        return f"the {words(late)} runs after the masks and may give a hidden key weight (it is not " \
+               f"declared keeps_hidden)"
+    return None
+
+
+def _not_elementwise(features) -> str | None:
+    loose = [f for f in features if f in FEATURES and not FEATURES[f].elementwise]
+    if loose:
+        return f"the {words(loose)} is not declared elementwise (a score's result may depend on other scores)"
+    return None
+
+
+ASSUMPTIONS: dict[str, Assumption] = {a.name: a for a in (
+    # Every such kernel also assumes that each query sees at least one key: a row the masks hide
+    # entirely has no defined weights (unfused: uniform over all keys; tiled: over the keys computed).
+    Assumption("hidden_weigh_zero", "keys the masks hide weigh exactly 0, so they are skipped or never "
+                                    "computed (causal tiles end at their last row, windows start late, cache "
+                                    "slots past the positions, flash kernels' skipped blocks)", _hidden_may_weigh),
+    Assumption("tiles_scores", "the scores are computed tile by tile, so each step must be elementwise",
+               _not_elementwise),
+)}
+
+
+def broken(assumptions, attrs: dict) -> list[str]:
+    """Why a kernel taking these shortcuts cannot compute the epilogue these attributes ask for."""
+    on = used(attrs)
+    return [f"it assumes {ASSUMPTIONS[a].what}, but {why}" for a in sorted(assumptions)
+            if (why := ASSUMPTIONS[a].broken_by(on))]
+
+
+def flops_per_score(attrs: dict) -> dict[str, int]:
+    """The epilogue's operations per score for these attributes, by category (ops/attention.py's cost)."""
+    total: dict[str, int] = {}
+    for f in used(attrs):
+        for kind, n in FEATURES[f].flops.items():
+            total[kind] = total.get(kind, 0) + n
+    return total
+
+
+def only(attrs: dict, features) -> dict:
+    """These attributes with every feature but ``features`` (and what they need) turned off: for
+    applying one feature's step alone (the contract's tests)."""
+    keep = set(features)
+    for f in list(keep):
+        keep |= set(FEATURES[f].needs)
+    out = dict(attrs)
+    for f in FEATURES.values():
+        if f.name in keep:
+            continue
+        for name, attr in f.attrs.items():
+            if bool in attr.types:
+                out[name] = False
+            elif int in attr.types and f.name != "scale":
+                out[name] = 0
+            elif f.name != "scale":
+                out.pop(name, None)
+    return out
+
 
 # The epilogue in order: (features a step computes, the step). Every feature has exactly one step.
 STEPS: list[tuple[tuple[str, ...], Callable]] = [

@@ -22,16 +22,17 @@ def dtype_arg(text: str) -> str:
     return _DTYPE_ALIASES.get(text, text)
 
 
-# --quantize and its details: defined beside QuantOptions (runtime/options.py), since `tessera serve`
-# and `tessera batch` (runtime/serving/, which does not import the command line) take them too
+# --quantize and its details, and every other compile option all commands take: declared with their
+# fields (options.QuantOptions, options.BuildOptions), since `tessera serve` and `tessera batch`
+# (runtime/serving/, which does not import the command line) take them too
 add_quant_arguments = options.add_quant_arguments
+add_build_arguments = options.add_build_arguments
 
 
 def model_args(p: argparse.ArgumentParser, spec_help: str, metavar: str = "SPEC") -> None:
-    p.add_argument("spec", metavar=metavar, help=spec_help)
-    p.add_argument("--variant", "-V", help="a variant defined in the spec file (e.g. small, medium)")
-    p.add_argument("--set", dest="sets", action="append", default=[], metavar="NAME=VALUE",
-                   help="override a hyperparameter (repeatable), checked like the spec's own values")
+    """SPEC, --variant and --set: options.ModelRef's flags (declared with its fields)."""
+    options.add_arguments(p, options.ModelRef, {"spec": spec_help}, only=("spec", "variant", "sets"),
+                          spec={"metavar": metavar})
 
 
 class LazyChoices:
@@ -81,24 +82,15 @@ def optimize_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--recurrence", choices=["auto", "scan"], default="auto",
                    help="lowering of scans (recurrent layers): auto uses onnx's RNN/GRU/LSTM op where the step "
                         "is exactly that cell, scan always an ONNX Scan of the step (default auto)")
-    add_quant_arguments(p)
+    add_build_arguments(p)
     p.add_argument("--explain", action="store_true",
                    help="list every attention site: fused or not and why, and the kernel chosen; and how each "
                         "recurrence (scan) is lowered")
 
 
 def weights_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--seed", type=int, default=0, help="seed of the weight initialiser (default 0)")
-    p.add_argument("--weights", metavar="FILE",
-                   help="a .safetensors file or folder of shards; Hugging Face names are mapped by the "
-                        "<spec>.hf.toml file beside the spec, and a folder's config.json gives the "
-                        "hyperparameters its [config] table names (a value contradicting --set or the "
-                        "variant is an error)")
-    p.add_argument("--allow-large", action="store_true",
-                   help="go ahead even when the weights look too large for the memory available (compile "
-                        "streams them to the file one tensor at a time, so there only its largest tensor "
-                        "and the free disk count) (by default such a model is refused before anything is "
-                        "allocated or written)")
+    """--seed, --weights and --allow-large: options.ModelRef's flags (declared with its fields)."""
+    options.add_arguments(p, options.ModelRef, only=("seed", "weights", "allow_large"))
 
 
 def site_index(text: str) -> int:

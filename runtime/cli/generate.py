@@ -12,7 +12,7 @@ import json
 import sys
 import time
 
-from tessera.runtime.cli import args
+from tessera.runtime import options
 from tessera.runtime.options import GenerateOptions, ModelRef
 
 EXAMPLES = """examples:
@@ -25,6 +25,11 @@ EXAMPLES = """examples:
       --no-repeat-ngram-size 3 --logprobs 5 --format json
 """
 
+# the model's flags (options.ModelRef) as generate words them
+HELPS = {"spec": "a .tsr spec, or an .onnx file (or folder) compiled with a KV cache",
+         "seed": "seed of the sampler, and of the weight initialiser without --weights (default 0)",
+         "allow_large": options.LOAD_ALLOW_LARGE}
+
 
 def add_parser(sub) -> argparse.ArgumentParser:
     g = sub.add_parser("generate", help="generate text or tokens with a KV cache",
@@ -32,14 +37,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
                        description="Compile a decoder-only spec with a KV cache (or load one compiled so) and "
                                    "generate: prefill the prompts once, then one token per step. Prompts of "
                                    "different lengths are left-padded and masked.")
-    g.add_argument("spec", metavar="MODEL", help="a .tsr spec, or an .onnx file (or folder) compiled with a KV cache")
-    g.add_argument("--variant", "-V", help="a variant defined in the spec file (e.g. small)")
-    g.add_argument("--set", dest="sets", action="append", default=[], metavar="NAME=VALUE",
-                   help="override a hyperparameter (repeatable)")
-    g.add_argument("--weights", metavar="FILE", help="a .safetensors file or folder of shards (else seeded weights); "
-                   "a folder's config.json gives the hyperparameters the mapping file's [config] table names")
-    g.add_argument("--seed", type=int, default=0,
-                   help="seed of the sampler, and of the weight initialiser without --weights (default 0)")
+    options.add_arguments(g, ModelRef, HELPS)  # MODEL, --variant, --set, --seed, --weights, --allow-large
     g.add_argument("--tokenizer", metavar="tokenizer.json", help="a Hugging Face tokenizer.json for --prompt and "
                    "for printing text")
     g.add_argument("--prompt", dest="prompts", action="append", default=[], metavar="TEXT",
@@ -83,7 +81,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
     g.add_argument("--format", choices=["text", "json", "jsonl"], default="text",
                    help="output format (default text); jsonl streams one JSON object per new token as it is "
                         "decoded (prompt, token, text, and with --logprobs logprob and top), then one of stats")
-    args.add_quant_arguments(g)
+    options.add_build_arguments(g)  # the compile options every command takes (--quantize ...)
     g.add_argument("--threads", type=int, default=None, help="onnxruntime intra-op threads (default: all cores)")
     g.add_argument("--cache", choices=["auto", "buffer", "concat"], default="auto",
                    help="buffer: preallocated cache, written in place; concat: present = past + new, fed back; "

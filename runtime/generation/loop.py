@@ -105,13 +105,12 @@ def load_model(ref, o, weights=None, models: dict | None = None, progress=None):
     ``progress(done, total, stage)`` is told as each stage of a compile starts (runtime/progress.py)."""
     step = progress or (lambda done, total, stage=None: None)
     path = Path(ref.spec)
-    config = o.quant_config()
     if path.suffix == ".onnx" or path.is_dir():
-        if ref.variant or ref.sets or ref.weights or config is not None:
+        if ref.variant or ref.sets or ref.weights or o.build_given():
             raise UsageError("--variant, --set, --weights and --quantize apply to .tsr specs; an .onnx file is "
                              "already compiled")
         return gen.CachedModel.from_onnx(path, threads=o.threads)
-    key = (o.threads, o.cache, o.quantize, o.quantize_block, o.quantize_head, o.quantize_activations,
+    key = (o.threads, o.cache, o.build_key(),
            o.speculative is None)  # speculative decoding's target keeps every position's logits
     if models is not None and key in models:
         return models[key]

@@ -17,20 +17,18 @@ decoding step and a finished row frees its slot at once -- the same reason the s
 
 from __future__ import annotations
 
-import argparse
 import collections
 import json
 import math
 import os
 import tempfile
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass
 from pathlib import Path
 
 from typing import TYPE_CHECKING
 
-from tessera.runtime.options import QuantOptions
-
-from .model import UsageError
+from tessera.runtime.errors import UsageError
+from tessera.runtime.options import EngineOptions
 
 if TYPE_CHECKING:  # the engine (and onnxruntime behind it) is imported when a batch runs, not for --help
     from .engine import Engine, Handle, Request
@@ -38,47 +36,29 @@ if TYPE_CHECKING:  # the engine (and onnxruntime behind it) is imported when a b
 ROW_FIELDS = ("prompt", "max_tokens", "temperature", "top_p", "top_k", "repetition_penalty", "seed", "stop", "min_p",
               "no_repeat_ngram_size", "min_tokens")
 
-@dataclass
-class BatchOptions(QuantOptions):
-    """`tessera batch`'s options: the model (as `tessera serve` takes it, its quantisation included),
-    the files, the engine's bounds, and where it runs. Picklable: Ray Data's actors build their
-    engines from it."""
+@dataclass(kw_only=True)
+class BatchOptions(EngineOptions):
+    """`tessera batch`'s options: the model, its compile, tokenizer and engine bounds as `tessera serve`
+    takes them (options.EngineOptions), the files, the default of a row's max_tokens, and where it
+    runs. Picklable: Ray Data's actors build their engines from it."""
 
-    spec: str
     input: str = ""
     output: str = ""
-    variant: str | None = None
-    sets: list[str] = field(default_factory=list)
-    weights: str | None = None
-    seed: int = 0
-    tokenizer: str | None = None
     max_tokens: int = 16
-    max_batch: int = 8
-    max_queue: int = 64
-    threads: int | None = None
-    max_context: int | None = None
-    prefill_chunk: int = 256
     ray: bool = False
     concurrency: int = 1
     address: str | None = None
 
     def check(self) -> None:
-        QuantOptions.check(self)
-        for name, low in (("max_tokens", 1), ("max_batch", 1), ("max_queue", 0), ("prefill_chunk", 1),
-                          ("concurrency", 1), ("threads", 1), ("max_context", 2)):
+        super().check()
+        for name, low in (("max_tokens", 1), ("concurrency", 1)):
             value = getattr(self, name)
-            if value is None and name in ("threads", "max_context"):
-                continue
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
                 raise UsageError(f"--{name.replace('_', '-')} must be an integer >= {low}, got {value}")
         if (self.concurrency != 1 or self.address) and not self.ray:
             raise UsageError("--concurrency and --address apply with --ray")
         if Path(self.output).resolve() == Path(self.input).resolve():
             raise UsageError("--output is the --input file; write the results elsewhere")
-
-    @classmethod
-    def from_args(cls, args: argparse.Namespace) -> "BatchOptions":
-        return cls(**{f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)})
 
 
 # ---------------------------------------------------------------------------------------- input
@@ -227,17 +207,19 @@ def run_rows(engine: Engine, rows: list[dict], default_max_tokens: int) -> list[
     return results  # type: ignore[return-value]
 
 
-def load_engine(opts: BatchOptions, threads: int | None = None) -> Engine:
-    """The engine (not started) for ``opts``'s model, tokenizer and bounds (row_engine.engine_for: the
+def load_engine(opts: BatchOptions) -> Engine:
+    """The engine (not started) for ``opts``'s model, tokenizer and bounds (the model loaded by the
+    driver, runtime/driver.py ``serve_model``, as `tessera serve` loads it; row_engine.engine_for: the
     KV-cache Engine, or the RowEngine for recurrent state and encoder-decoders, whose decoder starts
     from the checkpoint's decoder_start_token_id)."""
+    from tessera.runtime import driver
+
     from . import model as serving_model
     from .row_engine import engine_for
 
     tokenizer_path = serving_model.tokenizer_path(opts.tokenizer, opts.spec)
     tokenizer = serving_model.load_tokenizer(tokenizer_path) if tokenizer_path else None
-    model = serving_model.load(opts.spec, opts.variant, opts.sets, opts.weights, opts.seed,
-                               threads if threads is not None else opts.threads, quantize=opts.quant_config())
+    model = driver.serve_model(opts.model, opts)
     start = serving_model.decoder_start(tokenizer_path, opts.spec, opts.weights) if hasattr(model, "s2s") else None
     return engine_for(model, opts.max_batch, opts.max_queue, opts.max_context, opts.prefill_chunk,
                                     tokenizer, serving_model.eos_ids(tokenizer, tokenizer_path, opts.spec,

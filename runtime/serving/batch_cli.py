@@ -8,8 +8,18 @@ from __future__ import annotations
 import argparse
 import sys
 
+from tessera.runtime.options import add_engine_arguments
+
 from .batch import ROW_FIELDS, BatchOptions, read_rows, run_local, write_atomically
-from .server import add_model_arguments, prefill_chunk_help
+
+# the engine's flags as batch words them (the rest is EngineOptions' own help)
+HELPS = {"tokenizer": "a Hugging Face tokenizer.json (or its folder): text prompts, stop strings, text in the results; "
+                      "its folder gives the end-of-sequence token",
+         "max_batch": "sequences decoded together per engine (default 8)",
+         "max_queue": "rows waiting for a slot per engine (default 64)",
+         "threads": "onnxruntime intra-op threads (default: all cores; with --ray: 1), and with --ray the CPUs each "
+                    "actor reserves",
+         "max_context": "positions per slot, prompt and new tokens together (default: the model's context)"}
 
 EXAMPLES = """examples:
   tessera batch models/gpt2.tsr -V small --weights gpt2/model.safetensors --tokenizer gpt2/tokenizer.json \\
@@ -21,7 +31,7 @@ output lines: {"text": " world", "tokens": [995, ...], "finish_reason": "length"
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
-    d = BatchOptions("")
+    d = BatchOptions(spec="")
     b = sub.add_parser("batch", help="generate for a JSON-lines file of prompts (continuous batching; Ray Data "
                        "with --ray)", formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EXAMPLES,
                        description="Run every prompt of --input through the serving engine (rows share each "
@@ -33,21 +43,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
                         f"{', '.join(ROW_FIELDS[1:])}")
     b.add_argument("--output", "-o", required=True, metavar="FILE.jsonl",
                    help="one JSON object a line: text, tokens, finish_reason (or error)")
-    add_model_arguments(b, d.seed, "a Hugging Face tokenizer.json (or its folder): text prompts, stop strings, "
-                        "text in the results; its folder gives the end-of-sequence token")
+    add_engine_arguments(b, HELPS)  # the model, its compile, the tokenizer, the engine (options.EngineOptions)
     b.add_argument("--max-tokens", type=int, default=d.max_tokens, metavar="N",
                    help=f"new tokens for a row without max_tokens (default {d.max_tokens}, as OpenAI's completions)")
-    b.add_argument("--max-batch", type=int, default=d.max_batch, metavar="N",
-                   help=f"sequences decoded together per engine (default {d.max_batch})")
-    b.add_argument("--max-queue", type=int, default=d.max_queue, metavar="N",
-                   help=f"rows waiting for a slot per engine (default {d.max_queue})")
-    b.add_argument("--threads", type=int, default=None,
-                   help="onnxruntime intra-op threads (default: all cores; with --ray: 1), and with --ray the "
-                        "CPUs each actor reserves")
-    b.add_argument("--max-context", type=int, default=None, metavar="N",
-                   help="positions per slot, prompt and new tokens together (default: the model's context)")
-    b.add_argument("--prefill-chunk", type=int, default=d.prefill_chunk, metavar="N",
-                   help=prefill_chunk_help(d.prefill_chunk))
     b.add_argument("--ray", action="store_true", help="run on Ray Data: one engine per actor (the serve extra)")
     b.add_argument("--concurrency", type=int, default=d.concurrency, metavar="N",
                    help="with --ray: actors, each holding one engine (default 1)")

@@ -1,8 +1,9 @@
 """``tessera serve MODEL``: the engine behind an OpenAI-compatible HTTP server (FastAPI + uvicorn).
 
-Registered in runtime/cli.py by ``add_parser(sub)``; ``cmd_serve`` runs it. The options are the
+Registered in runtime/cli/__init__.py by ``add_parser(sub)``; ``cmd_serve`` runs it. The options are the
 dataclass ``ServeOptions`` (serving/server.py; ``check()`` refuses bad values with a UsageError before anything
-loads). SIGTERM drains: new requests get 503, running and queued ones finish (up to
+loads): the model, its compile options, the tokenizer and the engine's bounds are options.EngineOptions'
+fields, whose flags are generated from them (``add_engine_arguments``), as `tessera batch`'s are. SIGTERM drains: new requests get 503, running and queued ones finish (up to
 ``--drain-timeout`` seconds), then the process exits 0. Without the ``serve`` extra the command
 says which extra to install.
 """
@@ -14,10 +15,10 @@ import signal
 import sys
 import threading
 
-from tessera.runtime.options import GenerateOptions
+from tessera.runtime.errors import UsageError
+from tessera.runtime.options import GenerateOptions, add_engine_arguments
 
-from .model import UsageError
-from .server import ServeOptions, add_model_arguments, build_server, prefill_chunk_help, require_extra
+from .server import ServeOptions, build_server, require_extra
 
 EXAMPLES = """examples:
   tessera serve models/gpt2.tsr -V small --weights gpt2/model.safetensors --tokenizer gpt2/tokenizer.json
@@ -27,7 +28,7 @@ EXAMPLES = """examples:
 """
 
 def add_parser(sub) -> argparse.ArgumentParser:
-    d = ServeOptions("")
+    d = ServeOptions(spec="")
     s = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API (continuous batching)",
                        formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EXAMPLES,
                        description="Compile a spec with a KV cache (or load a file compiled with "
@@ -35,20 +36,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
                                    "/v1/chat/completions (streaming with stream=true), GET /v1/models, /health, "
                                    "/metrics. Requests share each decoding step (continuous batching). "
                                    "Needs the serve extra: pip install 'tessera[serve]'. See docs/serve.md.")
-    add_model_arguments(s, d.seed, "a Hugging Face tokenizer.json (or its folder): text prompts, stop strings; "
-                        "its folder's tokenizer_config.json gives the chat template and the end-of-sequence token")
+    add_engine_arguments(s)  # the model, its compile, the tokenizer, the engine (options.EngineOptions)
     s.add_argument("--host", default=d.host, help=f"address to listen on (default {d.host}: this machine only)")
     s.add_argument("--port", type=int, default=d.port, help=f"port (default {d.port})")
-    s.add_argument("--max-batch", type=int, default=d.max_batch, metavar="N",
-                   help=f"sequences decoded together, the cache's slots (default {d.max_batch})")
-    s.add_argument("--max-queue", type=int, default=d.max_queue, metavar="N",
-                   help=f"requests waiting for a slot; past it requests get 429 (default {d.max_queue})")
-    s.add_argument("--threads", type=int, default=None, help="onnxruntime intra-op threads (default: all cores)")
-    s.add_argument("--max-context", type=int, default=None, metavar="N",
-                   help="positions per slot, prompt and new tokens together (default: the model's context); "
-                        "the cache is max-batch x N positions, allocated at start")
-    s.add_argument("--prefill-chunk", type=int, default=d.prefill_chunk, metavar="N",
-                   help=prefill_chunk_help(d.prefill_chunk))
     s.add_argument("--drain-timeout", type=float, default=d.drain_timeout, metavar="S",
                    help=f"on SIGTERM, seconds to let running requests finish (default {d.drain_timeout:g})")
     s.add_argument("--start-token", type=int, default=None, metavar="ID",

@@ -162,7 +162,7 @@ def _committed(elements: int, dtype) -> np.ndarray:
     of page faults inside steps. How much depends on the machine: on the benchmark VM (memory its
     host had not backed yet) the w8a8 server at 16 streams ran 343-345 tokens/s with np.zeros
     against 445-446 written at start, time to first token p99 5.4-5.6 s against 1.6 s (docs/
-    BENCHMARKS.md, ab1); where the pages were recycled from the process's own freed memory, widenings
+    benchmarks/table.md S14, ab1); where the pages were recycled from the process's own freed memory, widenings
     took 13-47 ms either way. Written at start, whatever they cost is paid before the first request."""
     arr = np.empty(elements, dtype=dtype)
     arr.fill(0)
@@ -224,7 +224,7 @@ class Engine:
         self.relayouts = 0
         self.slots = np.zeros((max_batch, capacity), dtype=np.int64)
         self.cache_allocations = 1  # the tests check that no step adds to it
-        # GroupQueryAttention decoding (model.py DECODE): the kernel writes the new columns in place
+        # GroupQueryAttention decoding (runtime/driver.py DECODE): the kernel writes the new columns in place
         self.in_place = bool(info.length_input)
         self._buffer_output = {}
         for layer in info.layers:
@@ -475,7 +475,7 @@ class Engine:
         streams run, the smaller the chunk that delays them. With none running (a lone request, the
         start of a burst) no stream waits, and a small budget would only cost calls (each reads
         every weight: a lone 150-token prompt in chunks of 32 took 1.6x the time to its first token
-        of one chunk of 128, docs/BENCHMARKS.md S11): the prompt goes in by ``idle_chunk`` tokens
+        of one chunk of 128, docs/benchmarks/table.md S11): the prompt goes in by ``idle_chunk`` tokens
         (``IDLE_PREFILL_CHUNK``, or the budget if larger), a bound that keeps one call's activations
         and the wait of a request arriving meanwhile in proportion."""
         if decoding == 0:

@@ -1,58 +1,37 @@
-"""What the serving engines need from the rest of the runtime, in one place: the cached decoder
-(compiled with the plain decoding branch, see ``load``; row_engine.py ``engine_for`` picks the engine
-that serves it), token choice, the tokenizer and the errors.
+"""What the serving engines need from the rest of the runtime, in one place: the model for the engine
+(``load``: runtime/driver.py's ``serve_model``, which compiles it as every other command compiles;
+row_engine.py ``engine_for`` picks the engine that serves it), token choice, the tokenizer and the errors.
 
-Why one module: the engine and the server import the runtime only through here, so the runtime can
-be reorganised by changing these imports alone.
+Why one module: the engines and the routes (engine.py, row_engine.py, speculation.py, app.py) import
+the runtime only through here, so the runtime can be reorganised by changing these imports alone; what
+builds them (server.py, batch.py) takes its options from runtime/options.py and its model from the
+driver. The parsers of `tessera serve` and `tessera batch`
+do not import it (they must not import onnxruntime, onnx or the compiler: tests/test_cli_help.py).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
+from tessera.runtime import driver
+from tessera.runtime.driver import DECODE, check_fit, served_sources  # noqa: F401  (re-exported)
 from tessera.runtime.errors import UsageError  # noqa: F401  (re-exported)
+from tessera.runtime.generation.cached import (NO_CONTEXT_CAP, CachedDecoder, CachedModel, Stats,  # noqa: F401
+                                               TextStopper, check_cache_fits, encode_prompts, stop_token_ids)
+from tessera.runtime.generation.drafting import NgramDrafter  # noqa: F401
+from tessera.runtime.generation.sampling import Sampling, Step, choose, token_logprobs  # noqa: F401
+from tessera.runtime.io.chat_template import ChatTemplate, ChatTemplateError  # noqa: F401
+from tessera.runtime.io.text import load_tokenizer  # noqa: F401
+from tessera.runtime.options import EngineOptions
+from tessera.runtime.session import RunError, ort_message  # noqa: F401
 
-# re-exported, imported on first use (PEP 562) so that `tessera serve --help` and `tessera --help`,
-# which import the serving commands, do not import onnxruntime, onnx and the compiler
-LAZY = {"CachedModel": ("tessera.runtime.generation.cached", "CachedModel"),
-        "Sampling": ("tessera.runtime.generation.sampling", "Sampling"),
-        "choose": ("tessera.runtime.generation.sampling", "choose"),
-        "Step": ("tessera.runtime.generation.sampling", "Step"),
-        "token_logprobs": ("tessera.runtime.generation.sampling", "token_logprobs"),
-        "TextStopper": ("tessera.runtime.generation.cached", "TextStopper"),
-        "encode_prompts": ("tessera.runtime.generation.cached", "encode_prompts"),
-        "stop_token_ids": ("tessera.runtime.generation.cached", "stop_token_ids"),
-        "check_cache_fits": ("tessera.runtime.generation.cached", "check_cache_fits"),
-        "CachedDecoder": ("tessera.runtime.generation.cached", "CachedDecoder"),
-        "Stats": ("tessera.runtime.generation.cached", "Stats"),
-        "NO_CONTEXT_CAP": ("tessera.runtime.generation.cached", "NO_CONTEXT_CAP"),
-        "NgramDrafter": ("tessera.runtime.generation.drafting", "NgramDrafter"),
-        "ort_message": ("tessera.runtime.session", "ort_message"),
-        "RunError": ("tessera.runtime.session", "RunError"),
-        "load_tokenizer": ("tessera.runtime.io.text", "load_tokenizer"),
-        "ChatTemplate": ("tessera.runtime.io.chat_template", "ChatTemplate"),
-        "ChatTemplateError": ("tessera.runtime.io.chat_template", "ChatTemplateError")}
-
-
-def __getattr__(name: str):
-    if name in LAZY:
-        import importlib
-
-        module, attr = LAZY[name]
-        return getattr(importlib.import_module(module), attr)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-# The engine's decoding kernel, measured (bench/serve_decode.py: one engine step at 16 rows of uneven
-# lengths, the issue's Llama shape, alternating rounds): GroupQueryAttention with per-row lengths was
-# faster than the plain branch in 11 of 12 rounds over two runs (medians 1.08x and 1.25x, under load;
-# docs/BENCHMARKS.md S3).
-DECODE = "auto"  # GroupQueryAttention where every cached site takes it, else the plain branch
 DECODE_REASONS = {
     "gqa": ("decode (T = 1): onnxruntime's GroupQueryAttention over the shared cache buffer with per-row "
             "seqlens_k (cache_length [B]): each row attends over its own filled slots and the kernel writes "
             "its new column at its own slot, in place (the buffer bound as past and present), so rows of any "
             "lengths share a step. Chosen over the plain MatMul/Softmax branch with a per-row mask: faster in "
-            "11 of 12 rounds of bench/serve_decode.py (one step at 16 rows of uneven lengths; docs/BENCHMARKS.md)."),
+            "11 of 12 rounds of bench/serve_decode.py (one step at 16 rows of uneven lengths; "
+            "docs/benchmarks/table.md S3)."),
     "plain": ("decode (T = 1): plain MatMul/Softmax over the cache buffer with a per-row slot mask and per-row "
               "positions, so every row of one step has its own length; the engine writes each row's new "
               "column at that row's own slot. (GroupQueryAttention with per-row lengths, faster where it "
@@ -62,7 +41,7 @@ DECODE_REASONS = {
 
 
 # The combined call (compiler/backends/onnx/mixed_attention.py): measured by bench/prefill_mix_cost.py
-# (docs/BENCHMARKS.md S7, under load): an iteration of 16 decoding rows and a 16-token chunk as one call
+# (docs/benchmarks/table.md S7, under load): an iteration of 16 decoding rows and a 16-token chunk as one call
 # costs about 1.2 of the engine's decoding step, against 1.6-1.7 as two calls.
 COMBINED_REASONS = {
     True: ("iteration: the decoding rows and a prompt chunk in ONE onnxruntime call (the combined call: the tokens "
@@ -104,129 +83,13 @@ def decode_kernel(info) -> str:
     return "gqa" if info.length_input else "plain"
 
 
-def load(spec: str, variant: str | None = None, sets: list[str] | None = None, weights: str | None = None,
-         seed: int = 0, threads: int | None = None, decode: str | None = None,
-         last_only: bool = True, quantize=None) -> "CachedModel":
-    """The model for the engine (row_engine.py ``engine_for`` picks it): a .tsr spec (or a bundled spec's name) compiled
-    now with the plain decoding branch in buffer mode, or an .onnx file compiled with ``--kv-cache
-    --decode plain``; a decoder with recurrent state compiled with its state as cache state, and an
-    encoder-decoder as generation/loop.py's EncoderDecoder (both for the RowEngine, row_engine.py).
-    ``last_only=False``: the logits of every position (serve --speculative checks drafts with them).
-    ``quantize``: a QuantConfig (options.QuantOptions.quant_config), applied by the pipeline's first pass."""
-    from tessera.runtime import pipeline as _pipeline
-    from tessera.runtime.generation import cached as _gen
-    from tessera.runtime.generation.cached import CachedModel
-    from tessera.runtime.io import checkpoint
-
-    if checkpoint.is_checkpoint(spec):  # a Hugging Face checkpoint folder: its bundled spec, its own weights
-        if weights and Path(weights).resolve() != Path(spec).resolve():
-            raise UsageError(f"{spec} is a checkpoint folder, its own weights; give it without --weights")
-        spec, weights = checkpoint.spec_for(Path(spec)), str(spec)
-    path = Path(spec)
-    if path.suffix == ".onnx" or path.is_dir():
-        if variant or sets or weights or quantize:
-            raise UsageError("--variant, --set, --weights and --quantize apply to .tsr specs; an .onnx file is "
-                             "already compiled (compile it with --kv-cache --quantize ...)")
-        model = CachedModel.from_onnx(path, threads=threads)
-    else:
-        built = _pipeline.build(spec, variant, sets or [], weights)
-        from tessera.runtime.generation.loop import target_input
-
-        w = _pipeline.weights_for(built, weights, seed)
-        target = target_input(built.graph)
-        if target is not None:  # served by the RowEngine (row_engine.py), one decoder per row
-            return _encoder_decoder(built, w, target, threads, quantize)
-        if _carries_state(built.graph):  # the RowEngine's per-slot state; no buffer cache to fit
-            with _pipeline.compiler_errors():
-                proto, info = _gen.compile_cached(built, w, quantize=quantize)
-            return CachedModel(proto.SerializeToString(), info, threads=threads)
-        try:
-            # the engine's variant: with the combined call (last-position logits only: not for speculation)
-            proto, info = _gen.compile_cached(built, w, mode="buffer", decode=decode or DECODE,
-                                             last_only=last_only, mixed=last_only, quantize=quantize)
-            if info.length_input and not all(layer.buffer_key for layer in info.layers):
-                # mixed kernels would read one attention mask two ways (see check_fit): all plain
-                proto, info = _gen.compile_cached(built, w, mode="buffer", decode="plain", last_only=last_only,
-                                                 quantize=quantize)
-        except UsageError as e:  # e.g. a sliding window: no buffer-mode cache
-            raise UsageError(f"{e}; `tessera serve` needs the buffer cache (one row per slot), so it cannot serve "
-                             f"this model") from None
-        model = CachedModel(proto.SerializeToString(), info, threads=threads)
-    check_fit(model)
-    return model
-
-
-def _carries_state(graph) -> bool:
-    """Whether a decoder-only graph carries recurrent state over time (a scan or causal conv1d over the
-    tokens: compiler/passes/recurrent_state.py), which the KV-cache Engine has no slot for."""
-    from tessera.compiler.ir import dims
-    from tessera.compiler.passes.recurrent_state import carries_state
-
-    logits = graph.type_of(graph.outputs[0])
-    return logits.rank == 3 and carries_state(graph, dims.dim(logits.shape[1]))
-
-
-def served_sources(model) -> tuple[str, list[str]]:
-    """An encoder-decoder's (prompt source, mask sources): the one integer source that indexes an
-    embedding table takes the prompt's ids; integer sources of the same shape are its mask (all ones:
-    a request is one unpadded row). Anything else (float features) cannot come over HTTP."""
-    specs = {s.name: s for s in model.specs}
-    floats = [s for s in model.specs if not s.dtype.startswith(("i", "u"))]
-    if floats:
-        s = floats[0]
-        raise UsageError(f"the encoder's input '{s.name}' is {s} (float features, as Whisper's log-mel "
-                         f"spectrogram); the server's HTTP API carries text or token prompts only, so this model "
-                         f"cannot be served: generate it with `tessera generate --input {s.name}=FILE.npy`")
-    ids = [name for name in model.sources if name in model.limits.ids]
-    if len(ids) != 1:
-        raise UsageError(f"the server takes the prompt as the encoder's token ids: the model needs exactly one "
-                         f"source of token ids, it has {len(ids)} ({', '.join(model.sources)})")
-    prompt = ids[0]
-    masks = [n for n in model.sources if n != prompt]
-    for n in masks:
-        if specs[n].dims != specs[prompt].dims:
-            raise UsageError(f"the encoder's input '{n}' ({specs[n]}) is neither the prompt's token ids nor their "
-                             f"mask; the server cannot fill it from a prompt")
-    return prompt, masks
-
-
-def _encoder_decoder(built, weights, target: str, threads: int | None, quantize=None):
-    """An encoder-decoder for the RowEngine (generation/loop.py's EncoderDecoder: the encoder part and
-    the cached decoder), its sources checked first: float features cannot come over HTTP."""
-    from tessera.compiler.ir.signature import input_limits, specs_from_graph
-    from tessera.compiler.passes.pipeline import PipelineOptions
-    from tessera.runtime.generation.loop import EncoderDecoder
-
-    class Sources:  # what served_sources reads, before anything is compiled
-        specs = [s for s in specs_from_graph(built.graph) if s.name != target]
-        sources = [s.name for s in specs]
-        limits = input_limits(built.graph)
-
-    served_sources(Sources)
-    return EncoderDecoder(built, weights, target, threads, PipelineOptions(quantize=quantize))
-
-
-def check_fit(model: CachedModel) -> None:
-    """The engine needs buffer mode (a preallocated cache, one row per slot) and per-row lengths:
-    the plain decoding branch, or GroupQueryAttention at every cached site with a cache_length of one
-    length per row ([B]; files compiled before it had [1]). Say how to recompile otherwise."""
-    info = model.info
-    if info.mode != "buffer":
-        raise UsageError("the engine needs a buffer-mode cache (sliding-window models compile to concat mode, "
-                         "which the engine does not serve); recompile with --kv-cache --cache buffer")
-    if info.length_input:
-        shape = next((i.shape for i in model.session.get_inputs() if i.name == info.length_input), None)
-        if shape == [1]:
-            raise UsageError("this file decodes with GroupQueryAttention over one cache length for every row "
-                             "(compiled by an older Tessera), so rows of different lengths cannot share a step; "
-                             "recompile it (`tessera compile --kv-cache`, or `--decode plain`), or serve the .tsr "
-                             "spec")
-        if not all(layer.buffer_key for layer in info.layers):
-            raise UsageError("this file decodes some attention layers with GroupQueryAttention and others with "
-                             "the plain branch, which read the engine's mask differently; recompile it with "
-                             "`tessera compile --kv-cache --decode plain`, or serve the .tsr spec")
-    if model.vocab is None:
-        raise UsageError("the model's vocabulary size is not static; the engine needs it")
+def load(spec: str, decode: str | None = None, last_only: bool = True, **options) -> CachedModel:
+    """The engine's model for ``spec`` with EngineOptions' fields as keywords (``sets=[...]``,
+    ``threads=1``, ``quantize="int4"``...): runtime/driver.py's ``serve_model``, as `tessera serve` and
+    `tessera batch` load it (a shorthand for tests and benchmarks; ``decode`` and ``last_only`` are the
+    engine's choices, serve_model's)."""
+    o = EngineOptions(spec=spec, **options)
+    return driver.serve_model(o.model, o, decode or DECODE, last_only)
 
 
 def tokenizer_path(tokenizer, spec) -> str | None:

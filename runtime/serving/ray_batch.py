@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import json
 
+from tessera.runtime.errors import UsageError
+
 from .batch import BatchOptions, run_rows
-from .model import UsageError
 from .ray_support import connected, require_ray
 
 
@@ -25,10 +26,12 @@ class EngineActor:
     """One engine per Ray Data actor, built from picklable options."""
 
     def __init__(self, opts: BatchOptions, threads: int):
+        from dataclasses import replace
+
         from .batch import load_engine
 
         self.opts = opts
-        self.engine = load_engine(opts, threads).start()
+        self.engine = load_engine(replace(opts, threads=threads)).start()
 
     def __call__(self, batch: dict) -> dict:
         rows = [json.loads(r) for r in batch["row"]]

@@ -37,16 +37,18 @@ import sys
 import threading
 from dataclasses import dataclass, fields
 
-from .server import ServeOptions, require_extra
-from .model import UsageError
+from tessera.runtime.errors import UsageError
+from tessera.runtime.options import Options
+
 from .ray_support import connected, require_ray
+from .server import ServeOptions, require_extra
 
 APP_NAME = "tessera"
 REPLICA_HEADER, NODE_HEADER = "x-tessera-replica", "x-tessera-node"
 
 
-@dataclass
-class RayOptions:
+@dataclass(kw_only=True)
+class RayOptions(Options):
     """The Ray side of `tessera serve --ray`."""
 
     replicas: int | None = None
@@ -67,10 +69,6 @@ class RayOptions:
             raise UsageError("autoscaling needs both --min-replicas and --max-replicas")
         if autoscaled and self.min_replicas > self.max_replicas:
             raise UsageError(f"--min-replicas {self.min_replicas} is more than --max-replicas {self.max_replicas}")
-
-    @classmethod
-    def from_args(cls, args: argparse.Namespace) -> "RayOptions":
-        return cls(**{f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)})
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -161,46 +159,63 @@ def build(opts: ServeOptions, ray_opts: RayOptions):
 
 # ------------------------------------------------------------------------------------ serve run
 
-_INT_ARGS = {"seed", "max_batch", "max_queue", "threads", "max_context", "prefill_chunk", "replicas",
-             "min_replicas", "max_replicas", "quantize_block"}
-_BOOL_ARGS = {"quantize_head"}
+# ServeOptions' fields the app does not take, and why (tests/test_options_parity.py reads this)
+APP_EXCLUDED = {"host": "Serve's HTTP options say where it listens (serve.start / the config file)",
+                "port": "Serve's HTTP options say where it listens (serve.start / the config file)",
+                "explain": "the command's --explain prints the deployment and exits; an app always runs",
+                "address": "the app runs on the Ray cluster it is deployed to"}
+# the app's names for fields it names otherwise
+APP_NAMES = {"model": "spec", "set": "sets"}
+
+
+def app_arguments() -> dict[str, tuple[type, str]]:
+    """The app's arguments: every field of ServeOptions (the model, its compile options, the engine, the
+    server's) and of RayOptions but APP_EXCLUDED, by the app's name, with (its options class, the field)."""
+    fields_of = {f.name: (cls, f) for cls in (RayOptions, ServeOptions) for f in fields(cls)
+                 if f.name not in APP_EXCLUDED}
+    by_field = {v: k for k, v in APP_NAMES.items()}
+    return {by_field.get(name, name): value for name, value in fields_of.items()}
+
+
+def _from_text(key: str, raw, kind: str):
+    """A ``key=value`` argument's text as its field's type (the annotation ``kind``, a string)."""
+    if not isinstance(raw, str):
+        return raw
+    types = kind.replace(" ", "").split("|")
+    if "list[str]" in types:
+        return [s for s in raw.split(",") if s]
+    if "bool" in types:
+        if raw.lower() not in ("true", "false", "1", "0"):
+            raise UsageError(f"{key} must be true or false, got {raw!r}")
+        return raw.lower() in ("true", "1")
+    for name, convert, what in (("int", int, "an integer"), ("float", float, "a number")):
+        if name in types:
+            try:
+                return convert(raw)
+            except ValueError:
+                if "str" in types:
+                    return raw
+                raise UsageError(f"{key} must be {what}, got {raw!r}") from None
+    return raw
 
 
 def options_from_args(args: dict) -> tuple[ServeOptions, RayOptions]:
     """``serve run ...:app key=value ...`` arguments (strings) as the command's options: ``model``
-    (required), ``variant``, ``set`` (comma-separated NAME=VALUE), ``weights``, ``seed``,
-    ``tokenizer``, ``max_batch``, ``max_queue``, ``threads``, ``max_context``, ``prefill_chunk``,
-    ``drain_timeout``, ``model_name``, ``quantize``, ``quantize_block``, ``quantize_head``,
-    ``quantize_activations``, ``replicas``, ``min_replicas``, ``max_replicas``."""
-    names = {n: n for n in {f.name for f in fields(ServeOptions)} - {"spec", "sets", "host", "port", "explain"}}
-    names.update({"model": "spec", "set": "sets", "replicas": "replicas", "min_replicas": "min_replicas",
-                  "max_replicas": "max_replicas"})
-    values: dict = {}
+    (required), ``set`` (comma-separated NAME=VALUE) and every other field of ServeOptions and
+    RayOptions by its name (``variant``, ``weights``, ``seed``, ``allow_large``, ``tokenizer``,
+    ``quantize``..., ``max_batch``, ``max_queue``, ``threads``, ``max_context``, ``prefill_chunk``,
+    ``drain_timeout``, ``model_name``, ``replicas``, ``min_replicas``, ``max_replicas``...) but
+    APP_EXCLUDED; each text converted to its field's type (``app_arguments``)."""
+    known = app_arguments()
+    values: dict[type, dict] = {RayOptions: {}, ServeOptions: {}}
     for key, raw in dict(args).items():
-        name = names.get(key)
-        if name is None:
-            raise UsageError(f"unknown argument {key!r}; the app takes {', '.join(sorted(names))}")
-        if name == "sets":
-            raw = [s for s in raw.split(",") if s] if isinstance(raw, str) else list(raw)
-        elif name in _INT_ARGS and isinstance(raw, str):
-            try:
-                raw = int(raw)
-            except ValueError:
-                raise UsageError(f"{key} must be an integer, got {raw!r}") from None
-        elif name in _BOOL_ARGS and isinstance(raw, str):
-            if raw.lower() not in ("true", "false", "1", "0"):
-                raise UsageError(f"{key} must be true or false, got {raw!r}")
-            raw = raw.lower() in ("true", "1")
-        elif name == "drain_timeout" and isinstance(raw, str):
-            try:
-                raw = float(raw)
-            except ValueError:
-                raise UsageError(f"{key} must be a number of seconds, got {raw!r}") from None
-        values[name] = raw
-    if "spec" not in values:
+        if key not in known:
+            raise UsageError(f"unknown argument {key!r}; the app takes {', '.join(sorted(known))}")
+        cls, f = known[key]
+        values[cls][f.name] = _from_text(key, raw, str(f.type))
+    if "spec" not in values[ServeOptions]:
         raise UsageError("the app needs model=... (a .tsr spec, a bundled spec's name or a compiled .onnx file)")
-    ray_opts = RayOptions(**{k: values.pop(k) for k in list(values) if k in ("replicas", "min_replicas", "max_replicas")})
-    opts = ServeOptions(**values)
+    opts, ray_opts = ServeOptions(**values[ServeOptions]), RayOptions(**values[RayOptions])
     opts.check()
     ray_opts.check()
     return opts, ray_opts

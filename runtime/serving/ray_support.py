@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 
-from .model import UsageError
+from tessera.runtime.errors import UsageError
 
 RAY_MODULES = ("ray", "ray.serve", "ray.data")
 

@@ -24,6 +24,8 @@ take at most that many bytes, else its ``impl``.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
 # onnx is imported in the lowering functions, not here: passes/attention_kernels.py reads this module's
@@ -43,8 +45,16 @@ MIN_CAUSAL_TILES = 4  # a causal tile holds at most 1/MIN_CAUSAL_TILES of the qu
 # uses, and fusion leaves a site unfused when none does. Tessera's own kernels (block, portable, and
 # the cached decode/prefill in cached_attention.py) compute scores through the one ONNX epilogue
 # (score_epilogue.py), so they compute exactly what it computes; the contrib ops have their own.
-EPILOGUE = "every feature backends/onnx/score_epilogue.py computes"
-KERNEL_FEATURES: dict[str, frozenset | str] = {
+@dataclass(frozen=True)
+class Epilogue:
+    """Every feature backends/onnx/score_epilogue.py computes, less ``less``: read when asked, so a
+    feature added to the epilogue's STEPS reaches every kernel that computes scores through it."""
+
+    less: frozenset = frozenset()
+
+
+EPILOGUE = Epilogue()
+KERNEL_FEATURES: dict[str, frozenset | Epilogue] = {
     # scale, softcap (c·tanh(scale·s / c), before its causal mask), local_window_size; no padding mask or bias
     "gqa": frozenset({"scale", "softcap", "causal", "window"}),
     "mha": frozenset({"scale"}),                        # no mask, bias, cap (not causal: see attention_kernels)
@@ -55,8 +65,24 @@ KERNEL_FEATURES: dict[str, frozenset | str] = {
     "block": EPILOGUE,
     "portable": EPILOGUE,
     # the cached kernels add one mask the cache builds (causal, window, padding): no two-sided window
-    "cached": epilogue.computed() - {"local_window"},
-    "phased": epilogue.computed() - {"local_window"},
+    "cached": Epilogue(frozenset({"local_window"})),
+    "phased": Epilogue(frozenset({"local_window"})),
+}
+# The structural shortcuts each lowering takes (compiler/reference/score_epilogue.py ASSUMPTIONS): a
+# kernel is picked only for a node none of whose features breaks one (passes/attention_kernels.py
+# ``unsupported``). The block kernel computes every score of [Tq, Tk] and takes none; the portable
+# kernel's causal tiles end at their last row and its windows start late; the cached kernels read a
+# buffer whose slots past the positions are hidden keys; the contrib kernels are flash/tiled kernels.
+KERNEL_ASSUMES: dict[str, frozenset[str]] = {
+    "gqa": frozenset({"hidden_weigh_zero", "tiles_scores"}),
+    "mha": frozenset({"hidden_weigh_zero", "tiles_scores"}),
+    # the memory-efficient/flash kernels tile the scores and skip hidden blocks; the keys padded to KEY_ALIGN
+    # are hidden and weigh zero
+    "attn23": frozenset({"hidden_weigh_zero", "tiles_scores"}),
+    "block": frozenset(),
+    "portable": frozenset({"hidden_weigh_zero", "tiles_scores"}),
+    "cached": frozenset({"hidden_weigh_zero"}),
+    "phased": frozenset({"hidden_weigh_zero", "tiles_scores"}),
 }
 # A phased node's decoding step as one GroupQueryAttention (cached_attention.py ``_lower_gqa_decode``):
 # its scale and softcap attributes, and the cache's mask (padding, causal) as its attention_bias.
@@ -67,7 +93,7 @@ def kernel_features(impl: str, decode: str | None = None, prefill: str | None = 
     """The score-epilogue features lowering ``impl`` computes (with ``decode`` "gqa" or ``prefill``
     "attn23": every branch's)."""
     have = KERNEL_FEATURES[impl]
-    have = epilogue.computed() if have == EPILOGUE else have
+    have = epilogue.computed() - have.less if isinstance(have, Epilogue) else have
     if prefill:
         have = have & kernel_features(prefill)
     return have & GQA_DECODE_FEATURES if decode == "gqa" else have
@@ -356,7 +382,7 @@ def _portable(b, node, out: str, names: list[str] | None = None) -> None:
     # within SCORE_BLOCK_BUDGET (bigger tiles make bigger, faster matrix products), at most MAX_TILE,
     # and for causal attention at most a quarter of the queries (a causal tile computes its whole
     # diagonal block, half of it hidden: four or more tiles per head keep that waste at an eighth or
-    # less). Faster than 512-row tiles on CPU at N = 512 to 2048, as fast at 8192 and 16384 (docs/BENCHMARKS.md).
+    # less). Faster than 512-row tiles on CPU at N = 512 to 2048, as fast at 8192 and 16384 (docs/benchmarks/log.md).
     bytes_per = 2 if dtype == "f16" else 4
     row_bytes = b.node("Mul", [b.dim_scalar(q_t.shape[0]), b.node("Mul", [tk, _scalar(b, bytes_per)])[0]])[0]
     fit = b.node("Div", [_scalar(b, SCORE_BLOCK_BUDGET), row_bytes])[0]

@@ -4,7 +4,7 @@ Why: the engine (runtime/serving/engine.py) used to run an iteration as two call
 one prompt and then a decoding step over the decoding rows, and each call reads every weight. On CPU
 a 16-token chunk in a call of its own costs 0.7-0.9 of a 16-row decoding step, while one call over
 16 decoding rows and the 16 chunk tokens costs about what a 32-row step's matrix products do, 1.03
-of the 16-row step (bench/prefill_mix_cost.py, docs/BENCHMARKS.md S5). This module lowers that one
+of the 16-row step (bench/prefill_mix_cost.py, docs/benchmarks/table.md S5). This module lowers that one
 call; it exists only in the engine's variant of the cached decoder (compile option ``mixed``, set by
 runtime/serving/model.py ``load``), so ``generate``'s graph is not changed by a node.
 

@@ -118,7 +118,7 @@ def prepare_whole(b, a: dict, mask: str | None, q_t, k_t, fits: str) -> str | No
     every layer with the same lengths, masks and ``fits`` test reads the same tensor instead of
     building its own Range/Greater/Where inside its short branch (once per layer, where --no-fuse's
     masks are built once: onnxruntime's common-subexpression pass merges main-graph nodes, not nodes
-    across If branches; docs/BENCHMARKS.md "Short sequences: masks built once"). ``fits`` (the If's condition) bounds it: while it is False the If takes the
+    across If branches; docs/benchmarks/log.md "Short sequences: masks built once"). ``fits`` (the If's condition) bounds it: while it is False the If takes the
     long branch, which never reads this tensor, and the tensor is empty ([0, 0]), not Tq × Tk.
     None when the node has no mask at all."""
     positional = a.get("causal") or a.get("local_window")

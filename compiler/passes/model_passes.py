@@ -1,0 +1,143 @@
+"""Passes over the exported ONNX model: the rewrites a cached decoder needs after export, as passes of
+the named pipelines (compiler/passes/pipeline.py ``MODEL_PASSES``) under the same contract as the
+graph passes (requires -> run -> ensures; onnx-ir's pass contract is the model).
+
+Why after export: each rewrites ONNX structure the IR does not have (If branches, onnxruntime's
+contrib ops, the nodes export emits for a kernel). The rewrite functions stay with the ONNX
+backend (compiler/backends/onnx/); here each becomes a pass with a name, the checks it needs and
+its notes for ``--explain``, so ``describe()`` lists the whole compile and compiler/build.py runs it
+in one place.
+
+A model pass reads an ``Exported``: the ONNX model it rewrites in place, the IR graph it was
+exported from (for value types) and the cache's interface (which outputs a decoding step writes).
+The default ``ensures``: every value a node of the main graph reads is a graph input, an
+initializer or the output of a node before it (a rewrite that moves nodes keeps the order valid).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tessera.compiler.ir.graph import Graph
+from tessera.compiler.passes.base import PassError, PassResult
+
+
+@dataclass
+class Exported:
+    """What a model pass reads: the ONNX model (rewritten in place), the IR graph it came from and,
+    for a cached decoder, its CacheInfo (compiler/passes/kv_cache.py)."""
+
+    model: object          # onnx.ModelProto
+    graph: Graph
+    info: object = None    # CacheInfo | None
+    notes: list[str] = field(default_factory=list)
+
+
+class ModelPass:
+    """A pass over an exported ONNX model; ``run`` returns a PassResult whose graph is the model."""
+
+    name = "model-pass"
+
+    def requires(self, exported: Exported) -> None:
+        """Raise PassError if the pass cannot run on this model."""
+
+    def run(self, exported: Exported) -> PassResult:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def ensures(self, exported: Exported) -> None:
+        graph = exported.model.graph
+        known = {i.name for i in graph.input} | {t.name for t in graph.initializer} | {""}
+        for node in graph.node:
+            missing = [x for x in node.input if x not in known]
+            if missing:
+                raise PassError(f"{self.name} left {node.op_type} {node.name or ''} reading {missing[0]} before it is "
+                                f"written")
+            known.update(node.output)
+
+    def __call__(self, exported: Exported) -> PassResult:
+        self.requires(exported)
+        result = self.run(exported)
+        result.name = result.name or self.name
+        self.ensures(exported)
+        return result
+
+
+class PruneDeadNodes(ModelPass):
+    """Drop nodes none of whose outputs is read (a buffer-mode cache leaves the concatenated keys and
+    values unread: its attention reads past and new apart)."""
+
+    name = "prune-dead-nodes"
+
+    def run(self, exported: Exported) -> PassResult:
+        from tessera.compiler.backends.onnx.cached_attention import prune_dead_nodes
+
+        n = prune_dead_nodes(exported.model)
+        return PassResult(exported.graph, bool(n), [n] if n else [])
+
+
+class SettlePacked(ModelPass):
+    """A packed decoding step's prefill-only nodes moved into the prefill branch (then the nodes that
+    left unread pruned), so a decoding step does not run them."""
+
+    name = "settle-packed"
+
+    def run(self, exported: Exported) -> PassResult:
+        from tessera.compiler.backends.onnx.cached_attention import prune_dead_nodes, settle_packed
+
+        moved = settle_packed(exported.model)
+        if moved:
+            prune_dead_nodes(exported.model)
+        return PassResult(exported.graph, bool(moved), [moved] if moved else [])
+
+
+class SettleMixed(ModelPass):
+    """The serving engine's combined call: the chunk's row index an input, the logits it needs."""
+
+    name = "settle-mixed"
+
+    def run(self, exported: Exported) -> PassResult:
+        from tessera.compiler.backends.onnx.mixed_attention import settle_mixed
+
+        return PassResult(exported.graph, bool(settle_mixed(exported.model)))
+
+
+class FuseSkipNorms(ModelPass):
+    """The residual Add + norm as onnxruntime's Skip(Simplified)LayerNormalization, when the graph already
+    uses onnxruntime's com.microsoft ops (the GroupQueryAttention step); its note says what it fused
+    and why a norm kept its Add."""
+
+    name = "fuse-skip-norms"
+
+    def run(self, exported: Exported) -> PassResult:
+        from tessera.compiler.backends.onnx.skip_norm import fuse_skip_norms, ir_types
+        from tessera.compiler.backends.onnx.walk import all_nodes
+
+        if not any(n.domain == "com.microsoft" for n in all_nodes(exported.model.graph.node)):
+            return PassResult(exported.graph, False)
+        report = fuse_skip_norms(exported.model, ir_types(exported.graph))
+        fused = ", ".join(f"{n} {kind}" for kind, n in report.fused.items()) or "none"
+        kept = "; ".join(f"{name}: {why}" for name, why in list(report.kept.items())[:3])
+        note = (f"residual Add + norm fused (Skip(Simplified)LayerNormalization): {fused}"
+                + (f"; left: {kept}{' ...' if len(report.kept) > 3 else ''}" if kept else ""))
+        return PassResult(exported.graph, bool(report.fused), [note])
+
+
+class SplitBoundStep(ModelPass):
+    """The bound decoding step as a branch of its own under one If (backends/onnx/bound_step.py); a graph
+    it does not fit is left as it is, and the note says why."""
+
+    name = "split-bound-step"
+
+    def requires(self, exported: Exported) -> None:
+        if exported.info is None:
+            raise PassError(f"{self.name} needs the cached decoder's CacheInfo")
+
+    def run(self, exported: Exported) -> PassResult:
+        from tessera.compiler.backends.onnx.bound_step import split_bound_step
+
+        columns = {n for layer in exported.info.layers if layer.buffer_key
+                   for n in (layer.present_key, layer.present_value)}
+        done = split_bound_step(exported.model, columns)
+        note = (f"decoding step bound in place: one If, a branch of its own ({done} nodes; no per-layer If, no cache "
+                "columns)" if isinstance(done, int) else f"decoding step bound in place: as above ({done})")
+        return PassResult(exported.graph, isinstance(done, int), [note])
