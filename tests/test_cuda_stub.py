@@ -28,7 +28,7 @@ CAUSAL_ONLY = {"gpt2", "llama"}  # every site causal self-attention with no othe
 
 
 def _compile(tmp_path, family, dtype, **extra) -> str:
-    out = tmp_path / f"{family}-{dtype}{'-kv' if extra.get('kv_cache') else ''}.onnx"
+    out = tmp_path / f"{family}-{dtype}{'-kv' if extra.get('kv_cache') else ''}-{extra.get('quantize', 'none')}.onnx"
     driver.compile(ModelRef(spec=family, sets=FAMILIES[family]),
                    CompileOptions(output=out, target="cuda", dtype=dtype, quiet=True, **extra))
     return str(out)
@@ -37,7 +37,10 @@ def _compile(tmp_path, family, dtype, **extra) -> str:
 @pytest.fixture(scope="module")
 def plain_models(tmp_path_factory):
     folder = tmp_path_factory.mktemp("cuda-models")
-    return {(f, dt): _compile(folder, f, dt) for f in FAMILIES for dt in ("fp32", "fp16")}
+    models = {(f, dt): _compile(folder, f, dt) for f in FAMILIES for dt in ("fp32", "fp16")}
+    models.update({(f, f"{dt}-int4"): _compile(folder, f, dt, quantize="int4") for f in CAUSAL_ONLY
+                   for dt in ("fp32", "fp16")})  # onnxruntime's MatMulNBits on CUDA
+    return models
 
 
 @pytest.fixture(scope="module")
@@ -48,22 +51,24 @@ def plain_reports(cuda_stub, plain_models):
     return dict(zip(keys, cuda_stub.check(*(plain_models[k] for k in keys), seq=5)))
 
 
-@pytest.mark.parametrize("dtype", ["fp32", "fp16"])
-@pytest.mark.parametrize("family", sorted(FAMILIES))
+CASES = [(f, dt) for f in sorted(FAMILIES) for dt in ("fp32", "fp16")] + \
+    [(f, f"{dt}-int4") for f in sorted(CAUSAL_ONLY) for dt in ("fp32", "fp16")]
+
+
+@pytest.mark.parametrize("family, dtype", CASES)
 def test_every_node_on_cuda_and_one_run_completes(plain_reports, family, dtype):
     report = plain_reports[(family, dtype)]
     assert not placement_problems(report), placement_problems(report)
     assert report["cuda_nodes"] > 0 and report["memcpy_subgraph"] == 0
 
 
-@pytest.mark.parametrize("dtype", ["fp32", "fp16"])
-@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize("family, dtype", CASES)
 def test_every_attention_site_gets_a_fused_kernel(plain_reports, family, dtype):
     kernels = plain_reports[(family, dtype)]["kernels"]
     sites = {"t5": 6}.get(family, 2)
     assert len(kernels) == sites, kernels
     chosen = {k[3] for k in kernels}
-    if family in CAUSAL_ONLY and dtype != "fp32":  # GroupQueryAttention with its presents
+    if family in CAUSAL_ONLY and not dtype.startswith("fp32"):  # GroupQueryAttention with its presents
         assert chosen == {"FLASH_ATTENTION"} and {k[0] for k in kernels} == {"GroupQueryAttention"}, kernels
     else:  # onnx's Attention (opset 23) with its masks as one attn_mask
         assert chosen <= {"FLASH_ATTENTION", "EFFICIENT_ATTENTION"}, kernels

@@ -232,8 +232,8 @@ DECODE_MEASURED = "0.041 / 0.029 / 0.045 ms at P = 128, 0.119-0.195 / 0.129-0.17
 
 def cached_prefill(node: Node, target: Target, gqa_decode: bool = False) -> str | None:
     """The prompt's kernel of a phased site when not the portable Loop: on CUDA, onnx's Attention (opset
-    23), where it computes the site's features (no soft-cap) and the decoding step is the plain one."""
-    if target.device != "cuda" or gqa_decode or unsupported("attn23", node.attrs):
+    23), where it computes the site's features (no soft-cap)."""
+    if target.device != "cuda" or unsupported("attn23", node.attrs):
         return None
     return "attn23"
 

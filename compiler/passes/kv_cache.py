@@ -173,6 +173,8 @@ def _gqa_unfit(node: Node, g: Graph, target: Target) -> str | None:
         return "a sliding window"
     if q_t.dtype != "f32" or target.dtype != "fp32":
         return f"{target.dtype if q_t.dtype == 'f32' else q_t.dtype} (checked in float32 only)"
+    if target.device == "cuda":
+        return "fp32 on CUDA (onnxruntime has no fp32 CUDA kernel for GroupQueryAttention)"
     if hd != hv or hd % 8:
         return f"head sizes {hd} (keys) and {hv} (values): GroupQueryAttention wants one, a multiple of 8"
     return None
@@ -200,7 +202,8 @@ class CacheOptions:
     @property
     def decode_kernel(self) -> str:
         """``decode`` with auto resolved: measured on CPU only (docs/benchmarks/log.md); CUDA keeps the
-        plain branch, unmeasured."""
+        plain branch (GroupQueryAttention decoding is built in float32 only, and onnxruntime has no fp32
+        CUDA kernel for it; its fp16 lowering, with the cache on the device, is issue 37's, not done)."""
         if self.decode == "auto":
             return "gqa" if self.target.device == "cpu" else "plain"
         return self.decode

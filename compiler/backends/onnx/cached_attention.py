@@ -513,6 +513,10 @@ def lower_phased_attention(b, node, out: str) -> None:
     t = b.dim_scalar(q_t.shape[-2])
     decoding = b.node("Equal", [t, b.const(np.array(1, np.int64), "one")])[0]
     a = node.attrs
+    if a.get("prefill") == "attn23":  # the prompt's attn_mask and key pads in the main graph (no shape
+        from tessera.compiler.backends.onnx.attention import attn23_inputs  # arithmetic in the branch)
+
+        attn23_inputs(b, node)
     if a.get("decode") == "gqa":  # decoding writes the buffer in place: the If also gives the buffers
         gqa_in = _gqa_inputs(b, node)
         packed = packed_qkv(b.graph, node)
@@ -541,10 +545,6 @@ def lower_phased_attention(b, node, out: str) -> None:
         for name, past in zip(buffers, (_split(b, node.inputs[1])[0], _split(b, node.inputs[2])[0])):
             b.extra_outputs.append((name, b.graph.type_of(past)))
         return
-    if a.get("prefill") == "attn23":  # the prompt's attn_mask and key pads in the main graph (no shape
-        from tessera.compiler.backends.onnx.attention import attn23_inputs  # arithmetic in the branch)
-
-        attn23_inputs(b, node)
     if a["padding"] and a["causal"] and not a["window"]:  # one mask for every layer's decoding step
         bias = _decode_bias(b, node, np.float16 if q_t.dtype == "f16" else np.float32)
         then_g = _branch(b, lambda b, n, o: lower_cached_attention(b, n, o, bias), node, "decode", elem)
