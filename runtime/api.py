@@ -192,7 +192,8 @@ class Model:
                  stop_tokens=(), tokenizer: str | Path | None = None, stream: bool = False, threads: int | None = None,
                  cache: str = "auto", quantize: str = "none", quantize_block: int | None = None,
                  quantize_head: bool = False, quantize_activations: str | None = None, inputs: dict | None = None,
-                 start_token: int | None = None, speculative=None, draft_tokens: int | None = None):
+                 start_token: int | None = None, speculative=None, draft_tokens: int | None = None,
+                 provider: str = "auto", dtype: str = "fp32"):
         """Generate from token ids (a list, or a list of lists for a batch) or text (a str or list of str,
         with ``tokenizer``). Returns the new tokens (or texts) per prompt -- one list (or str) for a single
         prompt; with ``stream=True`` yields them as they are decoded instead (per step: the new token of
@@ -213,7 +214,8 @@ class Model:
         either, the checkpoint's decoder_start_token_id).
         ``speculative`` ("ngram", a draft model's spec, checkpoint folder or .onnx file, or a loaded Model)
         with ``draft_tokens`` (default 10 with "ngram", 4 with a draft model): speculative decoding, greedy
-        only, the same tokens as without it (docs/generate.md); streamed, a round's tokens come together."""
+        only, the same tokens as without it (docs/generate.md); streamed, a round's tokens come together.
+        ``provider`` and ``dtype``: generate's --provider and --dtype (on CUDA the spec is compiled for CUDA)."""
         # an encoder-decoder may have no prompt: its sources and a start token (given or the checkpoint's)
         no_prompt = prompt is None and (start_token is not None or bool(inputs))
         texts, ids, single = ([], None, False) if no_prompt else split_prompt(prompt)
@@ -228,7 +230,8 @@ class Model:
                             stop_tokens=stop_tokens, threads=threads, cache=cache, quantize=quantize,
                             quantize_block=quantize_block, quantize_head=quantize_head,
                             quantize_activations=quantize_activations, start_token=start_token,
-                            speculative=speculative, draft_tokens=draft_tokens).for_api()
+                            speculative=speculative, draft_tokens=draft_tokens, provider=provider,
+                            dtype=dtype).for_api()
         o.check()  # before the tokenizer is read
         tok = self.tokenizer(tokenizer) if tokenizer is not None else None
         # errors now, not at the first next()

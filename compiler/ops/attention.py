@@ -236,6 +236,9 @@ FUSED_ATTRS: dict[str, Attr] = {
                      "projection (--decode gqa-unpacked; backends/onnx/cached_attention.py)"),
     "length_input": Attr((str,), "the cache_length input a gqa decoding step reads", lambda v: None if v else
                          "must name an input"),
+    "decode_mask": Attr((str,), "CUDA: the input holding a gqa decoding step's mask of the filled slots and the new "
+                        "column (its width the total length, kept on the host)", lambda v: None if v else
+                        "must name an input"),
     "mixed": Attr((bool,), "the serving engine's combined call: decoding rows and a prompt chunk packed in one "
                   "call (backends/onnx/mixed_attention.py)"),
 }

@@ -65,6 +65,9 @@ from tessera.compiler.passes.recurrent_state import carries_state, carry_state, 
 MASK, POSITIONS = "attention_mask", "position_ids"
 LENGTH = "cache_length"  # buffer mode with GroupQueryAttention decoding: the filled slots, i64 [1] or [B]
 LENGTH_ROWS = "length_rows"  # its size: 1 (one length for every row, generate) or B (one per row, serving)
+# CUDA (fp16): the decoding step's mask of the filled slots and the new column, i64 [B, DECODE_WIDTH]; its width
+# is GroupQueryAttention's total length, kept on the host (backends/onnx/cached_attention.py _gqa_inputs_on_device)
+DECODE_MASK, DECODE_WIDTH = "decode_mask", "decode_width"
 
 
 @dataclass
@@ -171,9 +174,10 @@ def _gqa_unfit(node: Node, g: Graph, target: Target) -> str | None:
     hd, hv = int(k_t.shape[-1]), int(v_t.shape[-1])
     if a["window"]:
         return "a sliding window"
-    if q_t.dtype != "f32" or target.dtype != "fp32":
-        return f"{target.dtype if q_t.dtype == 'f32' else q_t.dtype} (checked in float32 only)"
-    if target.device == "cuda":
+    cuda_half = target.device == "cuda" and target.dtype == "fp16"  # its CUDA kernels: fp16/bf16
+    if q_t.dtype != "f32" or (target.dtype != "fp32" and not cuda_half):
+        return f"{target.dtype if q_t.dtype == 'f32' else q_t.dtype} (checked in float32 only, and fp16 on CUDA)"
+    if target.device == "cuda" and target.dtype == "fp32":
         return "fp32 on CUDA (onnxruntime has no fp32 CUDA kernel for GroupQueryAttention)"
     if hd != hv or hd % 8:
         return f"head sizes {hd} (keys) and {hv} (values): GroupQueryAttention wants one, a multiple of 8"
@@ -205,7 +209,9 @@ class CacheOptions:
         plain branch (GroupQueryAttention decoding is built in float32 only, and onnxruntime has no fp32
         CUDA kernel for it; its fp16 lowering, with the cache on the device, is issue 37's, not done)."""
         if self.decode == "auto":
-            return "gqa" if self.target.device == "cpu" else "plain"
+            if self.target.device == "cuda":
+                return "gqa" if self.target.dtype == "fp16" else "plain"
+            return "gqa"
         return self.decode
 
 
@@ -533,11 +539,15 @@ class ChooseCacheKernels(Pass):
                 note = dataclasses.replace(note, buffer_key=f"cache_key.{i}", buffer_value=f"cache_value.{i}")
                 node.attrs["buffer_outputs"] = [note.buffer_key, note.buffer_value]
                 node.attrs["length_input"] = LENGTH
+                if target.device == "cuda":
+                    node.attrs["decode_mask"] = DECODE_MASK
                 if self.options.mixed:  # the engine's combined call too (backends/onnx/mixed_attention.py)
                     node.attrs["mixed"] = True
             notes.append(note)
         if any(n.buffer_key for n in notes):
             g.add_input(LENGTH, TensorType("i64", (dims.symbol(LENGTH_ROWS),)))
+        if any(n.attrs.get("decode_mask") for n in sites):
+            g.add_input(DECODE_MASK, TensorType("i64", (_batch_and_time(g)[0], dims.symbol(DECODE_WIDTH))))
         _settle(g)
         return PassResult(g, True, notes)
 

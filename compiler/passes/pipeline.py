@@ -149,7 +149,7 @@ def cached_decoder_after_export(o: PipelineOptions) -> list[ModelPass]:
     passes: list[ModelPass] = [PruneDeadNodes(), SettlePacked(), SettleMixed()]
     if o.skip_norm:
         passes.append(FuseSkipNorms())
-    if o.bound_step:
+    if o.bound_step and o.target.device == "cpu":  # on CUDA its If would hold shape arithmetic on the device
         passes.append(SplitBoundStep())
     return passes
 

@@ -25,13 +25,16 @@ import numpy as np
 
 
 def _feeds(sess, batch: int, seq: int, past: int) -> dict:
-    sizes = {"B": batch, "T": seq, "P": past, "S": seq + 3, "P + T": past + seq}
+    sizes = {"B": batch, "T": seq, "P": past, "S": seq + 3, "P + T": past + seq, "decode_width": past + seq,
+             "length_rows": 1}
     feeds = {}
     for i in sess.get_inputs():
         shape = [d if isinstance(d, int) else sizes.get(str(d), seq) for d in i.shape]
         if i.type == "tensor(int64)":
             if "mask" in i.name:
                 arr = np.ones(shape, np.int64)
+            elif i.name == "cache_length":  # the filled slots of a buffer cache
+                arr = np.full(shape, past, np.int64)
             elif "position" in i.name:
                 arr = np.broadcast_to(np.arange(past, past + shape[-1], dtype=np.int64), shape).copy()
             else:

@@ -161,6 +161,8 @@ def _gqa_inputs(b, node) -> tuple[str, str, str]:
     whose rows fill their buffers from slot 0 each; the kernel attends row b over its own
     cache_length[b] + 1 slots, so columns past a shorter row's new one are never read)."""
     key = ("gqa_inputs", node.inputs[3])
+    if key not in b.shared and node.attrs.get("decode_mask"):
+        return _gqa_inputs_on_device(b, node, key)
     if key not in b.shared:
         bias = _decode_bias(b, node, np.float32)  # [B, 1, 1, C + 1]
         saved, b.current = b.current, ""
@@ -179,6 +181,31 @@ def _gqa_inputs(b, node) -> tuple[str, str, str]:
             b.shared[key] = (seqlens, total, b.node("Concat", [filled, new], [b.fresh("gqa/bias")], axis=3)[0])
         finally:
             b.current = saved
+    return b.shared[key]
+
+
+def _gqa_inputs_on_device(b, node, key) -> tuple[str, str, str]:
+    """``_gqa_inputs`` on CUDA (fp16, the cache on the device): total_sequence_length and the bias from the
+    ``decode_mask`` input, [B, filled + 1] (the filled slots and the new column, runtime/generation/cached.py):
+    its width is shape arithmetic onnxruntime keeps on the host, where computed from cache_length (an input
+    it puts on the device) the kernel's host-side total would be copied back from the device each step."""
+    np_dtype = np.float16 if b.graph.type_of(node.inputs[0]).dtype == "f16" else np.float32
+    saved, b.current = b.current, ""
+    try:
+        dm = node.attrs["decode_mask"]
+        batch = b.node("Shape", [dm], start=0, end=1)[0]
+        seqlens = b.node("Cast", [b.node("Expand", [node.attrs["length_input"], batch])[0]],
+                         [b.fresh("gqa/seqlens_k")], to=TensorProto.INT32)[0]
+        width = b.node("Shape", [dm], start=1, end=2)[0]
+        total = b.node("Cast", [b.node("Squeeze", [width, b.i64([0])])[0]], [b.fresh("gqa/total")],
+                       to=TensorProto.INT32)[0]
+        hidden = b.node("Equal", [dm, b.const(np.array(0, np.int64), "zero_i64")])[0]
+        lowest = b.const(np.array(np.finfo(np_dtype).min, dtype=np_dtype), "lowest")
+        additive = b.node("Where", [hidden, lowest, b.const(np.array(0, dtype=np_dtype), "zero")])[0]
+        bias = b.node("Unsqueeze", [additive, b.i64([1, 2])], [b.fresh("gqa/bias")])[0]  # [B, 1, 1, filled + 1]
+        b.shared[key] = (seqlens, total, bias)
+    finally:
+        b.current = saved
     return b.shared[key]
 
 
@@ -313,11 +340,11 @@ def _split_ir(g, x: str) -> tuple[str, str | None]:
     return x, None
 
 
-def _rotary_caches(b, packed: PackedQKV) -> tuple[str, str]:
+def _rotary_caches(b, packed: PackedQKV, half: bool = False) -> tuple[str, str]:
     """cos and sin [max_positions, hd/2], fp32: the rope's tables at every position, computed in the
     graph by the same nodes as the per-step tables (Cos, Sin of position · inv_freq, YaRN's factor), so
     onnxruntime folds them once at load with the same kernels. Built once in the main graph."""
-    key = ("rotary_caches", packed.inv_freq.tobytes(), packed.factor, packed.max_positions)
+    key = ("rotary_caches", packed.inv_freq.tobytes(), packed.factor, packed.max_positions, half)
     if key not in b.shared:
         saved, b.current = b.current, ""
         try:
@@ -328,6 +355,8 @@ def _rotary_caches(b, packed: PackedQKV) -> tuple[str, str]:
                 t = b.node(f, [freqs], [b.fresh(f"rope/{f.lower()}_cache")])[0]
                 if packed.factor != 1.0:
                     t = b.node("Mul", [t, b.const(np.array(packed.factor, dtype=np.float32), "rope_attention_factor")])[0]
+                if half:  # GroupQueryAttention takes cos/sin caches of the queries' type (fp16 on CUDA)
+                    t = b.node("Cast", [t], to=TensorProto.FLOAT16)[0]
                 tables.append(t)
             b.shared[key] = tuple(tables)
         finally:
@@ -524,7 +553,7 @@ def lower_phased_attention(b, node, out: str) -> None:
         if not isinstance(packed, str):  # the If also gives the new keys and values (the cache outputs)
             elems = [elem] * 5
             hd = int(b.graph.type_of(node.inputs[0]).shape[-1])
-            shared = (_rotary_caches(b, packed), _new_column_index(b, node, a["kv_heads"], hd))  # main graph
+            shared = (_rotary_caches(b, packed, q_t.dtype == "f16"), _new_column_index(b, node, a["kv_heads"], hd))  # main graph
             then_g = _branch_outputs(b, lambda b, n, o: _lower_gqa_packed(b, n, o, gqa_in, packed, shared), node,
                                      "decode", elems)
             else_g = _branch_outputs(b, _or_combined(b, node, _lower_prefill_packed, gqa_in, elems, (packed, shared[0])),
