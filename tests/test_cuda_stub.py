@@ -251,6 +251,23 @@ def test_the_cuda_decoder_equals_the_cpu_one_on_cpu(cached_models, family, tmp_p
         assert (top2[:, 1] - top2[:, 0]).min() < 2e-3, (same, tokens, want_tokens)
 
 
+def test_the_gpu_bench_runs_its_smoke_sizes(cuda_stub, tmp_path):
+    """bench/gpu.py (prepared for a lent GPU, not run on one) at --smoke sizes under the stub: every
+    section runs to its end (values and times meaningless; the peers skip without a CUDA torch)."""
+    import json
+
+    from conftest import ROOT
+
+    p = cuda_stub.run([str(ROOT / "bench" / "gpu.py"), "--smoke", "--only", "accuracy", "--only", "kernels",
+                       "--only", "attention", "--only", "decode"], timeout=300, OUT=tmp_path)
+    assert p.returncode == 0, p.stderr[-3000:]
+    results = json.loads((tmp_path / "gpu.json").read_text())
+    assert not [r for r in results if "error" in r], results
+    assert {r["section"] for r in results} == {"device", "accuracy", "kernels", "attention", "decode"}
+    decode = next(r for r in results if r["section"] == "decode" and "on_device" in r)
+    assert decode["on_device"] and decode["providers"] == ["CUDAExecutionProvider"]
+
+
 def test_the_vocabulary_hint_only_follows_an_index_out_of_range():
     """A kernel's own refusal (issue 37: GroupQueryAttention's missing presents on CUDA) got 'Check that
     token ids are below the vocabulary size', which misled; only a Gather's bounds check gets it now."""
