@@ -727,6 +727,11 @@ class GenerateOptions(BuildOptions):
         super().check()
         check_choice(self.label("provider"), self.provider, PROVIDERS)
         check_choice(self.label("dtype"), self.dtype, DTYPES)
+        if self.dtype == "bf16":  # the loop reads logits and the prompt's cache through numpy
+            raise UsageError(self.say("--dtype bf16: generation reads the prompt's cache through numpy, which "
+                                      "onnxruntime gives no bfloat16; use fp16 (or compile --dtype bf16 to run it)",
+                                      "dtype='bf16': generation reads the prompt's cache through numpy, which "
+                                      "onnxruntime gives no bfloat16; use 'fp16'"))
         check_int(self.label("max_new_tokens"), self.max_new_tokens, optional=True)
         if self.max_new_tokens is not None and self.max_new_tokens < 1:
             raise UsageError(f"{self.flag('max_new_tokens')} must be at least 1, got {self.max_new_tokens}")

@@ -37,7 +37,7 @@ def _compile(tmp_path, family, dtype, target="cuda", **extra) -> str:
 @pytest.fixture(scope="module")
 def plain_models(tmp_path_factory):
     folder = tmp_path_factory.mktemp("cuda-models")
-    models = {(f, dt): _compile(folder, f, dt) for f in FAMILIES for dt in ("fp32", "fp16")}
+    models = {(f, dt): _compile(folder, f, dt) for f in FAMILIES for dt in ("fp32", "fp16", "bf16")}
     models.update({(f, f"{dt}-int4"): _compile(folder, f, dt, quantize="int4") for f in CAUSAL_ONLY
                    for dt in ("fp32", "fp16")})  # onnxruntime's MatMulNBits on CUDA
     return models
@@ -51,7 +51,7 @@ def plain_reports(cuda_stub, plain_models):
     return dict(zip(keys, cuda_stub.check(*(plain_models[k] for k in keys), seq=5)))
 
 
-CASES = [(f, dt) for f in sorted(FAMILIES) for dt in ("fp32", "fp16")] + \
+CASES = [(f, dt) for f in sorted(FAMILIES) for dt in ("fp32", "fp16", "bf16")] + \
     [(f, f"{dt}-int4") for f in sorted(CAUSAL_ONLY) for dt in ("fp32", "fp16")]
 
 
@@ -91,7 +91,8 @@ OTHERS = {
                 "mels=16"],
     "mamba": ["layers=2", "d=64", "vocab=128"],
 }
-OTHER_CASES = [(f, "fp16") for f in sorted(OTHERS)] + [("bloom", "fp32"), ("bart", "fp32"), ("gemma2", "fp32")]
+OTHER_CASES = [(f, dt) for f in sorted(OTHERS) for dt in ("fp16", "bf16")] + [("bloom", "fp32"), ("bart", "fp32"),
+                                                                         ("gemma2", "fp32")]
 STUB_STOPS = {"vit": "cuDNN is unavailable", "whisper": "cuDNN is unavailable", "mamba": "cuDNN is unavailable",
               "mixtral": "NonZero"}
 
@@ -155,7 +156,7 @@ def test_explain_names_the_cuda_kernel_of_each_site(tmp_path, capsys):
 @pytest.fixture(scope="module")
 def cached_models(tmp_path_factory):
     folder = tmp_path_factory.mktemp("cuda-cached")
-    return {(f, dt): _compile(folder, f, dt, kv_cache=True) for f in ("gpt2", "llama") for dt in ("fp32", "fp16")}
+    return {(f, dt): _compile(folder, f, dt, kv_cache=True) for f in ("gpt2", "llama") for dt in ("fp32", "fp16", "bf16")}
 
 
 @pytest.mark.parametrize("phase", ["prefill", "decode"])

@@ -27,7 +27,11 @@ from tessera.spec import Pos
 from tessera.compiler.ir import dims
 from tessera.compiler.ir.dims import Shape
 
-DTYPES = {"f32": np.float32, "f16": np.float16, "bf16": None, "i64": np.int64, "i32": np.int32,
+try:  # bfloat16 as numpy knows it (onnx's dependency ml_dtypes): the constants and weights of a bf16 export
+    from ml_dtypes import bfloat16 as _bfloat16
+except ImportError:  # pragma: no cover - onnx brings it
+    _bfloat16 = None
+DTYPES = {"f32": np.float32, "f16": np.float16, "bf16": _bfloat16, "i64": np.int64, "i32": np.int32,
           "bool": np.bool_, "u8": np.uint8, "i8": np.int8}
 FLOAT_DTYPES = {"f32", "f16", "bf16"}
 # Precisions as the command line, kernel choice and the report name them (--dtype fp32|fp16|bf16),

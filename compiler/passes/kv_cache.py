@@ -54,6 +54,7 @@ import numpy as np
 
 from tessera.compiler.ir import dims
 from tessera.compiler.ir.graph import Graph, Node, TensorType
+from tessera.compiler.ir.graph import DTYPES as _DTYPES
 from tessera.compiler.ir.graph import SymbolSource
 from tessera.compiler import ops
 from tessera.compiler.passes.attention_kernels import Target, cached_prefill, choose_cached
@@ -409,7 +410,7 @@ class ReadPositionIds(Pass):
                 out_t = g.type_of(node.outputs[0])
                 table = g.add_const("cache/sinusoidal", sinusoidal_table(self.options.max_positions,
                                                                          node.attrs["d"]).astype(
-                    np.float16 if out_t.dtype == "f16" else np.float32), out_t.dtype)
+                    _np_float(out_t.dtype)), out_t.dtype)
                 emb = g.add_node("embedding", [POSITIONS, table.name],
                                  [TensorType(out_t.dtype, (b_dim, t_dim) + out_t.shape[1:])],
                                  {}, node.scope, node.pos, name=f"{node.name}/positions", origin=node.origin)
@@ -641,3 +642,7 @@ def add_kv_cache(g: Graph, last_only: bool = False, mode: str = "auto", impl: st
     nothing against it), ``plain``, or ``auto`` (gqa on CPU, plain elsewhere: unmeasured)."""
     options = CacheOptions(last_only, mode, impl, tokens, max_positions, target, decode)
     return cache_info(PassManager(cache_passes(options))(g))
+
+
+def _np_float(dtype: str):
+    return _DTYPES[dtype] if dtype in ("f16", "bf16") else np.float32

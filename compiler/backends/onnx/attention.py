@@ -28,6 +28,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from tessera.compiler.backends.onnx.floats import np_float as _np_float, onnx_float as _onnx_float
+
 # onnx is imported in the lowering functions, not here: passes/attention_kernels.py reads this module's
 # kernel tables when `tessera report` runs, and onnx (with ml_dtypes) takes ~0.6 s to import
 from tessera.compiler.backends.onnx import score_epilogue as epilogue
@@ -142,7 +144,7 @@ def _short_or(b, node, out: str, lower, budget: int) -> None:
     from tessera.compiler.backends.onnx.cached_attention import _branch
 
     q_t, k_t = b.graph.type_of(node.inputs[0]), b.graph.type_of(node.inputs[1])
-    elem = TensorProto.FLOAT16 if q_t.dtype == "f16" else TensorProto.FLOAT
+    elem = _onnx_float(q_t.dtype)
     fits = _fits(b, q_t, k_t, node.attrs["heads"], budget)
     whole = _block_prep(b, node, fits)
     then_g = _branch(b, lambda b, n, o: _block(b, n, o, whole), node, "block", elem)
@@ -153,7 +155,7 @@ def _short_or(b, node, out: str, lower, budget: int) -> None:
 def _fits(b, q_t, k_t, heads: int, budget: int) -> str:
     """B·H·Tq·Tk·bytes <= budget, computed once in the main graph for every site of the same shape
     (``b.shared``): one test, not one per layer."""
-    bytes_per = 2 if q_t.dtype == "f16" else 4
+    bytes_per = (2 if q_t.dtype in ("f16", "bf16") else 4)
     key = ("block_fits", str(q_t.shape[0]), str(q_t.shape[-2]), str(k_t.shape[-2]), heads * bytes_per, int(budget))
     if key not in b.shared:
         saved, b.current = b.current, ""
@@ -266,7 +268,9 @@ def _attn23(b, node, out: str, names: list[str] | None = None) -> None:
         # grouped key/value heads in fp32: onnxruntime 1.31's CUDA Attention took its MATH path (the whole
         # N x N scores) for them and the memory-efficient kernel once the heads are repeated (tests/cuda_stub)
         k, v = (_repeat_heads(b, x, a["heads"], a["heads"] // a["kv_heads"], int(q_t.shape[-1])) for x in (k, v))
-    if pads is not None:
+    if isinstance(pads, tuple):  # bf16: onnxruntime has no bf16 CUDA Pad; zeros concatenated instead
+        k, v = (b.node("Concat", [x, z], axis=2)[0] for x, z in zip((k, v), pads))
+    elif pads is not None:
         k, v = b.node("Pad", [k, pads])[0], b.node("Pad", [v, pads])[0]
     b.node("Attention", [q, k, v] + ([mask] if mask else []), [out], scale=float(a["scale"]))
 
@@ -300,7 +304,15 @@ def attn23_inputs(b, node) -> tuple[str | None, str | None]:
         attn_mask = None
         if hidden is not None or bias is not None or not aligned:
             attn_mask = _attn_mask(b, hidden, bias, q_t, k_t, aligned)
-        b.shared[key] = attn_mask, (None if aligned else _key_pads(b, tk, 2))
+        pads = None if aligned else _key_pads(b, tk, 2)
+        if pads is not None and q_t.dtype == "bf16":  # the zero keys and values themselves (no bf16 CUDA Pad)
+            extra = b.node("Slice", [pads, b.i64([6]), b.i64([7])])[0]
+            v_t = b.graph.type_of(node.inputs[2])
+            zero = b.const(np.zeros((1, 1, 1, 1), dtype=_np_float("bf16")), "zero_bf16")
+            pads = tuple(b.node("Expand", [zero, b.node("Concat", [b.dim(q_t.shape[0]), b.i64([a["kv_heads"]]), extra,
+                                                                 b.i64([int(t.shape[-1])])], axis=0)[0]])[0]
+                         for t in (k_t, v_t))
+        b.shared[key] = attn_mask, pads
     finally:
         b.current = saved
     return b.shared[key]
@@ -326,7 +338,7 @@ def _attn_mask(b, hidden: str | None, bias: str | None, q_t, k_t, aligned: bool)
     True without one), or, with a bias, bias + (the dtype's lowest value where hidden) as the scores'
     dtype; the keys past Tk hidden. The boolean one once per shape (``b.shared``)."""
     tq, tk = q_t.shape[-2], k_t.shape[-2]
-    np_dtype = np.float16 if q_t.dtype == "f16" else np.float32
+    np_dtype = _np_float(q_t.dtype)
     if bias is None:
         key = ("attn23_mask", hidden, str(q_t.shape[0]), str(tq), str(tk))
         if key not in b.shared:
@@ -341,11 +353,15 @@ def _attn_mask(b, hidden: str | None, bias: str | None, q_t, k_t, aligned: bool)
         return b.shared[key]
     lowest = np.array(np.finfo(np_dtype).min, dtype=np_dtype)
     summed = bias
+    if q_t.dtype == "bf16":  # built in fp32 (no bf16 CUDA Pad), bf16's lowest finite value, cast at the end
+        np_dtype, lowest = np.float32, np.array(np.finfo(np_dtype).min, dtype=np.float32)
+        summed = b.node("Cast", [bias], to=_onnx_float("f32"))[0]
     if hidden is not None:
         where = b.node("Where", [hidden, b.const(lowest, "lowest"), b.const(np.array(0, dtype=np_dtype), "zero")])[0]
-        summed = b.node("Add", [bias, where])[0]
+        summed = b.node("Add", [summed, where])[0]
     summed = b.node("Expand", [summed, b.shape_vec([1, 1, tq, tk])])[0]  # rank 4, Tq x Tk
-    return summed if aligned else _pad_keys(b, summed, tk, lowest)
+    summed = summed if aligned else _pad_keys(b, summed, tk, lowest)
+    return b.node("Cast", [summed], to=_onnx_float("bf16"))[0] if q_t.dtype == "bf16" else summed
 
 
 def _bool_tensor(value: bool):
@@ -371,7 +387,7 @@ def _portable(b, node, out: str, names: list[str] | None = None) -> None:
     bias = extra.pop(0) if a["bias"] else None
     q_t, k_t, v_t = (g.type_of(x) for x in node.inputs[:3])  # types by the IR names
     dtype = q_t.dtype
-    np_dtype = np.float16 if dtype == "f16" else np.float32
+    np_dtype = _np_float(dtype)
     heads, rep = a["heads"], a["heads"] // a["kv_heads"]
     hv = int(v_t.shape[-1])
 
@@ -383,7 +399,7 @@ def _portable(b, node, out: str, names: list[str] | None = None) -> None:
     # and for causal attention at most a quarter of the queries (a causal tile computes its whole
     # diagonal block, half of it hidden: four or more tiles per head keep that waste at an eighth or
     # less). Faster than 512-row tiles on CPU at N = 512 to 2048, as fast at 8192 and 16384 (docs/benchmarks/log.md).
-    bytes_per = 2 if dtype == "f16" else 4
+    bytes_per = (2 if dtype in ("f16", "bf16") else 4)
     row_bytes = b.node("Mul", [b.dim_scalar(q_t.shape[0]), b.node("Mul", [tk, _scalar(b, bytes_per)])[0]])[0]
     fit = b.node("Div", [_scalar(b, SCORE_BLOCK_BUDGET), row_bytes])[0]
     if a["causal"]:
@@ -447,7 +463,7 @@ def _portable(b, node, out: str, names: list[str] | None = None) -> None:
         inputs=[helper.make_tensor_value_info(i, TensorProto.INT64, []),
                 helper.make_tensor_value_info(cond_in, TensorProto.BOOL, [])],
         outputs=[helper.make_tensor_value_info(cond_out, TensorProto.BOOL, []),
-                 helper.make_tensor_value_info(tile_out, TensorProto.FLOAT16 if dtype == "f16" else TensorProto.FLOAT,
+                 helper.make_tensor_value_info(tile_out, _onnx_float(dtype),
                                                None)])
     b.nodes = outer_nodes
     # ---- the loop and reassembly: [H·n, B, 1, tile, hv] -> [B, H, n·tile, hv] -> Tq rows, taking from

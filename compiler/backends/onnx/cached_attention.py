@@ -29,6 +29,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+
+from tessera.compiler.backends.onnx.floats import np_float as _np_float, onnx_float as _onnx_float
 from onnx import TensorProto, helper
 
 from tessera.compiler.backends.onnx import score_epilogue as epilogue
@@ -87,7 +89,7 @@ def lower_cached_attention(b, node, out: str, bias: str | None = None) -> None:
     g, a = b.graph, node.attrs
     q, k, v = node.inputs[:3]
     q_t, v_t = g.type_of(q), g.type_of(v)
-    np_dtype = np.float16 if q_t.dtype == "f16" else np.float32
+    np_dtype = _np_float(q_t.dtype)
     additive = bias if bias is not None else _mask_bias(b, node, np_dtype)  # causal, window, padding
     user_bias = node.inputs[3 + int(a["padding"])] if a["bias"] else None
     heads, groups = a["heads"], a["kv_heads"]
@@ -189,7 +191,7 @@ def _gqa_inputs_on_device(b, node, key) -> tuple[str, str, str]:
     ``decode_mask`` input, [B, filled + 1] (the filled slots and the new column, runtime/generation/cached.py):
     its width is shape arithmetic onnxruntime keeps on the host, where computed from cache_length (an input
     it puts on the device) the kernel's host-side total would be copied back from the device each step."""
-    np_dtype = np.float16 if b.graph.type_of(node.inputs[0]).dtype == "f16" else np.float32
+    np_dtype = _np_float(b.graph.type_of(node.inputs[0]).dtype)
     saved, b.current = b.current, ""
     try:
         dm = node.attrs["decode_mask"]
@@ -538,7 +540,7 @@ def _or_combined(b, node, prefill, gqa_in, elems: list[int], packed=None):
 def lower_phased_attention(b, node, out: str) -> None:
     """If T == 1 (a decoding step) the cached lowering, else (a prompt) the tiled one."""
     q_t = b.graph.type_of(node.inputs[0])
-    elem = TensorProto.FLOAT16 if q_t.dtype == "f16" else TensorProto.FLOAT
+    elem = _onnx_float(q_t.dtype)
     t = b.dim_scalar(q_t.shape[-2])
     decoding = b.node("Equal", [t, b.const(np.array(1, np.int64), "one")])[0]
     a = node.attrs
@@ -575,7 +577,7 @@ def lower_phased_attention(b, node, out: str) -> None:
             b.extra_outputs.append((name, b.graph.type_of(past)))
         return
     if a["padding"] and a["causal"] and not a["window"]:  # one mask for every layer's decoding step
-        bias = _decode_bias(b, node, np.float16 if q_t.dtype == "f16" else np.float32)
+        bias = _decode_bias(b, node, _np_float(q_t.dtype))
         then_g = _branch(b, lambda b, n, o: lower_cached_attention(b, n, o, bias), node, "decode", elem)
     else:
         then_g = _branch(b, lower_cached_attention, node, "decode", elem)
