@@ -192,8 +192,8 @@ class Model:
                  stop_tokens=(), tokenizer: str | Path | None = None, stream: bool = False, threads: int | None = None,
                  cache: str = "auto", quantize: str = "none", quantize_block: int | None = None,
                  quantize_head: bool = False, quantize_activations: str | None = None, inputs: dict | None = None,
-                 start_token: int | None = None, speculative=None, draft_tokens: int | None = None,
-                 provider: str = "auto", dtype: str = "fp32"):
+                 provider: str = "auto", dtype: str = "fp32",
+                 start_token: int | None = None, speculative=None, draft_tokens: int | None = None):
         """Generate from token ids (a list, or a list of lists for a batch) or text (a str or list of str,
         with ``tokenizer``). Returns the new tokens (or texts) per prompt -- one list (or str) for a single
         prompt; with ``stream=True`` yields them as they are decoded instead (per step: the new token of
@@ -229,9 +229,9 @@ class Model:
                             sampling_seed=seed, stops=[stop] if isinstance(stop, str) else stop,
                             stop_tokens=stop_tokens, threads=threads, cache=cache, quantize=quantize,
                             quantize_block=quantize_block, quantize_head=quantize_head,
-                            quantize_activations=quantize_activations, start_token=start_token,
-                            speculative=speculative, draft_tokens=draft_tokens, provider=provider,
-                            dtype=dtype).for_api()
+                            quantize_activations=quantize_activations, provider=provider, dtype=dtype,
+                            start_token=start_token,
+                            speculative=speculative, draft_tokens=draft_tokens).for_api()
         o.check()  # before the tokenizer is read
         tok = self.tokenizer(tokenizer) if tokenizer is not None else None
         # errors now, not at the first next()

@@ -54,7 +54,7 @@ import numpy as np
 
 from tessera.compiler.ir import dims
 from tessera.compiler.ir.graph import Graph, Node, TensorType
-from tessera.compiler.ir.graph import DTYPES as _DTYPES
+from tessera.compiler.ir.graph import numpy_dtype
 from tessera.compiler.ir.graph import SymbolSource
 from tessera.compiler import ops
 from tessera.compiler.passes.attention_kernels import Target, cached_prefill, choose_cached
@@ -645,4 +645,4 @@ def add_kv_cache(g: Graph, last_only: bool = False, mode: str = "auto", impl: st
 
 
 def _np_float(dtype: str):
-    return _DTYPES[dtype] if dtype in ("f16", "bf16") else np.float32
+    return numpy_dtype(dtype) if dtype in ("f16", "bf16") else np.float32

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from tessera.compiler.ir.graph import DTYPES, Graph, TensorType, Value
+from tessera.compiler.ir.graph import Graph, TensorType, Value, numpy_dtype
 from tessera.compiler.passes.base import Pass, PassError, PassResult
 
 SUPPORTED = {"fp16": "f16", "bf16": "bf16"}
@@ -73,7 +73,7 @@ class LowerPrecision(Pass):
                 changed = True
         for name, arr in graph.consts.items():
             if graph.type_of(name).dtype == "f32":
-                graph.consts[name] = arr.astype(DTYPES[low])
+                graph.consts[name] = arr.astype(numpy_dtype(low))
                 graph.values[name] = Value(name, lower(graph.type_of(name)), "const")
         outputs = set(graph.outputs)
         for node in graph.nodes.values():
@@ -100,7 +100,7 @@ def _lower_body(body: Graph, low: str) -> None:
             v.type = TensorType(low, v.type.shape)
     for name, arr in body.consts.items():
         if arr.dtype == "float32":
-            body.consts[name] = arr.astype(DTYPES[low])
+            body.consts[name] = arr.astype(numpy_dtype(low))
     for node in body.nodes.values():
         if node.op in ("cast", "sinusoidal") and node.attrs.get("dtype") == "f32":
             node.attrs["dtype"] = low

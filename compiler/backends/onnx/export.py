@@ -30,7 +30,7 @@ from tessera.compiler.backends.atomic import OutputError, check_target, fsync_di
 from tessera.compiler.backends.onnx.builder import ONNX_DTYPES, Builder, Lowering, transposed_weights, value_info
 from tessera.compiler.backends.onnx.lowerings import lowering
 from tessera.compiler.backends.onnx.walk import all_nodes
-from tessera.compiler.ir.graph import DTYPES, Graph
+from tessera.compiler.ir.graph import Graph, numpy_dtype
 
 from tessera.compiler.reference import quant
 
@@ -115,7 +115,7 @@ def tensors(graph: Graph, weights) -> list[stream.Streamed]:
     transposed = transposed_weights(graph)
     out = []
     for path, p in graph.params.items():
-        dtype = np.dtype(DTYPES[p.dtype] or np.float32)
+        dtype = np.dtype(numpy_dtype(p.dtype) or np.float32)
         shape = tuple(int(s) for s in p.shape)
         if path in transposed:  # written [in, out] (see transposed_weights); the copy is made as it is written
             out.append(stream.Streamed(path, shape[::-1], ONNX_DTYPES[p.dtype], dtype,

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from tessera.compiler.ir.graph import DTYPES
+from tessera.compiler.ir.graph import numpy_dtype
 
 
 def np_float(dtype: str):
     """The numpy type of constants for a tensor of this IR dtype (fp16, bf16: ml_dtypes' bfloat16, or fp32)."""
-    return DTYPES[dtype] if dtype in ("f16", "bf16") else np.float32
+    return numpy_dtype(dtype) if dtype in ("f16", "bf16") else np.float32
 
 
 def onnx_float(dtype: str) -> int:
