@@ -5,8 +5,8 @@ of Tessera. Its metadata decides how big the cache buffers are, which names are 
 ids are refused, so a value of the wrong type, a negative layer count, a 10,000-deep JSON or a name
 the graph does not have must not reach numpy or onnxruntime (RecursionError, OverflowError,
 StopIteration, "Failed to find NodeArg"). Each value is parsed with bounded size and depth, then
-checked against the schema the writer (compiler/passes/kv_cache.py CacheInfo.to_json,
-compiler/ir/signature.py InputLimits.to_json) produces; anything else is a ModelFileError saying the
+checked against the schema the writer produces (the cache's: declared once on its dataclasses,
+compiler/passes/cache_schema.py; compiler/ir/signature.py InputLimits.to_json); anything else is a ModelFileError saying the
 file was not written by this version of Tessera, or was changed.
 """
 
@@ -15,15 +15,14 @@ from __future__ import annotations
 import json
 
 from tessera.compiler.ir.signature import InputLimits
-from tessera.compiler.passes.kv_cache import CacheInfo, CacheKernel, CacheLayer, CacheState
+from tessera.compiler.passes import cache_schema
+from tessera.compiler.passes.kv_cache import CacheInfo
 
 from tessera.runtime.errors import ModelFileError
 
 MAX_METADATA_BYTES = 16 << 20  # a 1,000-layer cache description is about 300 KB
 MAX_DEPTH = 8                  # the writers nest at most 3 deep
-MAX_SIZE = 1 << 40             # rows, heads, head sizes, context: anything larger is not a real model
-CACHE_MODES = ("buffer", "concat")
-CACHE_DTYPES = ("f32", "f16")
+MAX_SIZE = cache_schema.MAX_SIZE  # rows, heads, head sizes, context: anything larger is not a real model
 
 
 class _Bad(Exception):
@@ -96,63 +95,18 @@ def _list(v, what: str, nonempty: bool = False) -> list:
 
 
 def cache_info(text: str, path, inputs: set[str], outputs: set[str]) -> CacheInfo:
-    """``tessera.kv_cache``: the cached decoder's names and shapes, every name one the graph has."""
+    """``tessera.kv_cache``: the cached decoder's names and shapes, every name one the graph has. The
+    schema is CacheInfo's own (compiler/passes/cache_schema.py: the writer's fields, read and checked)."""
     key = CacheInfo.METADATA_KEY
     data = parse_json(text, path, key)
     try:
-        d = _obj(data, "the value", ("tokens", "logits", "layers"),
-                 ("context", "last_only", "mode", "dtype", "kernels", "length_input", "states"))
-        states = []
-        for i, raw in enumerate(_list(d.get("states", []), "states")):
-            at = f"states[{i}]"
-            st = _obj(raw, at, ("node", "kind", "past", "present", "shape"), ("dtype", "initial"))
-            if st.get("initial") is not None:
-                _str(st["initial"], f"{at}.initial", inputs)
-            _str(st["node"], f"{at}.node")
-            if st["kind"] not in ("scan", "conv"):
-                raise _Bad(f"{at}.kind must be scan or conv, got {str(st['kind'])[:40]!r}")
-            _str(st["past"], f"{at}.past", inputs)
-            _str(st["present"], f"{at}.present", outputs)
-            for j, n in enumerate(_list(st["shape"], f"{at}.shape", nonempty=True)):
-                _int(n, f"{at}.shape[{j}]", 1)
-            if st.get("dtype", "f32") not in CACHE_DTYPES:
-                raise _Bad(f"{at}.dtype must be one of {', '.join(CACHE_DTYPES)}, got {str(st['dtype'])[:40]!r}")
-            states.append(CacheState(**st))
-        layers = []
-        for i, raw in enumerate(_list(d["layers"], "layers", nonempty=not states)):
-            at = f"layers[{i}]"
-            layer = _obj(raw, at, ("node", "past_key", "past_value", "present_key", "present_value", "kv_heads",
-                                   "head_size", "value_size"), ("window", "buffer_key", "buffer_value"))
-            _str(layer["node"], f"{at}.node")
-            for name in ("past_key", "past_value"):
-                _str(layer[name], f"{at}.{name}", inputs)
-            for name in ("present_key", "present_value"):
-                _str(layer[name], f"{at}.{name}", outputs)
-            for name in ("buffer_key", "buffer_value"):
-                _str(layer.get(name, ""), f"{at}.{name}", outputs, empty=True)
-            for name in ("kv_heads", "head_size", "value_size"):
-                _int(layer[name], f"{at}.{name}", 1)
-            _int(layer.get("window", 0), f"{at}.window", 0)
-            layers.append(CacheLayer(**layer))
-        kernels = []
-        for i, raw in enumerate(_list(d.get("kernels", []), "kernels")):
-            k = _obj(raw, f"kernels[{i}]", ("site", "impl", "reason"))
-            for name in ("site", "impl", "reason"):
-                _str(k[name], f"kernels[{i}].{name}", empty=True)
-            kernels.append(CacheKernel(**k))
-        mode, dtype = d.get("mode", "buffer"), d.get("dtype", "f32")
-        if mode not in CACHE_MODES:
-            raise _Bad(f"mode must be one of {', '.join(CACHE_MODES)}, got {str(mode)[:40]!r}")
-        if dtype not in CACHE_DTYPES:
-            raise _Bad(f"dtype must be one of {', '.join(CACHE_DTYPES)}, got {str(dtype)[:40]!r}")
-        length = d.get("length_input")
-        if length is not None:
-            _str(length, "length_input", inputs)
-        return CacheInfo(_str(d["tokens"], "tokens", inputs), _str(d["logits"], "logits", outputs), layers,
-                         _int(d.get("context"), "context", 1, optional=True),
-                         _bool(d.get("last_only", False), "last_only"), mode, dtype, kernels, length, states)
-    except _Bad as e:
+        info = cache_schema.read(CacheInfo, data, inputs, outputs)
+    except cache_schema.SchemaError as e:
         raise _changed(path, key, str(e)) from None
+    problem = info.record_problem()
+    if problem:
+        raise _changed(path, key, problem)
+    return info
 
 
 QUANTIZE_KEY = "tessera.quantize"  # compiler/build.py model_metadata writes it

@@ -50,6 +50,8 @@ def _parse_value(text: str, program: Program):
         return float(text)
     if text in ("true", "false"):
         return text == "true"
+    if len(text) >= 2 and text[0] == text[-1] and text[0] in "\"'":
+        return text[1:-1]  # `--set 'rope_type="yarn"'`: a string written as the spec writes one
     return text  # a string; the elaborator turns it into a block where the hyperparameter is a block
 
 

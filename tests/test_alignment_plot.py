@@ -153,7 +153,7 @@ def test_python_api_gives_the_same_matrix(tmp_path):
 def test_the_pass_exposes_the_softmax_in_the_numpy_interpreter():
     """The compiler side alone: the pass's extra output, run by the numpy reference interpreter."""
     from tessera.compiler.passes.pipeline import build_pipeline, attention_sites
-    from tessera.compiler.reference import interpret
+    from tessera.compiler.ops import interpret
 
     built = pipeline.build(MODELS / "gpt2.tsr", None, [s for s in SETS if s != "--set"])
     w = SeededWeights(built.graph, 0)

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from conftest import build, ort_run
-from tessera.compiler.reference import interpret
+from tessera.compiler.ops import interpret
 from tessera.spec.diagnostics import SpecError
 
 torch = pytest.importorskip("torch")

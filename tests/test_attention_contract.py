@@ -28,7 +28,7 @@ from tessera.compiler.passes.attention_kernels import KERNELS, Target
 from tessera.compiler.passes.base import PassError
 from tessera.compiler.passes.pipeline import optimize
 from tessera.compiler.patterns import attention as pattern
-from tessera.compiler.reference import interpret
+from tessera.compiler.ops import interpret
 from tessera.compiler.reference import score_epilogue as ref_epilogue
 from tessera.runtime.io.weights import init_weights
 

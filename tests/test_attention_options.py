@@ -16,7 +16,7 @@ import pytest
 from conftest import build, ort_run, Recomputation
 from tessera.compiler.passes.attention_kernels import Target
 from tessera.compiler.passes.pipeline import optimize
-from tessera.compiler.reference import interpret
+from tessera.compiler.ops import interpret
 from tessera.runtime.io.weights import init_weights
 from tessera.spec.diagnostics import SpecError
 

@@ -9,7 +9,7 @@ import pytest
 
 from conftest import ort_run
 from tessera.compiler.analysis.params import parameter_report
-from tessera.compiler.reference import interpret
+from tessera.compiler.ops import interpret
 from tessera.runtime import pipeline
 from tessera.runtime.io.weights import load_weights, name_map_for
 

@@ -7,7 +7,7 @@ import onnx
 import pytest
 
 from conftest import MODELS, SMALL_MODELS, build, feeds_for, ort_run
-from tessera.compiler.reference import interpret
+from tessera.compiler.ops import interpret
 from tessera.compiler.backends.onnx import export as onnx_export
 from tessera.runtime.cli import main
 from tessera.runtime.io.weights import init_weights

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 from conftest import MODELS, build, ort_run
-from tessera.compiler.reference import interpret
+from tessera.compiler.ops import interpret
 from tessera.runtime.io.weights import WeightsError, load_weights, name_map_for
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

@@ -23,7 +23,7 @@ from conftest import MODELS, build, cli, ort_run, Recomputation
 from tessera.compiler.analysis import costreport
 from tessera.compiler.analysis.params import parameter_report
 from tessera.compiler.passes.pipeline import optimize
-from tessera.compiler.reference import interpret
+from tessera.compiler.ops import interpret
 from tessera.runtime import pipeline
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

@@ -11,7 +11,7 @@ from conftest import build, feeds_for
 from tessera.compiler.backends.onnx import export as onnx_export
 from tessera.compiler.passes.fuse_linears import FuseSharedInputLinears
 from tessera.compiler.passes.quantize import QuantConfig, QuantizeWeights
-from tessera.compiler.reference import interpret
+from tessera.compiler.ops import interpret
 from tessera.runtime.io.weights import SeededWeights
 
 LLAMA = dict(layers=2, d=64, heads=4, kv_heads=2, vocab=300, d_ff=96)

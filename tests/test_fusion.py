@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from conftest import SMALL_MODELS, build, feeds_for, ort_run
-from tessera.compiler.reference import interpret
+from tessera.compiler.ops import interpret
 from tessera.compiler.backends.onnx import export as onnx_export
 from tessera.compiler.reference.flash import attention_reference, tiled_attention
 from tessera.compiler.passes.pipeline import optimize

@@ -125,3 +125,103 @@ def test_a_body_nested_past_the_recursion_limit_is_a_400(client, data):
     """json's decoder raised RecursionError, which the app answered with 500 "internal error"."""
     r = client.post("/v1/completions", content=data)
     assert r.status_code == 400 and "nested too deep" in r.json()["error"]["message"], r.text
+
+
+# ---------------------------------------------------------------- issue 38: headers, chat templates, batch rows
+header_names = st.text(alphabet="abcdefghijklmnopqrstuvwxyz-0123456789", min_size=1, max_size=12)
+header_values = st.one_of(st.text(alphabet=st.characters(min_codepoint=32, max_codepoint=126), max_size=40),
+                          st.builds(lambda c, n: c * n, st.sampled_from(["a", "é", " "]),
+                                    st.sampled_from([1, 1000, 70_000, 200_000])))
+
+
+@SETTINGS
+@given(headers=st.dictionaries(header_names, header_values, max_size=4),
+       route=st.sampled_from(["/health", "/v1/completions"]))
+def test_header_sets(client, headers, route):
+    """Any header block: served (200, or the route's 4xx for an empty body), or refused past the
+    header limit (431), never a 500."""
+    headers = {k: v.encode("utf-8") for k, v in headers.items()
+               if k not in ("content-length", "transfer-encoding", "host", "connection", "content-type")}
+    if route == "/health":
+        r = client.get(route, headers=headers)
+    else:
+        r = client.post(route, headers=headers, content=b'{"prompt": [1], "max_tokens": 1}')
+    assert r.status_code in (200, 400, 431), (r.status_code, r.text[:200])
+    if r.status_code != 200:
+        assert r.json()["error"]["message"]
+
+
+SNIPPETS = ["{{ 1/0 }}", "{{ messages[0]['content'] }}", "{% for m in messages %}{{ m.role }}{% endfor %}",
+            "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
+            "{{ 'x' * 10000000000 }}", "{{ [1] * 99999999999 }}", "{{ 7 ** 10000000 }}",
+            "{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}", "{{ raise_exception('no') }}",
+            "{{ nothing() }}", "{{ messages.__class__ }}", "{{ ''.__class__.__mro__ }}", "{% if true %}",
+            "{% endif %}", "{{ range(10**9)|list }}", "{{ bos_token }}", "{{ messages|tojson }}",
+            "{% set ns = namespace(s='xx') %}{% for i in range(40) %}{% set ns.s = ns.s + ns.s %}{% endfor %}",
+            "{{ '%s' % messages }}", "{{ (messages|length) // 0 }}", "{{ x.y.z }}", "{{ }}", "{#", "}}"]
+
+
+@settings(max_examples=max(20, CASES // 3), deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(parts=st.lists(st.sampled_from(SNIPPETS), max_size=4), text=st.text(max_size=10))
+def test_chat_templates(parts, text):
+    """A template made of hostile pieces renders or is a ChatTemplateError (the server's 400),
+    within the time budget (shortened here: the budget's size is not what is fuzzed)."""
+    import time
+
+    from tessera.runtime.io import chat_template
+    from tessera.runtime.io.chat_template import ChatTemplate, ChatTemplateError
+
+    saved, chat_template.TEMPLATE_SECONDS = chat_template.TEMPLATE_SECONDS, 0.3
+    try:
+        start = time.monotonic()
+        try:
+            ChatTemplate("".join(parts) + text).render([{"role": "user", "content": "w1 w2"}])
+        except ChatTemplateError:
+            pass
+        assert time.monotonic() - start < 5
+    finally:
+        chat_template.TEMPLATE_SECONDS = saved
+
+
+_BATCH_ENGINE = []
+
+
+def batch_engine():
+    """One engine (not started) over the tiny GPT-2 with a tokenizer, for the batch rows' checks."""
+    if not _BATCH_ENGINE:
+        import tempfile
+        from pathlib import Path
+
+        from tessera.runtime.serving.batch import BatchOptions, load_engine
+
+        tok = _tokenizer_folder(Path(tempfile.mkdtemp(prefix="tessera-fuzz-tok-")), None)
+        _BATCH_ENGINE.append(load_engine(BatchOptions(spec="gpt2", sets=["layers=1", "d=32", "heads=2", "vocab=50",
+                                                                          "ctx=32"], tokenizer=str(tok), threads=1,
+                                                      input="rows.jsonl", output="results.jsonl")))
+    return _BATCH_ENGINE[0]
+
+
+ROW_FIELDS = ["prompt", "max_tokens", "temperature", "top_p", "top_k", "repetition_penalty", "seed", "stop", "min_p",
+              "no_repeat_ngram_size", "min_tokens", "unknown"]
+huge = st.sampled_from([10 ** 400, -10 ** 400, 1e308, -1e-320, 1e-40, float("nan"), float("inf")])
+row_values = st.one_of(values, huge, st.sampled_from(["w1 \ud800", "\udfff", ["\ud800"]]))
+
+
+@SETTINGS
+@given(row=st.dictionaries(st.sampled_from(ROW_FIELDS), row_values, max_size=5), prompt=prompts)
+def test_batch_rows(row, prompt):
+    """A row of any values is a request the engine accepts or its own RowError, RequestError or
+    UsageError line (never an exception that would stop the run)."""
+    from tessera.runtime.errors import UsageError
+    from tessera.runtime.serving.batch import RowError, row_request
+    from tessera.runtime.serving.engine import check_request_types
+
+    engine = batch_engine()
+    row = {"prompt": prompt, **row}
+    try:
+        req = row_request(row, engine, 4)
+        check_request_types(req)
+        engine.check(req)
+    except (RowError, UsageError):
+        pass

@@ -21,7 +21,8 @@ def test_every_target_of_the_issue_is_listed():
     names = set(fuzz_targets.targets())
     assert {"report_arguments", "generate_arguments", "run_arguments", "alignment_arguments", "load_arguments",
             "kv_cache_metadata", "input_limits_metadata", "mapping_files", "config_json", "tokenizer_json",
-            "safetensors_headers", "completion_bodies", "chat_bodies", "raw_bodies"} <= names
+            "safetensors_headers", "completion_bodies", "chat_bodies", "raw_bodies",
+            "header_sets", "chat_templates", "batch_rows"} <= names  # the last three: issue 38
 
 
 def test_cases_are_drawn_from_the_targets_strategies_and_seeded():

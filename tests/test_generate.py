@@ -166,7 +166,7 @@ def test_numpy_interpreter_runs_the_cached_graph(cases):
     """The cached graph is a plain IR graph: the numpy reference gives onnxruntime's logits."""
     from tessera.compiler.passes.kv_cache import add_kv_cache
     from tessera.compiler.passes.pipeline import optimize
-    from tessera.compiler.reference import interpret
+    from tessera.compiler.ops import interpret
 
     case = cases("llama31")
     built = case.built()

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from conftest import MODELS, build, ort_run
-from tessera.compiler.reference import interpret
+from tessera.compiler.ops import interpret
 from tessera.runtime.io.weights import load_weights, name_map_for
 
 torch = pytest.importorskip("torch")

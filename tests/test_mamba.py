@@ -248,7 +248,7 @@ def _state_edit(**changes):
 
 STATES = {  # a compiled Mamba's tessera.kv_cache with its states changed: what the message says
     "no states and no layers": (_state_edit(states=[]), "layers must be a non-empty list"),
-    "bad kind": (_state_edit(**{"state0.kind": "lstm"}), "kind must be scan or conv"),
+    "bad kind": (_state_edit(**{"state0.kind": "lstm"}), "states[0].kind must be one of scan, conv"),
     "negative shape": (_state_edit(**{"state0.shape": [-3, 4]}), "shape[0] must be an integer"),
     "unknown past": (_state_edit(**{"state0.past": "nope"}), "which the graph does not have"),
     "unknown initial": (_state_edit(**{"state0.initial": "nope"}), "which the graph does not have"),

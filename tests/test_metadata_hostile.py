@@ -129,3 +129,36 @@ def test_serve_reads_files_through_the_same_checks(compiled, capsys, tmp_path):
     assert "is not an ONNX model" in cli_error(capsys, "serve", tmp_path / "r.onnx", "--explain")
     path = _with_meta(compiled, "cached.onnx", "tessera.kv_cache", "[" * 10000 + "]" * 10000, "serve-deep")
     assert CHANGED in cli_error(capsys, "serve", path, "--explain")
+
+
+def test_the_cache_schema_is_declared_once_on_the_records():
+    """Writer, reader and checker come from the dataclasses' fields (compiler/passes/cache_schema.py):
+    every field has a schema, a record written is read back equal, and a field added with a schema
+    is written and checked with no other change."""
+    import dataclasses
+
+    from tessera.compiler.passes import cache_schema
+    from tessera.compiler.passes.kv_cache import CacheInfo, CacheKernel, CacheLayer, CacheState
+
+    for cls in (CacheInfo, CacheLayer, CacheKernel, CacheState):
+        assert all("json" in f.metadata for f in dataclasses.fields(cls)), cls
+    info = CacheInfo("ids", "logits", [CacheLayer("n", "pk", "pv", "k", "v", 2, 8, 8, 4)], 64, True, "buffer", "f16",
+                     [CacheKernel("s", "phased", "why")], "len", [CacheState("c", "conv", "ps", "s", [3, 4])])
+    names_in, names_out = {"ids", "pk", "pv", "len", "ps"}, {"logits", "k", "v", "s"}
+    assert cache_schema.read(CacheInfo, info.to_json(), names_in, names_out) == info
+    assert CacheInfo.from_json(info.to_json()) == info
+
+    @dataclasses.dataclass
+    class Extended(CacheKernel):
+        budget: int = cache_schema.json(cache_schema.Kind("int", 1), default=1)
+
+    assert cache_schema.to_json(Extended("s", "i", "r", 5))["budget"] == 5
+    with pytest.raises(cache_schema.SchemaError, match=r"budget must be an integer in \[1, "):
+        cache_schema.read(Extended, {"site": "s", "impl": "i", "reason": "r", "budget": 0}, set(), set())
+
+    @dataclasses.dataclass
+    class Undeclared(CacheKernel):
+        extra: int = 0
+
+    with pytest.raises(TypeError, match="Undeclared.extra has no schema"):
+        cache_schema.to_json(Undeclared("s", "i", "r"))

@@ -11,7 +11,7 @@ from conftest import build
 from tessera.compiler.analysis.params import parameter_report, role
 from tessera.compiler.analysis.structure import analyse
 from tessera.compiler.patterns.norm import norm_parameters
-from tessera.compiler.reference import interpret
+from tessera.compiler.ops import interpret
 from tessera.runtime.io.weights import init_weights
 
 SPEC = """

@@ -16,7 +16,7 @@ from tessera.compiler.analysis import cost, memory, params
 from tessera.compiler.ir import dims
 from tessera.compiler.ir.graph import Graph, TensorType
 from tessera.compiler.ops import registry
-from tessera.compiler.reference import interpret
+from tessera.compiler.ops import interpret
 from tessera.runtime.io.weights import init_weights
 from tessera.spec.diagnostics import SpecError
 

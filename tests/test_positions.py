@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from conftest import build, ort_run
-from tessera.compiler.reference import interpret
+from tessera.compiler.ops import interpret
 from tessera.runtime.io.weights import init_weights
 
 torch = pytest.importorskip("torch")

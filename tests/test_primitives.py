@@ -7,7 +7,7 @@ import pytest
 from conftest import build, ort_run
 from tessera.compiler.ops.attention import causal
 from tessera.compiler.ops.norm import layernorm
-from tessera.compiler.reference import interpret
+from tessera.compiler.ops import interpret
 from tessera.compiler.reference.numerics import erf, sinusoidal_table, softmax
 from tessera.runtime.io.weights import init_weights
 

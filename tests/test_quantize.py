@@ -15,7 +15,8 @@ from onnx import TensorProto, helper
 from conftest import MODELS, build, cli, cli_error, feeds_for
 from tessera.compiler.backends.onnx import export as onnx_export
 from tessera.compiler.passes.quantize import QuantConfig, QuantizeWeights
-from tessera.compiler.reference import interpret, quant
+from tessera.compiler.ops import interpret
+from tessera.compiler.reference import quant
 from tessera.runtime.io.weights import SeededWeights, init_weights
 from tessera.compiler.backends.onnx.bound_step import general_graph
 

@@ -16,7 +16,8 @@ from onnx import TensorProto
 from conftest import MODELS, build, cli, cli_error, feeds_for
 from tessera.compiler.backends.onnx import export as onnx_export
 from tessera.compiler.passes.quantize import QuantConfig, QuantizeWeights
-from tessera.compiler.reference import interpret, quant
+from tessera.compiler.ops import interpret
+from tessera.compiler.reference import quant
 from tessera.runtime.io.weights import SeededWeights
 
 TINY = dict(layers=2, d=64, heads=4, vocab=1000, ctx=128)

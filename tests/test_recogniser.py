@@ -21,7 +21,7 @@ from tessera.compiler.analysis.params import parameter_report
 from tessera.compiler.analysis.structure import analyse
 from tessera.compiler.passes.attention_kernels import Target
 from tessera.compiler.passes.pipeline import optimize
-from tessera.compiler.reference import interpret
+from tessera.compiler.ops import interpret
 from tessera.runtime.io.weights import init_weights
 
 SPECS = Path(__file__).resolve().parent / "specs"

@@ -18,7 +18,7 @@ from tessera.compiler.frontend.elaborate import elaborate
 from tessera.compiler.analysis.poly import Poly
 from tessera.compiler.passes.recurrence import ChooseRecurrenceLowering
 from tessera.compiler.patterns.recurrence import CELL_OPS
-from tessera.compiler.reference import interpret
+from tessera.compiler.ops import interpret
 from tessera.spec import SpecError, load_program
 
 torch = pytest.importorskip("torch")

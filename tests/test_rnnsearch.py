@@ -12,7 +12,7 @@ from conftest import MODELS, build, ort_run
 from tessera.compiler.analysis import cost
 from tessera.compiler.analysis.poly import Poly
 from tessera.compiler.passes.pipeline import attention_sites, build_pipeline
-from tessera.compiler.reference import interpret
+from tessera.compiler.ops import interpret
 from tessera.runtime.io.weights import load_weights, name_map_for
 
 torch = pytest.importorskip("torch")

@@ -13,7 +13,7 @@ from tessera.compiler.analysis import costreport
 from tessera.compiler.ir.graph import Graph, TensorType
 from tessera.compiler.ir import dims
 from tessera.compiler.passes.sparse_moe import DISABLED, SparseExperts
-from tessera.compiler.reference import interpret
+from tessera.compiler.ops import interpret
 from tessera.runtime.io.weights import init_weights
 
 SMALL = dict(layers=2, d=32, heads=4, kv_heads=2, vocab=50, d_ff=48, experts=4, top=2)

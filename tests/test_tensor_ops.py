@@ -11,7 +11,7 @@ import pytest
 from conftest import build, ort_run
 from tessera.compiler import ops
 from tessera.compiler.analysis import cost
-from tessera.compiler.reference import interpret
+from tessera.compiler.ops import interpret
 from tessera.spec.diagnostics import SpecError
 
 torch = pytest.importorskip("torch")

@@ -10,7 +10,7 @@ import pytest
 from conftest import build, ort_run
 from tessera.compiler.passes.attention_kernels import Target
 from tessera.compiler.passes.pipeline import optimize
-from tessera.compiler.reference import interpret
+from tessera.compiler.ops import interpret
 from tessera.spec.diagnostics import SpecError
 
 torch = pytest.importorskip("torch")

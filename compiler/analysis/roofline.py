@@ -98,10 +98,21 @@ def probe_cpu(n: int = 1024, copy_mib: int = 64, repeats: int = 3) -> Device:
         memory = float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
     except (ValueError, OSError, AttributeError):
         memory = None
+    load = load_average()
+    at_load = f" at load {load:.2f} (1-minute average, {os.cpu_count()} CPUs)" if load is not None else ""
     return Device("cpu", f"this machine's CPU ({os.cpu_count()} threads), measured", {k: flops for k in
                   ("fp32", "tf32", "fp16", "bf16")}, flops, bandwidth, memory,
-                  f"measured on the spot: best of {repeats} float32 {n}x{n} numpy matmuls and "
+                  f"measured on the spot{at_load}: best of {repeats} float32 {n}x{n} numpy matmuls and "
                   f"{copy_mib} MiB copies (fp16/bf16 use the float32 figures)", measured=True)
+
+
+def load_average() -> float | None:
+    """The machine's 1-minute load average (None where the platform has none): how busy it was
+    when a probe ran, kept with the probe."""
+    try:
+        return float(os.getloadavg()[0])
+    except (OSError, AttributeError):
+        return None
 
 
 # ------------------------------------------------------------------ per-op traffic

@@ -545,7 +545,10 @@ def _rope(call, x, theta, factor, low_freq, high_freq, original_ctx, dims, layou
     factor as transformers does). max_ctx > 0
     declares the positions the model was trained for: `run` and `generate` refuse longer sequences
     (0: no limit declared)."""
-    attrs = {"theta": _float(call, theta, "theta")}
+    base = _float(call, theta, "theta")
+    if not (base > 0.0 and math.isfinite(base)):
+        raise call.error(f"'theta' (the rotary base) must be a finite number > 0, got {base}", theta[1])
+    attrs = {"theta": base}
     n_ctx = _int(call, max_ctx, "max_ctx", 0)
     if n_ctx:
         attrs["max_ctx"] = n_ctx
@@ -574,6 +577,8 @@ def _rope(call, x, theta, factor, low_freq, high_freq, original_ctx, dims, layou
             if not 0.0 < slow < fast:
                 raise call.error(f"yarn needs 0 < beta_slow < beta_fast, got beta_fast={fast}, beta_slow={slow}",
                                  beta_fast[1] or beta_slow[1])
+            if not base > 1.0:  # its correction dimensions divide by log(theta)
+                raise call.error(f"yarn needs 'theta' (the rotary base) > 1, got {base}", theta[1])
             af = _float(call, attention_factor, "attention_factor")
             if af < 0.0:
                 raise call.error(f"'attention_factor' must be 0 (derived) or more, got {af}", attention_factor[1])
@@ -588,6 +593,9 @@ def _rope(call, x, theta, factor, low_freq, high_freq, original_ctx, dims, layou
     return call.emit("rope", [t], attrs)
 
 
+MAX_EXPERTS = 512  # experts one router (topk_gates) may choose among: Kimi K2's 384 is the most published
+
+
 @builtin("topk_gates", ("logits", R), ("k", R), ("normalize", True))
 def _topk_gates(call, logits, k, normalize):
     """Mixture-of-experts routing: softmax over the top-k logits, zero elsewhere, shape kept [..., E];
@@ -595,7 +603,13 @@ def _topk_gates(call, logits, k, normalize):
     attrs = {"k": _int(call, k, "k", 1)}
     if not _bool(call, normalize, "normalize"):
         attrs["normalize"] = False
-    return call.emit("topk_gates", [_tensor(call, logits, "logits")], attrs)
+    t = _tensor(call, logits, "logits")
+    if t.type.rank and dims.is_static(t.type.shape[-1]) and int(t.type.shape[-1]) > MAX_EXPERTS:
+        raise call.error(f"{int(t.type.shape[-1]):,} experts is past the budget of {MAX_EXPERTS} per router (the "
+                         f"most a published model routes over is 384): each expert adds its own subgraph, and "
+                         f"onnxruntime's start-up grows faster than their count (2 layers of 1,000 did not "
+                         f"start generating in 240 s)", logits[1])
+    return call.emit("topk_gates", [t], attrs)
 
 
 # ------------------------------------------------------------------ positions

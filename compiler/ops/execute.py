@@ -1,5 +1,5 @@
 """Run a graph's nodes through their ``reference`` facets: the core of the numpy interpreter
-(reference/interpret.py, which binds a model's inputs and weights around it). It lives with the
+(ops/interpret.py, which binds a model's inputs and weights around it). It lives with the
 ops because one op, ``scan``, runs its step body with it once per step; the reference semantics
 of the ops never need anything above ops/."""
 

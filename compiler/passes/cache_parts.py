@@ -11,6 +11,9 @@ from dataclasses import dataclass
 
 from tessera.compiler.ir.graph import Graph, Node
 from tessera.compiler.passes.base import PassError
+from tessera.compiler.passes.cache_schema import Kind, json
+
+CACHE_DTYPES = ("f32", "f16")  # the precisions a cache (and a carried state) crosses the interface at
 
 
 class CacheError(PassError):
@@ -24,13 +27,14 @@ class CacheState:
     carried state (``kind`` "scan") or a causal conv1d's last kernel-1 inputs ("conv"); the input
     ``past`` and output ``present`` names, the shape without the batch, the dtype."""
 
-    node: str
-    kind: str
-    past: str
-    present: str
-    shape: list[int]
-    dtype: str = "f32"
-    initial: str | None = None  # the input the state starts from (an encoder's output); None: zeros
+    node: str = json(Kind("name"))
+    kind: str = json(Kind("choice", choices=("scan", "conv")))
+    past: str = json(Kind("input"))
+    present: str = json(Kind("output"))
+    shape: list[int] = json(Kind("ints", 1, nonempty=True))
+    dtype: str = json(Kind("choice", choices=CACHE_DTYPES), default="f32")
+    # the input the state starts from (an encoder's output); None: zeros
+    initial: str | None = json(Kind("input", optional=True), default=None)
 
 
 def insert_before(g: Graph, new: Node, before: str) -> None:

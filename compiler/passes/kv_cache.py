@@ -48,7 +48,7 @@ not read ``cache_length``), which is what the tests compare against.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -60,7 +60,9 @@ from tessera.compiler import ops
 from tessera.compiler.passes.attention_kernels import Target, cached_prefill, choose_cached
 from tessera.compiler.patterns.positions import NotAffine, affine_reads, positions_reached
 from tessera.compiler.passes.base import Pass, PassError, PassManager, PassResult, PipelineResult
-from tessera.compiler.passes.cache_parts import CacheError, CacheState, insert_before as _insert_before
+from tessera.compiler.passes import cache_schema
+from tessera.compiler.passes.cache_parts import CACHE_DTYPES, CacheError, CacheState, insert_before as _insert_before
+from tessera.compiler.passes.cache_schema import Kind, json
 from tessera.compiler.passes.recurrent_state import carries_state, carry_state, check_state
 
 MASK, POSITIONS = "attention_mask", "position_ids"
@@ -75,46 +77,49 @@ DECODE_MASK, DECODE_WIDTH = "decode_mask", "decode_width"
 class CacheLayer:
     """One attention layer's cache: input and output names and the cached shape [kv_heads, hd]."""
 
-    node: str
-    past_key: str
-    past_value: str
-    present_key: str
-    present_value: str
-    kv_heads: int
-    head_size: int
-    value_size: int
-    window: int = 0
+    node: str = json(Kind("name"))
+    past_key: str = json(Kind("input"))
+    past_value: str = json(Kind("input"))
+    present_key: str = json(Kind("output"))
+    present_value: str = json(Kind("output"))
+    kv_heads: int = json(Kind("int", 1))
+    head_size: int = json(Kind("int", 1))
+    value_size: int = json(Kind("int", 1))
+    window: int = json(Kind("int", 0), default=0)
     # decode = "gqa": the outputs that are the cache buffer itself, written in place by
     # GroupQueryAttention when the loop binds them to the past buffers (empty otherwise)
-    buffer_key: str = ""
-    buffer_value: str = ""
+    buffer_key: str = json(Kind("output", empty=True), default="")
+    buffer_value: str = json(Kind("output", empty=True), default="")
 
 
 @dataclass
 class CacheKernel:
     """The lowering chosen for one cached attention site (both phases), and why: for --explain."""
 
-    site: str
-    impl: str
-    reason: str
+    site: str = json(Kind("text"))
+    impl: str = json(Kind("text"))
+    reason: str = json(Kind("text"))
 
 
 @dataclass
 class CacheInfo:
     """What the cached graph takes and gives, for the runtime."""
 
-    tokens: str
-    logits: str
-    layers: list[CacheLayer] = field(default_factory=list)
-    context: int | None = None  # rows of the learned position table, or rotary max_ctx, if any
-    last_only: bool = False
-    mode: str = "buffer"
-    dtype: str = "f32"
-    kernels: list[CacheKernel] = field(default_factory=list)
-    length_input: str | None = None  # LENGTH when decoding steps write the buffer in place (decode = "gqa")
-    states: list[CacheState] = field(default_factory=list)  # recurrent state carried call to call
+    tokens: str = json(Kind("input"))
+    logits: str = json(Kind("output"))
+    layers: list[CacheLayer] = json(Kind("records", of=CacheLayer), default_factory=list)
+    # rows of the learned position table, or rotary max_ctx, if any
+    context: int | None = json(Kind("int", 1, optional=True), default=None)
+    last_only: bool = json(Kind("bool"), default=False)
+    mode: str = json(Kind("choice", choices=("buffer", "concat")), default="buffer")
+    dtype: str = json(Kind("choice", choices=CACHE_DTYPES), default="f32")
+    kernels: list[CacheKernel] = json(Kind("records", of=CacheKernel), default_factory=list)
+    # LENGTH when decoding steps write the buffer in place (decode = "gqa")
+    length_input: str | None = json(Kind("input", optional=True), default=None)
+    # recurrent state carried call to call
+    states: list[CacheState] = json(Kind("records", of=CacheState), default_factory=list)
     # --explain's lines from the passes over the exported graph (compiler/build.py); not in the file's metadata
-    notes: list[str] = field(default_factory=list, compare=False)
+    notes: list[str] = json(None, default_factory=list, compare=False)
 
     def explain(self) -> str:
         """--explain's listing for a cached compile: every cached site's kernel per phase and why."""
@@ -131,17 +136,16 @@ class CacheInfo:
         return "\n".join(lines)
 
     def to_json(self) -> dict:
-        return {"tokens": self.tokens, "logits": self.logits, "context": self.context, "last_only": self.last_only,
-                "mode": self.mode, "dtype": self.dtype, "layers": [vars(layer) for layer in self.layers],
-                "kernels": [vars(k) for k in self.kernels], "length_input": self.length_input,
-                "states": [vars(s) for s in self.states]}
+        """The file's ``tessera.kv_cache`` (the schema is the fields' own: passes/cache_schema.py)."""
+        return cache_schema.to_json(self)
 
     @classmethod
     def from_json(cls, data: dict) -> "CacheInfo":
-        return cls(data["tokens"], data["logits"], [CacheLayer(**layer) for layer in data["layers"]],
-                   data.get("context"), data.get("last_only", False), data.get("mode", "buffer"),
-                   data.get("dtype", "f32"), [CacheKernel(**k) for k in data.get("kernels", [])],
-                   data.get("length_input"), [CacheState(**s) for s in data.get("states", [])])
+        return cache_schema.from_json(cls, data)
+
+    def record_problem(self) -> str | None:
+        """A rule between fields that the schema of each cannot state (runtime/metadata.py checks it)."""
+        return None if self.layers or self.states else "layers must be a non-empty list"
 
     METADATA_KEY = "tessera.kv_cache"
 

@@ -54,8 +54,11 @@ def time_scans(g: Graph, t_dim) -> list[Node]:
 
 
 def time_convs(g: Graph, t_dim) -> list[Node]:
-    """The 1-D convolutions over the time axis (input [B, C, T])."""
-    return [n for n in g.nodes.values() if n.op == "conv1d" and _over(g, n.inputs[0], 2, t_dim)]
+    """The 1-D convolutions over the time axis (input [B, C, T]) that look back: a kernel of 1
+    without padding is pointwise (each output of its own step), so it carries no window (and its
+    window of kernel - 1 = 0 past inputs was an empty slice)."""
+    return [n for n in g.nodes.values() if n.op == "conv1d" and _over(g, n.inputs[0], 2, t_dim)
+            and not (n.attrs.get("kernel") == 1 and not n.attrs.get("padding"))]
 
 
 def carries_state(g: Graph, t_dim) -> bool:

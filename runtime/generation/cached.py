@@ -546,23 +546,6 @@ def generate(model: CachedModel, prompts, max_new_tokens: int, sampling: Samplin
 
 
 # ------------------------------------------------------------------ text in, text out
-class TextStopper:
-    """Ends a row when its decoded text contains one of the stop strings (checked after each token)."""
-
-    def __init__(self, tokenizer, stops: list[str]):
-        self.tokenizer, self.stops = tokenizer, [s for s in stops if s]
-
-    def __call__(self, row: int, tokens: list[int]) -> bool:
-        if not self.stops:
-            return False
-        text = self.tokenizer.decode(tokens[-64:], skip_special_tokens=True)
-        return any(s in text for s in self.stops)
-
-    def trim(self, text: str) -> str:
-        cut = min((text.find(s) for s in self.stops if s in text), default=-1)
-        return text[:cut] if cut >= 0 else text
-
-
 def encode_prompts(tokenizer, texts: list[str], chat=None) -> list[list[int]]:
     """The prompts' ids; with ``chat`` (io/chat_template.ChatTemplate) each text is the user's message,
     rendered by the template and encoded as transformers' apply_chat_template does."""

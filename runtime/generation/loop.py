@@ -14,6 +14,7 @@ from pathlib import Path
 
 from tessera.runtime import pipeline
 from tessera.runtime.generation import cached as gen
+from tessera.runtime.generation.stops import TextStopper
 from tessera.runtime.io.inputs import named_token_rows, split_named
 from tessera.runtime.pipeline import UsageError
 
@@ -146,7 +147,7 @@ class Generation:
     sampling: gen.Sampling
     stop_ids: list[int]
     tokenizer: object = None
-    stopper: gen.TextStopper | None = None
+    stopper: TextStopper | None = None
     fixed: dict | None = None       # an encoder-decoder's encoder outputs, fed to every step
     stats: gen.Stats = field(default_factory=gen.Stats)
     # per prompt, each new token's log-probabilities (sampling.token_logprobs), filled by steps() when
@@ -209,7 +210,7 @@ def prepare(ref, o, prompt_ids: list[list[int]] | None = None, weights=None, mod
     sampling = o.sampling(ref.seed)
     chat = _chat_template(o) if o.chat else None
     stop_tokens = list(o.stop_tokens) + gen.stop_token_ids(tokenizer, o.stops)
-    stopper = gen.TextStopper(tokenizer, o.stops) if tokenizer is not None and o.stops else None
+    stopper = TextStopper(tokenizer, o.stops) if tokenizer is not None and o.stops else None
 
     loaded = load_model(ref, o, weights, models, progress)
     fixed = None

@@ -129,7 +129,7 @@ def process_logits(logits: np.ndarray, seen: np.ndarray | None, s: Sampling, ste
                 x[r, stops] = -np.inf
     if s.greedy:
         return x
-    x = x / np.float32(s.temperature)
+    x = _apply_temperature(x, s.temperature)
     if s.top_k and s.top_k < x.shape[-1]:
         kth = np.partition(x, -s.top_k, axis=-1)[:, -s.top_k][:, None]
         x = np.where(x < kth, -np.inf, x)
@@ -150,6 +150,29 @@ def process_logits(logits: np.ndarray, seen: np.ndarray | None, s: Sampling, ste
     return x
 
 
+def _apply_temperature(x: np.ndarray, temperature: float) -> np.ndarray:
+    """``x / temperature`` in float32, as transformers divides. Where float32 cannot hold that -- a
+    temperature that is 0 or infinite in float32, quotients that overflow, or ones that underflow
+    into subnormals (which ties distinct scores) -- the scores relative to each row's best, divided
+    in float64: as T -> 0 every token below the best goes to -inf (the choice is the argmax:
+    greedy), as T -> inf every kept token goes to 0 (uniform) while their order stays for top-k and
+    top-p. Filtered entries stay -inf; no NaN is made."""
+    tiny = np.finfo(np.float32).tiny
+    with np.errstate(over="ignore", under="ignore"):
+        t32 = np.float32(temperature)
+        if np.isfinite(t32) and t32 >= tiny:
+            y = x / t32
+            finite = np.isfinite(x)
+            if np.array_equal(np.isfinite(y), finite) and bool(((np.abs(y) >= tiny) | (x == 0) | ~finite).all()):
+                return y
+    x64 = x.astype(np.float64)
+    finite = np.isfinite(x64)
+    best = np.where(finite, x64, -np.inf).max(-1, keepdims=True)
+    best = np.where(np.isfinite(best), best, 0.0)
+    with np.errstate(over="ignore", under="ignore", invalid="ignore"):
+        return np.where(finite, (x64 - best) / float(temperature), x64)
+
+
 def _softmax(x: np.ndarray) -> np.ndarray:
     p = np.exp(x - x.max(-1, keepdims=True))
     return p / p.sum(-1, keepdims=True)
@@ -162,10 +185,15 @@ def choose(logits: np.ndarray, seen: np.ndarray | None, s: Sampling, rng: np.ran
     if s.greedy:
         return np.argmax(x, axis=-1).astype(np.int64)
     x = x.astype(np.float64)
-    p = np.exp(x - x.max(-1, keepdims=True))
+    with np.errstate(invalid="ignore", over="ignore"):
+        p = np.exp(x - x.max(-1, keepdims=True))
+    p = np.where(np.isnan(p), 0.0, p)  # a row of NaN or +inf logits (a broken model) picks by argmax below
     cdf = np.cumsum(p, axis=-1)
     u = rng.random(len(x)) * cdf[:, -1]
     picked = np.array([np.searchsorted(cdf[i], u[i], side="right") for i in range(len(x))], dtype=np.int64)
+    bad = ~(np.isfinite(cdf[:, -1]) & (cdf[:, -1] > 0))
+    if bad.any():  # no probability mass to draw from: the best score (NaN counted lowest)
+        picked[bad] = np.argmax(np.where(np.isnan(x[bad]), -np.inf, x[bad]), axis=-1)
     return np.minimum(picked, x.shape[-1] - 1)
 
 

@@ -47,8 +47,9 @@ def spec_for(folder: Path) -> str:
 
     config = read_config(folder) or {}
     kind = config.get("model_type")
-    if kind not in MODEL_TYPES:
-        what = f"model_type {kind!r}" if kind is not None else "no model_type"
+    if not isinstance(kind, str) or kind not in MODEL_TYPES:  # a list or an object is not hashable
+        shown = repr(kind) if isinstance(kind, str) else f"of type {type(kind).__name__} (a string is expected)"
+        what = f"model_type {shown[:80]}" if kind is not None else "no model_type"
         raise UsageError(f"{folder / 'config.json'} has {what}; a checkpoint folder works as the model for "
                          f"{', '.join(sorted(MODEL_TYPES))}. For another architecture write a spec "
                          f"(docs/language.md) with a NAME.hf.toml mapping beside it (docs/weights.md) and run "

@@ -59,6 +59,8 @@ def _read(path: Path) -> dict | None:
         data = json.loads(path.read_bytes()[:16 * 1024 * 1024].decode("utf-8"))
     except (OSError, UnicodeDecodeError, ValueError) as e:
         raise UsageError(f"{path}: not valid JSON ({e}); fix or remove it") from None
+    except RecursionError:  # json's decoder recurses per nested array or object
+        raise UsageError(f"{path}: not valid JSON (arrays or objects nested too deep); fix or remove it") from None
     if not isinstance(data, dict):
         raise UsageError(f"{path}: expected a JSON object, got {type(data).__name__}")
     return data

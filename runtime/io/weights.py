@@ -75,7 +75,7 @@ def init_weights(graph: Graph, seed: int = 0) -> dict[str, np.ndarray]:
 # ------------------------------------------------------------------ checkpoint import
 @dataclass
 class _Rule:
-    pattern: re.Pattern
+    pattern: "NamePattern"
     targets: list[str]
     split_axis: int | None = None
     transpose: bool = False
@@ -87,7 +87,7 @@ class NameMap:
     """Checkpoint names -> Tessera paths, read from a ``.hf.toml`` file."""
 
     rules: list[_Rule] = field(default_factory=list)
-    ignore: list[re.Pattern] = field(default_factory=list)
+    ignore: list["NamePattern"] = field(default_factory=list)
     source: str = ""
     # config.json key (dotted for nested) -> hyperparameter name, or ("expect", allowed values)
     config: dict = field(default_factory=dict)
@@ -296,11 +296,70 @@ class Piece:
 MAX_NAME = 1024  # checkpoint tensor names are under 200 characters; a longer one is not matched against patterns
 
 
-def _compile(pattern: str, where: str = "") -> re.Pattern:
-    """A name pattern as a regex: ``{name}`` captures digits, ``*`` any text. Why the rules: stray
-    braces, ``{0}`` or ``{I}`` would reach str.format; and a pattern's regex must match in time
-    linear-ish in the name, so at most one ``*`` and no two captures side by side (``a*b*c*...``
-    or ``{i}{j}`` backtrack exponentially or polynomially on a long name)."""
+class _Found:
+    """A name pattern's match: the placeholders' captured digits."""
+
+    def __init__(self, groups: dict[str, str]):
+        self.groups = groups
+
+    def groupdict(self) -> dict[str, str]:
+        return dict(self.groups)
+
+
+class NamePattern:
+    """A mapping file's name pattern, matched against a whole checkpoint name in time linear in
+    the name for each part of the pattern (O(name x pattern), never backtracking between parts):
+    the pattern's ``*`` split it into parts, each a literal with ``{name}`` placeholders (a run of
+    digits, which sits between non-digits, so a part matches a given place in one way only). The
+    first part must match at the start, the last at the end, and each part between two ``*`` at
+    its first place after the previous one (which leaves the most room for the rest, so a name
+    matches exactly when the regex with ``.*`` for each ``*`` would; only a placeholder in such a
+    middle part could capture differently: its first place). One ``*`` was the limit while the
+    pattern was one Python regex (``*a*a*a*a*b`` backtracked for minutes on a long name)."""
+
+    def __init__(self, text: str, parts: list[str]):
+        self.text = text
+        pieces: list[list[str]] = [[]]  # the pattern's parts between '*': regex pieces each
+        for i, p in enumerate(parts):
+            if i % 2:
+                pieces[-1].append(f"(?P<{p[1:-1]}>\\d+)")
+                continue
+            for j, literal in enumerate(p.split("*")):
+                if j:
+                    pieces.append([])
+                pieces[-1].append(re.escape(literal))
+        rx = ["".join(piece) for piece in pieces]
+        self.single = re.compile(rx[0]) if len(rx) == 1 else None
+        self.first = re.compile(rx[0])
+        self.middle = [re.compile(r) for r in rx[1:-1]]
+        self.last = re.compile(f"(?:{rx[-1]})\\Z")
+        self.groupindex = {p[1:-1]: k + 1 for k, p in enumerate(parts[1::2])}
+
+    def fullmatch(self, name: str):
+        if self.single is not None:
+            return self.single.fullmatch(name)
+        m = self.first.match(name)
+        if m is None:
+            return None
+        groups, pos = m.groupdict(), m.end()
+        for part in self.middle:
+            m = part.search(name, pos)
+            if m is None:
+                return None
+            groups.update(m.groupdict())
+            pos = m.end()
+        m = self.last.search(name, pos)
+        if m is None:
+            return None
+        groups.update(m.groupdict())
+        return _Found(groups)
+
+
+def _compile(pattern: str, where: str = "") -> NamePattern:
+    """A name pattern: ``{name}`` captures digits, ``*`` any text (any number of them: NamePattern
+    matches in linear time). Why the rules: stray braces, ``{0}`` or ``{I}`` would reach
+    str.format; and no placeholder beside a digit, a ``*`` or another placeholder, so a part
+    matches a given place in one way only."""
     parts = re.split(r"(\{[a-z_]+\})", pattern)  # literals at even indices, placeholders at odd ones
     if any("{" in p or "}" in p for p in parts[::2]):
         raise WeightsError(f"{where}: '{pattern}' has a stray brace or a placeholder that is not "
@@ -308,8 +367,6 @@ def _compile(pattern: str, where: str = "") -> re.Pattern:
     seen = parts[1::2]
     if len(seen) != len(set(seen)):
         raise WeightsError(f"{where}: a placeholder appears twice in '{pattern}'")
-    if pattern.count("*") > 1:
-        raise WeightsError(f"{where}: '{pattern}' has {pattern.count('*')} '*'; a pattern may have one")
     for i in range(1, len(parts), 2):
         before, after = parts[i - 1], parts[i + 1]
         beside = "another placeholder" if after == "" and i + 2 < len(parts) else \
@@ -317,9 +374,7 @@ def _compile(pattern: str, where: str = "") -> re.Pattern:
         if beside:
             raise WeightsError(f"{where}: in '{pattern}', {parts[i]} is next to {beside}; a placeholder must sit "
                                f"between text that is neither a digit nor '*', so the match is unique")
-    rx = "".join(f"(?P<{p[1:-1]}>\\d+)" if i % 2 else re.escape(p).replace(r"\*", ".*")
-                 for i, p in enumerate(parts))
-    return re.compile(rx)
+    return NamePattern(pattern, parts)
 
 
 def _target_fields(target: str, where: str) -> set[str]:

@@ -123,10 +123,28 @@ def write(path: Path, data: dict) -> Path:
 
 
 def device_fields(device) -> dict:
-    """A roofline.Device as stored with the machine's calibration."""
+    """A roofline.Device as stored with the machine's calibration, with when and under what load
+    (1-minute load average, CPUs) it was probed."""
+    from tessera.compiler.analysis.roofline import load_average
+
     return {"label": device.label, "flops": dict(device.flops), "vector_flops": device.vector_flops,
             "bandwidth": device.bandwidth, "memory": device.memory, "source": device.source,
-            "probed_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+            "probed_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "load": load_average(),
+            "cpus": os.cpu_count()}
+
+
+REPROBE_GAIN = 1.25  # a fresh probe this much faster (FLOP/s or bandwidth) than the kept one replaces it
+
+
+def replace_device(path: Path, device, fp: dict | None = None) -> Path:
+    """Keep ``device`` as this machine's probe and drop its recorded points: their efficiencies were
+    measured against the old probe's roofline (measure.py's check found it slower than the machine)."""
+    fp = fp or fingerprint()
+    data = read(path)
+    machine = data["machines"].setdefault(machine_key(fp), {**fp, "phases": {}})
+    machine["device"] = device_fields(device)
+    machine["phases"] = {}
+    return write(path, data)
 
 
 def stored_device(path: Path, fp: dict | None = None):
@@ -137,7 +155,9 @@ def stored_device(path: Path, fp: dict | None = None):
     d = machine and machine.get("device")
     if not d:
         return None
-    return Device("cpu", d["label"].replace(", measured", "") + f", probed {d['probed_at']}",
+    load = d.get("load")
+    under = f" at load {load:.2f} on {d.get('cpus', '?')} CPUs" if isinstance(load, (int, float)) else ""
+    return Device("cpu", d["label"].replace(", measured", "") + f", probed {d['probed_at']}{under}",
                   {k: float(v) for k, v in d["flops"].items()}, float(d["vector_flops"]), float(d["bandwidth"]),
                   d["memory"], f"{d['source']}; probed {d['probed_at']} and kept with the calibration in {path} "
                                f"(delete it to probe afresh)", measured=True)

@@ -240,7 +240,8 @@ def measure_section(m: dict) -> tuple[str, list[str], list[list[str]]]:
     mach = m.get("machine") or {}
     title_ = (f"Measured on this machine ({mach.get('cpu', '?')}, {mach.get('threads', '?')} threads; onnxruntime "
               f"CPU, median of {m['repeats']} runs); error = (estimated − measured) / measured; efficiency = "
-              f"estimated / measured; calibration recorded in {m.get('calibration_file', '?')}")
+              f"estimated / measured; calibration recorded in {m.get('calibration_file', '?')}"
+              + "".join(f"\nnote: {n}" for n in m.get("notes", [])))
     return (title_, ["phase", "measured", "min", "estimated", "error", "calibrated", "calibrated error",
                      "achieved FLOP/s", "achieved B/s", "efficiency"], rows)
 

@@ -19,16 +19,45 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
 from typing import Annotated, Literal, Union
 
 from fastapi import Request as HttpRequest
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationError
+from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr,
+                      ValidationError)
 
 from .engine import Engine, Handle, Overloaded, Request, RequestError, Unavailable
-from .model import ChatTemplate, ChatTemplateError, Sampling, UsageError, encode_prompts, stop_token_ids
+from .model import ChatTemplate, ChatTemplateError, Sampling, StopStrings, UsageError, encode_prompts, stop_token_ids
 
-Number = Union[StrictInt, StrictFloat]
+MAX_BODY_BYTES = 4 * 1024 * 1024  # a request body, checked as it is read (413 past it): 4 MiB holds a
+# 128k-token prompt as text or ids many times over; a 100 MB body held 6 GiB while tokenized
+BODY_TIMEOUT_S = 60.0  # reading a request's body, once its headers are in (408 past it: a client sending it a
+# byte at a time holds nothing for long)
+PREPARE_THREADS = 2  # requests tokenized or rendered at once, off the event loop (Server.prepare)
+MAX_FIELD_PATH = 64  # characters of a refused field's path quoted in an error
+
+
+def _finite_float(v):
+    """A number field as a float: a 401-digit integer (past float's range) or a non-finite value
+    (json's NaN, Infinity) is the client's error, not an OverflowError later."""
+    try:
+        f = float(v)
+    except OverflowError:
+        raise ValueError("the number is too large") from None
+    if f != f or f in (float("inf"), float("-inf")):
+        raise ValueError("the number must be finite")
+    return f
+
+
+Number = Annotated[Union[StrictInt, StrictFloat], AfterValidator(_finite_float)]
+
+
+class StreamOptions(BaseModel):
+    """OpenAI's ``stream_options``: ``include_usage`` only (unknown keys and wrong types are 400s)."""
+    model_config = ConfigDict(extra="forbid")
+
+    include_usage: StrictBool | None = None
 
 
 class _Body(BaseModel):
@@ -43,7 +72,7 @@ class _Body(BaseModel):
     seed: StrictInt | None = None
     stop: StrictStr | Annotated[list[StrictStr], Field(max_length=4)] | None = None
     stream: StrictBool = False
-    stream_options: dict | None = None
+    stream_options: StreamOptions | None = None
     n: StrictInt = 1
     user: StrictStr | None = None
     presence_penalty: Number = 0.0
@@ -98,11 +127,46 @@ class ApiError(Exception):
         self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
 
 
+def _printable(text):
+    """``text`` encodable as UTF-8 (a lone surrogate a client sent, echoed in a message, escaped)."""
+    if not isinstance(text, str):
+        return text
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 def _error_response(e: ApiError):
     from fastapi.responses import JSONResponse
 
-    return JSONResponse({"error": {"message": e.message, "type": e.type, "param": e.param, "code": e.code}},
-                        status_code=e.status)
+    return JSONResponse({"error": {"message": _printable(e.message), "type": e.type, "param": _printable(e.param),
+                                   "code": e.code}}, status_code=e.status)
+
+
+def check_text(data, root: str = "") -> None:
+    """Every string in a parsed JSON body (keys too) must be valid Unicode, encodable as UTF-8:
+    json.loads takes ``"\\ud800"`` (a lone surrogate), which nothing downstream can encode (the
+    tokenizer, the stop strings, the error body). Walked without recursion."""
+    stack = [(root, data)]
+    while stack:
+        path, value = stack.pop()
+        if isinstance(value, str):
+            items = ()
+            strings = [value]
+        elif isinstance(value, dict):
+            items = [(f"{path}.{k}" if path else str(k), v) for k, v in value.items()]
+            strings = list(value)
+        elif isinstance(value, list):
+            items = [(f"{path}[{i}]", v) for i, v in enumerate(value)]
+            strings = []
+        else:
+            continue
+        for text in strings:
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError:
+                where = _printable(path)[:MAX_FIELD_PATH] or "the body"
+                raise ApiError(400, f"{where}: the text is not valid Unicode (a lone surrogate such as \\ud800); "
+                                    f"send UTF-8 text", param=_printable(path)[:MAX_FIELD_PATH] or None) from None
+        stack.extend(items)
 
 
 def _validation_error(e: ValidationError) -> ApiError:
@@ -122,6 +186,17 @@ class Server:
         self.engine, self.model_name, self.tokenizer = engine, model_name, tokenizer
         self.chat_template, self.chat_template_error = chat_template, chat_template_error
         self.created = int(time.time())
+        self._pool = None
+
+    async def prepare(self, fn, data):
+        """``fn(data)`` (a route's request: tokenizing the prompt, rendering the chat template) in a
+        worker thread, so that a long prompt or a slow template never holds the event loop (every
+        other client, /health); at most PREPARE_THREADS at once, so their memory is bounded too."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(PREPARE_THREADS, thread_name_prefix="tessera-prepare")
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, data)
 
     # ---------------------------------------------------------------- request -> engine Request
     def _request(self, body: _Body, prompt_ids: list[int], max_tokens: int | None) -> Request:
@@ -219,16 +294,7 @@ class Server:
     def visible(handle: Handle, text: str, final: bool) -> str:
         """``text`` trimmed at a stop string; while not final, without the tail that could still become
         a stop string or is an incomplete character."""
-        stops = handle.request.stop_strings
-        cut = min((text.find(s) for s in stops if s in text), default=-1)
-        if cut >= 0:
-            return text[:cut]
-        if not final:
-            hold = max((len(s) - 1 for s in stops), default=0)
-            text = text[:len(text) - hold] if hold else text
-            while text.endswith("\ufffd"):
-                text = text[:-1]
-        return text
+        return StopStrings(handle.request.stop_strings).visible(text, final)
 
     def _token_text(self, token: int) -> str:
         return self.tokenizer.decode([token], skip_special_tokens=False) if self.tokenizer is not None else str(token)
@@ -273,17 +339,51 @@ class Server:
         return self.visible(handle, text, True)
 
 
+_BYTE_TOKEN = re.compile(r"<0x[0-9A-Fa-f]{2}>")
+_byte_tokens_of: dict[int, tuple[object, frozenset]] = {}
+
+
+def byte_tokens(tokenizer) -> frozenset:
+    """The ids of sentencepiece's byte-fallback pieces (``<0xE2>``) in ``tokenizer``'s vocabulary:
+    its ByteFallback decoder turns a run of them into text only as a whole (a run that is not valid
+    UTF-8 becomes one U+FFFD per byte, so ``<0x41>`` reads "A" alone and "\ufffd\ufffd" once an
+    ``<0xE2>`` follows). Found once per tokenizer."""
+    hit = _byte_tokens_of.get(id(tokenizer))
+    if hit is not None and hit[0] is tokenizer:
+        return hit[1]
+    ids = frozenset()
+    vocab = getattr(tokenizer, "get_vocab", None)
+    if vocab is not None:
+        try:
+            ids = frozenset(i for t, i in vocab(with_added_tokens=False).items() if _BYTE_TOKEN.fullmatch(t))
+        except TypeError:
+            ids = frozenset()
+    _byte_tokens_of[id(tokenizer)] = (tokenizer, ids)
+    return ids
+
+
 class Detokenizer:
     """The text of a growing token list, each update decoding a short window instead of the whole
     completion (a stream would otherwise cost O(n^2) decodes): the window starts at the tokens of
     the previous update, so word joins and spaces come out as in one decode (vLLM's prefix and read
-    offsets); an update whose text ends in an incomplete character waits for the next token."""
+    offsets). An update waits for the next token when its text ends in an incomplete character
+    (U+FFFD) or its last token is a byte-fallback piece (the run's text is not settled). The last
+    update (``final``) is one decode of all the tokens, so what a stream has shown is always
+    completed to exactly the unstreamed text: a trailing incomplete character and the tokens held
+    back with it are never lost."""
 
     def __init__(self, tokenizer):
         self.tokenizer, self.text, self.prefix, self.read = tokenizer, "", 0, 0
+        self.held = byte_tokens(tokenizer) if tokenizer is not None else frozenset()
 
-    def update(self, tokens: list[int]) -> str:
-        if self.tokenizer is None or len(tokens) <= self.read:
+    def update(self, tokens: list[int], final: bool = False) -> str:
+        if self.tokenizer is None:
+            return self.text
+        if final:
+            self.text = self.tokenizer.decode(list(tokens), skip_special_tokens=True)
+            self.prefix = self.read = len(tokens)
+            return self.text
+        if len(tokens) <= self.read or tokens[-1] in self.held:
             return self.text
         before = self.tokenizer.decode(tokens[self.prefix:self.read], skip_special_tokens=True)
         after = self.tokenizer.decode(tokens[self.prefix:], skip_special_tokens=True)
@@ -294,6 +394,27 @@ class Detokenizer:
             self.text = self.tokenizer.decode(tokens, skip_special_tokens=True)
             self.prefix = self.read = len(tokens)
         return self.text
+
+
+class StreamText:
+    """What a stream sends: each wake ``delta(count, done)`` is the new visible text (stop strings
+    cut, their possible beginnings and incomplete characters held back while running); the deltas
+    joined are ``Server.text_of`` of the finished request."""
+
+    def __init__(self, server: "Server", handle: Handle):
+        self.server, self.handle = server, handle
+        self.detok, self.shown = Detokenizer(server.tokenizer), ""
+
+    def tokens(self, count: int, done: bool) -> list[int]:
+        return self.server.text_tokens(self.handle, done, None if done else count)
+
+    def delta(self, count: int, done: bool) -> str:
+        tokens = self.tokens(count, done)
+        text = self.server.visible(self.handle, self.detok.update(tokens, final=done), done)
+        if text.startswith(self.shown) and len(text) > len(self.shown):
+            new, self.shown = text[len(self.shown):], text
+            return new
+        return ""
 
 
 def _parse(model, data):
@@ -347,6 +468,29 @@ def _finish_reason(handle: Handle) -> str:
     return {"stop": "stop", "length": "length"}.get(handle.finish_reason, handle.finish_reason)
 
 
+class _HeaderLimit:
+    """Refuse a request whose header block is past http.py's MAX_HEADER_BYTES (431, OpenAI's error
+    body): uvicorn's h11 bounds a header block that arrives in pieces, this one that came whole."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        from .http import MAX_HEADER_BYTES
+
+        if scope["type"] == "http" and sum(len(k) + len(v) + 4 for k, v in scope.get("headers", ())) + \
+                len(scope.get("raw_path") or b"") + len(scope.get("query_string") or b"") > MAX_HEADER_BYTES:
+            body = json.dumps({"error": {"message": f"the request's headers are past the server's limit of "
+                                                    f"{MAX_HEADER_BYTES} bytes", "type": "invalid_request_error",
+                                         "param": None, "code": "headers_too_large"}}).encode()
+            await send({"type": "http.response.start", "status": 431,
+                        "headers": [(b"content-type", b"application/json"),
+                                    (b"content-length", str(len(body)).encode())]})
+            await send({"type": "http.response.body", "body": body})
+            return
+        await self.app(scope, receive, send)
+
+
 def create_app(server: Server):
     """The FastAPI application over ``server`` (its engine must be started)."""
     from fastapi import FastAPI
@@ -355,6 +499,7 @@ def create_app(server: Server):
     from starlette.exceptions import HTTPException as StarletteHTTPException
 
     app = FastAPI(title="tessera serve", docs_url=None, redoc_url=None, openapi_url=None)
+    app.add_middleware(_HeaderLimit)
 
     @app.exception_handler(ApiError)
     async def _api_error(request, e: ApiError):
@@ -374,7 +519,34 @@ def create_app(server: Server):
         return _error_response(ApiError(500, f"internal error: {type(e).__name__}", "server_error"))
 
     async def read_json(request: HttpRequest):
-        raw = await request.body()
+        """The body as a JSON object, read with MAX_BODY_BYTES checked as it comes (413), its text
+        valid Unicode (check_text)."""
+        from starlette.requests import ClientDisconnect
+
+        length = request.headers.get("content-length")
+        if length is not None and length.strip().isdigit() and int(length) > MAX_BODY_BYTES:
+            raise ApiError(413, f"the body is {int(length)} bytes, past the server's limit of {MAX_BODY_BYTES}",
+                           code="body_too_large")
+        parts = []
+
+        async def read() -> None:
+            size = 0
+            async for part in request.stream():
+                size += len(part)
+                if size > MAX_BODY_BYTES:
+                    raise ApiError(413, f"the body is past the server's limit of {MAX_BODY_BYTES} bytes",
+                                   code="body_too_large")
+                parts.append(part)
+
+        try:
+            await asyncio.wait_for(read(), BODY_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            raise ApiError(408, f"the body did not arrive within {BODY_TIMEOUT_S:g} s",
+                           code="request_timeout") from None
+        except ClientDisconnect:  # the client went away or sent a malformed (e.g. chunked) body
+            raise ApiError(400, "the body could not be read (the client disconnected or sent a malformed "
+                                "body)") from None
+        raw = b"".join(parts)
         try:
             data = json.loads(raw)
         except (ValueError, UnicodeDecodeError) as e:
@@ -383,6 +555,7 @@ def create_app(server: Server):
             raise ApiError(400, "the body is not valid JSON: arrays or objects nested too deep") from None
         if not isinstance(data, dict):
             raise ApiError(400, "the body must be a JSON object")
+        check_text(data)
         return data
 
     @app.get("/health")
@@ -444,17 +617,16 @@ def create_app(server: Server):
             return new
 
         async def events():
-            shown, detok = "", Detokenizer(server.tokenizer)
+            text = StreamText(server, handle)
             try:
                 first = chunk(None, None)
                 if first is not None:
                     yield f"data: {json.dumps(first)}\n\n"
                 async for count, done in _updates(handle, request):
-                    tokens = server.text_tokens(handle, done, None if done else count)
-                    text = server.visible(handle, detok.update(tokens), done)
-                    if text.startswith(shown) and len(text) > len(shown):
-                        yield f"data: {json.dumps(chunk(text[len(shown):], None, entries=entries(len(tokens))))}\n\n"
-                        shown = text
+                    tokens = text.tokens(count, done)
+                    new = text.delta(count, done)
+                    if new:
+                        yield f"data: {json.dumps(chunk(new, None, entries=entries(len(tokens))))}\n\n"
                     if done:
                         if handle.finish_reason in ("error", "cancelled"):
                             err = handle.error or "the request was cancelled: the server is shutting down"
@@ -476,7 +648,7 @@ def create_app(server: Server):
 
     @app.post("/v1/completions")
     async def completions(request: HttpRequest):
-        body, req = server.completion_request(await read_json(request))
+        body, req = await server.prepare(server.completion_request, await read_json(request))
         handle = server._submit(req)
         rid, created = f"cmpl-{handle.id}", int(time.time())
         if body.stream:
@@ -496,7 +668,7 @@ def create_app(server: Server):
                 return {"id": rid, "object": "text_completion", "created": created, "model": server.model_name,
                         "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}]}
 
-            return stream(handle, request, chunk, bool((body.stream_options or {}).get("include_usage")))
+            return stream(handle, request, chunk, bool(body.stream_options and body.stream_options.include_usage))
         await wait_for(handle, request)
         check_outcome(handle)
         return {"id": rid, "object": "text_completion", "created": created, "model": server.model_name,
@@ -506,7 +678,7 @@ def create_app(server: Server):
 
     @app.post("/v1/chat/completions")
     async def chat(request: HttpRequest):
-        body, req = server.chat_request(await read_json(request))
+        body, req = await server.prepare(server.chat_request, await read_json(request))
         handle = server._submit(req)
         rid, created = f"chatcmpl-{handle.id}", int(time.time())
         if body.stream:
@@ -520,7 +692,7 @@ def create_app(server: Server):
                 return {**base, "choices": [{"index": 0, "delta": delta, "logprobs": logprobs,
                                              "finish_reason": finish}]}
 
-            return stream(handle, request, chunk, bool((body.stream_options or {}).get("include_usage")))
+            return stream(handle, request, chunk, bool(body.stream_options and body.stream_options.include_usage))
         await wait_for(handle, request)
         check_outcome(handle)
         return {"id": rid, "object": "chat.completion", "created": created, "model": server.model_name,

@@ -48,6 +48,7 @@ class BatchOptions(EngineOptions):
     ray: bool = False
     concurrency: int = 1
     address: str | None = None
+    resume: bool = False  # continue an interrupted run from its journal (JOURNAL_SUFFIX beside --output)
 
     def check(self) -> None:
         super().check()
@@ -57,6 +58,10 @@ class BatchOptions(EngineOptions):
                 raise UsageError(f"--{name.replace('_', '-')} must be an integer >= {low}, got {value}")
         if (self.concurrency != 1 or self.address) and not self.ray:
             raise UsageError("--concurrency and --address apply with --ray")
+        if self.resume and self.ray:
+            raise UsageError("--resume continues a local run from its journal; a --ray run keeps no journal")
+        if not self.output or not isinstance(self.output, str) or "\0" in self.output:
+            raise UsageError("--output must be a file path")
         if Path(self.output).resolve() == Path(self.input).resolve():
             raise UsageError("--output is the --input file; write the results elsewhere")
 
@@ -80,6 +85,9 @@ def read_rows(path: str) -> list[dict]:
                     row = json.loads(line)
                 except ValueError as e:
                     raise UsageError(f"{path}:{number}: not a JSON line ({e})") from None
+                except RecursionError:
+                    raise UsageError(f"{path}:{number}: not a JSON line (arrays or objects nested too "
+                                     f"deep)") from None
                 if not isinstance(row, dict):
                     raise UsageError(f"{path}:{number}: a line must be a JSON object with a prompt, "
                                      f"got {type(row).__name__}")
@@ -102,15 +110,56 @@ def _whole(row: dict, name: str, low: int | None = None) -> int | None:
     if v is None:
         return None
     if not isinstance(v, int) or isinstance(v, bool) or (low is not None and v < low):
-        raise RowError(f"{name} must be an integer" + (f" >= {low}" if low is not None else "") + f", got {v!r}")
+        raise RowError(f"{name} must be an integer" + (f" >= {low}" if low is not None else "") + f", got {_shown(v)}")
     return v
 
 
 def _number(row: dict, name: str, default: float) -> float:
     v = row.get(name, default)
-    if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v):
-        raise RowError(f"{name} must be a number, got {v!r}")
-    return float(v)
+    if not isinstance(v, (int, float)) or isinstance(v, bool):
+        raise RowError(f"{name} must be a number, got {_shown(v)}")
+    try:
+        f = float(v)  # a 401-digit integer is past float's range
+    except OverflowError:
+        raise RowError(f"{name} must be a finite number, got an integer of {len(str(abs(v)))} digits") from None
+    if not math.isfinite(f):
+        raise RowError(f"{name} must be a finite number, got {v!r}")
+    return f
+
+
+def _shown(v, limit: int = 80) -> str:
+    """``v`` for an error message: its repr, cut to ``limit`` characters (a row may hold megabytes)."""
+    try:
+        text = repr(v)
+    except (RecursionError, ValueError):
+        text = f"a {type(v).__name__}"
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def _check_text(row: dict) -> None:
+    """Every string of the row (keys too) valid Unicode: json.loads takes a lone surrogate
+    ("\\ud800"), which the tokenizer cannot encode. Walked without recursion."""
+    stack = [("", row)]
+    while stack:
+        where, v = stack.pop()
+        if isinstance(v, dict):
+            for k, item in v.items():
+                if isinstance(k, str) and not _encodable(k):
+                    raise RowError(f"a field name is not valid Unicode (a lone surrogate such as \\ud800)")
+                stack.append((f"{where}.{k}" if where else str(k), item))
+        elif isinstance(v, list):
+            stack.extend((f"{where}[{i}]", item) for i, item in enumerate(v))
+        elif isinstance(v, str) and not _encodable(v):
+            raise RowError(f"{_shown(where, 40).strip(chr(39))}: the text is not valid Unicode (a lone surrogate "
+                           f"such as \\ud800)")
+
+
+def _encodable(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+        return True
+    except UnicodeEncodeError:
+        return False
 
 
 def row_request(row: dict, engine: Engine, default_max_tokens: int) -> Request:
@@ -119,9 +168,10 @@ def row_request(row: dict, engine: Engine, default_max_tokens: int) -> Request:
     from .engine import Request
     from .model import Sampling, encode_prompts, stop_token_ids
 
+    _check_text(row)
     unknown = sorted(set(row) - set(ROW_FIELDS))
     if unknown:
-        raise RowError(f"unknown field {unknown[0]!r} (a row takes {', '.join(ROW_FIELDS)})")
+        raise RowError(f"unknown field {_shown(unknown[0], 60)} (a row takes {', '.join(ROW_FIELDS)})")
     prompt, tokenizer = row.get("prompt"), engine.tokenizer
     if isinstance(prompt, str):
         if tokenizer is None:
@@ -139,7 +189,7 @@ def row_request(row: dict, engine: Engine, default_max_tokens: int) -> Request:
     stop = row.get("stop")
     stops = [stop] if isinstance(stop, str) else stop if stop is not None else []
     if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
-        raise RowError(f"stop must be a string or a list of strings, got {stop!r}")
+        raise RowError(f"stop must be a string or a list of strings, got {_shown(stop)}")
     if stops and tokenizer is None:
         raise RowError("stop strings need --tokenizer")
     max_tokens = _whole(row, "max_tokens", 1)
@@ -157,6 +207,8 @@ def row_request(row: dict, engine: Engine, default_max_tokens: int) -> Request:
 def result_of(handle: Handle, engine: Engine) -> dict:
     """A finished request's output line: text as the completion route gives it (a final stop or
     end-of-sequence token left out, cut at a stop string), all new token ids, the finish reason."""
+    from .model import StopStrings
+
     if handle.finish_reason in ("error", "cancelled"):
         return {"error": handle.error or f"the request was {handle.finish_reason}"}
     out: dict = {}
@@ -167,27 +219,37 @@ def result_of(handle: Handle, engine: Engine) -> dict:
                                                            tokens[-1] in engine.eos_ids):
             shown = tokens[:-1]
         text = tokenizer.decode(shown, skip_special_tokens=True)
-        cut = min((text.find(s) for s in req.stop_strings if s in text), default=-1)
-        out["text"] = text[:cut] if cut >= 0 else text
+        out["text"] = StopStrings(req.stop_strings).trim(text)
     out["tokens"] = tokens
     out["finish_reason"] = handle.finish_reason
     return out
 
 
-def run_rows(engine: Engine, rows: list[dict], default_max_tokens: int) -> list[dict]:
+def run_rows(engine: Engine, rows: list[dict], default_max_tokens: int, on_result=None,
+             done: dict[int, dict] | None = None) -> list[dict]:
     """Every row through a started engine, one result per row in row order. Rows are submitted as
-    fast as the engine's bounds allow: past them (Overloaded), wait for the oldest row in flight."""
+    fast as the engine's bounds allow: past them (Overloaded), wait for the oldest row in flight.
+    ``on_result(i, result)`` is called as each row's result is known (the journal); rows in
+    ``done`` (index -> result, from a journal) are not run again."""
     from .engine import Overloaded, RequestError, Unavailable
 
-    results: list[dict | None] = [None] * len(rows)
+    done = done or {}
+    results: list[dict | None] = [done.get(i) for i in range(len(rows))]
     in_flight: collections.deque[tuple[int, Handle]] = collections.deque()
+
+    def settle(i: int, result: dict) -> None:
+        results[i] = result
+        if on_result is not None:
+            on_result(i, result)
 
     def settle_oldest() -> None:
         i, h = in_flight.popleft()
         h.wait()
-        results[i] = result_of(h, engine)
+        settle(i, result_of(h, engine))
 
     for i, row in enumerate(rows):
+        if i in done:
+            continue
         try:
             req = row_request(row, engine, default_max_tokens)
             while True:
@@ -199,7 +261,9 @@ def run_rows(engine: Engine, rows: list[dict], default_max_tokens: int) -> list[
                         raise
                     settle_oldest()
         except (RowError, RequestError) as e:
-            results[i] = {"error": str(e)}
+            settle(i, {"error": str(e)})
+        except UsageError as e:  # a value the engine's own checks refuse (Sampling.check): the row's error
+            settle(i, {"error": str(e)})
         except Unavailable as e:
             raise UsageError(f"the engine stopped: {e}") from None
     while in_flight:
@@ -226,12 +290,135 @@ def load_engine(opts: BatchOptions) -> Engine:
                                                                      opts.weights), start)
 
 
-def run_local(opts: BatchOptions, rows: list[dict]) -> list[dict]:
+def run_local(opts: BatchOptions, rows: list[dict], journal: "Journal | None" = None) -> list[dict]:
     engine = load_engine(opts).start()
     try:
-        return run_rows(engine, rows, opts.max_tokens)
+        if journal is None:
+            return run_rows(engine, rows, opts.max_tokens)
+        return run_rows(engine, rows, opts.max_tokens, journal.add, journal.done)
     finally:
         engine.close()
+
+
+# ---------------------------------------------------------------------------------------- the output
+
+JOURNAL_SUFFIX = ".journal"  # results.jsonl.journal: the finished rows of a run not yet written out
+JOURNAL_VERSION = 1
+
+
+def check_output(path: str) -> None:
+    """--output can be written (checked before the model loads, so a bad path costs no work): a
+    file name in an existing folder where a file can be created, not a folder, and not an existing
+    non-regular file (a device, a FIFO)."""
+    target = Path(path)
+    if not path or target.name in ("", ".", ".."):
+        raise UsageError(f"--output {path!r}: give a file name")
+    if target.is_dir():
+        raise UsageError(f"--output {path} is a folder; give a file name in it")
+    if os.path.lexists(target) and not target.is_symlink() and not target.is_file():
+        raise UsageError(f"--output {path} exists and is not a regular file")
+    if not target.parent.is_dir():
+        raise UsageError(f"--output {path}: the folder {target.parent} does not exist")
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".check", dir=target.parent)
+        os.close(fd)
+        os.unlink(tmp)
+    except OSError as e:
+        raise UsageError(f"--output {path}: cannot write there ({e.strerror or e})") from None
+
+
+def journal_path(output: str) -> Path:
+    return Path(output).with_name(Path(output).name + JOURNAL_SUFFIX)
+
+
+def fingerprint(opts: BatchOptions, input_bytes: bytes) -> str:
+    """What a journal's rows depend on: the input file's bytes and every option but --output and
+    --resume (the same command, so a resumed run's rows equal an uninterrupted run's)."""
+    import hashlib
+    from dataclasses import asdict
+
+    settings = {k: v for k, v in asdict(opts).items() if k not in ("output", "resume", "input")}
+    h = hashlib.sha256(input_bytes)
+    h.update(json.dumps(settings, sort_keys=True, default=str).encode())
+    return h.hexdigest()
+
+
+class Journal:
+    """The finished rows of a run, one JSON line each as it finishes (``{"row": i, "result": ...}``
+    after a header naming the run's fingerprint), flushed at once, beside --output. A run that is
+    interrupted keeps them; ``--resume`` reads them back (a last line cut short is dropped) and runs
+    only the other rows. Removed once the output is written."""
+
+    def __init__(self, opts: BatchOptions, rows: int):
+        self.path = journal_path(opts.output)
+        self.rows = rows
+        self.fingerprint = fingerprint(opts, Path(opts.input).read_bytes())
+        self.done: dict[int, dict] = {}
+        if self.path.exists() and not opts.resume:
+            raise UsageError(f"{self.path} holds the finished rows of an interrupted run: add --resume to continue "
+                             f"it, or remove the file to start again")
+        if opts.resume and self.path.exists():
+            self.done, end = self._read()
+            try:  # drop a last line cut short, then go on appending
+                os.truncate(self.path, end)
+                self._file = open(self.path, "a", encoding="utf-8")
+            except OSError as e:
+                raise UsageError(f"cannot write the journal {self.path} ({e.strerror or e})") from None
+            return
+        if opts.resume:
+            import sys
+
+            print(f"--resume: no journal at {self.path}; running every row", file=sys.stderr)
+        try:
+            self._file = open(self.path, "w", encoding="utf-8")
+            self._file.write(json.dumps({"tessera_batch_journal": JOURNAL_VERSION, "fingerprint": self.fingerprint,
+                                         "rows": self.rows}) + "\n")
+            self._file.flush()
+        except OSError as e:
+            raise UsageError(f"cannot write the journal {self.path} ({e.strerror or e})") from None
+
+    def _read(self) -> tuple[dict[int, dict], int]:
+        """The finished rows, and the length in bytes of the journal up to its last whole line."""
+        try:
+            data = self.path.read_bytes()
+        except OSError as e:
+            raise UsageError(f"--resume: cannot read {self.path} ({e.strerror or e})") from None
+        lines = data.split(b"\n")
+        try:
+            header = json.loads(lines[0])
+        except (ValueError, RecursionError):
+            header = None
+        if not isinstance(header, dict) or header.get("tessera_batch_journal") != JOURNAL_VERSION:
+            raise UsageError(f"--resume: {self.path} is not a journal of `tessera batch`; remove it to start again")
+        if header.get("fingerprint") != self.fingerprint or header.get("rows") != self.rows:
+            raise UsageError(f"--resume: {self.path} is the journal of another run (a different input file or "
+                             f"options); run the same command to resume it, or remove it to start again")
+        done, end = {}, len(lines[0]) + 1
+        for line in lines[1:-1]:  # the part after the last newline is a line being written when the run stopped
+            end += len(line) + 1
+            try:
+                entry = json.loads(line)
+            except (ValueError, RecursionError):
+                continue
+            if isinstance(entry, dict) and isinstance(entry.get("row"), int) and 0 <= entry["row"] < self.rows \
+                    and isinstance(entry.get("result"), dict):
+                done[entry["row"]] = entry["result"]
+        return done, min(end, len(data))
+
+    def add(self, i: int, result: dict) -> None:
+        self._file.write(json.dumps({"row": i, "result": result}) + "\n")
+        self._file.flush()
+        self.done[i] = result
+
+    @property
+    def kept(self) -> bool:
+        """Whether it holds any finished row (else an interrupted run leaves nothing behind)."""
+        return bool(self.done)
+
+    def close(self, finished: bool) -> None:
+        self._file.close()
+        if finished or not self.kept:
+            self.path.unlink(missing_ok=True)
 
 
 def write_atomically(path: str, results: list[dict]) -> None:

@@ -10,7 +10,7 @@ import sys
 
 from tessera.runtime.options import add_engine_arguments
 
-from .batch import ROW_FIELDS, BatchOptions, read_rows, run_local, write_atomically
+from .batch import ROW_FIELDS, BatchOptions, Journal, check_output, read_rows, run_local, write_atomically
 
 # the engine's flags as batch words them (the rest is EngineOptions' own help)
 HELPS = {"tokenizer": "a Hugging Face tokenizer.json (or its folder): text prompts, stop strings, text in the results; "
@@ -46,6 +46,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
     add_engine_arguments(b, HELPS)  # the model, its compile, the tokenizer, the engine (options.EngineOptions)
     b.add_argument("--max-tokens", type=int, default=d.max_tokens, metavar="N",
                    help=f"new tokens for a row without max_tokens (default {d.max_tokens}, as OpenAI's completions)")
+    b.add_argument("--resume", action="store_true",
+                   help="continue an interrupted run: rows already in its journal (--output's name + .journal, "
+                        "written as rows finish) are not run again")
     b.add_argument("--ray", action="store_true", help="run on Ray Data: one engine per actor (the serve extra)")
     b.add_argument("--concurrency", type=int, default=d.concurrency, metavar="N",
                    help="with --ray: actors, each holding one engine (default 1)")
@@ -58,13 +61,26 @@ def cmd_batch(args) -> int:
     opts = BatchOptions.from_args(args)
     opts.check()
     rows = read_rows(opts.input)
+    check_output(opts.output)  # before the model loads: a bad --output costs no work
     if opts.ray:
         from .ray_batch import run_on_ray
 
         results = run_on_ray(opts, rows)
+        write_atomically(opts.output, results)
     else:
-        results = run_local(opts, rows)
-    write_atomically(opts.output, results)
+        journal = Journal(opts, len(rows))
+        if journal.done:
+            print(f"--resume: {len(journal.done)} of {len(rows)} rows already done ({journal.path})", file=sys.stderr)
+        try:
+            results = run_local(opts, rows, journal)
+            write_atomically(opts.output, results)
+        except BaseException:
+            journal.close(finished=False)
+            if journal.kept:
+                print(f"{len(journal.done)} finished rows are kept in {journal.path}: the same command with "
+                      f"--resume continues", file=sys.stderr)
+            raise
+        journal.close(finished=True)
     failed = sum("error" in r for r in results)
     print(f"{len(results)} rows -> {opts.output}" + (f" ({failed} failed: see their error)" if failed else ""),
           file=sys.stderr)

@@ -82,25 +82,45 @@ def cmd_serve(args) -> int:
     from .app import create_app
 
     class DrainingServer(uvicorn.Server):
-        """SIGTERM: refuse new requests, let the running ones finish, then stop (exit status 0)."""
+        """SIGTERM: refuse new requests, let the running ones finish (up to --drain-timeout), then
+        stop (exit status 0). Whatever still runs then -- or at once on a second SIGTERM or on Ctrl-C
+        -- ends as cancelled: a stream gets an error event and ``data: [DONE]``, a waiting request
+        503, before the connections close (never a stream cut mid-way)."""
+
+        def stop_now(self) -> None:
+            def close():
+                engine.close()  # every request ends ("cancelled"): the routes answer and return
+                self.should_exit = True
+
+            threading.Thread(target=close, daemon=True).start()
 
         def handle_exit(self, sig, frame):
-            if sig != signal.SIGTERM or self.should_exit:
+            if self.should_exit:
                 return super().handle_exit(sig, frame)
+            if sig != signal.SIGTERM:  # Ctrl-C: no waiting for the running requests; status 130 after
+                captured = getattr(self, "_captured_signals", None)  # uvicorn re-raises it once stopped
+                if captured is not None:
+                    captured.append(sig)
+                self.stop_now()
+                return
             if not engine.accepting:
-                self.should_exit = True  # a second SIGTERM: stop now
+                self.stop_now()  # a second SIGTERM: stop now
                 return
             print("SIGTERM: draining (new requests get 503)", file=sys.stderr, flush=True)
             engine.drain()
 
             def finish():
-                engine.wait_idle(opts.drain_timeout)
-                self.should_exit = True
+                if not engine.wait_idle(opts.drain_timeout):
+                    print(f"SIGTERM: --drain-timeout {opts.drain_timeout:g} s passed; ending the requests still "
+                          f"running", file=sys.stderr, flush=True)
+                self.stop_now()
 
             threading.Thread(target=finish, daemon=True).start()
 
+    from .http import uvicorn_limits
+
     config = uvicorn.Config(create_app(server), log_level="warning", access_log=False,
-                            timeout_graceful_shutdown=max(1, int(opts.drain_timeout)))
+                            timeout_graceful_shutdown=max(1, int(opts.drain_timeout)), **uvicorn_limits())
     engine.start()
     port = sock.getsockname()[1]
     print(f"serving {opts.served_name} on http://{opts.host}:{port} (POST /v1/completions, "

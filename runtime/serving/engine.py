@@ -53,7 +53,7 @@ from typing import Callable, Iterator
 import numpy as np
 
 from .metrics import Metrics
-from .model import (COMBINED_REASONS, CachedModel, Sampling, Step, TextStopper, UsageError, check_cache_fits, choose,
+from .model import (COMBINED_REASONS, CachedModel, Sampling, Step, StopStrings, UsageError, check_cache_fits, choose,
                     has_combined_call, ort_message, token_logprobs)
 
 WIDTH_STEP = 64  # attention width granularity of a decoding step (fewer distinct shapes)
@@ -83,6 +83,40 @@ class Request:
     stop_tokens: tuple[int, ...] = ()
     stop_strings: tuple[str, ...] = ()
     ignore_eos: bool = False
+
+
+def check_request_types(req) -> None:
+    """What ``submit`` takes, by type, before anything looks inside it: a Request (else TypeError)
+    whose prompt is a list of ids (text is the tokenizer's to encode), sampling a Sampling, stop
+    tokens and strings tuples or lists of ids and of valid Unicode strings, ignore_eos a bool (else
+    RequestError saying which)."""
+    if not isinstance(req, Request):
+        raise TypeError(f"submit takes a Request (tessera.runtime.serving.engine.Request), got "
+                        f"{type(req).__name__}")
+    p = req.prompt
+    if isinstance(p, (str, bytes)):
+        raise RequestError(f"the prompt must be a list of integer token ids, got text ({type(p).__name__}); "
+                           f"encode it with the tokenizer first (serving.model.encode_prompts)")
+    if not isinstance(p, (list, tuple)):
+        raise RequestError(f"the prompt must be a list of integer token ids, got {type(p).__name__}")
+    if not isinstance(req.sampling, Sampling):
+        raise RequestError(f"sampling must be a Sampling (tessera.runtime.generate.Sampling), got "
+                           f"{type(req.sampling).__name__}")
+    for name, kind in (("stop_tokens", "integer token ids"), ("stop_strings", "strings")):
+        v = getattr(req, name)
+        if isinstance(v, (str, bytes)) or not isinstance(v, (list, tuple)):
+            raise RequestError(f"{name} must be a tuple or list of {kind}, got {type(v).__name__}")
+    if not all(isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in req.stop_tokens):
+        raise RequestError("stop_tokens must be integer token ids")
+    for s in req.stop_strings:
+        if not isinstance(s, str):
+            raise RequestError(f"stop_strings must be strings, got {type(s).__name__}")
+        try:
+            s.encode("utf-8")
+        except UnicodeEncodeError:
+            raise RequestError("a stop string is not valid Unicode (a lone surrogate such as \\ud800)") from None
+    if not isinstance(req.ignore_eos, bool):
+        raise RequestError(f"ignore_eos must be a bool, got {type(req.ignore_eos).__name__}")
 
 
 class Handle:
@@ -352,7 +386,8 @@ class Engine:
 
     def submit(self, req: Request) -> Handle:
         """Queue a request; raises RequestError (never runnable), Overloaded (bounds reached) or
-        Unavailable (draining or closed) at once."""
+        Unavailable (draining or closed) at once; a TypeError for anything but a Request."""
+        check_request_types(req)
         self.check(req)
         req.prompt = [int(t) for t in req.prompt]
         handle = Handle(req)
@@ -691,7 +726,7 @@ class Engine:
         if tok in req.stop_tokens or (tok in self.eos_ids and not req.ignore_eos):
             reason = "stop"
         elif req.stop_strings and len(h.tokens) >= req.sampling.min_new_tokens and \
-                TextStopper(self.tokenizer, list(req.stop_strings))(0, h.tokens):
+                StopStrings(req.stop_strings).hit(self.tokenizer, h.tokens):
             reason = "stop"
         elif len(h.tokens) >= req.max_tokens:
             reason = "length"

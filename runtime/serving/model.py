@@ -17,7 +17,8 @@ from tessera.runtime import driver
 from tessera.runtime.driver import DECODE, check_fit, served_sources  # noqa: F401  (re-exported)
 from tessera.runtime.errors import UsageError  # noqa: F401  (re-exported)
 from tessera.runtime.generation.cached import (NO_CONTEXT_CAP, CachedDecoder, CachedModel, Stats,  # noqa: F401
-                                               TextStopper, check_cache_fits, encode_prompts, stop_token_ids)
+                                               check_cache_fits, encode_prompts, stop_token_ids)
+from tessera.runtime.generation.stops import StopStrings, TextStopper  # noqa: F401
 from tessera.runtime.generation.drafting import NgramDrafter  # noqa: F401
 from tessera.runtime.generation.sampling import Sampling, Step, choose, token_logprobs  # noqa: F401
 from tessera.runtime.io.chat_template import ChatTemplate, ChatTemplateError  # noqa: F401
@@ -127,8 +128,8 @@ def eos_ids(tokenizer, tokenizer_path: str | Path | None, spec=None, weights=Non
     if f is not None:
         try:
             data = json.loads(f.read_text(encoding="utf-8"))
-        except (OSError, ValueError):
-            data = None
+        except (OSError, ValueError, RecursionError):  # unreadable: no eos_token from it (the chat template
+            data = None  # reader, io/chat_template.py, says why when a template is wanted)
         tok = data.get("eos_token") if isinstance(data, dict) else None
         if isinstance(tok, dict):
             tok = tok.get("content")

@@ -88,6 +88,9 @@ def build_server(opts: ServeOptions):
             template = ChatTemplate.from_tokenizer_folder(tokenizer_path)
         except ChatTemplateError as e:  # the completion route still works; the chat route says why
             template_error = str(e)
+            import sys
+
+            print(f"warning: {e}; /v1/chat/completions answers 400 saying so", file=sys.stderr)
     model = driver.serve_model(opts.model, opts, last_only=opts.speculative is None)
     start = opts.start_token
     if start is None and hasattr(model, "s2s"):  # an encoder-decoder: the checkpoint's decoder_start_token_id
