@@ -208,6 +208,7 @@ class Model:
                  stop_tokens=(), tokenizer: str | Path | None = None, stream: bool = False, threads: int | None = None,
                  cache: str = "auto", quantize: str = "none", quantize_block: int | None = None,
                  quantize_head: bool = False, quantize_activations: str | None = None, inputs: dict | None = None,
+                 provider: str = "auto", dtype: str = "fp32",
                  start_token: int | None = None, speculative=None, draft_tokens: int | None = None,
                  json_schema=None, regex: str | None = None, grammar: str | Path | None = None):
         """Generate from token ids (a list, or a list of lists for a batch) or text (a str or list of str,
@@ -232,7 +233,8 @@ class Model:
         with ``draft_tokens`` (default 10 with "ngram", 4 with a draft model): speculative decoding, greedy
         only, the same tokens as without it (docs/generate.md); streamed, a round's tokens come together.
         Structured output (one of, with a tokenizer): ``json_schema`` (a dict, or a JSON schema file),
-        ``regex`` (a regular expression), ``grammar`` (a Lark grammar file): every output follows it."""
+        ``regex`` (a regular expression), ``grammar`` (a Lark grammar file): every output follows it.
+        ``provider`` and ``dtype``: generate's --provider and --dtype (on CUDA the spec is compiled for CUDA)."""
         # an encoder-decoder may have no prompt: its sources and a start token (given or the checkpoint's)
         no_prompt = prompt is None and (start_token is not None or bool(inputs))
         texts, ids, single = ([], None, False) if no_prompt else split_prompt(prompt)
@@ -246,9 +248,9 @@ class Model:
                             sampling_seed=seed, stops=[stop] if isinstance(stop, str) else stop,
                             stop_tokens=stop_tokens, threads=threads, cache=cache, quantize=quantize,
                             quantize_block=quantize_block, quantize_head=quantize_head,
-                            quantize_activations=quantize_activations, start_token=start_token,
-                            speculative=speculative, draft_tokens=draft_tokens, json_schema=json_schema,
-                            regex=regex, grammar=grammar).for_api()
+                            quantize_activations=quantize_activations, provider=provider, dtype=dtype,
+                            start_token=start_token, speculative=speculative, draft_tokens=draft_tokens,
+                            json_schema=json_schema, regex=regex, grammar=grammar).for_api()
         o.check()  # before the tokenizer is read
         tok = self.tokenizer(tokenizer) if tokenizer is not None else None
         # errors now, not at the first next()

@@ -709,6 +709,10 @@ class GenerateOptions(BuildOptions):
     threads: int | None = None
     cache: str = "auto"
     quiet: bool = False
+    # issue 37: the execution provider (auto: CUDA where onnxruntime has it and the machine shows a GPU) and
+    # the precision a spec is compiled at; on CUDA it is compiled for CUDA (``device``), its cache on the device
+    provider: str = "auto"
+    dtype: str = "fp32"
     # speculative decoding (generation/speculative.py): "ngram", a draft model (a spec, checkpoint folder
     # or compiled .onnx; the API also takes a loaded tessera.Model), and the tokens drafted per round
     speculative: str | Path | object | None = None
@@ -729,6 +733,13 @@ class GenerateOptions(BuildOptions):
 
     def check(self) -> None:
         super().check()
+        check_choice(self.label("provider"), self.provider, PROVIDERS)
+        check_choice(self.label("dtype"), self.dtype, DTYPES)
+        if self.dtype == "bf16":  # the loop reads logits and the prompt's cache through numpy
+            raise UsageError(self.say("--dtype bf16: generation reads the prompt's cache through numpy, which "
+                                      "onnxruntime gives no bfloat16; use fp16 (or compile --dtype bf16 to run it)",
+                                      "dtype='bf16': generation reads the prompt's cache through numpy, which "
+                                      "onnxruntime gives no bfloat16; use 'fp16'"))
         check_int(self.label("max_new_tokens"), self.max_new_tokens, optional=True)
         if self.max_new_tokens is not None and self.max_new_tokens < 1:
             raise UsageError(f"{self.flag('max_new_tokens')} must be at least 1, got {self.max_new_tokens}")
@@ -832,8 +843,29 @@ class GenerateOptions(BuildOptions):
         target input filled in by the loader): the quantisation and the cache mode."""
         from tessera.compiler.passes.pipeline import PipelineOptions
 
-        return PipelineOptions(cache=self.cache, last_only=self.speculative is None,  # the verifier reads every
-                               **self.build_fields())                                 # position's logits
+        from tessera.compiler.passes.attention_kernels import Target
+
+        return PipelineOptions(Target(self.device, self.dtype), cache=self.cache,
+                               last_only=self.speculative is None,  # the verifier reads every position's logits
+                               **self.build_fields())
+
+    @property
+    def device(self) -> str:
+        """Where the model runs: cuda for --provider cuda, and for auto on a machine showing a GPU with
+        onnxruntime's CUDA provider installed (runtime/session.py opens it, or falls back to the CPU)."""
+        if self.provider == "cuda":
+            return "cuda"
+        if self.provider == "auto":
+            from tessera.runtime.machine import gpu_present
+
+            if gpu_present():
+                import importlib.util
+
+                spec = importlib.util.find_spec("onnxruntime")
+                capi = spec and spec.submodule_search_locations and \
+                    Path(list(spec.submodule_search_locations)[0]) / "capi" / "libonnxruntime_providers_cuda.so"
+                return "cuda" if capi and capi.exists() else "cpu"
+        return "cpu"
 
     def value(self, name: str):
         """A decoding setting as given, else its default (DEFAULTS)."""

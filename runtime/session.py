@@ -166,6 +166,13 @@ def run_session(sess, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     except Exception as e:  # onnxruntime raises its own exception types (InvalidArgument, Fail, ...)
         msg = ort_message(e)
         shapes = ", ".join(f"{k}{list(v.shape)}" for k, v in feeds.items())
-        raise RunError(f"onnxruntime could not run the model on the inputs given ({shapes}): {msg}. "
-                       f"Check that token ids are below the vocabulary size and the sequence fits the "
-                       f"model's context.") from None
+        raise RunError(f"onnxruntime could not run the model on the inputs given ({shapes}): {msg}."
+                       f"{_hint(msg)}") from None
+
+
+def _hint(msg: str) -> str:
+    """The hint for an index past a table (a Gather's bounds check: token ids past the vocabulary,
+    positions past the context); other failures (a kernel's own checks on CUDA, say) get none."""
+    if "out of data bounds" in msg or "indices element" in msg or "index out of range" in msg.lower():
+        return " Check that token ids are below the vocabulary size and the sequence fits the model's context."
+    return ""

@@ -181,3 +181,16 @@ def tiny_hf(family: str, vocab: int = 300):
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.08)
     return model.eval()
+
+
+@pytest.fixture(scope="session")
+def cuda_stub(tmp_path_factory):
+    """onnxruntime-gpu's CUDA provider under stub CUDA libraries built for this session
+    (tests/cuda_stub_support.py); skipped, with the reason, where gcc, the CUDA headers or the
+    provider library are missing."""
+    import cuda_stub_support
+
+    why = cuda_stub_support.why_unavailable()
+    if why:
+        pytest.skip(f"CUDA stub unavailable: {why}")
+    return cuda_stub_support.build(tmp_path_factory.mktemp("cuda-stub"))

@@ -265,7 +265,8 @@ def test_every_kernel_declares_its_features_and_the_schema_knows_every_lowering(
     assert set(onnx_attention.KERNEL_FEATURES) == set(attention_ops.IMPLS) >= set(KERNELS)
     for impl in attention_ops.IMPLS:
         assert onnx_attention.kernel_features(impl) <= set(ref_epilogue.FEATURES)
-    assert onnx_attention.kernel_features("gqa") == {"scale", "causal", "window"}
+    assert onnx_attention.kernel_features("gqa") == {"scale", "softcap", "causal", "window"}
+    assert onnx_attention.kernel_features("attn23") == {"scale", "causal", "window", "local_window", "padding", "bias"}
     assert onnx_attention.kernel_features("portable") == set(ref_epilogue.FEATURES)
 
 

@@ -16,7 +16,7 @@ SMALL = SMALL_MODELS
 
 
 @pytest.mark.parametrize("spec,sets", SMALL, ids=[s for s, _ in SMALL])
-@pytest.mark.parametrize("attention", ["auto", "portable", "block"])
+@pytest.mark.parametrize("attention", ["auto", "portable", "block", "attn23"])
 def test_fused_and_unfused_exports_agree(spec, sets, attention, rng):
     unfused = build(spec, **sets)
     weights = init_weights(unfused, seed=2)
@@ -321,3 +321,26 @@ model Short(heads = 2, hd = 8) {
     sites = optimize(build(str(spec)))
     assert [s.fused for s in sites] == [False]
     assert "keys (S) may be fewer than the queries (T)" in sites[0].reason
+
+
+GEMMA2_SMALL = dict(layers=2, d=64, heads=4, kv_heads=2, head_dim=16, d_ff=96, vocab=50, window=8)
+
+
+@pytest.mark.parametrize("kernel", ["gqa", "attn23"])
+def test_contrib_and_opset23_kernels_equal_the_unfused_graph_on_cpu(kernel, rng):
+    """GroupQueryAttention with Gemma 2's soft-cap and sliding window (its scale times c, its softcap c:
+    onnxruntime caps as c·tanh(scale·s / c)), onnx's Attention (opset 23) with T5's padding mask and
+    relative bias (keys padded to a multiple of 8 and hidden): the CUDA kernels of issue 37, held to the
+    unfused graph by onnxruntime's CPU kernels of the same ops."""
+    spec, sets = ("gemma2", GEMMA2_SMALL) if kernel == "gqa" else \
+        ("t5", dict(layers=2, d=32, heads=4, d_kv=8, vocab=50, d_ff=64))
+    unfused = build(spec, **sets)
+    weights = init_weights(unfused, seed=2)
+    feeds = feeds_for(unfused, rng, t=13)
+    want = ort_run(unfused, weights, feeds)
+    fused = build(spec, **sets)
+    sites = optimize(fused, Target("cpu"), kernel)
+    assert sites and all(s.fused and s.impl == kernel for s in sites), [s.describe() for s in sites]
+    got = ort_run(fused, weights, feeds)
+    for name in want:
+        np.testing.assert_allclose(got[name], want[name], atol=2e-5, rtol=1e-4, err_msg=name)

@@ -311,10 +311,10 @@ def add_compile_keywords(pkg: Path) -> None:
             ("save: str | Path | None = None, **named_inputs) -> dict[str, np.ndarray]:",
              "save: str | Path | None = None, no_skip_norm: bool = False, **named_inputs) -> dict[str, np.ndarray]:"),
             ("save=save).for_api()", "save=save, no_skip_norm=no_skip_norm).for_api()"),
-            ("speculative=None, draft_tokens: int | None = None):",
-             "speculative=None, draft_tokens: int | None = None, no_skip_norm: bool = False):"),
-            ("speculative=speculative, draft_tokens=draft_tokens).for_api()",
-             "speculative=speculative, draft_tokens=draft_tokens, no_skip_norm=no_skip_norm).for_api()")):
+            ("grammar: str | Path | None = None):",
+             "grammar: str | Path | None = None, no_skip_norm: bool = False):"),
+            ("json_schema=json_schema, regex=regex, grammar=grammar).for_api()",
+             "json_schema=json_schema, regex=regex, grammar=grammar, no_skip_norm=no_skip_norm).for_api()")):
         edit(pkg, "runtime/api.py", anchor, new, where="replace")
 
 

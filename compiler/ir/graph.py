@@ -29,6 +29,16 @@ from tessera.compiler.ir.dims import Shape
 
 DTYPES = {"f32": np.float32, "f16": np.float16, "bf16": None, "i64": np.int64, "i32": np.int32,
           "bool": np.bool_, "u8": np.uint8, "i8": np.int8}
+def numpy_dtype(name: str):
+    """The numpy type of an IR dtype; bf16 is ml_dtypes' bfloat16 (onnx's dependency), imported only when
+    asked (``tessera ir`` and ``report`` import neither onnx nor it: tests/test_cli_help.py)."""
+    if name == "bf16":
+        from ml_dtypes import bfloat16
+
+        return bfloat16
+    return DTYPES[name]
+
+
 FLOAT_DTYPES = {"f32", "f16", "bf16"}
 # Precisions as the command line, kernel choice and the report name them (--dtype fp32|fp16|bf16),
 # and their element sizes; IR tensor types spell them f32, f16, bf16.

@@ -203,7 +203,7 @@ def _topk_gates(t, a):
 # type rule (ops.check_graph), never ignored by a kernel.
 Attr = score_epilogue.Attr
 # The lowerings backends/onnx/attention.py dispatches on (tests/test_attention_contract.py checks the two agree).
-IMPLS = ("gqa", "mha", "block", "portable", "cached", "phased")
+IMPLS = ("gqa", "mha", "attn23", "block", "portable", "cached", "phased")
 
 
 def _one_of(*allowed):
@@ -229,11 +229,16 @@ FUSED_ATTRS: dict[str, Attr] = {
     "block_bytes": Attr((int,), "an If picks the block kernel while the scores fit this many bytes (0: never)",
                         _at_least(0)),
     "decode": Attr((str,), "the KV-cached decoding step's kernel (passes/kv_cache.py)", _one_of("gqa")),
+    "prefill": Attr((str,), "the KV-cached prompt's kernel on CUDA: onnx's Attention (opset 23) instead of the "
+                    "portable Loop (passes/kv_cache.py)", _one_of("attn23")),
     "buffer_outputs": Attr((list, tuple), "the cache buffers a gqa decoding step writes", _names(2)),
     "pack_qkv": Attr((bool,), "false: the gqa decoding step reads split, rotated q/k/v, not the packed q+k+v "
                      "projection (--decode gqa-unpacked; backends/onnx/cached_attention.py)"),
     "length_input": Attr((str,), "the cache_length input a gqa decoding step reads", lambda v: None if v else
                          "must name an input"),
+    "decode_mask": Attr((str,), "CUDA: the input holding a gqa decoding step's mask of the filled slots and the new "
+                        "column (its width the total length, kept on the host)", lambda v: None if v else
+                        "must name an input"),
     "mixed": Attr((bool,), "the serving engine's combined call: decoding rows and a prompt chunk packed in one "
                   "call (backends/onnx/mixed_attention.py)"),
 }

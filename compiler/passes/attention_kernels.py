@@ -38,7 +38,7 @@ from tessera.compiler.passes.base import Pass, PassError, PassResult
 from tessera.compiler.patterns.attention import recognise
 from tessera.compiler.reference import score_epilogue
 
-KERNELS = ("gqa", "mha", "block", "portable")
+KERNELS = ("gqa", "mha", "attn23", "block", "portable")
 
 # The whole score block of a site (B·H·Tq·Tk scores) up to this many bytes is computed as one
 # block with no Loop on CPU. bench/attention.py, B = 1, 12 heads of 64, causal, fp32, 2 threads
@@ -66,7 +66,8 @@ def tile_sizes(target: Target, head_size: int) -> tuple[int, int]:
     return pow2(br), pow2(bc)
 
 
-_NAMES = {"gqa": "GroupQueryAttention", "mha": "MultiHeadAttention", "block": "the block kernel",
+_NAMES = {"gqa": "GroupQueryAttention", "mha": "MultiHeadAttention", "attn23": "onnx's Attention (opset 23)",
+          "block": "the block kernel",
           "portable": "the portable kernel", "cached": "the cached kernel", "phased": "the phased kernel"}
 
 
@@ -74,7 +75,7 @@ def unsupported(kernel: str, attrs: dict) -> str | None:
     """Why ``kernel`` cannot compute the score epilogue these attributes ask for: the features the node
     uses that the kernel's allow-list (backends/onnx/attention.py KERNEL_FEATURES) lacks, or a shortcut
     the kernel takes (KERNEL_ASSUMES) that one of them breaks; None if neither."""
-    have = kernel_features(kernel, attrs.get("decode"))
+    have = kernel_features(kernel, attrs.get("decode"), attrs.get("prefill"))
     missing = [f for f in score_epilogue.used(attrs) if f not in have]
     if missing:
         return (f"{_NAMES.get(kernel, kernel)} computes no {score_epilogue.words(missing)} "
@@ -119,12 +120,20 @@ def why_not(kernel: str, node: Node, graph: Graph, target: Target) -> str | None
     if int(hd) % 8:
         return f"onnxruntime's contrib attention kernels need a head size that is a multiple of 8 (got {int(hd)})"
     if kernel == "gqa":
+        if target.device == "cuda" and target.dtype == "fp32":
+            return ("onnxruntime 1.31 has no fp32 CUDA kernel for GroupQueryAttention (it would run on the CPU, "
+                    "copied to and from the device)")
         if not a["causal"]:
             return "GroupQueryAttention is used here for causal attention only"
         if not same_len:
             return "queries and keys have different lengths (GroupQueryAttention without a cache needs equal ones)"
         return None
+    if kernel == "attn23":
+        return None
     if kernel == "mha":
+        if target.device == "cuda" and target.dtype != "fp16":
+            return (f"onnxruntime 1.31's MultiHeadAttention runs its unfused MATH path on CUDA in {target.dtype} "
+                    f"(tests/cuda_stub); onnx's Attention (opset 23) runs the memory-efficient kernel")
         if a["causal"]:
             return "MultiHeadAttention materialises the N×N scores when causal (unidirectional)"
         if a["kv_heads"] != a["heads"]:
@@ -173,8 +182,8 @@ def block_for(node: Node, graph: Graph, target: Target, impl: str) -> int:
 
 def _choose_long(node: Node, graph: Graph, target: Target) -> tuple[str, str]:
     """The kernel for one fused attention on a target when its scores are too big for one block."""
-    if target.device == "cuda" and target.dtype == "fp32":
-        return "portable", "onnxruntime's flash kernels need fp16/bf16 on CUDA; the portable kernel is tiled in fp32"
+    if target.device == "cuda":
+        return _choose_cuda(node, graph, target)
     candidates = [("mha", "onnxruntime's MultiHeadAttention is tiled without mask, bias or past")]
     if target.device == "cuda":
         candidates.insert(0, ("gqa", "onnxruntime's GroupQueryAttention has a flash kernel for causal prefill"))
@@ -189,10 +198,44 @@ def _choose_long(node: Node, graph: Graph, target: Target) -> tuple[str, str]:
     return "portable", f"Tessera's tiled kernel: onnxruntime's contrib kernels would not be tiled here ({reason})"
 
 
+# What onnxruntime-gpu 1.31.1's CUDA provider chose for each lowering (ORT_ENABLE_ATTENTION_KERNEL_DEBUG_INFO=1,
+# sm_90, under the stub CUDA libraries of tests/cuda_stub; a choice made by the kernels' host code, not timed):
+# GroupQueryAttention fp16/bf16 FLASH_ATTENTION; Attention-23 with a boolean or float attn_mask
+# EFFICIENT_ATTENTION in fp32, fp16 and bf16 (with is_causal and no mask in fp32: MATH, hence no is_causal);
+# MultiHeadAttention MATH in fp32 and bf16, causal or with a bias.
+CUDA_SEEN = "onnxruntime-gpu 1.31.1, sm_90, tests/cuda_stub"
+
+
+def _choose_cuda(node: Node, graph: Graph, target: Target) -> tuple[str, str]:
+    """The fused CUDA kernel for one site: GroupQueryAttention (flash) for causal self-attention with no
+    other mask in fp16/bf16; else onnx's Attention (opset 23) with its masks and bias as one attn_mask
+    (memory-efficient kernel); the portable Loop only where neither applies."""
+    gqa = why_not("gqa", node, graph, target)
+    if gqa is None:
+        return "gqa", f"onnxruntime's GroupQueryAttention: FLASH_ATTENTION for causal {target.dtype} ({CUDA_SEEN})"
+    attn = why_not("attn23", node, graph, target)
+    if attn is None:
+        masks = [w for w, on in (("causal", node.attrs["causal"]), ("padding", node.attrs["padding"]),
+                                 ("bias", node.attrs["bias"])) if on]
+        as_mask = f", its {' and '.join(masks)} as one attn_mask" if masks else ""
+        return "attn23", (f"onnx's Attention (opset 23){as_mask}: EFFICIENT_ATTENTION in {target.dtype} ({CUDA_SEEN}); "
+                          f"not GroupQueryAttention: {gqa}")
+    return "portable", (f"no fused CUDA kernel applies (onnx's Attention: {attn}; GroupQueryAttention: {gqa}): "
+                        f"Tessera's tiled kernel, a Loop whose slice bounds the host reads at each iteration")
+
+
 # bench/decode_attention.py, one decoding step (T = 1), 12 heads of 64, fp32, 2 threads, ms (min of 300, two
 # runs on 2026-12-02): Tessera's cached lowering / GroupQueryAttention sharing the cache buffer (bound by
 # IOBinding) / MultiHeadAttention with past. Alone, GroupQueryAttention is as fast or faster.
 DECODE_MEASURED = "0.041 / 0.029 / 0.045 ms at P = 128, 0.119-0.195 / 0.129-0.173 / 0.152-0.168 ms at P = 1024"
+
+
+def cached_prefill(node: Node, target: Target, gqa_decode: bool = False) -> str | None:
+    """The prompt's kernel of a phased site when not the portable Loop: on CUDA, onnx's Attention (opset
+    23), where it computes the site's features (no soft-cap)."""
+    if target.device != "cuda" or unsupported("attn23", node.attrs):
+        return None
+    return "attn23"
 
 
 def choose_cached(node: Node, graph: Graph, target: Target, gqa_decode: bool = False) -> tuple[str, str]:
@@ -209,6 +252,9 @@ def choose_cached(node: Node, graph: Graph, target: Target, gqa_decode: bool = F
     if missing:  # fused for the block kernel alone (a feature breaking the cache's shortcuts): no cache
         raise PassError(f"the attention at {node.scope} cannot be cached: {missing}")
     prefill = "prefill (T > 1): portable tiled kernel, the T x (P+T) scores never formed"
+    if cached_prefill(node, target, gqa_decode):
+        prefill = (f"prefill (T > 1): onnx's Attention (opset 23) over past and new keys, its masks as one attn_mask "
+                   f"(EFFICIENT_ATTENTION in {target.dtype}; {CUDA_SEEN})")
     if gqa_decode:  # passes/kv_cache.py found the site fit for it (buffer cache, float32, head size)
         return "phased", (f"{prefill}; decode (T = 1): GroupQueryAttention over the cache buffer, bound as its "
                           f"past and present, the new column written in place")

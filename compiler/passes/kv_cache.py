@@ -54,9 +54,10 @@ import numpy as np
 
 from tessera.compiler.ir import dims
 from tessera.compiler.ir.graph import Graph, Node, TensorType
+from tessera.compiler.ir.graph import numpy_dtype
 from tessera.compiler.ir.graph import SymbolSource
 from tessera.compiler import ops
-from tessera.compiler.passes.attention_kernels import Target, choose_cached
+from tessera.compiler.passes.attention_kernels import Target, cached_prefill, choose_cached
 from tessera.compiler.patterns.positions import NotAffine, affine_reads, positions_reached
 from tessera.compiler.passes.base import Pass, PassError, PassManager, PassResult, PipelineResult
 from tessera.compiler.passes import cache_schema
@@ -67,6 +68,9 @@ from tessera.compiler.passes.recurrent_state import carries_state, carry_state, 
 MASK, POSITIONS = "attention_mask", "position_ids"
 LENGTH = "cache_length"  # buffer mode with GroupQueryAttention decoding: the filled slots, i64 [1] or [B]
 LENGTH_ROWS = "length_rows"  # its size: 1 (one length for every row, generate) or B (one per row, serving)
+# CUDA (fp16): the decoding step's mask of the filled slots and the new column, i64 [B, DECODE_WIDTH]; its width
+# is GroupQueryAttention's total length, kept on the host (backends/onnx/cached_attention.py _gqa_inputs_on_device)
+DECODE_MASK, DECODE_WIDTH = "decode_mask", "decode_width"
 
 
 @dataclass
@@ -175,8 +179,11 @@ def _gqa_unfit(node: Node, g: Graph, target: Target) -> str | None:
     hd, hv = int(k_t.shape[-1]), int(v_t.shape[-1])
     if a["window"]:
         return "a sliding window"
-    if q_t.dtype != "f32" or target.dtype != "fp32":
-        return f"{target.dtype if q_t.dtype == 'f32' else q_t.dtype} (checked in float32 only)"
+    cuda_half = target.device == "cuda" and target.dtype == "fp16"  # its CUDA kernels: fp16/bf16
+    if q_t.dtype != "f32" or (target.dtype != "fp32" and not cuda_half):
+        return f"{target.dtype if q_t.dtype == 'f32' else q_t.dtype} (checked in float32 only, and fp16 on CUDA)"
+    if target.device == "cuda" and target.dtype == "fp32":
+        return "fp32 on CUDA (onnxruntime has no fp32 CUDA kernel for GroupQueryAttention)"
     if hd != hv or hd % 8:
         return f"head sizes {hd} (keys) and {hv} (values): GroupQueryAttention wants one, a multiple of 8"
     return None
@@ -204,9 +211,12 @@ class CacheOptions:
     @property
     def decode_kernel(self) -> str:
         """``decode`` with auto resolved: measured on CPU only (docs/benchmarks/log.md); CUDA keeps the
-        plain branch, unmeasured."""
+        plain branch (GroupQueryAttention decoding is built in float32 only, and onnxruntime has no fp32
+        CUDA kernel for it; its fp16 lowering, with the cache on the device, is issue 37's, not done)."""
         if self.decode == "auto":
-            return "gqa" if self.target.device == "cpu" else "plain"
+            if self.target.device == "cuda":
+                return "gqa" if self.target.dtype == "fp16" else "plain"
+            return "gqa"
         return self.decode
 
 
@@ -404,7 +414,7 @@ class ReadPositionIds(Pass):
                 out_t = g.type_of(node.outputs[0])
                 table = g.add_const("cache/sinusoidal", sinusoidal_table(self.options.max_positions,
                                                                          node.attrs["d"]).astype(
-                    np.float16 if out_t.dtype == "f16" else np.float32), out_t.dtype)
+                    _np_float(out_t.dtype)), out_t.dtype)
                 emb = g.add_node("embedding", [POSITIONS, table.name],
                                  [TensorType(out_t.dtype, (b_dim, t_dim) + out_t.shape[1:])],
                                  {}, node.scope, node.pos, name=f"{node.name}/positions", origin=node.origin)
@@ -525,17 +535,24 @@ class ChooseCacheKernels(Pass):
             gqa = decode in ("gqa", "gqa-unpacked") and not unfit
             node.attrs["impl"], reason = (impl, "forced") if impl else choose_cached(node, g, target, gqa_decode=gqa)
             note = CachedKernel(node.name, CacheKernel(node.scope or node.name, node.attrs["impl"], reason))
+            prefill = cached_prefill(node, target, gqa) if node.attrs["impl"] == "phased" else None
+            if prefill:
+                node.attrs["prefill"] = prefill
             if gqa:
                 node.attrs["decode"] = "gqa"
                 node.attrs["pack_qkv"] = decode == "gqa"  # cached_attention.packed_qkv reads it
                 note = dataclasses.replace(note, buffer_key=f"cache_key.{i}", buffer_value=f"cache_value.{i}")
                 node.attrs["buffer_outputs"] = [note.buffer_key, note.buffer_value]
                 node.attrs["length_input"] = LENGTH
+                if target.device == "cuda":
+                    node.attrs["decode_mask"] = DECODE_MASK
                 if self.options.mixed:  # the engine's combined call too (backends/onnx/mixed_attention.py)
                     node.attrs["mixed"] = True
             notes.append(note)
         if any(n.buffer_key for n in notes):
             g.add_input(LENGTH, TensorType("i64", (dims.symbol(LENGTH_ROWS),)))
+        if any(n.attrs.get("decode_mask") for n in sites):
+            g.add_input(DECODE_MASK, TensorType("i64", (_batch_and_time(g)[0], dims.symbol(DECODE_WIDTH))))
         _settle(g)
         return PassResult(g, True, notes)
 
@@ -629,3 +646,7 @@ def add_kv_cache(g: Graph, last_only: bool = False, mode: str = "auto", impl: st
     nothing against it), ``plain``, or ``auto`` (gqa on CPU, plain elsewhere: unmeasured)."""
     options = CacheOptions(last_only, mode, impl, tokens, max_positions, target, decode)
     return cache_info(PassManager(cache_passes(options))(g))
+
+
+def _np_float(dtype: str):
+    return numpy_dtype(dtype) if dtype in ("f16", "bf16") else np.float32

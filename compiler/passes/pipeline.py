@@ -101,7 +101,7 @@ def _optimize(o: PipelineOptions, lower_precision: bool, quantize: QuantConfig |
         passes.append(QuantizeWeights(quantize))
     passes.append(SparseExperts(enabled=o.sparse_moe))  # after quantisation: quantised experts stay dense
     if lower_precision and o.target.dtype != "fp32":
-        passes.append(LowerPrecision(o.target.dtype))
+        passes.append(LowerPrecision(o.target.dtype, device=o.target.device))
     passes.append(ChooseRecurrenceLowering(o.recurrence))  # last: onnx's cell ops are fp32 only
     return passes
 
@@ -119,7 +119,7 @@ def cached_decoder(o: PipelineOptions) -> list[Pass]:
     if o.fuse_linears:
         passes.append(FuseSharedInputLinears())
     if o.target.dtype != "fp32":  # the cache crosses the interface at the lower precision
-        passes.append(LowerPrecision(o.target.dtype, native=cache_tensors))
+        passes.append(LowerPrecision(o.target.dtype, native=cache_tensors, device=o.target.device))
     return passes
 
 
@@ -149,7 +149,7 @@ def cached_decoder_after_export(o: PipelineOptions) -> list[ModelPass]:
     passes: list[ModelPass] = [PruneDeadNodes(), SettlePacked(), SettleMixed()]
     if o.skip_norm:
         passes.append(FuseSkipNorms())
-    if o.bound_step:
+    if o.bound_step and o.target.device == "cpu":  # on CUDA its If would hold shape arithmetic on the device
         passes.append(SplitBoundStep())
     return passes
 

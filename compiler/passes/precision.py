@@ -1,4 +1,4 @@
-"""Lower the graph's floating-point precision (fp32 -> fp16) for export.
+"""Lower the graph's floating-point precision (fp32 -> fp16 or bf16) for export.
 
 Every f32 value becomes f16: parameters (converted when weights are written),
 constants, and every node's result. The model's interface stays fp32: float
@@ -15,18 +15,22 @@ from __future__ import annotations
 
 from typing import Callable
 
-from tessera.compiler.ir.graph import Graph, TensorType, Value
+from tessera.compiler.ir.graph import Graph, TensorType, Value, numpy_dtype
 from tessera.compiler.passes.base import Pass, PassError, PassResult
 
-SUPPORTED = {"fp16": "f16"}
+SUPPORTED = {"fp16": "f16", "bf16": "bf16"}
 
 
 class LowerPrecision(Pass):
     name = "lower-precision"
 
-    def __init__(self, dtype: str, native: tuple[str, ...] | set[str] | Callable[[Graph], set[str]] = ()):
+    def __init__(self, dtype: str, native: tuple[str, ...] | set[str] | Callable[[Graph], set[str]] = (),
+                 device: str = "cuda"):
         if dtype not in SUPPORTED:
             raise PassError(f"--dtype {dtype}: export supports fp32 and {', '.join(SUPPORTED)}")
+        if dtype == "bf16" and device != "cuda":
+            raise PassError("--dtype bf16: onnxruntime's CPU kernels take no bfloat16 (bf16 is exported for "
+                            "--target cuda); use fp32 or fp16 on the CPU")
         self.dtype = SUPPORTED[dtype]
         self.native = native if callable(native) else set(native)
 
@@ -69,7 +73,7 @@ class LowerPrecision(Pass):
                 changed = True
         for name, arr in graph.consts.items():
             if graph.type_of(name).dtype == "f32":
-                graph.consts[name] = arr.astype("float16")
+                graph.consts[name] = arr.astype(numpy_dtype(low))
                 graph.values[name] = Value(name, lower(graph.type_of(name)), "const")
         outputs = set(graph.outputs)
         for node in graph.nodes.values():
@@ -96,7 +100,7 @@ def _lower_body(body: Graph, low: str) -> None:
             v.type = TensorType(low, v.type.shape)
     for name, arr in body.consts.items():
         if arr.dtype == "float32":
-            body.consts[name] = arr.astype("float16")
+            body.consts[name] = arr.astype(numpy_dtype(low))
     for node in body.nodes.values():
         if node.op in ("cast", "sinusoidal") and node.attrs.get("dtype") == "f32":
             node.attrs["dtype"] = low

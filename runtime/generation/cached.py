@@ -82,7 +82,7 @@ class CachedModel:
         from tessera.runtime.session import _ort, open_session
 
         self.info = info
-        if threads:
+        if threads and provider != "cuda":  # the thread count is the CPU provider's
             ort = _ort()
             opts = ort.SessionOptions()
             opts.intra_op_num_threads = threads
@@ -96,6 +96,10 @@ class CachedModel:
         vocab = self.session.get_outputs()[0].shape[-1]
         self.vocab = int(vocab) if isinstance(vocab, int) else None
         self.np_dtype = np.float16 if info.dtype == "f16" else np.float32
+        # on CUDA, a graph whose every layer writes its buffer in place keeps the cache on the device
+        # (BoundStep): a decoding step then moves the new token ids in and the logits out, nothing else
+        self.on_device = (self.session.get_providers()[0] == "CUDAExecutionProvider" and bool(info.length_input)
+                          and all(layer.buffer_key for layer in info.layers) and not info.states)
 
     @classmethod
     def from_onnx(cls, path: str | Path, provider: str = "cpu", threads: int | None = None) -> "CachedModel":
@@ -316,12 +320,24 @@ class BoundStep:
     as its past, and its one new column is copied in after the step."""
 
     def __init__(self, model: CachedModel, cache: dict[str, np.ndarray]):
+        from tessera.runtime.session import _ort
+
         self.model, self.io = model, model.session.io_binding()
         info = model.info
         self.cache, self.copied = cache, [layer for layer in info.layers if not layer.buffer_key]
+        # on the device (CachedModel.on_device): each buffer is one device OrtValue, bound as the past input
+        # and as the buffer output (one memory: the kernel writes the new column there); ``upload`` puts the
+        # prompt's columns in once, after the prompt ran with host arrays
+        self.device = {}
         for layer in info.layers:
             for past, out in ((layer.past_key, layer.buffer_key), (layer.past_value, layer.buffer_value)):
                 buf = cache[past]
+                if model.on_device:
+                    dev = self.device[past] = _ort().OrtValue.ortvalue_from_shape_and_type(list(buf.shape), buf.dtype,
+                                                                                           "cuda", 0)
+                    self.io.bind_ortvalue_input(past, dev)
+                    self.io.bind_output(out, "cuda", 0, buf.dtype, list(buf.shape), dev.data_ptr())
+                    continue
                 self.io.bind_cpu_input(past, buf)
                 if out:  # bound with an empty name, onnxruntime fails ("Failed to find NodeArg with name: ")
                     self.io.bind_output(out, "cpu", 0, buf.dtype, list(buf.shape), buf.ctypes.data)
@@ -339,9 +355,19 @@ class BoundStep:
             if None in shape:
                 raise UsageError(f"cannot bind output {name}: its size is not known ({shape})")
             arr = np.empty(shape, dtype=np.float32 if name == info.logits else model.np_dtype)
+            if model.on_device and name != info.logits:  # the new columns, written in the buffers: left there
+                self.device[name] = _ort().OrtValue.ortvalue_from_shape_and_type(list(shape), arr.dtype, "cuda", 0)
+                self.io.bind_ortvalue_output(name, self.device[name])
+                continue
             self.io.bind_output(name, "cpu", 0, arr.dtype, list(arr.shape), arr.ctypes.data)
             self.outputs[name] = arr
         self.logits = info.logits
+
+    def upload(self) -> None:
+        """The host cache (the prompt's columns written in) copied once into the device buffers."""
+        for past, dev in self.device.items():
+            if past in self.cache:
+                dev.update_inplace(self.cache[past])
 
     def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """One decoding step; returns the logits (a copy: the bound array is reused by the next step)."""
@@ -427,6 +453,9 @@ class CachedDecoder:
             feeds["attention_mask"] = mask if prefill else np.concatenate([self.slots, mask], axis=1)
         if info.length_input:
             feeds[info.length_input] = np.array([0 if prefill else self.filled], dtype=np.int64)
+        if "decode_mask" in self.model.input_names:  # CUDA: the filled slots and the new column (their count is
+            feeds["decode_mask"] = (np.ones((self.rows, 1), np.int64) if prefill  # the kernel's total length)
+                                    else np.concatenate([self.slots[:, :self.filled], mask], axis=1))
         if self.bound is not None and not prefill:  # the kernel writes the new columns into the buffers itself
             out = self.model.run(feeds, bound=self.bound)
         else:
@@ -438,6 +467,8 @@ class CachedDecoder:
                     cache[layer.past_value][:, :, filled:filled + t] = out[layer.present_value]
                 else:
                     cache[layer.past_key], cache[layer.past_value] = out[layer.present_key], out[layer.present_value]
+            if self.bound is not None and self.model.on_device:  # the prompt's columns to the device, once
+                self.bound.upload()
         if self.buffer:
             self.slots[:, self.filled:self.filled + t] = mask
         else:

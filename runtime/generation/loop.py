@@ -110,8 +110,8 @@ def load_model(ref, o, weights=None, models: dict | None = None, progress=None):
         if ref.variant or ref.sets or ref.weights or o.build_given():
             raise UsageError("--variant, --set, --weights and --quantize apply to .tsr specs; an .onnx file is "
                              "already compiled")
-        return gen.CachedModel.from_onnx(path, threads=o.threads)
-    key = (o.threads, o.cache, o.build_key(),
+        return gen.CachedModel.from_onnx(path, provider=o.provider, threads=o.threads)
+    key = (o.threads, o.cache, o.build_key(), o.device, o.dtype,
            o.speculative is None)  # speculative decoding's target keeps every position's logits
     if models is not None and key in models:
         return models[key]
@@ -128,7 +128,7 @@ def load_model(ref, o, weights=None, models: dict | None = None, progress=None):
     else:
         model, info = gen.compile_cached(built, weights, options)
         step(3, 4, "onnxruntime session")
-        loaded = gen.CachedModel(model.SerializeToString(), info, threads=o.threads)
+        loaded = gen.CachedModel(model.SerializeToString(), info, provider=o.device, threads=o.threads)
     step(4, 4)
     if models is not None:
         models[key] = loaded

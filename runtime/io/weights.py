@@ -27,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-from tessera.compiler.ir.graph import DTYPES, Graph
+from tessera.compiler.ir.graph import Graph, numpy_dtype
 
 from tessera.runtime.files import stat_or_raise
 
@@ -46,7 +46,7 @@ class SeededWeights(Mapping):
 
     def __init__(self, graph: Graph, seed: int = 0):
         self.seed = seed
-        self._params = {path: (tuple(int(s) for s in p.shape), p.init, p.std, np.dtype(DTYPES[p.dtype] or np.float32))
+        self._params = {path: (tuple(int(s) for s in p.shape), p.init, p.std, np.dtype(numpy_dtype(p.dtype) or np.float32))
                         for path, p in graph.params.items()}
 
     def __getitem__(self, path: str) -> np.ndarray:
@@ -530,7 +530,7 @@ def load_weights(graph: Graph, path: Path, name_map: NameMap | None = None,
     wide = [p for p in graph.params if ckpt.dtypes[pieces[p].source] == "F64"]
     if wide and notes is not None:
         notes.append(f"{len(wide)} f64 tensor(s) in {path} cast to the model's precision: " + _listing(wide))
-    dtypes = {p: np.dtype(DTYPES[param.dtype] or np.float32) for p, param in graph.params.items()}
+    dtypes = {p: np.dtype(numpy_dtype(param.dtype) or np.float32) for p, param in graph.params.items()}
     return CheckpointWeights(ckpt, {p: pieces[p] for p in graph.params}, dtypes)
 
 

@@ -28,9 +28,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from tessera.compiler.backends.onnx.floats import np_float as _np_float, onnx_float as _onnx_float
+
 # onnx is imported in the lowering functions, not here: passes/attention_kernels.py reads this module's
 # kernel tables when `tessera report` runs, and onnx (with ml_dtypes) takes ~0.6 s to import
 from tessera.compiler.backends.onnx import score_epilogue as epilogue
+from tessera.compiler.ir import dims
 from tessera.compiler.ops.attention import check_fused_attrs
 
 
@@ -54,8 +57,13 @@ class Epilogue:
 
 EPILOGUE = Epilogue()
 KERNEL_FEATURES: dict[str, frozenset | Epilogue] = {
-    "gqa": frozenset({"scale", "causal", "window"}),   # scale, local_window_size; no mask, bias or cap here
+    # scale, softcap (c·tanh(scale·s / c), before its causal mask), local_window_size; no padding mask or bias
+    "gqa": frozenset({"scale", "softcap", "causal", "window"}),
     "mha": frozenset({"scale"}),                        # no mask, bias, cap (not causal: see attention_kernels)
+    # onnx's Attention (opset 23): the scale attribute, and every mask and the bias as its one attn_mask
+    # (score_epilogue.prepare_whole's boolean, or bias + the masks as the dtype's lowest value); its softcap
+    # attribute is not used (onnxruntime 1.31's CUDA kernel was not seen to take it)
+    "attn23": frozenset({"scale", "causal", "window", "local_window", "padding", "bias"}),
     "block": EPILOGUE,
     "portable": EPILOGUE,
     # the cached kernels add one mask the cache builds (causal, window, padding): no two-sided window
@@ -70,6 +78,9 @@ KERNEL_FEATURES: dict[str, frozenset | Epilogue] = {
 KERNEL_ASSUMES: dict[str, frozenset[str]] = {
     "gqa": frozenset({"hidden_weigh_zero", "tiles_scores"}),
     "mha": frozenset({"hidden_weigh_zero", "tiles_scores"}),
+    # the memory-efficient/flash kernels tile the scores and skip hidden blocks; the keys padded to KEY_ALIGN
+    # are hidden and weigh zero
+    "attn23": frozenset({"hidden_weigh_zero", "tiles_scores"}),
     "block": frozenset(),
     "portable": frozenset({"hidden_weigh_zero", "tiles_scores"}),
     "cached": frozenset({"hidden_weigh_zero"}),
@@ -80,10 +91,13 @@ KERNEL_ASSUMES: dict[str, frozenset[str]] = {
 GQA_DECODE_FEATURES = frozenset({"scale", "softcap", "causal", "padding"})
 
 
-def kernel_features(impl: str, decode: str | None = None) -> frozenset[str]:
-    """The score-epilogue features lowering ``impl`` computes (with ``decode`` "gqa": both branches)."""
+def kernel_features(impl: str, decode: str | None = None, prefill: str | None = None) -> frozenset[str]:
+    """The score-epilogue features lowering ``impl`` computes (with ``decode`` "gqa" or ``prefill``
+    "attn23": every branch's)."""
     have = KERNEL_FEATURES[impl]
     have = epilogue.computed() - have.less if isinstance(have, Epilogue) else have
+    if prefill:
+        have = have & kernel_features(prefill)
     return have & GQA_DECODE_FEATURES if decode == "gqa" else have
 
 
@@ -116,7 +130,7 @@ def lower_fused_attention(b, node, out: str) -> None:
         return lower(b, node, out)
     if impl == "block":
         return _block(b, node, out)
-    lower = {"gqa": _gqa, "mha": _mha, "portable": _portable}[impl]
+    lower = {"gqa": _gqa, "mha": _mha, "attn23": _attn23, "portable": _portable}[impl]
     budget = node.attrs.get("block_bytes") or 0
     if budget:
         return _short_or(b, node, out, lower, budget)
@@ -130,7 +144,7 @@ def _short_or(b, node, out: str, lower, budget: int) -> None:
     from tessera.compiler.backends.onnx.cached_attention import _branch
 
     q_t, k_t = b.graph.type_of(node.inputs[0]), b.graph.type_of(node.inputs[1])
-    elem = TensorProto.FLOAT16 if q_t.dtype == "f16" else TensorProto.FLOAT
+    elem = _onnx_float(q_t.dtype)
     fits = _fits(b, q_t, k_t, node.attrs["heads"], budget)
     whole = _block_prep(b, node, fits)
     then_g = _branch(b, lambda b, n, o: _block(b, n, o, whole), node, "block", elem)
@@ -141,7 +155,7 @@ def _short_or(b, node, out: str, lower, budget: int) -> None:
 def _fits(b, q_t, k_t, heads: int, budget: int) -> str:
     """B·H·Tq·Tk·bytes <= budget, computed once in the main graph for every site of the same shape
     (``b.shared``): one test, not one per layer."""
-    bytes_per = 2 if q_t.dtype == "f16" else 4
+    bytes_per = (2 if q_t.dtype in ("f16", "bf16") else 4)
     key = ("block_fits", str(q_t.shape[0]), str(q_t.shape[-2]), str(k_t.shape[-2]), heads * bytes_per, int(budget))
     if key not in b.shared:
         saved, b.current = b.current, ""
@@ -208,9 +222,15 @@ def _gqa(b, node, out: str) -> None:
     t32 = b.node("Cast", [t], to=TensorProto.INT32)[0]
     last = b.node("Sub", [t32, _scalar(b, 1, np.int32)])[0]
     seqlens = b.node("Expand", [b.node("Unsqueeze", [last, b.i64([0])])[0], b.dim(q_t.shape[0])])[0]
+    # present_key/present_value named: onnxruntime's CUDA kernel refuses a GroupQueryAttention without them
+    # (group_query_attention.cc: "present_key and present_value are required unless borrowing a ... KV cache");
+    # nothing reads them, onnxruntime fills them ([B, kv_heads, T, hd], the keys and values as given)
+    attrs = {"scale": float(a["scale"])}
+    if a.get("softcap"):  # GroupQueryAttention caps as c·tanh(scale·s / c); Tessera folds the 1/c into its scale
+        attrs = {"softcap": float(a["softcap"]), "scale": float(a["scale"]) * float(a["softcap"])}
     res = b.node("GroupQueryAttention", [_to_bsd(b, q), _to_bsd(b, k), _to_bsd(b, v), "", "", seqlens, t32],
-                 1, domain="com.microsoft", num_heads=a["heads"], kv_num_heads=a["kv_heads"],
-                 scale=float(a["scale"]), local_window_size=a["window"] if a["window"] else -1)[0]
+                 3, domain="com.microsoft", num_heads=a["heads"], kv_num_heads=a["kv_heads"],
+                 local_window_size=a["window"] if a["window"] else -1, **attrs)[0]
     _from_bsd(b, res, a["heads"], hv, out)
 
 
@@ -221,6 +241,138 @@ def _mha(b, node, out: str) -> None:
     res = b.node("MultiHeadAttention", [_to_bsd(b, q), _to_bsd(b, k), _to_bsd(b, v)], 1, domain="com.microsoft",
                  num_heads=a["heads"], scale=float(a["scale"]))[0]
     _from_bsd(b, res, a["heads"], hv, out)
+
+
+# onnxruntime 1.31's memory-efficient CUDA kernel takes an attn_mask only when the key length is a multiple
+# of 4 (fp32; seen under tests/cuda_stub: Tk = 7 fell back to MATH, 4 and 8 did not): keys, values and the
+# mask are padded to a multiple of KEY_ALIGN, the padded keys hidden (exact: their weights are 0)
+KEY_ALIGN = 8
+
+
+def _attn23(b, node, out: str, names: list[str] | None = None) -> None:
+    """onnx's Attention (opset 23; the exporter writes the model at 23 for it, export.NEWER_OPS) on the
+    [B, H, T, d] tensors as they are. The masks (causal, sliding and two-sided windows, padding) and the
+    bias become one attn_mask built in the main graph (``attn23_inputs``): a boolean [B, 1, Tq, Tk']
+    (True = attend), or with a bias the float bias plus the hidden scores at the dtype's lowest value;
+    Tk' is Tk rounded up to KEY_ALIGN, the keys and values padded with zeros and the padded keys hidden
+    (exact: their weights are 0). On CUDA (onnxruntime 1.31.1, sm_90) the op then runs the
+    memory-efficient kernel in fp32, fp16 and bf16; ``is_causal`` is not used: in fp32 it selected the
+    unfused MATH path (tests/cuda_stub). ``names`` replaces the inputs' names (same types): a cached
+    prompt's keys and values, past and new concatenated in an If branch (backends/onnx/cached_attention.py),
+    whose mask was built in the main graph before the If."""
+    a = node.attrs
+    q, k, v = (names or node.inputs)[:3]
+    mask, pads = attn23_inputs(b, node)
+    q_t = b.graph.type_of(node.inputs[0])
+    if q_t.dtype == "f32" and a["kv_heads"] != a["heads"]:
+        # grouped key/value heads in fp32: onnxruntime 1.31's CUDA Attention took its MATH path (the whole
+        # N x N scores) for them and the memory-efficient kernel once the heads are repeated (tests/cuda_stub)
+        k, v = (_repeat_heads(b, x, a["heads"], a["heads"] // a["kv_heads"], int(q_t.shape[-1])) for x in (k, v))
+    if isinstance(pads, tuple):  # bf16: onnxruntime has no bf16 CUDA Pad; zeros concatenated instead
+        k, v = (b.node("Concat", [x, z], axis=2)[0] for x, z in zip((k, v), pads))
+    elif pads is not None:
+        k, v = b.node("Pad", [k, pads])[0], b.node("Pad", [v, pads])[0]
+    b.node("Attention", [q, k, v] + ([mask] if mask else []), [out], scale=float(a["scale"]))
+
+
+def _repeat_heads(b, x: str, heads: int, rep: int, hd: int) -> str:
+    """[B, G, T, d] -> [B, G·rep, T, d], each key/value head repeated for its ``rep`` query heads (constant
+    shapes only: no shape arithmetic inside an If branch)."""
+    wide = b.node("Expand", [b.node("Unsqueeze", [x, b.i64([2])])[0], b.i64([1, 1, rep, 1, 1])])[0]
+    return b.node("Reshape", [wide, b.i64([0, heads, -1, hd])])[0]
+
+
+def attn23_inputs(b, node) -> tuple[str | None, str | None]:
+    """The attn_mask of the Attention node lowering ``node`` (None: it needs none) and the pads of its keys
+    and values (None: the key length is a fixed multiple of KEY_ALIGN), built in the main graph: called
+    before the If of a cached prompt (backends/onnx/cached_attention.py), so the branch holds no shape
+    arithmetic (onnxruntime places an If branch's on the device, with a copy to the host for each), and
+    kept per node (``b.shared``); the boolean mask once for every layer alike."""
+    key = ("attn23_inputs", node.name)
+    if key in b.shared:
+        return b.shared[key]
+    a = node.attrs
+    extra = list(node.inputs[3:])
+    mask = extra.pop(0) if a["padding"] else None
+    bias = extra.pop(0) if a["bias"] else None
+    q_t, k_t = b.graph.type_of(node.inputs[0]), b.graph.type_of(node.inputs[1])
+    tk = k_t.shape[-2]
+    aligned = dims.is_static(tk) and int(tk) % KEY_ALIGN == 0
+    saved, b.current = b.current, ""
+    try:
+        hidden = epilogue.prepare_whole(b, a, mask, q_t, k_t, b.const(np.array(True), "true"))
+        attn_mask = None
+        if hidden is not None or bias is not None or not aligned:
+            attn_mask = _attn_mask(b, hidden, bias, q_t, k_t, aligned)
+        pads = None if aligned else _key_pads(b, tk, 2)
+        if pads is not None and q_t.dtype == "bf16":  # the zero keys and values themselves (no bf16 CUDA Pad)
+            extra = b.node("Slice", [pads, b.i64([6]), b.i64([7])])[0]
+            v_t = b.graph.type_of(node.inputs[2])
+            zero = b.const(np.zeros((1, 1, 1, 1), dtype=_np_float("bf16")), "zero_bf16")
+            pads = tuple(b.node("Expand", [zero, b.node("Concat", [b.dim(q_t.shape[0]), b.i64([a["kv_heads"]]), extra,
+                                                                 b.i64([int(t.shape[-1])])], axis=0)[0]])[0]
+                         for t in (k_t, v_t))
+        b.shared[key] = attn_mask, pads
+    finally:
+        b.current = saved
+    return b.shared[key]
+
+
+def _key_pads(b, tk, axis: int) -> str:
+    """Pad's pads for a rank-4 tensor: (KEY_ALIGN - Tk % KEY_ALIGN) % KEY_ALIGN at the end of ``axis`` (the keys:
+    2 of [B, H, Tk, d], 3 of the mask [B, 1, Tq, Tk]), once per key length."""
+    key = ("attn23_pads", str(tk), axis)
+    if key not in b.shared:
+        n = b.dim_scalar(tk)
+        align = _scalar(b, KEY_ALIGN)
+        extra = b.node("Mod", [b.node("Sub", [align, b.node("Mod", [n, align])[0]])[0], align])[0]
+        parts = [b.i64([0] * (4 + axis)), b.node("Unsqueeze", [extra, b.i64([0])])[0]]
+        if axis < 3:
+            parts.append(b.i64([0] * (3 - axis)))
+        b.shared[key] = b.node("Concat", parts, [b.fresh("attn23_pads")], axis=0)[0]
+    return b.shared[key]
+
+
+def _attn_mask(b, hidden: str | None, bias: str | None, q_t, k_t, aligned: bool) -> str:
+    """Attention-23's attn_mask: [B, 1, Tq, Tk'] boolean (True = attend) from the hidden-score mask (all
+    True without one), or, with a bias, bias + (the dtype's lowest value where hidden) as the scores'
+    dtype; the keys past Tk hidden. The boolean one once per shape (``b.shared``)."""
+    tq, tk = q_t.shape[-2], k_t.shape[-2]
+    np_dtype = _np_float(q_t.dtype)
+    if bias is None:
+        key = ("attn23_mask", hidden, str(q_t.shape[0]), str(tq), str(tk))
+        if key not in b.shared:
+            full = b.shape_vec([q_t.shape[0], 1, tq, tk])
+            if hidden is None:
+                keep = b.node("ConstantOfShape", [full], value=_bool_tensor(True))[0]
+            else:
+                keep = b.node("Expand", [b.node("Not", [hidden])[0], full])[0]
+            if not aligned:
+                keep = _pad_keys(b, keep, tk, np.array(False))
+            b.shared[key] = b.node("Identity", [keep], [b.fresh("attn23_mask")])[0]
+        return b.shared[key]
+    lowest = np.array(np.finfo(np_dtype).min, dtype=np_dtype)
+    summed = bias
+    if q_t.dtype == "bf16":  # built in fp32 (no bf16 CUDA Pad), bf16's lowest finite value, cast at the end
+        np_dtype, lowest = np.float32, np.array(np.finfo(np_dtype).min, dtype=np.float32)
+        summed = b.node("Cast", [bias], to=_onnx_float("f32"))[0]
+    if hidden is not None:
+        where = b.node("Where", [hidden, b.const(lowest, "lowest"), b.const(np.array(0, dtype=np_dtype), "zero")])[0]
+        summed = b.node("Add", [summed, where])[0]
+    summed = b.node("Expand", [summed, b.shape_vec([1, 1, tq, tk])])[0]  # rank 4, Tq x Tk
+    summed = summed if aligned else _pad_keys(b, summed, tk, lowest)
+    return b.node("Cast", [summed], to=_onnx_float("bf16"))[0] if q_t.dtype == "bf16" else summed
+
+
+def _bool_tensor(value: bool):
+    from onnx import TensorProto, helper
+
+    return helper.make_tensor("value", TensorProto.BOOL, [1], [value])
+
+
+def _pad_keys(b, x: str, tk, value: np.ndarray) -> str:
+    """x [..., Tk] padded at the end of its last axis to Tk' with ``value``."""
+    return b.node("Pad", [x, _key_pads(b, tk, 3), b.const(value, "pad_value")])[0]
 
 
 def _portable(b, node, out: str, names: list[str] | None = None) -> None:
@@ -235,7 +387,7 @@ def _portable(b, node, out: str, names: list[str] | None = None) -> None:
     bias = extra.pop(0) if a["bias"] else None
     q_t, k_t, v_t = (g.type_of(x) for x in node.inputs[:3])  # types by the IR names
     dtype = q_t.dtype
-    np_dtype = np.float16 if dtype == "f16" else np.float32
+    np_dtype = _np_float(dtype)
     heads, rep = a["heads"], a["heads"] // a["kv_heads"]
     hv = int(v_t.shape[-1])
 
@@ -247,7 +399,7 @@ def _portable(b, node, out: str, names: list[str] | None = None) -> None:
     # and for causal attention at most a quarter of the queries (a causal tile computes its whole
     # diagonal block, half of it hidden: four or more tiles per head keep that waste at an eighth or
     # less). Faster than 512-row tiles on CPU at N = 512 to 2048, as fast at 8192 and 16384 (docs/benchmarks/log.md).
-    bytes_per = 2 if dtype == "f16" else 4
+    bytes_per = (2 if dtype in ("f16", "bf16") else 4)
     row_bytes = b.node("Mul", [b.dim_scalar(q_t.shape[0]), b.node("Mul", [tk, _scalar(b, bytes_per)])[0]])[0]
     fit = b.node("Div", [_scalar(b, SCORE_BLOCK_BUDGET), row_bytes])[0]
     if a["causal"]:
@@ -311,7 +463,7 @@ def _portable(b, node, out: str, names: list[str] | None = None) -> None:
         inputs=[helper.make_tensor_value_info(i, TensorProto.INT64, []),
                 helper.make_tensor_value_info(cond_in, TensorProto.BOOL, [])],
         outputs=[helper.make_tensor_value_info(cond_out, TensorProto.BOOL, []),
-                 helper.make_tensor_value_info(tile_out, TensorProto.FLOAT16 if dtype == "f16" else TensorProto.FLOAT,
+                 helper.make_tensor_value_info(tile_out, _onnx_float(dtype),
                                                None)])
     b.nodes = outer_nodes
     # ---- the loop and reassembly: [H·n, B, 1, tile, hv] -> [B, H, n·tile, hv] -> Tq rows, taking from

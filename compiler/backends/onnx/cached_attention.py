@@ -29,6 +29,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+
+from tessera.compiler.backends.onnx.floats import np_float as _np_float, onnx_float as _onnx_float
 from onnx import TensorProto, helper
 
 from tessera.compiler.backends.onnx import score_epilogue as epilogue
@@ -87,7 +89,7 @@ def lower_cached_attention(b, node, out: str, bias: str | None = None) -> None:
     g, a = b.graph, node.attrs
     q, k, v = node.inputs[:3]
     q_t, v_t = g.type_of(q), g.type_of(v)
-    np_dtype = np.float16 if q_t.dtype == "f16" else np.float32
+    np_dtype = _np_float(q_t.dtype)
     additive = bias if bias is not None else _mask_bias(b, node, np_dtype)  # causal, window, padding
     user_bias = node.inputs[3 + int(a["padding"])] if a["bias"] else None
     heads, groups = a["heads"], a["kv_heads"]
@@ -135,13 +137,15 @@ def _lower_prefill(b, node, out: str) -> None:
     """The prompt: the portable tiled kernel over concat(past, new) with the causal offset and the
     attention mask as its key padding. The concatenation is made here, inside the branch, so a
     decoding step (the other branch) never copies the cache."""
-    from tessera.compiler.backends.onnx.attention import _portable
+    from tessera.compiler.backends.onnx.attention import _attn23, _portable
 
     names = list(node.inputs)
     for i in (1, 2):
         past, new = _split(b, names[i])
         if new is not None:
             names[i] = b.node("Concat", [past, new], axis=2)[0]
+    if node.attrs.get("prefill") == "attn23":  # CUDA: onnx's Attention, its mask built before the If
+        return _attn23(b, node, out, names=names)
     _portable(b, node, out, names=names)
 
 
@@ -159,6 +163,8 @@ def _gqa_inputs(b, node) -> tuple[str, str, str]:
     whose rows fill their buffers from slot 0 each; the kernel attends row b over its own
     cache_length[b] + 1 slots, so columns past a shorter row's new one are never read)."""
     key = ("gqa_inputs", node.inputs[3])
+    if key not in b.shared and node.attrs.get("decode_mask"):
+        return _gqa_inputs_on_device(b, node, key)
     if key not in b.shared:
         bias = _decode_bias(b, node, np.float32)  # [B, 1, 1, C + 1]
         saved, b.current = b.current, ""
@@ -177,6 +183,31 @@ def _gqa_inputs(b, node) -> tuple[str, str, str]:
             b.shared[key] = (seqlens, total, b.node("Concat", [filled, new], [b.fresh("gqa/bias")], axis=3)[0])
         finally:
             b.current = saved
+    return b.shared[key]
+
+
+def _gqa_inputs_on_device(b, node, key) -> tuple[str, str, str]:
+    """``_gqa_inputs`` on CUDA (fp16, the cache on the device): total_sequence_length and the bias from the
+    ``decode_mask`` input, [B, filled + 1] (the filled slots and the new column, runtime/generation/cached.py):
+    its width is shape arithmetic onnxruntime keeps on the host, where computed from cache_length (an input
+    it puts on the device) the kernel's host-side total would be copied back from the device each step."""
+    np_dtype = _np_float(b.graph.type_of(node.inputs[0]).dtype)
+    saved, b.current = b.current, ""
+    try:
+        dm = node.attrs["decode_mask"]
+        batch = b.node("Shape", [dm], start=0, end=1)[0]
+        seqlens = b.node("Cast", [b.node("Expand", [node.attrs["length_input"], batch])[0]],
+                         [b.fresh("gqa/seqlens_k")], to=TensorProto.INT32)[0]
+        width = b.node("Shape", [dm], start=1, end=2)[0]
+        total = b.node("Cast", [b.node("Squeeze", [width, b.i64([0])])[0]], [b.fresh("gqa/total")],
+                       to=TensorProto.INT32)[0]
+        hidden = b.node("Equal", [dm, b.const(np.array(0, np.int64), "zero_i64")])[0]
+        lowest = b.const(np.array(np.finfo(np_dtype).min, dtype=np_dtype), "lowest")
+        additive = b.node("Where", [hidden, lowest, b.const(np.array(0, dtype=np_dtype), "zero")])[0]
+        bias = b.node("Unsqueeze", [additive, b.i64([1, 2])], [b.fresh("gqa/bias")])[0]  # [B, 1, 1, filled + 1]
+        b.shared[key] = (seqlens, total, bias)
+    finally:
+        b.current = saved
     return b.shared[key]
 
 
@@ -311,11 +342,11 @@ def _split_ir(g, x: str) -> tuple[str, str | None]:
     return x, None
 
 
-def _rotary_caches(b, packed: PackedQKV) -> tuple[str, str]:
+def _rotary_caches(b, packed: PackedQKV, half: bool = False) -> tuple[str, str]:
     """cos and sin [max_positions, hd/2], fp32: the rope's tables at every position, computed in the
     graph by the same nodes as the per-step tables (Cos, Sin of position · inv_freq, YaRN's factor), so
     onnxruntime folds them once at load with the same kernels. Built once in the main graph."""
-    key = ("rotary_caches", packed.inv_freq.tobytes(), packed.factor, packed.max_positions)
+    key = ("rotary_caches", packed.inv_freq.tobytes(), packed.factor, packed.max_positions, half)
     if key not in b.shared:
         saved, b.current = b.current, ""
         try:
@@ -326,6 +357,8 @@ def _rotary_caches(b, packed: PackedQKV) -> tuple[str, str]:
                 t = b.node(f, [freqs], [b.fresh(f"rope/{f.lower()}_cache")])[0]
                 if packed.factor != 1.0:
                     t = b.node("Mul", [t, b.const(np.array(packed.factor, dtype=np.float32), "rope_attention_factor")])[0]
+                if half:  # GroupQueryAttention takes cos/sin caches of the queries' type (fp16 on CUDA)
+                    t = b.node("Cast", [t], to=TensorProto.FLOAT16)[0]
                 tables.append(t)
             b.shared[key] = tuple(tables)
         finally:
@@ -507,10 +540,14 @@ def _or_combined(b, node, prefill, gqa_in, elems: list[int], packed=None):
 def lower_phased_attention(b, node, out: str) -> None:
     """If T == 1 (a decoding step) the cached lowering, else (a prompt) the tiled one."""
     q_t = b.graph.type_of(node.inputs[0])
-    elem = TensorProto.FLOAT16 if q_t.dtype == "f16" else TensorProto.FLOAT
+    elem = _onnx_float(q_t.dtype)
     t = b.dim_scalar(q_t.shape[-2])
     decoding = b.node("Equal", [t, b.const(np.array(1, np.int64), "one")])[0]
     a = node.attrs
+    if a.get("prefill") == "attn23":  # the prompt's attn_mask and key pads in the main graph (no shape
+        from tessera.compiler.backends.onnx.attention import attn23_inputs  # arithmetic in the branch)
+
+        attn23_inputs(b, node)
     if a.get("decode") == "gqa":  # decoding writes the buffer in place: the If also gives the buffers
         gqa_in = _gqa_inputs(b, node)
         packed = packed_qkv(b.graph, node)
@@ -518,7 +555,7 @@ def lower_phased_attention(b, node, out: str) -> None:
         if not isinstance(packed, str):  # the If also gives the new keys and values (the cache outputs)
             elems = [elem] * 5
             hd = int(b.graph.type_of(node.inputs[0]).shape[-1])
-            shared = (_rotary_caches(b, packed), _new_column_index(b, node, a["kv_heads"], hd))  # main graph
+            shared = (_rotary_caches(b, packed, q_t.dtype == "f16"), _new_column_index(b, node, a["kv_heads"], hd))  # main graph
             then_g = _branch_outputs(b, lambda b, n, o: _lower_gqa_packed(b, n, o, gqa_in, packed, shared), node,
                                      "decode", elems)
             else_g = _branch_outputs(b, _or_combined(b, node, _lower_prefill_packed, gqa_in, elems, (packed, shared[0])),
@@ -540,7 +577,7 @@ def lower_phased_attention(b, node, out: str) -> None:
             b.extra_outputs.append((name, b.graph.type_of(past)))
         return
     if a["padding"] and a["causal"] and not a["window"]:  # one mask for every layer's decoding step
-        bias = _decode_bias(b, node, np.float16 if q_t.dtype == "f16" else np.float32)
+        bias = _decode_bias(b, node, _np_float(q_t.dtype))
         then_g = _branch(b, lambda b, n, o: lower_cached_attention(b, n, o, bias), node, "decode", elem)
     else:
         then_g = _branch(b, lower_cached_attention, node, "decode", elem)

@@ -30,7 +30,7 @@ from tessera.compiler.backends.atomic import OutputError, check_target, fsync_di
 from tessera.compiler.backends.onnx.builder import ONNX_DTYPES, Builder, Lowering, transposed_weights, value_info
 from tessera.compiler.backends.onnx.lowerings import lowering
 from tessera.compiler.backends.onnx.walk import all_nodes
-from tessera.compiler.ir.graph import DTYPES, Graph
+from tessera.compiler.ir.graph import Graph, numpy_dtype
 
 from tessera.compiler.reference import quant
 
@@ -42,7 +42,7 @@ OPSET = 21
 # that opset (the others keep 21, so their files do not change). Between 21 and 23 the ops already
 # in use only gained element types, and onnxruntime's fusions apply the same (checked on the
 # Llama-shaped decoder: the same 437 nodes after its optimiser at either opset).
-NEWER_OPS = {"RotaryEmbedding": 23}
+NEWER_OPS = {"RotaryEmbedding": 23, "Attention": 23}
 IR_VERSION = 10  # onnxruntime 1.31 loads IR versions up to 13; onnx 1.23 writes 14 unless told
 EXTERNAL_DATA_THRESHOLD = 2 * 1024**3 - 64 * 1024**2  # leave headroom below protobuf's 2 GiB limit
 
@@ -115,7 +115,7 @@ def tensors(graph: Graph, weights) -> list[stream.Streamed]:
     transposed = transposed_weights(graph)
     out = []
     for path, p in graph.params.items():
-        dtype = np.dtype(DTYPES[p.dtype] or np.float32)
+        dtype = np.dtype(numpy_dtype(p.dtype) or np.float32)
         shape = tuple(int(s) for s in p.shape)
         if path in transposed:  # written [in, out] (see transposed_weights); the copy is made as it is written
             out.append(stream.Streamed(path, shape[::-1], ONNX_DTYPES[p.dtype], dtype,

@@ -37,6 +37,8 @@ that gather), so the head costs a decoding step's plus one row.
 from __future__ import annotations
 
 import numpy as np
+
+from tessera.compiler.backends.onnx.floats import np_float as _np_float, onnx_float as _onnx_float
 from onnx import helper, numpy_helper
 
 POSITIONS = "position_ids"  # the cached graph's input (compiler/passes/kv_cache.py)
@@ -208,7 +210,7 @@ def _chunk_block(b, node, out: str, q: str, keys: str, values: str, chunk: dict)
     scores (the dtype's minimum: weight 0). No padding: every key is a real token."""
     g, a = b.graph, node.attrs
     q_t, v_t = g.type_of(node.inputs[0]), g.type_of(node.inputs[2])
-    np_dtype = np.float16 if q_t.dtype == "f16" else np.float32
+    np_dtype = _np_float(q_t.dtype)
     heads, kv = a["heads"], a["kv_heads"]
     rep, hd, hv = heads // kv, int(q_t.shape[-1]), int(v_t.shape[-1])
     qs = b.node("Mul", [q, b.const(np.array(a["scale"], dtype=np_dtype), "scale")])[0]

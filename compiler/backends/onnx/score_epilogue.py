@@ -21,6 +21,8 @@ from typing import Callable
 
 import numpy as np
 
+from tessera.compiler.backends.onnx.floats import np_float as _np_float, onnx_float as _onnx_float
+
 from tessera.compiler.ir import dims
 from tessera.compiler.reference import score_epilogue as reference
 
@@ -77,7 +79,7 @@ def prepare(b, a: dict, mask: str | None, bias: str | None, q_t, k_t, tiled: boo
     square tile size, for the causal triangle; ``additive``: a mask the cache built (``decode_mask``);
     ``positions``: (Tq, Tk, Tk - Tq) where the kernel has them already; ``hide``: the whole block's
     masks, built outside (``prepare_whole``): nothing of them is built here."""
-    np_dtype = np.float16 if q_t.dtype == "f16" else np.float32
+    np_dtype = _np_float(q_t.dtype)
     p = Prepared(np_dtype, "", "", "", b.const(np.array(np.finfo(np_dtype).min, dtype=np_dtype), "min"),
                  additive=additive, hide=hide)
     if hide is not None:

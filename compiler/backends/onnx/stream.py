@@ -128,6 +128,8 @@ def _arrays(tensors: list[Streamed], progress: Progress | None = None):
 
 
 def _write(f: BinaryIO, arr: np.ndarray) -> None:
+    if arr.dtype.kind == "V":  # bfloat16 (ml_dtypes): no buffer format; its bytes as they lie
+        arr = np.ascontiguousarray(arr).view(np.uint16)
     f.write(memoryview(arr).cast("B") if arr.ndim else arr.tobytes())
 
 

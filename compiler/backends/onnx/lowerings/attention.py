@@ -167,12 +167,17 @@ def _rope_fused(L, r: int, hd: int, interleaved: bool, inv_freq: np.ndarray) -> 
 
 def _topk_gates(L):
     b, x = L.b, L.x
+    logits = x[0]
+    if L.t_in[0].dtype == "bf16":  # TopK takes no bfloat16 at opset 21: the gates in fp32, cast back
+        logits = b.node("Cast", [logits], to=b.onnx_type("f32"))[0]
     if L.a.get("normalize") is False:  # the softmax over all logits, at the top k (the same indices)
-        w, idx = b.node("TopK", [b.node("Softmax", [x[0]], axis=-1)[0], b.i64([L.a["k"]])], 2, axis=-1,
+        w, idx = b.node("TopK", [b.node("Softmax", [logits], axis=-1)[0], b.i64([L.a["k"]])], 2, axis=-1,
                         largest=1, sorted=1)
     else:
-        vals, idx = b.node("TopK", [x[0], b.i64([L.a["k"]])], 2, axis=-1, largest=1, sorted=1)
+        vals, idx = b.node("TopK", [logits, b.i64([L.a["k"]])], 2, axis=-1, largest=1, sorted=1)
         w = b.node("Softmax", [vals], axis=-1)[0]
+    if L.t_in[0].dtype == "bf16":
+        w = b.node("Cast", [w], to=b.onnx_type("bf16"))[0]
     zeros = b.node("ConstantOfShape", [b.node("Shape", [x[0]])[0]],
                    value=b.tensor_value(np.zeros(1, dtype=np_float(L.t_in[0].dtype))))[0]
     L.emit("ScatterElements", [zeros, idx, w], axis=-1)

@@ -36,11 +36,16 @@ def _lower_gather(L):
     d = int(L.t_in[0].shape[-1])
     flat = b.node("Reshape", [x[0], b.i64([-1, d])])[0]
     logits = b.node("Reshape", [x[1], b.i64([-1, e])])[0]
+    bf16 = L.t_in[1].dtype == "bf16"
+    if bf16:  # TopK takes no bfloat16 at opset 21: the routing in fp32, the weights cast back
+        logits = b.node("Cast", [logits], to=b.onnx_type("f32"))[0]
     if L.a.get("normalize") is False:  # the softmax over all E, at the top k (the same experts)
         w, idx = b.node("TopK", [b.node("Softmax", [logits], axis=-1)[0], b.i64([k])], 2, axis=-1, largest=1, sorted=1)
     else:
         vals, idx = b.node("TopK", [logits, b.i64([k])], 2, axis=-1, largest=1, sorted=1)
         w = b.node("Softmax", [vals], axis=-1)[0]
+    if bf16:
+        w = b.node("Cast", [w], to=b.onnx_type("bf16"))[0]
     w_flat = b.node("Reshape", [w, b.i64([-1])])[0]   # [tokens·k]
     idx_flat = b.node("Reshape", [idx, b.i64([-1])])[0]
     # the sum is kept in fp32 (onnxruntime's CPU ScatterND has no fp16 'add'; fp32 sums are better anyway)

@@ -59,16 +59,24 @@ def _linear_int8(L):
 
 
 
+def _conv(L, **attrs):
+    """One Conv; in bf16 in fp32 between casts (Conv takes bfloat16 from opset 22; the exporter writes 21)."""
+    if L.t_in[0].dtype != "bf16":
+        return L.emit("Conv", L.x, **attrs)
+    b = L.b
+    wide = b.node("Conv", [b.node("Cast", [x], to=b.onnx_type("f32"))[0] for x in L.x], **attrs)[0]
+    L.emit("Cast", [wide], to=b.onnx_type("bf16"))
+
+
 def _conv2d(L):
     k = L.a["kernel"]
-    L.emit("Conv", L.x, kernel_shape=[k, k], strides=[L.a["stride"], L.a["stride"]])
+    _conv(L, kernel_shape=[k, k], strides=[L.a["stride"], L.a["stride"]])
 
 
 
 def _conv1d(L):
     p = L.a["padding"]
-    L.emit("Conv", L.x, kernel_shape=[L.a["kernel"]], strides=[L.a["stride"]], pads=[p, p],
-           group=L.a.get("groups", 1))
+    _conv(L, kernel_shape=[L.a["kernel"]], strides=[L.a["stride"]], pads=[p, p], group=L.a.get("groups", 1))
 
 
 
