@@ -34,7 +34,6 @@ from tessera.compiler.backends.onnx.floats import np_float as _np_float, onnx_fl
 # kernel tables when `tessera report` runs, and onnx (with ml_dtypes) takes ~0.6 s to import
 from tessera.compiler.backends.onnx import score_epilogue as epilogue
 from tessera.compiler.ir import dims
-from tessera.compiler.ops.attention import check_fused_attrs
 
 
 SCORE_BLOCK_BUDGET = 16 * 1024 * 1024  # bytes of scores one head's tile may hold
@@ -119,36 +118,19 @@ def _scalar(b, value, dtype=np.int64) -> str:
     return b.const(np.array(value, dtype=dtype), "scalar")
 
 
-def lower_fused_attention(b, node, out: str) -> None:
-    check_fused_attrs(node.attrs)  # an attribute no kernel reads is an error, never dropped
-    impl = node.attrs.get("impl", "portable")
-    if impl in ("cached", "phased"):  # attention over a KV cache (compiler/passes/kv_cache.py)
-        from tessera.compiler.backends.onnx import cached_attention
-
-        lower = cached_attention.lower_cached_attention if impl == "cached" else \
-            cached_attention.lower_phased_attention
-        return lower(b, node, out)
-    if impl == "block":
-        return _block(b, node, out)
-    lower = {"gqa": _gqa, "mha": _mha, "attn23": _attn23, "portable": _portable}[impl]
-    budget = node.attrs.get("block_bytes") or 0
-    if budget:
-        return _short_or(b, node, out, lower, budget)
-    lower(b, node, out)
-
-
-def _short_or(b, node, out: str, lower, budget: int) -> None:
+def short_or(b, node, out: str, lower, budget: int) -> None:
     """If the whole [B, H, Tq, Tk] score block takes at most ``budget`` bytes, the block
     kernel (no Loop), else ``lower``. The test is on run-time dimensions, computed outside the If."""
+    from tessera.compiler.backends.onnx.branches import branch
+
     from onnx import TensorProto
-    from tessera.compiler.backends.onnx.cached_attention import _branch
 
     q_t, k_t = b.graph.type_of(node.inputs[0]), b.graph.type_of(node.inputs[1])
     elem = _onnx_float(q_t.dtype)
     fits = _fits(b, q_t, k_t, node.attrs["heads"], budget)
     whole = _block_prep(b, node, fits)
-    then_g = _branch(b, lambda b, n, o: _block(b, n, o, whole), node, "block", elem)
-    else_g = _branch(b, lower, node, node.attrs.get("impl", "portable"), elem)
+    then_g = branch(b, lambda b, n, o: _block(b, n, o, whole), node, "block", elem)
+    else_g = branch(b, lower, node, node.attrs.get("impl", "portable"), elem)
     b.node("If", [fits], [out], then_branch=then_g, else_branch=else_g)
 
 
@@ -183,7 +165,7 @@ def _block(b, node, out: str, whole: str | None = None) -> None:
     order of operations (onnxruntime folds the transpose and the scale into one FusedMatMul), the
     causal and sliding-window masks one select over [Tq, Tk], grouped key/value heads shared
     through a broadcast over [B, G, rep, T, d] (no copy of K or V). ``whole``: the masks built
-    outside (``_block_prep``, as the short branch of ``_short_or``), else they are built here."""
+    outside (``_block_prep``, as the short branch of ``short_or``), else they are built here."""
     g, a = b.graph, node.attrs
     q, k, v = node.inputs[:3]
     extra = list(node.inputs[3:])

@@ -34,6 +34,7 @@ from tessera.compiler.backends.onnx.floats import np_float as _np_float, onnx_fl
 from onnx import TensorProto, helper
 
 from tessera.compiler.backends.onnx import score_epilogue as epilogue
+from tessera.compiler.backends.onnx.branches import branch, branch_outputs
 from tessera.compiler.backends.onnx.walk import all_nodes
 
 
@@ -147,11 +148,6 @@ def _lower_prefill(b, node, out: str) -> None:
     if node.attrs.get("prefill") == "attn23":  # CUDA: onnx's Attention, its mask built before the If
         return _attn23(b, node, out, names=names)
     _portable(b, node, out, names=names)
-
-
-def _branch(b, lower, node, hint: str, elem: int):
-    """An If branch with one output: ``lower(b, node, out)`` emitted into a graph of its own."""
-    return _branch_outputs(b, lambda b, n, outs: lower(b, n, outs[0]), node, hint, [elem])
 
 
 def _gqa_inputs(b, node) -> tuple[str, str, str]:
@@ -509,21 +505,6 @@ def _lower_prefill_keeping_buffers(b, node, outs: list[str]) -> None:
         b.node("Identity", [_split(b, node.inputs[i])[0]], [out])
 
 
-def _branch_outputs(b, lower, node, hint: str, elems: list[int]):
-    """An If branch: ``lower(b, node, outs)`` emitted into a graph of its own, one output per element
-    type in ``elems``. Run-time dimensions computed inside stay inside (the builder's cache of them is
-    restored), so nothing outside reads a branch value."""
-    saved_nodes, saved_dims = b.nodes, dict(b._dims)
-    b.nodes = []
-    outs = [b.fresh(hint) for _ in elems]
-    try:
-        lower(b, node, outs)
-        return helper.make_graph(b.nodes, b.fresh(f"{hint}_branch"), [],
-                                 [helper.make_tensor_value_info(o, e, None) for o, e in zip(outs, elems)])
-    finally:
-        b.nodes, b._dims = saved_nodes, saved_dims
-
-
 def _or_combined(b, node, prefill, gqa_in, elems: list[int], packed=None):
     """A gqa site's T > 1 lowering: ``prefill``, or with the ``mixed`` attribute (the serving engine's
     variant) an If between the engine's combined call and it (backends/onnx/mixed_attention.py);
@@ -533,7 +514,7 @@ def _or_combined(b, node, prefill, gqa_in, elems: list[int], packed=None):
     from tessera.compiler.backends.onnx import mixed_attention
 
     mixed_attention.main_graph_inputs(b, node, _split)  # built now, in the main graph, before the branches
-    return lambda b, n, outs: mixed_attention.lower_prefill_or_combined(b, n, outs, prefill, _branch_outputs, _split,
+    return lambda b, n, outs: mixed_attention.lower_prefill_or_combined(b, n, outs, prefill, branch_outputs, _split,
                                                                         gqa_in, elems, packed)
 
 
@@ -556,9 +537,9 @@ def lower_phased_attention(b, node, out: str) -> None:
             elems = [elem] * 5
             hd = int(b.graph.type_of(node.inputs[0]).shape[-1])
             shared = (_rotary_caches(b, packed, q_t.dtype == "f16"), _new_column_index(b, node, a["kv_heads"], hd))  # main graph
-            then_g = _branch_outputs(b, lambda b, n, o: _lower_gqa_packed(b, n, o, gqa_in, packed, shared), node,
+            then_g = branch_outputs(b, lambda b, n, o: _lower_gqa_packed(b, n, o, gqa_in, packed, shared), node,
                                      "decode", elems)
-            else_g = _branch_outputs(b, _or_combined(b, node, _lower_prefill_packed, gqa_in, elems, (packed, shared[0])),
+            else_g = branch_outputs(b, _or_combined(b, node, _lower_prefill_packed, gqa_in, elems, (packed, shared[0])),
                                      node, "prefill", elems)
             buffers = list(a["buffer_outputs"])
             b.node("If", [decoding], [out] + buffers + [packed.key_out, packed.value_out], then_branch=then_g,
@@ -568,8 +549,8 @@ def lower_phased_attention(b, node, out: str) -> None:
                 b.extra_outputs.append((name, b.graph.type_of(past)))
             return
         elems = [elem] * 3
-        then_g = _branch_outputs(b, lambda b, n, o: _lower_gqa_decode(b, n, o, gqa_in), node, "decode", elems)
-        else_g = _branch_outputs(b, _or_combined(b, node, _lower_prefill_keeping_buffers, gqa_in, elems), node, "prefill",
+        then_g = branch_outputs(b, lambda b, n, o: _lower_gqa_decode(b, n, o, gqa_in), node, "decode", elems)
+        else_g = branch_outputs(b, _or_combined(b, node, _lower_prefill_keeping_buffers, gqa_in, elems), node, "prefill",
                                  elems)
         buffers = list(a["buffer_outputs"])
         b.node("If", [decoding], [out] + buffers, then_branch=then_g, else_branch=else_g)
@@ -578,10 +559,10 @@ def lower_phased_attention(b, node, out: str) -> None:
         return
     if a["padding"] and a["causal"] and not a["window"]:  # one mask for every layer's decoding step
         bias = _decode_bias(b, node, _np_float(q_t.dtype))
-        then_g = _branch(b, lambda b, n, o: lower_cached_attention(b, n, o, bias), node, "decode", elem)
+        then_g = branch(b, lambda b, n, o: lower_cached_attention(b, n, o, bias), node, "decode", elem)
     else:
-        then_g = _branch(b, lower_cached_attention, node, "decode", elem)
-    else_g = _branch(b, _lower_prefill, node, "prefill", elem)
+        then_g = branch(b, lower_cached_attention, node, "decode", elem)
+    else_g = branch(b, _lower_prefill, node, "prefill", elem)
     b.node("If", [decoding], [out], then_branch=then_g, else_branch=else_g)
 
 

@@ -116,7 +116,7 @@ def prepare(b, a: dict, mask: str | None, bias: str | None, q_t, k_t, tiled: boo
 def prepare_whole(b, a: dict, mask: str | None, q_t, k_t, fits: str) -> str | None:
     """The masks of a whole [B, H, Tq, Tk] block (causal, sliding window, two-sided window, padding) as
     one boolean tensor, True = hidden: [Tq, Tk], [B, 1, 1, Tk] (padding only) or [B, 1, Tq, Tk]. Built in the
-    main graph, before the If of ``attention._short_or``, and kept in the builder (``b.shared``), so
+    main graph, before the If of ``attention.short_or``, and kept in the builder (``b.shared``), so
     every layer with the same lengths, masks and ``fits`` test reads the same tensor instead of
     building its own Range/Greater/Where inside its short branch (once per layer, where --no-fuse's
     masks are built once: onnxruntime's common-subexpression pass merges main-graph nodes, not nodes

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from tessera.compiler.backends.onnx.attention import lower_fused_attention
+from tessera.compiler.backends.onnx import attention as kernels
 from tessera.compiler.backends.onnx.lowerings.common import min_const, np_float
 from tessera.compiler.ir import dims
-from tessera.compiler.ops.attention import rotated_dims
+from tessera.compiler.ops.attention import check_fused_attrs, rotated_dims
 from tessera.compiler.reference.numerics import rope_attention_factor, rope_inv_freq
 
 
@@ -181,6 +181,28 @@ def _topk_gates(L):
     zeros = b.node("ConstantOfShape", [b.node("Shape", [x[0]])[0]],
                    value=b.tensor_value(np.zeros(1, dtype=np_float(L.t_in[0].dtype))))[0]
     L.emit("ScatterElements", [zeros, idx, w], axis=-1)
+
+
+def lower_fused_attention(b, node, out: str) -> None:
+    """fused_attention by its ``impl`` (passes/attention_kernels.py): the KV cache's kernels
+    (backends/onnx/cached_attention.py), the block kernel, or a long-sequence kernel (with the block
+    kernel in front while the scores fit ``block_bytes``: backends/onnx/attention.py ``short_or``).
+    Here, above both kernel modules, so that neither imports the other for the dispatch."""
+    check_fused_attrs(node.attrs)  # an attribute no kernel reads is an error, never dropped
+    impl = node.attrs.get("impl", "portable")
+    if impl in ("cached", "phased"):  # attention over a KV cache (compiler/passes/kv_cache.py)
+        from tessera.compiler.backends.onnx import cached_attention
+
+        lower = cached_attention.lower_cached_attention if impl == "cached" else \
+            cached_attention.lower_phased_attention
+        return lower(b, node, out)
+    if impl == "block":
+        return kernels._block(b, node, out)
+    lower = {"gqa": kernels._gqa, "mha": kernels._mha, "attn23": kernels._attn23, "portable": kernels._portable}[impl]
+    budget = node.attrs.get("block_bytes") or 0
+    if budget:
+        return kernels.short_or(b, node, out, lower, budget)
+    lower(b, node, out)
 
 
 LOWERINGS = {
