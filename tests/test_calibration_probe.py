@@ -8,10 +8,24 @@ and shown."""
 
 from __future__ import annotations
 
+import pytest
+
 import json
 import time
 
 from conftest import cli
+
+
+@pytest.fixture(autouse=True)
+def quiet_probe(monkeypatch):
+    """The cpu probe judges itself quiet here (its copies' CPU time stands in as wall time), so these
+    tests do not depend on what else the machine runs; the busy case is tested on its own."""
+    import time as _time
+
+    from tessera.compiler.analysis import roofline
+
+    monkeypatch.setattr(roofline, "_cpu_time", _time.perf_counter)
+
 
 TINY = ["gpt2", "--set", "layers=1", "--set", "d=32", "--set", "heads=2", "--set", "vocab=50", "--set", "ctx=32"]
 SLOW = 1e6  # a probe of 1 MFLOP/s and 1 MB/s: far below any machine that runs this test
@@ -64,3 +78,28 @@ def test_the_report_shows_when_and_under_what_load_the_probe_was_taken(capsys, t
     assert d["probed_at"] <= time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     text = _measure(capsys, cal, fmt="md")
     assert f"probed {d['probed_at']} at load {d['load']:.2f}" in text
+
+
+def test_a_probe_taken_on_a_busy_machine_is_not_kept(capsys, tmp_path, monkeypatch):
+    """The probe checks that it got a core (its single-threaded copies' CPU time over wall time): here a
+    stand-in clock gives it a third of one, as beside two other busy processes on two cores. It probes
+    again (PROBE_ROUNDS), stays busy, and --measure records nothing, saying why."""
+    from tessera.compiler.analysis import roofline
+
+    monkeypatch.setattr(roofline, "_cpu_time", lambda: time.perf_counter() / 3)
+    cal = tmp_path / "calibration.json"
+    r = _measure(capsys, cal)
+    assert "busy after" in r["roofline"]["device"]["source"]
+    assert any("busy while it was probed" in n and "not recorded" in n for n in r["measure"]["notes"])
+    assert not cal.exists() or not any(m.get("device") for m in json.loads(cal.read_text())["machines"].values())
+
+
+def test_a_quiet_probe_is_kept_and_says_so(capsys, tmp_path, monkeypatch):
+    from tessera.compiler.analysis import roofline
+
+    monkeypatch.setattr(roofline, "_cpu_time", time.perf_counter)  # the copies got a whole core
+    cal = tmp_path / "calibration.json"
+    _measure(capsys, cal)
+    (machine,) = json.loads(cal.read_text())["machines"].values()
+    assert "quiet (the copies got 1.00 of a core)" in machine["device"]["source"]
+    assert set(machine["phases"]) == {"prefill", "decode"}

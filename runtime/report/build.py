@@ -92,9 +92,12 @@ def build_report(ref, o, timer=None) -> dict:
         if timer is None:
             raise pipeline.UsageError("--measure runs through runtime/driver.report, which times the phases")
         rep["measure"] = measure.measure_section(rep, ref, o, points, timer)
-        if not _check_probe(rep["measure"], device, kept, cal_file):
-            rep["measure"]["calibration_file"] = str(calibration.record(
-                cal_file, measure.calibration_points(rep, rep["measure"]), device))
+        try:
+            if not _check_probe(rep["measure"], device, kept, cal_file):
+                rep["measure"]["calibration_file"] = str(calibration.record(
+                    cal_file, measure.calibration_points(rep, rep["measure"]), device))
+        except calibration.BusyProbe as e:  # nothing kept: a busy probe would poison every later estimate
+            rep["measure"].setdefault("notes", []).append(str(e))
         rep["measure"]["machine"] = calibration.fingerprint()
     return rep
 

@@ -136,9 +136,23 @@ def device_fields(device) -> dict:
 REPROBE_GAIN = 1.25  # a fresh probe this much faster (FLOP/s or bandwidth) than the kept one replaces it
 
 
+class BusyProbe(Exception):
+    """A probe taken while the machine was busy (roofline.probe_cpu's ``busy``): never kept."""
+
+
+def check_quiet(device) -> None:
+    """Refuse to keep a probe taken beside other work: its roofline would understate the machine for
+    every later estimate (issue 38: a probe at 5.4 GB/s on a machine that reaches 30 GB/s quiet)."""
+    if getattr(device, "busy", ""):
+        raise BusyProbe(f"the machine was busy while it was probed ({device.busy}): the calibration was not "
+                        f"recorded; run --measure again when the machine is quiet")
+
+
 def replace_device(path: Path, device, fp: dict | None = None) -> Path:
     """Keep ``device`` as this machine's probe and drop its recorded points: their efficiencies were
-    measured against the old probe's roofline (measure.py's check found it slower than the machine)."""
+    measured against the old probe's roofline (measure.py's check found it slower than the machine).
+    Raises BusyProbe for a probe taken while the machine was busy."""
+    check_quiet(device)
     fp = fp or fingerprint()
     data = read(path)
     machine = data["machines"].setdefault(machine_key(fp), {**fp, "phases": {}})
@@ -167,11 +181,13 @@ def record(path: Path, points: dict[str, dict], device, fp: dict | None = None) 
     """Add the measured ``points`` (phase -> {model, params, batch, seq, dtype, flops, bytes, estimated_s,
     measured_s}) to this machine's calibration, with ``device`` (the cpu probe they were estimated on) when
     the machine has none yet; a point of the same model (and size), shape and dtype replaces the older
-    one. Read, merged and written back atomically."""
+    one. Read, merged and written back atomically. Raises BusyProbe (nothing written) when the machine
+    has no probe yet and ``device`` was taken while it was busy."""
     fp = fp or fingerprint()
     data = read(path)
     machine = data["machines"].setdefault(machine_key(fp), {**fp, "phases": {}})
-    if "device" not in machine:  # the probe the points' efficiencies refer to
+    if "device" not in machine:  # the probe the points' efficiencies refer to: kept only if taken quietly
+        check_quiet(device)
         machine["device"] = device_fields(device)
     for phase, p in points.items():
         kept = [q for q in machine["phases"].get(phase, []) if not _same(q, p)]
