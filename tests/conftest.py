@@ -194,3 +194,20 @@ def cuda_stub(tmp_path_factory):
     if why:
         pytest.skip(f"CUDA stub unavailable: {why}")
     return cuda_stub_support.build(tmp_path_factory.mktemp("cuda-stub"))
+
+
+def sentence_transformers_reference(model_dir, sentences):
+    """What sentence-transformers computes for a BERT folder (mean pooling over the attention mask, then
+    L2 normalisation), written with transformers' BertModel: (embeddings, hidden states, input ids,
+    attention mask), as numpy. Shared by the MiniLM tests of the compiler and of the server."""
+    import torch
+    import transformers
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(model_dir))
+    model = transformers.BertModel.from_pretrained(str(model_dir)).eval()
+    feats = tokenizer(sentences, padding=True, truncation=True, return_tensors="pt")
+    with torch.no_grad():
+        hidden = model(**feats).last_hidden_state
+    m = feats["attention_mask"].unsqueeze(-1).float()
+    emb = torch.nn.functional.normalize((hidden * m).sum(1) / m.sum(1).clamp(min=1e-9), p=2, dim=1)
+    return emb.numpy(), hidden.numpy(), feats["input_ids"].numpy(), feats["attention_mask"].numpy()

@@ -49,15 +49,10 @@ def session():
 @pytest.fixture(scope="module")
 def reference():
     """Sentence embeddings and BertModel's hidden states for SENTENCES, as sentence-transformers computes them."""
-    transformers = pytest.importorskip("transformers")
-    tokenizer = transformers.AutoTokenizer.from_pretrained(str(MODEL_DIR))
-    model = transformers.BertModel.from_pretrained(str(MODEL_DIR)).eval()
-    feats = tokenizer(SENTENCES, padding=True, truncation=True, return_tensors="pt")
-    with torch.no_grad():
-        hidden = model(**feats).last_hidden_state
-    m = feats["attention_mask"].unsqueeze(-1).float()
-    emb = torch.nn.functional.normalize((hidden * m).sum(1) / m.sum(1).clamp(min=1e-9), p=2, dim=1)
-    return emb.numpy(), hidden.numpy(), feats["input_ids"].numpy(), feats["attention_mask"].numpy()
+    pytest.importorskip("transformers")
+    from conftest import sentence_transformers_reference
+
+    return sentence_transformers_reference(MODEL_DIR, SENTENCES)
 
 
 def test_tokenization_matches_the_reference(reference):

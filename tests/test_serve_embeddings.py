@@ -30,15 +30,10 @@ SENTENCES = ["A man is eating food.", "A man is eating a meal.", "The sky is blu
 
 @pytest.fixture(scope="module")
 def reference():
-    transformers = pytest.importorskip("transformers")
-    tokenizer = transformers.AutoTokenizer.from_pretrained(str(MODEL_DIR))
-    model = transformers.BertModel.from_pretrained(str(MODEL_DIR)).eval()
-    feats = tokenizer(SENTENCES, padding=True, truncation=True, return_tensors="pt")
-    with torch.no_grad():
-        hidden = model(**feats).last_hidden_state
-    m = feats["attention_mask"].unsqueeze(-1).float()
-    emb = torch.nn.functional.normalize((hidden * m).sum(1) / m.sum(1).clamp(min=1e-9), p=2, dim=1)
-    return emb.numpy()
+    pytest.importorskip("transformers")
+    from conftest import sentence_transformers_reference
+
+    return sentence_transformers_reference(MODEL_DIR, SENTENCES)[0]
 
 
 @pytest.fixture(scope="module")
