@@ -421,7 +421,7 @@ def serve_model(ref: ModelRef, o: EngineOptions, decode: str = DECODE, last_only
     device = o.device  # cuda or cpu (--provider; auto: CUDA where usable)
     if ref.compiled or path.is_dir():
         if ref.variant or ref.sets or ref.weights or o.build_given() or o.dtype != "fp32":
-            raise UsageError("--variant, --set, --weights, --quantize and --dtype apply to .tsr specs; an .onnx "
+            raise UsageError("--variant, --set, --weights, --dtype and --quantize apply to .tsr specs; an .onnx "
                              "file is already compiled (compile it with --kv-cache --target --dtype --quantize ...)")
         model = gen.CachedModel.from_onnx(path, provider=device, threads=o.threads)
     else:

@@ -993,6 +993,9 @@ class EngineOptions(BuildOptions, ModelRef):
         if self.dtype == "bf16":
             raise UsageError("--dtype bf16: the engine keeps its KV cache in host numpy arrays, which have no "
                              "bfloat16; use fp16")
+        if self.quantize == "w8a8" and self.provider == "cuda":
+            raise UsageError("--quantize w8a8 runs onnxruntime's CPU integer GEMM (MatMulIntegerToFloat has no CUDA "
+                             "kernel): use --provider cpu, or --quantize int8 / int4 on CUDA")
         mb = self.prefix_cache_mb
         if isinstance(mb, bool) or not isinstance(mb, (int, float)) or not 0 <= mb < float("inf"):
             raise UsageError(f"--prefix-cache-mb must be a number of MiB >= 0, got {mb}")

@@ -381,7 +381,8 @@ class Engine:
                 f"W columns wide copies the rows' live cache to the device and back: 2 x n x "
                 f"{full / WIDTH_STEP:,.0f} B x W (e.g. {2 * full / 2**10:,.1f} KiB a row at W = {WIDTH_STEP}, "
                 f"{2 * self.view_row_bytes(self.capacity) / 2**20:,.2f} MiB a row at the capacity of {self.capacity}), "
-                f"plus the token ids and masks in and n x {self.vocab} x 4 B of logits out")
+                f"plus the token ids and masks in and n x {self.vocab} x 4 B of logits out; the combined call "
+                f"has no CUDA lowering (a chunk and a step are two calls)")
 
     @property
     def accepting(self) -> bool:
