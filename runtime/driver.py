@@ -13,6 +13,8 @@ and a rule checked here holds for all of them.
 
 from __future__ import annotations
 
+import dataclasses
+
 import sys
 import time
 from dataclasses import dataclass, field
@@ -416,16 +418,24 @@ def serve_model(ref: ModelRef, o: EngineOptions, decode: str = DECODE, last_only
     o.check()
     ref, _ = from_checkpoint(ref)  # a Hugging Face checkpoint folder: its bundled spec, its own weights
     path = Path(ref.spec)
+    device = o.device  # cuda or cpu (--provider; auto: CUDA where usable)
     if ref.compiled or path.is_dir():
-        if ref.variant or ref.sets or ref.weights or o.build_given():
-            raise UsageError("--variant, --set, --weights and --quantize apply to .tsr specs; an .onnx file is "
-                             "already compiled (compile it with --kv-cache --quantize ...)")
-        model = gen.CachedModel.from_onnx(path, threads=o.threads)
+        if ref.variant or ref.sets or ref.weights or o.build_given() or o.dtype != "fp32":
+            raise UsageError("--variant, --set, --weights, --dtype and --quantize apply to .tsr specs; an .onnx "
+                             "file is already compiled (compile it with --kv-cache --target --dtype --quantize ...)")
+        model = gen.CachedModel.from_onnx(path, provider=device, threads=o.threads)
     else:
         built = pipeline.build(ref.spec, ref.variant, ref.sets, ref.weights)
         weights = pipeline.weights_for(built, ref.weights, ref.seed, ref.allow_large)
         from tessera.runtime import embedding as embeddings
 
+        if device == "cuda" and (embeddings.is_encoder(built.graph) or target_input(built.graph) is not None
+                                 or _carries_state(built.graph)):
+            if o.provider == "auto":  # served on the CPU, compiled for it
+                return serve_model(ref, dataclasses.replace(o, provider="cpu"), decode, last_only)
+            raise UsageError("on CUDA `tessera serve` and `tessera batch` run the KV-cache engine (decoder-only "
+                             "attention models); this model is an encoder, an encoder-decoder or carries recurrent "
+                             "state, which they serve on the CPU only: use --provider cpu")
         if embeddings.is_encoder(built.graph):  # hidden states, no logits: served for /v1/embeddings
             folder = Path(ref.weights) if ref.weights else None
             folder = folder.parent if folder is not None and folder.is_file() else folder
@@ -447,7 +457,7 @@ def serve_model(ref: ModelRef, o: EngineOptions, decode: str = DECODE, last_only
         except UsageError as e:  # e.g. a sliding window: no buffer-mode cache
             raise UsageError(f"{e}; `tessera serve` needs the buffer cache (one row per slot), so it cannot serve "
                              f"this model") from None
-        model = gen.CachedModel(proto.SerializeToString(), info, threads=o.threads)
+        model = gen.CachedModel(proto.SerializeToString(), info, provider=device, threads=o.threads)
     check_fit(model)
     return model
 

@@ -851,21 +851,8 @@ class GenerateOptions(BuildOptions):
 
     @property
     def device(self) -> str:
-        """Where the model runs: cuda for --provider cuda, and for auto on a machine showing a GPU with
-        onnxruntime's CUDA provider installed (runtime/session.py opens it, or falls back to the CPU)."""
-        if self.provider == "cuda":
-            return "cuda"
-        if self.provider == "auto":
-            from tessera.runtime.machine import gpu_present
-
-            if gpu_present():
-                import importlib.util
-
-                spec = importlib.util.find_spec("onnxruntime")
-                capi = spec and spec.submodule_search_locations and \
-                    Path(list(spec.submodule_search_locations)[0]) / "capi" / "libonnxruntime_providers_cuda.so"
-                return "cuda" if capi and capi.exists() else "cpu"
-        return "cpu"
+        """Where the model runs (``device_for``)."""
+        return device_for(self.provider)
 
     def value(self, name: str):
         """A decoding setting as given, else its default (DEFAULTS)."""
@@ -922,6 +909,24 @@ class GenerateOptions(BuildOptions):
                 "min_p": 0.0, "no_repeat_ngram_size": 0, "min_new_tokens": 0}
 
 
+def device_for(provider: str) -> str:
+    """Where a model runs: cuda for --provider cuda, and for auto on a machine showing a GPU with
+    onnxruntime's CUDA provider installed (runtime/session.py opens it, or falls back to the CPU)."""
+    if provider == "cuda":
+        return "cuda"
+    if provider == "auto":
+        from tessera.runtime.machine import gpu_present
+
+        if gpu_present():
+            import importlib.util
+
+            spec = importlib.util.find_spec("onnxruntime")
+            capi = spec and spec.submodule_search_locations and \
+                Path(list(spec.submodule_search_locations)[0]) / "capi" / "libonnxruntime_providers_cuda.so"
+            return "cuda" if capi and capi.exists() else "cpu"
+    return "cpu"
+
+
 # ------------------------------------------------------------------ the serving engine's model
 IDLE_PREFILL_CHUNK = 512  # serving/engine.py's, written out here: the parsers import no numpy (tests check they agree)
 
@@ -963,6 +968,16 @@ class EngineOptions(BuildOptions, ModelRef):
                                   help="keep the keys and values of prompt prefixes (blocks of 16 positions) for later "
                                        "requests starting with the same tokens, in at most MB MiB, least recently "
                                        "used evicted first (default 0: off). See docs/serve.md")
+    # issue 37: the execution provider and the precision, as generate's (device_for); on CUDA the engine's
+    # model is compiled for CUDA, its KV cache stays in host memory (docs/serve.md "On CUDA")
+    provider: str = flag("auto", choices=list(PROVIDERS),
+                         help="onnxruntime's execution provider: auto takes CUDA where the machine shows a GPU and "
+                              "onnxruntime has its CUDA provider; on CUDA the model is compiled for CUDA, the engine's "
+                              "KV cache stays in host memory and each step copies the rows' live cache to the device "
+                              "and back (docs/serve.md, On CUDA; --explain states the bytes) (default auto)")
+    dtype: str = flag("fp32", choices=list(DTYPES),
+                      help="the precision a spec is compiled at: fp32 or fp16 (bf16: the engine's host cache is numpy, "
+                           "which has no bfloat16) (default fp32)")
 
     def check(self) -> None:
         ModelRef.check(self)
@@ -973,6 +988,14 @@ class EngineOptions(BuildOptions, ModelRef):
         _whole("prefill_chunk", self.prefill_chunk, 1)
         _whole("threads", self.threads, 1, optional=True)
         _whole("max_context", self.max_context, 2, optional=True)
+        check_choice("provider", self.provider, PROVIDERS)
+        check_choice("dtype", self.dtype, DTYPES)
+        if self.dtype == "bf16":
+            raise UsageError("--dtype bf16: the engine keeps its KV cache in host numpy arrays, which have no "
+                             "bfloat16; use fp16")
+        if self.quantize == "w8a8" and self.provider == "cuda":
+            raise UsageError("--quantize w8a8 runs onnxruntime's CPU integer GEMM (MatMulIntegerToFloat has no CUDA "
+                             "kernel): use --provider cpu, or --quantize int8 / int4 on CUDA")
         mb = self.prefix_cache_mb
         if isinstance(mb, bool) or not isinstance(mb, (int, float)) or not 0 <= mb < float("inf"):
             raise UsageError(f"--prefix-cache-mb must be a number of MiB >= 0, got {mb}")
@@ -989,12 +1012,21 @@ class EngineOptions(BuildOptions, ModelRef):
         serve --speculative checks drafts with) and with them the combined call (``mixed``: the engine's
         variant, compiler/backends/onnx/mixed_attention.py); ``state``: a decoder carrying recurrent
         state (the row engine's), or an encoder-decoder, compiled as ``generate`` compiles it."""
+        from tessera.compiler.passes.attention_kernels import Target
         from tessera.compiler.passes.pipeline import PipelineOptions
 
+        target = Target(self.device, self.dtype)
         if state:
-            return PipelineOptions(**self.build_fields())
-        return PipelineOptions(cache="buffer", decode=decode, last_only=last_only, mixed=mixed and last_only,
+            return PipelineOptions(target, **self.build_fields())
+        # the combined call's CUDA lowering is not built (mixed_attention.py): on CUDA a chunk and a step are two calls
+        return PipelineOptions(target, cache="buffer", decode=decode, last_only=last_only,
+                               mixed=mixed and last_only and target.device != "cuda",
                                **self.build_fields())
+
+    @property
+    def device(self) -> str:
+        """Where the engine's model runs (``device_for``): cuda or cpu."""
+        return device_for(self.provider)
 
 
 # --allow-large as the commands that load a model without writing one word it (generate, serve, batch)

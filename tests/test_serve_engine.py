@@ -430,3 +430,38 @@ def test_quantize_options_of_serve_and_batch():
         BatchOptions(spec="gpt2", input="a", output="b", quantize="int3").check()
     with pytest.raises(serving_model.UsageError, match="--quantize apply to .tsr specs"):
         serving_model.load("compiled.onnx", quantize="int4")
+
+
+def test_provider_and_dtype_options_of_serve_and_batch():
+    """Issue 37: --provider and --dtype on the engine's options (generate's); bf16 and w8a8 on CUDA refused,
+    --dtype refused for a compiled file; cpu compiles for the CPU."""
+    from tessera.runtime.serving.batch import BatchOptions
+    from tessera.runtime.serving.server import ServeOptions
+
+    o = ServeOptions(spec="gpt2", provider="cpu", dtype="fp16")
+    o.check()
+    assert o.device == "cpu" and o.engine_pipeline_options().target.device == "cpu"
+    assert ServeOptions(spec="gpt2", provider="cuda").engine_pipeline_options().target.device == "cuda"
+    assert not ServeOptions(spec="gpt2", provider="cuda").engine_pipeline_options().mixed  # no CUDA lowering
+    with pytest.raises(serving_model.UsageError, match="no\\s+bfloat16"):
+        BatchOptions(spec="gpt2", input="a", output="b", dtype="bf16").check()
+    with pytest.raises(serving_model.UsageError, match="provider must be one of|invalid choice|one of"):
+        ServeOptions(spec="gpt2", provider="tpu").check()
+    with pytest.raises(serving_model.UsageError, match="w8a8"):
+        ServeOptions(spec="gpt2", provider="cuda", quantize="w8a8").check()
+    with pytest.raises(serving_model.UsageError, match="--dtype and --quantize apply to .tsr specs"):
+        serving_model.load("compiled.onnx", dtype="fp16")
+
+
+def test_an_fp16_engine_on_the_cpu_provider_equals_generate():
+    """--provider cpu --dtype fp16: the engine's model compiled at fp16, its cache fp16, and a request's greedy
+    tokens those of generate's fp16 cached decoder alone (``_alone``)."""
+    model = serving_model.load("gpt2", sets=GPT2, threads=1, provider="cpu", dtype="fp16")
+    assert model.np_dtype == np.float16 and model.session.get_providers()[0] == "CPUExecutionProvider"
+    engine = Engine(model, max_batch=2, capacity=64)
+    assert next(iter(engine.cache.values())).dtype == np.float16
+    req = Request([1, 2, 3, 4, 5], 6)
+    h = engine.submit(req)
+    while not h.finished:
+        engine.step()
+    assert h.tokens == _alone(model, req)

@@ -99,11 +99,23 @@ def _optimize(o: PipelineOptions, lower_precision: bool, quantize: QuantConfig |
         passes.append(ChooseAttentionKernels(o.target, None if o.attention == "auto" else o.attention))
     if quantize is not None:
         passes.append(QuantizeWeights(quantize))
-    passes.append(SparseExperts(enabled=o.sparse_moe))  # after quantisation: quantised experts stay dense
+    passes.append(SparseExperts(enabled=o.sparse_moe, impl=sparse_moe_impl(o.target)))  # after quantisation:
+    # quantised experts stay dense
     if lower_precision and o.target.dtype != "fp32":
         passes.append(LowerPrecision(o.target.dtype, device=o.target.device))
     passes.append(ChooseRecurrenceLowering(o.recurrence))  # last: onnx's cell ops are fp32 only
     return passes
+
+
+def sparse_moe_impl(target) -> str | None:
+    """The sparse experts' lowering for ``target``: onnxruntime's fused com.microsoft.MoE on CUDA in fp16/bf16
+    (its CUDA kernels; the gather form's NonZero count is read back on the host once per expert per layer
+    there), else the default (passes/sparse_moe.py DEFAULT_IMPL, measured on the CPU). MoE's semantics
+    (softmax of the router logits, top k, renormalised; SwiGLU experts as fc1 [E, 2f, d] interleaved, fc2
+    [E, d, f]) are held to the gather form on onnxruntime's CPU kernel in tests/test_sparse_moe.py."""
+    if target.device == "cuda" and target.dtype in ("fp16", "bf16"):
+        return "moe"
+    return None
 
 
 def full(o: PipelineOptions) -> list[Pass]:

@@ -284,6 +284,9 @@ class Engine:
         self._copied = [layer for layer in info.layers if not (self.in_place and layer.buffer_key)]
         self._wanted = [info.logits] + [o for layer in self._copied for o in (layer.present_key, layer.present_value)]
         self._bindings = {}  # kind -> (shape key, IOBinding): the decoding step's and the combined call's
+        # a graph compiled for CUDA (compiler/passes/kv_cache.py DECODE_MASK): its GroupQueryAttention decoding
+        # step takes the rows' mask of the filled slots and the new column, [rows, longest + 1]
+        self.decode_mask = "decode_mask" in model.input_names
         # the combined call (compiler/backends/onnx/mixed_attention.py): an iteration's decoding rows and
         # prompt chunk in one onnxruntime call, where the model has it (serving/model.py load builds it)
         self.combined = self.in_place and info.last_only and not self._copied and has_combined_call(model)
@@ -354,11 +357,32 @@ class Engine:
                 f"columns at a time as the longest row grows); no step allocates cache; per request only its "
                 f"tokens (and a vocabulary-sized mask with repetition_penalty)\n"
                 f"{weights_line(self.model)}\n"
+                f"{self.placement()}\n"
                 f"{DECODE_REASONS[decode_kernel(self.info)]}\n"
                 f"{COMBINED_REASONS[self.combined and self.speculation is None]}\n"
                 + (self.prefix_cache.describe() if self.prefix_cache is not None else
                    "prefix cache: off (--prefix-cache-mb 0): every prompt is prefilled whole")
                 + (f"\n{self.speculation.describe()}" if self.speculation is not None else ""))
+
+    def view_row_bytes(self, width: int | None = None) -> int:
+        """The bytes of one row of the cache's live view at ``width`` columns (default the current), every
+        layer's keys and values: what a step on CUDA moves each way per row (``placement``)."""
+        w = self.width if width is None else width
+        return sum(kv * w * hd for kv, hd in self.dims.values()) * np.dtype(self.model.np_dtype).itemsize
+
+    def placement(self) -> str:
+        """Where the model and the cache are, and on CUDA the bytes a decoding step copies (docs/serve.md)."""
+        provider = self.model.session.get_providers()[0]
+        if provider != "CUDAExecutionProvider":
+            return f"placement: {provider}, the KV cache in host memory"
+        full = self.view_row_bytes(WIDTH_STEP)
+        return (f"placement: CUDAExecutionProvider (the model compiled for CUDA); the KV cache stays in host memory "
+                f"(the engine moves, widens and copies its rows with numpy), so a decoding step of n rows at a view "
+                f"W columns wide copies the rows' live cache to the device and back: 2 x n x "
+                f"{full / WIDTH_STEP:,.0f} B x W (e.g. {2 * full / 2**10:,.1f} KiB a row at W = {WIDTH_STEP}, "
+                f"{2 * self.view_row_bytes(self.capacity) / 2**20:,.2f} MiB a row at the capacity of {self.capacity}), "
+                f"plus the token ids and masks in and n x {self.vocab} x 4 B of logits out; the combined call "
+                f"has no CUDA lowering (a chunk and a step are two calls)")
 
     @property
     def accepting(self) -> bool:
@@ -577,6 +601,9 @@ class Engine:
                  "position_ids": np.arange(start, start + t, dtype=np.int64)[None], **past}
         if info.length_input:  # the filled slots: a chunk of one token runs the decoding branch (T = 1)
             feeds[info.length_input] = np.array([start], dtype=np.int64)
+        if self.decode_mask:  # CUDA: the decoding branch's filled slots and new column (T > 1: unread)
+            feeds["decode_mask"] = (np.concatenate([self.slots[r:r + 1, :start], ones], axis=1) if t == 1
+                                    else np.ones((1, 1), dtype=np.int64))
         out = self.model.run(feeds)
         if self._chunk_in(seq, t, out, slice(None), out[info.logits][:, -1, :]):
             self._release(seq)
@@ -627,6 +654,8 @@ class Engine:
             # last its new token's, written there by the kernel; its mask column says so
             mask[idx, cols] = 1
             feeds[info.length_input] = np.array([s.filled for s in rows[:n]], dtype=np.int64)
+            if self.decode_mask:  # CUDA: the columns up to the longest row's new one (the kernel's total length)
+                feeds["decode_mask"] = np.ascontiguousarray(mask[:, :max(s.filled for s in rows[:n]) + 1])
             started = time.perf_counter()
             out = self._run_in_place(feeds, past)
         else:

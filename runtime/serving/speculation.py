@@ -227,6 +227,8 @@ class Speculation:
                  "position_ids": positions, **{name: v[:n] for name, v in views.items()}}
         if info.length_input:  # read by the one-token branch only; T > 1 takes the prompt branch
             feeds[info.length_input] = np.array([s.filled for s in rows[:n]], dtype=np.int64)
+        if engine.decode_mask:  # CUDA's decoding-branch input; T > 1 takes the prompt branch, which ignores it
+            feeds["decode_mask"] = np.ones((n, 1), dtype=np.int64)
         started = time.perf_counter()
         out = engine.model.run(feeds)
         self.verify_cost.observe(n * t, time.perf_counter() - started)
