@@ -65,10 +65,9 @@ KERNEL_FEATURES: dict[str, frozenset | Epilogue] = {
     "attn23": frozenset({"scale", "causal", "window", "local_window", "padding", "bias"}),
     "block": EPILOGUE,
     "portable": EPILOGUE,
-    # the cached kernels add one mask the cache builds (causal, window, padding): no two-sided window,
-    # no chunk
-    "cached": Epilogue(frozenset({"local_window", "chunk"})),
-    "phased": Epilogue(frozenset({"local_window", "chunk"})),
+    # the cached kernels add one mask the cache builds (causal, window, chunk, padding): no two-sided window
+    "cached": Epilogue(frozenset({"local_window"})),
+    "phased": Epilogue(frozenset({"local_window"})),
 }
 # The structural shortcuts each lowering takes (compiler/reference/score_epilogue.py ASSUMPTIONS): a
 # kernel is picked only for a node none of whose features breaks one (passes/attention_kernels.py

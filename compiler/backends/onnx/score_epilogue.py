@@ -205,8 +205,8 @@ def _masks(b, a, s, p: Prepared, blk: Block) -> str:
             raise ValueError("the prepared whole-block masks apply to a whole [B, H, Tq, Tk] block only")
         return b.node("Where", [p.hide, p.min_value, s])[0]
     if p.additive is not None:  # one mask for all three, built by the cached kernel
-        if a.get("local_window") or a.get("chunk"):  # the cache builds causal masks only (its kernels' allow-lists refuse these)
-            raise ValueError("a two-sided local window or a chunk has no cached (additive) mask")
+        if a.get("local_window"):  # the cache builds causal masks only (its kernels' allow-lists refuse this)
+            raise ValueError("a two-sided local window has no cached (additive) mask")
         return b.node("Add", [s, blk.view(p.additive) if blk.view else p.additive])[0]
     if a.get("causal") and blk.causal == "compute":
         zero, one = _scalar(b, 0), _scalar(b, 1)
