@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, assume, given, settings, strategies as st
 
 from conftest import build, ort_run
 from tessera.compiler.backends.onnx import attention as onnx_attention
@@ -261,6 +261,9 @@ def spec(tmp_path):
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(sets=score_paths(), t=st.sampled_from(LENGTHS), seed=st.integers(0, 1000))
 def test_every_kernel_that_accepts_a_score_path_equals_the_unfused_graph(spec, monkeypatch, sets, t, seed):
+    if sets.get("chunk") and sets["padded"]:  # a chunk starting in the padded tail would leave its first
+        pad = min(3, t - 1)                   # query no key (no defined weights: outside the contract)
+        assume(not any(p % sets["chunk"] == 0 for p in range(t - pad, t)))
     monkeypatch.setattr(onnx_attention, "MAX_TILE", 32)
     monkeypatch.setattr(attention_kernels, "BLOCK_BYTES", 2 * 4 * BLOCK_T * BLOCK_T * 4)
     g = build(spec, **sets)
