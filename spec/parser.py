@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import ast as pyast
 import math
 import os
@@ -72,7 +74,7 @@ def parse_text(text: str, filename: str = "<spec>") -> ast.SpecFile:
     try:
         tree = _lark().parse(text)
     except UnexpectedInput as e:
-        raise _syntax_error(e, filename) from None
+        raise _syntax_error(e, filename, text) from None
     _check_nesting(tree, filename)
     try:
         return _ToAst(filename).transform(tree)
@@ -96,7 +98,25 @@ def _check_nesting(tree: Tree, filename: str) -> None:
         stack.extend((c, depth + 1) for c in node.children if isinstance(c, Tree))
 
 
-def _syntax_error(e: UnexpectedInput, filename: str) -> SpecError:
+# The grammar's reserved words (grammar.lark's keyword literals): a name spelled as one is a syntax error,
+# which says so.
+KEYWORDS = frozenset({"and", "as", "assert", "block", "else", "false", "if", "in", "let", "model", "none", "not",
+                      "or", "out", "repeat", "return", "true", "use", "variant"})
+
+
+def _keyword_before(text: str | None, line: int, col: int) -> str | None:
+    """The reserved word just before (line, col), when the word there is one: `out = x` fails at its '='."""
+    if text is None:
+        return None
+    lines = text.splitlines()
+    if not 1 <= line <= len(lines):
+        return None
+    words = re.findall(r"[A-Za-z_][A-Za-z0-9_]*", lines[line - 1][:col - 1])
+    before = lines[line - 1][:col - 1].rstrip()
+    return words[-1] if words and before.endswith(words[-1]) and words[-1] in KEYWORDS else None
+
+
+def _syntax_error(e: UnexpectedInput, filename: str, text: str | None = None) -> SpecError:
     line, col = max(getattr(e, "line", 1), 1), max(getattr(e, "column", 1), 1)
     if isinstance(e, UnexpectedCharacters):
         ch = e.char
@@ -113,8 +133,11 @@ def _syntax_error(e: UnexpectedInput, filename: str) -> SpecError:
                              Pos(filename, end_line, end_col))
         shown = tok.value if tok.value else tok.type
         width = len(str(tok.value)) if tok.value else 1
-        return SpecError(f"unexpected {shown!r}; expected {_expected(set(e.expected))}",
-                         Pos(filename, line, col, line, col + width))
+        msg = f"unexpected {shown!r}; expected {_expected(set(e.expected))}"
+        keyword = _keyword_before(text, line, col)
+        if keyword:
+            msg += f" ({keyword!r} is a keyword and cannot be used as a name)"
+        return SpecError(msg, Pos(filename, line, col, line, col + width))
     return SpecError(str(e), Pos(filename, line, col))  # pragma: no cover
 
 

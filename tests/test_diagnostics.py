@@ -412,3 +412,30 @@ model M(d = 8) {
 }
 """
     elaborate(load_program(write(tmp_path, fine, "fine.tsr")))
+
+
+@pytest.mark.parametrize("line,word", [("  out = x", "out"), ("  in = x", "in"), ("  y = x\n  repeat = y", "repeat")])
+def test_a_keyword_used_as_a_name_is_called_a_keyword(line, word):
+    """issue 39: `out = x` said only "unexpected '='; expected a name"."""
+    from tessera.spec.parser import parse_text
+
+    text = "model M(d = 4) {\n  in x: f32[B, d]\n  out y: f32[B, d]\n" + line + "\n}\n"
+    with pytest.raises(SpecError, match=f"unexpected '='; expected .*\\('{word}' is a keyword"):
+        parse_text(text, "kw.tsr")
+
+
+def test_the_parser_knows_every_keyword_of_the_grammar():
+    import re
+
+    from tessera.spec import parser
+
+    grammar = (Path(parser.__file__).parent / "grammar.lark").read_text()
+    assert set(re.findall(r'"([a-z_]+)"', grammar)) == parser.KEYWORDS
+
+
+def test_a_name_that_only_starts_like_a_keyword_gets_no_keyword_hint():
+    from tessera.spec.parser import parse_text
+
+    with pytest.raises(SpecError) as e:
+        parse_text("model M(d = 4) {\n  in x: f32[B, d]\n  out y: f32[B, d]\n  y = x +\n}\n", "kw.tsr")
+    assert "keyword" not in str(e.value)

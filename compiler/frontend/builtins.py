@@ -502,10 +502,15 @@ def _float_or_int(call, arg):
 
 
 # ------------------------------------------------------------------ attention pieces
-@builtin("causal_mask", ("scores", R), ("window", 0))
-def _causal_mask(call, scores, window):
-    """Hide keys after each query (and, with window=W, keys W or more positions before it)."""
-    return call.emit("causal_mask", [_tensor(call, scores, "scores")], {"window": _int(call, window, "window", 0)})
+@builtin("causal_mask", ("scores", R), ("window", 0), ("chunk", 0))
+def _causal_mask(call, scores, window, chunk):
+    """Hide keys after each query (and, with window=W, keys W or more positions before it; with
+    chunk=C, keys outside the query's block of C positions: chunked attention, Llama 4)."""
+    attrs = {"window": _int(call, window, "window", 0)}
+    c = _int(call, chunk, "chunk", 0)
+    if c:
+        attrs["chunk"] = c
+    return call.emit("causal_mask", [_tensor(call, scores, "scores")], attrs)
 
 
 @builtin("sliding_window_mask", ("scores", R), ("window", R))

@@ -32,22 +32,30 @@ def _mask_rule(t, name: str):
     return [s]
 
 
-def causal(s, window):
+def causal(s, window, chunk=0):
     """Hide keys after each query (queries are the last Tq of Tk positions) and, with a window,
-    keys `window` or more positions before it, by filling them with the dtype's minimum."""
+    keys `window` or more positions before it; with a chunk C, keys in another block of C positions
+    than the query's (chunked attention, Llama 4: positions // C differ), by filling them with the
+    dtype's minimum."""
     i, j = _positions(s)
     hide = j > i
     if window:
         hide |= j <= i - window
+    if chunk:
+        hide |= (j // chunk) != (i // chunk)
     return np.where(hide, min_value(s.dtype), s).astype(s.dtype)
 
 
-@op("causal_mask", reference=lambda x, a, ev: causal(x[0], a["window"]),
+@op("causal_mask", reference=lambda x, a, ev: causal(x[0], a["window"], a.get("chunk") or 0),
     cost=per_element("mask", 1),     # one select per score
     saved=())                        # a static pattern: nothing to keep
 def _causal_mask(t, a):
-    """Causal mask on scores [..., Tq, Tk]; attrs["window"] > 0 also hides keys that far back."""
-    return _mask_rule(t, "causal_mask")
+    """Causal mask on scores [..., Tq, Tk]; attrs["window"] > 0 also hides keys that far back;
+    attrs["chunk"] > 0 (present only when set) hides keys outside the query's chunk."""
+    out = _mask_rule(t, "causal_mask")
+    if "chunk" in a and (not isinstance(a["chunk"], int) or a["chunk"] < 1):
+        raise ShapeError(f"causal_mask: chunk must be 1 or more, got {a['chunk']!r}")
+    return out
 
 
 def local(s, window):
@@ -270,6 +278,8 @@ def check_fused_attrs(a: dict) -> None:
             raise ShapeError(f"fused_attention: attribute {name} ({spec.doc}) {problem}")
     if a["window"] and not a["causal"]:
         raise ShapeError("fused_attention: a sliding window (window > 0) needs causal")
+    if a.get("chunk") and not a["causal"]:
+        raise ShapeError("fused_attention: chunked attention (chunk > 0) needs causal")
     if a.get("local_window") and a["causal"]:
         raise ShapeError("fused_attention: a two-sided local window (local_window > 0) is for non-causal "
                          "attention; causal attention takes a sliding window")

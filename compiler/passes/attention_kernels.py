@@ -251,6 +251,10 @@ def choose_cached(node: Node, graph: Graph, target: Target, gqa_decode: bool = F
     missing = unsupported("phased", {**node.attrs, "decode": "gqa" if gqa_decode else None})
     if missing:  # fused for the block kernel alone (a feature breaking the cache's shortcuts): no cache
         raise PassError(f"the attention at {node.scope} cannot be cached: {missing}")
+    if node.attrs.get("chunk"):  # the chunks follow each row's positions, which the cache's mask holds
+        return "cached", ("chunked attention: prompt and decoding steps through the plain cached kernel, whose "
+                          "mask counts the chunks from each row's first real token (the tiled prefill would "
+                          "count them from the left padding)")
     prefill = "prefill (T > 1): portable tiled kernel, the T x (P+T) scores never formed"
     if cached_prefill(node, target, gqa_decode):
         prefill = (f"prefill (T > 1): onnx's Attention (opset 23) over past and new keys, its masks as one attn_mask "

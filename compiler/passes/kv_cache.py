@@ -259,9 +259,9 @@ def cached_sites(g: Graph) -> list[Node]:
 
 
 def _mode(requested: str, sites: list[Node]) -> str:
-    """``auto`` is buffer, except with a sliding window (see ``add_kv_cache``)."""
+    """``auto`` is buffer, except with a sliding window or chunked attention (see ``add_kv_cache``)."""
     if requested == "auto":
-        return "concat" if any(n.attrs["window"] for n in sites) else "buffer"
+        return "concat" if any(n.attrs["window"] or n.attrs.get("chunk") for n in sites) else "buffer"
     return requested
 
 
@@ -327,6 +327,9 @@ class AddCacheInputs(Pass):
         if self.options.mode == "buffer" and any(n.attrs["window"] for n in sites):
             raise CacheError("a sliding-window model cannot use the buffer cache (the window would be measured "
                              "from the buffer's end); use the concat cache")
+        if self.options.mode == "buffer" and any(n.attrs.get("chunk") for n in sites):
+            raise CacheError("a model with chunked attention cannot use the buffer cache (the chunks would be "
+                             "measured from the buffer's end); use the concat cache")
         if "P" in g.symbols:
             raise CacheError("the model already uses a dimension named P, which the cache needs for past "
                              "positions")

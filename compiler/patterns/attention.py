@@ -191,6 +191,8 @@ def _check_causal(g: Graph, n: Node, m: AttentionMatch) -> str | None:
 
 def _absorb_causal(g: Graph, n: Node, m: AttentionMatch) -> None:
     m.causal, m.window = True, int(n.attrs.get("window") or 0)
+    if n.attrs.get("chunk"):  # chunked attention: the chunk feature
+        m.attrs["chunk"] = int(n.attrs["chunk"])
 
 
 def _check_local(g: Graph, n: Node, m: AttentionMatch) -> str | None:

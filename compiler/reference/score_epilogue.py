@@ -97,6 +97,8 @@ def _hidden(a, w, rows, cols) -> np.ndarray | None:
     hide = j > i
     if a.get("window"):
         hide |= j <= i - a["window"]
+    if a.get("chunk"):
+        hide |= (j // a["chunk"]) != (i // a["chunk"])
     return hide
 
 
@@ -162,6 +164,10 @@ FEATURES: dict[str, Feature] = {f.name: f for f in (
                                                      "or farther, on either side (0: none)", non_negative)},
             lambda a: bool(a.get("local_window")), "two-sided local window", elementwise=True, keeps_hidden=True,
             hides=True, flops={"mask": 1}),
+    Feature("chunk", 2, {"chunk": Attr((int,), "with causal: also hide keys outside the query's block of "
+                                       "this many positions (chunked attention, Llama 4; 0: none)", non_negative)},
+            lambda a: bool(a.get("chunk")), "chunked attention", elementwise=True, keeps_hidden=True, hides=True,
+            needs=("causal",), flops={"mask": 1}),
     Feature("padding", 2, {"padding": Attr((bool,), "a key padding mask [B, Tk] is an input (0 = padding)",
                                            required=True)},
             lambda a: bool(a.get("padding")), "padding mask", elementwise=True, keeps_hidden=True, hides=True,
@@ -177,6 +183,7 @@ COMMUTING: frozenset[frozenset[str]] = frozenset(frozenset(p) for p in (
     ("bias", "causal"), ("bias", "window"), ("bias", "local_window"), ("bias", "padding"),
     ("causal", "window"), ("causal", "padding"), ("window", "padding"), ("local_window", "padding"),
     ("causal", "local_window"), ("window", "local_window"),
+    ("bias", "chunk"), ("causal", "chunk"), ("window", "chunk"), ("chunk", "padding"),
 ))
 
 
@@ -274,7 +281,7 @@ STEPS: list[tuple[tuple[str, ...], Callable]] = [
     (("scale",), _scale),
     (("softcap",), _softcap),
     (("bias",), _bias),
-    (("causal", "window", "local_window", "padding"), _masks),
+    (("causal", "window", "chunk", "local_window", "padding"), _masks),
 ]
 
 

@@ -65,7 +65,7 @@ KERNEL_FEATURES: dict[str, frozenset | Epilogue] = {
     "attn23": frozenset({"scale", "causal", "window", "local_window", "padding", "bias"}),
     "block": EPILOGUE,
     "portable": EPILOGUE,
-    # the cached kernels add one mask the cache builds (causal, window, padding): no two-sided window
+    # the cached kernels add one mask the cache builds (causal, window, chunk, padding): no two-sided window
     "cached": Epilogue(frozenset({"local_window"})),
     "phased": Epilogue(frozenset({"local_window"})),
 }

@@ -48,13 +48,38 @@ def _split(b, x: str) -> tuple[str, str | None]:
 
 def _mask_bias(b, node, np_dtype) -> str | None:
     """The additive mask [B, 1, T, P+T] (0 visible, the dtype's minimum hidden) from the node's
-    attention mask [B, P+T] (padding and unfilled slots), causal with offset P, the sliding window:
+    attention mask [B, P+T] (padding and unfilled slots), causal with offset P, the sliding window, the
+    chunks (by slot, as transformers' chunked mask over cache positions; the concat cache only):
     the score epilogue's masks applied to zeros (None when the node has none of them)."""
     a = node.attrs
     if not (a["padding"] or a["causal"]):
         return None
     masks = {k: v for k, v in a.items() if k in ("causal", "window", "padding")}
-    return _masks_on_zeros(b, masks, node.inputs[3] if a["padding"] else None, node, np_dtype)
+    additive = _masks_on_zeros(b, masks, node.inputs[3] if a["padding"] else None, node, np_dtype)
+    if a.get("chunk"):
+        additive = _chunks_by_position(b, node, additive, np_dtype)
+    return additive
+
+
+def _chunks_by_position(b, node, additive: str, np_dtype) -> str:
+    """Chunked attention over the cache: a key in another block of ``chunk`` positions than its query
+    hidden. Positions are counted from each row's first real token (the attention mask's running sum
+    less one), as transformers' chunked mask does with left padding (``chunked_overlay``: slot less
+    the row's left padding); padded keys are hidden by the mask already."""
+    from tessera.compiler.backends.onnx.score_epilogue import _hidden_keys
+
+    mask = node.inputs[3]
+    real = b.node("Cast", [b.node("Not", [_hidden_keys(b, mask)])[0]], to=TensorProto.INT64)[0]
+    one = b.const(np.array(1, dtype=np.int64), "one")
+    pos = b.node("Sub", [b.node("CumSum", [real, b.const(np.array(1, dtype=np.int64), "axis")])[0], one])[0]
+    c = b.const(np.array(node.attrs["chunk"], dtype=np.int64), "chunk")
+    block = b.node("Div", [pos, c])[0]                                        # [B, P+T]
+    t = b.node("Shape", [node.inputs[0]], start=2, end=3)[0]                  # the queries: the last T
+    q_block = b.node("Slice", [block, b.node("Neg", [t])[0], b.i64([2**62]), b.i64([1])])[0]
+    other = b.node("Not", [b.node("Equal", [b.node("Unsqueeze", [block, b.i64([1, 2])])[0],
+                                            b.node("Unsqueeze", [q_block, b.i64([1, 3])])[0]])[0]])[0]
+    low = b.const(np.array(np.finfo(np_dtype).min, dtype=np_dtype), "min")
+    return b.node("Where", [other, low, additive])[0]                         # [B, 1, T, P+T]
 
 
 def _masks_on_zeros(b, masks: dict, mask: str | None, node, np_dtype) -> str:
@@ -557,7 +582,7 @@ def lower_phased_attention(b, node, out: str) -> None:
         for name, past in zip(buffers, (_split(b, node.inputs[1])[0], _split(b, node.inputs[2])[0])):
             b.extra_outputs.append((name, b.graph.type_of(past)))
         return
-    if a["padding"] and a["causal"] and not a["window"]:  # one mask for every layer's decoding step
+    if a["padding"] and a["causal"] and not a["window"] and not a.get("chunk"):  # one mask for every layer's decoding step
         bias = _decode_bias(b, node, _np_float(q_t.dtype))
         then_g = branch(b, lambda b, n, o: lower_cached_attention(b, n, o, bias), node, "decode", elem)
     else:

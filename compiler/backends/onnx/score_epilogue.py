@@ -127,7 +127,7 @@ def prepare_whole(b, a: dict, mask: str | None, q_t, k_t, fits: str) -> str | No
     if not positional and mask is None:
         return None
     key = ("whole_masks", fits, str(q_t.shape[-2]), str(k_t.shape[-2]), bool(a.get("causal")),
-           int(a.get("window") or 0), int(a.get("local_window") or 0), mask)
+           int(a.get("window") or 0), int(a.get("chunk") or 0), int(a.get("local_window") or 0), mask)
     if key in b.shared:
         return b.shared[key]
     saved, b.current = b.current, ""
@@ -147,6 +147,8 @@ def prepare_whole(b, a: dict, mask: str | None, q_t, k_t, fits: str) -> str | No
                 if a.get("window"):
                     far = b.node("LessOrEqual", [cols, b.node("Sub", [rows, _scalar(b, a["window"])])[0]])[0]
                     hide = b.node("Or", [hide, far])[0]
+                if a.get("chunk"):
+                    hide = b.node("Or", [hide, _other_chunk(b, a, rows, cols)])[0]
             if a.get("local_window"):  # two-sided: |key - query| >= local_window hidden
                 dist = b.node("Abs", [b.node("Sub", [cols, rows])[0]])[0]
                 far = b.node("GreaterOrEqual", [dist, _scalar(b, a["local_window"])])[0]
@@ -160,6 +162,13 @@ def prepare_whole(b, a: dict, mask: str | None, q_t, k_t, fits: str) -> str | No
     finally:
         b.current = saved
     return b.shared[key]
+
+
+def _other_chunk(b, a, rows: str, cols: str) -> str:
+    """True where a key lies in another block of ``chunk`` positions than its query (rows [Tq, 1] and
+    cols [1, Tk] absolute positions, non-negative: integer Div is floor division there)."""
+    c = _scalar(b, a["chunk"])
+    return b.node("Not", [b.node("Equal", [b.node("Div", [cols, c])[0], b.node("Div", [rows, c])[0]])[0]])[0]
 
 
 def _u(b, x: str) -> str:
@@ -210,6 +219,13 @@ def _masks(b, a, s, p: Prepared, blk: Block) -> str:
             far = b.node("LessOrEqual", [cols, b.node("Sub", [rows, _scalar(b, a["window"])])[0]])[0]
             hide = b.node("Or", [hide, far])[0]
         s = b.node("Where", [hide, p.min_value, s])[0]
+    if a.get("chunk"):  # chunked attention, also on tiles the causal triangle made visible
+        one = _scalar(b, 1)
+        r0, r1 = blk.rows or (_scalar(b, 0), p.tq)
+        c0, c1 = blk.cols or (_scalar(b, 0), p.tk)
+        rows = b.node("Unsqueeze", [b.node("Add", [b.node("Range", [r0, r1, one])[0], p.offset])[0], b.i64([1])])[0]
+        cols = b.node("Unsqueeze", [b.node("Range", [c0, c1, one])[0], b.i64([0])])[0]
+        s = b.node("Where", [_other_chunk(b, a, rows, cols), p.min_value, s])[0]
     if a.get("local_window"):  # two-sided: |key - query| >= local_window hidden
         one = _scalar(b, 1)
         r0, r1 = blk.rows or (_scalar(b, 0), p.tq)
@@ -250,7 +266,7 @@ STEPS: list[tuple[tuple[str, ...], Callable]] = [
     (("scale",), _scale),
     (("softcap",), _softcap),
     (("bias",), _bias),
-    (("causal", "window", "local_window", "padding"), _masks),
+    (("causal", "window", "chunk", "local_window", "padding"), _masks),
 ]
 
 

@@ -38,6 +38,10 @@ def _causal_mask(L):
         lim = b.node("Sub", [rows, b.const(np.array(a["window"], dtype=np.int64), "window")])[0]
         far = b.node("LessOrEqual", [cols, lim])[0]
         hide = b.node("Or", [hide, far])[0]
+    if a.get("chunk"):  # chunked attention: another block of C positions than the query's
+        c = b.const(np.array(a["chunk"], dtype=np.int64), "chunk")
+        other = b.node("Not", [b.node("Equal", [b.node("Div", [cols, c])[0], b.node("Div", [rows, c])[0]])[0]])[0]
+        hide = b.node("Or", [hide, other])[0]
     L.emit("Where", [hide, min_const(b, t.dtype), L.x[0]])
 
 
