@@ -22,8 +22,10 @@ import base64
 import json
 import re
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Annotated, Literal, Union
 
+import numpy as np
 from fastapi import FastAPI
 from fastapi import Request as HttpRequest
 from fastapi.exceptions import RequestValidationError
@@ -33,7 +35,12 @@ from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, StrictBool, 
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
+from tessera.runtime.generation.constraints import Grammar
+
+from . import tools as tool_calls
+from .embeddings import EmbeddingError
 from .engine import Engine, Handle, Overloaded, Request, RequestError, Unavailable
+from .http import MAX_HEADER_BYTES
 from .model import ChatTemplate, ChatTemplateError, Sampling, StopStrings, UsageError, encode_prompts, stop_token_ids
 
 MAX_BODY_BYTES = 4 * 1024 * 1024  # a request body, checked as it is read (413 past it): 4 MiB holds a
@@ -113,8 +120,6 @@ class _Body(BaseModel):
 
     def grammar(self):
         """The Grammar the request asks for (None: free text), and the field that asked for it."""
-        from tessera.runtime.generation.constraints import Grammar
-
         asked = []
         rf = self.response_format
         if rf is not None and rf.type == "json_object":
@@ -307,8 +312,6 @@ class Server:
         """``fn(data)`` (a route's request: tokenizing the prompt, rendering the chat template) in a
         worker thread, so that a long prompt or a slow template never holds the event loop (every
         other client, /health); at most PREPARE_THREADS at once, so their memory is bounded too."""
-        from concurrent.futures import ThreadPoolExecutor
-
         if self._pool is None:
             self._pool = ThreadPoolExecutor(PREPARE_THREADS, thread_name_prefix="tessera-prepare")
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, data)
@@ -334,8 +337,6 @@ class Server:
         if body.dimensions is not None and body.dimensions != dim:
             raise ApiError(400, f"dimensions={body.dimensions}: this model gives {dim}-dimensional embeddings and "
                                 f"cannot shorten them (it was not trained for it)", param="dimensions")
-        from .embeddings import EmbeddingError
-
         try:
             return body, self.embedder.encode(body.input)
         except EmbeddingError as e:
@@ -430,8 +431,6 @@ class Server:
             why = self.chat_template_error or ("this model has no chat template (no chat_template in the "
                                                "tokenizer folder's tokenizer_config.json); use /v1/completions")
             raise ApiError(400, why, param="messages", code="no_chat_template")
-        from . import tools as tool_calls
-
         messages = []
         for i, m in enumerate(body.messages):
             content = m.content
@@ -540,8 +539,6 @@ class Server:
         """The assistant's message and the finish reason: with tools (tool_choice not "none") the text
         parsed for calls (serving/tools.py), ``tool_calls`` and finish_reason "tool_calls" when it has
         some; else the text as content."""
-        from . import tools as tool_calls
-
         text, finish = self.text_of(handle), _finish_reason(handle)
         if not body.calls_tools():
             return {"role": "assistant", "content": text}, finish
@@ -697,8 +694,6 @@ class _HeaderLimit:
         self.app = app
 
     async def __call__(self, scope, receive, send):
-        from .http import MAX_HEADER_BYTES
-
         if scope["type"] == "http" and sum(len(k) + len(v) + 4 for k, v in scope.get("headers", ())) + \
                 len(scope.get("raw_path") or b"") + len(scope.get("query_string") or b"") > MAX_HEADER_BYTES:
             body = json.dumps({"error": {"message": f"the request's headers are past the server's limit of "
@@ -946,8 +941,6 @@ async def completions(request: HttpRequest):
 
 
 async def embeddings(request: HttpRequest):
-    import numpy as np  # numpy stays lazy here: only the embeddings route needs it
-
     server = _server(request)
     body, rows = await server.prepare(server.embedding_request, await read_json(request))
     try:
