@@ -9,6 +9,7 @@ what it wants (PipelineOptions) and maps a PassError to its UsageError. Every ex
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -75,7 +76,7 @@ class EncoderDecoder:
 
 def _export(graph: Graph, weights, metadata: dict | None) -> onnx.ModelProto:
     """The model in memory (only the graph's parameters are read from ``weights``)."""
-    from tessera.compiler.backends.onnx import export as onnx_export
+    from tessera.compiler.backends.onnx import export as onnx_export  # imports onnx (~0.6 s): compile only
 
     return onnx_export.to_onnx(graph, weights, metadata)
 
@@ -83,9 +84,7 @@ def _export(graph: Graph, weights, metadata: dict | None) -> onnx.ModelProto:
 def _note_packed(graph: Graph, info: CacheInfo) -> None:
     """Each gqa decoding site's --explain reason says whether its input is the packed projection
     (backends/onnx/cached_attention.py ``packed_qkv``) and, if not, which check failed."""
-    import dataclasses
-
-    from tessera.compiler.backends.onnx.cached_attention import packed_note
+    from tessera.compiler.backends.onnx.cached_attention import packed_note  # imports onnx (~0.6 s)
 
     info.kernels = [dataclasses.replace(k, reason=f"{k.reason}; {packed_note(graph, graph.nodes[layer.node])}")
                     if layer.buffer_key and layer.node in graph.nodes else k

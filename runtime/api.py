@@ -22,6 +22,7 @@ Hyperparameter overrides are keyword arguments of ``load`` (the ``--set`` values
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Iterator
 
@@ -31,6 +32,7 @@ from tessera.runtime import driver, pipeline
 from tessera.runtime.errors import UsageError
 from tessera.runtime.generation import cached as gen
 from tessera.runtime.generation import loop
+from tessera.runtime.io import checkpoint, text
 from tessera.runtime.options import (CompileOptions, GenerateOptions, ModelRef, PerplexityOptions, ReportOptions,
                                      RunOptions, split_prompt)
 from tessera.runtime.report.view import Report
@@ -57,8 +59,6 @@ class Model:
                             weights=str(weights) if weights is not None else None, seed=seed,
                             allow_large=allow_large).for_api()
         self.ref.check()
-        from tessera.runtime.io import checkpoint
-
         self._folder_tokenizer = checkpoint.tokenizer_in(spec)  # a checkpoint folder's, for text prompts
         self.ref, _ = driver.from_checkpoint(self.ref)  # a checkpoint folder: its bundled spec, its weights
         spec, weights = self.ref.spec, self.ref.weights
@@ -194,8 +194,6 @@ class Model:
         return loop.load_model(self.ref, o, self._weights, self._models)
 
     def tokenizer(self, path: str | Path):
-        from tessera.runtime.io import text
-
         if self._tokenizer is None or self._tokenizer[0] != str(path):
             self._tokenizer = (str(path), text.load_tokenizer(path))
         return self._tokenizer[1]
@@ -267,8 +265,6 @@ class Model:
                     out[r].append(t)
         out = out or []
         if explain and run.explain():
-            import sys
-
             print(run.explain(), file=sys.stderr)
         if logprobs is not None:
             rows = run.rows(out)

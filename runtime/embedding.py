@@ -14,7 +14,10 @@ from pathlib import Path
 
 import numpy as np
 
+from tessera.compiler.ir.signature import input_limits, specs_from_graph
+from tessera.runtime import pipeline
 from tessera.runtime.errors import UsageError
+from tessera.runtime.options import RunOptions
 
 POOLINGS = ("mean", "cls")
 
@@ -76,7 +79,7 @@ class EmbeddingModel:
 
     def run(self, rows: list[list[int]], pad_id: int = 0) -> np.ndarray:
         """Embeddings [N, dim] of token-id rows, in one call (right-padded, masked)."""
-        from tessera.runtime.session import run_session
+        from tessera.runtime.session import run_session  # session.py imports onnx (~0.6 s)
 
         n, t = len(rows), max(len(r) for r in rows)
         ids = np.full((n, t), pad_id, dtype=np.int64)
@@ -104,25 +107,20 @@ class EmbeddingModel:
 
 def load(built, weights, threads: int | None, folder: Path | None, name: str) -> EmbeddingModel:
     """The encoder compiled (run's optimisation pipeline) and opened with ``threads`` onnxruntime threads."""
-    from tessera.compiler.backends.onnx import export as onnx_export
-    from tessera.compiler.ir.signature import specs_from_graph
-    from tessera.runtime import pipeline
-    from tessera.runtime.options import RunOptions
+    from tessera.compiler.backends.onnx import export as onnx_export  # imports onnx (~0.6 s)
 
     specs = specs_from_graph(built.graph)
     missing = [s.name for s in specs if s.name not in ("tokens", "mask", "token_types")]
     if missing or "tokens" not in [s.name for s in specs]:
         raise UsageError(f"/v1/embeddings fills the inputs tokens, mask and token_types; this encoder takes "
                          f"{', '.join(s.name for s in specs)}")
-    from tessera.compiler.ir.signature import input_limits
-
     limits = input_limits(built.graph)
     ctx = limits.dims["T"][0] if "T" in limits.dims else None  # the position table's rows
     vocab = limits.ids["tokens"][0] if "tokens" in limits.ids else None
     dim = built.graph.type_of("hidden").shape[-1]
     pipeline.optimize(built, RunOptions().pipeline_options(()), False)
     source = onnx_export.to_bytes(built.graph, weights, pipeline.metadata(built))
-    import onnxruntime as ort
+    import onnxruntime as ort  # heavy, and only a served encoder needs it
 
     so = ort.SessionOptions()
     if threads:

@@ -14,10 +14,17 @@ import numpy as np
 
 from tessera.compiler.frontend.elaborate import ModelInfo, elaborate
 from tessera.compiler.ir.graph import DTYPES, Graph
+from tessera.compiler.passes import PassError
+from tessera.compiler.passes.quantize import DEFAULT_BLOCK, ROW_SCHEMES, QuantConfig
+from tessera.compiler.reference.quant import ROWS
+from tessera.models import bundled_names, bundled_spec
 from tessera.spec import Program, SpecError, did_you_mean, load_program
 
 from tessera.runtime.errors import UsageError  # noqa: F401  (re-exported: callers import it from here)
-from tessera.runtime.io.weights import SeededWeights, WeightsError, init_weights, load_weights, name_map_for
+from tessera.runtime.io.checkpoint import unshadowed
+from tessera.runtime.io.checkpoint_config import config_overrides
+from tessera.runtime.io.weights import (SeededWeights, WeightsError, absent_params, drop_unfed_outputs, init_weights,
+                                        load_weights, name_map_for)
 
 
 @dataclass
@@ -58,10 +65,6 @@ def _parse_value(text: str, program: Program):
 def resolve_spec(spec: str | Path) -> Path:
     """The spec file a command names: a path when that file exists, else a bundled spec by name
     (``gpt2`` or ``gpt2.tsr``, shipped in ``tessera.models``). Raises SpecError for neither."""
-    from tessera.models import bundled_names, bundled_spec
-
-    from tessera.runtime.io.checkpoint import unshadowed
-
     path = Path(unshadowed(spec))  # a folder named like a bundled spec that is no model: the bundled spec
     if path.exists():
         return path  # a path wins (load_program reports a folder or an unreadable file)
@@ -82,8 +85,6 @@ def build(spec: str | Path, variant: str | None = None, sets: list[str] | None =
     """Elaborate a spec. When ``weights`` is a checkpoint folder with a config.json and the
     spec's mapping file has a [config] table, its hyperparameters are taken from there too
     (checkpoint_config.py: a value contradicting ``sets`` or the variant is an error)."""
-    from tessera.runtime.io.checkpoint_config import config_overrides
-
     path = resolve_spec(spec)
     program = load_program(path)
     overrides = parse_set(sets or [], program)
@@ -98,8 +99,6 @@ def build(spec: str | Path, variant: str | None = None, sets: list[str] | None =
 def _drop_unfed_outputs(graph: Graph, weights: Path, name_map, hyper: dict) -> None:
     """A checkpoint without the weights of some outputs (a BERT saved without its pooler) runs with
     those outputs dropped and a note, as transformers does; any other gap is the load's error."""
-    from tessera.runtime.io.weights import absent_params, drop_unfed_outputs
-
     try:
         absent = absent_params(graph, weights, name_map, hyper)
     except WeightsError:
@@ -204,8 +203,6 @@ QUANTIZE_CHOICES = ("none", "int8", "int4", "w8a8", "int4-asym")
 def compiler_errors():
     """The one place a compiler PassError (CacheError among them) becomes the runtime's UsageError:
     an option the compiler refuses is the user's to change, reported without a traceback."""
-    from tessera.compiler.passes import PassError
-
     try:
         yield
     except PassError as e:
@@ -216,9 +213,6 @@ def quant_config(scheme: str = "none", block: int | None = None, head: bool = Fa
                  activations: str | None = None):
     """The QuantConfig that --quantize, --quantize-block, --quantize-head and --quantize-activations
     ask for (None for none)."""
-    from tessera.compiler.passes.quantize import DEFAULT_BLOCK, ROW_SCHEMES, QuantConfig
-    from tessera.compiler.reference.quant import ROWS
-
     scheme = scheme or "none"
     if scheme not in QUANTIZE_CHOICES:
         raise UsageError(f"quantize must be one of {', '.join(QUANTIZE_CHOICES)}, got {scheme!r}")
@@ -242,7 +236,7 @@ def optimize(built: Built, options, explain: bool = False) -> list:
     """Run the ``full`` pipeline (compiler/build.py ``compile_full``) on built.graph with ``options`` (a
     PipelineOptions, from runtime/options.OptimizeOptions.pipeline_options); print --explain's
     listing when asked. Returns the ExposedProbs notes of the sites whose probabilities became outputs."""
-    from tessera.compiler.build import compile_full
+    from tessera.compiler.build import compile_full  # every pass (~0.2 s): `tessera ir` builds without them
 
     built.quantize = options.quantize
     with compiler_errors():
@@ -254,7 +248,7 @@ def optimize(built: Built, options, explain: bool = False) -> list:
 
 def metadata(built: Built) -> dict:
     """The model file's metadata (compiler/build.py's model_metadata, the one place it is built)."""
-    from tessera.compiler.build import model_metadata
+    from tessera.compiler.build import model_metadata  # every pass (~0.2 s): not for `tessera ir`
 
     return model_metadata(built.info, built.quantize)
 

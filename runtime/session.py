@@ -8,12 +8,15 @@ from pathlib import Path
 
 import numpy as np
 import onnx
+from onnx import numpy_helper
 
 from tessera.compiler.backends.onnx.export import ONNX_DTYPES
 from tessera.compiler.ir.signature import InputLimits, InputSpec
 
+from tessera.runtime import metadata
 from tessera.runtime.errors import ModelFileError
 from tessera.runtime.files import stat_or_raise
+from tessera.runtime.onnx_skeleton import skeleton_bytes
 from tessera.runtime.machine import gpu_present  # open_session reads it by this module's name (tests replace it)
 
 _FROM_ONNX = {v: k for k, v in ONNX_DTYPES.items()}
@@ -24,7 +27,7 @@ class ProviderError(Exception):
 
 
 def _ort():
-    import onnxruntime as ort
+    import onnxruntime as ort  # heavy (~0.3 s): loaded when a session is first opened
 
     ort.set_default_logger_severity(3)  # onnxruntime-gpu warns loudly on machines without CUDA
     return ort
@@ -94,8 +97,6 @@ def onnx_signature(path: str | Path, model: onnx.ModelProto | None = None) -> tu
     limits = None
     for e in model.metadata_props:
         if e.key == InputLimits.METADATA_KEY:
-            from tessera.runtime import metadata
-
             limits = metadata.input_limits(e.value, path, {s.name for s in specs})
     return specs, limits
 
@@ -108,8 +109,6 @@ for days with no way to stop it but killing the process."""
 
 def check_loop_trips(model: onnx.ModelProto, path) -> None:
     """Refuse a Loop (at any depth) whose trip count is a constant past MAX_LOOP_TRIPS, before running."""
-    from onnx import numpy_helper
-
     graphs = [model.graph]
     while graphs:
         g = graphs.pop()
@@ -139,8 +138,6 @@ def load_model_proto(path: Path) -> onnx.ModelProto:
                              f"not an ONNX model")
     if st.st_size == 0:
         raise ModelFileError(f"{path} is empty, not an ONNX model")
-    from tessera.runtime.onnx_skeleton import skeleton_bytes
-
     try:  # the structure only: the weights are onnxruntime's to read (runtime/onnx_skeleton.py)
         model = onnx.ModelProto.FromString(skeleton_bytes(path))
     except Exception as e:  # the skim's ValueError, protobuf's DecodeError and friends

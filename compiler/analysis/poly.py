@@ -15,6 +15,8 @@ from functools import lru_cache
 
 import sympy
 
+from tessera.compiler.ir import dims
+
 Monomial = tuple[tuple[str, int], ...]
 
 SUPERSCRIPT = str.maketrans("0123456789", "⁰¹²³⁴⁵⁶⁷⁸⁹")
@@ -188,13 +190,11 @@ class Poly:
         return {p: Poly(t) for p, t in sorted(out.items())}
 
     def to_sympy(self) -> sympy.Expr:
-        from tessera.compiler.ir.dims import symbol
-
         expr = sympy.Integer(0)
         for m, c in self.terms.items():
             term = sympy.Rational(c.numerator, c.denominator) if isinstance(c, Fraction) else sympy.Integer(c)
             for s, e in m:
-                term = term * symbol(s) ** e
+                term = term * dims.symbol(s) ** e
             expr += term
         return expr
 

@@ -22,6 +22,8 @@ import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
 from tessera.compiler.analysis.cost import MATMUL_OPS, NodeCost, score_pairs
 from tessera.compiler.ir.graph import Graph
 from tessera.compiler.analysis.memory import ALIAS_OPS, Sizer
@@ -89,8 +91,6 @@ def probe_cpu(n: int = 1024, copy_mib: int = 64, repeats: int = 3, rounds: int =
     up to ``rounds`` rounds a fifth of a second apart, keeping the best figures, and a probe still busy
     says why in ``busy`` (runtime/report/calibration.py keeps no busy probe). The result is used for
     every dtype."""
-    import numpy as np
-
     rng = np.random.default_rng(0)
     a = rng.standard_normal((n, n), dtype=np.float32)
     b = rng.standard_normal((n, n), dtype=np.float32)

@@ -15,6 +15,7 @@ from tessera.compiler.ir import dims
 from tessera.compiler.ir.graph import TensorType
 from tessera.compiler.ops import common
 from tessera.compiler.ops.registry import ShapeError, free, op, product
+from tessera.compiler.reference.quant import BITS, blocks, dequantize, int8_product, packed_shape, zeros_shape
 
 
 # ------------------------------------------------------------------ linear
@@ -42,8 +43,6 @@ def _linear(t, a):
 
 # ------------------------------------------------------------------ linear_nbits
 def _linear_nbits_ref(x, a, ev):
-    from tessera.compiler.reference.quant import dequantize
-
     zp = a.get("zero_points", 0)
     w = dequantize(x[1], x[2], a["bits"], a["block_size"], a["K"], x[3] if zp else None)
     y = (x[0].astype(np.float32) @ w.T).astype(x[0].dtype)
@@ -61,8 +60,6 @@ def _linear_nbits(t, a):
     [N, ceil(blocks * bits / 8)] and the bias after them. ``accuracy_level`` 4 lets onnxruntime
     quantise x to int8 per block inside the product; the reference computes the product in fp32
     (the test tolerances cover the difference)."""
-    from tessera.compiler.reference.quant import BITS, blocks, packed_shape, zeros_shape
-
     x, packed, scales = t[0], t[1], t[2]
     zp = a.get("zero_points", 0)
     common.need_float(x, "linear_nbits")
@@ -93,8 +90,6 @@ def _linear_nbits(t, a):
 
 # ------------------------------------------------------------------ linear_int8
 def _linear_int8_ref(x, a, ev):
-    from tessera.compiler.reference.quant import int8_product
-
     y = int8_product(x[0], x[1], x[2]).astype(x[0].dtype)
     return y + x[3] if len(x) == 4 else y
 

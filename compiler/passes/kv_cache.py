@@ -59,6 +59,7 @@ from tessera.compiler.ir.graph import SymbolSource
 from tessera.compiler import ops
 from tessera.compiler.passes.attention_kernels import Target, cached_prefill, choose_cached
 from tessera.compiler.patterns.positions import NotAffine, affine_reads, positions_reached
+from tessera.compiler.reference.numerics import sinusoidal_table
 from tessera.compiler.passes.base import Pass, PassError, PassManager, PassResult, PipelineResult
 from tessera.compiler.passes import cache_schema
 from tessera.compiler.passes.cache_parts import CACHE_DTYPES, CacheError, CacheState, insert_before as _insert_before
@@ -411,8 +412,6 @@ class ReadPositionIds(Pass):
             elif node.op == "sinusoidal":
                 if not dims.equal(dims.dim(node.attrs["n"]), t_dim):
                     continue
-                from tessera.compiler.reference.numerics import sinusoidal_table
-
                 # sinusoidal(T, d) -> rows position_ids of the fixed table, up to max_positions
                 out_t = g.type_of(node.outputs[0])
                 table = g.add_const("cache/sinusoidal", sinusoidal_table(self.options.max_positions,

@@ -37,7 +37,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tessera.compiler.ir.graph import Graph, Param
+import numpy as np
+
+from tessera.compiler import ops
+from tessera.compiler.ir.graph import DTYPES, Graph, Param
 from tessera.compiler.passes.base import Pass, PassError, PassResult
 from tessera.compiler.reference.quant import BITS, ROWS, blocks, packed_shape, zeros_shape
 
@@ -124,8 +127,6 @@ class QuantizeWeights(Pass):
         self.config = config
 
     def requires(self, graph: Graph) -> None:
-        from tessera.compiler import ops
-
         done = next((n.name for n in graph.nodes.values() if ops.has_trait(n.op, "quantized")), None)
         if done:
             raise PassError(f"the graph is already quantised (node {done})")
@@ -204,8 +205,6 @@ class QuantizeWeights(Pass):
 def _is_output(graph: Graph, value: str) -> bool:
     """Whether ``value`` is a model output, directly or through views and casts (``logits = head``
     is an identity node)."""
-    from tessera.compiler import ops
-
     seen, stack = set(), [value]
     while stack:
         v = stack.pop()
@@ -220,8 +219,4 @@ def _is_output(graph: Graph, value: str) -> bool:
 
 def quantized_bytes(graph: Graph) -> int:
     """Bytes of all parameters of a (quantised) graph, at their own dtypes."""
-    import numpy as np
-
-    from tessera.compiler.ir.graph import DTYPES
-
     return sum(p.numel * np.dtype(DTYPES[p.dtype] or np.float32).itemsize for p in graph.params.values())

@@ -32,6 +32,7 @@ a numpy Generator seeded once per call, so the same seed gives the same tokens.
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,8 +40,12 @@ from typing import Callable, Iterator
 
 import numpy as np
 
+from tessera.compiler import build as compiler_build
+from tessera.compiler.passes.attention_kernels import Target
 from tessera.compiler.passes.kv_cache import CacheInfo
+from tessera.compiler.passes.pipeline import PipelineOptions
 
+from tessera.runtime import metadata, pipeline
 from tessera.runtime.pipeline import UsageError, compiler_errors
 
 
@@ -79,7 +84,7 @@ class CachedModel:
     """An onnxruntime session over a cached graph, with what the loop needs to feed it."""
 
     def __init__(self, source: str | bytes, info: CacheInfo, provider: str = "cpu", threads: int | None = None):
-        from tessera.runtime.session import _ort, open_session
+        from tessera.runtime.session import _ort, open_session  # session.py imports onnx (~0.6 s)
 
         self.info = info
         if threads and provider != "cuda":  # the thread count is the CPU provider's
@@ -111,8 +116,7 @@ class CachedModel:
             path = found[0]
         if not path.exists():
             raise UsageError(f"model file not found: {path}")
-        from tessera.runtime import metadata
-        from tessera.runtime.session import load_model_proto
+        from tessera.runtime.session import load_model_proto  # session.py imports onnx (~0.6 s)
 
         model = load_model_proto(path)  # a random, text or truncated file: a ModelFileError, as for run
         meta = {e.key: e.value for e in model.metadata_props}
@@ -130,11 +134,11 @@ class CachedModel:
         bound step's branch (compiler/backends/onnx/bound_step.py): the step then skips the cache column
         outputs it does not read. Returns whether it did (the graph then gives empty columns for the
         layers written in place). Looked up on the session each time (a bench may swap it)."""
-        from tessera.compiler.backends.onnx.bound_step import INPUT
+        from tessera.compiler.backends.onnx.bound_step import INPUT  # imports onnx (~0.6 s)
 
         if INPUT not in {i.name for i in self.session.get_overridable_initializers()}:
             return False
-        from tessera.runtime.session import _ort
+        from tessera.runtime.session import _ort  # session.py imports onnx (~0.6 s)
 
         value = _ort().OrtValue.ortvalue_from_numpy(np.array(False))
         io.bind_ortvalue_input(INPUT, value)  # an initializer input: IOBinding takes it as an OrtValue only
@@ -144,7 +148,7 @@ class CachedModel:
     def run(self, feeds: dict[str, np.ndarray], bound: "BoundStep | None" = None) -> dict[str, np.ndarray]:
         """One step: through ``bound`` (the cache buffers bound in place, a decoding step of a graph whose
         attention writes them: info.length_input) or with numpy feeds and outputs."""
-        from tessera.runtime.session import run_session
+        from tessera.runtime.session import run_session  # session.py imports onnx (~0.6 s)
 
         if bound is not None:
             return bound.run(feeds)
@@ -158,9 +162,6 @@ def cached_options(mode: str = "auto", dtype: str = "fp32", target=None, sparse_
     (``mode``: the cache, buffer or concat; ``target`` a passes.attention_kernels.Target, else the CPU
     at ``dtype``; ``quantize`` a QuantConfig; ``mixed`` the serving engine's combined call; ``skip_norm`` and ``bound_step`` the two passes after
     export, off only to measure them)."""
-    from tessera.compiler.passes.attention_kernels import Target
-    from tessera.compiler.passes.pipeline import PipelineOptions
-
     return PipelineOptions(target or Target("cpu", dtype), quantize=quantize, sparse_moe=sparse_moe, cache=mode,
                            decode=decode, last_only=last_only, fuse_linears=fuse_linears, mixed=mixed,
                            skip_norm=skip_norm, bound_step=bound_step)
@@ -172,8 +173,6 @@ def compile_cached(built, weights, options=None, **choices):
     an input, lower the precision) as (onnx.ModelProto, CacheInfo). ``options``: a PipelineOptions
     (the driver's, from the typed options); else ``choices``, cached_options' keywords. Rewrites
     built.graph; records the attention sites (--explain) and the quantisation on ``built``."""
-    from tessera.compiler import build as compiler_build
-
     options = options or cached_options(**choices)
     with compiler_errors():
         done = compiler_build.compile_cached(built.graph, weights, built.info, options)
@@ -187,7 +186,7 @@ class Seq2Seq:
 
     def __init__(self, encoder_source: str | bytes, decoder: CachedModel, boundary: list[str],
                  provider: str = "cpu"):
-        from tessera.runtime.session import open_session
+        from tessera.runtime.session import open_session  # session.py imports onnx (~0.6 s)
 
         self.encoder = open_session(encoder_source, provider)
         self.decoder = decoder
@@ -195,7 +194,7 @@ class Seq2Seq:
 
     def encode(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """The decoder's fixed inputs for a source batch: the encoder's outputs and the inputs both read."""
-        from tessera.runtime.session import run_session
+        from tessera.runtime.session import run_session  # session.py imports onnx (~0.6 s)
 
         enc_inputs = {i.name for i in self.encoder.get_inputs()}
         out = run_session(self.encoder, {k: v for k, v in feeds.items() if k in enc_inputs})
@@ -208,11 +207,6 @@ def compile_seq2seq(built, weights, decoder_input: str, last_only: bool = True, 
     pipeline: fuse attention, split off the encoder part, add the KV cache to the decoder): returns
     (encoder ModelProto, decoder ModelProto, CacheInfo, boundary value names). ``options``: a
     PipelineOptions (the quantisation, the cache mode), its decoder input and the rest filled in here."""
-    import dataclasses
-
-    from tessera.compiler import build as compiler_build
-    from tessera.compiler.passes.pipeline import PipelineOptions
-
     options = dataclasses.replace(options or PipelineOptions(), decoder_input=decoder_input, last_only=last_only,
                                   max_positions=max_positions)
     with compiler_errors():
@@ -292,9 +286,7 @@ def cache_bytes(info: CacheInfo, rows: int, positions: int, itemsize: int) -> in
 def check_cache_fits(info: CacheInfo, rows: int, positions: int, itemsize: int, what: str = "the KV cache") -> None:
     """Refuse, before anything is allocated, a cache larger than the memory available, with its size
     (numpy's MemoryError would come after the prompt was run, or never: the allocation may be lazy)."""
-    from tessera.runtime.pipeline import available_memory
-
-    need, avail = cache_bytes(info, rows, positions, itemsize), available_memory()
+    need, avail = cache_bytes(info, rows, positions, itemsize), pipeline.available_memory()
     if avail is not None and need > avail:
         raise UsageError(f"{what} for {rows} sequence(s) of {positions:,} positions is {need:,} bytes "
                          f"({need / 2**30:,.1f} GiB, {len(info.layers)} layers), more than the {avail:,} bytes "
@@ -320,7 +312,7 @@ class BoundStep:
     as its past, and its one new column is copied in after the step."""
 
     def __init__(self, model: CachedModel, cache: dict[str, np.ndarray]):
-        from tessera.runtime.session import _ort
+        from tessera.runtime.session import _ort  # session.py imports onnx (~0.6 s)
 
         self.model, self.io = model, model.session.io_binding()
         info = model.info
@@ -371,7 +363,7 @@ class BoundStep:
 
     def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """One decoding step; returns the logits (a copy: the bound array is reused by the next step)."""
-        from tessera.runtime.session import RunError, ort_message
+        from tessera.runtime.session import RunError, ort_message  # session.py imports onnx (~0.6 s)
 
         for name, value in feeds.items():
             if name not in self.buffers:  # the buffers stay bound; the step's tokens, mask, positions rebind

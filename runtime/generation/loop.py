@@ -9,13 +9,21 @@ the caller drives (printing as it goes, collecting, or streaming to a client).
 
 from __future__ import annotations
 
+import dataclasses
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tessera.compiler.ir import dims
+from tessera.compiler.ir.signature import bind_inputs, input_limits, specs_from_graph
 from tessera.runtime import pipeline
 from tessera.runtime.generation import cached as gen
+from tessera.runtime.generation import drafting, speculative
+from tessera.runtime.generation.constraints import Grammar, GrammarCompiler, TokenMask
 from tessera.runtime.generation.stops import TextStopper
-from tessera.runtime.io.inputs import named_token_rows, split_named
+from tessera.runtime.io import text as text_io
+from tessera.runtime.io.chat_template import ChatTemplate
+from tessera.runtime.io.inputs import named_token_rows, parse_value, split_named, to_array
 from tessera.runtime.pipeline import UsageError
 
 
@@ -25,8 +33,6 @@ def target_input(graph) -> str | None:
     axis (the other inputs are the source). None for a decoder-only model (a single input). The
     logits are the first output; outputs after it must be per target step too (RNNsearch's alignment
     [B, T, S]), which the cached form keeps beside the logits."""
-    from tessera.compiler.ir import dims
-
     if len(graph.inputs) < 2 or graph.type_of(graph.outputs[0]).rank != 3:
         return None
     t = graph.type_of(graph.outputs[0]).shape[1]
@@ -44,8 +50,6 @@ class EncoderDecoder:
     their mask for BART or T5, float log-mel features for Whisper)."""
 
     def __init__(self, built, weights, target: str, threads: int | None, options=None):
-        from tessera.compiler.ir.signature import input_limits, specs_from_graph
-
         self.target = target
         self.sources = [i for i in built.graph.inputs if i != target]
         self.specs = [s for s in specs_from_graph(built.graph) if s.name in self.sources]  # before compiling
@@ -58,8 +62,6 @@ class EncoderDecoder:
         """The source inputs as arrays: ``texts`` from --input NAME=VALUE (a JSON array or a .npy file,
         parsed as ``tessera run`` parses them: runtime/io/inputs.py) and ``arrays`` from the API's
         ``inputs=`` (arrays or nested lists)."""
-        from tessera.runtime.io.inputs import parse_value, to_array
-
         by_name = {s.name: s for s in self.specs}
         out = {name: parse_value(name, text, by_name[name], RAGGED) for name, text in texts.items()}
         for name, value in (arrays or {}).items():
@@ -72,8 +74,6 @@ class EncoderDecoder:
     def fixed_feeds(self, given: dict, rows: int) -> dict:
         """The decoder's fixed inputs (the encoder's outputs) for the source arrays given, one row per
         target prompt, checked against the source inputs' declared types and tables."""
-        from tessera.compiler.ir.signature import bind_inputs
-
         missing = [s for s in self.sources if s not in given]
         if missing:
             raise UsageError(f"an encoder-decoder needs its source inputs: give --input {missing[0]}=[[...]] "
@@ -159,8 +159,6 @@ class Generation:
 
     def steps(self):
         if self.drafter is not None:
-            from tessera.runtime.generation import speculative
-
             return speculative.steps(self.model, self.prompts, self.max_new_tokens, self.sampling, self.drafter,
                                      self.draft_tokens, self.stop_ids, self.stats, self.stopper)
         self.logprobs = [[] for _ in self.prompts]
@@ -173,8 +171,6 @@ class Generation:
         """--explain's line on speculative decoding once the steps have run (None without it)."""
         if self.drafter is None:
             return None
-        from tessera.runtime.generation import speculative
-
         return speculative.explain(self.stats, self.drafter.name, self.draft_tokens)
 
     def text(self, tokens: list[int]) -> str:
@@ -206,9 +202,7 @@ def prepare(ref, o, prompt_ids: list[list[int]] | None = None, weights=None, mod
     if o.prompts and prompt_ids is not None:
         raise UsageError("give the prompts either as text or as token ids, not both")
     if tokenizer is None and o.tokenizer:
-        from tessera.runtime.io import text
-
-        tokenizer = text.load_tokenizer(o.tokenizer)
+        tokenizer = text_io.load_tokenizer(o.tokenizer)
     sampling = o.sampling(ref.seed)
     chat = _chat_template(o) if o.chat else None
     stop_tokens = list(o.stop_tokens) + gen.stop_token_ids(tokenizer, o.stops)
@@ -264,24 +258,18 @@ def prepare(ref, o, prompt_ids: list[list[int]] | None = None, weights=None, mod
     if o.speculative is not None:
         if fixed is not None:
             raise UsageError("speculative decoding is for decoder-only models; an encoder-decoder is not supported")
-        from tessera.runtime.generation import speculative
-
         speculative.check_target(model)
         _check_speculative_sampling(o, sampling)
         drafter = load_drafter(o, draft_ref, model)
     masks = None
     grammar = constraint_of(o)
     if grammar is not None:
-        from tessera.runtime.generation.constraints import GrammarCompiler
-
         if sampling.min_new_tokens or sampling.no_repeat_ngram_size:
             raise UsageError("min_new_tokens and no_repeat_ngram_size cannot be combined with structured output "
                              "(--json-schema, --regex, --grammar): they could forbid every token the grammar allows")
         eos = [t for t in getattr(o, "eos_tokens", ()) if model.vocab is None or t < model.vocab]
         compiler = GrammarCompiler(tokenizer, model.vocab, eos)
         text = compiler.compile(grammar)  # GrammarError (a UsageError) saying what is wrong
-        from tessera.runtime.generation.constraints import TokenMask
-
         masks = [TokenMask(compiler, text) for _ in prompts]
     return Generation(model, prompts, o.max_new_tokens, sampling, stop_tokens, tokenizer, stopper, fixed,
                       drafter=drafter, draft_tokens=o.k, masks=masks)
@@ -290,8 +278,6 @@ def prepare(ref, o, prompt_ids: list[list[int]] | None = None, weights=None, mod
 def constraint_of(o):
     """The Grammar the options ask for (--json-schema, --regex, --grammar: generation/constraints.py),
     files read; None without one."""
-    from tessera.runtime.generation.constraints import Grammar
-
     def read(path, what):
         try:
             return Path(path).read_text(encoding="utf-8")
@@ -328,10 +314,6 @@ def load_drafter(o, draft_ref, target: gen.CachedModel):
     ModelRef of --speculative's spec, checkpoint folder or compiled .onnx file, seeded with the
     target's seed when it has no weights; or the API's loaded Model), compiled without quantisation,
     the logits of the last position only."""
-    import dataclasses
-
-    from tessera.runtime.generation import drafting
-
     spec = o.speculative
     if isinstance(spec, str) and spec == "ngram":
         return drafting.NgramDrafter()
@@ -356,8 +338,6 @@ def load_drafter(o, draft_ref, target: gen.CachedModel):
 
 def _chat_template(o):
     """--chat's template: the tokenizer folder's (io/chat_template.py), or an error saying it has none."""
-    from tessera.runtime.io.chat_template import ChatTemplate
-
     return ChatTemplate.required(o.tokenizer, o.flag("chat") + ("=True" if o.api else ""))
 
 
@@ -368,8 +348,6 @@ def _with_eos(stop_tokens: list[int], o, model) -> list[int]:
     vocab = model.vocab
     eos = [t for t in o.eos_tokens if vocab is None or t < vocab]
     if o.explain and len(eos) < len(o.eos_tokens):
-        import sys
-
         print(f"note: end-of-sequence id(s) {sorted(set(o.eos_tokens) - set(eos))} are past the model's vocabulary "
               f"({vocab}): not stop tokens", file=sys.stderr)
     return list(stop_tokens) + [t for t in eos if t not in stop_tokens]

@@ -16,7 +16,10 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+from tessera.models import bundled_spec
 from tessera.runtime.errors import UsageError
+from tessera.runtime.io import gguf_file
+from tessera.runtime.io.checkpoint_config import read_config
 
 # Hugging Face model_type -> bundled spec (models/NAME.tsr with its NAME.hf.toml)
 MODEL_TYPES = {
@@ -39,8 +42,6 @@ MODEL_TYPES = {
 def local(path):
     """A GGUF file as its checkpoint folder (runtime/io/gguf_file.py: converted once, then cached);
     any other path unchanged."""
-    from tessera.runtime.io import gguf_file
-
     return str(gguf_file.folder_for(path)) if path is not None and gguf_file.is_gguf(path) else path
 
 
@@ -52,8 +53,6 @@ def is_checkpoint(path) -> bool:
 
 def spec_for(folder: Path) -> str:
     """The bundled spec of the folder's model_type; a clear error for one Tessera has no spec for."""
-    from tessera.runtime.io.checkpoint_config import read_config
-
     config = read_config(folder) or {}
     kind = config.get("model_type")
     if not isinstance(kind, str) or kind not in MODEL_TYPES:  # a list or an object is not hashable
@@ -70,8 +69,6 @@ def spec_for(folder: Path) -> str:
         raise UsageError(f"{folder / 'config.json'}: sliding_window {window} is shorter than the context "
                          f"({ctx}); the bundled llama spec has no sliding window, so this Mistral checkpoint "
                          f"needs a spec with one")
-    from tessera.models import bundled_spec
-
     # the bundled file itself, not its name: a name is looked up as a path first, and a folder named
     # like the spec in the working directory (often the checkpoint itself: `tessera run llama`) would win
     return str(bundled_spec(MODEL_TYPES[kind]))
@@ -85,8 +82,6 @@ def unshadowed(spec):
     p = Path(text)
     if "/" in text or "\\" in text or not p.is_dir() or is_checkpoint(p) or any(p.glob("*.onnx")):
         return spec
-    from tessera.models import bundled_spec
-
     bundled = bundled_spec(text)
     return str(bundled) if bundled is not None else spec
 

@@ -12,8 +12,19 @@ from __future__ import annotations
 
 import gc
 from contextlib import contextmanager
+from pathlib import Path
 
+from tessera.compiler.analysis import costreport, deployment, roofline
+from tessera.compiler.analysis.roofline import probe_cpu
+from tessera.compiler.build import model_metadata
+from tessera.compiler.passes.pipeline import run_report
+from tessera.compiler.report import attention_section, quantization_section
 from tessera.runtime import pipeline
+from tessera.runtime.options import plan_errors
+from tessera.runtime.report import calibration, measure
+from tessera.runtime.report.calibration import default_path, stored_device
+from tessera.runtime.report.measure import calibrated_roofline, check_measurable
+from tessera.runtime.report.plot import check_plot_path, plot
 
 
 @contextmanager
@@ -32,21 +43,12 @@ def _no_gc():
 def build_report(ref, o, timer=None) -> dict:
     """The report of ``ref`` (runtime/options.ModelRef) as ``o`` (ReportOptions) asks, a JSON-able dict;
     ``timer``: what times a phase for --measure (runtime/driver.time_phase)."""
-    from tessera.compiler.analysis import costreport, deployment, roofline
-    from tessera.compiler.build import model_metadata
-    from tessera.compiler.passes.pipeline import run_report
-    from tessera.runtime.options import plan_errors
-
     if o.plot is not None:  # a bad path fails now, not after the report
-        from tessera.runtime.report.plot import check_plot_path
-
         check_plot_path(str(o.plot))
     cal_file = calibration_file(o)
     points = _calibration(o, cal_file)
     device = kept = None
     if o.measure or o.calibrated:  # the probe the calibration was made against (calibration.py says why)
-        from tessera.runtime.report.calibration import stored_device
-
         device = kept = stored_device(cal_file)
     try:
         device = device or roofline.get_device(o.device)
@@ -67,28 +69,18 @@ def build_report(ref, o, timer=None) -> dict:
             if o.sweep:
                 rep["sweep"] = deployment.sweep_rows(graph, batches, seqs, o.dtype, device, plan)
     if o.plot is not None:
-        from tessera.runtime.report.plot import plot
-
         with _no_gc():
             plot(graph, rep, str(o.plot))
-    from tessera.compiler.report import attention_section
-
     with _no_gc():  # fuses a copy: built.graph is left as written
         rep["attention"] = attention_section(graph, rep["settings"]["bindings"],
                                              rep["settings"]["bytes_per_element"], device.name, o.dtype)
     if config is not None:
-        from tessera.compiler.report import quantization_section
-
         with _no_gc():  # quantises a copy
             rep["quantization"] = quantization_section(built.graph, config)
     if o.calibrated:
-        from tessera.runtime.report.measure import calibrated_roofline
-
         rep["roofline"]["calibrated"] = {**calibrated_roofline(rep["roofline"], points),
                                          "file": str(cal_file)}
     if o.measure:
-        from tessera.runtime.report import calibration, measure
-
         if timer is None:
             raise pipeline.UsageError("--measure runs through runtime/driver.report, which times the phases")
         rep["measure"] = measure.measure_section(rep, ref, o, points, timer)
@@ -109,9 +101,6 @@ def _check_probe(m: dict, device, kept, cal_file) -> bool:
     REPROBE_GAIN faster than the kept one, keep it instead and drop the points measured against the
     old one (this run's too: they were estimated against it), and say so; else say why the
     efficiency may exceed 1. Returns whether the calibration was restarted (nothing to record)."""
-    from tessera.compiler.analysis.roofline import probe_cpu
-    from tessera.runtime.report import calibration
-
     fast = [phase for phase in ("prefill", "decode") if (m.get(phase) or {}).get("efficiency", 0) > 1]
     if not fast:
         return False
@@ -140,10 +129,6 @@ def _check_probe(m: dict, device, kept, cal_file) -> bool:
 
 def calibration_file(o):
     """--calibration, else $TESSERA_CALIBRATION, else the user cache's (runtime/report/calibration.py)."""
-    from pathlib import Path
-
-    from tessera.runtime.report.calibration import default_path
-
     return Path(o.calibration) if o.calibration is not None else default_path()
 
 
@@ -153,13 +138,9 @@ def _calibration(o, cal_file) -> dict:
     a UsageError saying how to make one."""
     if not (o.measure or o.calibrated):
         return {}
-    from tessera.runtime.report import calibration
-
     points = calibration.points_for(cal_file)
     if o.calibrated and not points:
         raise pipeline.UsageError(calibration.missing_message(cal_file))
     if o.measure:
-        from tessera.runtime.report.measure import check_measurable
-
         check_measurable(o)
     return points

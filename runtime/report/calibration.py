@@ -28,6 +28,8 @@ import platform
 import time
 from pathlib import Path
 
+from tessera.compiler.analysis.roofline import Device, load_average
+from tessera.compiler.backends.atomic import write_atomically
 from tessera.runtime.errors import UsageError
 
 ENV = "TESSERA_CALIBRATION"
@@ -116,8 +118,6 @@ def _check_machine(machine) -> None:
 
 
 def write(path: Path, data: dict) -> Path:
-    from tessera.compiler.backends.atomic import write_atomically
-
     text = json.dumps(data, indent=2, sort_keys=True) + "\n"
     return write_atomically(path, lambda tmp: tmp.write_text(text), "calibration.json")
 
@@ -125,8 +125,6 @@ def write(path: Path, data: dict) -> Path:
 def device_fields(device) -> dict:
     """A roofline.Device as stored with the machine's calibration, with when and under what load
     (1-minute load average, CPUs) it was probed."""
-    from tessera.compiler.analysis.roofline import load_average
-
     return {"label": device.label, "flops": dict(device.flops), "vector_flops": device.vector_flops,
             "bandwidth": device.bandwidth, "memory": device.memory, "source": device.source,
             "probed_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "load": load_average(),
@@ -163,8 +161,6 @@ def replace_device(path: Path, device, fp: dict | None = None) -> Path:
 
 def stored_device(path: Path, fp: dict | None = None):
     """The cpu probe kept with this machine's calibration as a roofline.Device, None without one."""
-    from tessera.compiler.analysis.roofline import Device
-
     machine = read(path)["machines"].get(machine_key(fp or fingerprint()))
     d = machine and machine.get("device")
     if not d:

@@ -28,7 +28,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from tessera.compiler.ir.signature import input_limits
+from tessera.runtime import pipeline
 from tessera.runtime.errors import UsageError
+from tessera.runtime.report import calibration
 
 PREFILL_WARMUP = 1
 DECODE_WARMUP = 3
@@ -50,9 +53,6 @@ class Timing:
 # ------------------------------------------------------------------ running the model
 def _token_input(ref) -> tuple[str, int]:
     """The model's single token input and its vocabulary (rows of the table it indexes)."""
-    from tessera.compiler.ir.signature import input_limits
-    from tessera.runtime import pipeline
-
     built = pipeline.build(ref.spec, ref.variant, ref.sets, ref.weights)
     g = built.graph
     t = g.type_of(g.inputs[0]) if len(g.inputs) == 1 else None
@@ -85,8 +85,6 @@ def check_measurable(o) -> None:
 # ------------------------------------------------------------------ the figures
 def calibrated(phase: str, estimated: float, flops: float, nbytes: float, points: dict[str, list[dict]]):
     """(calibrated seconds, the point used) for an estimate, or (None, None) without a point of the phase."""
-    from tessera.runtime.report import calibration
-
     point = calibration.nearest(points.get(phase, []), flops, nbytes)
     if point is None:
         return None, None

@@ -11,8 +11,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from tessera.compiler.analysis.costreport import sweep
+from tessera.compiler.analysis.deployment import curves
 from tessera.compiler.backends.atomic import OutputError, check_target, write_atomically
 from tessera.compiler.ir.graph import Graph
+from tessera.compiler.ir.signature import input_limits
 
 from tessera.runtime.pipeline import UsageError
 
@@ -32,8 +35,6 @@ def _lengths(seq: int, crossover: float | None, context: int | None = None) -> l
 def model_context(graph: Graph, sequence_symbols: list[str]) -> tuple[int, str] | None:
     """(positions, where) of the longest sequence the model takes: the smallest position table (or rotary
     max_ctx) bounding one of its sequence symbols (compiler/ir/signature.input_limits); None if none does."""
-    from tessera.compiler.ir.signature import input_limits
-
     bounds = [v for sym, v in input_limits(graph).dims.items() if sym in sequence_symbols]
     return min(bounds) if bounds else None
 
@@ -48,7 +49,7 @@ def byte_label(value: float, _pos=None) -> str:
 
 def _pyplot(option: str = "--plot"):
     try:
-        import matplotlib
+        import matplotlib  # optional (tessera[plot]) and slow to import: only a plot needs it
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
@@ -62,7 +63,7 @@ def check_plot_path(path: str, option: str = "--plot", example: str = "report.pn
     suffix), refused before any work is done when matplotlib is missing, the path cannot be
     written or the suffix names no format."""
     _pyplot(option)
-    from matplotlib.backend_bases import FigureCanvasBase
+    from matplotlib.backend_bases import FigureCanvasBase  # matplotlib: optional, checked by _pyplot above
 
     target = check_target(path, example)
     formats = FigureCanvasBase.get_supported_filetypes()
@@ -88,9 +89,7 @@ def figure(graph: Graph, rep: dict):
     """The report's figure (matplotlib), not yet written: MACs, memory and (with a device) roofline
     time against N, each axis ending at the model's context, marked and named in the legend."""
     plt = _pyplot()
-    from matplotlib.ticker import FuncFormatter
-    from tessera.compiler.analysis.costreport import sweep
-    from tessera.compiler.analysis.deployment import curves
+    from matplotlib.ticker import FuncFormatter  # matplotlib: optional (tessera[plot]), ~0.5 s
 
     s = rep["settings"]
     if not s["sequence_symbols"]:

@@ -18,16 +18,29 @@ polling; either way the request is cancelled and its slot is free at the next st
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import re
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Annotated, Literal, Union
 
+import numpy as np
+from fastapi import FastAPI
 from fastapi import Request as HttpRequest
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr,
                       ValidationError)
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
+from tessera.runtime.generation.constraints import Grammar
+
+from . import tools as tool_calls
+from .embeddings import EmbeddingError
 from .engine import Engine, Handle, Overloaded, Request, RequestError, Unavailable
+from .http import MAX_HEADER_BYTES
 from .model import ChatTemplate, ChatTemplateError, Sampling, StopStrings, UsageError, encode_prompts, stop_token_ids
 
 MAX_BODY_BYTES = 4 * 1024 * 1024  # a request body, checked as it is read (413 past it): 4 MiB holds a
@@ -107,8 +120,6 @@ class _Body(BaseModel):
 
     def grammar(self):
         """The Grammar the request asks for (None: free text), and the field that asked for it."""
-        from tessera.runtime.generation.constraints import Grammar
-
         asked = []
         rf = self.response_format
         if rf is not None and rf.type == "json_object":
@@ -301,8 +312,6 @@ class Server:
         """``fn(data)`` (a route's request: tokenizing the prompt, rendering the chat template) in a
         worker thread, so that a long prompt or a slow template never holds the event loop (every
         other client, /health); at most PREPARE_THREADS at once, so their memory is bounded too."""
-        from concurrent.futures import ThreadPoolExecutor
-
         if self._pool is None:
             self._pool = ThreadPoolExecutor(PREPARE_THREADS, thread_name_prefix="tessera-prepare")
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, data)
@@ -328,8 +337,6 @@ class Server:
         if body.dimensions is not None and body.dimensions != dim:
             raise ApiError(400, f"dimensions={body.dimensions}: this model gives {dim}-dimensional embeddings and "
                                 f"cannot shorten them (it was not trained for it)", param="dimensions")
-        from .embeddings import EmbeddingError
-
         try:
             return body, self.embedder.encode(body.input)
         except EmbeddingError as e:
@@ -424,8 +431,6 @@ class Server:
             why = self.chat_template_error or ("this model has no chat template (no chat_template in the "
                                                "tokenizer folder's tokenizer_config.json); use /v1/completions")
             raise ApiError(400, why, param="messages", code="no_chat_template")
-        from . import tools as tool_calls
-
         messages = []
         for i, m in enumerate(body.messages):
             content = m.content
@@ -534,8 +539,6 @@ class Server:
         """The assistant's message and the finish reason: with tools (tool_choice not "none") the text
         parsed for calls (serving/tools.py), ``tool_calls`` and finish_reason "tool_calls" when it has
         some; else the text as content."""
-        from . import tools as tool_calls
-
         text, finish = self.text_of(handle), _finish_reason(handle)
         if not body.calls_tools():
             return {"role": "assistant", "content": text}, finish
@@ -691,8 +694,6 @@ class _HeaderLimit:
         self.app = app
 
     async def __call__(self, scope, receive, send):
-        from .http import MAX_HEADER_BYTES
-
         if scope["type"] == "http" and sum(len(k) + len(v) + 4 for k, v in scope.get("headers", ())) + \
                 len(scope.get("raw_path") or b"") + len(scope.get("query_string") or b"") > MAX_HEADER_BYTES:
             body = json.dumps({"error": {"message": f"the request's headers are past the server's limit of "
@@ -706,282 +707,303 @@ class _HeaderLimit:
         await self.app(scope, receive, send)
 
 
-def create_app(server: Server):
-    """The FastAPI application over ``server`` (its engine must be started)."""
-    from fastapi import FastAPI
-    from fastapi.exceptions import RequestValidationError
-    from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
-    from starlette.exceptions import HTTPException as StarletteHTTPException
+# ---------------------------------------------------------------- routes
+# Each route is a plain function of the request; the Server it serves is the application's state
+# (``request.app.state.server``), set by create_app.
 
-    app = FastAPI(title="tessera serve", docs_url=None, redoc_url=None, openapi_url=None)
-    app.add_middleware(_HeaderLimit)
 
-    @app.exception_handler(ApiError)
-    async def _api_error(request, e: ApiError):
-        return _error_response(e)
+def _server(request: HttpRequest) -> Server:
+    return request.app.state.server
 
-    @app.exception_handler(StarletteHTTPException)
-    async def _http_error(request, e):
-        return _error_response(ApiError(e.status_code, str(e.detail), "invalid_request_error"
-                                        if e.status_code < 500 else "server_error"))
 
-    @app.exception_handler(RequestValidationError)
-    async def _validation(request, e):
-        return _error_response(ApiError(400, "the request is not valid"))
+async def _api_error(request, e: ApiError):
+    return _error_response(e)
 
-    @app.exception_handler(Exception)
-    async def _unexpected(request, e):  # a bug: the client gets a message, never a traceback
-        return _error_response(ApiError(500, f"internal error: {type(e).__name__}", "server_error"))
 
-    async def read_json(request: HttpRequest):
-        """The body as a JSON object, read with MAX_BODY_BYTES checked as it comes (413), its text
-        valid Unicode (check_text)."""
-        from starlette.requests import ClientDisconnect
+async def _http_error(request, e):
+    return _error_response(ApiError(e.status_code, str(e.detail), "invalid_request_error"
+                                    if e.status_code < 500 else "server_error"))
 
-        length = request.headers.get("content-length")
-        if length is not None and length.strip().isdigit() and int(length) > MAX_BODY_BYTES:
-            raise ApiError(413, f"the body is {int(length)} bytes, past the server's limit of {MAX_BODY_BYTES}",
-                           code="body_too_large")
-        parts = []
 
-        async def read() -> None:
-            size = 0
-            async for part in request.stream():
-                size += len(part)
-                if size > MAX_BODY_BYTES:
-                    raise ApiError(413, f"the body is past the server's limit of {MAX_BODY_BYTES} bytes",
-                                   code="body_too_large")
-                parts.append(part)
+async def _validation(request, e):
+    return _error_response(ApiError(400, "the request is not valid"))
 
-        try:
-            await asyncio.wait_for(read(), BODY_TIMEOUT_S)
-        except asyncio.TimeoutError:
-            raise ApiError(408, f"the body did not arrive within {BODY_TIMEOUT_S:g} s",
-                           code="request_timeout") from None
-        except ClientDisconnect:  # the client went away or sent a malformed (e.g. chunked) body
-            raise ApiError(400, "the body could not be read (the client disconnected or sent a malformed "
-                                "body)") from None
-        raw = b"".join(parts)
-        try:
-            data = json.loads(raw)
-        except (ValueError, UnicodeDecodeError) as e:
-            raise ApiError(400, f"the body is not valid JSON: {e}") from None
-        except RecursionError:  # json's decoder recurses per level: a 100,000-deep body is the client's error
-            raise ApiError(400, "the body is not valid JSON: arrays or objects nested too deep") from None
-        if not isinstance(data, dict):
-            raise ApiError(400, "the body must be a JSON object")
-        check_text(data)
-        return data
 
-    @app.get("/health")
-    async def health():
-        if not server.engine.accepting:
-            return JSONResponse({"status": "draining"}, status_code=503)
-        return {"status": "ok", "running": server.engine.running, "queued": server.engine.queued}
+async def _unexpected(request, e):  # a bug: the client gets a message, never a traceback
+    return _error_response(ApiError(500, f"internal error: {type(e).__name__}", "server_error"))
 
-    @app.get("/metrics")
-    async def metrics():
-        return PlainTextResponse(server.engine.metrics.render(), media_type="text/plain; version=0.0.4")
 
-    @app.get("/v1/models")
-    async def models():
-        return {"object": "list", "data": [{"id": server.model_name, "object": "model", "created": server.created,
-                                            "owned_by": "tessera"}]}
+async def read_json(request: HttpRequest):
+    """The body as a JSON object, read with MAX_BODY_BYTES checked as it comes (413), its text
+    valid Unicode (check_text)."""
+    length = request.headers.get("content-length")
+    if length is not None and length.strip().isdigit() and int(length) > MAX_BODY_BYTES:
+        raise ApiError(413, f"the body is {int(length)} bytes, past the server's limit of {MAX_BODY_BYTES}",
+                       code="body_too_large")
+    parts = []
 
-    async def wait_for(handle: Handle, request: HttpRequest) -> None:
-        """Until the request finishes; cancel it if the client goes away meanwhile (checked every 0.25 s)."""
-        event, loop = _listen(handle), asyncio.get_running_loop()
-        checked = loop.time()
-        try:
-            while True:
-                event.clear()
-                if handle.finished:
+    async def read() -> None:
+        size = 0
+        async for part in request.stream():
+            size += len(part)
+            if size > MAX_BODY_BYTES:
+                raise ApiError(413, f"the body is past the server's limit of {MAX_BODY_BYTES} bytes",
+                               code="body_too_large")
+            parts.append(part)
+
+    try:
+        await asyncio.wait_for(read(), BODY_TIMEOUT_S)
+    except asyncio.TimeoutError:
+        raise ApiError(408, f"the body did not arrive within {BODY_TIMEOUT_S:g} s",
+                       code="request_timeout") from None
+    except ClientDisconnect:  # the client went away or sent a malformed (e.g. chunked) body
+        raise ApiError(400, "the body could not be read (the client disconnected or sent a malformed "
+                            "body)") from None
+    raw = b"".join(parts)
+    try:
+        data = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ApiError(400, f"the body is not valid JSON: {e}") from None
+    except RecursionError:  # json's decoder recurses per level: a 100,000-deep body is the client's error
+        raise ApiError(400, "the body is not valid JSON: arrays or objects nested too deep") from None
+    if not isinstance(data, dict):
+        raise ApiError(400, "the body must be a JSON object")
+    check_text(data)
+    return data
+
+
+async def health(request: HttpRequest):
+    server = _server(request)
+    if not server.engine.accepting:
+        return JSONResponse({"status": "draining"}, status_code=503)
+    return {"status": "ok", "running": server.engine.running, "queued": server.engine.queued}
+
+
+async def metrics(request: HttpRequest):
+    return PlainTextResponse(_server(request).engine.metrics.render(), media_type="text/plain; version=0.0.4")
+
+
+async def models(request: HttpRequest):
+    server = _server(request)
+    return {"object": "list", "data": [{"id": server.model_name, "object": "model", "created": server.created,
+                                        "owned_by": "tessera"}]}
+
+
+async def wait_for(handle: Handle, request: HttpRequest) -> None:
+    """Until the request finishes; cancel it if the client goes away meanwhile (checked every 0.25 s)."""
+    event, loop = _listen(handle), asyncio.get_running_loop()
+    checked = loop.time()
+    try:
+        while True:
+            event.clear()
+            if handle.finished:
+                return
+            try:
+                await asyncio.wait_for(event.wait(), 0.25)
+            except asyncio.TimeoutError:
+                pass
+            if loop.time() - checked >= 0.25:
+                checked = loop.time()
+                if await request.is_disconnected():
                     return
-                try:
-                    await asyncio.wait_for(event.wait(), 0.25)
-                except asyncio.TimeoutError:
-                    pass
-                if loop.time() - checked >= 0.25:
-                    checked = loop.time()
-                    if await request.is_disconnected():
-                        return
+    finally:
+        if not handle.finished:
+            handle.cancel()
+
+
+def check_outcome(handle: Handle) -> None:
+    if handle.finish_reason == "error":
+        raise ApiError(500, handle.error or "the model failed", "server_error")
+    if handle.finish_reason == "cancelled":
+        raise ApiError(503, "the request was cancelled: the server is shutting down", "service_unavailable")
+
+
+def stream(server: Server, handle: Handle, request: HttpRequest, chunk, usage_wanted: bool):
+    """Server-sent events: ``chunk(delta_text, finish_reason, entries=...)`` per new text, then usage,
+    then [DONE]. With logprobs asked for, ``entries`` are the engine's log-probabilities of the tokens
+    whose text the chunk first covers (the finish chunk gets any left, e.g. behind a stop string),
+    else None."""
+    wanted = handle.request.sampling.logprobs is not None
+    sent = 0  # entries already in a chunk
+
+    def entries(upto: int) -> list[dict] | None:
+        nonlocal sent
+        if not wanted:
+            return None
+        new = handle.logprobs[sent:max(sent, upto)]
+        sent += len(new)
+        return new
+
+    async def events():
+        text = StreamText(server, handle)
+        try:
+            first = chunk(None, None)
+            if first is not None:
+                yield f"data: {json.dumps(first)}\n\n"
+            async for count, done in _updates(handle, request):
+                tokens = text.tokens(count, done)
+                new = text.delta(count, done)
+                if new:
+                    yield f"data: {json.dumps(chunk(new, None, entries=entries(len(tokens))))}\n\n"
+                if done:
+                    if handle.finish_reason in ("error", "cancelled"):
+                        err = handle.error or "the request was cancelled: the server is shutting down"
+                        yield f"data: {json.dumps({'error': {'message': err, 'type': 'server_error'}})}\n\n"
+                    else:
+                        last = entries(len(tokens))
+                        yield f"data: {json.dumps(chunk('', _finish_reason(handle), entries=last))}\n\n"
+                        if usage_wanted:
+                            final = chunk(None, None, usage=_usage(handle))
+                            yield f"data: {json.dumps(final)}\n\n"
+                    yield "data: [DONE]\n\n"
+                    return
+        finally:
+            if not handle.finished:  # the client went away (or the server stops): free the slot
+                handle.cancel()
+
+    return StreamingResponse(events(), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+def tool_stream(server: Server, body: ChatBody, handle: Handle, request: HttpRequest, chunk, usage_wanted: bool):
+    """A streamed chat reply that may call tools: whether the text is a call is known only at its end,
+    so the reply is held until the request finishes, then sent as one content chunk or as one
+    ``tool_calls`` delta per call (index, id, type, name and the whole arguments), then the finish
+    chunk ("tool_calls" when it called), usage if asked, [DONE]."""
+    async def events():
+        try:
+            yield f"data: {json.dumps(chunk(None, None))}\n\n"
+            async for _count, done in _updates(handle, request):
+                if done:
+                    break
+            else:
+                return  # the client went away
+            if handle.finish_reason in ("error", "cancelled"):
+                err = handle.error or "the request was cancelled: the server is shutting down"
+                yield f"data: {json.dumps({'error': {'message': err, 'type': 'server_error'}})}\n\n"
+                yield "data: [DONE]\n\n"
+                return
+            message, finish = server.chat_reply(body, handle)
+            entries = handle.logprobs if handle.request.sampling.logprobs is not None else None
+            if "tool_calls" in message:
+                base = chunk("", None)
+                for i, call in enumerate(message["tool_calls"]):
+                    part = json.loads(json.dumps(base))
+                    part["choices"][0]["delta"] = {"tool_calls": [{"index": i, **call}]}
+                    yield f"data: {json.dumps(part)}\n\n"
+            elif message["content"]:
+                yield f"data: {json.dumps(chunk(message['content'], None, entries=entries))}\n\n"
+                entries = None
+            last = chunk("", None, entries=entries)
+            last["choices"][0]["finish_reason"] = finish
+            yield f"data: {json.dumps(last)}\n\n"
+            if usage_wanted:
+                yield f"data: {json.dumps(chunk(None, None, usage=_usage(handle)))}\n\n"
+            yield "data: [DONE]\n\n"
         finally:
             if not handle.finished:
                 handle.cancel()
 
-    def check_outcome(handle: Handle) -> None:
-        if handle.finish_reason == "error":
-            raise ApiError(500, handle.error or "the model failed", "server_error")
-        if handle.finish_reason == "cancelled":
-            raise ApiError(503, "the request was cancelled: the server is shutting down", "service_unavailable")
+    return StreamingResponse(events(), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
-    def stream(handle: Handle, request: HttpRequest, chunk, usage_wanted: bool):
-        """Server-sent events: ``chunk(delta_text, finish_reason, entries=...)`` per new text, then usage,
-        then [DONE]. With logprobs asked for, ``entries`` are the engine's log-probabilities of the tokens
-        whose text the chunk first covers (the finish chunk gets any left, e.g. behind a stop string),
-        else None."""
-        wanted = handle.request.sampling.logprobs is not None
-        sent = 0  # entries already in a chunk
 
-        def entries(upto: int) -> list[dict] | None:
-            nonlocal sent
-            if not wanted:
-                return None
-            new = handle.logprobs[sent:max(sent, upto)]
-            sent += len(new)
-            return new
+async def completions(request: HttpRequest):
+    server = _server(request)
+    body, req = await server.prepare(server.completion_request, await read_json(request))
+    handle = server._submit(req)
+    rid, created = f"cmpl-{handle.id}", int(time.time())
+    if body.stream:
+        offset = 0  # characters of the completion's token texts before this chunk's (text_offset)
 
-        async def events():
-            text = StreamText(server, handle)
-            try:
-                first = chunk(None, None)
-                if first is not None:
-                    yield f"data: {json.dumps(first)}\n\n"
-                async for count, done in _updates(handle, request):
-                    tokens = text.tokens(count, done)
-                    new = text.delta(count, done)
-                    if new:
-                        yield f"data: {json.dumps(chunk(new, None, entries=entries(len(tokens))))}\n\n"
-                    if done:
-                        if handle.finish_reason in ("error", "cancelled"):
-                            err = handle.error or "the request was cancelled: the server is shutting down"
-                            yield f"data: {json.dumps({'error': {'message': err, 'type': 'server_error'}})}\n\n"
-                        else:
-                            last = entries(len(tokens))
-                            yield f"data: {json.dumps(chunk('', _finish_reason(handle), entries=last))}\n\n"
-                            if usage_wanted:
-                                final = chunk(None, None, usage=_usage(handle))
-                                yield f"data: {json.dumps(final)}\n\n"
-                        yield "data: [DONE]\n\n"
-                        return
-            finally:
-                if not handle.finished:  # the client went away (or the server stops): free the slot
-                    handle.cancel()
-
-        return StreamingResponse(events(), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-
-    def tool_stream(body: ChatBody, handle: Handle, request: HttpRequest, chunk, usage_wanted: bool):
-        """A streamed chat reply that may call tools: whether the text is a call is known only at its end,
-        so the reply is held until the request finishes, then sent as one content chunk or as one
-        ``tool_calls`` delta per call (index, id, type, name and the whole arguments), then the finish
-        chunk ("tool_calls" when it called), usage if asked, [DONE]."""
-        async def events():
-            try:
-                yield f"data: {json.dumps(chunk(None, None))}\n\n"
-                async for _count, done in _updates(handle, request):
-                    if done:
-                        break
-                else:
-                    return  # the client went away
-                if handle.finish_reason in ("error", "cancelled"):
-                    err = handle.error or "the request was cancelled: the server is shutting down"
-                    yield f"data: {json.dumps({'error': {'message': err, 'type': 'server_error'}})}\n\n"
-                    yield "data: [DONE]\n\n"
-                    return
-                message, finish = server.chat_reply(body, handle)
-                entries = handle.logprobs if handle.request.sampling.logprobs is not None else None
-                if "tool_calls" in message:
-                    base = chunk("", None)
-                    for i, call in enumerate(message["tool_calls"]):
-                        part = json.loads(json.dumps(base))
-                        part["choices"][0]["delta"] = {"tool_calls": [{"index": i, **call}]}
-                        yield f"data: {json.dumps(part)}\n\n"
-                elif message["content"]:
-                    yield f"data: {json.dumps(chunk(message['content'], None, entries=entries))}\n\n"
-                    entries = None
-                last = chunk("", None, entries=entries)
-                last["choices"][0]["finish_reason"] = finish
-                yield f"data: {json.dumps(last)}\n\n"
-                if usage_wanted:
-                    yield f"data: {json.dumps(chunk(None, None, usage=_usage(handle)))}\n\n"
-                yield "data: [DONE]\n\n"
-            finally:
-                if not handle.finished:
-                    handle.cancel()
-
-        return StreamingResponse(events(), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-
-    @app.post("/v1/completions")
-    async def completions(request: HttpRequest):
-        body, req = await server.prepare(server.completion_request, await read_json(request))
-        handle = server._submit(req)
-        rid, created = f"cmpl-{handle.id}", int(time.time())
-        if body.stream:
-            offset = 0  # characters of the completion's token texts before this chunk's (text_offset)
-
-            def chunk(text, finish, usage=None, entries=None):
-                nonlocal offset
-                if usage is not None:
-                    return {"id": rid, "object": "text_completion", "created": created, "model": server.model_name,
-                            "choices": [], "usage": usage}
-                if text is None:
-                    return None
-                logprobs = None
-                if entries is not None:
-                    logprobs = server.completion_logprobs_of(entries, offset)
-                    offset += sum(len(t) for t in logprobs["tokens"])
+        def chunk(text, finish, usage=None, entries=None):
+            nonlocal offset
+            if usage is not None:
                 return {"id": rid, "object": "text_completion", "created": created, "model": server.model_name,
-                        "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}]}
+                        "choices": [], "usage": usage}
+            if text is None:
+                return None
+            logprobs = None
+            if entries is not None:
+                logprobs = server.completion_logprobs_of(entries, offset)
+                offset += sum(len(t) for t in logprobs["tokens"])
+            return {"id": rid, "object": "text_completion", "created": created, "model": server.model_name,
+                    "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}]}
 
-            return stream(handle, request, chunk, bool(body.stream_options and body.stream_options.include_usage))
-        await wait_for(handle, request)
-        check_outcome(handle)
-        return {"id": rid, "object": "text_completion", "created": created, "model": server.model_name,
-                "choices": [{"index": 0, "text": server.text_of(handle), "logprobs": server.completion_logprobs(handle),
-                             "finish_reason": _finish_reason(handle), "token_ids": list(handle.tokens)}],
-                "usage": _usage(handle)}
+        return stream(server, handle, request, chunk,
+                      bool(body.stream_options and body.stream_options.include_usage))
+    await wait_for(handle, request)
+    check_outcome(handle)
+    return {"id": rid, "object": "text_completion", "created": created, "model": server.model_name,
+            "choices": [{"index": 0, "text": server.text_of(handle), "logprobs": server.completion_logprobs(handle),
+                         "finish_reason": _finish_reason(handle), "token_ids": list(handle.tokens)}],
+            "usage": _usage(handle)}
 
-    @app.post("/v1/embeddings")
-    async def embeddings(request: HttpRequest):
-        import base64
 
-        import numpy as np
+async def embeddings(request: HttpRequest):
+    server = _server(request)
+    body, rows = await server.prepare(server.embedding_request, await read_json(request))
+    try:
+        vectors = await asyncio.wrap_future(server.embed(rows))
+    except Unavailable as e:
+        raise ApiError(503, str(e), "service_unavailable") from None
+    except RuntimeError as e:
+        raise ApiError(500, str(e), "server_error") from None
+    data = []
+    for i, v in enumerate(vectors):
+        v = np.asarray(v, dtype=np.float32)
+        emb = base64.b64encode(v.tobytes()).decode("ascii") if body.encoding_format == "base64" else v.tolist()
+        data.append({"object": "embedding", "index": i, "embedding": emb})
+    tokens = sum(len(r) for r in rows)
+    return {"object": "list", "data": data, "model": server.model_name,
+            "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
 
-        body, rows = await server.prepare(server.embedding_request, await read_json(request))
-        try:
-            vectors = await asyncio.wrap_future(server.embed(rows))
-        except Unavailable as e:
-            raise ApiError(503, str(e), "service_unavailable") from None
-        except RuntimeError as e:
-            raise ApiError(500, str(e), "server_error") from None
-        data = []
-        for i, v in enumerate(vectors):
-            v = np.asarray(v, dtype=np.float32)
-            emb = base64.b64encode(v.tobytes()).decode("ascii") if body.encoding_format == "base64" else v.tolist()
-            data.append({"object": "embedding", "index": i, "embedding": emb})
-        tokens = sum(len(r) for r in rows)
-        return {"object": "list", "data": data, "model": server.model_name,
-                "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
 
-    @app.post("/v1/chat/completions")
-    async def chat(request: HttpRequest):
-        body, req = await server.prepare(server.chat_request, await read_json(request))
-        handle = server._submit(req)
-        rid, created = f"chatcmpl-{handle.id}", int(time.time())
-        if body.stream:
-            def chunk(text, finish, usage=None, entries=None):
-                base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": server.model_name}
-                if usage is not None:
-                    return {**base, "choices": [], "usage": usage}
-                delta = {"role": "assistant", "content": ""} if text is None else \
-                    ({"content": text} if text else {})
-                logprobs = server.chat_logprobs_of(entries) if entries is not None else None
-                return {**base, "choices": [{"index": 0, "delta": delta, "logprobs": logprobs,
-                                             "finish_reason": finish}]}
+async def chat(request: HttpRequest):
+    server = _server(request)
+    body, req = await server.prepare(server.chat_request, await read_json(request))
+    handle = server._submit(req)
+    rid, created = f"chatcmpl-{handle.id}", int(time.time())
+    if body.stream:
+        def chunk(text, finish, usage=None, entries=None):
+            base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": server.model_name}
+            if usage is not None:
+                return {**base, "choices": [], "usage": usage}
+            delta = {"role": "assistant", "content": ""} if text is None else \
+                ({"content": text} if text else {})
+            logprobs = server.chat_logprobs_of(entries) if entries is not None else None
+            return {**base, "choices": [{"index": 0, "delta": delta, "logprobs": logprobs,
+                                         "finish_reason": finish}]}
 
-            usage_wanted = bool(body.stream_options and body.stream_options.include_usage)
-            if body.calls_tools():
-                return tool_stream(body, handle, request, chunk, usage_wanted)
-            return stream(handle, request, chunk, usage_wanted)
-        await wait_for(handle, request)
-        check_outcome(handle)
-        message, finish = server.chat_reply(body, handle)
-        return {"id": rid, "object": "chat.completion", "created": created, "model": server.model_name,
-                "choices": [{"index": 0, "message": message,
-                             "logprobs": server.chat_logprobs(handle), "finish_reason": finish,
-                             "token_ids": list(handle.tokens)}],
-                "usage": _usage(handle)}
+        usage_wanted = bool(body.stream_options and body.stream_options.include_usage)
+        if body.calls_tools():
+            return tool_stream(server, body, handle, request, chunk, usage_wanted)
+        return stream(server, handle, request, chunk, usage_wanted)
+    await wait_for(handle, request)
+    check_outcome(handle)
+    message, finish = server.chat_reply(body, handle)
+    return {"id": rid, "object": "chat.completion", "created": created, "model": server.model_name,
+            "choices": [{"index": 0, "message": message,
+                         "logprobs": server.chat_logprobs(handle), "finish_reason": finish,
+                         "token_ids": list(handle.tokens)}],
+            "usage": _usage(handle)}
 
+
+ROUTES = (("GET", "/health", health), ("GET", "/metrics", metrics), ("GET", "/v1/models", models),
+          ("POST", "/v1/completions", completions), ("POST", "/v1/embeddings", embeddings),
+          ("POST", "/v1/chat/completions", chat))
+ERROR_HANDLERS = ((ApiError, _api_error), (StarletteHTTPException, _http_error),
+                  (RequestValidationError, _validation), (Exception, _unexpected))
+
+
+def create_app(server: Server):
+    """The FastAPI application over ``server`` (its engine must be started): ROUTES and ERROR_HANDLERS,
+    ``server`` as the application's state."""
+    app = FastAPI(title="tessera serve", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.server = server
+    app.add_middleware(_HeaderLimit)
+    for kind, handler in ERROR_HANDLERS:
+        app.add_exception_handler(kind, handler)
+    for method, path, route in ROUTES:
+        app.add_api_route(path, route, methods=[method])
     return app

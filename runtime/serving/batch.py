@@ -18,11 +18,13 @@ decoding step and a finished row frees its slot at once -- the same reason the s
 from __future__ import annotations
 
 import collections
+import hashlib
 import json
 import math
 import os
+import sys
 import tempfile
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from typing import TYPE_CHECKING
@@ -165,7 +167,7 @@ def _encodable(text: str) -> bool:
 def row_request(row: dict, engine: Engine, default_max_tokens: int) -> Request:
     """The engine Request for one input row (RowError for a bad field); the engine's own checks
     (context, vocabulary, sampling values) run at submission."""
-    from .engine import Request
+    from .engine import Request  # loaded when a batch runs: the parsers import this module
     from .model import Sampling, encode_prompts, stop_token_ids
 
     _check_text(row)
@@ -205,7 +207,7 @@ def row_grammar(row: dict):
     """Structured output as the server's routes take it: ``response_format`` ({"type": "json_object"} or
     {"type": "json_schema", "json_schema": {"schema": ...}}), ``guided_json``, ``guided_regex``,
     ``guided_grammar`` (Lark); at most one. None: free text. Compiled by the engine at submission."""
-    from tessera.runtime.generation.constraints import Grammar
+    from tessera.runtime.generation.constraints import Grammar  # numpy: not for the parsers
 
     asked = []
     rf = row.get("response_format")
@@ -239,7 +241,7 @@ def row_grammar(row: dict):
 def result_of(handle: Handle, engine: Engine) -> dict:
     """A finished request's output line: text as the completion route gives it (a final stop or
     end-of-sequence token left out, cut at a stop string), all new token ids, the finish reason."""
-    from .model import StopStrings
+    from .model import StopStrings  # loaded when a batch runs: the parsers import this module
 
     if handle.finish_reason in ("error", "cancelled"):
         return {"error": handle.error or f"the request was {handle.finish_reason}"}
@@ -263,7 +265,7 @@ def run_rows(engine: Engine, rows: list[dict], default_max_tokens: int, on_resul
     fast as the engine's bounds allow: past them (Overloaded), wait for the oldest row in flight.
     ``on_result(i, result)`` is called as each row's result is known (the journal); rows in
     ``done`` (index -> result, from a journal) are not run again."""
-    from .engine import Overloaded, RequestError, Unavailable
+    from .engine import Overloaded, RequestError, Unavailable  # not for the parsers (they import this module)
 
     done = done or {}
     results: list[dict | None] = [done.get(i) for i in range(len(rows))]
@@ -308,7 +310,7 @@ def load_engine(opts: BatchOptions) -> Engine:
     driver, runtime/driver.py ``serve_model``, as `tessera serve` loads it; row_engine.engine_for: the
     KV-cache Engine, or the RowEngine for recurrent state and encoder-decoders, whose decoder starts
     from the checkpoint's decoder_start_token_id)."""
-    from tessera.runtime import driver
+    from tessera.runtime import driver  # loaded when a batch runs: the parsers import this module
 
     from . import model as serving_model
     from .row_engine import engine_for
@@ -367,9 +369,6 @@ def journal_path(output: str) -> Path:
 def fingerprint(opts: BatchOptions, input_bytes: bytes) -> str:
     """What a journal's rows depend on: the input file's bytes and every option but --output and
     --resume (the same command, so a resumed run's rows equal an uninterrupted run's)."""
-    import hashlib
-    from dataclasses import asdict
-
     settings = {k: v for k, v in asdict(opts).items() if k not in ("output", "resume", "input")}
     h = hashlib.sha256(input_bytes)
     h.update(json.dumps(settings, sort_keys=True, default=str).encode())
@@ -399,8 +398,6 @@ class Journal:
                 raise UsageError(f"cannot write the journal {self.path} ({e.strerror or e})") from None
             return
         if opts.resume:
-            import sys
-
             print(f"--resume: no journal at {self.path}; running every row", file=sys.stderr)
         try:
             self._file = open(self.path, "w", encoding="utf-8")

@@ -11,9 +11,12 @@ do not import it (they must not import onnxruntime, onnx or the compiler: tests/
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
-from tessera.runtime import driver
+from tessera.compiler.backends.onnx.mixed_attention import COMBINED_KEY
+from tessera.compiler.reference.quant import ROWS
+from tessera.runtime import driver, metadata
 from tessera.runtime.driver import DECODE, check_fit, served_sources  # noqa: F401  (re-exported)
 from tessera.runtime.errors import UsageError  # noqa: F401  (re-exported)
 from tessera.runtime.generation.cached import (NO_CONTEXT_CAP, CachedDecoder, CachedModel, Stats,  # noqa: F401
@@ -22,7 +25,9 @@ from tessera.runtime.generation.stops import StopStrings, TextStopper  # noqa: F
 from tessera.runtime.generation.drafting import NgramDrafter  # noqa: F401
 from tessera.runtime.generation.sampling import Sampling, Step, choose, token_logprobs  # noqa: F401
 from tessera.runtime.io.chat_template import ChatTemplate, ChatTemplateError  # noqa: F401
+from tessera.runtime.io import checkpoint, generation_config
 from tessera.runtime.io.text import load_tokenizer  # noqa: F401
+from tessera.runtime.io.text import tokenizer_file
 from tessera.runtime.options import EngineOptions
 from tessera.runtime.session import RunError, ort_message  # noqa: F401
 
@@ -57,8 +62,6 @@ COMBINED_REASONS = {
 def has_combined_call(model) -> bool:
     """Whether the loaded decoder has the engine's combined call (its metadata says so,
     compiler/backends/onnx/mixed_attention.py: ``load`` builds it for every GroupQueryAttention decoder)."""
-    from tessera.compiler.backends.onnx.mixed_attention import COMBINED_KEY
-
     session = getattr(model, "session", None)
     return session is not None and session.get_modelmeta().custom_metadata_map.get(COMBINED_KEY) == "1"
 
@@ -66,9 +69,6 @@ def has_combined_call(model) -> bool:
 def weights_line(model) -> str:
     """The --explain line on the served weights: float, or the quantisation the file records
     (compiler/build.py's ``tessera.quantize`` metadata, read as untrusted input by runtime/metadata.py)."""
-    from tessera.compiler.reference.quant import ROWS
-    from tessera.runtime import metadata
-
     session = getattr(model, "session", None)
     meta = session.get_modelmeta().custom_metadata_map if session is not None else {}
     if metadata.QUANTIZE_KEY not in meta:
@@ -95,10 +95,6 @@ def load(spec: str, decode: str | None = None, last_only: bool = True, **options
 
 def tokenizer_path(tokenizer, spec) -> str | None:
     """--tokenizer as given, else a checkpoint folder's tokenizer.json (the model given as a folder)."""
-    from tessera.runtime.io import checkpoint
-
-    from tessera.runtime.io.text import tokenizer_file
-
     found = checkpoint.tokenizer_in(spec) if not tokenizer else None
     if found is not None:
         return str(found)
@@ -117,10 +113,6 @@ def eos_ids(tokenizer, tokenizer_path: str | Path | None, spec=None, weights=Non
     model's, the weights' or the tokenizer's folder (runtime/io/generation_config.py, the reader
     ``tessera generate`` uses), and ``eos_token`` of tokenizer_config.json beside the tokenizer (a
     request stops there unless it says ignore_eos). None found: no end-of-sequence token."""
-    import json
-
-    from tessera.runtime.io import generation_config
-
     spec_folder = spec if spec is not None and Path(spec).is_dir() else None
     out = list(generation_config.read(generation_config.folders_for(spec_folder, weights, tokenizer_path)).eos)
     f = tokenizer_folder_file(tokenizer_path, "tokenizer_config.json") if tokenizer is not None and \
@@ -141,7 +133,5 @@ def eos_ids(tokenizer, tokenizer_path: str | Path | None, spec=None, weights=Non
 def decoder_start(tokenizer_path, spec=None, weights=None) -> int | None:
     """An encoder-decoder's decoder start token from the checkpoint (``decoder_start_token_id`` of
     generation_config.json / config.json: runtime/io/generation_config.py, as ``tessera generate``)."""
-    from tessera.runtime.io import generation_config
-
     spec_folder = spec if spec is not None and Path(spec).is_dir() else None
     return generation_config.read(generation_config.folders_for(spec_folder, weights, tokenizer_path)).start

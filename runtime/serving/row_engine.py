@@ -32,8 +32,13 @@ from __future__ import annotations
 
 import numpy as np
 
+from tessera.compiler.ir.signature import InputError, bind_inputs
+from tessera.runtime.embedding import EmbeddingModel
+from tessera.runtime.generation.loop import MAX_SOURCE_TOKENS
+
 from .engine import Engine, Handle, Request, RequestError, _Sequence
 from .metrics import Metrics
+from .prefix_cache import PrefixCache
 from .model import NO_CONTEXT_CAP, CachedDecoder, Stats, UsageError, check_cache_fits, ort_message, served_sources
 
 
@@ -141,10 +146,6 @@ class RowEngine(Engine):
             raise RequestError("the prompt is empty: an encoder-decoder needs a source of at least one token")
         if not all(isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in p):
             raise RequestError("the prompt must be a list of integer token ids")
-        from tessera.compiler.ir.signature import InputError, bind_inputs
-
-        from tessera.runtime.generation.loop import MAX_SOURCE_TOKENS
-
         if len(p) > MAX_SOURCE_TOKENS:
             raise RequestError(f"the prompt (the source) has {len(p):,} tokens; an encoder-decoder's source is "
                                f"capped at {MAX_SOURCE_TOKENS:,}")
@@ -275,10 +276,6 @@ def engine_for(model, max_batch: int = 8, max_queue: int = 64, capacity: int | N
     (this module) for what that cannot batch: recurrent state (per-slot state, one call per step)
     and encoder-decoders (one decoder per row, one call per row per step). ``prefix_cache_mb`` > 0:
     the KV-cache engine's prefix cache (prefix_cache.py), refused for the row engine."""
-    from tessera.runtime.embedding import EmbeddingModel
-
-    from .prefix_cache import PrefixCache
-
     if isinstance(model, EmbeddingModel):  # serve's build_server gives it the embeddings engine instead
         raise UsageError("this model is an encoder (hidden states, no logits): it generates no tokens; "
                          "`tessera serve` serves it on /v1/embeddings")

@@ -7,7 +7,10 @@ Why apart from cli.py: the command line (serving/cli.py) and a Ray Serve replica
 
 from __future__ import annotations
 
+import importlib.util
+import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 from tessera.runtime.errors import UsageError
 from tessera.runtime.options import EngineOptions, prefill_chunk_help  # noqa: F401  (prefill_chunk_help: re-exported)
@@ -54,8 +57,6 @@ class ServeOptions(EngineOptions):
 
     @property
     def served_name(self) -> str:
-        from pathlib import Path
-
         if self.model_name:
             return self.model_name
         name = Path(self.spec).stem
@@ -63,8 +64,6 @@ class ServeOptions(EngineOptions):
 
 
 def require_extra() -> None:
-    import importlib.util
-
     missing = [m for m in EXTRA_MODULES if importlib.util.find_spec(m) is None]
     if missing:
         raise UsageError(f"`tessera serve` needs the serve extra ({', '.join(missing)} not installed): "
@@ -73,12 +72,17 @@ def require_extra() -> None:
 
 def build_server(opts: ServeOptions):
     """The loaded model, its engine (not started) and the routes' shared state."""
+    # the model's stack (the driver, the engine, the compiler, onnx) loads here, when a server is built:
+    # this module is imported by the parsers (`tessera --help`), which must stay light
     from tessera.runtime import driver
+    from tessera.runtime.embedding import EmbeddingModel
 
     from . import model as serving_model
     from .app import Server
+    from .embeddings import EmbeddingEngine
     from .model import ChatTemplate, ChatTemplateError
-    from .row_engine import engine_for
+    from .row_engine import RowEngine, engine_for
+    from .speculation import Speculation
 
     tokenizer, template, template_error = None, None, None
     tokenizer_path = serving_model.tokenizer_path(opts.tokenizer, opts.spec)
@@ -88,15 +92,9 @@ def build_server(opts: ServeOptions):
             template = ChatTemplate.from_tokenizer_folder(tokenizer_path)
         except ChatTemplateError as e:  # the completion route still works; the chat route says why
             template_error = str(e)
-            import sys
-
             print(f"warning: {e}; /v1/chat/completions answers 400 saying so", file=sys.stderr)
     model = driver.serve_model(opts.model, opts, last_only=opts.speculative is None)
-    from tessera.runtime.embedding import EmbeddingModel
-
     if isinstance(model, EmbeddingModel):  # an encoder: /v1/embeddings (serving/embeddings.py)
-        from .embeddings import EmbeddingEngine
-
         if opts.speculative:
             raise UsageError("--speculative is for decoders; this model is an encoder, served for /v1/embeddings")
         engine = EmbeddingEngine(model, tokenizer, opts.max_queue)
@@ -109,9 +107,6 @@ def build_server(opts: ServeOptions):
                         tokenizer, serving_model.eos_ids(tokenizer, tokenizer_path, opts.spec, opts.weights), start,
                         prefix_cache_mb=opts.prefix_cache_mb)
     if opts.speculative:
-        from .row_engine import RowEngine
-        from .speculation import Speculation
-
         if isinstance(engine, RowEngine):  # its steps are its own: no drafts checked in them
             raise UsageError("--speculative serves decoder-only models with a KV cache; this model is served by "
                              "the row engine (recurrent state or an encoder-decoder): drop --speculative")

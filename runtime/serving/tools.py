@@ -21,6 +21,8 @@ import json
 import re
 import secrets
 
+from tessera.runtime.generation.constraints import Grammar
+
 TOOL_CALL_BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
 
 
@@ -38,8 +40,6 @@ def forced_grammar(functions: list[dict], parallel: bool, template_source: str =
     """The grammar of a reply that must call one of ``functions``: Hermes/Qwen's ``<tool_call>`` blocks
     (each one call's JSON, several separated by a newline when ``parallel``) where the chat template
     writes that form (its source mentions ``<tool_call>``), else the JSON form (``forced_schema``)."""
-    from tessera.runtime.generation.constraints import Grammar
-
     if "<tool_call>" not in template_source:
         return Grammar.json_schema(forced_schema(functions, parallel))
     one = forced_schema(functions, False)
