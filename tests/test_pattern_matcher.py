@@ -11,7 +11,7 @@ from tessera.compiler.ir import dims
 from tessera.compiler.ir.graph import Graph, Param, TensorType
 from tessera.compiler.passes.sparse_moe import SparseExperts
 from tessera.compiler.patterns import experts
-from tessera.compiler.patterns.matcher import MatchResult, Pat, match
+from tessera.compiler.patterns.matcher import MatchResult, Pat, any_of, match
 
 F = TensorType("f32", (dims.dim(2), dims.dim(4)))
 
@@ -60,6 +60,17 @@ def test_private_param_and_a_name_bound_twice():
     g.outputs.append(a.outputs[0])           # now read outside the pattern too
     m = match(g, Pat("mul", (Pat(), Pat("silu", (Pat("linear", private=True),)))), y.outputs[0])
     assert not m and "used outside" in m.reason
+
+
+def test_any_of_takes_the_first_option_that_fits_and_keeps_only_its_captures():
+    g, a, s, y = _graph()
+    either = any_of(Pat("relu", (Pat(name="r"),)), Pat("silu", (Pat(name="act_in"),)))
+    m = match(g, Pat("mul", (Pat(name="other"), either)), y.outputs[0])
+    assert m and m["act_in"] == a.outputs[0] and "r" not in m.captured
+    assert [n.name for n in m.nodes] == ["y", "s"]
+    # none fits: the first option's failure is the reason, at the node that did not fit
+    m = match(g, Pat("mul", (Pat(), any_of(Pat("relu"), Pat("tanh")))), y.outputs[0])
+    assert not m and m.reason == f"{s.outputs[0]} is silu" and m.node is s
 
 
 def test_one_moe_recogniser_for_the_report_and_the_pass():

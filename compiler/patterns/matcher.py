@@ -49,6 +49,20 @@ class Pat:
     differs: str = "'{name}' is two different values ({a} and {b})"
 
 
+@dataclass(frozen=True)
+class AnyOf(Pat):
+    """One of several patterns for the same value, tried in order: the first that matches wins (its
+    captures kept); when none does, the failure of the option that matched the most nodes before it
+    failed is the reason (the first such; at a node rather than a graph input), as for the two orders
+    of a commutative pattern."""
+
+    options: tuple[Pat, ...] = ()
+
+
+def any_of(*options: Pat) -> AnyOf:
+    return AnyOf(options=tuple(options))
+
+
 @dataclass
 class MatchResult:
     """A match, or a failure with its reason and the node that did not fit (None: a graph input)."""
@@ -91,6 +105,8 @@ def match(graph: Graph, pat: Pat, value: str, captured: dict | None = None) -> M
 
 
 def _walk(graph: Graph, pat: Pat, value: str, captured: dict, nodes: list[Node]) -> MatchResult | None:
+    if isinstance(pat, AnyOf):
+        return _walk_any(graph, pat, value, captured, nodes)
     node = graph.producer(value)
     where = node
     if pat.check is not None:
@@ -136,5 +152,25 @@ def _walk(graph: Graph, pat: Pat, value: str, captured: dict, nodes: list[Node])
             captured.update(trial_captured)
             nodes[:] = trial_nodes
             return None
-        first_failure = first_failure or failure
-    return first_failure
+        depth = (len(trial_nodes), failure.node is not None)  # how far it got: a node beats a graph input
+        if first_failure is None or depth > first_failure[1]:
+            first_failure = (failure, depth)
+    return first_failure[0]
+
+
+def _walk_any(graph: Graph, pat: AnyOf, value: str, captured: dict, nodes: list[Node]) -> MatchResult | None:
+    first_failure = None
+    for option in pat.options:
+        trial_captured, trial_nodes = dict(captured), list(nodes)
+        failure = _walk(graph, option, value, trial_captured, trial_nodes)
+        if failure is None:
+            captured.clear()
+            captured.update(trial_captured)
+            nodes[:] = trial_nodes
+            return None
+        depth = (len(trial_nodes), failure.node is not None)  # how far it got: a node beats a graph input
+        if first_failure is None or depth > first_failure[1]:
+            first_failure = (failure, depth)
+    if first_failure is None:
+        return MatchResult.fail(f"{value}: no option given", graph.producer(value))
+    return first_failure[0]
