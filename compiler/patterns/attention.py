@@ -48,6 +48,8 @@ import numpy as np
 
 from tessera.compiler.ir import dims
 from tessera.compiler.ir.graph import Graph, Node
+from tessera.compiler.patterns.matcher import Pat
+from tessera.compiler.patterns.matcher import match as match_pattern
 from tessera.compiler.reference import score_epilogue
 
 # Local op traits (kept here until ops/ has a registry). Ops that only convert or relabel a tensor:
@@ -396,36 +398,33 @@ def _additive(g: Graph, value: str) -> bool:
 
 
 # ------------------------------------------------------------------ the matcher
+def _swaps_last_two(g: Graph, value: str, node: Node | None) -> str | None:
+    rank = g.type_of(value).rank
+    if node is None or node.op != "transpose" or list(node.attrs["perm"][-2:]) != [rank - 1, rank - 2] \
+            or list(node.attrs["perm"][:-2]) != list(range(rank - 2)):
+        return "the scores are not Q·Kᵀ: the right operand is not K with its last two axes swapped"
+    return None
+
+
+# The ends of the score path, on the one matcher (patterns/matcher.py):
+# Q·Kᵀ -- a matmul of the queries and the keys with their last two axes swapped
+QK = Pat("matmul", (Pat(name="q"), Pat("transpose", (Pat(name="k"),), name="kt", check=_swaps_last_two)))
+# grouped-query attention: keys (and values) repeated from fewer heads, read by nothing else
+REPEATED = Pat("repeat_kv", (Pat(name="grouped"),), private=True)
+
+
 def match(g: Graph, softmax: Node) -> AttentionMatch:
     """The attention around one softmax (its ``reason`` set when no fused kernel can replace it),
-    or raise NoMatch(reason) when it is not attention."""
+    or raise NoMatch(reason) when it is not attention. In four steps: the weights forward to ·V
+    (``_to_values``), the softmax's axis and rank, the score path back through ``SCORE_RULES``
+    (``_score_path``), then Q·Kᵀ and the heads (``_keys_and_heads``); a site whose every step fits
+    is checked once more for values escaping it (``_escapes``)."""
     if _additive(g, softmax.inputs[0]):
         raise NoMatch(f"not a dot product: the scores ({softmax.inputs[0]}) are v·tanh(W·q + U·k), additive "
                       f"attention (Bahdanau et al.), which the fused kernel softmax(Q·Kᵀ)·V cannot express")
     m = AttentionMatch(anchor=softmax.name)
-    s_type = g.type_of(softmax.inputs[0])
-    rank = s_type.rank
-    # forward: the weights reach a matmul, as its left operand
-    probs = softmax.outputs[0]
-    m.internal.append(probs)
-    what = "the attention weights"
-    for _ in range(4):
-        m.fail(_exposed(g, probs, what))
-        users = g.consumers(probs)
-        pv = next((u for u in users if u.op == "matmul" and u.inputs[0] == probs), None)
-        if pv is not None:
-            break
-        through = [u for u in users if u.op in PASS_THROUGH and u.outputs[0] not in g.outputs]
-        if len(through) != 1:
-            raise NoMatch(f"{what} feed {users[0].op if users else 'nothing'}, not a matmul with V")
-        m.fail(f"the attention weights pass through {through[0].op} ({through[0].name}) before the matmul with V",
-               through[0].name)
-        m.forward.append(through[0].name)
-        probs = through[0].outputs[0]
-        m.internal.append(probs)
-        what = f"the attention weights ({probs})"
-    else:
-        raise NoMatch("the attention weights reach no matmul with V")
+    rank = g.type_of(softmax.inputs[0]).rank
+    pv = _to_values(g, softmax, m)
     m.value, m.v = pv.name, pv.inputs[1]
     if rank < 2:
         raise NoMatch("softmax over a vector, not a score matrix")
@@ -436,7 +435,42 @@ def match(g: Graph, softmax: Node) -> AttentionMatch:
         m.fail(f"softmax over axis {softmax.attrs['axis']}, not the key axis (-1)")
     if rank != 4:
         m.fail(f"scores of rank {rank}; the fused kernel takes heads: [B, H, Tq, Tk]")
-    # backward: through the score rules to the Q·Kᵀ matmul
+    qk = _score_path(g, softmax, m)
+    m.covered = [qk.name, *m.path, softmax.name, *m.forward]
+    _keys_and_heads(g, qk, m, rank)
+    if not m.reason:
+        m.fail(_escapes(g, m))
+    return m
+
+
+def _to_values(g: Graph, softmax: Node, m: AttentionMatch) -> Node:
+    """Forward from the softmax: the weights must reach a matmul as its left operand (the ·V matmul),
+    through at most three pass-through ops (attention still, but not fusable). Returns the ·V matmul."""
+    probs = softmax.outputs[0]
+    m.internal.append(probs)
+    what = "the attention weights"
+    for _ in range(4):
+        m.fail(_exposed(g, probs, what))
+        users = g.consumers(probs)
+        pv = next((u for u in users if u.op == "matmul" and u.inputs[0] == probs), None)
+        if pv is not None:
+            return pv
+        through = [u for u in users if u.op in PASS_THROUGH and u.outputs[0] not in g.outputs]
+        if len(through) != 1:
+            raise NoMatch(f"{what} feed {users[0].op if users else 'nothing'}, not a matmul with V")
+        m.fail(f"the attention weights pass through {through[0].op} ({through[0].name}) before the matmul with V",
+               through[0].name)
+        m.forward.append(through[0].name)
+        probs = through[0].outputs[0]
+        m.internal.append(probs)
+        what = f"the attention weights ({probs})"
+    raise NoMatch("the attention weights reach no matmul with V")
+
+
+def _score_path(g: Graph, softmax: Node, m: AttentionMatch) -> Node:
+    """Backward from the softmax through ``SCORE_RULES`` (each node checked, then absorbed into the
+    fused node's features) to the matmul that computes the scores, which it returns. An op with no
+    rule is not attention (NoMatch); a failed check keeps the site, unfused, with the reason."""
     cur = softmax.inputs[0]
     path = []
     while True:
@@ -451,34 +485,43 @@ def match(g: Graph, softmax: Node) -> AttentionMatch:
         if rule is None:
             raise NoMatch(f"the scores pass through {node.op} ({node.name}), which the fused kernel cannot express",
                           node.name)
-        reason = rule.check(g, node, m) or _unknown_feature(rule, node)
-        if reason:
-            m.fail(reason, node.name)
-        else:
-            before = (attributes(m), m.scaled)
-            rule.absorb(g, node, m)
-            m.features.append(rule.feature)
-            if (attributes(m), m.scaled) == before:
-                m.fail(f"the scores pass through {node.op} ({node.name}), but its ScoreRule's absorb records "
-                       f"nothing on the fused node ({rule.feature})", node.name)
+        _absorb(g, node, rule, m)
         path.append(node.name)
         cur = rule.scores(g, node)
-    qk = node
     m.features.reverse()  # graph order
     m.fail(_epilogue_order(m.features))
     m.fail(_unrecorded(m))
-    m.score, m.path = qk.name, path[::-1]
+    m.score, m.path = node.name, path[::-1]
+    return node
+
+
+def _absorb(g: Graph, node: Node, rule: ScoreRule, m: AttentionMatch) -> None:
+    """One score-path node into the match: its rule's check, else its absorb and feature (a rule whose
+    absorb records nothing keeps the site unfused: the fused node would not say what the node does)."""
+    reason = rule.check(g, node, m) or _unknown_feature(rule, node)
+    if reason:
+        m.fail(reason, node.name)
+        return
+    before = (attributes(m), m.scaled)
+    rule.absorb(g, node, m)
+    m.features.append(rule.feature)
+    if (attributes(m), m.scaled) == before:
+        m.fail(f"the scores pass through {node.op} ({node.name}), but its ScoreRule's absorb records "
+               f"nothing on the fused node ({rule.feature})", node.name)
+
+
+def _keys_and_heads(g: Graph, qk: Node, m: AttentionMatch, rank: int) -> None:
+    """Q·Kᵀ (``QK``), the lengths, the padding mask's shape and the heads, grouped (``REPEATED`` on both
+    keys and values, the same times) or not."""
+    found = match_pattern(g, QK, qk.outputs[0])
     m.q = qk.inputs[0]
-    m.covered = [qk.name, *m.path, softmax.name, *m.forward]
-    kt = g.producer(qk.inputs[1])
-    if kt is None or kt.op != "transpose" or list(kt.attrs["perm"][-2:]) != [rank - 1, rank - 2] \
-            or list(kt.attrs["perm"][:-2]) != list(range(rank - 2)):
-        m.fail("the scores are not Q·Kᵀ: the right operand is not K with its last two axes swapped")
-        m.k = qk.inputs[1]
+    if found:
+        m.k = found["k"]
+        if _only_user(g, found["kt"]):
+            m.covered.append(found["kt.node"].name)
     else:
-        m.k = kt.inputs[0]
-        if _only_user(g, kt.outputs[0]):
-            m.covered.append(kt.name)
+        m.fail(found.reason, found.node.name if found.node is not None else "")
+        m.k = qk.inputs[1]
     q_t, k_t, v_t = g.type_of(m.q), g.type_of(m.k), g.type_of(m.v)
     if not dims.equal(k_t.shape[-2], v_t.shape[-2]):
         m.fail("K and V have different lengths")
@@ -487,23 +530,20 @@ def match(g: Graph, softmax: Node) -> AttentionMatch:
                f"({dims.fmt(q_t.shape[-2])}): leading rows would see no key")
     if m.mask is not None and g.type_of(m.mask).rank != 2:
         m.fail("the padding mask is not [B, Tk]")
-    if rank == 4 and q_t.rank != 4:
+    if rank != 4:
+        return
+    if q_t.rank != 4:
         m.fail("the queries are not [B, H, Tq, hd]")
-    elif rank == 4 and not dims.is_static(q_t.shape[1]):
+        return
+    if not dims.is_static(q_t.shape[1]):
         m.fail("the number of heads is not fixed")
-    elif rank == 4:
-        m.heads = m.kv_heads = int(q_t.shape[1])
-        # grouped-query attention: K and V both repeated from fewer heads
-        rk, rv = g.producer(m.k), g.producer(m.v)
-        if rk is not None and rv is not None and rk.op == rv.op == "repeat_kv" and \
-                rk.attrs["times"] == rv.attrs["times"] and _only_user(g, rk.outputs[0]) and \
-                _only_user(g, rv.outputs[0]):
-            m.k, m.v = rk.inputs[0], rv.inputs[0]
-            m.kv_heads = m.heads // rk.attrs["times"]
-            m.covered += [rk.name, rv.name]
-    if not m.reason:
-        m.fail(_escapes(g, m))
-    return m
+        return
+    m.heads = m.kv_heads = int(q_t.shape[1])
+    rk, rv = match_pattern(g, REPEATED, m.k), match_pattern(g, REPEATED, m.v)
+    if rk and rv and rk.nodes[0].attrs["times"] == rv.nodes[0].attrs["times"]:
+        m.k, m.v = rk["grouped"], rv["grouped"]
+        m.kv_heads = m.heads // rk.nodes[0].attrs["times"]
+        m.covered += [rk.nodes[0].name, rv.nodes[0].name]
 
 
 def from_fused(g: Graph, n: Node) -> AttentionMatch:
