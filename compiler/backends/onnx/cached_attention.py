@@ -36,6 +36,7 @@ from onnx import TensorProto, helper
 from tessera.compiler.backends.onnx import score_epilogue as epilogue
 from tessera.compiler.backends.onnx.branches import branch, branch_outputs
 from tessera.compiler.backends.onnx.walk import all_nodes
+from tessera.compiler.patterns.matcher import Pat, match
 
 
 def _split(b, x: str) -> tuple[str, str | None]:
@@ -277,19 +278,35 @@ class PackedQKV:
     value_out: str
 
 
-def _heads_of(g, value: str, heads: int):
-    """(fused, start, end) when ``value`` is split_heads(slice(fused, start:end)) with ``heads`` heads."""
-    sh = g.producer(value)
-    if sh is None or sh.op != "split_heads" or sh.attrs.get("heads") != heads:
+def _split_of(heads: int, slice_name: str) -> Pat:
+    """split_heads(slice(fused, last axis)) with ``heads`` heads; the slice captured as ``slice_name``."""
+    def heads_check(g, value, node):
+        if node is not None and node.op == "split_heads" and node.attrs.get("heads") != heads:
+            return f"{value} splits {node.attrs.get('heads')} heads, not {heads}"
         return None
-    sl = g.producer(sh.inputs[0])
-    if sl is None or sl.op != "slice" or sl.attrs.get("axis") not in (-1, 2):
+
+    def last_axis(g, value, node):
+        if node is not None and node.op == "slice" and node.attrs.get("axis") not in (-1, 2):
+            return f"{value} slices axis {node.attrs.get('axis')}, not the last"
         return None
-    return sl.inputs[0], int(sl.attrs["start"]), int(sl.attrs["end"])
+
+    fused = Pat(name="fused", differs="q, k, v are not the consecutive slices of one linear (fuse-linears off, or "
+                                      "unequal inputs)")
+    return Pat("split_heads", (Pat("slice", (fused,), name=slice_name, check=last_axis,
+                                   why="q, k, v are not split_heads(slice(...)) of one projection"),),
+               check=heads_check, why="q, k, v are not split_heads(slice(...)) of one projection")
+
+
+def _rotated(heads: int, slice_name: str) -> Pat:
+    """rope(split_heads(slice(fused)), positions): the same position ids for q and the new keys."""
+    return Pat("rope", (_split_of(heads, slice_name),
+                        Pat(name="positions", differs="q and k are rotated at different positions")),
+               name=slice_name + "_rope", why="q or the new keys are not rope(..., position_ids)")
 
 
 def packed_qkv(g, node) -> "PackedQKV | str":
-    """The packed form of a gqa decoding site, or why it has none (the pattern, its check, the reason).
+    """The packed form of a gqa decoding site, or why it has none (the patterns ``_rotated`` and
+    ``_split_of`` on the one matcher, the checks below, the reason).
 
     Pattern: q = rope(split_heads(slice(F, 0:H·hd)), positions), the new keys rope(split_heads(slice(F,
     H·hd:(H+kv)·hd))), the new values split_heads(slice(F, (H+kv)·hd:(H+2kv)·hd)), F one linear (fused
@@ -308,21 +325,21 @@ def packed_qkv(g, node) -> "PackedQKV | str":
     (_, k_new), (_, v_new) = _split_ir(g, node.inputs[1]), _split_ir(g, node.inputs[2])
     if k_new is None or v_new is None:
         return "keys or values are not concat(past, new)"
-    ropes = [g.producer(x) for x in (q, k_new)]
-    if any(r is None or r.op != "rope" or len(r.inputs) != 2 for r in ropes):
-        return "q or the new keys are not rope(..., position_ids)"
-    rq, rk = ropes
+    found = match(g, _rotated(heads, "q"), q)
+    found = found and match(g, _rotated(kv, "k"), k_new, found.captured)
+    found = found and match(g, _split_of(kv, "v"), v_new, found.captured)
+    if not found:
+        return found.reason
+    rq, rk = found["q_rope.node"], found["k_rope.node"]
     keys = ("theta", "scaling", "rope_type", "interleaved", "dims", "max_ctx")
-    if any(rq.attrs.get(k) != rk.attrs.get(k) for k in keys) or rq.inputs[1] != rk.inputs[1]:
+    if any(rq.attrs.get(k) != rk.attrs.get(k) for k in keys):
         return "q and k are rotated differently"
-    parts = [_heads_of(g, rq.inputs[0], heads), _heads_of(g, rk.inputs[0], kv), _heads_of(g, v_new, kv)]
-    if any(p is None for p in parts):
-        return "q, k, v are not split_heads(slice(...)) of one projection"
     hd = int(g.type_of(q).shape[-1])
-    fused = parts[0][0]
+    fused = found["fused"]
     want = [(0, heads * hd), (heads * hd, (heads + kv) * hd), ((heads + kv) * hd, (heads + 2 * kv) * hd)]
+    got = [(int(found[p + ".node"].attrs["start"]), int(found[p + ".node"].attrs["end"])) for p in "qkv"]
     width = g.type_of(fused).shape[-1]
-    if any(p[0] != fused for p in parts) or [p[1:] for p in parts] != want or int(width) != want[-1][1]:
+    if got != want or int(width) != want[-1][1]:
         return "q, k, v are not the consecutive slices of one linear (fuse-linears off, or unequal inputs)"
     ra = rq.attrs
     kind = ra.get("rope_type", "llama3")
