@@ -1,8 +1,9 @@
 """Render a cost report (the dict of compiler/analysis/costreport.py) as a terminal table, Markdown or CSV.
 
-All three show the same rows, built once by ``sections``: exact values with
-thousands separators, a short SI form, and the formula in B and N where the
-figure depends on them. Sizes use decimal units (1 MB = 10^6 bytes).
+All three show the same rows, built once by ``sections`` from the one registry ``SECTIONS`` (each
+section's JSON keys, the module that computes them, its renderer): exact values with thousands
+separators, a short SI form, and the formula in B and N where the figure depends on them. Sizes use
+decimal units (1 MB = 10^6 bytes).
 """
 
 from __future__ import annotations
@@ -10,6 +11,8 @@ from __future__ import annotations
 import csv
 import io
 import re
+from dataclasses import dataclass
+from typing import Callable
 
 SI = [(1e15, "P"), (1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")]
 
@@ -68,12 +71,12 @@ def title(rep: dict) -> str:
 
 
 # ------------------------------------------------------------------ the rows, shared by every format
-def sections(rep: dict) -> list[tuple[str, list[str], list[list[str]]]]:
-    """[(section title, column names, rows)]; every cell a string."""
-    out = []
-    p, m, f, mem = rep["params"], rep["macs"], rep["flops"], rep["memory"]
-    total = p["total"] or 1
+Rows = tuple[str, list[str], list[list[str]]]  # (section title, column names, rows); every cell a string
 
+
+def _parameters(rep: dict) -> list[Rows]:
+    p = rep["params"]
+    total = p["total"] or 1
     rows = []
     for r in p["table"]:
         share = f"{100 * r['params'] / total:.1f}%" if r["kind"] in ("stack", "component", "total") else ""
@@ -84,8 +87,11 @@ def sections(rep: dict) -> list[tuple[str, list[str], list[list[str]]]]:
                      exact(p["active_per_token"]), f"{100 * p['active_per_token'] / total:.1f}%"])
     for path, users in p["tied"].items():
         rows.append([f"tied: {path} shared by {', '.join(users)} (counted once)", "", ""])
-    out.append(("Parameters", ["component", "parameters", "share"], rows))
+    return [("Parameters", ["component", "parameters", "share"], rows)]
 
+
+def _macs(rep: dict) -> list[Rows]:
+    p, m = rep["params"], rep["macs"]
     fm = m["formulas"]
     rows = [
         ["total (full attention, head included)", exact(m["total"]), si(m["total"]), fm["total"]],
@@ -111,8 +117,12 @@ def sections(rep: dict) -> list[tuple[str, list[str], list[list[str]]]]:
         rows.append(["  with the causal mask exploited", f"{m['crossover_seq_causal']:,.0f}", "", ""])
     for u in m["uncounted_ops"]:
         rows.append([f"uncounted op {u['op']} (×{len(u['nodes'])})", "0", "", ""])
-    out.append(("Multiply-adds (MACs), one forward pass", ["figure", "MACs", "≈", "formula"], rows))
+    return [("Multiply-adds (MACs), one forward pass", ["figure", "MACs", "≈", "formula"], rows)]
 
+
+
+def _flops(rep: dict) -> list[Rows]:
+    f = rep["flops"]
     ff = f["formulas"]
     rows = [["total = 2 × MACs + the rest", exact(f["total"]), si(f["total"]), ff["total"]],
             ["  matmul (2 × MACs)", exact(f["matmul"]), si(f["matmul"]), ff["matmul"]]]
@@ -120,8 +130,12 @@ def sections(rep: dict) -> list[tuple[str, list[str], list[list[str]]]]:
         rows.append([f"  {k} (estimate)", exact(v), si(v), ff[f"itemised.{k}"]])
     rows.append(["causal mask exploited", exact(f["causal"]), si(f["causal"]), ff["causal"]])
     rows.append(["per token", exact(f["per_token"]), si(f["per_token"]), ff["per_token"]])
-    out.append(("FLOPs", ["figure", "FLOPs", "≈", "formula"], rows))
+    return [("FLOPs", ["figure", "FLOPs", "≈", "formula"], rows)]
 
+
+
+def _memory(rep: dict) -> list[Rows]:
+    mem = rep["memory"]
     mf = mem["formulas"]
     t = mem["training"]
     dt = rep["settings"]["dtype"]
@@ -152,72 +166,84 @@ def sections(rep: dict) -> list[tuple[str, list[str], list[list[str]]]]:
         ["training total, fused attention", exact(t["total_fused"]), si(t["total_fused"], "B"),
          mf["training.total_fused"]],
     ]
-    out.append((f"Memory ({dt}, bytes)", ["figure", "bytes", "≈", "formula"], rows))
+    return [(f"Memory ({dt}, bytes)", ["figure", "bytes", "≈", "formula"], rows)]
 
-    out += deployment_sections(rep)
+
+def _roofline(rep: dict) -> list[Rows]:
+    dt = rep["settings"]["dtype"]
     r = rep.get("roofline")
-    if r:
-        d = r["device"]
-        head = (f"Roofline on {d['name']}: {d['label']}; {si(d['peak_flops'], 'FLOP/s')} {dt} matmul, "
-                f"{si(d['bandwidth'], 'B/s')}; ridge {r['ridge_intensity']:.1f} FLOP/B")
-        rows = [["prefill, graph as written (N×N scores in memory)", seconds(r["prefill_seconds"]["unfused"]),
-                 "", "", "", ""],
-                ["prefill, attention fused", seconds(r["prefill_seconds"]["fused"]), "", "", "", ""]]
-        if r["decode_seconds_per_token"] is not None:
-            rows.append([f"decode step at N (one token per sequence; {r['decode_tokens_per_second']:,.0f} tokens/s)",
-                         seconds(r["decode_seconds_per_token"]), "", "", "", ""])
-        cal = r.get("calibrated")
-        if cal:
-            for label, t in (("prefill, graph as written, calibrated", cal["prefill_seconds"]["unfused"]),
-                             ("prefill, attention fused, calibrated", cal["prefill_seconds"]["fused"]),
-                             ("decode step at N, calibrated", cal["decode_seconds_per_token"])):
-                if t is not None or "decode" not in label:
-                    rows.append([label, seconds(t), "", "", "", ""])
-        ops = sorted(r["ops"], key=lambda o: -o["seconds"])[:10]
-        total_t = r["prefill_seconds"]["unfused"] or 1
-        for o in ops:
-            rows.append([f"  {op_label(o['name'], o['op'])} ×{o['count']}", seconds(o["seconds"]),
-                         f"{100 * o['seconds'] / total_t:.1f}%", si(o["flops"]), f"{o['intensity']:.1f}", o["bound"]])
-        fa = r["fused_attention"]
-        if fa:
-            rows.append([f"  fused attention ×{fa['count']} (if fused)", seconds(fa["seconds"]), "",
-                         si(fa["flops"]), f"{fa['intensity']:.1f}", fa["bound"]])
-        out.append((head, ["estimate (ideal kernels)", "time", "share", "FLOPs", "FLOP/B", "bound"], rows))
-    if rep.get("measure"):
-        out.append(measure_section(rep["measure"]))
-    att = rep.get("attention")
-    if att and att["sites"]:
-        from tessera.compiler.analysis.attention_report import group_sites
+    if not r:
+        return []
+    d = r["device"]
+    head = (f"Roofline on {d['name']}: {d['label']}; {si(d['peak_flops'], 'FLOP/s')} {dt} matmul, "
+            f"{si(d['bandwidth'], 'B/s')}; ridge {r['ridge_intensity']:.1f} FLOP/B")
+    rows = [["prefill, graph as written (N×N scores in memory)", seconds(r["prefill_seconds"]["unfused"]),
+             "", "", "", ""],
+            ["prefill, attention fused", seconds(r["prefill_seconds"]["fused"]), "", "", "", ""]]
+    if r["decode_seconds_per_token"] is not None:
+        rows.append([f"decode step at N (one token per sequence; {r['decode_tokens_per_second']:,.0f} tokens/s)",
+                     seconds(r["decode_seconds_per_token"]), "", "", "", ""])
+    cal = r.get("calibrated")
+    if cal:
+        for label, t in (("prefill, graph as written, calibrated", cal["prefill_seconds"]["unfused"]),
+                         ("prefill, attention fused, calibrated", cal["prefill_seconds"]["fused"]),
+                         ("decode step at N, calibrated", cal["decode_seconds_per_token"])):
+            if t is not None or "decode" not in label:
+                rows.append([label, seconds(t), "", "", "", ""])
+    ops = sorted(r["ops"], key=lambda o: -o["seconds"])[:10]
+    total_t = r["prefill_seconds"]["unfused"] or 1
+    for o in ops:
+        rows.append([f"  {op_label(o['name'], o['op'])} ×{o['count']}", seconds(o["seconds"]),
+                     f"{100 * o['seconds'] / total_t:.1f}%", si(o["flops"]), f"{o['intensity']:.1f}", o["bound"]])
+    fa = r["fused_attention"]
+    if fa:
+        rows.append([f"  fused attention ×{fa['count']} (if fused)", seconds(fa["seconds"]), "",
+                     si(fa["flops"]), f"{fa['intensity']:.1f}", fa["bound"]])
+    return [(head, ["estimate (ideal kernels)", "time", "share", "FLOPs", "FLOP/B", "bound"], rows)]
 
-        rows = []
-        for count, first, names in group_sites(att):
-            where = names[0] if count == 1 else f"{_site_names(names)} ({count} sites)"
-            if first["fused"]:
-                t = first["traffic_bytes"]
-                rows.append([where, f"fused: {first['kernel']}", si(t["unfused"] * count) + "B",
-                             si(t["fused"] * count) + "B"])
-                rows.append([f"  why {first['kernel']}: {first['why']}", "", "", ""])
-            else:
-                rows.append([where, "not fused", "", ""])
-                rows.append([f"  why: {first['reason']}", "", "", ""])
-        t = att["traffic_bytes"]
-        if t["fused"]:
-            rows.append(["total memory traffic of attention", f"{att['traffic_ratio']:.1f}× less fused",
-                         si(t["unfused"]) + "B", si(t["fused"]) + "B"])
-        out.append((f"Attention sites ({att['fused']} fused, {att['not_fused']} not; target {att['target']})",
-                    ["site", "kernel", "traffic unfused", "traffic fused"], rows))
+
+def _measured(rep: dict) -> list[Rows]:
+    return [measure_section(rep["measure"])] if rep.get("measure") else []
+
+
+def _attention(rep: dict) -> list[Rows]:
+    att = rep.get("attention")
+    if not (att and att["sites"]):
+        return []
+    from tessera.compiler.analysis.attention_report import group_sites
+
+    rows = []
+    for count, first, names in group_sites(att):
+        where = names[0] if count == 1 else f"{_site_names(names)} ({count} sites)"
+        if first["fused"]:
+            t = first["traffic_bytes"]
+            rows.append([where, f"fused: {first['kernel']}", si(t["unfused"] * count) + "B",
+                         si(t["fused"] * count) + "B"])
+            rows.append([f"  why {first['kernel']}: {first['why']}", "", "", ""])
+        else:
+            rows.append([where, "not fused", "", ""])
+            rows.append([f"  why: {first['reason']}", "", "", ""])
+    t = att["traffic_bytes"]
+    if t["fused"]:
+        rows.append(["total memory traffic of attention", f"{att['traffic_ratio']:.1f}× less fused",
+                     si(t["unfused"]) + "B", si(t["fused"]) + "B"])
+    return [(f"Attention sites ({att['fused']} fused, {att['not_fused']} not; target {att['target']})",
+             ["site", "kernel", "traffic unfused", "traffic fused"], rows)]
+
+
+def _quantization(rep: dict) -> list[Rows]:
     q = rep.get("quantization")
-    if q:
-        rows = [["weights, quantised", exact(q["weights_bytes"]), si(q["weights_bytes"]) + "B"],
-                ["weights, float", exact(q["float_weights_bytes"]), si(q["float_weights_bytes"]) + "B"],
-                [f"  {q['ratio']:.2f}× smaller; {q['quantized_linears']} linears quantised, "
-                 f"{q['float_linears']} kept in float", "", ""]]
-        rows += [[f"  kept: {k['node']}: {k['reason']}", "", ""] for k in q["kept_in_float"][:8]]
-        if len(q["kept_in_float"]) > 8:
-            rows.append([f"  ... and {len(q['kept_in_float']) - 8} more kept in float", "", ""])
-        out.append((f"Quantisation ({q['scheme']}, {q['granularity']}, head "
-                    f"{'quantised' if q['head'] else 'float'})", ["", "bytes", ""], rows))
-    return out
+    if not q:
+        return []
+    rows = [["weights, quantised", exact(q["weights_bytes"]), si(q["weights_bytes"]) + "B"],
+            ["weights, float", exact(q["float_weights_bytes"]), si(q["float_weights_bytes"]) + "B"],
+            [f"  {q['ratio']:.2f}× smaller; {q['quantized_linears']} linears quantised, "
+             f"{q['float_linears']} kept in float", "", ""]]
+    rows += [[f"  kept: {k['node']}: {k['reason']}", "", ""] for k in q["kept_in_float"][:8]]
+    if len(q["kept_in_float"]) > 8:
+        rows.append([f"  ... and {len(q['kept_in_float']) - 8} more kept in float", "", ""])
+    return [(f"Quantisation ({q['scheme']}, {q['granularity']}, head "
+             f"{'quantised' if q['head'] else 'float'})", ["", "bytes", ""], rows)]
 
 
 def percent(x: float | None) -> str:
@@ -310,6 +336,36 @@ def deployment_sections(rep: dict) -> list[tuple[str, list[str], list[list[str]]
         out.append(("Sweep: one row per (B, N); the JSON keys of sweep[i]",
                     [SWEEP_LABELS.get(c, c) for c in cols], rows))
     return out
+
+
+# ------------------------------------------------------------------ the one registry of sections
+@dataclass(frozen=True)
+class Section:
+    """One section of the report: the key(s) of the report's JSON it renders, who computes them, and its
+    renderer (the rows every format shares: rich, Markdown, HTML). A new section is a row here."""
+
+    keys: str
+    built_by: str
+    render: Callable[[dict], list[Rows]]
+
+
+SECTIONS: tuple[Section, ...] = (
+    Section("params", "compiler/analysis/params.py via costreport.py", _parameters),
+    Section("macs", "compiler/analysis/cost.py via costreport.py", _macs),
+    Section("flops", "compiler/analysis/cost.py via costreport.py", _flops),
+    Section("memory", "compiler/analysis/memory.py via costreport.py", _memory),
+    Section("parallel, memory.training.per_device, serving, sweep",
+            "compiler/analysis/deployment.py (--plan, --serve-device, --sweep)", deployment_sections),
+    Section("roofline", "compiler/analysis/roofline.py via costreport.py", _roofline),
+    Section("measure", "runtime/report/measure.py (--measure)", _measured),
+    Section("attention", "compiler/report.py attention_section", _attention),
+    Section("quantization", "compiler/report.py quantization_section (--quantize)", _quantization),
+)
+
+
+def sections(rep: dict) -> list[Rows]:
+    """[(section title, column names, rows)] of every section the report has, in ``SECTIONS``' order."""
+    return [rows for section in SECTIONS for rows in section.render(rep)]
 
 
 # ------------------------------------------------------------------ formats
