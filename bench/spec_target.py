@@ -19,7 +19,7 @@ such a model on a shared CPU would take hours. So:
    of the small one (RMSNorm of the copies is the copy of the RMSNorm, since the mean square is the
    same), every head and MLP unit is copied 8 times, and every matrix that reads the stream or the
    copied units reads them tiled and divided by 8, so it sums the copies back to the small model's
-   value. The logits are the small model's to rounding (tests/test_spec_target.py checks it);
+   value. The logits are the small model's to rounding (tests/spec/test_spec_target.py checks it);
 3. two more layers with random weights are appended whose output projections (o_proj, down_proj)
    are scaled by 1e-3: they add almost nothing to the stream, so the learnt behaviour is kept, while
    their weights are read at every step like any layer's.

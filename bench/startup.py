@@ -8,7 +8,7 @@ run a new empty TESSERA_CACHE_DIR, so it parses the spec files and builds lark's
 CPU time (user + system, of the child) is the figure to compare on a loaded machine.
 
 Why measured here and not in a test: times depend on the machine and its load (docs/benchmarks/log.md
-records them); tests/test_cli_help.py checks only what cannot vary, that building the parsers
+records them); tests/project/test_cli_help.py checks only what cannot vary, that building the parsers
 imports neither onnx nor the compiler.
 
     python bench/startup.py [--repeat 5] [--root DIR]

@@ -4,7 +4,7 @@
     python docs/gen_builtins.py --check   # exit status 1 if the document's table is stale
 
 The table lists every builtin in registration order with its arguments (defaults as the
-language writes them) and its ``doc`` (on one line). tests/test_docs.py fails
+language writes them) and its ``doc`` (on one line). tests/project/test_docs.py fails
 when the table in the document differs from what this script would write, so adding a
 builtin means running this script.
 """

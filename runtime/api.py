@@ -3,7 +3,7 @@
 Why: notebooks and scripts want a model object, not a subprocess. Each method
 fills the same option object as its command (runtime/options.py) and calls the
 same driver (runtime/driver.py), so the two cannot drift apart:
-tests/test_options_parity.py fails when a flag has no keyword here or the reverse.
+tests/project/test_options_parity.py fails when a flag has no keyword here or the reverse.
 
     import tessera
     m = tessera.load("models/gpt2.tsr", variant="small", weights=None, seed=0, layers=2)

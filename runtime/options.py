@@ -11,7 +11,7 @@ engine's, ``EngineOptions``) are declared with their flags (``flag(...)``) and e
 them from here (``add_arguments``), since runtime/serving/ does not import the command line. A compile
 option is one field of BuildOptions (with its flag, its rule and its pipeline keyword) and one keyword
 of each API method that compiles; an option of one command is one field here, one flag in
-runtime/cli/ and one keyword in runtime/api.py; tests/test_options_parity.py fails until all exist.
+runtime/cli/ and one keyword in runtime/api.py; tests/project/test_options_parity.py fails until all exist.
 
 Rules that need the model itself (its inputs, its graph) are checked by the driver once it is built.
 """
@@ -27,7 +27,7 @@ from pathlib import Path
 from tessera.runtime.errors import UsageError
 
 # runtime/pipeline.py's quant_config takes these (compiler/passes/quantize.py SCHEMES, and none;
-# tests/test_cli_help.py keeps the three equal); here so the command line's parsers are built without
+# tests/project/test_cli_help.py keeps the three equal); here so the command line's parsers are built without
 # importing the compiler (tessera --help stays quick)
 QUANTIZE_CHOICES = ("none", "int8", "int4", "w8a8", "int4-asym")
 
@@ -315,7 +315,7 @@ class BuildOptions(QuantOptions):
     A compile option that all of them should honour is a field here, declared with ``flag(...)`` (the
     commands generate its flag from it), checked in ``check()`` and handed to the pipeline by
     ``build_fields()``, which every ``pipeline_options`` below spreads into its PipelineOptions; the
-    API's methods that compile take it as a keyword (tests/test_options_parity.py fails until they
+    API's methods that compile take it as a keyword (tests/project/test_options_parity.py fails until they
     do, and until every command line, the server, ``batch`` and Ray reach it)."""
 
     # the quantisation's fields are QuantOptions'; a new compile option is declared here, with flag(...)

@@ -195,7 +195,7 @@ def weights_for(built: Built, weights: str | None, seed: int, allow_large: bool 
 
 
 # runtime/options.py has the same list for the parsers (options imports this module, not the reverse;
-# tests/test_cli_help.py keeps the two and compiler/passes/quantize.py's SCHEMES equal)
+# tests/project/test_cli_help.py keeps the two and compiler/passes/quantize.py's SCHEMES equal)
 QUANTIZE_CHOICES = ("none", "int8", "int4", "w8a8", "int4-asym")
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -12,6 +13,14 @@ from tessera.compiler.frontend.elaborate import elaborate
 from tessera.spec import load_program
 
 ROOT = Path(__file__).resolve().parents[1]
+TESTS = Path(__file__).resolve().parent
+
+# tests/ is in folders by area (spec, compiler, report, models, io, generation, serving, cuda, project);
+# a test module may import another's helpers (serving's tests use generation/test_structured.py's
+# tokenizer): every area on the path, whichever folder pytest was pointed at.
+for _area in sorted(p for p in TESTS.iterdir() if p.is_dir() and any(p.glob("test_*.py"))):
+    if str(_area) not in sys.path:
+        sys.path.append(str(_area))
 
 
 def load_bench(name: str):

@@ -17,7 +17,7 @@ worker that dies is a memory blow-up, and an exception escaping ``main`` (or
 the text "Traceback" on stderr) is a traceback. Every other case must exit
 with status 0 (the mutation was harmless) or 2 (a user error).
 
-The test suite runs a few hundred cases (tests/test_fuzz.py); the long run is
+The test suite runs a few hundred cases (tests/spec/test_fuzz.py); the long run is
 
     python tests/fuzz_specs.py --cases 5000 --seed 1
 

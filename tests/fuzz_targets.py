@@ -1,6 +1,6 @@
 """The long run of the hypothesis fuzz targets (issue 25): each case in a bounded worker.
 
-tests/test_fuzz_inputs.py and tests/test_fuzz_serve.py are hypothesis tests; in CI they run a few
+tests/io/test_fuzz_inputs.py and tests/serving/test_fuzz_serve.py are hypothesis tests; in CI they run a few
 dozen cases each inside pytest's own process. That is no place for a long run: a case that spins in
 C (a regex, onnxruntime) cannot be interrupted, and one that allocates 100 GiB takes the whole run
 down. Here the parent draws a target's cases with hypothesis (the test's own strategies, seeded),

@@ -1,4 +1,4 @@
-"""Greedy generation in onnxruntime-genai, for tests/test_genai.py: run with a Python that has
+"""Greedy generation in onnxruntime-genai, for tests/generation/test_genai.py: run with a Python that has
 onnxruntime-genai installed (TESSERA_GENAI_PYTHON), never imported by the tests themselves.
 
     python genai_runner.py FOLDER REQUEST.json   ->  prints a JSON result on stdout

@@ -5,7 +5,7 @@
 
 The tests never write these files; they only compare. Review the diff number by number
 (``git diff tests/golden``) before committing: every figure was checked by hand against the
-seed and the formulas in docs/report.md (the derivations are in tests/test_report.py).
+seed and the formulas in docs/report.md (the derivations are in tests/report/test_report.py).
 """
 
 from __future__ import annotations

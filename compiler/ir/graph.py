@@ -31,7 +31,7 @@ DTYPES = {"f32": np.float32, "f16": np.float16, "bf16": None, "i64": np.int64, "
           "bool": np.bool_, "u8": np.uint8, "i8": np.int8}
 def numpy_dtype(name: str):
     """The numpy type of an IR dtype; bf16 is ml_dtypes' bfloat16 (onnx's dependency), imported only when
-    asked (``tessera ir`` and ``report`` import neither onnx nor it: tests/test_cli_help.py)."""
+    asked (``tessera ir`` and ``report`` import neither onnx nor it: tests/project/test_cli_help.py)."""
     if name == "bf16":
         from ml_dtypes import bfloat16
 

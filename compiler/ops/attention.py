@@ -210,7 +210,7 @@ def _topk_gates(t, a):
 # passes/kv_cache.py). An attribute not named here, or of the wrong type, is a ShapeError from the
 # type rule (ops.check_graph), never ignored by a kernel.
 Attr = score_epilogue.Attr
-# The lowerings backends/onnx/attention.py dispatches on (tests/test_attention_contract.py checks the two agree).
+# The lowerings backends/onnx/attention.py dispatches on (tests/compiler/test_attention_contract.py checks the two agree).
 IMPLS = ("gqa", "mha", "attn23", "block", "portable", "cached", "phased")
 
 

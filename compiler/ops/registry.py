@@ -15,7 +15,7 @@ consumer keeps its own table keyed by op names:
 - ``traits``: facts other modules ask about (see ``TRAITS``).
 
 How an op becomes ONNX is not here but in the backend: backends/onnx/lowerings/ maps each op
-name to its lowering (tests/test_op_registry.py checks that it covers every op), so this package
+name to its lowering (tests/spec/test_op_registry.py checks that it covers every op), so this package
 imports no backend, no analysis and no pass.
 
 Every facet is required: registering an op without one raises ``RegistryError``
@@ -32,7 +32,7 @@ How to add an op (say ``conv1d``)
    (``LOWERINGS["name"] = lower``, a function of ``L``, builder.Lowering).
 3. If the language should expose it, add a builtin in ``frontend/builtins.py`` that
    checks the arguments, creates parameters and calls ``call.emit("name", ...)``.
-4. Test it against an independent reference (tests/test_op_registry.py already checks
+4. Test it against an independent reference (tests/spec/test_op_registry.py already checks
    that every op has every facet and a lowering, and that every op the builtins and passes
    emit is registered), and document it: docs/language.md for a builtin, docs/report.md's
    cost tables for its MACs/FLOPs.

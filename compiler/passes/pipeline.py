@@ -112,7 +112,7 @@ def sparse_moe_impl(target) -> str | None:
     (its CUDA kernels; the gather form's NonZero count is read back on the host once per expert per layer
     there), else the default (passes/sparse_moe.py DEFAULT_IMPL, measured on the CPU). MoE's semantics
     (softmax of the router logits, top k, renormalised; SwiGLU experts as fc1 [E, 2f, d] interleaved, fc2
-    [E, d, f]) are held to the gather form on onnxruntime's CPU kernel in tests/test_sparse_moe.py."""
+    [E, d, f]) are held to the gather form on onnxruntime's CPU kernel in tests/compiler/test_sparse_moe.py."""
     if target.device == "cuda" and target.dtype in ("fp16", "bf16"):
         return "moe"
     return None

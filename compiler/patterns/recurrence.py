@@ -21,7 +21,7 @@ from tessera.compiler.ops.recurrence import parts
 from tessera.compiler.patterns.matcher import MatchResult
 
 # gates per cell, and the primitive ops of the standard library's cell (spec/stdlib/nn.tsr);
-# tests/test_recurrence.py checks these against a fresh elaboration of each block.
+# tests/compiler/test_recurrence.py checks these against a fresh elaboration of each block.
 GATES = {"rnn": 1, "gru": 3, "lstm": 4}
 STATES = {"rnn": 1, "gru": 1, "lstm": 2}
 CELL_OPS = {

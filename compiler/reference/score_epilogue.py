@@ -116,7 +116,7 @@ def _masks(s, a, w):
 @dataclass(frozen=True)
 class Feature:
     """One option of the score epilogue: the attributes it owns, whether a node uses it, and what the
-    kernels may take for granted about it (the contract; tests/test_attention_contract_property.py
+    kernels may take for granted about it (the contract; tests/compiler/test_attention_contract_property.py
     checks every claim here numerically, so a wrong claim fails the suite, never a model).
 
     ``elementwise``: the step reads only its own score and that score's position, so a kernel that
@@ -176,7 +176,7 @@ FEATURES: dict[str, Feature] = {f.name: f for f in (
 
 # Pairs of features of one stage that give the same weights in either order (a site may apply them in
 # any order the recogniser accepts). Declared, never assumed: a site using two features of one stage
-# that are not listed here stays unfused, and tests/test_attention_contract_property.py checks every
+# that are not listed here stays unfused, and tests/compiler/test_attention_contract_property.py checks every
 # pair listed here in both orders on random scores. Mask fills commute with each other; an added
 # bias commutes with a fill because min + b rounds to min (|b| < 1e30 in fp32).
 COMMUTING: frozenset[frozenset[str]] = frozenset(frozenset(p) for p in (

@@ -6,7 +6,7 @@ Why one module: the engines and the routes (engine.py, row_engine.py, speculatio
 the runtime only through here, so the runtime can be reorganised by changing these imports alone; what
 builds them (server.py, batch.py) takes its options from runtime/options.py and its model from the
 driver. The parsers of `tessera serve` and `tessera batch`
-do not import it (they must not import onnxruntime, onnx or the compiler: tests/test_cli_help.py).
+do not import it (they must not import onnxruntime, onnx or the compiler: tests/project/test_cli_help.py).
 """
 
 from __future__ import annotations

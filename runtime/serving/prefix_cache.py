@@ -28,7 +28,7 @@ its start).
 Reusing a block gives the keys and values the row would compute (each position's depend on the
 tokens up to it only); they were computed by another call, so they equal a fresh prefill's to float
 rounding, as a chunked prompt's equal an unchunked one's. Tokens stay those without the cache
-(tests/test_serve_prefix_cache.py: greedy and seeded sampling).
+(tests/serving/test_serve_prefix_cache.py: greedy and seeded sampling).
 """
 
 from __future__ import annotations

@@ -159,7 +159,7 @@ def build(opts: ServeOptions, ray_opts: RayOptions):
 
 # ------------------------------------------------------------------------------------ serve run
 
-# ServeOptions' fields the app does not take, and why (tests/test_options_parity.py reads this)
+# ServeOptions' fields the app does not take, and why (tests/project/test_options_parity.py reads this)
 APP_EXCLUDED = {"host": "Serve's HTTP options say where it listens (serve.start / the config file)",
                 "port": "Serve's HTTP options say where it listens (serve.start / the config file)",
                 "explain": "the command's --explain prints the deployment and exits; an app always runs",

@@ -4,7 +4,7 @@ The op registry (compiler/ops/) says what an op means (type rule, numpy referenc
 keeps for backward); how it becomes ONNX nodes is the backend's business and lives here, one
 module per op family, so ops/ never imports a backend. ``L`` is builder.Lowering: the builder
 ``L.b``, the node, its inputs ``L.x``, attrs ``L.a``, input/output types and
-``L.emit(op_type, inputs, **attrs)`` that writes the result. tests/test_op_registry.py checks that
+``L.emit(op_type, inputs, **attrs)`` that writes the result. tests/spec/test_op_registry.py checks that
 this table covers every registered op and names none that is not.
 """
 
