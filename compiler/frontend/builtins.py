@@ -591,8 +591,8 @@ def _rope(call, x, theta, factor, low_freq, high_freq, original_ctx, dims, layou
         attrs["rope_type"] = kind
     elif f > 1.0:
         low, high = _float(call, low_freq, "low_freq"), _float(call, high_freq, "high_freq")
-        if not 0.0 < low < high:
-            raise call.error(f"rope scaling needs 0 < low_freq < high_freq, got low_freq={low}, high_freq={high}",
+        if not 0.0 < low <= high:  # equal bounds (Llama 4 Scout): no band between, nothing interpolated
+            raise call.error(f"rope scaling needs 0 < low_freq <= high_freq, got low_freq={low}, high_freq={high}",
                              high_freq[1] or low_freq[1])
         attrs["scaling"] = (f, low, high, _int(call, original_ctx, "original_ctx", 1))
     return call.emit("rope", [t], attrs)

@@ -35,7 +35,7 @@ def rope_inv_freq(hd: int, theta: float, scaling: tuple | None = None, kind: str
 
     - "llama3": (factor, low_freq, high_freq, original_ctx), Llama 3.1's: wavelengths longer than
       original_ctx / low_freq are divided by factor, those shorter than original_ctx / high_freq
-      are kept, and those between are interpolated smoothly;
+      are kept, and those between are interpolated smoothly (low_freq = high_freq: none between);
     - "linear": (factor,): every frequency divided by factor (positions interpolated);
     - "dynamic": (factor, original_ctx), dynamic NTK: the base grows with the sequence length
       ``seq_len`` once it passes original_ctx (plain RoPE up to there);
@@ -56,6 +56,8 @@ def rope_inv_freq(hd: int, theta: float, scaling: tuple | None = None, kind: str
     factor, low, high, ctx = (np.float32(v) for v in scaling)
     wavelen = np.float32(2 * np.pi) / inv_freq
     scaled = np.where(wavelen > ctx / low, inv_freq / factor, inv_freq)
+    if high == low:  # no band between the bounds (Llama 4 Scout's 1.0 and 1.0): divided or kept, nothing smoothed
+        return scaled.astype(np.float32)  # (transformers' 0/0 there is nan, at a wavelength exactly ctx / low only)
     smooth = (ctx / wavelen - low) / (high - low)
     smoothed = (1 - smooth) * scaled / factor + smooth * scaled
     medium = ~(wavelen < ctx / high) & ~(wavelen > ctx / low)

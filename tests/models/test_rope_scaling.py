@@ -19,11 +19,11 @@ transformers = pytest.importorskip("transformers")
 HD = 16
 SPEC = """
 model R(theta = 10000.0, factor = 1.0, kind = "llama3", ctx = 16, fast = 32.0, slow = 1.0, af = 0.0,
-        trunc = true, dims = 0) {
+        trunc = true, dims = 0, low = 1.0, high = 4.0) {
   in x: f32[B, 2, T, 16]
   out y: f32[B, 2, T, 16]
   y = rope(x, theta, factor, original_ctx=ctx, scaling=kind, beta_fast=fast, beta_slow=slow,
-           attention_factor=af, truncate=trunc, dims=dims)
+           attention_factor=af, truncate=trunc, dims=dims, low_freq=low, high_freq=high)
 }
 """
 
@@ -55,6 +55,13 @@ def transformers_rope(x: np.ndarray, rope_parameters: dict, max_positions: int, 
 
 
 CASES = {
+    "llama3": (dict(factor=8.0, kind="llama3", ctx=16, low=1.0, high=4.0),
+               {"rope_type": "llama3", "factor": 8.0, "rope_theta": 10000.0, "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0, "original_max_position_embeddings": 16}, 128),
+    # Llama 4 Scout's bounds: equal, so no frequency is smoothed
+    "llama3_equal_bounds": (dict(factor=16.0, kind="llama3", ctx=8, low=1.0, high=1.0),
+                            {"rope_type": "llama3", "factor": 16.0, "rope_theta": 10000.0, "low_freq_factor": 1.0,
+                             "high_freq_factor": 1.0, "original_max_position_embeddings": 8}, 128),
     "linear": (dict(factor=4.0, kind="linear"), {"rope_type": "linear", "factor": 4.0, "rope_theta": 10000.0}, 64),
     "dynamic_short": (dict(factor=2.0, kind="dynamic", ctx=16), {"rope_type": "dynamic", "factor": 2.0,
                                                                   "rope_theta": 10000.0}, 16),
@@ -91,6 +98,8 @@ def test_scaling_equals_transformers_rotary_embedding(spec_path, case, t, rng):
 def test_bad_scaling_options_are_positioned_errors(spec_path):
     with pytest.raises(SpecError, match="'scaling' must be one of 'llama3', 'linear', 'dynamic', 'yarn'"):
         build(spec_path, factor=2.0, kind="ntk")
+    with pytest.raises(SpecError, match=r"rope scaling needs 0 < low_freq <= high_freq, got low_freq=2.0, high_freq=1.0"):
+        build(spec_path, factor=2.0, kind="llama3", low=2.0, high=1.0)
     with pytest.raises(SpecError, match="yarn needs 0 < beta_slow < beta_fast"):
         build(spec_path, factor=2.0, kind="yarn", fast=1.0, slow=4.0)
 
