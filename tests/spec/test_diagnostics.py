@@ -195,7 +195,7 @@ def test_rope_scaling_factor_below_one(tmp_path):
 def test_rope_scaling_with_bands_in_the_wrong_order(tmp_path):
     src = MODEL.format(body='  y = merge_heads(rope(split_heads(x, heads), factor=8.0, low_freq=4.0, high_freq=1.0))')
     file, err = spec_error(tmp_path, src)
-    expect_at(err, file, src, 4, 73, "rope: rope scaling needs 0 < low_freq < high_freq, got low_freq=4.0, "
+    expect_at(err, file, src, 4, 73, "rope: rope scaling needs 0 < low_freq <= high_freq, got low_freq=4.0, "
               "high_freq=1.0", "high_freq")
 
 
