@@ -377,6 +377,8 @@ builtin("log", ("x", R), doc="Natural logarithm of a number or, elementwise, of 
     _scalar_math(math.log, "log"))
 builtin("abs", ("x", R), doc="Absolute value of a number or, elementwise, of a tensor.")(
     _scalar_math(abs, "abs"))
+builtin("sign", ("x", R), doc="-1, 0 or 1 by the sign of a number or, elementwise, of a tensor (same dtype).")(
+    _scalar_math(lambda v: type(v)((v > 0) - (v < 0)), "sign"))
 builtin("floor", ("x", R), doc="Round down: an int for a number; elementwise (same float dtype) for a tensor.")(
     _scalar_math(math.floor, "floor"))
 builtin("ceil", ("x", R), doc="Round up: an int for a number; elementwise (same float dtype) for a tensor.")(

@@ -110,6 +110,7 @@ UNARY = [
     Unary("identity", lambda x, a, ev: x[0], free(), (), ints=True),
     Unary("log", lambda x, a, ev: np.log(x[0]), _E1, (0,)),
     Unary("abs", lambda x, a, ev: np.abs(x[0]), _E1, (0,), ints=True),
+    Unary("sign", lambda x, a, ev: np.sign(x[0]), _E1, (), ints=True),   # -1, 0 or 1 (DeBERTa's relative buckets)
     Unary("floor", lambda x, a, ev: np.floor(x[0]), _E1, ()),
     Unary("ceil", lambda x, a, ev: np.ceil(x[0]), _E1, ()),
     Unary("round", lambda x, a, ev: np.round(x[0]), _E1, ()),   # halves to even, as ONNX Round and torch.round
@@ -126,7 +127,7 @@ def _unary_rule(row: Unary):
                              f"got {x} (cast it first)")
         return [x]
     rule.__doc__ = ("Unary math and activations (gelu: approx=\"none\" is erf, \"tanh\" GPT-2's approximation); "
-                    "neg, abs, relu and identity also take integer tensors.")
+                    "neg, abs, sign, relu and identity also take integer tensors.")
     return rule
 
 

@@ -139,3 +139,30 @@ def test_interpreter_checks_ids_and_positions_like_the_runtime():
     with pytest.raises(InputError, match="T=9 is longer than the 8 positions of 'wpe.weight'"):
         interpret.run(g, w, {"tokens": np.zeros((1, 9), np.int64)})
     assert interpret.run(g, w, {"tokens": np.full((1, 8), 15, np.int64)})["logits"].shape == (1, 8, 16)
+
+
+SIGN = """
+model S() {
+  in x: f32[B, T]
+  in n: i64[B, T]
+  out y: f32[B, T]
+  out m: i64[B, T]
+  y = sign(x) * (sign(-2.5) + sign(0.0) + 2.0)
+  m = sign(n) * sign(7)
+}
+"""
+
+
+def test_sign_of_tensors_and_numbers_equals_numpy(tmp_path):
+    """sign: -1, 0 or 1, float and integer tensors in the interpreter and onnxruntime, and numbers at
+    elaboration (sign(-2.5) + sign(0.0) + 2.0 = 1.0, sign(7) = 1); the expected values are np.sign's."""
+    spec = tmp_path / "sign.tsr"
+    spec.write_text(SIGN)
+    g = build(str(spec))
+    x = np.array([[-3.5, -0.0, 0.0, 1e-30, 2.0]], dtype=np.float32)
+    n = np.array([[-4, 0, 9, -1, 1]], dtype=np.int64)
+    want = {"y": np.sign(x) * 1.0, "m": np.sign(n)}
+    for got in (interpret.run(g, {}, {"x": x, "n": n}), ort_run(g, {}, {"x": x, "n": n})):
+        np.testing.assert_array_equal(got["y"], want["y"])
+        np.testing.assert_array_equal(got["m"], want["m"])
+        assert got["m"].dtype == np.int64

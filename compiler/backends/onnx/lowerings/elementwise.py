@@ -55,7 +55,7 @@ LOWERINGS = {
     "floordiv": _floordiv,
     **{n: _one(t) for n, t in {"neg": "Neg", "sqrt": "Sqrt", "exp": "Exp", "relu": "Relu", "sigmoid": "Sigmoid",
                                "tanh": "Tanh", "identity": "Identity", "sin": "Sin", "cos": "Cos",
-                               "log": "Log", "abs": "Abs", "floor": "Floor", "ceil": "Ceil",
+                               "log": "Log", "abs": "Abs", "sign": "Sign", "floor": "Floor", "ceil": "Ceil",
                                "round": "Round", "softplus": "Softplus"}.items()},
     "gelu": lambda L: L.emit("Gelu", L.x, approximate=L.a["approx"]),
     "silu": _silu,
