@@ -37,7 +37,8 @@ class Built:
 
 
 def parse_set(items: list[str], program: Program) -> dict:
-    """--set k=v values: ints, floats, true/false, block names, else strings."""
+    """--set k=v values: ints, floats, true/false, lists of those ([1, 2], ["full", "sliding"]), block
+    names, else strings."""
     out = {}
     for item in items:
         m = re.fullmatch(r"([A-Za-z_]\w*)=(.*)", item)
@@ -51,6 +52,9 @@ def parse_set(items: list[str], program: Program) -> dict:
 
 
 def _parse_value(text: str, program: Program):
+    if text.startswith("[") and text.endswith("]"):  # a list, as the spec writes one: [1, 2] or ["a", "b"]
+        inner = text[1:-1].strip()
+        return [_parse_value(part.strip(), program) for part in _split_list(inner)] if inner else []
     if re.fullmatch(r"[+-]?\d+", text):
         return int(text)
     if re.fullmatch(r"[+-]?(\d+\.\d*|\.\d+|\d+)([eE][+-]?\d+)?", text):
@@ -60,6 +64,24 @@ def _parse_value(text: str, program: Program):
     if len(text) >= 2 and text[0] == text[-1] and text[0] in "\"'":
         return text[1:-1]  # `--set 'rope_type="yarn"'`: a string written as the spec writes one
     return text  # a string; the elaborator turns it into a block where the hyperparameter is a block
+
+
+def _split_list(text: str) -> list[str]:
+    """A list's items at its top-level commas (a quoted string may hold commas; lists do not nest)."""
+    parts, current, quote = [], "", None
+    for ch in text:
+        if quote:
+            quote = None if ch == quote else quote
+        elif ch in "\"'":
+            quote = ch
+        elif ch == ",":
+            parts.append(current)
+            current = ""
+            continue
+        elif ch in "[]":
+            raise UsageError(f"--set: a list holds numbers, true/false or strings, not lists: [{text}]")
+        current += ch
+    return parts + [current] if current.strip() or parts else parts
 
 
 def resolve_spec(spec: str | Path) -> Path:

@@ -8,7 +8,10 @@ count or eps slips in and loads without error (same shapes, other numbers). With
 reads them. They never override silently: a value that contradicts a ``--set`` or the chosen
 variant is an error naming both. A table entry ``{ expect = [...] }`` instead names the values
 a config key may have (``rope_type``: the scalings the spec implements), so a checkpoint that
-needs something else is refused rather than loaded wrong.
+needs something else is refused rather than loaded wrong. ``{ name = "max_rel", fallback =
+"max_position_embeddings", unset = -1 }`` reads another key when this one is absent, null or
+``unset`` (DeBERTa's "-1 means the context"). A value may be a flat list of numbers, bools or
+strings (Gemma 3's ``layer_types``), which a spec indexes per layer (``layer_types[i]``).
 """
 
 from __future__ import annotations
@@ -53,7 +56,18 @@ def read_config(folder: Path) -> dict | None:
     return data
 
 
+def _flat(value: list) -> bool:
+    """A list a hyperparameter may hold (Gemma 3's layer_types, Llama 4's no_rope_layers): numbers,
+    bools or strings, not nested, at most MAX_LIST items."""
+    return len(value) <= MAX_LIST and all(isinstance(v, (int, float, str)) for v in value)
+
+
+MAX_LIST = 4096
+
+
 def _same(a, b) -> bool:
+    if isinstance(a, list) or isinstance(b, list):
+        return isinstance(a, list) and isinstance(b, list) and len(a) == len(b) and all(map(_same, a, b))
     if isinstance(a, bool) or isinstance(b, bool):
         return a is b
     if isinstance(a, (int, float)) and isinstance(b, (int, float)):
@@ -83,12 +97,18 @@ def config_overrides(program: Program, name_map: NameMap | None, weights: str | 
     conflicts: list[tuple] = []
     for key, target in name_map.config.items():
         found, value = _lookup(config, key)
-        if isinstance(target, tuple):  # ("expect", allowed values)
+        if isinstance(target, tuple) and target[0] == "expect":  # ("expect", allowed values)
             if found and value is not None and not any(_same(value, a) for a in target[1]):
                 raise WeightsError(f"{where}: {key} = {json.dumps(value)} is not supported by {program.path} "
                                    f"(the mapping {name_map.source} allows "
                                    f"{', '.join(json.dumps(a) for a in target[1])})")
             continue
+        if isinstance(target, tuple):  # ("fallback", name, another key, the value meaning unset)
+            _, target, other, unset = target
+            if not found or value is None or (unset is not None and _same(value, unset)):
+                shown = "absent" if not found or value is None else f"{json.dumps(value)}"
+                key = f"{other} (as {key} is {shown})"
+                found, value = _lookup(config, other)
         if not found or value is None:
             if "." not in key:  # a nested key (rope_parameters.factor) is an optional refinement: no note
                 absent.append((key, target))
@@ -96,9 +116,9 @@ def config_overrides(program: Program, name_map: NameMap | None, weights: str | 
         if target not in names:
             raise WeightsError(f"{name_map.source}: [config] maps {key} to '{target}', which is not a "
                                f"hyperparameter of {model.name if model else program.path}")
-        if isinstance(value, (dict, list)):
-            raise WeightsError(f"{where}: {key} is a JSON {type(value).__name__}, not a number, bool or string "
-                               f"for hyperparameter '{target}'")
+        if isinstance(value, dict) or (isinstance(value, list) and not _flat(value)):
+            raise WeightsError(f"{where}: {key} is a JSON {type(value).__name__}, not a number, bool, string or "
+                               f"list of those for hyperparameter '{target}'")
         if target in out and not _same(out[target], value):
             raise WeightsError(f"{where}: {source[target]} = {json.dumps(out[target])} and {key} = "
                                f"{json.dumps(value)} both give hyperparameter '{target}'")

@@ -89,7 +89,8 @@ class NameMap:
     rules: list[_Rule] = field(default_factory=list)
     ignore: list["NamePattern"] = field(default_factory=list)
     source: str = ""
-    # config.json key (dotted for nested) -> hyperparameter name, or ("expect", allowed values)
+    # config.json key (dotted for nested) -> hyperparameter name, ("expect", allowed values) or
+    # ("fallback", hyperparameter name, the config key read instead, the value meaning "unset")
     config: dict = field(default_factory=dict)
 
     @classmethod
@@ -170,12 +171,23 @@ class NameMap:
                 if not re.fullmatch(r"[A-Za-z_]\w*", target):
                     raise WeightsError(f"{where}: '{target}' is not a hyperparameter name")
                 m.config[key] = target
-            elif isinstance(target, dict):
-                if set(target) != {"expect"} or not isinstance(target["expect"], list) or not target["expect"]:
+            elif isinstance(target, dict) and set(target) == {"expect"}:
+                if not isinstance(target["expect"], list) or not target["expect"]:
                     raise WeightsError(f"{where}: a table must be {{ expect = [allowed values] }}, got {target!r}")
                 m.config[key] = ("expect", list(target["expect"]))
+            elif isinstance(target, dict) and "name" in target:
+                # { name = "max_rel", fallback = "max_position_embeddings", unset = -1 }: when the key is
+                # absent, null or equal to `unset`, the fallback key's value (DeBERTa's "-1: the context")
+                bad = set(target) - {"name", "fallback", "unset"}
+                name, fallback = target["name"], target.get("fallback")
+                if bad or not isinstance(name, str) or not re.fullmatch(r"[A-Za-z_]\w*", name) or \
+                        not isinstance(fallback, str) or not fallback:
+                    raise WeightsError(f"{where}: a table must be {{ expect = [...] }} or {{ name = \"hyperparameter\", "
+                                       f"fallback = \"config key\", unset = value }}, got {target!r}")
+                m.config[key] = ("fallback", name, fallback, target.get("unset"))
             else:
-                raise WeightsError(f"{where} must be a hyperparameter name or {{ expect = [...] }}, got {target!r}")
+                raise WeightsError(f"{where} must be a hyperparameter name, {{ expect = [...] }} or {{ name = ..., "
+                                   f"fallback = ..., unset = ... }}, got {target!r}")
         return m
 
     def plan(self, shapes: dict[str, tuple[int, ...]], native=frozenset(), model_shapes: dict | None = None,
