@@ -309,6 +309,14 @@ def _select(call, x, axis, index):
                                                     "index": _int(call, index, "index")})
 
 
+@builtin("gather", ("x", R), ("index", R), ("axis", R))
+def _gather(call, x, index, axis):
+    """x's values at the positions ``index`` gives along ``axis`` (torch.gather, onnx GatherElements):
+    the index has x's rank and its sizes on the other axes; the result has the index's shape
+    (DeBERTa's relative-position lookups)."""
+    return call.emit("gather", [_tensor(call, x), _tensor(call, index)], {"axis": _int(call, axis, "axis")})
+
+
 @builtin("expand", ("x", R), ("shape", R))
 def _expand(call, x, shape):
     """Broadcast to a larger shape (e.g. a [1, 1, d] class token to [B, 1, d])."""

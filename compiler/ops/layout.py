@@ -122,6 +122,29 @@ def _select(t, a):
     return [TensorType(x.dtype, x.shape[:axis] + x.shape[axis + 1:])]
 
 
+def _gather_ref(x, a, ev):
+    data, index = x
+    return np.take_along_axis(data, index.astype(np.int64), axis=a["axis"])
+
+
+@op("gather", reference=_gather_ref, cost=free(), saved=())
+def _gather(t, a):
+    """out[..., i, ...] = x[..., index[..., i, ...], ...] along attrs["axis"] (torch.gather, onnx
+    GatherElements, np.take_along_axis): the index has x's rank and, on every other axis, x's size,
+    so the three agree (none broadcasts); the output has the index's shape and x's dtype."""
+    x, index = t
+    axis = common.axis(a["axis"], x.rank)
+    if index.dtype not in ("i64", "i32"):
+        raise ShapeError(f"gather's index must be an integer tensor, got {index}")
+    if index.rank != x.rank:
+        raise ShapeError(f"gather's index must have x's rank {x.rank}, got {index}")
+    for d in range(x.rank):
+        if d != axis and not dims.equal(x.shape[d], index.shape[d]):
+            raise ShapeError(f"gather's index must match x on every axis but {a['axis']}: axis {d} is "
+                             f"{dims.fmt(index.shape[d])}, x has {dims.fmt(x.shape[d])} (expand it first)")
+    return [TensorType(x.dtype, index.shape)]
+
+
 @op("expand", reference=lambda x, a, ev: np.broadcast_to(x[0], [ev(d) for d in a["shape"]]).copy(),
     cost=free(), saved=(), traits=("alias",))
 def _expand(t, a):

@@ -166,3 +166,33 @@ def test_sign_of_tensors_and_numbers_equals_numpy(tmp_path):
         np.testing.assert_array_equal(got["y"], want["y"])
         np.testing.assert_array_equal(got["m"], want["m"])
         assert got["m"].dtype == np.int64
+
+
+GATHER = """
+model G(d = 6) {
+  in x: f32[B, T, d]
+  in pos: i64[B, T, T]
+  out y: f32[B, T, T]
+  y = gather(x, pos, -1)
+}
+"""
+
+
+def test_gather_along_an_axis_equals_torch_gather(tmp_path, rng):
+    """gather(x, index, axis): torch.gather's values (DeBERTa's c2p lookup: a [B, T, 2k] score read at
+    [B, T, T] relative positions), negative indices counted from the end, in the interpreter and
+    onnxruntime; an index that does not match x off the axis is a positioned error."""
+    torch = pytest.importorskip("torch")
+    spec = tmp_path / "gather.tsr"
+    spec.write_text(GATHER)
+    g = build(str(spec))
+    x = rng.standard_normal((2, 5, 6)).astype(np.float32)
+    pos = rng.integers(-6, 6, size=(2, 5, 5))
+    ref = torch.gather(torch.from_numpy(x), -1, torch.from_numpy(pos) % 6).numpy()
+    for got in (interpret.run(g, {}, {"x": x, "pos": pos}), ort_run(g, {}, {"x": x, "pos": pos})):
+        np.testing.assert_array_equal(got["y"], ref)
+    bad = tmp_path / "bad.tsr"
+    bad.write_text(GATHER.replace("in pos: i64[B, T, T]", "in pos: i64[B, 3, T]"))
+    from tessera.spec.diagnostics import SpecError
+    with pytest.raises(SpecError, match=r"gather's index must match x on every axis but -1: axis 1 is 3"):
+        build(str(bad))

@@ -43,6 +43,7 @@ LOWERINGS = {
     "repeat_kv": _repeat_kv,
     "concat": lambda L: L.emit("Concat", L.x, axis=L.a["axis"]),
     "slice": lambda L: L.emit("Slice", [L.x[0], L.b.dim(L.a["start"]), L.b.dim(L.a["end"]), L.b.i64([L.a["axis"]])]),
+    "gather": lambda L: L.emit("GatherElements", [L.x[0], L.x[1]], axis=L.a["axis"]),
     "select": lambda L: L.emit("Gather", [L.x[0], L.b.const(np.array(L.a["index"], dtype=np.int64), "index")],
                                axis=L.a["axis"]),
     "expand": lambda L: L.emit("Expand", [L.x[0], L.b.shape_vec(L.a["shape"])]),
