@@ -109,7 +109,8 @@ def _scalar_math(fn, tensor_op):
 # ------------------------------------------------------------------ layers with parameters
 @builtin("linear", ("x", R), ("out", R), ("bias", True), ("weight", None))
 def _linear(call, x, out, bias, weight):
-    """y = x W^T + b, with W stored [out, in] (PyTorch's layout). weight= reuses a tensor (tying, literals)."""
+    """y = x W^T + b, with W stored [out, in] (PyTorch's layout). weight= reuses a tensor (tying, literals);
+    bias= true/false, or an existing [out] tensor to reuse (weight("./k.bias"))."""
     x = _tensor(call, x)
     n_out = _int(call, out, "out", 1)
     n_in = x.type.shape[-1] if x.type.rank else None
@@ -122,7 +123,12 @@ def _linear(call, x, out, bias, weight):
         if w.type.rank != 2 or not dims.equal(w.type.shape[0], n_out):
             raise call.error(f"weight must be [{n_out}, in], got {w.type}", weight[1])
     inputs = [x, w]
-    if _bool(call, bias, "bias"):
+    if isinstance(bias[0], Tensor):  # a shared bias
+        b = bias[0]
+        if b.type.rank != 1 or not dims.equal(b.type.shape[0], n_out):
+            raise call.error(f"bias must be [{n_out}], got {b.type}", bias[1])
+        inputs.append(b)
+    elif _bool(call, bias, "bias"):
         inputs.append(call.param("bias", (n_out,), "zeros"))
     return call.emit("linear", inputs)
 
@@ -221,7 +227,9 @@ def _buffer(call, shape, init):
 
 @builtin("weight", ("path", R))
 def _weight(call, path):
-    """An existing parameter by its full path, e.g. weight("wte.weight") to tie an output head."""
+    """An existing parameter by its full path, e.g. weight("wte.weight") to tie an output head, or
+    relative to the current block ("./k.weight", "../norm.weight"): a block's own projection applied to
+    a second input (DeBERTa's relative positions through its key and query projections)."""
     value, pos = path
     if not isinstance(value, str):
         raise call.error(f"'path' must be a string, got {describe(value)}", pos)

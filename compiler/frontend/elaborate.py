@@ -740,7 +740,21 @@ class BuiltinCall:
         return self.elab.as_tensor(value, pos or self.pos, dtype, what, scope)
 
     def lookup_param(self, path: str, pos: Pos) -> Tensor:
+        """A parameter by its full path, or relative to the current block's scope: "./k.weight" in
+        the block instance layers.0.attn is layers.0.attn.k.weight, each "../" one scope up."""
         g = self.graph
+        if path.startswith(("./", "../")):
+            scope, rest = list(self.elab.scope), path
+            while rest.startswith(("./", "../")):
+                if rest.startswith("../"):
+                    if not scope:
+                        raise SpecError(f"'{path}' goes above the model's top scope (the current scope is "
+                                        f"'{self.elab.scope_path() or '<model>'}')", pos)
+                    scope.pop()
+                    rest = rest[3:]
+                else:
+                    rest = rest[2:]
+            path = ".".join([*scope, rest])
         if path not in g.params:
             raise SpecError(f"no parameter '{path}'{did_you_mean(path, g.params)}", pos)
         v = g.values[path]
