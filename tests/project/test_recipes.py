@@ -320,7 +320,7 @@ def add_compile_keywords(pkg: Path) -> None:
 
 COMPILE_OPTION_CHECK = """
 import pathlib, sys, tempfile
-sys.path.insert(0, "tests")
+sys.path.insert(0, "tests/project")
 import test_options_parity as parity
 from tessera.compiler import build as compiler_build
 from tessera.compiler.passes.pipeline import PipelineOptions
