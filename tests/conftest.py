@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import numpy as np
@@ -12,6 +13,11 @@ from tessera.compiler.frontend.elaborate import elaborate
 from tessera.spec import load_program
 
 ROOT = Path(__file__).resolve().parents[1]
+
+# The compile cache (runtime/compile_cache.py) is off for the suite: it compiles thousands of models that
+# would fill the user's cache folder, and a hit would skip the compile a test means to exercise (or to
+# patch). tests/test_compile_cache.py turns it on, in a folder of its own, where it is the subject.
+os.environ["TESSERA_COMPILE_CACHE"] = "off"
 
 
 def load_bench(name: str):

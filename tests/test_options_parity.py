@@ -404,3 +404,31 @@ def reach(entry: str, tmp_path, flags=(), keywords=None, app=None) -> None:
 def test_every_entry_point_compiles_through_build_fields(entry, compiled_with, tmp_path):
     reach(entry, tmp_path)
     assert compiled_with == [True], f"{entry} compiled with PipelineOptions not made by BuildOptions.build_fields()"
+
+
+# ------------------------------------------------------------------ every entry point reads the compile cache
+def test_every_entry_point_that_loads_a_model_reads_the_compile_cache_it_is_given(compiled_with, tmp_path,
+                                                                                  monkeypatch):
+    """--compile-cache DIR (a compile option: options.CompileCacheOptions, a base of BuildOptions) given as a
+    flag, a keyword or an app argument reaches the compile cache's lookup (runtime/compile_cache.folder_for)
+    at every entry point that loads a model; compile writes its output afresh and never looks."""
+    from tessera.runtime import compile_cache
+
+    asked = []
+
+    def folder_for(given=None, disabled=False):
+        asked.append((given, disabled))
+        return None, "off (this test)"
+
+    monkeypatch.setattr(compile_cache, "folder_for", folder_for)
+    folder = str(tmp_path / "cc")
+    for entry in sorted(ENTRY_POINTS):
+        asked.clear()
+        reach(entry, tmp_path, ["--compile-cache", folder], {"compile_cache": folder}, {"compile_cache": folder})
+        if entry.startswith(("tessera compile", "Model.compile")):
+            assert asked == [], entry
+        else:
+            assert asked and all(str(given) == folder and not off for given, off in asked), (entry, asked)
+    asked.clear()
+    reach("tessera generate", tmp_path, ["--no-compile-cache"])
+    assert asked == [(None, True)]
