@@ -719,3 +719,24 @@ def perplexity(ref: ModelRef, o, weights=None, progress=None) -> PerplexityResul
                             "llama.cpp" if o.stride is None else "sliding", sess.get_providers()[0],
                             time.perf_counter() - t0,
                             runnable.compile_cache.state if runnable.compile_cache is not None else "off")
+
+
+# ------------------------------------------------------------------ the compile cache
+def cache(o) -> dict:
+    """``tessera cache list|clear`` (options.CacheOptions): the compile cache's folder (as the commands that
+    load a model choose it: --compile-cache, TESSERA_COMPILE_CACHE, Tessera's cache folder) and its
+    entries, most recently used first; ``clear`` removes them and says how many and how large."""
+    from tessera.runtime import compile_cache
+
+    o.check()
+    folder, source = compile_cache.folder_for(o.compile_cache)
+    out = {"folder": str(folder) if folder is not None else None, "source": source,
+           "max_bytes": compile_cache.max_bytes()}
+    if folder is None:
+        out["entries"] = []
+        return out
+    if o.action == "clear":
+        removed, freed = compile_cache.clear(folder)
+        out.update(removed=removed, freed_bytes=freed)
+    out["entries"] = [e.as_dict() for e in compile_cache.entries(folder)]
+    return out

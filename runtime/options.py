@@ -1102,5 +1102,22 @@ class PerplexityOptions(CompileCacheOptions, QuantOptions):
         check_bool(self.label("quiet"), self.quiet)
 
 
+CACHE_ACTIONS = ("list", "clear")
+
+
+@dataclass(kw_only=True)
+class CacheOptions(Options):
+    """``tessera cache list|clear``: the compile cache's entries listed or removed (runtime/compile_cache.py)."""
+
+    action: str = "list"
+    compile_cache: str | Path | None = None
+    format: str = "text"
+
+    def check(self) -> None:
+        check_choice("action", self.action, CACHE_ACTIONS)
+        check_path(self.label("compile_cache"), self.compile_cache)
+        check_choice(self.label("format"), self.format, ("text", "json"))
+
+
 COMMANDS = {"compile": CompileOptions, "run": RunOptions, "report": ReportOptions, "generate": GenerateOptions,
             "perplexity": PerplexityOptions}
