@@ -119,7 +119,8 @@ class Model:
                 sparse_moe: bool = True, genai: bool = False, tokenizer: str | Path | None = None,
                 context_length: int | None = None, cache: str = "auto", decode: str = "auto",
                 combined_call: bool = False,
-                recurrence: str = "auto", attention_probs: list[int | str] = (), explain: bool = False) -> list[Path]:
+                recurrence: str = "auto", attention_probs: list[int | str] = (), explain: bool = False,
+                compile_cache: str | Path | None = None, no_compile_cache: bool = False) -> list[Path]:
         """Write the ONNX file (kv_cache=True: the cached decoder that ``tessera generate`` loads, with
         ``cache``, ``decode`` and ``combined_call`` as --cache, --decode and --combined-call); the weights are streamed to it one tensor at a
         time. ``quantize`` "int8" or "int4" (with ``quantize_block``, ``quantize_head``,
@@ -127,14 +128,16 @@ class Model:
         ``recurrence`` is --recurrence; ``attention_probs`` (site numbers or "all") --attention-probs;
         ``explain=True`` prints --explain's listing to stderr. ``genai=True`` (with ``tokenizer``, and
         ``context_length`` where the model has none) writes the folder ``out`` for onnxruntime-genai,
-        as ``tessera compile --genai`` does."""
+        as ``tessera compile --genai`` does. ``compile_cache`` and ``no_compile_cache`` are taken as every
+        compiling method takes them; compile writes its output afresh, neither reading nor filling the cache."""
         o = CompileOptions(output=out, kv_cache=kv_cache, attention=attention, target=target, dtype=dtype,
                            check_model=check, quantize=quantize, quantize_block=quantize_block,
                            quantize_head=quantize_head, quantize_activations=quantize_activations,
                            sparse_moe=sparse_moe, genai=genai, tokenizer=tokenizer, context_length=context_length,
                            cache=cache, decode=decode, combined_call=combined_call, recurrence=recurrence,
                            attention_probs=list(attention_probs) if isinstance(attention_probs, (list, tuple))
-                           else attention_probs, explain=explain).for_api()
+                           else attention_probs, explain=explain, compile_cache=compile_cache,
+                           no_compile_cache=no_compile_cache).for_api()
         return driver.compile(self.ref, o, weights=self._weights).files
 
     def run(self, inputs: dict | None = None, /, *, provider: str = "cpu", attention: str = "auto",
@@ -142,16 +145,18 @@ class Model:
             quantize_head: bool = False, quantize_activations: str | None = None, sparse_moe: bool = True,
             recurrence: str = "auto", explain: bool = False, tokenizer: str | Path | None = None,
             texts: list[str] = (), images: list[str] = (), pool: str | None = None,
-            save: str | Path | None = None, **named_inputs) -> dict[str, np.ndarray]:
+            save: str | Path | None = None, compile_cache: str | Path | None = None, no_compile_cache: bool = False,
+            **named_inputs) -> dict[str, np.ndarray]:
         """Run the model in onnxruntime on named inputs (arrays or nested lists, checked like
         ``tessera run --input``); an input whose name is also a keyword here goes in ``inputs``, a dict.
         The keywords are ``tessera run``'s options (``texts`` with ``tokenizer`` is --text, ``images``
-        --image, ``pool="mean"`` --pool mean, ``save`` --save DIR)."""
+        --image, ``pool="mean"`` --pool mean, ``save`` --save DIR; ``compile_cache`` --compile-cache DIR,
+        ``no_compile_cache=True`` --no-compile-cache: docs/cli.md, the compile cache)."""
         o = RunOptions(provider=provider, attention=attention, target=target, dtype=dtype, quantize=quantize,
                        quantize_block=quantize_block, quantize_head=quantize_head,
                        quantize_activations=quantize_activations, sparse_moe=sparse_moe, recurrence=recurrence,
                        explain=explain, tokenizer=tokenizer, texts=_as_list(texts), images=_as_list(images), pool=pool,
-                       save=save).for_api()
+                       save=save, compile_cache=compile_cache, no_compile_cache=no_compile_cache).for_api()
         o.check()
         key = (provider, attention, target, dtype, sparse_moe, recurrence, o.build_key())
         if key not in self._runnables or explain:
@@ -175,16 +180,19 @@ class Model:
     def perplexity(self, text: str | Path, context: int = 512, stride: int | None = None,
                    tokenizer: str | Path | None = None, provider: str = "auto", quantize: str = "none",
                    quantize_block: int | None = None, quantize_head: bool = False,
-                   quantize_activations: str | None = None) -> dict:
+                   quantize_activations: str | None = None, compile_cache: str | Path | None = None,
+                   no_compile_cache: bool = False) -> dict:
         """The perplexity on the text file ``text``, as ``tessera perplexity --format json`` gives it: by
         default llama.cpp's llama-perplexity figure (windows of ``context`` tokens, each scoring its
         second half), with ``stride`` transformers' sliding window (runtime/driver.perplexity_windows);
         ``tokenizer`` as --tokenizer (a checkpoint folder or GGUF file as the model brings its own),
-        ``quantize``... as --quantize...."""
+        ``quantize``... as --quantize..., ``compile_cache`` and ``no_compile_cache`` as --compile-cache and
+        --no-compile-cache."""
         o = PerplexityOptions(text=text, context=context, stride=stride,
                               tokenizer=tokenizer if tokenizer is not None else self._folder_tokenizer,
                               provider=provider, quantize=quantize, quantize_block=quantize_block,
-                              quantize_head=quantize_head, quantize_activations=quantize_activations).for_api()
+                              quantize_head=quantize_head, quantize_activations=quantize_activations,
+                              compile_cache=compile_cache, no_compile_cache=no_compile_cache).for_api()
         return driver.perplexity(self.ref, o, weights=self._weights).as_dict()
 
     def cached(self, threads: int | None = None, cache: str = "auto") -> gen.CachedModel:
@@ -208,7 +216,8 @@ class Model:
                  quantize_head: bool = False, quantize_activations: str | None = None, inputs: dict | None = None,
                  provider: str = "auto", dtype: str = "fp32",
                  start_token: int | None = None, speculative=None, draft_tokens: int | None = None,
-                 json_schema=None, regex: str | None = None, grammar: str | Path | None = None):
+                 json_schema=None, regex: str | None = None, grammar: str | Path | None = None,
+                 compile_cache: str | Path | None = None, no_compile_cache: bool = False):
         """Generate from token ids (a list, or a list of lists for a batch) or text (a str or list of str,
         with ``tokenizer``). Returns the new tokens (or texts) per prompt -- one list (or str) for a single
         prompt; with ``stream=True`` yields them as they are decoded instead (per step: the new token of
@@ -232,7 +241,10 @@ class Model:
         only, the same tokens as without it (docs/generate.md); streamed, a round's tokens come together.
         Structured output (one of, with a tokenizer): ``json_schema`` (a dict, or a JSON schema file),
         ``regex`` (a regular expression), ``grammar`` (a Lark grammar file): every output follows it.
-        ``provider`` and ``dtype``: generate's --provider and --dtype (on CUDA the spec is compiled for CUDA)."""
+        ``provider`` and ``dtype``: generate's --provider and --dtype (on CUDA the spec is compiled for CUDA).
+        ``compile_cache`` (a folder) and ``no_compile_cache=True``: --compile-cache and --no-compile-cache
+        (the compiled decoder kept between runs, keyed by the weights' files: weights changed in memory,
+        ``m.weights[...]``, are not seen by a cache hit; give ``no_compile_cache=True`` then)."""
         # an encoder-decoder may have no prompt: its sources and a start token (given or the checkpoint's)
         no_prompt = prompt is None and (start_token is not None or bool(inputs))
         texts, ids, single = ([], None, False) if no_prompt else split_prompt(prompt)
@@ -248,7 +260,8 @@ class Model:
                             quantize_block=quantize_block, quantize_head=quantize_head,
                             quantize_activations=quantize_activations, provider=provider, dtype=dtype,
                             start_token=start_token, speculative=speculative, draft_tokens=draft_tokens,
-                            json_schema=json_schema, regex=regex, grammar=grammar).for_api()
+                            json_schema=json_schema, regex=regex, grammar=grammar, compile_cache=compile_cache,
+                            no_compile_cache=no_compile_cache).for_api()
         o.check()  # before the tokenizer is read
         tok = self.tokenizer(tokenizer) if tokenizer is not None else None
         # errors now, not at the first next()

@@ -131,6 +131,7 @@ class Runnable:
     exposed: list = field(default_factory=list)
     session: object = None
     recurrences: object = None  # the graph without weights when it has Scan/RNN/GRU/LSTM (runtime/loop_bounds.py)
+    compile_cache: object = None  # how the compile cache served it (runtime/compile_cache.Lookup), for a spec
 
     def open(self, provider: str):
         from tessera.runtime import session
@@ -170,13 +171,36 @@ def prepare_run(ref: ModelRef, o: RunOptions, weights=None) -> Runnable:
                         recurrences=loop_bounds.without_weights(model) if loop_bounds.has_recurrence(model) else None)
     from tessera.compiler.backends.onnx import export as onnx_export
 
+    from tessera.runtime import compile_cache
+
     built = pipeline.build(ref.spec, ref.variant, ref.sets, ref.weights)
     specs, limits = specs_from_graph(built.graph), input_limits(built.graph)
+    probs = [o.layer] if o.wants_alignment and o.layer is not None else None
+    options = o.pipeline_options(probs or ())
+    # the compile cache keeps the model as run takes it; not with attention probabilities exposed to be
+    # drawn (which outputs they became is the compile's note, not the file's)
+    lookup = compile_cache.Lookup.start(o, "full model", built, ref.weights, ref.seed, options,
+                                        off=o.wants_alignment)
+    hit = lookup.hit()
+    lookup.say_notes()
+    if hit is not None:
+        pipeline.check_memory(built, ref.allow_large)
+        if o.explain:
+            print(lookup.explain(), file=sys.stderr)
+        model = load_model_proto(hit)  # the structure only
+        recurrences = loop_bounds.without_weights(model) if loop_bounds.has_recurrence(model) else None
+        return Runnable(str(hit), specs, limits, recurrences=recurrences, compile_cache=lookup)
     if weights is None:
         weights = pipeline.weights_for(built, ref.weights, ref.seed, ref.allow_large)
-    probs = [o.layer] if o.wants_alignment and o.layer is not None else None
-    exposed = pipeline.optimize(built, o.pipeline_options(probs or ()), o.explain)
+    exposed = pipeline.optimize(built, options, o.explain)
     source = onnx_export.to_bytes(built.graph, weights, pipeline.metadata(built))
+    if lookup.store(lambda folder: _write_bytes(folder / compile_cache.MODEL, source)) is not None:
+        source_or_file = str(lookup.entry / compile_cache.MODEL)
+    else:
+        source_or_file = source
+    lookup.say_notes()
+    if o.explain and lookup.on:
+        print(lookup.explain(), file=sys.stderr)
     recurrences = None
     if any(n.op == "scan" for n in built.graph.nodes.values()):
         import onnx
@@ -185,7 +209,18 @@ def prepare_run(ref: ModelRef, o: RunOptions, weights=None) -> Runnable:
 
         # the structure only: parsing the serialised weights once more would hold them twice
         recurrences = loop_bounds.without_weights(onnx.ModelProto.FromString(skeleton_of(source)))
-    return Runnable(source, specs, limits, exposed, recurrences=recurrences)
+    return Runnable(source_or_file, specs, limits, exposed, recurrences=recurrences, compile_cache=lookup)
+
+
+def _write_bytes(path: Path, data: bytes) -> list[Path]:
+    """A serialised model into the compile cache's new entry (its folder is renamed into place after)."""
+    import os
+
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    return [path]
 
 
 def run(ref: ModelRef, o: RunOptions, arrays: dict | None = None, weights=None,
@@ -426,9 +461,11 @@ def serve_model(ref: ModelRef, o: EngineOptions, decode: str = DECODE, last_only
         model = gen.CachedModel.from_onnx(path, provider=device, threads=o.threads)
     else:
         built = pipeline.build(ref.spec, ref.variant, ref.sets, ref.weights)
-        weights = pipeline.weights_for(built, ref.weights, ref.seed, ref.allow_large)
         from tessera.runtime import embedding as embeddings
+        from tessera.runtime.generation.loop import compile_decoder
 
+        if embeddings.is_encoder(built.graph) or target_input(built.graph) is not None:
+            weights = pipeline.weights_for(built, ref.weights, ref.seed, ref.allow_large)
         if device == "cuda" and (embeddings.is_encoder(built.graph) or target_input(built.graph) is not None
                                  or _carries_state(built.graph)):
             if o.provider == "auto":  # served on the CPU, compiled for it
@@ -444,20 +481,31 @@ def serve_model(ref: ModelRef, o: EngineOptions, decode: str = DECODE, last_only
         if target is not None:  # served by the RowEngine (row_engine.py), one decoder per row
             served_sources(_Sources(built, target))  # float features cannot come over HTTP: before compiling
             return EncoderDecoder(built, weights, target, o.threads, o.engine_pipeline_options(state=True))
+        # the cached decoders below go through the compile cache (generation/loop.compile_decoder): a hit
+        # loads the compiled model without reading the weights; a miss reads them (once) and compiles
+        read: list = []
+
+        def read_weights():  # once, on the first miss
+            if not read:
+                read.append(pipeline.weights_for(built, ref.weights, ref.seed, ref.allow_large))
+            return read[0]
+
         if _carries_state(built.graph):  # the RowEngine's per-slot state; no buffer cache to fit
-            proto, info = gen.compile_cached(built, weights, o.engine_pipeline_options(state=True))
-            return gen.CachedModel(proto.SerializeToString(), info, threads=o.threads)
+            return compile_decoder(built, ref, o, o.engine_pipeline_options(state=True), "row engine's decoder",
+                                   "cpu", o.threads, read_weights)
         try:
             # the engine's variant: with the combined call (last-position logits only: not for speculation)
-            proto, info = gen.compile_cached(built, weights, o.engine_pipeline_options(decode, last_only))
+            model = compile_decoder(built, ref, o, o.engine_pipeline_options(decode, last_only),
+                                    "serving engine's decoder", device, o.threads, read_weights)
+            info = model.info
             if info.length_input and not all(layer.buffer_key for layer in info.layers):
                 # mixed kernels would read one attention mask two ways (see check_fit): all plain
-                proto, info = gen.compile_cached(built, weights,
-                                                 o.engine_pipeline_options("plain", last_only, mixed=False))
+                built = pipeline.build(ref.spec, ref.variant, ref.sets, ref.weights)  # the compile rewrote it
+                model = compile_decoder(built, ref, o, o.engine_pipeline_options("plain", last_only, mixed=False),
+                                        "serving engine's decoder", device, o.threads, read_weights)
         except UsageError as e:  # e.g. a sliding window: no buffer-mode cache
             raise UsageError(f"{e}; `tessera serve` needs the buffer cache (one row per slot), so it cannot serve "
                              f"this model") from None
-        model = gen.CachedModel(proto.SerializeToString(), info, provider=device, threads=o.threads)
     check_fit(model)
     return model
 
@@ -544,6 +592,7 @@ class PerplexityResult:
     convention: str          # "llama.cpp" or "sliding"
     provider: str
     seconds: float
+    compile_cache: str = "off"  # hit, miss or off (runtime/compile_cache.py)
 
     def as_dict(self) -> dict:
         from dataclasses import asdict
@@ -556,7 +605,8 @@ class PerplexityResult:
                f"{self.windows} windows of at most {self.context} tokens every {self.stride}, each scoring the "
                f"tokens no earlier window scored (transformers' sliding window)")
         return (f"perplexity {self.perplexity:.4f} ± {self.uncertainty:.4f} over {self.scored:,} tokens of "
-                f"{self.text_tokens:,} ({how}; {self.seconds:.1f} s, {self.provider})")
+                f"{self.text_tokens:,} ({how}; {self.seconds:.1f} s, {self.provider}; compile cache "
+                f"{self.compile_cache})")
 
 
 def perplexity_windows(n_tokens: int, context: int, stride: int | None) -> list[tuple[int, int, int]]:
@@ -631,7 +681,8 @@ def perplexity(ref: ModelRef, o, weights=None, progress=None) -> PerplexityResul
         raise UsageError(f"{o.text} has {len(ids):,} tokens; {o.flag('context')} {o.context} needs at least "
                          f"{o.context if o.stride is None else 2} (give a longer text or a shorter context)")
     run_o = RunOptions(provider=o.provider, quantize=o.quantize, quantize_block=o.quantize_block,
-                       quantize_head=o.quantize_head, quantize_activations=o.quantize_activations)
+                       quantize_head=o.quantize_head, quantize_activations=o.quantize_activations,
+                       compile_cache=o.compile_cache, no_compile_cache=o.no_compile_cache)
     runnable = prepare_run(ref, run_o, weights)
     ints = [s for s in runnable.specs if s.dtype.startswith(("i", "u"))]
     if len(runnable.specs) != 1 or len(ints) != 1:
@@ -666,4 +717,26 @@ def perplexity(ref: ModelRef, o, weights=None, progress=None) -> PerplexityResul
     err = float(np.sqrt(spread / (count - 1)) * ppl) if count > 1 else 0.0
     return PerplexityResult(ppl, err, mean, count, len(windows), len(ids), o.context, o.stride,
                             "llama.cpp" if o.stride is None else "sliding", sess.get_providers()[0],
-                            time.perf_counter() - t0)
+                            time.perf_counter() - t0,
+                            runnable.compile_cache.state if runnable.compile_cache is not None else "off")
+
+
+# ------------------------------------------------------------------ the compile cache
+def cache(o) -> dict:
+    """``tessera cache list|clear`` (options.CacheOptions): the compile cache's folder (as the commands that
+    load a model choose it: --compile-cache, TESSERA_COMPILE_CACHE, Tessera's cache folder) and its
+    entries, most recently used first; ``clear`` removes them and says how many and how large."""
+    from tessera.runtime import compile_cache
+
+    o.check()
+    folder, source = compile_cache.folder_for(o.compile_cache)
+    out = {"folder": str(folder) if folder is not None else None, "source": source,
+           "max_bytes": compile_cache.max_bytes()}
+    if folder is None:
+        out["entries"] = []
+        return out
+    if o.action == "clear":
+        removed, freed = compile_cache.clear(folder)
+        out.update(removed=removed, freed_bytes=freed)
+    out["entries"] = [e.as_dict() for e in compile_cache.entries(folder)]
+    return out

@@ -309,7 +309,37 @@ def add_quant_arguments(p: argparse.ArgumentParser) -> None:
 
 
 @dataclass(kw_only=True)
-class BuildOptions(QuantOptions):
+class CompileCacheOptions(Options):
+    """Where compiled models are kept between runs (runtime/compile_cache.py): the commands that load a
+    model (run, generate, serve, batch, perplexity and the API's methods) read a model compiled before
+    from it and store what they compile; ``compile`` writes its output afresh."""
+
+    compile_cache: str | Path | None = flag(
+        None, metavar="DIR",
+        help="keep compiled models in DIR and load them from there when the spec, the weights files (path, size, "
+             "modification time), the compile options and the versions are the same (default: "
+             "$TESSERA_COMPILE_CACHE, else the compiled/ folder of Tessera's cache folder, ~/.cache/tessera; "
+             "`tessera cache list|clear`); run, generate, serve, batch and perplexity read and fill it, compile "
+             "always writes its output afresh")
+    no_compile_cache: bool = flag(False, action="store_true",
+                                  help="compile the model now, neither reading nor filling the compile cache")
+
+    def check(self) -> None:
+        super().check()
+        check_path(self.label("compile_cache"), self.compile_cache)
+        check_bool(self.label("no_compile_cache"), self.no_compile_cache)
+        if self.compile_cache is not None and not str(self.compile_cache):
+            raise UsageError(f"{self.flag('compile_cache')} needs a folder, got an empty path")
+        if self.compile_cache is not None and self.no_compile_cache:
+            raise UsageError(self.say("--compile-cache DIR and --no-compile-cache contradict each other; give one",
+                                      "compile_cache and no_compile_cache=True contradict each other; give one"))
+
+
+CACHE_FIELDS = ("compile_cache", "no_compile_cache")  # where compiles are kept, not how: no pipeline keyword
+
+
+@dataclass(kw_only=True)
+class BuildOptions(CompileCacheOptions, QuantOptions):
     """How a model is compiled, for every entry point that compiles one: ``compile``, ``run``,
     ``generate``, ``serve``, ``batch``, the Ray deployment and the API's methods take these fields.
     A compile option that all of them should honour is a field here, declared with ``flag(...)`` (the
@@ -328,8 +358,10 @@ class BuildOptions(QuantOptions):
         return {"quantize": self.quant_config()}
 
     def build_given(self) -> list[str]:
-        """The fields given otherwise than their defaults (an .onnx file is compiled already: it takes none)."""
-        return [f.name for f in fields(BuildOptions) if getattr(self, f.name) != f.default]
+        """The fields given otherwise than their defaults (an .onnx file is compiled already: it takes none;
+        the compile cache's fields do not change a compile, so an .onnx file takes them, unused)."""
+        return [f.name for f in fields(BuildOptions) if getattr(self, f.name) != f.default
+                and f.name not in CACHE_FIELDS]
 
     def build_key(self) -> tuple:
         """The values of these fields: what a caller keeping compiled models (the API's) keys them by."""
@@ -1044,7 +1076,7 @@ PERPLEXITY_FORMATS = ("text", "json")
 
 
 @dataclass(kw_only=True)
-class PerplexityOptions(QuantOptions):
+class PerplexityOptions(CompileCacheOptions, QuantOptions):
     """``tessera perplexity`` / ``Model.perplexity``: a causal language model's perplexity on a text file
     (runtime/driver.perplexity says which windows are scored)."""
 
@@ -1068,6 +1100,23 @@ class PerplexityOptions(QuantOptions):
         check_choice(self.label("provider"), self.provider, PROVIDERS)
         check_choice(self.label("format"), self.format, PERPLEXITY_FORMATS)
         check_bool(self.label("quiet"), self.quiet)
+
+
+CACHE_ACTIONS = ("list", "clear")
+
+
+@dataclass(kw_only=True)
+class CacheOptions(Options):
+    """``tessera cache list|clear``: the compile cache's entries listed or removed (runtime/compile_cache.py)."""
+
+    action: str = "list"
+    compile_cache: str | Path | None = None
+    format: str = "text"
+
+    def check(self) -> None:
+        check_choice("action", self.action, CACHE_ACTIONS)
+        check_path(self.label("compile_cache"), self.compile_cache)
+        check_choice(self.label("format"), self.format, ("text", "json"))
 
 
 COMMANDS = {"compile": CompileOptions, "run": RunOptions, "report": ReportOptions, "generate": GenerateOptions,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -21,6 +22,11 @@ TESTS = Path(__file__).resolve().parent
 for _area in sorted(p for p in TESTS.iterdir() if p.is_dir() and any(p.glob("test_*.py"))):
     if str(_area) not in sys.path:
         sys.path.append(str(_area))
+
+# The compile cache (runtime/compile_cache.py) is off for the suite: it compiles thousands of models that
+# would fill the user's cache folder, and a hit would skip the compile a test means to exercise (or to
+# patch). tests/generation/test_compile_cache.py turns it on, in a folder of its own, where it is the subject.
+os.environ["TESSERA_COMPILE_CACHE"] = "off"
 
 
 def load_bench(name: str):

@@ -1,4 +1,4 @@
-"""The ``tessera`` command: compile, run, report, ir, generate, perplexity (one module per command
+"""The ``tessera`` command: compile, run, report, ir, generate, perplexity, cache (one module per command
 here), serve and batch (runtime/serving/cli.py and batch_cli.py, beside the engine they start).
 
 Every user error (a spec error, a bad --set, a weights file that does not
@@ -14,7 +14,7 @@ import sys
 import threading
 
 from tessera.runtime.cli import args as shared
-from tessera.runtime.cli import compile as compile_cmd, generate, ir, perplexity, report, run
+from tessera.runtime.cli import cache, compile as compile_cmd, generate, ir, perplexity, report, run
 from tessera.runtime.serving import batch_cli as batch, cli as serve
 from tessera.runtime.errors import UsageError
 
@@ -54,7 +54,7 @@ examples:
 COMMANDS = {"compile": (compile_cmd, compile_cmd.cmd_compile), "run": (run, run.cmd_run),
             "report": (report, report.cmd_report), "ir": (ir, ir.cmd_ir), "generate": (generate, generate.cmd_generate),
             "serve": (serve, serve.cmd_serve), "batch": (batch, batch.cmd_batch),
-            "perplexity": (perplexity, perplexity.cmd_perplexity)}
+            "perplexity": (perplexity, perplexity.cmd_perplexity), "cache": (cache, cache.cmd_cache)}
 
 
 class Parser(argparse.ArgumentParser):

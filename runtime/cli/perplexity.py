@@ -10,8 +10,9 @@ import argparse
 import json
 import sys
 
+from tessera.runtime import options
 from tessera.runtime.cli import args
-from tessera.runtime.options import PERPLEXITY_FORMATS, PROVIDERS, ModelRef, PerplexityOptions
+from tessera.runtime.options import PERPLEXITY_FORMATS, PROVIDERS, CompileCacheOptions, ModelRef, PerplexityOptions
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
@@ -35,6 +36,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
                         "earlier window scored, over the whole text: transformers' sliding-window perplexity "
                         "(by default non-overlapping windows scoring their second half: llama.cpp's)")
     args.add_quant_arguments(p)
+    options.add_arguments(p, CompileCacheOptions)  # --compile-cache DIR, --no-compile-cache
     p.add_argument("--provider", choices=list(PROVIDERS), default="auto",
                    help="execution provider; auto takes CUDA when usable, else CPU (default auto)")
     p.add_argument("--format", choices=list(PERPLEXITY_FORMATS), default="text",

@@ -83,6 +83,8 @@ class Result:
 class CachedModel:
     """An onnxruntime session over a cached graph, with what the loop needs to feed it."""
 
+    compile_cache = None  # how the compile cache served it (runtime/compile_cache.Lookup), where it went through one
+
     def __init__(self, source: str | bytes, info: CacheInfo, provider: str = "cpu", threads: int | None = None):
         from tessera.runtime.session import _ort, open_session  # session.py imports onnx (~0.6 s)
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from tessera.compiler.ir import dims
 from tessera.compiler.ir.signature import bind_inputs, input_limits, specs_from_graph
-from tessera.runtime import pipeline
+from tessera.runtime import compile_cache, pipeline
 from tessera.runtime.generation import cached as gen
 from tessera.runtime.generation import drafting, speculative
 from tessera.runtime.generation.constraints import Grammar, GrammarCompiler, TokenMask
@@ -117,22 +117,65 @@ def load_model(ref, o, weights=None, models: dict | None = None, progress=None):
         return models[key]
     step(0, 4, "graph")
     built = pipeline.build(ref.spec, ref.variant, ref.sets, ref.weights)
-    step(1, 4, "weights")
-    if weights is None:
-        weights = pipeline.weights_for(built, ref.weights, ref.seed, ref.allow_large)
     options = o.pipeline_options()  # quantised by the pipeline's first pass
     target = target_input(built.graph)
-    step(2, 4, "passes and ONNX")
     if target is not None:
+        step(1, 4, "weights")
+        if weights is None:
+            weights = pipeline.weights_for(built, ref.weights, ref.seed, ref.allow_large)
+        step(2, 4, "passes and ONNX")
         loaded = EncoderDecoder(built, weights, target, o.threads, options)
     else:
-        model, info = gen.compile_cached(built, weights, options)
-        step(3, 4, "onnxruntime session")
-        loaded = gen.CachedModel(model.SerializeToString(), info, provider=o.device, threads=o.threads)
+        loaded = compile_decoder(built, ref, o, options, "cached decoder", o.device, o.threads, weights, step)
+        if o.explain:
+            print(loaded.compile_cache.explain(), file=sys.stderr)
     step(4, 4)
     if models is not None:
         models[key] = loaded
     return loaded
+
+
+def compile_decoder(built, ref, o, options, what: str, provider: str, threads: int | None, weights=None,
+                    progress=None) -> gen.CachedModel:
+    """A decoder-only model's cached decoder in an onnxruntime session, through the compile cache
+    (runtime/compile_cache.py: ``o``'s --compile-cache / --no-compile-cache): loaded from its entry on
+    a hit; else the weights read (``weights``: the caller's, already loaded, or a function reading them),
+    compiled with ``options`` and stored. The model's ``compile_cache`` (a compile_cache.Lookup) says
+    which, and why."""
+    step = progress or (lambda done, total, stage=None: None)
+    lookup = compile_cache.Lookup.start(o, what, built, ref.weights, ref.seed, options)
+    hit = lookup.hit()
+    lookup.say_notes()
+    if hit is not None:
+        pipeline.check_memory(built, ref.allow_large)  # the session holds the weights as a compile would
+        step(2, 4, "compile cache hit: checked")
+        step(3, 4, "onnxruntime session")
+        model = gen.CachedModel.from_onnx(hit, provider=provider, threads=threads)
+    else:
+        step(1, 4, "weights")
+        if weights is None:
+            weights = pipeline.weights_for(built, ref.weights, ref.seed, ref.allow_large)
+        elif callable(weights):
+            weights = weights()
+        step(2, 4, "passes and ONNX" + (" (compile cache miss)" if lookup.on else ""))
+        proto, info = gen.compile_cached(built, weights, options)
+        if lookup.on:
+            step(3, 4, "storing in the compile cache")
+        stored = lookup.store(lambda folder: _save(proto, folder / compile_cache.MODEL))
+        lookup.say_notes()
+        step(3, 4, "onnxruntime session")
+        # a stored model is opened from its file (onnxruntime maps the weights from its .data file)
+        model = gen.CachedModel(str(stored) if stored else proto.SerializeToString(), info, provider=provider,
+                                threads=threads)
+    model.compile_cache = lookup
+    return model
+
+
+def _save(proto, path: Path) -> list[Path]:
+    from tessera.compiler.backends.onnx import export as onnx_export  # imports onnx: only when storing
+
+    # external data always, as `compile --kv-cache` writes it: onnxruntime maps the weights from the file
+    return onnx_export.save(proto, path, external=True)
 
 
 # ------------------------------------------------------------------ the request

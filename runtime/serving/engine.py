@@ -362,7 +362,9 @@ class Engine:
                 f"{COMBINED_REASONS[self.combined and self.speculation is None]}\n"
                 + (self.prefix_cache.describe() if self.prefix_cache is not None else
                    "prefix cache: off (--prefix-cache-mb 0): every prompt is prefilled whole")
-                + (f"\n{self.speculation.describe()}" if self.speculation is not None else ""))
+                + (f"\n{self.speculation.describe()}" if self.speculation is not None else "")
+                + (f"\n{self.model.compile_cache.line()}" if getattr(self.model, "compile_cache", None) is not None
+                   else ""))
 
     def view_row_bytes(self, width: int | None = None) -> int:
         """The bytes of one row of the cache's live view at ``width`` columns (default the current), every

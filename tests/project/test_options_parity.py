@@ -282,12 +282,16 @@ def test_every_compile_option_reaches_every_command_that_compiles():
 # commands that take the model without its weights, and why
 REF_PARTIAL = {"report": "the report counts the graph: no weights, so no --weights, --seed or --allow-large",
                "ir": "the graph alone: no weights"}
+# commands that take no model at all, and why
+NO_MODEL = {"cache": "lists or clears the compile cache's folder"}
 
 
 def test_the_model_options_reach_every_command_that_loads_a_model():
     ref = {f.name for f in dataclasses.fields(ModelRef)}
     assert set(flag_fields(ModelRef)) == ref
     for command, sub in _subparsers(make_parser()).items():
+        if command in NO_MODEL:
+            continue
         dests = {a.dest for a in sub._actions}
         want = {"spec", "variant", "sets"} if command in REF_PARTIAL else ref
         assert want <= dests, (command, want - dests)
@@ -404,3 +408,31 @@ def reach(entry: str, tmp_path, flags=(), keywords=None, app=None) -> None:
 def test_every_entry_point_compiles_through_build_fields(entry, compiled_with, tmp_path):
     reach(entry, tmp_path)
     assert compiled_with == [True], f"{entry} compiled with PipelineOptions not made by BuildOptions.build_fields()"
+
+
+# ------------------------------------------------------------------ every entry point reads the compile cache
+def test_every_entry_point_that_loads_a_model_reads_the_compile_cache_it_is_given(compiled_with, tmp_path,
+                                                                                  monkeypatch):
+    """--compile-cache DIR (a compile option: options.CompileCacheOptions, a base of BuildOptions) given as a
+    flag, a keyword or an app argument reaches the compile cache's lookup (runtime/compile_cache.folder_for)
+    at every entry point that loads a model; compile writes its output afresh and never looks."""
+    from tessera.runtime import compile_cache
+
+    asked = []
+
+    def folder_for(given=None, disabled=False):
+        asked.append((given, disabled))
+        return None, "off (this test)"
+
+    monkeypatch.setattr(compile_cache, "folder_for", folder_for)
+    folder = str(tmp_path / "cc")
+    for entry in sorted(ENTRY_POINTS):
+        asked.clear()
+        reach(entry, tmp_path, ["--compile-cache", folder], {"compile_cache": folder}, {"compile_cache": folder})
+        if entry.startswith(("tessera compile", "Model.compile")):
+            assert asked == [], entry
+        else:
+            assert asked and all(str(given) == folder and not off for given, off in asked), (entry, asked)
+    asked.clear()
+    reach("tessera generate", tmp_path, ["--no-compile-cache"])
+    assert asked == [(None, True)]

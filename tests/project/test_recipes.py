@@ -305,16 +305,20 @@ def add_compile_option(pkg: Path) -> None:
 def add_compile_keywords(pkg: Path) -> None:
     """The keyword of each API method that compiles: Model.compile, Model.run, Model.generate."""
     for anchor, new in (
-            ("explain: bool = False) -> list[Path]:", "explain: bool = False,\n                no_skip_norm: bool = False) -> list[Path]:"),
-            ("else attention_probs, explain=explain).for_api()",
-             "else attention_probs, explain=explain, no_skip_norm=no_skip_norm).for_api()"),
-            ("save: str | Path | None = None, **named_inputs) -> dict[str, np.ndarray]:",
-             "save: str | Path | None = None, no_skip_norm: bool = False, **named_inputs) -> dict[str, np.ndarray]:"),
-            ("save=save).for_api()", "save=save, no_skip_norm=no_skip_norm).for_api()"),
-            ("grammar: str | Path | None = None):",
-             "grammar: str | Path | None = None, no_skip_norm: bool = False):"),
-            ("json_schema=json_schema, regex=regex, grammar=grammar).for_api()",
-             "json_schema=json_schema, regex=regex, grammar=grammar, no_skip_norm=no_skip_norm).for_api()")):
+            ("no_compile_cache: bool = False) -> list[Path]:",
+             "no_compile_cache: bool = False,\n                no_skip_norm: bool = False) -> list[Path]:"),
+            ("no_compile_cache=no_compile_cache).for_api()\n        return driver.compile(",
+             "no_compile_cache=no_compile_cache, no_skip_norm=no_skip_norm).for_api()\n        return driver.compile("),
+            ("no_compile_cache: bool = False,\n            **named_inputs) -> dict[str, np.ndarray]:",
+             "no_compile_cache: bool = False,\n            no_skip_norm: bool = False, **named_inputs) -> dict[str, np.ndarray]:"),
+            ("save=save, compile_cache=compile_cache, no_compile_cache=no_compile_cache).for_api()",
+             "save=save, compile_cache=compile_cache, no_compile_cache=no_compile_cache,\n"
+             "                       no_skip_norm=no_skip_norm).for_api()"),
+            ("compile_cache: str | Path | None = None, no_compile_cache: bool = False):",
+             "compile_cache: str | Path | None = None, no_compile_cache: bool = False, no_skip_norm: bool = False):"),
+            ("no_compile_cache=no_compile_cache).for_api()\n        o.check()  # before the tokenizer",
+             "no_compile_cache=no_compile_cache, no_skip_norm=no_skip_norm).for_api()\n"
+             "        o.check()  # before the tokenizer")):
         edit(pkg, "runtime/api.py", anchor, new, where="replace")
 
 
@@ -391,11 +395,12 @@ def add_flag_option_and_keyword(pkg: Path) -> None:
 """)
     edit(pkg, "runtime/options.py", 'for name in ("check_model", "kv_cache", "genai"):',
          'for name in ("check_model", "kv_cache", "genai", "throwaway_flag"):', where="replace")
-    edit(pkg, "runtime/api.py", "attention_probs: list[int | str] = (), explain: bool = False) -> list[Path]:",
-         "attention_probs: list[int | str] = (), explain: bool = False,\n"
+    edit(pkg, "runtime/api.py", "no_compile_cache: bool = False) -> list[Path]:",
+         "no_compile_cache: bool = False,\n"
          "                throwaway_flag: bool = False) -> list[Path]:", where="replace")
-    edit(pkg, "runtime/api.py", "else attention_probs, explain=explain).for_api()",
-         "else attention_probs, explain=explain, throwaway_flag=throwaway_flag).for_api()", where="replace")
+    edit(pkg, "runtime/api.py", "no_compile_cache=no_compile_cache).for_api()\n        return driver.compile(",
+         "no_compile_cache=no_compile_cache, throwaway_flag=throwaway_flag).for_api()\n        return driver.compile(",
+         where="replace")
 
 
 FLAG_CHECK = """
