@@ -14,15 +14,33 @@ and a rule checked here holds for all of them.
 from __future__ import annotations
 
 import dataclasses
-
+import os
+import stat as stat_
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
 
-from tessera.runtime import pipeline
+# onnx (with ml_dtypes, ~0.6 s of start-up) and the modules that import it -- the ONNX exporter,
+# runtime/session.py, loop_bounds.py, packaging/genai.py -- are imported in the functions that export or
+# run: `tessera report` and `tessera ir` work on the graph alone and never load it
+# (tests/project/test_cli_help.py); every other import is here.
+from tessera.compiler.ir import dims
+from tessera.compiler.ir.signature import bind_inputs, input_limits, specs_from_graph
+from tessera.compiler.passes.pipeline import explain
+from tessera.compiler.passes.recurrent_state import carries_state
+from tessera.runtime import compile_cache, embedding as embeddings, pipeline
+from tessera.runtime.files import stat_or_raise
+from tessera.runtime.generation import cached as gen, loop
+from tessera.runtime.generation.loop import EncoderDecoder, compile_decoder, target_input
+from tessera.runtime.io import (checkpoint, generation_config, image, inputs as inputs_mod, outputs as outputs_mod,
+                                text, text as text_mod)
+from tessera.runtime.io.inputs import to_array
+from tessera.runtime.onnx_skeleton import skeleton_of
+from tessera.runtime.report import alignment, alignment_plot, measure
+from tessera.runtime.report.build import build_report
 from tessera.runtime.options import (CompileOptions, EngineOptions, GenerateOptions, ModelRef, ReportOptions,
                                      RunOptions)
 from tessera.runtime.pipeline import UsageError
@@ -32,9 +50,7 @@ from tessera.runtime.pipeline import UsageError
 def from_checkpoint(ref: ModelRef, o=None, wants_tokenizer: bool = False):
     """A Hugging Face checkpoint folder as the model (runtime/io/checkpoint.py): its bundled spec with
     the folder as the weights, and its tokenizer.json when the options need one and name none."""
-    from dataclasses import replace
 
-    from tessera.runtime.io import checkpoint
 
     tokenizer = checkpoint.tokenizer_in(ref.spec)
     ref = checkpoint.resolve(ref)
@@ -83,9 +99,7 @@ def compile(ref: ModelRef, o: CompileOptions, weights=None, progress=None) -> Co
 def _compile_cached(built, weights, ref: ModelRef, o: CompileOptions, progress=None) -> list[Path]:
     """--kv-cache: the cached decoder (compiler/passes/kv_cache.py), its kernels chosen per phase."""
     from tessera.compiler.backends.onnx import export as onnx_export
-    from tessera.compiler.passes.pipeline import explain
 
-    from tessera.runtime.generation import cached as gen
 
     if o.genai and len(built.graph.inputs) != 1:
         raise UsageError(f"--genai writes decoder-only models (one input, the token ids) for onnxruntime-genai's "
@@ -154,7 +168,6 @@ class RunResult:
 
 def prepare_run(ref: ModelRef, o: RunOptions, weights=None) -> Runnable:
     """The model to run: an .onnx file as it is, or a spec built, optimised and exported to bytes."""
-    from tessera.compiler.ir.signature import input_limits, specs_from_graph
     from tessera.runtime import loop_bounds
     from tessera.runtime.session import load_model_proto, onnx_signature
 
@@ -171,7 +184,6 @@ def prepare_run(ref: ModelRef, o: RunOptions, weights=None) -> Runnable:
                         recurrences=loop_bounds.without_weights(model) if loop_bounds.has_recurrence(model) else None)
     from tessera.compiler.backends.onnx import export as onnx_export
 
-    from tessera.runtime import compile_cache
 
     built = pipeline.build(ref.spec, ref.variant, ref.sets, ref.weights)
     specs, limits = specs_from_graph(built.graph), input_limits(built.graph)
@@ -205,7 +217,6 @@ def prepare_run(ref: ModelRef, o: RunOptions, weights=None) -> Runnable:
     if any(n.op == "scan" for n in built.graph.nodes.values()):
         import onnx
 
-        from tessera.runtime.onnx_skeleton import skeleton_of
 
         # the structure only: parsing the serialised weights once more would hold them twice
         recurrences = loop_bounds.without_weights(onnx.ModelProto.FromString(skeleton_of(source)))
@@ -214,7 +225,6 @@ def prepare_run(ref: ModelRef, o: RunOptions, weights=None) -> Runnable:
 
 def _write_bytes(path: Path, data: bytes) -> list[Path]:
     """A serialised model into the compile cache's new entry (its folder is renamed into place after)."""
-    import os
 
     with open(path, "wb") as f:
         f.write(data)
@@ -227,8 +237,6 @@ def run(ref: ModelRef, o: RunOptions, arrays: dict | None = None, weights=None,
         runnable: Runnable | None = None) -> RunResult:
     """Run the model on the inputs (--input texts, --text, --image, and ``arrays``: named arrays or
     nested lists, from the API); compute the alignment, pool and save as the options say."""
-    from tessera.compiler.ir.signature import bind_inputs
-    from tessera.runtime.io import inputs as inputs_mod, outputs as outputs_mod
     from tessera.runtime.session import run_session
 
     ref.check()
@@ -237,7 +245,6 @@ def run(ref: ModelRef, o: RunOptions, arrays: dict | None = None, weights=None,
     if o.save is not None:
         outputs_mod.check_folder(str(o.save))
     if o.plot_attention is not None:
-        from tessera.runtime.report import alignment_plot
 
         alignment_plot.check_path(str(o.plot_attention))  # before the model is built or run
     runnable = runnable or prepare_run(ref, o, weights)
@@ -265,7 +272,6 @@ def run(ref: ModelRef, o: RunOptions, arrays: dict | None = None, weights=None,
 
 def _add_arrays(arrays: dict, specs, feeds: dict[str, np.ndarray]) -> None:
     """Named arrays (or nested lists), checked and converted like --input's (runtime/io/inputs.py)."""
-    from tessera.runtime.io.inputs import to_array
 
     for name, value in arrays.items():
         if name in feeds:
@@ -275,11 +281,9 @@ def _add_arrays(arrays: dict, specs, feeds: dict[str, np.ndarray]) -> None:
 
 def _alignment(o: RunOptions, sess, outputs, runnable: Runnable, feeds, model: str):
     """Choose the weights, compute the alignment (runtime/report/alignment.py) and draw it if asked."""
-    from tessera.runtime.report import alignment, alignment_plot
 
     tokenizer = None
     if o.tokenizer:
-        from tessera.runtime.io import text
 
         tokenizer = text.load_tokenizer(o.tokenizer)
     al = alignment.from_run(sess, outputs, runnable.specs, feeds, runnable.limits, o.attention_output, o.layer,
@@ -300,7 +304,6 @@ def _add_text_and_image_inputs(o: RunOptions, specs, feeds: dict[str, np.ndarray
     new: dict[str, np.ndarray] = {}
     mask = None
     if o.texts:
-        from tessera.runtime.io import text
 
         enc = text.encode(text.load_tokenizer(o.tokenizer), o.texts)
         new.update(text.text_feeds(enc, specs))
@@ -310,7 +313,6 @@ def _add_text_and_image_inputs(o: RunOptions, specs, feeds: dict[str, np.ndarray
                   f"{max(enc.lengths)}; the model has no mask input, so outputs past each text's length are "
                   f"padding", file=sys.stderr)
     if o.images:
-        from tessera.runtime.io import image
 
         new.update(image.image_feeds(o.images, specs))
     for name, value in new.items():
@@ -322,7 +324,6 @@ def _add_text_and_image_inputs(o: RunOptions, specs, feeds: dict[str, np.ndarray
 
 
 def _pool(outputs: dict[str, np.ndarray], mask: np.ndarray | None) -> dict[str, np.ndarray]:
-    from tessera.runtime.io import text
 
     hidden = outputs[text.hidden_output(outputs)]
     if mask is None:
@@ -335,7 +336,6 @@ def _pool(outputs: dict[str, np.ndarray], mask: np.ndarray | None) -> dict[str, 
 def report(ref: ModelRef, o: ReportOptions) -> dict:
     """Elaborate the spec and compute its cost report (a JSON-able dict); draw --plot if asked; with
     --measure, time the model through ``time_phase`` (compiled as run and generate compile it)."""
-    from tessera.runtime.report.build import build_report
 
     ref.check()
     ref, o = from_checkpoint(ref, o)
@@ -351,38 +351,33 @@ def time_phase(phase: str, ref: ModelRef, o: ReportOptions, token_input: str, vo
 
 def _time_prefill(ref: ModelRef, o: ReportOptions, token_input: str, vocab: int):
     """The full model (``run``'s compile, CPU provider) on B x N random token ids."""
-    from tessera.compiler.ir.signature import bind_inputs
-    from tessera.runtime.report.measure import PREFILL_WARMUP, Timing, tokens
     from tessera.runtime.session import run_session
 
     run_o = RunOptions(provider="cpu", quantize=o.quantize, quantize_block=o.quantize_block,
                        quantize_head=o.quantize_head, quantize_activations=o.quantize_activations,
                        sparse_moe=o.sparse_moe)
     runnable = prepare_run(ref, run_o)
-    feeds = {token_input: tokens(o.batches[0], o.seqs[0], vocab)}
+    feeds = {token_input: measure.tokens(o.batches[0], o.seqs[0], vocab)}
     bind_inputs(runnable.specs, feeds, runnable.limits)  # N past the model's positions: a clear InputError
     sess = runnable.open("cpu")
     runs = []
-    for i in range(PREFILL_WARMUP + o.repeats):
+    for i in range(measure.PREFILL_WARMUP + o.repeats):
         t = time.perf_counter()
         run_session(sess, feeds)
-        if i >= PREFILL_WARMUP:
+        if i >= measure.PREFILL_WARMUP:
             runs.append(time.perf_counter() - t)
-    return Timing(runs)
+    return measure.Timing(runs)
 
 
 def _time_decode(ref: ModelRef, o: ReportOptions, vocab: int):
     """Single-token steps of the KV-cached decoder (``generate``'s compile) after a prompt of N - s
     tokens, s = measure.decode_steps(o): each timed step is one token for each of the B sequences."""
-    from tessera.runtime.generation import cached as gen
-    from tessera.runtime.generation import loop
-    from tessera.runtime.report.measure import DECODE_WARMUP, Timing, decode_steps, tokens
 
-    steps = decode_steps(o)
+    steps = measure.decode_steps(o)
     gen_o = GenerateOptions(quantize=o.quantize, quantize_block=o.quantize_block, quantize_head=o.quantize_head,
                             quantize_activations=o.quantize_activations)
     model = loop.load_model(ref, gen_o)
-    prompts = tokens(o.batches[0], o.seqs[0] - steps, vocab).tolist()
+    prompts = measure.tokens(o.batches[0], o.seqs[0] - steps, vocab).tolist()
     prompts = gen.check_request(model, prompts, steps, gen.Sampling())  # the context, the cache's memory
     decoder = gen.CachedDecoder(model, prompts, steps, 0, gen.Stats())
     last = decoder.step(None).argmax(axis=-1)
@@ -390,10 +385,10 @@ def _time_decode(ref: ModelRef, o: ReportOptions, vocab: int):
     for i in range(steps):
         t = time.perf_counter()
         logits = decoder.step(last)
-        if i >= DECODE_WARMUP:
+        if i >= measure.DECODE_WARMUP:
             runs.append(time.perf_counter() - t)
         last = logits.argmax(axis=-1)
-    return Timing(runs)
+    return measure.Timing(runs)
 
 
 # ------------------------------------------------------------------ generate
@@ -405,7 +400,6 @@ def generate(ref: ModelRef, o: GenerateOptions, prompt_ids: list[list[int]] | No
     generation.loop.Generation whose steps the caller drives (every kind of model, recurrent ones and
     RNNsearch included, runs the one cached form). ``progress``:
     told the stages of compiling a spec's cached decoder (the command line's bar, runtime/progress.py)."""
-    from tessera.runtime.generation import loop
 
     ref.check()
     structured = o.json_schema is not None or o.regex is not None or o.grammar is not None
@@ -421,7 +415,6 @@ def generate(ref: ModelRef, o: GenerateOptions, prompt_ids: list[list[int]] | No
 def with_model_defaults(ref: ModelRef, o: GenerateOptions) -> GenerateOptions:
     """The options with the checkpoint's end-of-sequence ids and decoding defaults
     (runtime/io/generation_config.py) filled in; --explain prints where each value came from."""
-    from tessera.runtime.io import generation_config
 
     spec = Path(ref.spec)
     folders = generation_config.folders_for(spec if spec.is_dir() else None, ref.weights, o.tokenizer)
@@ -446,8 +439,6 @@ def serve_model(ref: ModelRef, o: EngineOptions, decode: str = DECODE, last_only
     last-position logits; ``last_only=False``: every position's, for serve --speculative), or an .onnx
     file compiled with ``--kv-cache``; a decoder with recurrent state compiled with its state as cache
     state, and an encoder-decoder as generation/loop.py's EncoderDecoder (both for the RowEngine)."""
-    from tessera.runtime.generation import cached as gen
-    from tessera.runtime.generation.loop import EncoderDecoder, target_input
 
     ref.check()
     o.check()
@@ -461,8 +452,6 @@ def serve_model(ref: ModelRef, o: EngineOptions, decode: str = DECODE, last_only
         model = gen.CachedModel.from_onnx(path, provider=device, threads=o.threads)
     else:
         built = pipeline.build(ref.spec, ref.variant, ref.sets, ref.weights)
-        from tessera.runtime import embedding as embeddings
-        from tessera.runtime.generation.loop import compile_decoder
 
         if embeddings.is_encoder(built.graph) or target_input(built.graph) is not None:
             weights = pipeline.weights_for(built, ref.weights, ref.seed, ref.allow_large)
@@ -513,8 +502,6 @@ def serve_model(ref: ModelRef, o: EngineOptions, decode: str = DECODE, last_only
 def _carries_state(graph) -> bool:
     """Whether a decoder-only graph carries recurrent state over time (a scan or causal conv1d over the
     tokens: compiler/passes/recurrent_state.py), which the KV-cache Engine has no slot for."""
-    from tessera.compiler.ir import dims
-    from tessera.compiler.passes.recurrent_state import carries_state
 
     logits = graph.type_of(graph.outputs[0])
     return logits.rank == 3 and carries_state(graph, dims.dim(logits.shape[1]))
@@ -524,7 +511,6 @@ class _Sources:
     """What served_sources reads of an encoder-decoder, before anything is compiled."""
 
     def __init__(self, built, target: str):
-        from tessera.compiler.ir.signature import input_limits, specs_from_graph
 
         self.specs = [s for s in specs_from_graph(built.graph) if s.name != target]
         self.sources = [s.name for s in self.specs]
@@ -595,7 +581,6 @@ class PerplexityResult:
     compile_cache: str = "off"  # hit, miss or off (runtime/compile_cache.py)
 
     def as_dict(self) -> dict:
-        from dataclasses import asdict
 
         return asdict(self)
 
@@ -648,9 +633,6 @@ def perplexity(ref: ModelRef, o, weights=None, progress=None) -> PerplexityResul
     does; in the sliding
     convention the text is tokenized as transformers' tokenizer(text) does (its BOS once, first).
     ``progress(windows done, windows)``: the command line's bar."""
-    from tessera.compiler.ir.signature import bind_inputs
-    from tessera.runtime.files import stat_or_raise
-    from tessera.runtime.io import text as text_mod
     from tessera.runtime.session import run_session
 
     t0 = time.perf_counter()
@@ -661,7 +643,6 @@ def perplexity(ref: ModelRef, o, weights=None, progress=None) -> PerplexityResul
         raise UsageError(o.say("perplexity needs a tokenizer: --tokenizer tokenizer.json (a checkpoint folder or a "
                                "GGUF file as the model brings its own)", "perplexity needs tokenizer=... (a "
                                "checkpoint folder or a GGUF file as the model brings its own)"))
-    import stat as stat_
 
     st = stat_or_raise(Path(o.text), "text file", UsageError)
     if not stat_.S_ISREG(st.st_mode):
@@ -726,7 +707,6 @@ def cache(o) -> dict:
     """``tessera cache list|clear`` (options.CacheOptions): the compile cache's folder (as the commands that
     load a model choose it: --compile-cache, TESSERA_COMPILE_CACHE, Tessera's cache folder) and its
     entries, most recently used first; ``clear`` removes them and says how many and how large."""
-    from tessera.runtime import compile_cache
 
     o.check()
     folder, source = compile_cache.folder_for(o.compile_cache)
