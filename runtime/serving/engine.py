@@ -21,6 +21,12 @@ row (``seqlens_k``), the cache views bound in place so the kernel writes each ro
 its own slot; or, where a model's attention does not take it, the plain branch with the per-row
 mask, the engine writing the new columns (serving/model.py ``DECODE_REASONS``).
 
+On CUDA (a model whose every layer the kernel writes in place) the same cache lives in onnxruntime
+OrtValues on the device (serving/device_cache.py, ``device_cache``): the views are bound by pointer,
+so a step copies its token ids and masks in and its logits out, not the cache; a chunk's keys and
+values, a leaving row's move and the relayouts run there as small onnxruntime graphs (``_put``,
+``_release``, ``_relayout`` branch to it). Elsewhere the cache is numpy, as described above.
+
 Prompts are prefilled between decoding steps in chunks of at most ``prefill_chunk`` tokens, one
 chunk per iteration, so a long prompt delays the running streams by at most one chunk per step.
 Where the model has the combined call (compiler/backends/onnx/mixed_attention.py; serving/model.py

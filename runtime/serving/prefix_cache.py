@@ -7,7 +7,9 @@ prefilling it again for each costs what decoding that many rows costs. Here the 
 its prompt that is cached is copied into the slot's columns and prefill starts after it (the row's
 next chunk runs against that filled past, as any later chunk of a prompt does). After every prompt
 chunk (``store``) and when a request leaves (its output too: the next turn's prompt starts with it)
-the row's whole blocks not yet cached are copied in.
+the row's whole blocks not yet cached are copied in. With the engine's cache on the device
+(serving/device_cache.py) the pool stays in host memory: storing copies the row's new blocks
+device-to-host once, admitting copies the reused blocks host-to-device once (per request, not per step).
 
 The store. Blocks of ``BLOCK_TOKENS`` positions, every layer's keys and values of those positions
 in one row of a pool of ``budget // block_bytes`` rows, allocated once (``np.empty``: its pages are
