@@ -152,6 +152,8 @@ def test_which_cache_the_engine_takes(models, tmp_path):
     assert "the KV cache in host memory" in auto.placement()
     forced = Engine(model, max_batch=2, device_cache=True)
     assert "CPU OrtValues" in forced.placement() and forced.device_cache.device == "cpu"
+    assert "the KV cache in OrtValues on the model's device" in forced.describe()
+    assert "OrtValues" not in auto.describe()
     plain = serving_model.load("gpt2", sets=GPT2, threads=1, decode="plain")
     assert not plain.info.length_input
     with pytest.raises(UsageError, match="plain MatMul/Softmax branch"):

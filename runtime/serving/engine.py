@@ -387,11 +387,12 @@ class Engine:
         from .model import DECODE_REASONS, decode_kernel, weights_line
 
         per_slot = self.cache_bytes // self.max_batch
+        where = ", the KV cache in OrtValues on the model's device," if self.device_cache is not None else ""
         return (f"engine: {self.max_batch} slots x {self.capacity} positions, up to {self.max_queue} queued; "
                 f"prefill chunk {self.prefill_chunk} tokens an iteration (a prompt with no stream decoding: "
                 f"{max(self.prefill_chunk, self.idle_chunk)})\n"
-                f"memory budget: {self.memory_bytes / 2**20:.1f} MiB allocated once at start "
-                f"({'the cache on the device, the slot mask on the host' if self.device_cache else 'host memory'}) "
+                f"memory budget: {self.memory_bytes / 2**20:.1f} MiB allocated once at start"
+                f"{where} "
                 f"(KV cache {self.cache_bytes / 2**20:.1f} MiB = {self.max_batch} slots x "
                 f"{per_slot / 2**20:.2f} MiB over {len(self.info.layers)} layers, viewed {WIDTH_STEP} "
                 f"columns at a time as the longest row grows); no step allocates cache; per request only its "
@@ -646,13 +647,12 @@ class Engine:
         t, r = len(chunk), seq.slot
         ones = np.ones((1, t), dtype=np.int64)
         self._fit(start + t)
-        if start == 0:  # against an empty past: the tiled kernel over the chunk alone, as generate prefills
-            past, mask = self.empty, ones
-        else:  # the row's own buffer (a contiguous block), its filled columns unmasked
-            past = {name: v[r:r + 1] for name, v in self._views().items()} if self.cache is not None else {}
-            mask = np.concatenate([self.slots[r:r + 1, :self.width], ones], axis=1)
-        if self.device_cache is not None:  # bound from the device buffers by _run_chunk
-            past = {}
+        # the past: empty for a prompt's first chunk (the tiled kernel over the chunk alone, as generate
+        # prefills), else the row's own buffer (a contiguous block), its filled columns unmasked; the numpy
+        # cache's views go in the feeds, the device cache's are bound by _run_chunk
+        mask = ones if start == 0 else np.concatenate([self.slots[r:r + 1, :self.width], ones], axis=1)
+        past = {} if self.device_cache is not None else self.empty if start == 0 else \
+            {name: v[r:r + 1] for name, v in self._views().items()}
         feeds = {info.tokens: np.array([chunk], dtype=np.int64), "attention_mask": mask,
                  "position_ids": np.arange(start, start + t, dtype=np.int64)[None], **past}
         if info.length_input:  # the filled slots: a chunk of one token runs the decoding branch (T = 1)
