@@ -1001,15 +1001,16 @@ class EngineOptions(BuildOptions, ModelRef):
                                        "requests starting with the same tokens, in at most MB MiB, least recently "
                                        "used evicted first (default 0: off). See docs/serve.md")
     # issue 37: the execution provider and the precision, as generate's (device_for); on CUDA the engine's
-    # model is compiled for CUDA, its KV cache stays in host memory (docs/serve.md "On CUDA")
+    # model is compiled for CUDA, its KV cache kept on the device (serving/device_cache.py; docs/serve.md "On CUDA")
     provider: str = flag("auto", choices=list(PROVIDERS),
                          help="onnxruntime's execution provider: auto takes CUDA where the machine shows a GPU and "
-                              "onnxruntime has its CUDA provider; on CUDA the model is compiled for CUDA, the engine's "
-                              "KV cache stays in host memory and each step copies the rows' live cache to the device "
-                              "and back (docs/serve.md, On CUDA; --explain states the bytes) (default auto)")
+                              "onnxruntime has its CUDA provider; on CUDA the model is compiled for CUDA and the "
+                              "engine's KV cache is kept on the device, so a decoding step copies the token ids and "
+                              "masks in and the logits out (docs/serve.md, On CUDA; --explain states the bytes) "
+                              "(default auto)")
     dtype: str = flag("fp32", choices=list(DTYPES),
-                      help="the precision a spec is compiled at: fp32 or fp16 (bf16: the engine's host cache is numpy, "
-                           "which has no bfloat16) (default fp32)")
+                      help="the precision a spec is compiled at: fp32 or fp16 (bf16: the engine's CPU and prefix "
+                           "caches and its logits are numpy, which has no bfloat16) (default fp32)")
 
     def check(self) -> None:
         ModelRef.check(self)
@@ -1023,8 +1024,8 @@ class EngineOptions(BuildOptions, ModelRef):
         check_choice("provider", self.provider, PROVIDERS)
         check_choice("dtype", self.dtype, DTYPES)
         if self.dtype == "bf16":
-            raise UsageError("--dtype bf16: the engine keeps its KV cache in host numpy arrays, which have no "
-                             "bfloat16; use fp16")
+            raise UsageError("--dtype bf16: the engine's KV cache on the CPU, its prefix cache and the logits it "
+                             "chooses from are numpy arrays, which have no bfloat16; use fp16")
         if self.quantize == "w8a8" and self.provider == "cuda":
             raise UsageError("--quantize w8a8 runs onnxruntime's CPU integer GEMM (MatMulIntegerToFloat has no CUDA "
                              "kernel): use --provider cpu, or --quantize int8 / int4 on CUDA")

@@ -21,6 +21,12 @@ row (``seqlens_k``), the cache views bound in place so the kernel writes each ro
 its own slot; or, where a model's attention does not take it, the plain branch with the per-row
 mask, the engine writing the new columns (serving/model.py ``DECODE_REASONS``).
 
+On CUDA (a model whose every layer the kernel writes in place) the same cache lives in onnxruntime
+OrtValues on the device (serving/device_cache.py, ``device_cache``): the views are bound by pointer,
+so a step copies its token ids and masks in and its logits out, not the cache; a chunk's keys and
+values, a leaving row's move and the relayouts run there as small onnxruntime graphs (``_put``,
+``_release``, ``_relayout`` branch to it). Elsewhere the cache is numpy, as described above.
+
 Prompts are prefilled between decoding steps in chunks of at most ``prefill_chunk`` tokens, one
 chunk per iteration, so a long prompt delays the running streams by at most one chunk per step.
 Where the model has the combined call (compiler/backends/onnx/mixed_attention.py; serving/model.py
@@ -54,6 +60,7 @@ import numpy as np
 
 from tessera.runtime.generation.constraints import Grammar, GrammarCompiler, GrammarError, TokenMask, masked_argmax
 
+from .device_cache import DeviceCache
 from .metrics import Metrics
 from .model import (COMBINED_REASONS, CachedModel, Sampling, Step, StopStrings, UsageError, check_cache_fits, choose,
                     has_combined_call, ort_message, token_logprobs)
@@ -219,6 +226,19 @@ def _round_up(columns: int) -> int:
     return -(-columns // WIDTH_STEP) * WIDTH_STEP
 
 
+def device_cache_reason(model) -> str | None:
+    """Why ``model`` cannot keep the engine's cache on its device (serving/device_cache.py), or None: a
+    decoding step must write every layer's new column into the bound buffer itself (GroupQueryAttention
+    with a buffer output at every layer), leaving the engine nothing to copy in per step."""
+    info = model.info
+    if not info.length_input:
+        return ("its decoding steps run the plain MatMul/Softmax branch, whose new columns the engine writes "
+                "into the cache after each step (the device cache needs GroupQueryAttention writing them in place)")
+    if not all(layer.buffer_key for layer in info.layers):
+        return "some layers have no GroupQueryAttention buffer output, so their new columns would be copied per step"
+    return None
+
+
 class _Sequence:
     """A request in a slot: how much of its prompt is in the cache, the token to feed next."""
 
@@ -252,7 +272,12 @@ class Engine:
     every request needs prompt + max_tokens <= capacity."""
 
     def __init__(self, model: CachedModel, max_batch: int = 8, max_queue: int = 64, capacity: int | None = None,
-                 prefill_chunk: int = 256, tokenizer=None, eos_ids=(), metrics: Metrics | None = None):
+                 prefill_chunk: int = 256, tokenizer=None, eos_ids=(), metrics: Metrics | None = None,
+                 device_cache: bool | None = None):
+        """``device_cache``: keep the cache in onnxruntime OrtValues on the session's device
+        (serving/device_cache.py); None (the default) where the model runs on CUDA with GroupQueryAttention
+        writing every layer's buffer in place (``CachedModel.on_device``), else the numpy cache. True
+        on a CPU session runs that path on CPU OrtValues (how the tests check its numerics)."""
         info = model.info
         if info.states:  # its slots hold keys and values only; a row's recurrent state has no slot here
             raise UsageError(f"the engine does not carry recurrent state ({len(info.states)} scan or conv1d "
@@ -260,17 +285,29 @@ class Engine:
                              f"(row_engine.py engine_for), `tessera generate` generates it")
         self._setup(model, max_batch, max_queue, capacity, None, prefill_chunk, tokenizer, eos_ids, metrics)
         capacity = self.capacity
-        # ---- the cache, once: max_batch x kv_heads x capacity x hd elements per layer and key/value
-        check_cache_fits(info, max_batch, capacity, np.dtype(model.np_dtype).itemsize,
-                         "the engine's KV cache (--max-batch slots x --max-context positions)")
-        self.cache: dict[str, np.ndarray] = {}  # flat; viewed as [max_batch, kv_heads, width, hd]
         self.dims: dict[str, tuple[int, int]] = {}  # (kv_heads, hd)
         self.empty: dict[str, np.ndarray] = {}  # [1, kv_heads, 0, hd]: a prompt's first chunk's past
         for layer in info.layers:
             for name, size in ((layer.past_key, layer.head_size), (layer.past_value, layer.value_size)):
-                self.cache[name] = _committed(max_batch * layer.kv_heads * capacity * size, model.np_dtype)
                 self.dims[name] = (layer.kv_heads, size)
                 self.empty[name] = np.zeros((1, layer.kv_heads, 0, size), dtype=model.np_dtype)
+        # the device cache needs every layer's new column written in place by the kernel (nothing for the
+        # engine to copy in per step): GroupQueryAttention decoding at every layer
+        self.device_reason = device_cache_reason(model)
+        if device_cache is None:
+            device_cache = bool(getattr(model, "on_device", False)) and self.device_reason is None
+        if device_cache and self.device_reason is not None:
+            raise UsageError(f"the engine's device cache does not fit this model: {self.device_reason}")
+        # ---- the cache, once: max_batch x kv_heads x capacity x hd elements per layer and key/value
+        self.device_cache: DeviceCache | None = None
+        self.cache: dict[str, np.ndarray] | None = None  # flat; viewed as [max_batch, kv_heads, width, hd]
+        if device_cache:  # in OrtValues on the session's device (the numpy cache is None then)
+            self.device_cache = DeviceCache(model.session, self.dims, max_batch, capacity, model.np_dtype)
+        else:
+            check_cache_fits(info, max_batch, capacity, np.dtype(model.np_dtype).itemsize,
+                             "the engine's KV cache (--max-batch slots x --max-context positions)")
+            self.cache = {name: _committed(max_batch * kv * capacity * hd, model.np_dtype)
+                          for name, (kv, hd) in self.dims.items()}
         self.width = min(WIDTH_STEP, capacity)  # columns of the live view
         self.relayouts = 0
         self.slots = np.zeros((max_batch, capacity), dtype=np.int64)
@@ -336,6 +373,8 @@ class Engine:
     # ------------------------------------------------------------------ what it holds
     @property
     def cache_bytes(self) -> int:
+        if self.device_cache is not None:
+            return self.device_cache.nbytes
         return sum(a.nbytes for a in self.cache.values())
 
     @property
@@ -348,10 +387,12 @@ class Engine:
         from .model import DECODE_REASONS, decode_kernel, weights_line
 
         per_slot = self.cache_bytes // self.max_batch
+        where = ", the KV cache in OrtValues on the model's device," if self.device_cache is not None else ""
         return (f"engine: {self.max_batch} slots x {self.capacity} positions, up to {self.max_queue} queued; "
                 f"prefill chunk {self.prefill_chunk} tokens an iteration (a prompt with no stream decoding: "
                 f"{max(self.prefill_chunk, self.idle_chunk)})\n"
-                f"memory budget: {self.memory_bytes / 2**20:.1f} MiB allocated once at start "
+                f"memory budget: {self.memory_bytes / 2**20:.1f} MiB allocated once at start"
+                f"{where} "
                 f"(KV cache {self.cache_bytes / 2**20:.1f} MiB = {self.max_batch} slots x "
                 f"{per_slot / 2**20:.2f} MiB over {len(self.info.layers)} layers, viewed {WIDTH_STEP} "
                 f"columns at a time as the longest row grows); no step allocates cache; per request only its "
@@ -375,11 +416,26 @@ class Engine:
     def placement(self) -> str:
         """Where the model and the cache are, and on CUDA the bytes a decoding step copies (docs/serve.md)."""
         provider = self.model.session.get_providers()[0]
+        dc = self.device_cache
+        if dc is not None:
+            where = "device memory" if dc.device == "cuda" else "CPU OrtValues (the device cache's path, forced)"
+            return (f"placement: {provider}; the KV cache in {where}, allocated once (onnxruntime OrtValues, "
+                    f"serving/device_cache.py) and bound in place: a decoding step of n rows at a view W columns "
+                    f"wide copies only its token ids, positions and cache lengths (n x 24 B) and its masks "
+                    f"(n x (2 x W + 2) x 8 B at most) in and n x {self.vocab} x 4 B of logits out; GroupQueryAttention "
+                    f"writes each row's new column into the shared buffer; a prompt chunk copies its tokens in and "
+                    f"its logits out, its keys and values written into the row on the device; rows are moved, "
+                    f"widened and narrowed there; the prefix cache copies a block device-to-host when it stores it "
+                    f"and host-to-device when a request reuses it; speculation's check brings back every checked "
+                    f"position's logits" + ("" if self.combined else
+                                            "; the combined call has no CUDA lowering (a chunk and a step are "
+                                            "two calls)"))
         if provider != "CUDAExecutionProvider":
             return f"placement: {provider}, the KV cache in host memory"
         full = self.view_row_bytes(WIDTH_STEP)
+        why = self.device_reason or "the engine was built with device_cache=False"
         return (f"placement: CUDAExecutionProvider (the model compiled for CUDA); the KV cache stays in host memory "
-                f"(the engine moves, widens and copies its rows with numpy), so a decoding step of n rows at a view "
+                f"({why}), so a decoding step of n rows at a view "
                 f"W columns wide copies the rows' live cache to the device and back: 2 x n x "
                 f"{full / WIDTH_STEP:,.0f} B x W (e.g. {2 * full / 2**10:,.1f} KiB a row at W = {WIDTH_STEP}, "
                 f"{2 * self.view_row_bytes(self.capacity) / 2**20:,.2f} MiB a row at the capacity of {self.capacity}), "
@@ -593,12 +649,12 @@ class Engine:
         t, r = len(chunk), seq.slot
         ones = np.ones((1, t), dtype=np.int64)
         self._fit(start + t)
-        views = self._views()
-        if start == 0:  # against an empty past: the tiled kernel over the chunk alone, as generate prefills
-            past, mask = self.empty, ones
-        else:  # the row's own buffer (a contiguous block), its filled columns unmasked
-            past = {name: v[r:r + 1] for name, v in views.items()}
-            mask = np.concatenate([self.slots[r:r + 1, :self.width], ones], axis=1)
+        # the past: empty for a prompt's first chunk (the tiled kernel over the chunk alone, as generate
+        # prefills), else the row's own buffer (a contiguous block), its filled columns unmasked; the numpy
+        # cache's views go in the feeds, the device cache's are bound by _run_chunk
+        mask = ones if start == 0 else np.concatenate([self.slots[r:r + 1, :self.width], ones], axis=1)
+        past = {} if self.device_cache is not None else self.empty if start == 0 else \
+            {name: v[r:r + 1] for name, v in self._views().items()}
         feeds = {info.tokens: np.array([chunk], dtype=np.int64), "attention_mask": mask,
                  "position_ids": np.arange(start, start + t, dtype=np.int64)[None], **past}
         if info.length_input:  # the filled slots: a chunk of one token runs the decoding branch (T = 1)
@@ -606,20 +662,21 @@ class Engine:
         if self.decode_mask:  # CUDA: the decoding branch's filled slots and new column (T > 1: unread)
             feeds["decode_mask"] = (np.concatenate([self.slots[r:r + 1, :start], ones], axis=1) if t == 1
                                     else np.ones((1, 1), dtype=np.int64))
-        out = self.model.run(feeds)
-        if self._chunk_in(seq, t, out, slice(None), out[info.logits][:, -1, :]):
+        if self.device_cache is not None:
+            out = self._run_chunk(feeds, None if start == 0 else r, 1)
+        else:
+            out = self.model.run(feeds)
+        if self._chunk_in(seq, t, out, 0, out[info.logits][:, -1, :]):
             self._release(seq)
 
-    def _chunk_in(self, seq: _Sequence, t: int, out: dict[str, np.ndarray], columns: slice,
-                  last_logits: np.ndarray) -> bool:
+    def _chunk_in(self, seq: _Sequence, t: int, out: dict, first: int, last_logits: np.ndarray) -> bool:
         """After a call that ran ``t`` prompt tokens of ``seq`` (a chunk alone, or in the combined call):
-        their keys and values (``columns`` of each cache output's token axis) into its row, and when the
-        whole prompt is in, its first token from ``last_logits`` (the chunk's last position). Returns
-        whether the request finished there (the caller releases it once nothing indexes by slot)."""
-        views, r, start = self._views(), seq.slot, seq.filled
-        for layer in self.info.layers:
-            views[layer.past_key][r, :, start:start + t] = out[layer.present_key][0, :, columns]
-            views[layer.past_value][r, :, start:start + t] = out[layer.present_value][0, :, columns]
+        their keys and values (columns ``first`` to ``first + t`` of each cache output's token axis) into
+        its row, and when the whole prompt is in, its first token from ``last_logits`` (the chunk's last
+        position). Returns whether the request finished there (the caller releases it once nothing
+        indexes by slot)."""
+        r, start = seq.slot, seq.filled
+        self._put(r, start, out, 0, first, first + t)
         self.slots[r, start:start + t] = 1
         seq.filled += t
         self.metrics.prompt_tokens += t
@@ -641,8 +698,7 @@ class Engine:
         # each row's new column goes at its `filled` (a prefilling row among the first n too: the
         # GroupQueryAttention kernel writes its ignored column there, which its next chunk overwrites)
         self._fit(max(s.filled for s in rows[:n]) + 1)
-        views, width = self._views(), self.width
-        past = {name: v[:n] for name, v in views.items()}
+        views, width = (self._views() if self.cache is not None else None), self.width
         tokens = np.zeros((n, 1), dtype=np.int64)
         positions = np.zeros((n, 1), dtype=np.int64)
         for s in decoding:  # a row still prefilling among them rides along masked; its outputs are dropped
@@ -650,7 +706,7 @@ class Engine:
         idx = np.array([s.slot for s in decoding])
         cols = np.array([s.filled for s in decoding])
         mask = np.concatenate([self.slots[:n, :width], np.ones((n, 1), dtype=np.int64)], axis=1)
-        feeds = {info.tokens: tokens, "attention_mask": mask, "position_ids": positions, **past}
+        feeds = {info.tokens: tokens, "attention_mask": mask, "position_ids": positions}
         if self.in_place:
             # GroupQueryAttention: row r attends over its slots 0..filled[r] (cache_length[r] + 1), the
             # last its new token's, written there by the kernel; its mask column says so
@@ -659,8 +715,9 @@ class Engine:
             if self.decode_mask:  # CUDA: the columns up to the longest row's new one (the kernel's total length)
                 feeds["decode_mask"] = np.ascontiguousarray(mask[:, :max(s.filled for s in rows[:n]) + 1])
             started = time.perf_counter()
-            out = self._run_in_place(feeds, past)
-        else:
+            out = self._run_in_place(feeds, n)
+        else:  # the plain branch (the numpy cache only: device_cache_reason)
+            feeds.update({name: v[:n] for name, v in views.items()})
             started = time.perf_counter()
             out = self.model.run(feeds)
         if self.speculation is not None:  # its price of the plain step (speculation.py, adaptive)
@@ -708,8 +765,7 @@ class Engine:
         t = len(chunk)
         n = max(max(s.slot for s in decoding), r) + 1
         self._fit(max(max(s.filled for s in rows[:n]) + 1, start + t))
-        views, width = self._views(), self.width
-        past = {name: v[:n] for name, v in views.items()}
+        width = self.width
         tokens = np.zeros((1, n + t), dtype=np.int64)
         positions = np.zeros((1, n + t), dtype=np.int64)
         for s in decoding:
@@ -720,58 +776,67 @@ class Engine:
         mask = np.concatenate([self.slots[:n, :width], np.ones((n, 1), dtype=np.int64)], axis=1)
         mask[idx, cols] = 1  # the chunk's row keeps its filled columns only: its mask row is its past's
         mask[r, -1] = 0  # the combined call's marker: the chunk's row (mixed_attention.py ``_marker``)
-        feeds = {info.tokens: tokens, "attention_mask": mask, "position_ids": positions, **past,
+        feeds = {info.tokens: tokens, "attention_mask": mask, "position_ids": positions,
                  info.length_input: np.array([s.filled for s in rows[:n]], dtype=np.int64)}
-        out = self._run_in_place(feeds, past, "combined")
+        out = self._run_in_place(feeds, n, "combined")
         self.steps += 1
         self.combined_calls += 1
         self.slots[idx, cols] = 1  # the decoding rows' new columns (written in place by the kernel)
         logits = out[info.logits][0]  # [n + 1, vocab]: the n row tokens, then the chunk's last
         finished = self._decoded(decoding, logits[:n])
         # the chunk's keys and values: the cache outputs' columns after the n row tokens'
-        if self._chunk_in(seq, t, out, slice(n, None), logits[n:n + 1]):
+        if self._chunk_in(seq, t, out, n, logits[n:n + 1]):
             finished.append(seq)
         for s in sorted(finished, key=lambda s: -s.slot):
             self._release(s)
 
-    def _run_in_place(self, feeds: dict[str, np.ndarray], past: dict[str, np.ndarray],
-                      kind: str = "decode") -> dict[str, np.ndarray]:
-        """A decoding step of a GroupQueryAttention graph: each past view is bound (IOBinding) as both
-        its input and its buffer output, so the kernel writes every row's new column into the engine's
-        cache where it lies (no copy of the cache); the logits and the new columns of the layers it
-        does not write (``_copied``) come back as arrays. ``kind`` "combined": the combined call, whose
-        cache outputs (every layer's new keys and values) come back too; each kind keeps its binding."""
+    def _run_in_place(self, feeds: dict[str, np.ndarray], n: int, kind: str = "decode") -> dict:
+        """A decoding step of a GroupQueryAttention graph over the view's first ``n`` rows: each past
+        view is bound (IOBinding) as both its input and its buffer output, so the kernel writes every
+        row's new column into the engine's cache where it lies (no copy of the cache); the logits and
+        the new columns of the layers it does not write (``_copied``) come back as arrays. ``kind``
+        "combined": the combined call, whose cache outputs (every layer's new keys and values) come back
+        too; each kind keeps its binding. With the device cache the views are its buffers on the
+        device and the combined call's cache outputs stay there (OrtValues, ``_put`` writes them in)."""
         from .model import RunError, ort_message
 
         wanted = self._wanted if kind == "decode" else self._wanted_combined
-        view = next(iter(past.values()))
-        key = (view.shape[0], view.shape[2])  # rows and width: the views' shapes (their memory never moves)
+        key = (n, self.width)  # rows and width: the views' shapes (their memory never moves)
         if kind != "decode":  # and the tokens: the outputs onnxruntime allocates keep their first shape
             key += (feeds[self.info.tokens].shape[1],)
         binding = self._bindings.get(kind)
+        dc = self.device_cache
         if binding is None or binding[0] != key:  # bound again only when the shapes change
             io = self.model.session.io_binding()
             for name in wanted:  # bound first: get_outputs gives the outputs in the order bound
-                io.bind_output(name, "cpu")
-            for name, view in past.items():
-                io.bind_input(name, "cpu", 0, view.dtype.type, list(view.shape), view.ctypes.data)
-                out = self._buffer_output.get(name)
-                if out:
-                    io.bind_output(out, "cpu", 0, view.dtype.type, list(view.shape), view.ctypes.data)
+                if dc is not None and name != self.info.logits:  # cache outputs: left on the device
+                    io.bind_output(name, dc.device, dc.device_id)
+                else:
+                    io.bind_output(name, "cpu")
+            if dc is not None:
+                for name in self.dims:
+                    dc.bind(io, name, 0, n, self.width, self._buffer_output.get(name))
+            else:
+                for name, view in self._views().items():
+                    view = view[:n]
+                    io.bind_input(name, "cpu", 0, view.dtype.type, list(view.shape), view.ctypes.data)
+                    out = self._buffer_output.get(name)
+                    if out:
+                        io.bind_output(out, "cpu", 0, view.dtype.type, list(view.shape), view.ctypes.data)
             if kind == "decode":  # the graph's bound step, if it has one: no cache columns
                 self.model.bind_step_inputs(io)
             binding = self._bindings[kind] = (key, io)
         io = binding[1]
         for name, value in feeds.items():
-            if name not in past:
-                io.bind_cpu_input(name, np.ascontiguousarray(value))
+            io.bind_cpu_input(name, np.ascontiguousarray(value))
         try:
             self.model.session.run_with_iobinding(io)
         except Exception as e:  # onnxruntime's own exception types
             what = "a decoding step" if kind == "decode" else "a combined prefill and decoding call"
             raise RunError(f"onnxruntime could not run {what}: {ort_message(e)}") from None
         outs = io.get_outputs()  # OrtValues, no copy; the buffer outputs (the cache itself) are not read
-        return {name: outs[i].numpy() for i, name in enumerate(wanted)}
+        return {name: outs[i].numpy() if dc is None or name == self.info.logits else outs[i]
+                for i, name in enumerate(wanted)}
 
     def _history(self, seq: _Sequence) -> list[int]:
         """The tokens the decoder has read, for the processors that look back: prompt and output."""
@@ -840,7 +905,9 @@ class Engine:
         if r != last:
             moved = self.rows[last]
             f = moved.filled
-            for v in self._views().values():
+            if self.device_cache is not None:  # on the device: the whole row (the columns past f are masked)
+                self.device_cache.move_row(last, r, self.width)
+            for v in self._views().values() if self.cache is not None else ():
                 v[r, :, :f] = v[last, :, :f]
             self.slots[r] = self.slots[last]
             moved.slot = r
@@ -852,6 +919,50 @@ class Engine:
             self._relayout(_round_up(longest))
 
     # ------------------------------------------------------------------ the live view
+    def _put(self, r: int, at: int, out: dict, src_row: int, s0: int, s1: int,
+             views: dict[str, np.ndarray] | None = None) -> None:
+        """Columns [s0, s1) of row ``src_row`` of a call's cache outputs (``out``, by present name: arrays,
+        or the device cache's OrtValues) into row ``r``'s columns from ``at``: a prompt chunk's keys and
+        values, speculation's checked columns."""
+        layers = self.info.layers
+        if self.device_cache is not None:
+            sources = {}
+            for layer in layers:
+                sources[layer.past_key], sources[layer.past_value] = out[layer.present_key], out[layer.present_value]
+            self.device_cache.put(r, self.width, at, sources, src_row, s0, s1)
+            return
+        views = views if views is not None else self._views()
+        for layer in layers:
+            views[layer.past_key][r, :, at:at + s1 - s0] = out[layer.present_key][src_row, :, s0:s1]
+            views[layer.past_value][r, :, at:at + s1 - s0] = out[layer.present_value][src_row, :, s0:s1]
+
+    def _run_chunk(self, feeds: dict[str, np.ndarray], row: int | None, rows: int) -> dict:
+        """The device cache's call of the graph's prompt branch (a prompt chunk; speculation's check):
+        ``feeds`` without the past, which is bound from the device buffers -- rows [row, row + rows) of
+        the view, or an empty past when ``row`` is None. The logits come back as an array, the cache
+        outputs stay on the device as OrtValues (``_put`` writes them into the rows)."""
+        from .model import RunError, ort_message
+
+        dc, info = self.device_cache, self.info
+        io = self.model.session.io_binding()
+        io.bind_output(info.logits, "cpu")
+        presents = [o for layer in info.layers for o in (layer.present_key, layer.present_value)]
+        for name in presents:
+            io.bind_output(name, dc.device, dc.device_id)
+        for name in self.dims:
+            if row is None:
+                dc.bind_empty(io, name)
+            else:
+                dc.bind(io, name, row, rows, self.width)
+        for name, value in feeds.items():
+            io.bind_cpu_input(name, np.ascontiguousarray(value))
+        try:
+            self.model.session.run_with_iobinding(io)
+        except Exception as e:  # onnxruntime's own exception types
+            raise RunError(f"onnxruntime could not run a prompt chunk: {ort_message(e)}") from None
+        outs = io.get_outputs()
+        return {info.logits: outs[0].numpy(), **dict(zip(presents, outs[1:]))}
+
     def _views(self) -> dict[str, np.ndarray]:
         """Every cache array's live view [max_batch, kv_heads, width, hd] (a contiguous prefix)."""
         w, b = self.width, self.max_batch
@@ -872,7 +983,9 @@ class Engine:
         if width == old:
             return
         keep = min(old, width)
-        for name, flat in self.cache.items():
+        if self.device_cache is not None:  # the same moves, on the device (device_cache.py)
+            self.device_cache.relayout(n, old, width)
+        for name, flat in self.cache.items() if self.cache is not None else ():
             kv, hd = self.dims[name]
             blocks = range(n * kv - 1, 0, -1) if width > old else range(1, n * kv)
             for i in blocks:

@@ -7,7 +7,9 @@ prefilling it again for each costs what decoding that many rows costs. Here the 
 its prompt that is cached is copied into the slot's columns and prefill starts after it (the row's
 next chunk runs against that filled past, as any later chunk of a prompt does). After every prompt
 chunk (``store``) and when a request leaves (its output too: the next turn's prompt starts with it)
-the row's whole blocks not yet cached are copied in.
+the row's whole blocks not yet cached are copied in. With the engine's cache on the device
+(serving/device_cache.py) the pool stays in host memory: storing copies the row's new blocks
+device-to-host once, admitting copies the reused blocks host-to-device once (per request, not per step).
 
 The store. Blocks of ``BLOCK_TOKENS`` positions, every layer's keys and values of those positions
 in one row of a pool of ``budget // block_bytes`` rows, allocated once (``np.empty``: its pages are
@@ -53,8 +55,7 @@ class PrefixCache:
         dtype = np.dtype(engine.model.np_dtype)
         self.layout = []  # (cache name, kv heads, head size, offset in a pool row)
         offset = 0
-        for name in engine.cache:
-            kv, hd = engine.dims[name]
+        for name, (kv, hd) in engine.dims.items():  # the cache's buffers, in its order
             self.layout.append((name, kv, hd, offset))
             offset += kv * block * hd
         self.block_elems = offset
@@ -178,10 +179,15 @@ class PrefixCache:
         self._touch(chain)
         m, b, r = len(chain) * self.block, self.block, seq.slot
         engine._fit(m)
-        views = engine._views()
-        for i, row in enumerate(chain):
-            for name, kv, hd, off in self.layout:
-                views[name][r, :, i * b:(i + 1) * b] = self.pool[row, off:off + kv * b * hd].reshape(kv, b, hd)
+        if engine.device_cache is not None:  # the blocks gathered on the host, then copied to the device once
+            blocks = {name: np.concatenate([self.pool[row, off:off + kv * b * hd].reshape(kv, b, hd) for row in chain],
+                                           axis=1)[None] for name, kv, hd, off in self.layout}
+            engine.device_cache.put(r, engine.width, 0, blocks, 0, 0, m)
+        else:
+            views = engine._views()
+            for i, row in enumerate(chain):
+                for name, kv, hd, off in self.layout:
+                    views[name][r, :, i * b:(i + 1) * b] = self.pool[row, off:off + kv * b * hd].reshape(kv, b, hd)
         engine.slots[r, :m] = 1
         seq.filled = m
         self.hits += 1
@@ -199,16 +205,18 @@ class PrefixCache:
             self._touch(chain)
             return
         protected = set(chain)
-        views = None
+        views, first, dc = None, len(chain), engine.device_cache
         parent = chain[-1] if chain else -1
         for i in range(len(chain), blocks):
             row = self._allocate(protected)
             if row is None:
                 break
-            if views is None:
-                views = engine._views()
+            if views is None:  # the numpy cache's views; the device cache's new blocks, copied to the host once
+                views = engine._views() if dc is None else dc.read(r, engine.width, first * b, blocks * b)
             for name, kv, hd, off in self.layout:
-                self.pool[row, off:off + kv * b * hd].reshape(kv, b, hd)[...] = views[name][r, :, i * b:(i + 1) * b]
+                block = views[name][r, :, i * b:(i + 1) * b] if dc is None else \
+                    views[name][:, (i - first) * b:(i - first + 1) * b]
+                self.pool[row, off:off + kv * b * hd].reshape(kv, b, hd)[...] = block
             key = (parent, tuple(tokens[i * b:(i + 1) * b]))
             self.index[key], self.key[row] = row, key
             if parent != -1:

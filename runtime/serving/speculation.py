@@ -211,7 +211,8 @@ class Speculation:
         n = max(chunks) + 1
         t = max(len(c) for c in chunks.values())
         engine._fit(max(s.filled + len(chunks[s.slot]) for s in decoding))
-        views, width = engine._views(), engine.width
+        width = engine.width
+        views = engine._views() if engine.device_cache is None else None  # the numpy cache's, else on the device
         tokens = np.zeros((n, t), dtype=np.int64)
         new = np.zeros((n, t), dtype=np.int64)
         positions = np.zeros((n, t), dtype=np.int64)
@@ -224,13 +225,14 @@ class Speculation:
                 new[s.slot, t - m:] = 1
                 positions[s.slot, t - m:] = s.filled + np.arange(m)
         feeds = {info.tokens: tokens, "attention_mask": np.concatenate([engine.slots[:n, :width], new], axis=1),
-                 "position_ids": positions, **{name: v[:n] for name, v in views.items()}}
+                 "position_ids": positions, **({name: v[:n] for name, v in views.items()} if views is not None else {})}
         if info.length_input:  # read by the one-token branch only; T > 1 takes the prompt branch
             feeds[info.length_input] = np.array([s.filled for s in rows[:n]], dtype=np.int64)
         if engine.decode_mask:  # CUDA's decoding-branch input; T > 1 takes the prompt branch, which ignores it
             feeds["decode_mask"] = np.ones((n, 1), dtype=np.int64)
         started = time.perf_counter()
-        out = engine.model.run(feeds)
+        # the device cache binds the rows' views from its buffers; every position's logits come back
+        out = engine.model.run(feeds) if views is not None else engine._run_chunk(feeds, 0, n)
         self.verify_cost.observe(n * t, time.perf_counter() - started)
         engine.steps += 1
         self.calls += 1
@@ -239,9 +241,8 @@ class Speculation:
         for s in decoding:
             c, r = chunks[s.slot], s.slot
             m, f = len(c), s.filled
-            for layer in info.layers:  # every new column at the row's end; only the kept ones are unmasked
-                views[layer.past_key][r, :, f:f + m] = out[layer.present_key][r, :, t - m:]
-                views[layer.past_value][r, :, f:f + m] = out[layer.present_value][r, :, t - m:]
+            # every new column at the row's end; only the kept ones are unmasked
+            engine._put(r, f, out, r, t - m, t, views)
             if r not in drafts:  # one token, as the engine's own step chooses it
                 tok = engine._choose(s, logits[r:r + 1, t - 1])
                 kept, emitted = 1, [tok]

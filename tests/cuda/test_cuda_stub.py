@@ -351,53 +351,88 @@ import ctypes, json, sys
 from tessera.runtime import driver
 from tessera.runtime.options import EngineOptions
 from tessera.runtime.serving.engine import Engine, Request
-o = EngineOptions(spec=sys.argv[1], sets=sys.argv[2].split(","), provider="cuda", dtype="fp16", max_batch=2,
-                  max_context=64)
-model = driver.serve_model(o.model, o)
-eng = Engine(model, max_batch=2, capacity=64)
+from tessera.runtime.serving.prefix_cache import PrefixCache
+from tessera.runtime.serving.speculation import Speculation
 lib = ctypes.CDLL("libcudart.so.13")
-handles = [eng.submit(Request([1, 2, 3, 4, 5], 40)), eng.submit(Request([6, 7, 8], 40))]
-for _ in range(10):  # the prompts in
-    if len(eng.rows) == 2 and not any(s.prefilling for s in eng.rows):
-        break
-    eng.step()
-out = {"providers": model.session.get_providers(), "in_place": eng.in_place, "describe": eng.describe(),
-       "errors": [h.error for h in handles], "rows": len(eng.rows), "steps": []}
-for _ in range(6):
-    lib.stub_memcpy_reset()
-    eng.step()
-    c = (ctypes.c_uint64 * 10)()
-    lib.stub_memcpy_counts(c)
-    out["steps"].append({"h2d": c[3], "d2h": c[5], "d2d": c[7], "rows": len(eng.rows), "row_bytes": eng.view_row_bytes()})
-out["errors"] = [h.error for h in handles]
-out["tokens"] = [len(h.tokens) for h in handles]
-print(json.dumps(out))
+def run(eng, handles, most):
+    out = []
+    for _ in range(most):  # each iteration's copies, with the engine's state before and after it
+        if all(h.finished for h in handles):
+            break
+        before = {"rows": len(eng.rows), "prefilling": sum(s.prefilling for s in eng.rows), "width": eng.width,
+                  "relayouts": eng.relayouts, "moved": eng.device_cache.moved_rows}
+        lib.stub_memcpy_reset()
+        eng.step()
+        c = (ctypes.c_uint64 * 10)()
+        lib.stub_memcpy_counts(c)
+        out.append({**before, "h2d": c[3], "d2h": c[5], "d2d": c[7], "after_rows": len(eng.rows),
+                    "after_width": eng.width, "relayouts": eng.relayouts - before["relayouts"],
+                    "moved": eng.device_cache.moved_rows - before["moved"], "row_bytes": eng.view_row_bytes()})
+    return out
+o = EngineOptions(spec=sys.argv[1], sets=sys.argv[2].split(","), provider="cuda", dtype="fp16", max_batch=2,
+                  max_context=192)
+model = driver.serve_model(o.model, o)
+eng = Engine(model, max_batch=2, capacity=192)
+r = {"providers": model.session.get_providers(), "device": eng.device_cache is not None, "describe": eng.describe()}
+# a 60-token prompt that decodes past the first 64 columns (the view widens), a short one that leaves first
+handles = [eng.submit(Request(list(range(1, 61)), 40)), eng.submit(Request([6, 7, 8], 8))]
+r["plain"] = run(eng, handles, 80)
+r["errors"] = [h.error for h in handles]
+r["tokens"] = [len(h.tokens) for h in handles]
+# speculation and the prefix cache: the model with every position's logits
+model = driver.serve_model(o.model, o, last_only=False)
+eng = Engine(model, max_batch=2, capacity=192)
+PrefixCache.for_engine(eng, 1)
+Speculation(adaptive=False).attach(eng)
+phrase = [1, 2, 3, 4, 5, 6, 7, 8] * 5
+handles = [eng.submit(Request(phrase, 12)), eng.submit(Request(phrase + [9], 12))]
+r["speculative"] = run(eng, handles, 60)
+r["speculative_errors"] = [h.error for h in handles]
+r["checks"], r["hits"] = eng.speculation.calls, eng.prefix_cache.hits
+print(json.dumps(r))
 """
 
 
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
 def test_the_serving_engine_on_cuda(cuda_stub, family, tmp_path):
     """`serve`/`batch`'s engine with --provider cuda --dtype fp16 (runtime/driver.py serve_model): the model
-    compiled for CUDA, every decoding step's GroupQueryAttention completes its host-side checks, and the per-step
-    copies are what docs/serve.md ("On CUDA") states for a cache kept in host memory: the rows' live cache view
-    comes back device-to-host whole with the logits (n x V x 4 B), and goes in with the token ids and masks (the
-    stub counts the upload of a bound host buffer as device-to-device: the two are asserted together)."""
+    compiled for CUDA, its KV cache in device OrtValues (runtime/serving/device_cache.py), every call's and
+    every cache graph's host-side checks complete, and the copies are what docs/serve.md ("On CUDA") states:
+    a decoding step of n rows at a view W wide copies its token ids, positions and cache lengths (n x 24 B)
+    and masks (at most n x 2 x (W + 1) x 8 B) in and n x V x 4 B of logits out -- n x (V x 4 + 1,064 B) at
+    most at the first width -- and not the cache (n x 32 KiB at W = 64 for the 2-layer fp16 gpt2: what the host cache
+    copied each way); a prompt chunk its tokens in and its last logits out; an iteration where the view
+    widens or narrows or a row leaves (moved into the freed slot) copies nothing more between host and device.
+    With speculation and the prefix cache (every position's logits) the calls run and drafts are checked.
+    Values computed on the device are not checkable here (tests/serving/test_serve_device_cache.py holds the same
+    path to the numpy engine on the CPU provider)."""
     import json
 
+    sets = [x for x in FAMILIES[family] if not x.startswith("ctx=")] + ["ctx=192"]
     script = tmp_path / "engine.py"
     script.write_text(ENGINE)
-    p = cuda_stub.run([str(script), family, ",".join(FAMILIES[family])], timeout=300)
+    p = cuda_stub.run([str(script), family, ",".join(sets)], timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
     r = json.loads(p.stdout.strip().splitlines()[-1])
-    assert r["providers"][0] == "CUDAExecutionProvider" and r["in_place"], r
-    assert r["errors"] == [None, None] and r["rows"] == 2, r
-    assert "placement: CUDAExecutionProvider" in r["describe"]
-    vocab = 128
-    for step in r["steps"]:
-        n, row = step["rows"], step["row_bytes"]
-        assert step["d2h"] == n * row + n * vocab * 4, step  # the view [:n], then the logits
-        assert step["h2d"] + step["d2h"] + step["d2d"] <= 2 * n * row + n * vocab * 4 + 8 * 1024, step
-    assert r["tokens"][0] >= 6 and r["tokens"][1] >= 6
+    assert r["providers"][0] == "CUDAExecutionProvider" and r["device"], r
+    assert r["errors"] == [None, None] and r["tokens"] == [40, 8], r
+    assert "placement: CUDAExecutionProvider; the KV cache in device memory" in r["describe"]
+    vocab, steps = 128, r["plain"]
+    decoding = [s for s in steps if s["rows"] and not s["prefilling"]]  # every row decodes: one call, n rows
+    for s in decoding:
+        n, width = s["rows"], max(s["width"], s["after_width"])
+        assert s["d2h"] == n * vocab * 4, s  # the logits, nothing else, come back
+        assert s["h2d"] <= n * (24 + 2 * 8 * (width + 1)) + 64, s  # ids, positions, lengths, masks
+        if width == 64:  # the issue's bound, n x (V x 4 + about 1 KiB): the masks are 2 x 65 x 8 B a row
+            assert s["h2d"] + s["d2h"] <= n * (vocab * 4 + 24 + 2 * 8 * 65) + 64, s
+        if not s["relayouts"] and not s["moved"]:  # nor is the cache copied on the device
+            assert s["d2d"] < n * s["row_bytes"], s
+    assert any(s["relayouts"] and s["after_width"] > s["width"] for s in decoding)  # widened during a step
+    assert any(s["after_rows"] < s["rows"] for s in decoding)  # a row left
+    for s in steps:  # prefill (a chunk's last logits, beside the decoding rows') included: never the cache
+        assert s["d2h"] % (vocab * 4) == 0 and s["d2h"] <= 3 * vocab * 4, s
+        assert s["h2d"] <= 8 * 1024 < s["row_bytes"], s
+    assert r["speculative_errors"] == [None, None] and r["checks"] > 0 and r["hits"] > 0, r
 
 
 @pytest.mark.parametrize("target, dtype, fused", [("cuda", "fp16", True), ("cuda", "bf16", True), ("cuda", "fp32", False),
