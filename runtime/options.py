@@ -14,17 +14,25 @@ of each API method that compiles; an option of one command is one field here, on
 runtime/cli/ and one keyword in runtime/api.py; tests/project/test_options_parity.py fails until all exist.
 
 Rules that need the model itself (its inputs, its graph) are checked by the driver once it is built.
+
+Imports: every command's parser is built from this module for ``tessera --help``, which must not load
+numpy, sympy, networkx, onnx or the compiler (tests/project/test_cli_help.py; about a second of
+start-up on this machine). So the compiler's and numpy's names (``Target``, ``PipelineOptions``,
+``Plan``, ``Sampling``) are imported in the methods that turn options into a compile, never at the top.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import importlib.util
 import math
 from contextlib import contextmanager
 from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 
 from tessera.runtime.errors import UsageError
+from tessera.runtime import machine
 
 # runtime/pipeline.py's quant_config takes these (compiler/passes/quantize.py SCHEMES, and none;
 # tests/project/test_cli_help.py keeps the three equal); here so the command line's parsers are built without
@@ -903,7 +911,6 @@ class GenerateOptions(BuildOptions):
         """These options with what the user left out filled from the checkpoint (``found``:
         io/generation_config.GenerationDefaults) and its end-of-sequence ids as ``eos_tokens``
         (none with ignore_eos); with one line per setting saying where its value came from."""
-        import dataclasses
 
         filled, lines = {}, []
         for name in self.DEFAULTS:
@@ -947,11 +954,7 @@ def device_for(provider: str) -> str:
     if provider == "cuda":
         return "cuda"
     if provider == "auto":
-        from tessera.runtime.machine import gpu_present
-
-        if gpu_present():
-            import importlib.util
-
+        if machine.gpu_present():
             spec = importlib.util.find_spec("onnxruntime")
             capi = spec and spec.submodule_search_locations and \
                 Path(list(spec.submodule_search_locations)[0]) / "capi" / "libonnxruntime_providers_cuda.so"

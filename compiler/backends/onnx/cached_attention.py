@@ -29,14 +29,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-
-from tessera.compiler.backends.onnx.floats import np_float as _np_float, onnx_float as _onnx_float
-from onnx import TensorProto, helper
+from onnx import TensorProto, numpy_helper
 
 from tessera.compiler.backends.onnx import score_epilogue as epilogue
+from tessera.compiler.backends.onnx.attention import _attn23, _portable
 from tessera.compiler.backends.onnx.branches import branch, branch_outputs
+from tessera.compiler.backends.onnx.floats import np_float as _np_float, onnx_float as _onnx_float
+from tessera.compiler.backends.onnx.score_epilogue import _hidden_keys
 from tessera.compiler.backends.onnx.walk import all_nodes
+from tessera.compiler.ops.attention import rotated_dims
 from tessera.compiler.patterns.matcher import Pat, match
+from tessera.compiler.reference.numerics import rope_attention_factor, rope_inv_freq
 
 
 def _split(b, x: str) -> tuple[str, str | None]:
@@ -67,7 +70,6 @@ def _chunks_by_position(b, node, additive: str, np_dtype) -> str:
     hidden. Positions are counted from each row's first real token (the attention mask's running sum
     less one), as transformers' chunked mask does with left padding (``chunked_overlay``: slot less
     the row's left padding); padded keys are hidden by the mask already."""
-    from tessera.compiler.backends.onnx.score_epilogue import _hidden_keys
 
     mask = node.inputs[3]
     real = b.node("Cast", [b.node("Not", [_hidden_keys(b, mask)])[0]], to=TensorProto.INT64)[0]
@@ -164,7 +166,6 @@ def _lower_prefill(b, node, out: str) -> None:
     """The prompt: the portable tiled kernel over concat(past, new) with the causal offset and the
     attention mask as its key padding. The concatenation is made here, inside the branch, so a
     decoding step (the other branch) never copies the cache."""
-    from tessera.compiler.backends.onnx.attention import _attn23, _portable
 
     names = list(node.inputs)
     for i in (1, 2):
@@ -314,8 +315,6 @@ def packed_qkv(g, node) -> "PackedQKV | str":
     is expressible as GroupQueryAttention's cos/sin caches [max_positions, hd/2] indexed by the
     position ids (every kind but dynamic NTK, whose frequencies follow the length; the whole head
     rotated; a trained context bounding the positions, so the caches have a length)."""
-    from tessera.compiler.ops.attention import rotated_dims
-    from tessera.compiler.reference.numerics import rope_attention_factor, rope_inv_freq
 
     if not node.attrs.get("pack_qkv", True):
         return "--decode gqa-unpacked"
@@ -503,7 +502,6 @@ def _merge_heads_after(nodes, ifn, inits, outputs):
     """(If, (Transpose, Reshape)) when the If's attention output is read only by merge_heads' pair
     (Transpose [0, 2, 1, 3], Reshape to [0, 0, -1]): at T = 1 GroupQueryAttention's [B, 1, H·hd]
     output is already that, so the pair can move into the prefill branch. Else None."""
-    from onnx import numpy_helper
 
     def readers(name):
         return [n for n in nodes if name in _graph_reads([n])]
