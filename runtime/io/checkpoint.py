@@ -36,6 +36,7 @@ MODEL_TYPES = {
     "bart": "bart",
     "whisper": "whisper",
     "mamba": "mamba",
+    "qwen3": "qwen3",
 }
 
 
