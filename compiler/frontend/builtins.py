@@ -635,6 +635,35 @@ def _topk_gates(call, logits, k, normalize):
     return call.emit("topk_gates", [t], attrs)
 
 
+@builtin("experts", ("x", R), ("count", R), ("top", R), ("d_ff", R), ("normalize", True))
+def _experts(call, x, count, top, d_ff, normalize):
+    """A mixture of ``count`` SwiGLU experts as one sparse node: a bias-free router (``router.weight``
+    [count, d]) picks the ``top`` experts of each token, which alone run down(silu(gate(x)) * up(x))
+    (``experts.{e}.ffn.gate/up/down.weight``, the standard library moe block's paths) weighted by the
+    softmax over the chosen logits (normalize=false: over all). Equal to ``moe(x, count, top, d_ff)``,
+    in one IR node instead of one subgraph per expert, so models of 128 experts in 48 layers elaborate."""
+    t = _tensor(call, x)
+    e, k, f = _int(call, count, "count", 1), _int(call, top, "top", 1), _int(call, d_ff, "d_ff", 1)
+    if k > e:
+        raise call.error(f"top={k} is more than count={e}", top[1])
+    if e > MAX_EXPERTS:
+        raise call.error(f"{e:,} experts is past the budget of {MAX_EXPERTS} per router", count[1])
+    d = t.type.shape[-1] if t.type.rank else None
+    if d is None or not dims.is_static(d):
+        raise call.error(f"input width must be a fixed size, got {t.type}")
+    d = int(d)
+    logits = call.emit("linear", [t, call.param("router.weight", (e, d), "normal")])
+    weights = []
+    for i in range(e):
+        weights += [call.param(f"experts.{i}.ffn.gate.weight", (f, d), "normal"),
+                    call.param(f"experts.{i}.ffn.up.weight", (f, d), "normal"),
+                    call.param(f"experts.{i}.ffn.down.weight", (d, f), "normal")]
+    attrs = {"k": k, "experts": e, "impl": "gather"}
+    if not _bool(call, normalize, "normalize"):
+        attrs["normalize"] = False
+    return call.emit("sparse_moe", [t, logits, *weights], attrs)
+
+
 # ------------------------------------------------------------------ positions
 @builtin("arange", ("n", R))
 def _arange(call, n):

@@ -5,7 +5,8 @@ router logits, and for each expert ``e`` its feed-forward output times ``slice(g
 summed. compiler/patterns/experts.py recognises that form (the same recogniser the report's
 structure uses), with SwiGLU experts (``linear(silu(linear(x, gate)) * linear(x, up), down)``, no
 biases, every expert reading the same ``x``); this pass replaces the sum with one ``sparse_moe``
-node that runs each token's top-k experts only.
+node that runs each token's top-k experts only. A mixture written sparse (the ``experts`` builtin,
+already one ``sparse_moe`` node) gets the target's lowering (``impl``) here too.
 The router stays a ``linear`` (the quantiser and the report see it as before). A block the pattern
 does not fit stays dense, and its note says why (``--explain`` prints it).
 
@@ -64,6 +65,15 @@ class SparseExperts(Pass):
     def run(self, graph: Graph) -> PassResult:
         sites = []
         changed = False
+        for node in [n for n in graph.nodes.values() if n.op == "sparse_moe"]:
+            # written sparse already (the `experts` builtin): the target's lowering chosen here too
+            e, k = int(node.attrs["experts"]), int(node.attrs["k"])
+            if node.attrs.get("impl") != self.impl:
+                node.attrs["impl"] = self.impl
+                changed = True
+            sites.append(ExpertSite(node.name, node.scope, e, k, True, node=node.name, impl=self.impl,
+                                    reason="" if self.enabled else "written sparse (the experts builtin): "
+                                                                     "--no-sparse-moe has no dense form of it"))
         for g in [n for n in graph.nodes.values() if n.op == "topk_gates"]:
             e, k = int(graph.type_of(g.inputs[0]).shape[-1]), int(g.attrs["k"])
             if not self.enabled:

@@ -37,6 +37,7 @@ MODEL_TYPES = {
     "whisper": "whisper",
     "mamba": "mamba",
     "qwen3": "qwen3",
+    "qwen3_moe": "qwen3_moe",
 }
 
 

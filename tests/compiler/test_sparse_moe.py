@@ -324,3 +324,48 @@ model M(d = 16, normalize = false) {
     for g in (spec, sparse):  # dense (topk_gates normalize=false) and sparse, numpy and onnxruntime
         assert np.abs(interpret.run(g, w, {"x": x})["y"] - want).max() <= TOL
         assert np.abs(ort_run(g, w, {"x": x})["y"] - want).max() <= TOL
+
+
+EXPERTS = """
+model M(d = 16, e = 6, k = 2, f = 8, normalize = true) {
+  in x: f32[B, T, d]
+  out y: f32[B, T, d]
+  y = experts(x, e, k, f, normalize=normalize, name="moe")
+}
+"""
+
+DENSE = EXPERTS.replace('experts(x, e, k, f, normalize=normalize, name="moe")',
+                        'moe(x, e, k, f, normalize=normalize, name="moe")')
+
+
+@pytest.mark.parametrize("normalize", [True, False])
+def test_the_experts_builtin_equals_the_dense_moe_block_and_numpy(tmp_path, normalize):
+    """experts(...) is one sparse_moe node with the moe block's parameter paths: with the same weights
+    it equals the dense block in the interpreter and onnxruntime, and numpy written here (softmax over
+    the top-k logits, or over all of them kept at the top k; each token's chosen SwiGLU experts)."""
+    from conftest import build, ort_run
+    from tessera.compiler.ops import interpret
+    from tessera.runtime.io.weights import init_weights
+
+    (tmp_path / "s.tsr").write_text(EXPERTS)
+    (tmp_path / "d.tsr").write_text(DENSE)
+    sparse = build(str(tmp_path / "s.tsr"), normalize=normalize)
+    dense = build(str(tmp_path / "d.tsr"), normalize=normalize)
+    assert [n.op for n in sparse.nodes.values()] == ["linear", "sparse_moe", "identity"]
+    assert set(sparse.params) == set(dense.params) and sparse.param_count() == dense.param_count()
+    w = init_weights(dense, seed=5)
+    x = np.random.default_rng(0).standard_normal((2, 5, 16)).astype(np.float32)
+    logits = x.reshape(-1, 16) @ w["moe.router.weight"].T
+    want = np.zeros((10, 16), np.float32)
+    for t in range(10):
+        top = np.argsort(-logits[t], kind="stable")[:2]
+        p = np.exp(logits[t] - logits[t].max())
+        gates = (p[top] / p[top].sum()) if normalize else (p / p.sum())[top]
+        for e, g in zip(top, gates):
+            pre = f"moe.experts.{e}.ffn."
+            a = x.reshape(-1, 16)[t] @ w[pre + "gate.weight"].T
+            want[t] += g * (((a / (1 + np.exp(-a))) * (x.reshape(-1, 16)[t] @ w[pre + "up.weight"].T))
+                            @ w[pre + "down.weight"].T)
+    for got in (interpret.run(sparse, w, {"x": x})["y"], ort_run(sparse, w, {"x": x})["y"],
+                interpret.run(dense, w, {"x": x})["y"]):
+        np.testing.assert_allclose(got.reshape(-1, 16), want, rtol=1e-5, atol=1e-6)
