@@ -22,6 +22,7 @@ import sys
 from pathlib import Path
 
 from tessera.spec import Program
+from tessera.spec.ast import ListLit
 
 from tessera.runtime.files import stat_or_raise
 from tessera.runtime.io.weights import NameMap, WeightsError, _read_regular
@@ -90,6 +91,8 @@ def config_overrides(program: Program, name_map: NameMap | None, weights: str | 
     where = Path(weights) / CONFIG_FILE
     model = program.main_model
     names = {p.name for p in model.params} if model is not None else set()
+    # the hyperparameters a list may fill: those whose default is a list literal ([...])
+    lists = {p.name for p in model.params if isinstance(p.default, ListLit)} if model is not None else set()
     fixed = _variant_values(program, variant)
     out: dict = {}
     source: dict = {}
@@ -116,9 +119,10 @@ def config_overrides(program: Program, name_map: NameMap | None, weights: str | 
         if target not in names:
             raise WeightsError(f"{name_map.source}: [config] maps {key} to '{target}', which is not a "
                                f"hyperparameter of {model.name if model else program.path}")
-        if isinstance(value, dict) or (isinstance(value, list) and not _flat(value)):
-            raise WeightsError(f"{where}: {key} is a JSON {type(value).__name__}, not a number, bool, string or "
-                               f"list of those for hyperparameter '{target}'")
+        if isinstance(value, dict) or (isinstance(value, list) and not (_flat(value) and target in lists)):
+            what = "a number, bool, string or flat list of those" if target in lists else "a number, bool or string"
+            raise WeightsError(f"{where}: {key} is a JSON {type(value).__name__}, not {what} for hyperparameter "
+                               f"'{target}'")
         if target in out and not _same(out[target], value):
             raise WeightsError(f"{where}: {source[target]} = {json.dumps(out[target])} and {key} = "
                                f"{json.dumps(value)} both give hyperparameter '{target}'")

@@ -186,8 +186,8 @@ class NameMap:
                                        f"fallback = \"config key\", unset = value }}, got {target!r}")
                 m.config[key] = ("fallback", name, fallback, target.get("unset"))
             else:
-                raise WeightsError(f"{where} must be a hyperparameter name, {{ expect = [...] }} or {{ name = ..., "
-                                   f"fallback = ..., unset = ... }}, got {target!r}")
+                raise WeightsError(f"{where} must be a hyperparameter name, {{ expect = [allowed values] }} or "
+                                   f"{{ name = ..., fallback = ..., unset = ... }}, got {target!r}")
         return m
 
     def plan(self, shapes: dict[str, tuple[int, ...]], native=frozenset(), model_shapes: dict | None = None,

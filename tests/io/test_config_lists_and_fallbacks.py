@@ -78,7 +78,7 @@ def test_a_set_list_equal_to_the_config_passes_and_a_different_one_is_named(tmp_
 
 def test_nested_lists_and_bad_fallback_tables_are_refused(tmp_path):
     spec, folder = _folder(tmp_path, {"num_hidden_layers": 3, "layer_types": [["full"], "x", "y"]})
-    with pytest.raises(WeightsError, match="layer_types is a JSON list, not a number, bool, string or list of those"):
+    with pytest.raises(WeightsError, match="layer_types is a JSON list, not a number, bool, string or flat list of those"):
         pipeline.build(spec, weights=folder)
     spec, folder = _folder(tmp_path, {"num_hidden_layers": 3},
                            mapping='[config]\nmax_relative_positions = { name = "reach", unset = -1 }\n')
