@@ -400,6 +400,10 @@ class Elaborator:
         if isinstance(a, list) or isinstance(b, list):
             if op == "+" and isinstance(a, list) and isinstance(b, list):
                 return a + b
+            if op in ("==", "!=") and isinstance(a, list) and isinstance(b, list) and \
+                    not any(isinstance(v, Tensor) for v in a + b):  # `if kinds != [] { ... }`
+                eq = len(a) == len(b) and all(self.binop("==", x, y, pos) for x, y in zip(a, b))
+                return eq if op == "==" else not eq
             raise SpecError(f"unsupported operation: {describe(a)} {op} {describe(b)}", pos)
         if op in ("==", "!="):
             eq = _values_equal(a, b)

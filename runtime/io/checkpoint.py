@@ -38,6 +38,7 @@ MODEL_TYPES = {
     "mamba": "mamba",
     "qwen3": "qwen3",
     "qwen3_moe": "qwen3_moe",
+    "gemma3_text": "gemma3",
 }
 
 

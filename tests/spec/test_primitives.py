@@ -196,3 +196,25 @@ def test_gather_along_an_axis_equals_torch_gather(tmp_path, rng):
     from tessera.spec.diagnostics import SpecError
     with pytest.raises(SpecError, match=r"gather's index must match x on every axis but -1: axis 1 is 3"):
         build(str(bad))
+
+
+def test_lists_compare_item_by_item(tmp_path):
+    """`kinds != []` and `kinds == [...]`: equal lengths and equal items (numbers by value, as `==`)."""
+    from tessera.compiler.frontend.elaborate import elaborate
+    from tessera.spec import load_program
+
+    spec = tmp_path / "lists.tsr"
+    spec.write_text("""
+model L(kinds = []) {
+  in x: f32[B, 2]
+  out y: f32[B, 2]
+  assert kinds == [] or kinds == ["a", 2] or kinds == [1.0, [2]] : "unexpected"
+  assert [1, 2] != [1, 2, 3] and [1, 2] != [2, 1] and [3] == [3.0] : "list comparison"
+  y = x
+}
+""")
+    for kinds in ([], ["a", 2], [1, [2]]):
+        elaborate(load_program(spec), None, {"kinds": kinds})
+    from tessera.spec.diagnostics import SpecError
+    with pytest.raises(SpecError, match="unexpected"):
+        elaborate(load_program(spec), None, {"kinds": ["a", 3]})
