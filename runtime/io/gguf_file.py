@@ -37,7 +37,7 @@ import numpy as np
 
 from tessera.runtime.io.weights import WeightsError
 
-VERSION = 1  # of the conversion: a change here converts every file again
+VERSION = 2  # of the conversion: a change here converts every file again (2: the note by type)
 SUFFIX = ".gguf"
 MAGIC = b"GGUF"
 SHARD_BYTES = 2 * 1024 ** 3
@@ -204,6 +204,22 @@ def dequantize(kind: str, raw: np.ndarray, shape: tuple[int, ...], name: str = "
     if count % per or raw.size != count // per * nbytes:
         raise WeightsError(f"{name}: {raw.size} bytes of {kind} do not hold {count} elements of shape {list(shape)}")
     return fn(raw).reshape(shape)
+
+
+FLOATS = ("F32", "F16", "BF16")  # read as they are (F16, BF16 widened); every other type is dequantised
+
+
+def type_summary(types: dict[str, int]) -> str:
+    """Tensor counts by GGUF type, as the note and --explain say them: ``dequantised from Q4_K: 112
+    tensors, Q6_K: 14; read from F32: 25``."""
+    parts = []
+    for verb, kinds in (("dequantised from", [k for k in types if k not in FLOATS]),
+                        ("read from", [k for k in types if k in FLOATS])):
+        if kinds:
+            counts = [f"{k}: {types[k]}" for k in kinds]
+            counts[0] += " tensor" + ("s" if types[kinds[0]] != 1 else "")
+            parts.append(f"{verb} {', '.join(counts)}")
+    return "; ".join(parts) or "no tensors"
 
 
 # ------------------------------------------------------------------ metadata
@@ -469,8 +485,9 @@ def _generation_config(m: GGUFModel) -> dict:
     return out
 
 
-def convert(path: Path, folder: Path) -> str:
-    """Write the checkpoint folder of GGUF file ``path`` into ``folder`` (made); returns the note."""
+def convert(path: Path, folder: Path, final: Path | None = None) -> str:
+    """Write the checkpoint folder of GGUF file ``path`` into ``folder`` (made); returns the note (which
+    names ``final``, the folder's name once moved into place, where given)."""
     m = GGUFModel(path)
     if m.arch not in ARCHITECTURES:
         raise WeightsError(f"{path}: GGUF architecture {m.arch!r} is not read by Tessera (it reads "
@@ -523,8 +540,7 @@ def convert(path: Path, folder: Path) -> str:
         why = _tokenizer(m, folder)
     except Exception as e:  # tokenizers raises plain Exceptions for a vocabulary or merges it cannot take
         why = f"its tokenizer metadata could not be built into a tokenizer ({type(e).__name__}: {e})"
-    types = ", ".join(f"{k} {v}" for k, v in m.types().items())
-    note = (f"{path}: GGUF {m.arch}, {len(m.tensors)} tensors ({types}) dequantised to fp32 in {folder}")
+    note = f"{path}: GGUF {m.arch}, {len(m.tensors)} tensors as fp32 in {final or folder} ({type_summary(m.types())})"
     if why:
         note += f"; no tokenizer read: {why} (give --tokenizer)"
     (folder / "gguf_source.json").write_text(json.dumps({"source": str(path), "version": VERSION, "note": note}))
@@ -534,9 +550,30 @@ def convert(path: Path, folder: Path) -> str:
 _converted: dict[tuple, Path] = {}
 
 
+def explain(path) -> str | None:
+    """--explain's line for a GGUF file (None for any other path): how its tensors were read (the
+    conversion's note, kept in the folder); None too when this call converted the file, its note just
+    printed."""
+    if path is None or not is_gguf(path):
+        return None
+    folder, now = _folder(path)
+    if now:
+        return None
+    try:
+        note = json.loads((folder / "gguf_source.json").read_text())["note"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return f"GGUF weights: {note}"
+
+
 def folder_for(path) -> Path:
     """The checkpoint folder of GGUF file ``path``: from the cache when converted before, else converted
     now (a note on stderr says so)."""
+    return _folder(path)[0]
+
+
+def _folder(path) -> tuple[Path, bool]:
+    """folder_for's folder, and whether it was converted now."""
     p = Path(str(path)).resolve()
     try:
         st = p.stat()
@@ -544,7 +581,7 @@ def folder_for(path) -> Path:
         raise WeightsError(f"cannot read {path}: {e.strerror}") from None
     key = (str(p), st.st_size, st.st_mtime_ns)
     if key in _converted and _converted[key].is_dir():
-        return _converted[key]
+        return _converted[key], False
     from tessera.spec.cache_folder import cache_folder
 
     digest = hashlib.sha256(repr((key, VERSION)).encode()).hexdigest()[:16]
@@ -553,10 +590,10 @@ def folder_for(path) -> Path:
         folder = Path(base) / f"{p.stem[:60]}-{digest}"
         if (folder / "gguf_source.json").is_file():
             _converted[key] = folder
-            return folder
+            return folder, False
         work = Path(tempfile.mkdtemp(prefix=f".{folder.name}-", dir=base))
         try:
-            note = convert(p, work)
+            note = convert(p, work, folder)
             try:
                 os.rename(work, folder)
             except OSError:  # converted meanwhile by another process
@@ -564,12 +601,11 @@ def folder_for(path) -> Path:
         except BaseException:
             shutil.rmtree(work, ignore_errors=True)
             raise
-        print(f"note: {note} (once: reused while the file is unchanged)".replace(str(work), str(folder)),
-              file=sys.stderr)
+        print(f"note: {note} (once: reused while the file is unchanged)", file=sys.stderr)
     else:
         folder = Path(tempfile.mkdtemp(prefix="tessera-gguf-"))
         atexit.register(shutil.rmtree, folder, True)
         note = convert(p, folder)
         print(f"note: {note} (the cache is off: converted again each run)", file=sys.stderr)
     _converted[key] = folder
-    return folder
+    return folder, True
