@@ -12,14 +12,15 @@ modification time and by this converter's version, so a file is converted once; 
 it is a temporary folder removed at exit.
 
 What is read: the ``llama`` architecture (Llama 1/2/3 without rope scaling tensors, Mistral,
-SmolLM2, TinyLlama ...), tensors of type F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 and the
-K-quants Q2_K, Q3_K, Q4_K, Q5_K, Q6_K (a Q4_K_M or Q5_K_M file mixes them), each dequantised to fp32
+SmolLM2, TinyLlama ...), tensors of type F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL and
+the K-quants Q2_K, Q3_K, Q4_K, Q5_K, Q6_K (a Q4_K_M file mixes Q4_K and Q6_K, with Q5_0, Q5_1, Q8_0
+or IQ4_NL where a row is not a multiple of 256), each dequantised to fp32
 exactly as llama.cpp's ``dequantize_row_*`` computes it (``DEQUANTIZE``); and the query and key
 matrices are permuted back from llama.cpp's rotary layout (its converter's ``permute``: each head's
 rows interleaved as pairs) to Hugging Face's (rotate-half). The tokenizer is read where it is
 byte-level BPE (``tokenizer.ggml.model = gpt2``) with a known pre-tokenizer (``PRE_TOKENIZERS``);
 another is left out with a note (give ``--tokenizer``). Anything else -- another architecture, another
-tensor type (the IQ* types, TQ*, MXFP4), rope scaling the spec does not take -- is a WeightsError naming it.
+tensor type (IQ2_XS and the other IQ* types, TQ*, MXFP4), rope scaling the spec does not take -- is a WeightsError naming it.
 """
 
 from __future__ import annotations
@@ -81,6 +82,16 @@ def _q5_0(raw: np.ndarray) -> np.ndarray:   # 22 bytes: fp16 d, 32 high bits, 16
 def _q5_1(raw: np.ndarray) -> np.ndarray:   # 24 bytes: fp16 d, fp16 m, 32 high bits, nibbles; w = d * q + m
     b = raw.reshape(-1, 24)
     return (_halves(b, 0) * (_nibbles(b[:, 8:]) + 16.0 * _bits32(b[:, 4:8])) + _halves(b, 2)).reshape(-1)
+
+
+# IQ4_NL's 16 levels (ggml-common.h kvalues_iq4nl): non-linear, denser near zero
+IQ4_NL_LEVELS = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=np.float32)
+
+
+def _iq4_nl(raw: np.ndarray) -> np.ndarray:  # 18 bytes: fp16 d, 16 bytes of nibbles indexing the levels
+    b = raw.reshape(-1, 18)
+    q = np.concatenate([b[:, 2:] & 0x0F, b[:, 2:] >> 4], axis=1)
+    return (_halves(b, 0) * IQ4_NL_LEVELS[q]).reshape(-1)
 
 
 def _bits32(qh: np.ndarray) -> np.ndarray:
@@ -184,6 +195,7 @@ DEQUANTIZE = {
     "Q4_1": (32, 20, _q4_1),
     "Q5_0": (32, 22, _q5_0),
     "Q5_1": (32, 24, _q5_1),
+    "IQ4_NL": (32, 18, _iq4_nl),
     "Q2_K": (QK_K, 84, _q2_k),
     "Q3_K": (QK_K, 110, _q3_k),
     "Q4_K": (QK_K, 144, _q4_k),

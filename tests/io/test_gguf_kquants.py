@@ -1,4 +1,5 @@
-"""The K-quants (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K) and Q5_0, Q5_1 in a GGUF file (runtime/io/gguf_file.py).
+"""The K-quants (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K) and the types a K-quant mix falls back to where a row
+is not a multiple of 256 (Q5_0, Q5_1, IQ4_NL) in a GGUF file (runtime/io/gguf_file.py).
 
 Each type's tensors are written here with the ``gguf`` package from random but valid blocks (random
 bytes, the fp16 super-block scales set to finite values) and read back by the reader; two references
@@ -40,6 +41,7 @@ LAYOUT = {
     "Q6_K": (256, 210, (208,)),      # ql[128], qh[64], scales[16] (int8), d
     "Q5_0": (32, 22, (0,)),          # d, qh[4], qs[16]
     "Q5_1": (32, 24, (0, 2)),        # d, m, qh[4], qs[16]
+    "IQ4_NL": (32, 18, (0,)),        # d, qs[16]
 }
 KINDS = list(LAYOUT)
 
@@ -144,9 +146,18 @@ def _block_q5_01(b: bytes, one: bool) -> list:
     return y
 
 
+KVALUES_IQ4NL = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)  # ggml-common.h
+
+
+def _block_iq4_nl(b: bytes) -> list:
+    d, qs = _half(b, 0), b[2:18]
+    return [d * f32(KVALUES_IQ4NL[q & 0xF]) for q in qs] + [d * f32(KVALUES_IQ4NL[q >> 4]) for q in qs]
+
+
 BY_HAND = {"Q2_K": _block_q2_k, "Q3_K": _block_q3_k, "Q4_K": lambda b: _block_q45_k(b, False),
            "Q5_K": lambda b: _block_q45_k(b, True), "Q6_K": _block_q6_k,
-           "Q5_0": lambda b: _block_q5_01(b, False), "Q5_1": lambda b: _block_q5_01(b, True)}
+           "Q5_0": lambda b: _block_q5_01(b, False), "Q5_1": lambda b: _block_q5_01(b, True),
+           "IQ4_NL": _block_iq4_nl}
 
 
 def _by_hand(kind: str, raw: np.ndarray) -> np.ndarray:
