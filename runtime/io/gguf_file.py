@@ -215,7 +215,8 @@ def dequantize(kind: str, raw: np.ndarray, shape: tuple[int, ...], name: str = "
     raw = np.ascontiguousarray(raw).reshape(-1).view(np.uint8)
     if count % per or raw.size != count // per * nbytes:
         raise WeightsError(f"{name}: {raw.size} bytes of {kind} do not hold {count} elements of shape {list(shape)}")
-    return fn(raw).reshape(shape)
+    with np.errstate(invalid="ignore", over="ignore"):  # an inf or NaN scale: convert() names the tensor
+        return fn(raw).reshape(shape)
 
 
 FLOATS = ("F32", "F16", "BF16")  # read as they are (F16, BF16 widened); every other type is dequantised

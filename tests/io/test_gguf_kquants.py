@@ -329,3 +329,19 @@ def test_an_iq_type_is_an_error_naming_it_and_the_tensor(tmp_path, capsys, monke
     err = cli_error(capsys, "generate", path, "--input", "tokens=[[1]]")
     assert "token_embd.weight (IQ2_XS)" in err and "Q4_K" in err and "Q6_K" in err, err
     assert "output_norm" not in err
+
+
+def test_a_non_finite_super_block_scale_is_a_clear_error_without_warnings(tmp_path, capsys, monkeypatch):
+    import warnings
+
+    monkeypatch.setenv("TESSERA_CACHE_DIR", str(tmp_path / "cache"))
+    raw = _random_blocks("Q4_K", VOCAB, D, np.random.default_rng(0))
+    raw[3, 0:2] = np.array([np.inf], np.float16).view(np.uint8)  # row 3's d: infinity (times a zero scale: NaN)
+    path = tmp_path / "inf.gguf"
+    _write(path, {"token_embd.weight": ("Q4_K", raw)}, meta=_llama_meta(_config()))
+    with np.errstate(invalid="ignore"):
+        assert not np.isfinite(gguf.quants.dequantize(raw, T["Q4_K"])[3]).all()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # numpy's RuntimeWarning would be an error here
+        err = cli_error(capsys, "report", path)
+    assert "token_embd.weight holds NaN or infinity" in err, err
