@@ -14,13 +14,14 @@ it is a temporary folder removed at exit.
 What is read: the ``llama`` architecture (Llama 1/2/3 without rope scaling tensors, Mistral,
 SmolLM2, TinyLlama ...), tensors of type F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL and
 the K-quants Q2_K, Q3_K, Q4_K, Q5_K, Q6_K (a Q4_K_M file mixes Q4_K and Q6_K, with Q5_0, Q5_1, Q8_0
-or IQ4_NL where a row is not a multiple of 256), each dequantised to fp32
-exactly as llama.cpp's ``dequantize_row_*`` computes it (``DEQUANTIZE``); and the query and key
-matrices are permuted back from llama.cpp's rotary layout (its converter's ``permute``: each head's
-rows interleaved as pairs) to Hugging Face's (rotate-half). The tokenizer is read where it is
+or IQ4_NL where a row is not a multiple of 256), each dequantised to fp32 exactly as llama.cpp's
+``dequantize_row_*`` computes it (``DEQUANTIZE``; the note says how many tensors came from each
+type); and the query and key matrices are permuted back from llama.cpp's rotary layout (its
+converter's ``permute``: each head's rows interleaved as pairs) to Hugging Face's (rotate-half). The tokenizer is read where it is
 byte-level BPE (``tokenizer.ggml.model = gpt2``) with a known pre-tokenizer (``PRE_TOKENIZERS``);
 another is left out with a note (give ``--tokenizer``). Anything else -- another architecture, another
-tensor type (IQ2_XS and the other IQ* types, TQ*, MXFP4), rope scaling the spec does not take -- is a WeightsError naming it.
+tensor type (IQ2_XS and the other IQ* types, TQ*, MXFP4), rope scaling the spec does not take -- is a
+WeightsError naming it.
 """
 
 from __future__ import annotations
@@ -107,7 +108,7 @@ def _bf16(raw: np.ndarray) -> np.ndarray:
 # K-quants (ggml-common.h block_q*_K, ggml-quants.c dequantize_row_q*_K): super-blocks of QK_K = 256
 # elements in sub-blocks of 16 or 32, each sub-block with a scale (and a min) quantised against the
 # super-block's fp16 d (and dmin). The arithmetic is ggml's, in fp32 and in its order, so the values are
-# llama.cpp's to the bit (tests/io/test_gguf.py).
+# llama.cpp's to the bit (tests/io/test_gguf_kquants.py).
 QK_K = 256
 _SHIFT2 = np.array([0, 2, 4, 6], dtype=np.uint8)  # four 2-bit fields of a byte, low first
 _BIT8 = np.arange(8, dtype=np.uint8)
