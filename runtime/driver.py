@@ -35,8 +35,8 @@ from tessera.runtime import compile_cache, embedding as embeddings, pipeline
 from tessera.runtime.files import stat_or_raise
 from tessera.runtime.generation import cached as gen, loop
 from tessera.runtime.generation.loop import EncoderDecoder, compile_decoder, target_input
-from tessera.runtime.io import (checkpoint, generation_config, image, inputs as inputs_mod, outputs as outputs_mod,
-                                text, text as text_mod)
+from tessera.runtime.io import (checkpoint, generation_config, gguf_file, image, inputs as inputs_mod,
+                                outputs as outputs_mod, text, text as text_mod)
 from tessera.runtime.io.inputs import to_array
 from tessera.runtime.onnx_skeleton import skeleton_of
 from tessera.runtime.report import alignment, alignment_plot, measure
@@ -53,6 +53,9 @@ def from_checkpoint(ref: ModelRef, o=None, wants_tokenizer: bool = False):
 
 
     tokenizer = checkpoint.tokenizer_in(ref.spec)
+    if getattr(o, "explain", False):  # a GGUF file: which tensors were dequantised from which type
+        for line in filter(None, (gguf_file.explain(ref.spec), gguf_file.explain(ref.weights))):
+            print(line, file=sys.stderr)
     ref = checkpoint.resolve(ref)
     if o is not None and wants_tokenizer and tokenizer is not None and not getattr(o, "tokenizer", None):
         api = o.api

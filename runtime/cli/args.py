@@ -85,7 +85,7 @@ def optimize_args(p: argparse.ArgumentParser) -> None:
     add_build_arguments(p)
     p.add_argument("--explain", action="store_true",
                    help="list every attention site: fused or not and why, and the kernel chosen; and how each "
-                        "recurrence (scan) is lowered")
+                        "recurrence (scan) is lowered; for a GGUF file which tensors were dequantised from which type")
 
 
 def weights_args(p: argparse.ArgumentParser) -> None:

@@ -74,7 +74,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="do not stop at the checkpoint's end-of-sequence token (eos_token_id of "
                         "generation_config.json or config.json beside the model, weights or tokenizer)")
     g.add_argument("--explain", action="store_true",
-                   help="print each decoding setting and where its value came from (flag, file or default)")
+                   help="print each decoding setting and where its value came from (flag, file or default); "
+                        "for a GGUF file also which tensors were dequantised from which type")
     g.add_argument("--stop", dest="stops", action="append", default=[], metavar="TEXT",
                    help="end a prompt's generation at this text (repeatable; needs --tokenizer)")
     g.add_argument("--stop-token", dest="stop_tokens", action="append", default=[], type=int, metavar="ID",

@@ -12,13 +12,16 @@ modification time and by this converter's version, so a file is converted once; 
 it is a temporary folder removed at exit.
 
 What is read: the ``llama`` architecture (Llama 1/2/3 without rope scaling tensors, Mistral,
-SmolLM2, TinyLlama ...), tensors of type F32, F16, BF16, Q8_0, Q4_0 and Q4_1, each dequantised to
-fp32 exactly as llama.cpp's ``dequantize_row_*`` computes it (``DEQUANTIZE``); and the query and key
-matrices are permuted back from llama.cpp's rotary layout (its converter's ``permute``: each head's
-rows interleaved as pairs) to Hugging Face's (rotate-half). The tokenizer is read where it is
+SmolLM2, TinyLlama ...), tensors of type F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL and
+the K-quants Q2_K, Q3_K, Q4_K, Q5_K, Q6_K (a Q4_K_M file mixes Q4_K and Q6_K, with Q5_0, Q5_1, Q8_0
+or IQ4_NL where a row is not a multiple of 256), each dequantised to fp32 exactly as llama.cpp's
+``dequantize_row_*`` computes it (``DEQUANTIZE``; the note says how many tensors came from each
+type); and the query and key matrices are permuted back from llama.cpp's rotary layout (its
+converter's ``permute``: each head's rows interleaved as pairs) to Hugging Face's (rotate-half). The tokenizer is read where it is
 byte-level BPE (``tokenizer.ggml.model = gpt2``) with a known pre-tokenizer (``PRE_TOKENIZERS``);
-another is left out with a note (give ``--tokenizer``). Anything else -- another architecture, a
-K-quant or other tensor type, rope scaling the spec does not take -- is a WeightsError naming it.
+another is left out with a note (give ``--tokenizer``). Anything else -- another architecture, another
+tensor type (IQ2_XS and the other IQ* types, TQ*, MXFP4), rope scaling the spec does not take -- is a
+WeightsError naming it.
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ import numpy as np
 
 from tessera.runtime.io.weights import WeightsError
 
-VERSION = 1  # of the conversion: a change here converts every file again
+VERSION = 2  # of the conversion: a change here converts every file again (2: the note by type)
 SUFFIX = ".gguf"
 MAGIC = b"GGUF"
 SHARD_BYTES = 2 * 1024 ** 3
@@ -72,8 +75,115 @@ def _q4_1(raw: np.ndarray) -> np.ndarray:   # 20 bytes: fp16 d, fp16 m, 16 bytes
     return (_halves(b, 0) * _nibbles(b[:, 4:]) + _halves(b, 2)).reshape(-1)
 
 
+def _q5_0(raw: np.ndarray) -> np.ndarray:   # 22 bytes: fp16 d, 32 high bits, 16 bytes of nibbles; w = d * (q - 16)
+    b = raw.reshape(-1, 22)
+    return (_halves(b, 0) * (_nibbles(b[:, 6:]) + 16.0 * _bits32(b[:, 2:6]) - 16.0)).reshape(-1)
+
+
+def _q5_1(raw: np.ndarray) -> np.ndarray:   # 24 bytes: fp16 d, fp16 m, 32 high bits, nibbles; w = d * q + m
+    b = raw.reshape(-1, 24)
+    return (_halves(b, 0) * (_nibbles(b[:, 8:]) + 16.0 * _bits32(b[:, 4:8])) + _halves(b, 2)).reshape(-1)
+
+
+# IQ4_NL's 16 levels (ggml-common.h kvalues_iq4nl): non-linear, denser near zero
+IQ4_NL_LEVELS = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=np.float32)
+
+
+def _iq4_nl(raw: np.ndarray) -> np.ndarray:  # 18 bytes: fp16 d, 16 bytes of nibbles indexing the levels
+    b = raw.reshape(-1, 18)
+    q = np.concatenate([b[:, 2:] & 0x0F, b[:, 2:] >> 4], axis=1)
+    return (_halves(b, 0) * IQ4_NL_LEVELS[q]).reshape(-1)
+
+
+def _bits32(qh: np.ndarray) -> np.ndarray:
+    """Q5_0/Q5_1's fifth bits: a little-endian uint32 whose bit j belongs to element j, as [blocks, 32] fp32."""
+    word = np.ascontiguousarray(qh).view("<u4")
+    return ((word >> np.arange(32, dtype=np.uint32)) & 1).astype(np.float32)
+
+
 def _bf16(raw: np.ndarray) -> np.ndarray:
     return (raw.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+
+
+# K-quants (ggml-common.h block_q*_K, ggml-quants.c dequantize_row_q*_K): super-blocks of QK_K = 256
+# elements in sub-blocks of 16 or 32, each sub-block with a scale (and a min) quantised against the
+# super-block's fp16 d (and dmin). The arithmetic is ggml's, in fp32 and in its order, so the values are
+# llama.cpp's to the bit (tests/io/test_gguf_kquants.py).
+QK_K = 256
+_SHIFT2 = np.array([0, 2, 4, 6], dtype=np.uint8)  # four 2-bit fields of a byte, low first
+_BIT8 = np.arange(8, dtype=np.uint8)
+
+
+def _scale_min_k4(s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K/Q5_K's 12 bytes as 8 six-bit scales and 8 six-bit mins (ggml's get_scale_min_k4): sub-blocks
+    0-3 take the low 6 bits of bytes 0-3 (scale) and 4-7 (min); sub-blocks 4-7 a nibble of bytes 8-11
+    (scale low, min high) with the top 2 bits of bytes 0-3 (scale) and 4-7 (min) above it."""
+    scale = np.concatenate([s[:, 0:4] & 63, (s[:, 8:12] & 0x0F) | ((s[:, 0:4] >> 6) << 4)], axis=1)
+    mins = np.concatenate([s[:, 4:8] & 63, (s[:, 8:12] >> 4) | ((s[:, 4:8] >> 6) << 4)], axis=1)
+    return scale.astype(np.float32), mins.astype(np.float32)
+
+
+def _q2_k(raw: np.ndarray) -> np.ndarray:
+    """84 bytes: 16 scale bytes (scale low nibble, min high), 64 bytes of 2-bit q, fp16 d, fp16 dmin.
+    Each 128-element half reads 32 q bytes four times (bits 0-1, 2-3, 4-5, 6-7: 32 elements each);
+    16 elements a scale: w = d * scale * q - dmin * min."""
+    b = raw.reshape(-1, 84)
+    sc = b[:, 0:16]
+    q = (b[:, 16:80].reshape(-1, 2, 1, 32) >> _SHIFT2[:, None]) & 3
+    dl = _halves(b, 80) * (sc & 0x0F).astype(np.float32)
+    ml = _halves(b, 82) * (sc >> 4).astype(np.float32)
+    return (dl[:, :, None] * q.reshape(-1, 16, 16).astype(np.float32) - ml[:, :, None]).reshape(-1)
+
+
+def _q3_k(raw: np.ndarray) -> np.ndarray:
+    """110 bytes: 32 bytes of high bits, 64 bytes of 2-bit q, 12 bytes of 16 six-bit scales, fp16 d.
+    q as Q2_K's; element e of the 32-element group g (0-7) takes bit g of high-bit byte e, and a clear
+    bit subtracts 4; scale k: the low nibble (k < 8) or high nibble of byte k % 8, and 2 bits of byte
+    8 + k % 4 (bits 2 * (k // 4)) above it, less 32; w = d * scale * q."""
+    b = raw.reshape(-1, 110)
+    s = b[:, 96:108]
+    low = np.concatenate([s[:, 0:8] & 0x0F, s[:, 0:8] >> 4], axis=1)
+    high = ((s[:, None, 8:12] >> _SHIFT2[:, None]) & 3).reshape(-1, 16)
+    scale = (low | (high << 4)).astype(np.float32) - 32.0
+    q = ((b[:, 32:96].reshape(-1, 2, 1, 32) >> _SHIFT2[:, None]) & 3).astype(np.int8)
+    hbit = ((b[:, None, 0:32] >> _BIT8[:, None]) & 1).reshape(-1, 2, 4, 32).astype(np.int8)
+    q = (q - 4 * (1 - hbit)).reshape(-1, 16, 16).astype(np.float32)
+    return ((_halves(b, 108) * scale)[:, :, None] * q).reshape(-1)
+
+
+def _q4_k(raw: np.ndarray) -> np.ndarray:
+    """144 bytes: fp16 d, fp16 dmin, 12 bytes of scales and mins (_scale_min_k4), 128 bytes of nibbles:
+    each 64 elements read 32 bytes, low nibbles then high, 32 elements a scale: w = d * scale * q - dmin * min."""
+    b = raw.reshape(-1, 144)
+    scale, mins = _scale_min_k4(b[:, 4:16])
+    qs = b[:, 16:144].reshape(-1, 4, 1, 32)
+    q = np.concatenate([qs & 0x0F, qs >> 4], axis=2).reshape(-1, 8, 32).astype(np.float32)
+    return ((_halves(b, 0) * scale)[:, :, None] * q - (_halves(b, 2) * mins)[:, :, None]).reshape(-1)
+
+
+def _q5_k(raw: np.ndarray) -> np.ndarray:
+    """176 bytes: Q4_K's d, dmin and scales, 32 bytes of fifth bits (element e of 32-element sub-block s:
+    bit s of byte e), Q4_K's 128 bytes of nibbles; w = d * scale * (q + 16 * bit) - dmin * min."""
+    b = raw.reshape(-1, 176)
+    scale, mins = _scale_min_k4(b[:, 4:16])
+    qs = b[:, 48:176].reshape(-1, 4, 1, 32)
+    q = np.concatenate([qs & 0x0F, qs >> 4], axis=2).reshape(-1, 8, 32)
+    q = (q + 16 * ((b[:, None, 16:48] >> _BIT8[:, None]) & 1)).astype(np.float32)
+    return ((_halves(b, 0) * scale)[:, :, None] * q - (_halves(b, 2) * mins)[:, :, None]).reshape(-1)
+
+
+def _q6_k(raw: np.ndarray) -> np.ndarray:
+    """210 bytes: 128 bytes of low nibbles, 64 bytes of 2-bit highs, 16 int8 scales, fp16 d. Each
+    128-element half reads 64 low bytes and 32 high bytes: its four 32-element quarters take the low
+    nibbles of bytes 0-31, of 32-63, the high nibbles of 0-31, of 32-63, and bits 0-1, 2-3, 4-5, 6-7 of
+    the high bytes; 16 elements a scale: w = d * scale * (q - 32)."""
+    b = raw.reshape(-1, 210)
+    ql = b[:, 0:128].reshape(-1, 2, 2, 32)
+    low = np.concatenate([ql & 0x0F, ql >> 4], axis=2)  # [blocks, half, quarter, 32]
+    high = (b[:, 128:192].reshape(-1, 2, 1, 32) >> _SHIFT2[:, None]) & 3
+    q = ((low | (high << 4)).astype(np.int8) - 32).reshape(-1, 16, 16).astype(np.float32)
+    scale = b[:, 192:208].view(np.int8).astype(np.float32)
+    return ((_halves(b, 208) * scale)[:, :, None] * q).reshape(-1)
 
 
 # type name -> (elements per block, bytes per block, dequantise raw bytes to fp32 elements)
@@ -84,6 +194,14 @@ DEQUANTIZE = {
     "Q8_0": (32, 34, _q8_0),
     "Q4_0": (32, 18, _q4_0),
     "Q4_1": (32, 20, _q4_1),
+    "Q5_0": (32, 22, _q5_0),
+    "Q5_1": (32, 24, _q5_1),
+    "IQ4_NL": (32, 18, _iq4_nl),
+    "Q2_K": (QK_K, 84, _q2_k),
+    "Q3_K": (QK_K, 110, _q3_k),
+    "Q4_K": (QK_K, 144, _q4_k),
+    "Q5_K": (QK_K, 176, _q5_k),
+    "Q6_K": (QK_K, 210, _q6_k),
 }
 
 
@@ -98,7 +216,24 @@ def dequantize(kind: str, raw: np.ndarray, shape: tuple[int, ...], name: str = "
     raw = np.ascontiguousarray(raw).reshape(-1).view(np.uint8)
     if count % per or raw.size != count // per * nbytes:
         raise WeightsError(f"{name}: {raw.size} bytes of {kind} do not hold {count} elements of shape {list(shape)}")
-    return fn(raw).reshape(shape)
+    with np.errstate(invalid="ignore", over="ignore"):  # an inf or NaN scale: convert() names the tensor
+        return fn(raw).reshape(shape)
+
+
+FLOATS = ("F32", "F16", "BF16")  # read as they are (F16, BF16 widened); every other type is dequantised
+
+
+def type_summary(types: dict[str, int]) -> str:
+    """Tensor counts by GGUF type, as the note and --explain say them: ``dequantised from Q4_K: 112
+    tensors, Q6_K: 14; read from F32: 25``."""
+    parts = []
+    for verb, kinds in (("dequantised from", [k for k in types if k not in FLOATS]),
+                        ("read from", [k for k in types if k in FLOATS])):
+        if kinds:
+            counts = [f"{k}: {types[k]}" for k in kinds]
+            counts[0] += " tensor" + ("s" if types[kinds[0]] != 1 else "")
+            parts.append(f"{verb} {', '.join(counts)}")
+    return "; ".join(parts) or "no tensors"
 
 
 # ------------------------------------------------------------------ metadata
@@ -364,8 +499,9 @@ def _generation_config(m: GGUFModel) -> dict:
     return out
 
 
-def convert(path: Path, folder: Path) -> str:
-    """Write the checkpoint folder of GGUF file ``path`` into ``folder`` (made); returns the note."""
+def convert(path: Path, folder: Path, final: Path | None = None) -> str:
+    """Write the checkpoint folder of GGUF file ``path`` into ``folder`` (made); returns the note (which
+    names ``final``, the folder's name once moved into place, where given)."""
     m = GGUFModel(path)
     if m.arch not in ARCHITECTURES:
         raise WeightsError(f"{path}: GGUF architecture {m.arch!r} is not read by Tessera (it reads "
@@ -418,8 +554,7 @@ def convert(path: Path, folder: Path) -> str:
         why = _tokenizer(m, folder)
     except Exception as e:  # tokenizers raises plain Exceptions for a vocabulary or merges it cannot take
         why = f"its tokenizer metadata could not be built into a tokenizer ({type(e).__name__}: {e})"
-    types = ", ".join(f"{k} {v}" for k, v in m.types().items())
-    note = (f"{path}: GGUF {m.arch}, {len(m.tensors)} tensors ({types}) dequantised to fp32 in {folder}")
+    note = f"{path}: GGUF {m.arch}, {len(m.tensors)} tensors as fp32 in {final or folder} ({type_summary(m.types())})"
     if why:
         note += f"; no tokenizer read: {why} (give --tokenizer)"
     (folder / "gguf_source.json").write_text(json.dumps({"source": str(path), "version": VERSION, "note": note}))
@@ -429,9 +564,30 @@ def convert(path: Path, folder: Path) -> str:
 _converted: dict[tuple, Path] = {}
 
 
+def explain(path) -> str | None:
+    """--explain's line for a GGUF file (None for any other path): how its tensors were read (the
+    conversion's note, kept in the folder); None too when this call converted the file, its note just
+    printed."""
+    if path is None or not is_gguf(path):
+        return None
+    folder, now = _folder(path)
+    if now:
+        return None
+    try:
+        note = json.loads((folder / "gguf_source.json").read_text())["note"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return f"GGUF weights: {note}"
+
+
 def folder_for(path) -> Path:
     """The checkpoint folder of GGUF file ``path``: from the cache when converted before, else converted
     now (a note on stderr says so)."""
+    return _folder(path)[0]
+
+
+def _folder(path) -> tuple[Path, bool]:
+    """folder_for's folder, and whether it was converted now."""
     p = Path(str(path)).resolve()
     try:
         st = p.stat()
@@ -439,7 +595,7 @@ def folder_for(path) -> Path:
         raise WeightsError(f"cannot read {path}: {e.strerror}") from None
     key = (str(p), st.st_size, st.st_mtime_ns)
     if key in _converted and _converted[key].is_dir():
-        return _converted[key]
+        return _converted[key], False
     from tessera.spec.cache_folder import cache_folder
 
     digest = hashlib.sha256(repr((key, VERSION)).encode()).hexdigest()[:16]
@@ -448,10 +604,10 @@ def folder_for(path) -> Path:
         folder = Path(base) / f"{p.stem[:60]}-{digest}"
         if (folder / "gguf_source.json").is_file():
             _converted[key] = folder
-            return folder
+            return folder, False
         work = Path(tempfile.mkdtemp(prefix=f".{folder.name}-", dir=base))
         try:
-            note = convert(p, work)
+            note = convert(p, work, folder)
             try:
                 os.rename(work, folder)
             except OSError:  # converted meanwhile by another process
@@ -459,12 +615,11 @@ def folder_for(path) -> Path:
         except BaseException:
             shutil.rmtree(work, ignore_errors=True)
             raise
-        print(f"note: {note} (once: reused while the file is unchanged)".replace(str(work), str(folder)),
-              file=sys.stderr)
+        print(f"note: {note} (once: reused while the file is unchanged)", file=sys.stderr)
     else:
         folder = Path(tempfile.mkdtemp(prefix="tessera-gguf-"))
         atexit.register(shutil.rmtree, folder, True)
         note = convert(p, folder)
         print(f"note: {note} (the cache is off: converted again each run)", file=sys.stderr)
     _converted[key] = folder
-    return folder
+    return folder, True

@@ -114,11 +114,11 @@ def test_every_tensor_type_dequantises_as_ggml_does(kind, tmp_path):
 
 def test_an_unsupported_tensor_type_and_architecture_are_named(tmp_path, capsys):
     rng = np.random.default_rng(0)
-    q5 = rng.integers(0, 256, (2, 22), dtype=np.uint8)  # Q5_0: 22 bytes a block of 32
-    path = tmp_path / "q5.gguf"
-    _write(path, {"token_embd.weight": ("Q5_0", q5)}, meta=_llama_meta(_config(False)))
+    iq = rng.integers(0, 256, (2, 74), dtype=np.uint8)  # IQ2_XS: 74 bytes a block of 256
+    path = tmp_path / "iq.gguf"
+    _write(path, {"token_embd.weight": ("IQ2_XS", iq)}, meta=_llama_meta(_config(False)))
     err = cli_error(capsys, "report", path)
-    assert "token_embd.weight (Q5_0)" in err and "Q4_1" in err
+    assert "token_embd.weight (IQ2_XS)" in err and "Q4_1" in err and "Q4_K" in err
     _write(tmp_path / "falcon.gguf", {"w": ("F32", np.zeros((2, 2), np.float32))}, arch="falcon")
     err = cli_error(capsys, "generate", tmp_path / "falcon.gguf", "--input", "tokens=[[1]]")
     assert "architecture 'falcon'" in err and "llama" in err
