@@ -12,7 +12,9 @@ modification time and by this converter's version, so a file is converted once; 
 it is a temporary folder removed at exit.
 
 What is read: the ``llama`` architecture (Llama 1/2/3 without rope scaling tensors, Mistral,
-SmolLM2, TinyLlama ...), tensors of type F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL and
+SmolLM2, TinyLlama ...) and ``gemma3`` (Gemma 3's text decoder, models/gemma3.tsr: its norms stored
+as 1 + w and read back as w, every sixth layer full and the others sliding with the local base
+10,000, as llama.cpp takes them), tensors of type F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL and
 the K-quants Q2_K, Q3_K, Q4_K, Q5_K, Q6_K (a Q4_K_M file mixes Q4_K and Q6_K, with Q5_0, Q5_1, Q8_0
 or IQ4_NL where a row is not a multiple of 256), each dequantised to fp32 exactly as llama.cpp's
 ``dequantize_row_*`` computes it (``DEQUANTIZE``; the note says how many tensors came from each
@@ -410,9 +412,83 @@ def _llama_tensor(m: GGUFModel, gguf_name: str, hf_name: str, config: dict) -> n
     return w
 
 
+GEMMA3_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "blk.{i}.attn_norm.weight": "model.layers.{i}.input_layernorm.weight",
+    "blk.{i}.attn_q.weight": "model.layers.{i}.self_attn.q_proj.weight",
+    "blk.{i}.attn_k.weight": "model.layers.{i}.self_attn.k_proj.weight",
+    "blk.{i}.attn_v.weight": "model.layers.{i}.self_attn.v_proj.weight",
+    "blk.{i}.attn_output.weight": "model.layers.{i}.self_attn.o_proj.weight",
+    "blk.{i}.attn_q_norm.weight": "model.layers.{i}.self_attn.q_norm.weight",
+    "blk.{i}.attn_k_norm.weight": "model.layers.{i}.self_attn.k_norm.weight",
+    "blk.{i}.post_attention_norm.weight": "model.layers.{i}.post_attention_layernorm.weight",
+    "blk.{i}.ffn_norm.weight": "model.layers.{i}.pre_feedforward_layernorm.weight",
+    "blk.{i}.post_ffw_norm.weight": "model.layers.{i}.post_feedforward_layernorm.weight",
+    "blk.{i}.ffn_gate.weight": "model.layers.{i}.mlp.gate_proj.weight",
+    "blk.{i}.ffn_up.weight": "model.layers.{i}.mlp.up_proj.weight",
+    "blk.{i}.ffn_down.weight": "model.layers.{i}.mlp.down_proj.weight",
+}
+# What llama.cpp's Gemma 3 takes as given rather than storing (llama-model.cpp, LLM_ARCH_GEMMA3): every
+# sixth layer full, the others sliding with the local rotary base 10,000.
+GEMMA3_PATTERN = 6
+GEMMA3_LOCAL_BASE = 10000.0
+
+
+def _gemma3_config(m: GGUFModel) -> dict:
+    """Gemma 3's text decoder (models/gemma3.tsr) from llama.cpp's metadata. The query scale is
+    head_dim^-0.5, except for the 27B (62 layers), whose query_pre_attn_scalar is d / heads, as
+    llama.cpp computes it."""
+    d, heads = int(m.need("embedding_length")), int(m.need("attention.head_count"))
+    layers = int(m.need("block_count"))
+    head_dim = int(m.get("attention.key_length") or d // heads)
+    if int(m.get("attention.value_length") or head_dim) != head_dim:
+        raise WeightsError(f"{m.path}: {m.arch}.attention.value_length differs from key_length; Gemma 3's heads "
+                           f"have one size")
+    tokens = m.meta.get("tokenizer.ggml.tokens") or []
+    vocab = m.get("vocab_size") or len(tokens) or int(m.tensors["token_embd.weight"].shape[-1])
+    full = {"rope_type": "default", "rope_theta": float(m.get("rope.freq_base", 1000000.0))}
+    scaling = m.get("rope.scaling.type")
+    if scaling not in (None, "none"):
+        if scaling != "linear" or not m.get("rope.scaling.factor"):
+            raise WeightsError(f"{m.path}: {m.arch}.rope.scaling.type = {scaling!r} is not read from GGUF (linear is)")
+        full.update(rope_type="linear", factor=float(m.get("rope.scaling.factor")))
+    return {
+        "model_type": "gemma3_text",
+        "architectures": ["Gemma3ForCausalLM"],
+        "vocab_size": int(vocab),
+        "hidden_size": d,
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(m.get("attention.head_count_kv") or heads),
+        "head_dim": head_dim,
+        "intermediate_size": int(m.need("feed_forward_length")),
+        "rms_norm_eps": float(m.get("attention.layer_norm_rms_epsilon", 1e-6)),
+        "max_position_embeddings": int(m.get("context_length", 32768)),
+        "sliding_window": int(m.need("attention.sliding_window")),
+        "query_pre_attn_scalar": d // heads if layers == 62 else head_dim,
+        "_sliding_window_pattern": GEMMA3_PATTERN,
+        "layer_types": ["full_attention" if (i + 1) % GEMMA3_PATTERN == 0 else "sliding_attention"
+                        for i in range(layers)],
+        "rope_parameters": {"full_attention": full,
+                            "sliding_attention": {"rope_type": "default", "rope_theta": GEMMA3_LOCAL_BASE}},
+        "hidden_activation": "gelu_pytorch_tanh",
+        "attention_bias": False,
+        "tie_word_embeddings": "output.weight" not in m.tensors,
+    }
+
+
+def _gemma3_tensor(m: GGUFModel, gguf_name: str, hf_name: str, config: dict) -> np.ndarray:
+    """llama.cpp's converter stores Gemma's norms as their scale 1 + w; Hugging Face (and the spec's
+    gemma_rmsnorm) keep w."""
+    w = m.read(gguf_name)
+    return w - np.float32(1.0) if gguf_name.endswith("norm.weight") else w
+
+
 # general.architecture -> (config.json from the metadata, tensor names, one tensor as Hugging Face has it)
 ARCHITECTURES = {
     "llama": (_llama_config, LLAMA_NAMES, _llama_tensor),
+    "gemma3": (_gemma3_config, GEMMA3_NAMES, _gemma3_tensor),
 }
 
 

