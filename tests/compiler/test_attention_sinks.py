@@ -268,3 +268,50 @@ def test_explain_names_the_kernel_or_the_reason(tmp_path, capsys):
     assert "MultiHeadAttention computes no" in err and "attention sinks" in err, err
     code, out, err = cli(capsys, "compile", spec, "--explain", "--attention", "gqa", "-o", str(tmp_path / "g.onnx"))
     assert code == 0 and "fused -> gqa: forced" in out + err, out + err
+
+
+QKV = """
+model A(heads = 4, kv_heads = 2, hd = 8) {
+  in q: f32[B, heads, T, hd]
+  in k: f32[B, kv_heads, T, hd]
+  in v: f32[B, kv_heads, T, hd]
+  out y: f32[B, heads, T, hd]
+  sinks = parameter([heads], name="sinks")
+  y = sdpa(q, repeat_kv(k, heads / kv_heads), repeat_kv(v, heads / kv_heads), causal=true, sinks=sinks)
+}
+"""
+
+
+@pytest.mark.parametrize("t", [1, 7, 20])
+def test_fused_sinks_equal_transformers_gpt_oss_eager_attention(tmp_path, monkeypatch, t):
+    """transformers' own gpt-oss attention (modeling_gpt_oss.eager_attention_forward: the sinks
+    concatenated to the masked scores, max subtracted, softmax, column dropped) on the same q, k, v and
+    sinks, against each kernel that takes them."""
+    torch = pytest.importorskip("torch")
+    gpt_oss = pytest.importorskip("transformers.models.gpt_oss.modeling_gpt_oss")
+    monkeypatch.setattr(onnx_attention, "MAX_TILE", 8)
+    spec = _write(tmp_path, QKV, "qkv.tsr")
+    rng = np.random.default_rng(t)
+    q = rng.standard_normal((2, 4, t, 8)).astype(np.float32) * 2
+    k, v = (rng.standard_normal((2, 2, t, 8)).astype(np.float32) * 2 for _ in range(2))
+    sinks = (rng.standard_normal(4) * 3).astype(np.float32)
+
+    class Module(torch.nn.Module):
+        num_key_value_groups = 2
+
+        def __init__(self):
+            super().__init__()
+            self.sinks = torch.nn.Parameter(torch.from_numpy(sinks))
+
+    module = Module().eval()
+    causal = torch.triu(torch.full((t, t), torch.finfo(torch.float32).min), 1)[None, None]
+    with torch.no_grad():
+        hf, _ = gpt_oss.eager_attention_forward(module, torch.from_numpy(q), torch.from_numpy(k),
+                                                torch.from_numpy(v), causal, 8 ** -0.5)
+    want = hf.transpose(1, 2).numpy()  # it returns [B, T, H, hd]
+    for kernel in (None, "block", "portable", "gqa"):
+        g = build(spec)
+        (site,) = optimize(g, Target("cpu"), kernel)
+        assert site.fused, site.reason
+        got = ort_run(g, {"sinks": sinks}, {"q": q, "k": k, "v": v})["y"]
+        np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-4, err_msg=f"{kernel} ({site.impl})")
