@@ -293,8 +293,11 @@ def _fused_ref(x, a, ev):
     extra = x[3:]
     mask = extra.pop(0) if a["padding"] else None
     bias = extra.pop(0) if a["bias"] else None
-    s = score_epilogue.apply(q @ np.swapaxes(k_, -1, -2), a,
-                             score_epilogue.Where(q.shape[-2], k_.shape[-2], key_mask=mask, bias=bias))
+    sinks = score_epilogue.sink_logits(extra.pop(0), a["heads"]) if a.get("sinks") else None
+    where = score_epilogue.Where(q.shape[-2], k_.shape[-2], key_mask=mask, bias=bias, sinks=sinks)
+    s = score_epilogue.apply(q @ np.swapaxes(k_, -1, -2), a, where)
+    if a.get("sinks"):
+        return score_epilogue.softmax(s, a, where).astype(s.dtype) @ v_
     return softmax(s, -1) @ v_
 
 
@@ -328,12 +331,19 @@ def _fused_flops(c):
     saved=(), traits=("matmul_class",))
 def _fused_attention(t, a):
     """softmax(cap(q·kᵀ·scale) + masks + bias)·v on [B, H, T, hd] with kv_heads key/value heads; with
-    attrs["softcap"] = c > 0, cap(s) = tanh(s)·c (logit soft-capping, the 1/c folded into the scale)."""
+    attrs["softcap"] = c > 0, cap(s) = tanh(s)·c (logit soft-capping, the 1/c folded into the scale);
+    with attrs["sinks"], inputs q, k, v[, mask][, bias], sinks: one more logit per head in the softmax's
+    normaliser (attention sinks, gpt-oss)."""
     check_fused_attrs(a)
-    n_in = 3 + int(a["padding"]) + int(a["bias"])
+    n_in = 3 + int(a["padding"]) + int(a["bias"]) + int(bool(a.get("sinks")))
     if len(t) != n_in:
-        raise ShapeError(f"fused_attention: {len(t)} inputs, its attributes (padding, bias) say {n_in}")
+        raise ShapeError(f"fused_attention: {len(t)} inputs, its attributes (padding, bias, sinks) say {n_in}")
     q, k, v = t[0], t[1], t[2]
+    if a.get("sinks"):  # the last input: one logit per query head (any shape of that many values)
+        sk = t[-1]
+        if not dims.is_static(dims.numel(sk.shape)) or int(dims.numel(sk.shape)) != a["heads"]:
+            raise ShapeError(f"fused_attention: sinks {dims.fmt_shape(sk.shape)} is not one value per head "
+                             f"({a['heads']})")
     if q.rank != 4 or k.rank != 4 or v.rank != 4:
         raise ShapeError("fused_attention takes q, k, v as [B, H, T, hd]")
     if not dims.equal(q.shape[-1], k.shape[-1]) or not dims.equal(k.shape[-2], v.shape[-2]):

@@ -490,7 +490,8 @@ class AddCacheLayers(Pass):
                     ident = g.add_node("identity", [new], [g.type_of(new)], {}, node.scope, node.pos, name=out,
                                        origin=node.origin)
                     _insert_before(g, ident, node.name)
-            g.set_inputs(node, [q, full[0], full[1], MASK])
+            sinks = [node.inputs[-1]] if node.attrs.get("sinks") else []  # attention sinks: the last input
+            g.set_inputs(node, [q, full[0], full[1], MASK] + sinks)
             node.attrs.update(padding=True, bias=False)
             layers.append(layer)
         g.symbols["P"] = SymbolSource(layers[0].past_key, 2)
@@ -548,6 +549,9 @@ class ChooseCacheKernels(Pass):
                 node.attrs["length_input"] = LENGTH
                 if target.device == "cuda":
                     node.attrs["decode_mask"] = DECODE_MASK
+                if self.options.mixed and node.attrs.get("sinks"):
+                    raise CacheError(f"the serving engine's combined call (backends/onnx/mixed_attention.py) computes "
+                                     f"no attention sinks (at {node.scope or node.name}); not done")
                 if self.options.mixed:  # the engine's combined call too (backends/onnx/mixed_attention.py)
                     node.attrs["mixed"] = True
             notes.append(note)

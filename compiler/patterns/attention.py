@@ -88,6 +88,9 @@ class AttentionMatch:
     features: list[str] = field(default_factory=list)  # score-epilogue features the path's rules produced
     attrs: dict = field(default_factory=dict)  # fused-node attributes of features with no field above
     failed_at: str = ""          # the node where ``reason`` arose ("" : the softmax), for --explain's spec line
+    sinks: str | None = None     # attention sinks: the value holding one logit per head (the fused node's last input)
+    sink_nodes: list[str] = field(default_factory=list)  # the sink column's concat, the weights' slice, and the
+                                                          # expand/reshape nodes read only on the way to the concat
 
     @property
     def fusable(self) -> bool:
@@ -371,7 +374,7 @@ def _escapes(g: Graph, m: AttentionMatch) -> str | None:
             for _, user in g.nx.successors(("v", out)):
                 if user not in inside:
                     return f"{out} is read by {user}, outside the attention"
-    for extra in (m.mask, m.bias):
+    for extra in (m.mask, m.bias, m.sinks):
         if extra is not None and any(kind == "n" and name in inside
                                      for kind, name in nx.ancestors(g.nx, ("v", extra))):
             return f"{extra} is computed from the attention's own scores"
@@ -424,7 +427,8 @@ def match(g: Graph, softmax: Node) -> AttentionMatch:
                       f"attention (Bahdanau et al.), which the fused kernel softmax(Q·Kᵀ)·V cannot express")
     m = AttentionMatch(anchor=softmax.name)
     rank = g.type_of(softmax.inputs[0]).rank
-    pv = _to_values(g, softmax, m)
+    sink = _sink_form(g, softmax)
+    pv = _to_values(g, softmax, m, sink[1] if sink else None)
     m.value, m.v = pv.name, pv.inputs[1]
     if rank < 2:
         raise NoMatch("softmax over a vector, not a score matrix")
@@ -435,18 +439,83 @@ def match(g: Graph, softmax: Node) -> AttentionMatch:
         m.fail(f"softmax over axis {softmax.attrs['axis']}, not the key axis (-1)")
     if rank != 4:
         m.fail(f"scores of rank {rank}; the fused kernel takes heads: [B, H, Tq, Tk]")
-    qk = _score_path(g, softmax, m)
-    m.covered = [qk.name, *m.path, softmax.name, *m.forward]
+    if sink:
+        _absorb_sinks(g, softmax, sink, m, rank)
+    qk = _score_path(g, softmax, m, sink[0].inputs[0] if sink else None)
+    if sink:
+        m.features.append("sinks")  # at the softmax: after every score step, in graph order
+    m.covered = [qk.name, *m.path, softmax.name, *m.forward, *m.sink_nodes]
     _keys_and_heads(g, qk, m, rank)
     if not m.reason:
         m.fail(_escapes(g, m))
     return m
 
 
-def _to_values(g: Graph, softmax: Node, m: AttentionMatch) -> Node:
+def _sink_form(g: Graph, softmax: Node) -> tuple[Node, Node] | None:
+    """Attention sinks written from primitives (gpt-oss, transformers' eager_attention_forward):
+    ``slice(softmax(concat([s, sink_column], -1)), -1, 0, Tk)``, the softmax over the keys and one more
+    column, that column's weight dropped. (concat, slice) when the softmax has that form, else None
+    (a concat on the score path is then no rule's, and the softmax not attention)."""
+    cat = g.producer(softmax.inputs[0])
+    if cat is None or cat.op != "concat" or len(cat.inputs) != 2:
+        return None
+    rank = g.type_of(cat.outputs[0]).rank
+    col = g.type_of(cat.inputs[1]).shape
+    if rank < 2 or cat.attrs["axis"] % rank != rank - 1 or not (dims.is_static(col[-1]) and int(col[-1]) == 1):
+        return None
+    users = g.consumers(softmax.outputs[0])
+    if len(users) != 1 or users[0].op != "slice" or softmax.outputs[0] in g.outputs:
+        return None
+    sl, tk = users[0], g.type_of(cat.inputs[0]).shape[-1]
+    if sl.attrs["axis"] % rank != rank - 1 or not dims.equal(dims.dim(sl.attrs["start"]), dims.dim(0)) \
+            or not dims.equal(dims.dim(sl.attrs["end"]), tk):
+        return None
+    return cat, sl
+
+
+def _absorb_sinks(g: Graph, softmax: Node, sink: tuple[Node, Node], m: AttentionMatch, rank: int) -> None:
+    """The sink column [.., H, Tq, 1] back through expand and reshape to one learned logit per head: the
+    expanded tensor must be [1, H, 1, 1] (right-aligned; reshapes keep the values' order, so what it
+    was reshaped from holds them in head order). That source is the fused node's sinks input; the
+    expand and reshapes read by nothing else are covered. A column varying over batch or queries, or
+    computed from the scores, keeps the site unfused with the reason."""
+    cat, sl = sink
+    m.attrs["sinks"] = True
+    m.sink_nodes = [cat.name, sl.name]
+    m.internal += [cat.outputs[0], sl.outputs[0]]
+    m.fail(_exposed(g, cat.outputs[0], "the scores with the sink column"), cat.name)
+    m.fail(_exposed(g, sl.outputs[0], "the attention weights"), sl.name)
+    heads = g.type_of(softmax.inputs[0]).shape[-3] if rank >= 3 else None
+    chain, value = [], cat.inputs[1]
+    while (node := g.producer(value)) is not None and node.op in ("expand", "reshape"):
+        chain.append(node)
+        value = node.inputs[0]
+    # an expand next to the concat (or none, the column already [1, H, 1, 1]), then only reshapes
+    spread = chain[0].inputs[0] if chain and chain[0].op == "expand" else cat.inputs[1]
+    shape = tuple(g.type_of(spread).shape)
+    shape = (1,) * (4 - len(shape)) + shape if len(shape) <= 4 else shape
+    ones = all(dims.is_static(dims.dim(d)) and int(d) == 1 for d in (shape[0], shape[2], shape[3])) \
+        if len(shape) == 4 else False
+    if rank != 4 or not ones or heads is None or not dims.equal(dims.dim(shape[1]), heads) \
+            or any(n.op == "expand" for n in chain[1:]):
+        m.fail(f"the sink column ({cat.inputs[1]}) is not one learned logit per head broadcast over batch and "
+               f"queries (an expand of a [1, heads, 1, 1] tensor)", cat.name)
+        m.sinks = cat.inputs[1]
+        return
+    m.sinks = value  # what the reshapes start from: one value per head, in head order
+    value = cat.inputs[1]
+    for n in chain:  # covered while each is read only on the way to the concat
+        if len(g.consumers(value)) != 1 or value in g.outputs:
+            break
+        m.sink_nodes.append(n.name)
+        value = n.inputs[0]
+
+
+def _to_values(g: Graph, softmax: Node, m: AttentionMatch, sink_slice: Node | None = None) -> Node:
     """Forward from the softmax: the weights must reach a matmul as its left operand (the ·V matmul),
-    through at most three pass-through ops (attention still, but not fusable). Returns the ·V matmul."""
-    probs = softmax.outputs[0]
+    through at most three pass-through ops (attention still, but not fusable). Returns the ·V matmul.
+    With attention sinks the weights are the slice dropping the sink's column (``_sink_form``)."""
+    probs = softmax.outputs[0] if sink_slice is None else sink_slice.outputs[0]
     m.internal.append(probs)
     what = "the attention weights"
     for _ in range(4):
@@ -467,11 +536,12 @@ def _to_values(g: Graph, softmax: Node, m: AttentionMatch) -> Node:
     raise NoMatch("the attention weights reach no matmul with V")
 
 
-def _score_path(g: Graph, softmax: Node, m: AttentionMatch) -> Node:
-    """Backward from the softmax through ``SCORE_RULES`` (each node checked, then absorbed into the
-    fused node's features) to the matmul that computes the scores, which it returns. An op with no
-    rule is not attention (NoMatch); a failed check keeps the site, unfused, with the reason."""
-    cur = softmax.inputs[0]
+def _score_path(g: Graph, softmax: Node, m: AttentionMatch, start: str | None = None) -> Node:
+    """Backward from the softmax (or from ``start``: the scores beside the sink column) through
+    ``SCORE_RULES`` (each node checked, then absorbed into the fused node's features) to the matmul that
+    computes the scores, which it returns. An op with no rule is not attention (NoMatch); a failed check
+    keeps the site, unfused, with the reason."""
+    cur = start or softmax.inputs[0]
     path = []
     while True:
         node = g.producer(cur)
@@ -552,13 +622,14 @@ def from_fused(g: Graph, n: Node) -> AttentionMatch:
     extra = list(n.inputs[3:])
     mask = extra.pop(0) if a.get("padding") else None
     bias = extra.pop(0) if a.get("bias") else None
+    sinks = extra.pop(0) if a.get("sinks") else None
     return AttentionMatch(
         anchor=n.name, score=n.name, value=n.name, q=n.inputs[0], k=n.inputs[1], v=n.inputs[2],
         scale=float(a.get("scale", 1.0)), causal=bool(a.get("causal")),
         window=int(a.get("window") or 0), mask=mask, bias=bias, heads=a.get("heads"),
         kv_heads=a.get("kv_heads"), covered=[n.name], fused=True,
         softcap=float(a["softcap"]) if a.get("softcap") else None, features=score_epilogue.used(a),
-        attrs={k: v for k, v in a.items() if k in _extra_attrs()})
+        attrs={k: v for k, v in a.items() if k in _extra_attrs()}, sinks=sinks)
 
 
 def _extra_attrs() -> set[str]:
@@ -587,7 +658,8 @@ def rewrite(m: AttentionMatch) -> tuple[str, list[str], dict]:
     (``bias_const``) must first be made a constant by the caller and passed as ``m.bias``."""
     if m.bias_const is not None and m.bias is None:
         raise ValueError("make the scalar bias a constant first")
-    inputs = [m.q, m.k, m.v] + ([m.mask] if m.mask else []) + ([m.bias] if m.bias else [])
+    inputs = [m.q, m.k, m.v] + ([m.mask] if m.mask else []) + ([m.bias] if m.bias else []) + \
+        ([m.sinks] if m.attrs.get("sinks") else [])
     return FUSED_OP, inputs, attributes(m)
 
 

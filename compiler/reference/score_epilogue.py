@@ -14,6 +14,9 @@ declares which features it computes (an allow-list): the recogniser records whic
 each score-path rule produces, so a score option this table does not know is refused by
 fusion instead of being dropped by a kernel.
 
+Attention sinks (gpt-oss) are a feature of the softmax, not of the scores: their step leaves the
+scores as they are and ``softmax`` adds one logit per head to the normaliser.
+
 A new score option is one row here, one step in backends/onnx/score_epilogue.py and one
 ScoreRule in compiler/patterns/attention.py. Its row says what it is (elementwise? does a hidden
 score stay hidden through it?), and the kernels that take a shortcut it breaks refuse it.
@@ -71,6 +74,7 @@ class Where:
     col0: int = 0
     key_mask: np.ndarray | None = None  # [B, cols], 0 = padding
     bias: np.ndarray | None = None      # broadcastable to the block
+    sinks: np.ndarray | None = None     # one logit per head of the block, broadcastable to [.., H, 1, 1]
 
 
 def _scale(s, a, w):
@@ -113,6 +117,12 @@ def _masks(s, a, w):
     return s
 
 
+def _sinks(s, a, w):
+    """Attention sinks change no score (a hidden key stays hidden, each score is its own): their
+    effect is on the normaliser, in ``softmax`` below, which every kernel taking them runs."""
+    return s
+
+
 @dataclass(frozen=True)
 class Feature:
     """One option of the score epilogue: the attributes it owns, whether a node uses it, and what the
@@ -126,6 +136,9 @@ class Feature:
     step runs after the masks. Both default to False: a new feature is refused by every kernel
     that takes such a shortcut until it says otherwise (and the test holds it to what it says).
     ``needs``: features that must be on for this one to do anything (a window needs causal).
+    ``softmax``: the feature changes no score but the softmax's normaliser (attention sinks): it has no
+    step in STEPS but one in ``softmax``, and a kernel that accumulates its softmax over key tiles
+    (KERNEL_ASSUMES "keys_only_softmax") cannot take it.
     ``flops``: operations per score, by the report's categories, for the fused node's cost."""
 
     name: str
@@ -136,6 +149,7 @@ class Feature:
     elementwise: bool = False
     keeps_hidden: bool = False
     hides: bool = False             # the step hides keys (fills scores with the dtype's minimum)
+    softmax: bool = False           # no score step: it changes the softmax's normaliser (``softmax`` below)
     needs: tuple = ()
     flops: dict = field(default_factory=lambda: {"elementwise": 1})
 
@@ -172,6 +186,14 @@ FEATURES: dict[str, Feature] = {f.name: f for f in (
                                            required=True)},
             lambda a: bool(a.get("padding")), "padding mask", elementwise=True, keeps_hidden=True, hides=True,
             flops={"mask": 1}),
+    # gpt-oss: softmax over the keys and one learned logit per head (the sink), whose weight is dropped.
+    # No score changes (so elementwise and keeps_hidden hold trivially: a hidden key still weighs 0, and a
+    # row whose keys are all hidden puts its whole weight on the sink: output 0); the normaliser gains
+    # exp(sink - m), m the row's maximum over keys and sink.
+    Feature("sinks", 3, {"sinks": Attr((bool,), "a sinks tensor [heads] is an input: one extra logit per head "
+                                                "in the softmax's normaliser, weighing no value")},
+            lambda a: bool(a.get("sinks")), "attention sinks", elementwise=True, keeps_hidden=True, softmax=True,
+            flops={}),  # per row, not per score: one exp and one add
 )}
 
 # Pairs of features of one stage that give the same weights in either order (a site may apply them in
@@ -222,6 +244,13 @@ def _hidden_may_weigh(features) -> str | None:
     return None
 
 
+def _normaliser(features) -> str | None:
+    extra = [f for f in features if f in FEATURES and FEATURES[f].softmax]
+    if extra:
+        return f"the {words(extra)} change the softmax's normaliser, which it takes over the keys alone"
+    return None
+
+
 def _not_elementwise(features) -> str | None:
     loose = [f for f in features if f in FEATURES and not FEATURES[f].elementwise]
     if loose:
@@ -237,6 +266,10 @@ ASSUMPTIONS: dict[str, Assumption] = {a.name: a for a in (
                                     "slots past the positions, flash kernels' skipped blocks)", _hidden_may_weigh),
     Assumption("tiles_scores", "the scores are computed tile by tile, so each step must be elementwise",
                _not_elementwise),
+    # a contrib op's softmax, or a flash kernel's online softmax (running max and sum over key tiles) that
+    # does not add exp(sink - m) to its sum at the end
+    Assumption("keys_only_softmax", "the softmax normalises over the keys alone (its own softmax, or an online "
+                                    "softmax over key tiles)", _normaliser),
 )}
 
 
@@ -282,6 +315,7 @@ STEPS: list[tuple[tuple[str, ...], Callable]] = [
     (("softcap",), _softcap),
     (("bias",), _bias),
     (("causal", "window", "chunk", "local_window", "padding"), _masks),
+    (("sinks",), _sinks),
 ]
 
 
@@ -293,6 +327,25 @@ def used(attrs: dict) -> list[str]:
 def words(features) -> str:
     """Features in words: "padding mask, additive bias"."""
     return ", ".join(FEATURES[f].words if f in FEATURES else f for f in features)
+
+
+def sink_logits(sinks: np.ndarray, heads: int) -> np.ndarray:
+    """A sinks input ([heads], or any shape of that many values in head order) as [1, heads, 1, 1]."""
+    return np.asarray(sinks).reshape(1, heads, 1, 1)
+
+
+def softmax(s: np.ndarray, attrs: dict, where: Where) -> np.ndarray:
+    """The weights from a block of epilogued scores [.., H, rows, Tk] holding whole rows: a softmax over
+    the keys, with attention sinks (``where.sinks``, broadcastable to [.., H, 1, 1]) one more logit per
+    row in the normaliser, whose weight is dropped (gpt-oss: softmax(concat(s, sink))[..., :-1])."""
+    m = s.max(-1, keepdims=True)
+    if attrs.get("sinks"):
+        sink = np.broadcast_to(np.asarray(where.sinks, s.dtype), m.shape)
+        m = np.maximum(m, sink)
+        e = np.exp(s - m)
+        return e / (e.sum(-1, keepdims=True) + np.exp(sink - m))
+    e = np.exp(s - m)
+    return e / e.sum(-1, keepdims=True)
 
 
 def apply(s: np.ndarray, attrs: dict, where: Where) -> np.ndarray:

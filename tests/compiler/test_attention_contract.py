@@ -265,7 +265,7 @@ def test_every_kernel_declares_its_features_and_the_schema_knows_every_lowering(
     assert set(onnx_attention.KERNEL_FEATURES) == set(attention_ops.IMPLS) >= set(KERNELS)
     for impl in attention_ops.IMPLS:
         assert onnx_attention.kernel_features(impl) <= set(ref_epilogue.FEATURES)
-    assert onnx_attention.kernel_features("gqa") == {"scale", "softcap", "causal", "window"}
+    assert onnx_attention.kernel_features("gqa") == {"scale", "softcap", "causal", "window", "sinks"}  # head_sink
     assert onnx_attention.kernel_features("attn23") == {"scale", "causal", "window", "local_window", "padding", "bias"}
     assert onnx_attention.kernel_features("portable") == set(ref_epilogue.FEATURES)
 
@@ -297,7 +297,8 @@ def test_good_attributes_pass():
     ({"heads": 0}, "attribute heads"),
     ({"heads": 3}, "3 query heads do not divide into 2 groups"),
     ({"causal": False, "window": 4}, "a sliding window (window > 0) needs causal"),
-    ({"padding": True}, "3 inputs, its attributes (padding, bias) say 4"),
+    ({"padding": True}, "3 inputs, its attributes (padding, bias, sinks) say 4"),
+    ({"sinks": True}, "3 inputs, its attributes (padding, bias, sinks) say 4"),
 ])
 def test_bad_attributes_are_a_clear_error(change, message):
     with pytest.raises(ShapeError) as e:

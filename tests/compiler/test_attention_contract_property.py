@@ -193,7 +193,7 @@ def test_the_fused_cost_is_the_sum_of_its_features():
 # ------------------------------------------------------------------ 2. every kernel against the unfused graph
 PATH = """
 model P(d = 32, heads = 4, kv = 4, capped = false, causal = false, window = 0, chunk = 0, local = 0, padded = false,
-        biased = false, bias_late = false, pad_late = false) {
+        biased = false, bias_late = false, pad_late = false, sinked = false) {
   in x: f32[B, T, d]
   in mask: i64[B, T]
   in bias: f32[heads, T, T]
@@ -210,10 +210,18 @@ model P(d = 32, heads = 4, kv = 4, capped = false, causal = false, window = 0, c
   if local > 0 { s = local_window_mask(s, local) }
   if padded and pad_late { s = padding_mask(s, mask) }
   if biased and bias_late { s = s + bias }
-  y = linear(merge_heads(matmul(softmax(s, axis=-1), v)), d, name="o")
+  if sinked {
+    sinks = parameter([heads], name="sinks")
+    column = expand(reshape(sinks, [1, heads, 1, 1]), [B, heads, T, 1])
+    w = slice(softmax(concat([s, column], -1), axis=-1), -1, 0, T)
+  } else {
+    w = softmax(s, axis=-1)
+  }
+  y = linear(merge_heads(matmul(w, v)), d, name="o")
 }
 """
 
+# attention sinks (sinked): gpt-oss's form, the sink column concatenated, softmax, the column sliced off.
 # Switch points with the monkeypatched limits below: the portable kernel's tiles (q_tile 16, at most
 # MAX_TILE = 32 rows; causal: a quarter of the queries), the block budget (B·H·T² fp32 scores of
 # BLOCK_T), the sliding window (5), the chunks (7: inside a tile; 16: a tile's size) and the
@@ -223,7 +231,7 @@ LENGTHS = (1, 3, 4, 5, 6, 15, 16, 17, 23, 24, 25, 31, 32, 33, 63, 64, 65, 66)
 
 
 def _weights(g):
-    gain = {"q": 30.0, "k": 30.0, "v": 10.0, "o": 10.0}
+    gain = {"q": 30.0, "k": 30.0, "v": 10.0, "o": 10.0, "sinks": 300.0}  # sinks about ±6
     return {name: arr * gain[name.split(".")[0]] for name, arr in init_weights(g, 11).items()}
 
 
@@ -242,7 +250,7 @@ def score_paths(draw):
     causal = draw(st.booleans())
     sets = {"causal": causal, "capped": draw(st.booleans()), "padded": draw(st.booleans()),
             "biased": draw(st.booleans()), "bias_late": draw(st.booleans()), "pad_late": draw(st.booleans()),
-            "kv": draw(st.sampled_from([4, 2, 1]))}
+            "kv": draw(st.sampled_from([4, 2, 1])), "sinked": draw(st.booleans())}
     if causal:
         sets["window"] = draw(st.sampled_from([0, 0, 5]))
         sets["chunk"] = draw(st.sampled_from([0, 0, 7, 16]))
@@ -399,3 +407,44 @@ def test_the_floor_bites(tmp_path):
     w, feeds, want = _floor_case(str(floored), 40)
     _, _, other = _floor_case(str(loose), 40)
     assert np.abs(other - want).max() > 0.1 and np.abs(want).max() > 0.5
+
+
+# ------------------------------------------------------------------ 4. a feature of the softmax: attention sinks
+@settings(max_examples=40, deadline=None)
+@given(blocks(), st.integers(1, 9), st.integers(1, 9), st.integers(0, 2**31 - 1))
+def test_sinks_in_an_online_softmax_over_key_tiles_equal_the_plain_softmax(block, q_tile, k_tile, seed):
+    """The sinks' claim: their effect is the normaliser alone, so any kernel that adds exp(sink - m) to
+    the sum over whole rows, or seeds an online softmax's running max and sum with the sink
+    (reference/flash.py), gives numpy's concat-softmax-slice; rows whose keys are all hidden weigh only
+    the sink (output 0)."""
+    s, mask, _ = block
+    rng = np.random.default_rng(seed)
+    b, h, tq, tk = s.shape
+    q = rng.standard_normal((b, h, tq, 4)).astype(np.float32)
+    k = rng.standard_normal((b, h, tk, 4)).astype(np.float32)
+    v = rng.standard_normal((b, h, tk, 3)).astype(np.float32)
+    sinks = (rng.standard_normal(h) * 3).astype(np.float32)
+    mask = mask.copy()
+    mask[1] = 0  # every key of the second batch row hidden
+    scores = np.where((mask != 0)[:, None, None, :], q @ np.swapaxes(k, -1, -2) * 0.5, FILL)
+    col = np.broadcast_to(sinks.reshape(1, h, 1, 1), (b, h, tq, 1))
+    want = _softmax(np.concatenate([scores, col], -1).astype(np.float64))[..., :-1] @ v
+    assert np.abs(want[1]).max() < 1e-6
+    got = ref.softmax(scores, {"sinks": True}, ref.Where(tq, tk, sinks=sinks.reshape(1, h, 1, 1))) @ v
+    np.testing.assert_allclose(got, want, atol=1e-5)
+    from tessera.compiler.reference import flash
+    tiled = flash.tiled_attention(q, k, v, 0.5, key_mask=mask, q_tile=q_tile, k_tile=k_tile, sinks=sinks)
+    np.testing.assert_allclose(tiled, want, atol=1e-5)
+
+
+def test_a_softmax_feature_is_refused_by_exactly_the_kernels_whose_softmax_takes_the_keys_alone():
+    attrs = {"scale": 1.0, "causal": False, "window": 0, "padding": False, "bias": False, "heads": 2,
+             "kv_heads": 2, "sinks": True}
+    for kernel in KERNELS:
+        takes = "keys_only_softmax" in onnx_attention.KERNEL_ASSUMES[kernel]
+        reason = attention_kernels.unsupported(kernel, attrs)
+        if takes:
+            assert reason is not None and "attention sinks" in reason, kernel
+    assert attention_kernels.unsupported("block", attrs) is None
+    assert attention_kernels.unsupported("portable", attrs) is None
+    assert attention_kernels.unsupported("gqa", {**attrs, "causal": True}) is None  # its head_sink

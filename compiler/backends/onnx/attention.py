@@ -57,7 +57,8 @@ class Epilogue:
 EPILOGUE = Epilogue()
 KERNEL_FEATURES: dict[str, frozenset | Epilogue] = {
     # scale, softcap (c·tanh(scale·s / c), before its causal mask), local_window_size; no padding mask or bias
-    "gqa": frozenset({"scale", "softcap", "causal", "window"}),
+    # and attention sinks (its head_sink input)
+    "gqa": frozenset({"scale", "softcap", "causal", "window", "sinks"}),
     "mha": frozenset({"scale"}),                        # no mask, bias, cap (not causal: see attention_kernels)
     # onnx's Attention (opset 23): the scale attribute, and every mask and the bias as its one attn_mask
     # (score_epilogue.prepare_whole's boolean, or bias + the masks as the dtype's lowest value); its softcap
@@ -76,10 +77,10 @@ KERNEL_FEATURES: dict[str, frozenset | Epilogue] = {
 # buffer whose slots past the positions are hidden keys; the contrib kernels are flash/tiled kernels.
 KERNEL_ASSUMES: dict[str, frozenset[str]] = {
     "gqa": frozenset({"hidden_weigh_zero", "tiles_scores"}),
-    "mha": frozenset({"hidden_weigh_zero", "tiles_scores"}),
+    "mha": frozenset({"hidden_weigh_zero", "tiles_scores", "keys_only_softmax"}),
     # the memory-efficient/flash kernels tile the scores and skip hidden blocks; the keys padded to KEY_ALIGN
     # are hidden and weigh zero
-    "attn23": frozenset({"hidden_weigh_zero", "tiles_scores"}),
+    "attn23": frozenset({"hidden_weigh_zero", "tiles_scores", "keys_only_softmax"}),
     "block": frozenset(),
     "portable": frozenset({"hidden_weigh_zero", "tiles_scores"}),
     "cached": frozenset({"hidden_weigh_zero"}),
@@ -87,7 +88,7 @@ KERNEL_ASSUMES: dict[str, frozenset[str]] = {
 }
 # A phased node's decoding step as one GroupQueryAttention (cached_attention.py ``_lower_gqa_decode``):
 # its scale and softcap attributes, and the cache's mask (padding, causal) as its attention_bias.
-GQA_DECODE_FEATURES = frozenset({"scale", "softcap", "causal", "padding"})
+GQA_DECODE_FEATURES = frozenset({"scale", "softcap", "causal", "padding", "sinks"})  # sinks: its head_sink
 
 
 def kernel_features(impl: str, decode: str | None = None, prefill: str | None = None) -> frozenset[str]:
@@ -175,7 +176,8 @@ def _block(b, node, out: str, whole: str | None = None) -> None:
     heads, kv_heads = a["heads"], a["kv_heads"]
     rep = heads // kv_heads
     hd, hv = q_t.shape[-1], int(v_t.shape[-1])
-    prep = epilogue.prepare(b, a, mask, bias, q_t, k_t, hide=whole)
+    sinks = extra.pop(0) if a.get("sinks") else None
+    prep = epilogue.prepare(b, a, mask, bias, q_t, k_t, hide=whole, sinks=sinks)
     k_t_all = b.node("Transpose", [k], perm=[0, 1, 3, 2])[0]  # [B, G, d, Tk]
     if rep > 1:  # queries [B, G, rep, Tq, d] against keys [B, G, 1, d, Tk]
         q5 = b.node("Reshape", [q, b.shape_vec([q_t.shape[0], kv_heads, rep, q_t.shape[-2], hd])])[0]
@@ -185,7 +187,7 @@ def _block(b, node, out: str, whole: str | None = None) -> None:
     else:
         s = b.node("MatMul", [q, k_t_all])[0]
     s = epilogue.apply(b, a, s, prep, epilogue.Block())
-    p = b.node("Softmax", [s], axis=-1)[0]
+    p = epilogue.softmax(b, a, s, prep, epilogue.Block())
     if rep > 1:
         p5 = b.node("Reshape", [p, b.shape_vec([q_t.shape[0], kv_heads, rep, q_t.shape[-2], k_t.shape[-2]])])[0]
         o5 = b.node("MatMul", [p5, b.node("Unsqueeze", [v, b.i64([2])])[0]])[0]
@@ -210,7 +212,10 @@ def _gqa(b, node, out: str) -> None:
     attrs = {"scale": float(a["scale"])}
     if a.get("softcap"):  # GroupQueryAttention caps as c·tanh(scale·s / c); Tessera folds the 1/c into its scale
         attrs = {"softcap": float(a["softcap"]), "scale": float(a["scale"]) * float(a["softcap"])}
-    res = b.node("GroupQueryAttention", [_to_bsd(b, q), _to_bsd(b, k), _to_bsd(b, v), "", "", seqlens, t32],
+    # attention sinks: its head_sink input (11), exp(sink - max) added to the softmax's denominator per head,
+    # checked against numpy and the unfused graph on CPU (tests/compiler/test_attention_sinks.py)
+    sinks = ["", "", "", "", node.inputs[-1]] if a.get("sinks") else []
+    res = b.node("GroupQueryAttention", [_to_bsd(b, q), _to_bsd(b, k), _to_bsd(b, v), "", "", seqlens, t32] + sinks,
                  3, domain="com.microsoft", num_heads=a["heads"], kv_num_heads=a["kv_heads"],
                  local_window_size=a["window"] if a["window"] else -1, **attrs)[0]
     _from_bsd(b, res, a["heads"], hv, out)
@@ -393,7 +398,9 @@ def _portable(b, node, out: str, names: list[str] | None = None) -> None:
     last_start = b.node("Sub", [tq, tile_c])[0]  # the last tile ends at Tq (it may overlap the one before)
     k_t_all = b.node("Transpose", [k], perm=[0, 1, 3, 2])[0]  # Kᵀ once: [B, G, d, Tk]
     offset = b.node("Sub", [tk, tq])[0]  # keys before the first query (0 for self-attention)
-    prep = epilogue.prepare(b, a, mask, bias, q_t, k_t, tiled=True, tile=tile_c, positions=(tq, tk, offset))
+    sinks = extra.pop(0) if a.get("sinks") else None
+    prep = epilogue.prepare(b, a, mask, bias, q_t, k_t, tiled=True, tile=tile_c, positions=(tq, tk, offset),
+                            sinks=sinks)
 
     # ---- loop body: head h, query tile j (iteration i = h * n_tiles + j)
     outer_nodes = b.nodes
@@ -437,7 +444,7 @@ def _portable(b, node, out: str, names: list[str] | None = None) -> None:
         s = epilogue.apply(b, a, s, prep, block(k_start, k_end, "visible"), epilogue.from_masks)
     else:
         s = epilogue.apply(b, a, b.node("MatMul", [q_tile, keys_t(k_start, k_end)])[0], prep, block(k_start, k_end))
-    p = b.node("Softmax", [s], axis=-1)[0]
+    p = epilogue.softmax(b, a, s, prep, block(k_start, k_end, "visible"))  # the tile's whole rows
     tile_out = b.node("MatMul", [p, v_tile])[0]  # [B, 1, tile, hv]
     b.node("Identity", [cond_in], [cond_out])
     body = helper.make_graph(

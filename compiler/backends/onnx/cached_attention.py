@@ -144,9 +144,11 @@ def lower_cached_attention(b, node, out: str, bias: str | None = None) -> None:
             per_head = x == user_bias and g.type_of(x).rank == 4 and str(g.type_of(x).shape[1]) != "1"
             return b.node("Reshape", [x5, b.i64([0, groups, rep, 0, 0])])[0] if per_head else x5
         view = grouped
-    prep = epilogue.prepare(b, a, None, user_bias, q_t, g.type_of(k), additive=additive)
-    s = epilogue.apply(b, a, s, prep, epilogue.Block(scaled=True, view=view))
-    p = b.node("Softmax", [s], axis=-1)[0]
+    sinks = node.inputs[-1] if a.get("sinks") else None
+    prep = epilogue.prepare(b, a, None, user_bias, q_t, g.type_of(k), additive=additive, sinks=sinks)
+    blk = epilogue.Block(scaled=True, view=view, sink_shape=(1, groups, rep, 1, 1) if rep > 1 else (1, -1, 1, 1))
+    s = epilogue.apply(b, a, s, prep, blk)
+    p = epilogue.softmax(b, a, s, prep, blk)
     if rep > 1:
         p = b.node("Reshape", [p, b.node("Concat", [b.i64([0, groups, -1]), tk], axis=0)[0]])[0]
     target = [out] if rep == 1 else 1
@@ -249,7 +251,8 @@ def _lower_gqa_decode(b, node, outs: list[str], gqa_in) -> None:
     if a.get("softcap"):  # GroupQueryAttention caps as c·tanh(scale·s / c); Tessera folds the 1/c into its scale
         attrs["softcap"] = float(a["softcap"])
         attrs["scale"] = float(a["scale"]) * float(a["softcap"])
-    o = b.node("GroupQueryAttention", flat + [k_past, v_past, seqlens, total, "", "", "", bias],
+    sinks = [node.inputs[-1]] if a.get("sinks") else []  # head_sink (input 11): attention sinks
+    o = b.node("GroupQueryAttention", flat + [k_past, v_past, seqlens, total, "", "", "", bias] + sinks,
                [b.fresh("gqa_out"), outs[1], outs[2]], domain="com.microsoft", **attrs)[0]
     hd = int(b.graph.type_of(q).shape[-1])
     b.node("Reshape", [o, b.i64([0, a["heads"], 1, hd])], [outs[0]])
@@ -434,8 +437,9 @@ def _lower_gqa_packed(b, node, outs: list[str], gqa_in, packed: PackedQKV, share
     if a.get("softcap"):
         attrs["softcap"] = float(a["softcap"])
         attrs["scale"] = float(a["scale"]) * float(a["softcap"])
+    sinks = [node.inputs[-1]] if a.get("sinks") else []  # head_sink (input 11): attention sinks
     o = b.node("GroupQueryAttention", [packed.fused, "", "", k_past, v_past, seqlens, total, cos, sin,
-                                       packed.positions, bias],
+                                       packed.positions, bias] + sinks,
                [b.fresh("gqa_out"), outs[1], outs[2]], domain="com.microsoft", **attrs)[0]
     hd = int(b.graph.type_of(node.inputs[0]).shape[-1])
     b.node("Reshape", [o, b.i64([0, a["heads"], 1, hd])], [outs[0]])

@@ -47,6 +47,7 @@ class Prepared:
     additive: str | None = None   # an additive mask covering causal, window and padding (cached kernels)
     hide: str | None = None       # whole block: True = hidden by causal, window, local window or padding,
                                   # [Tq, Tk] or [B, 1, Tq, Tk], built once for every layer (prepare_whole)
+    sinks: str | None = None      # attention sinks: [H], one logit per query head, in the scores' dtype
 
 
 @dataclass
@@ -59,6 +60,7 @@ class Block:
     scaled: bool = False                  # the queries were multiplied by the scale before the product
     causal: str = "compute"               # compute | visible (no key hidden by it, or add_triangle done)
     view: Callable[[str], str] | None = None  # a [B, 1|H, T, Tk] operand to the layout of the block
+    sink_shape: tuple[int, ...] = (1, -1, 1, 1)  # the sinks [H] (or the block's heads) as the block's layout
     extra: dict = field(default_factory=dict)  # for steps a new feature adds
 
 
@@ -74,14 +76,20 @@ def _hidden_keys(b, mask: str) -> str:
 
 def prepare(b, a: dict, mask: str | None, bias: str | None, q_t, k_t, tiled: bool = False,
             tile: str | None = None, additive: str | None = None,
-            positions: tuple[str, str, str] | None = None, hide: str | None = None) -> Prepared:
+            positions: tuple[str, str, str] | None = None, hide: str | None = None,
+            sinks: str | None = None) -> Prepared:
     """``mask``/``bias``: the node's padding mask and bias inputs (or None); ``tile``: the tiled kernel's
     square tile size, for the causal triangle; ``additive``: a mask the cache built (``decode_mask``);
     ``positions``: (Tq, Tk, Tk - Tq) where the kernel has them already; ``hide``: the whole block's
-    masks, built outside (``prepare_whole``): nothing of them is built here."""
+    masks, built outside (``prepare_whole``): nothing of them is built here; ``sinks``: the node's sinks
+    input (attention sinks: ``softmax`` reads it)."""
     np_dtype = _np_float(q_t.dtype)
     p = Prepared(np_dtype, "", "", "", b.const(np.array(np.finfo(np_dtype).min, dtype=np_dtype), "min"),
                  additive=additive, hide=hide)
+    if a.get("sinks"):
+        if sinks is None:
+            raise ValueError("a node with attention sinks needs its sinks input prepared")
+        p.sinks = b.node("Reshape", [sinks, b.i64([-1])])[0]
     if hide is not None:
         mask = None  # the padding is in ``hide``; no positions are needed either
     elif positions is not None:
@@ -243,6 +251,33 @@ def _masks(b, a, s, p: Prepared, blk: Block) -> str:
     return s
 
 
+def _sinks(b, a, s, p: Prepared, blk: Block) -> str:
+    """Attention sinks change no score; ``softmax`` adds them to the normaliser. A kernel that did not
+    prepare them cannot get here (``prepare`` refuses), so none drops them by calling Softmax itself."""
+    if p.sinks is None:
+        raise ValueError("attention sinks were not prepared")
+    return s
+
+
+def softmax(b, a: dict, s: str, p: Prepared, blk: Block) -> str:
+    """The weights of a block of epilogued scores holding whole rows (every key of its rows): Softmax
+    over the last axis, or with attention sinks the softmax over the keys and the head's sink, whose
+    weight is dropped (the reference's ``softmax``): m = max(row max, sink), e = exp(s - m),
+    e / (Σe + exp(sink - m)); no column is concatenated to the scores. ``blk.head`` takes the block's
+    head of the sinks, ``blk.sink_shape`` lays them out as the block (grouped heads: [1, G, rep, 1, 1])."""
+    if not a.get("sinks"):
+        return b.node("Softmax", [s], axis=-1)[0]
+    sk = p.sinks
+    if blk.head is not None:
+        sk = b.node("Slice", [sk, _u(b, blk.head[0]), _u(b, blk.head[1]), b.i64([0])])[0]
+    sk = b.node("Reshape", [sk, b.i64(list(blk.sink_shape))])[0]
+    m = b.node("Max", [b.node("ReduceMax", [s, b.i64([-1])], keepdims=1)[0], sk])[0]
+    e = b.node("Exp", [b.node("Sub", [s, m])[0]])[0]
+    total = b.node("Add", [b.node("ReduceSum", [e, b.i64([-1])], keepdims=1)[0],
+                           b.node("Exp", [b.node("Sub", [sk, m])[0]])[0]])[0]
+    return b.node("Div", [e, total])[0]
+
+
 def add_triangle(b, s: str, p: Prepared) -> str:
     """The causal mask of a tiled kernel's diagonal block (the tile's last tile × tile scores): the
     prepared triangle added. The tiled kernel then applies the rest with ``Block(causal="visible")``."""
@@ -267,6 +302,7 @@ STEPS: list[tuple[tuple[str, ...], Callable]] = [
     (("softcap",), _softcap),
     (("bias",), _bias),
     (("causal", "window", "chunk", "local_window", "padding"), _masks),
+    (("sinks",), _sinks),
 ]
 
 
