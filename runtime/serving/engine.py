@@ -324,6 +324,9 @@ class Engine:
         # a graph compiled for CUDA (compiler/passes/kv_cache.py DECODE_MASK): its GroupQueryAttention decoding
         # step takes the rows' mask of the filled slots and the new column, [rows, longest + 1]
         self.decode_mask = "decode_mask" in model.input_names
+        # the same without the mask's values (the engine's variant, CacheInfo.prefix_keys: seqlens_k alone, no
+        # attention_bias, so onnxruntime may choose flash decoding): decode_span [0, longest + 1], its width alone
+        self.decode_span = "decode_span" in model.input_names
         # the combined call (compiler/backends/onnx/mixed_attention.py): an iteration's decoding rows and
         # prompt chunk in one onnxruntime call, where the model has it (serving/model.py load builds it)
         self.combined = self.in_place and info.last_only and not self._copied and has_combined_call(model)
@@ -662,6 +665,8 @@ class Engine:
         if self.decode_mask:  # CUDA: the decoding branch's filled slots and new column (T > 1: unread)
             feeds["decode_mask"] = (np.concatenate([self.slots[r:r + 1, :start], ones], axis=1) if t == 1
                                     else np.ones((1, 1), dtype=np.int64))
+        if self.decode_span:  # CUDA, no mask: their count alone (T > 1: unread)
+            feeds["decode_span"] = np.zeros((0, start + 1 if t == 1 else 1), dtype=np.int64)
         if self.device_cache is not None:
             out = self._run_chunk(feeds, None if start == 0 else r, 1)
         else:
@@ -714,6 +719,8 @@ class Engine:
             feeds[info.length_input] = np.array([s.filled for s in rows[:n]], dtype=np.int64)
             if self.decode_mask:  # CUDA: the columns up to the longest row's new one (the kernel's total length)
                 feeds["decode_mask"] = np.ascontiguousarray(mask[:, :max(s.filled for s in rows[:n]) + 1])
+            if self.decode_span:  # CUDA, no mask (each row's keys are its columns 0..filled): their count alone
+                feeds["decode_span"] = np.zeros((0, max(s.filled for s in rows[:n]) + 1), dtype=np.int64)
             started = time.perf_counter()
             out = self._run_in_place(feeds, n)
         else:  # the plain branch (the numpy cache only: device_cache_reason)
