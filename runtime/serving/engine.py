@@ -422,10 +422,16 @@ class Engine:
         dc = self.device_cache
         if dc is not None:
             where = "device memory" if dc.device == "cuda" else "CPU OrtValues (the device cache's path, forced)"
+            masks = ("its attention mask (n x (W + 1) x 8 B; the decoding step has no mask of its own: "
+                     "GroupQueryAttention takes each row's keys from seqlens_k alone, none hidden in columns "
+                     "0..filled as the engine lays rows, so onnxruntime's CUDA kernel may choose flash decoding)"
+                     if getattr(self.info, "prefix_keys", False) else
+                     "its masks (n x (2 x W + 2) x 8 B at most; the decoding step's mask goes to GroupQueryAttention "
+                     "as attention_bias, with which onnxruntime's CUDA kernel chose MATH)")
             return (f"placement: {provider}; the KV cache in {where}, allocated once (onnxruntime OrtValues, "
                     f"serving/device_cache.py) and bound in place: a decoding step of n rows at a view W columns "
-                    f"wide copies only its token ids, positions and cache lengths (n x 24 B) and its masks "
-                    f"(n x (2 x W + 2) x 8 B at most) in and n x {self.vocab} x 4 B of logits out; GroupQueryAttention "
+                    f"wide copies only its token ids, positions and cache lengths (n x 24 B) and {masks} "
+                    f"in and n x {self.vocab} x 4 B of logits out; GroupQueryAttention "
                     f"writes each row's new column into the shared buffer; a prompt chunk copies its tokens in and "
                     f"its logits out, its keys and values written into the row on the device; rows are moved, "
                     f"widened and narrowed there; the prefix cache copies a block device-to-host when it stores it "
