@@ -435,11 +435,13 @@ def with_model_defaults(ref: ModelRef, o: GenerateOptions) -> GenerateOptions:
 DECODE = "auto"  # GroupQueryAttention where every cached site takes it, else the plain branch
 
 
-def serve_model(ref: ModelRef, o: EngineOptions, decode: str = DECODE, last_only: bool = True):
+def serve_model(ref: ModelRef, o: EngineOptions, decode: str = DECODE, last_only: bool = True,
+                prefix_keys: bool | None = None):
     """The model for the serving engine (serving/row_engine.py ``engine_for`` picks the engine): a .tsr
     spec (or a bundled spec's name, or a checkpoint folder) compiled now with ``o``'s compile options in
     buffer mode (``EngineOptions.engine_pipeline_options``: ``decode``'s kernels, the combined call with
-    last-position logits; ``last_only=False``: every position's, for serve --speculative), or an .onnx
+    last-position logits; ``last_only=False``: every position's, for serve --speculative; ``prefix_keys``: the
+    gqa decoding step without its mask, default on CUDA: EngineOptions.engine_pipeline_options), or an .onnx
     file compiled with ``--kv-cache``; a decoder with recurrent state compiled with its state as cache
     state, and an encoder-decoder as generation/loop.py's EncoderDecoder (both for the RowEngine)."""
 
@@ -461,7 +463,7 @@ def serve_model(ref: ModelRef, o: EngineOptions, decode: str = DECODE, last_only
         if device == "cuda" and (embeddings.is_encoder(built.graph) or target_input(built.graph) is not None
                                  or _carries_state(built.graph)):
             if o.provider == "auto":  # served on the CPU, compiled for it
-                return serve_model(ref, dataclasses.replace(o, provider="cpu"), decode, last_only)
+                return serve_model(ref, dataclasses.replace(o, provider="cpu"), decode, last_only, prefix_keys)
             raise UsageError("on CUDA `tessera serve` and `tessera batch` run the KV-cache engine (decoder-only "
                              "attention models); this model is an encoder, an encoder-decoder or carries recurrent "
                              "state, which they serve on the CPU only: use --provider cpu")
@@ -487,7 +489,7 @@ def serve_model(ref: ModelRef, o: EngineOptions, decode: str = DECODE, last_only
                                    "cpu", o.threads, read_weights)
         try:
             # the engine's variant: with the combined call (last-position logits only: not for speculation)
-            model = compile_decoder(built, ref, o, o.engine_pipeline_options(decode, last_only),
+            model = compile_decoder(built, ref, o, o.engine_pipeline_options(decode, last_only, prefix_keys=prefix_keys),
                                     "serving engine's decoder", device, o.threads, read_weights)
             info = model.info
             if info.length_input and not all(layer.buffer_key for layer in info.layers):

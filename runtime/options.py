@@ -1042,12 +1042,17 @@ class EngineOptions(BuildOptions, ModelRef):
         return ModelRef(**{f.name: getattr(self, f.name) for f in fields(ModelRef)})
 
     def engine_pipeline_options(self, decode: str = "auto", last_only: bool = True, mixed: bool = True,
-                                state: bool = False):
+                                state: bool = False, prefix_keys: bool | None = None):
         """The cached decoder the engine runs (driver.serve_model): the buffer cache (one row per slot),
         ``decode``'s kernels, the last position's logits (``last_only=False``: every position's, which
         serve --speculative checks drafts with) and with them the combined call (``mixed``: the engine's
         variant, compiler/backends/onnx/mixed_attention.py); ``state``: a decoder carrying recurrent
-        state (the row engine's), or an encoder-decoder, compiled as ``generate`` compiles it."""
+        state (the row engine's), or an encoder-decoder, compiled as ``generate`` compiles it.
+        ``prefix_keys``: the gqa decoding step without its mask (passes/kv_cache.py CacheOptions.prefix_keys:
+        seqlens_k alone, which assumes each row's keys are its columns 0..cache_length, none hidden -- true of
+        the engine, whose rows fill their columns from 0, and of no left-padded batch); None: on CUDA, where it
+        lets onnxruntime choose flash decoding (with the mask as attention_bias it chose MATH), and not on the
+        CPU, whose kernel has no flash path (the variant is checked there against the masked step, tests/serving)."""
         from tessera.compiler.passes.attention_kernels import Target
         from tessera.compiler.passes.pipeline import PipelineOptions
 
@@ -1055,8 +1060,10 @@ class EngineOptions(BuildOptions, ModelRef):
         if state:
             return PipelineOptions(target, **self.build_fields())
         # the combined call's CUDA lowering is not built (mixed_attention.py): on CUDA a chunk and a step are two calls
+        if prefix_keys is None:
+            prefix_keys = target.device == "cuda"
         return PipelineOptions(target, cache="buffer", decode=decode, last_only=last_only,
-                               mixed=mixed and last_only and target.device != "cuda",
+                               mixed=mixed and last_only and target.device != "cuda", prefix_keys=prefix_keys,
                                **self.build_fields())
 
     @property

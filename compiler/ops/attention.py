@@ -245,10 +245,13 @@ FUSED_ATTRS: dict[str, Attr] = {
     "length_input": Attr((str,), "the cache_length input a gqa decoding step reads", lambda v: None if v else
                          "must name an input"),
     "decode_mask": Attr((str,), "CUDA: the input holding a gqa decoding step's mask of the filled slots and the new "
-                        "column (its width the total length, kept on the host)", lambda v: None if v else
+                        "column (its width the total length, kept on the host); with prefix_keys the input "
+                        "decode_span [0, width], its width alone", lambda v: None if v else
                         "must name an input"),
     "mixed": Attr((bool,), "the serving engine's combined call: decoding rows and a prompt chunk packed in one "
                   "call (backends/onnx/mixed_attention.py)"),
+    "prefix_keys": Attr((bool,), "the serving engine's gqa decoding step without its mask: seqlens_k alone, each "
+                        "row's keys its columns 0..seqlens_k (backends/onnx/attention.py PREFIX_KEYS_ASSUMES)"),
 }
 
 

@@ -31,7 +31,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from tessera.compiler.backends.onnx.attention import KERNEL_ASSUMES, kernel_features
+from tessera.compiler.backends.onnx.attention import kernel_assumes, kernel_features
 from tessera.compiler.ir import dims
 from tessera.compiler.ir.graph import PRECISION_BYTES, Graph, Node
 from tessera.compiler.passes.base import Pass, PassError, PassResult
@@ -74,13 +74,14 @@ _NAMES = {"gqa": "GroupQueryAttention", "mha": "MultiHeadAttention", "attn23": "
 def unsupported(kernel: str, attrs: dict) -> str | None:
     """Why ``kernel`` cannot compute the score epilogue these attributes ask for: the features the node
     uses that the kernel's allow-list (backends/onnx/attention.py KERNEL_FEATURES) lacks, or a shortcut
-    the kernel takes (KERNEL_ASSUMES) that one of them breaks; None if neither."""
+    the kernel takes (KERNEL_ASSUMES; with ``prefix_keys``, the mask-less gqa decoding step's too) that one of
+    them breaks; None if neither."""
     have = kernel_features(kernel, attrs.get("decode"), attrs.get("prefill"))
     missing = [f for f in score_epilogue.used(attrs) if f not in have]
     if missing:
         return (f"{_NAMES.get(kernel, kernel)} computes no {score_epilogue.words(missing)} "
                 f"(of the score epilogue it computes {score_epilogue.words(sorted(have)) or 'nothing'})")
-    broken = score_epilogue.broken(KERNEL_ASSUMES[kernel], attrs)
+    broken = score_epilogue.broken(kernel_assumes(kernel, attrs), attrs)
     if broken:
         return f"{_NAMES.get(kernel, kernel)} cannot be exact here: {'; '.join(broken)}"
     return None

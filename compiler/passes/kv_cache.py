@@ -57,7 +57,7 @@ from tessera.compiler.ir.graph import Graph, Node, TensorType
 from tessera.compiler.ir.graph import numpy_dtype
 from tessera.compiler.ir.graph import SymbolSource
 from tessera.compiler import ops
-from tessera.compiler.passes.attention_kernels import Target, cached_prefill, choose_cached
+from tessera.compiler.passes.attention_kernels import Target, cached_prefill, choose_cached, unsupported
 from tessera.compiler.patterns.positions import NotAffine, affine_reads, positions_reached
 from tessera.compiler.reference.numerics import sinusoidal_table
 from tessera.compiler.passes.base import Pass, PassError, PassManager, PassResult, PipelineResult
@@ -72,6 +72,12 @@ LENGTH_ROWS = "length_rows"  # its size: 1 (one length for every row, generate) 
 # CUDA (fp16): the decoding step's mask of the filled slots and the new column, i64 [B, DECODE_WIDTH]; its width
 # is GroupQueryAttention's total length, kept on the host (backends/onnx/cached_attention.py _gqa_inputs_on_device)
 DECODE_MASK, DECODE_WIDTH = "decode_mask", "decode_width"
+# CUDA, the serving engine's variant without the mask (prefix_keys): i64 [0, DECODE_WIDTH], no values, only its width
+# read (the kernel's total length, on the host); as decode_mask's values no longer matter, none are copied to the device
+DECODE_SPAN = "decode_span"
+PREFIX_KEYS_REASON = ("decode without its mask (the serving engine's variant, prefix_keys): seqlens_k alone says each "
+                      "row's keys, its columns 0..cache_length, none hidden (the engine fills rows from column 0), so "
+                      "no attention_bias and onnxruntime's CUDA kernel may choose flash decoding")
 
 
 @dataclass
@@ -119,6 +125,9 @@ class CacheInfo:
     length_input: str | None = json(Kind("input", optional=True), default=None)
     # recurrent state carried call to call
     states: list[CacheState] = json(Kind("records", of=CacheState), default_factory=list)
+    # the gqa decoding step without its mask (CacheOptions.prefix_keys): each row's keys must be its columns
+    # 0..cache_length, none hidden (the serving engine's layout; a left-padded batch breaks it)
+    prefix_keys: bool = json(Kind("bool"), default=False)
     # --explain's lines from the passes over the exported graph (compiler/build.py); not in the file's metadata
     notes: list[str] = json(None, default_factory=list, compare=False)
 
@@ -202,6 +211,14 @@ class CacheOptions:
     target: Target = Target()
     decode: str = "auto"
     mixed: bool = False  # the serving engine's combined call (backends/onnx/mixed_attention.py), gqa sites only
+    # The serving engine's variant of the gqa decoding step: GroupQueryAttention with seqlens_k alone, no
+    # attention_bias, so onnxruntime's CUDA kernel may choose flash decoding (with the bias it took MATH).
+    # Assumes each row's keys are its columns 0..cache_length, none hidden among them (score_epilogue.py
+    # ASSUMPTIONS "keys_by_length"): guaranteed by the engine, whose rows fill their columns from 0; NOT by
+    # ``tessera generate``, which left-pads prompts of different lengths (it never sets this). A site whose
+    # features break it (backends/onnx/attention.py PREFIX_KEYS_ASSUMES) keeps the step with its mask, the
+    # reason in its kernel note.
+    prefix_keys: bool = False
 
     def check(self) -> None:
         if self.mode not in CACHE_MODES:
@@ -554,11 +571,25 @@ class ChooseCacheKernels(Pass):
                                      f"no attention sinks (at {node.scope or node.name}); not done")
                 if self.options.mixed:  # the engine's combined call too (backends/onnx/mixed_attention.py)
                     node.attrs["mixed"] = True
+                if self.options.prefix_keys:  # the engine's step without its mask, where the site allows it
+                    refused = unsupported("phased", {**node.attrs, "prefix_keys": True})
+                    if refused:
+                        note = dataclasses.replace(note, kernel=dataclasses.replace(
+                            note.kernel, reason=f"{note.kernel.reason}; decode keeps its mask as attention_bias "
+                                                f"(not seqlens_k alone: {refused})"))
+                    else:
+                        node.attrs["prefix_keys"] = True
+                        if target.device == "cuda":  # the width alone, from an input holding no values
+                            node.attrs["decode_mask"] = DECODE_SPAN
+                        note = dataclasses.replace(note, kernel=dataclasses.replace(
+                            note.kernel, reason=f"{note.kernel.reason}; {PREFIX_KEYS_REASON}"))
             notes.append(note)
         if any(n.buffer_key for n in notes):
             g.add_input(LENGTH, TensorType("i64", (dims.symbol(LENGTH_ROWS),)))
-        if any(n.attrs.get("decode_mask") for n in sites):
+        if any(n.attrs.get("decode_mask") == DECODE_MASK for n in sites):
             g.add_input(DECODE_MASK, TensorType("i64", (_batch_and_time(g)[0], dims.symbol(DECODE_WIDTH))))
+        if any(n.attrs.get("decode_mask") == DECODE_SPAN for n in sites):
+            g.add_input(DECODE_SPAN, TensorType("i64", (dims.dim(0), dims.symbol(DECODE_WIDTH))))
         _settle(g)
         return PassResult(g, True, notes)
 
@@ -625,9 +656,10 @@ def cache_info(result: PipelineResult) -> CacheInfo:
     states = [dataclasses.replace(s, dtype=g.type_of(s.past).dtype)
               for s in result.notes(AddCacheLayers.name) if isinstance(s, CacheState)]
     dtype = g.type_of(layers[0].past_key).dtype if layers else states[0].dtype
+    prefix = any(n.attrs.get("prefix_keys") for n in cached_sites(g))
     return CacheInfo(face.tokens, face.logits, layers, context.positions, face.last_only, face.mode, dtype,
                      [kernels[layer.node].kernel for layer in layers],
-                     LENGTH if any(layer.buffer_key for layer in layers) else None, states)
+                     LENGTH if any(layer.buffer_key for layer in layers) else None, states, prefix)
 
 
 def add_kv_cache(g: Graph, last_only: bool = False, mode: str = "auto", impl: str | None = None,

@@ -74,13 +74,15 @@ class PipelineOptions:
     max_positions: int = 4096
     decoder_input: str | None = None
     mixed: bool = False  # the serving engine's combined prefill+decode call (backends/onnx/mixed_attention.py)
+    # the serving engine's gqa decoding step without its mask (passes/kv_cache.py CacheOptions.prefix_keys)
+    prefix_keys: bool = False
     # the cached decoder's two ONNX-level passes after export (compiler/build.py); off only to measure them
     skip_norm: bool = True  # residual Add + norm as Skip(Simplified)LayerNormalization (backends/onnx/skip_norm.py)
     bound_step: bool = True  # the bound decoding step as a branch of its own (backends/onnx/bound_step.py)
 
     def cache_options(self) -> CacheOptions:
         return CacheOptions(self.last_only, self.cache, None, self.decoder_input, self.max_positions, self.target,
-                            self.decode, self.mixed)
+                            self.decode, self.mixed, self.prefix_keys)
 
     def check_cached(self) -> None:
         """The cached pipelines choose the attention kernels per phase themselves."""

@@ -150,6 +150,10 @@ class Feature:
     keeps_hidden: bool = False
     hides: bool = False             # the step hides keys (fills scores with the dtype's minimum)
     softmax: bool = False           # no score step: it changes the softmax's normaliser (``softmax`` below)
+    # at a decoding step (one query, the last of its row's positions) every key the step hides lies past
+    # the row's length, where the caller lays each row's keys from column 0 (the serving engine): a kernel
+    # told the lengths (GroupQueryAttention's seqlens_k) computes it with no mask (ASSUMPTIONS "keys_by_length")
+    by_length: bool = False
     needs: tuple = ()
     flops: dict = field(default_factory=lambda: {"elementwise": 1})
 
@@ -169,7 +173,7 @@ FEATURES: dict[str, Feature] = {f.name: f for f in (
             lambda a: bool(a.get("bias")), "additive bias", elementwise=True, keeps_hidden=True),
     Feature("causal", 2, {"causal": Attr((bool,), "hide keys after each query", required=True)},
             lambda a: bool(a.get("causal")), "causal mask", elementwise=True, keeps_hidden=True, hides=True,
-            flops={"mask": 1}),
+            by_length=True, flops={"mask": 1}),  # at T = 1 the query is its row's last position: none hidden
     Feature("window", 2, {"window": Attr((int,), "with causal: also hide keys this far back (0: none)",
                                          non_negative, required=True)},
             lambda a: bool(a.get("window")), "sliding window", elementwise=True, keeps_hidden=True, hides=True,
@@ -185,7 +189,7 @@ FEATURES: dict[str, Feature] = {f.name: f for f in (
     Feature("padding", 2, {"padding": Attr((bool,), "a key padding mask [B, Tk] is an input (0 = padding)",
                                            required=True)},
             lambda a: bool(a.get("padding")), "padding mask", elementwise=True, keeps_hidden=True, hides=True,
-            flops={"mask": 1}),
+            by_length=True, flops={"mask": 1}),  # by length only where its caller guarantees the layout (above)
     # gpt-oss: softmax over the keys and one learned logit per head (the sink), whose weight is dropped.
     # No score changes (so elementwise and keeps_hidden hold trivially: a hidden key still weighs 0, and a
     # row whose keys are all hidden puts its whole weight on the sink: output 0); the normaliser gains
@@ -258,6 +262,17 @@ def _not_elementwise(features) -> str | None:
     return None
 
 
+def _not_by_length(features) -> str | None:
+    """Why a decoding step whose keys are given by each row's length alone (no mask, no bias) cannot
+    compute these features: a step of the masks' stage (what GroupQueryAttention's attention_bias carried)
+    not declared ``by_length`` -- a sliding window or chunk hides keys at a row's start, a two-sided window
+    by distance, an additive bias is a value per score, none of which a length says."""
+    late = [f for f in features if f in FEATURES and FEATURES[f].stage == _mask_stage() and not FEATURES[f].by_length]
+    if late:
+        return f"the {words(late)} is not given by each row's length (not declared by_length)"
+    return None
+
+
 ASSUMPTIONS: dict[str, Assumption] = {a.name: a for a in (
     # Every such kernel also assumes that each query sees at least one key: a row the masks hide
     # entirely has no defined weights (unfused: uniform over all keys; tiled: over the keys computed).
@@ -270,6 +285,14 @@ ASSUMPTIONS: dict[str, Assumption] = {a.name: a for a in (
     # does not add exp(sink - m) to its sum at the end
     Assumption("keys_only_softmax", "the softmax normalises over the keys alone (its own softmax, or an online "
                                     "softmax over key tiles)", _normaliser),
+    # Taken only by the serving engine's variant of the gqa decoding step (passes/kv_cache.py ``prefix_keys``):
+    # GroupQueryAttention with seqlens_k alone, so onnxruntime may choose its flash decoding kernel. The
+    # layout is its caller's guarantee, not a feature's: the engine fills each row from column 0 (its slot
+    # mask is 1 exactly on columns 0..filled-1); ``tessera generate`` left-pads prompts of different
+    # lengths, so its rows' first columns are hidden and it never takes this variant.
+    Assumption("keys_by_length", "each row's keys are its columns 0..seqlens_k, none hidden among them, so the "
+                                 "lengths alone say which keys a decoding step sees (no mask, no bias)",
+               _not_by_length),
 )}
 
 

@@ -394,6 +394,13 @@ class CachedDecoder:
         info = model.info
         self.model, self.info, self.stats, self.extra_feeds = model, info, stats, extra_feeds or {}
         b, t0 = len(prompts), max(len(p) for p in prompts)
+        if info.prefix_keys and any(len(p) != t0 for p in prompts):
+            # its decoding step takes each row's keys to be its columns 0..cache_length (seqlens_k alone, no
+            # mask: compiler/backends/onnx/attention.py PREFIX_KEYS_ASSUMES); left padding hides a row's first ones
+            raise UsageError("this decoder was compiled for the serving engine's layout (its decoding step has no "
+                             "mask: each row's keys are its columns from 0, prefix_keys), so prompts of different "
+                             "lengths, which generate left-pads, would attend to the padding; compile it without "
+                             "the engine's variant, or give prompts of one length")
         self.rows = b
         ids = np.full((b, t0), pad_id, dtype=np.int64)
         mask = np.zeros((b, t0), dtype=np.int64)
@@ -450,6 +457,8 @@ class CachedDecoder:
         if "decode_mask" in self.model.input_names:  # CUDA: the filled slots and the new column (their count is
             feeds["decode_mask"] = (np.ones((self.rows, 1), np.int64) if prefill  # the kernel's total length)
                                     else np.concatenate([self.slots[:, :self.filled], mask], axis=1))
+        if "decode_span" in self.model.input_names:  # the same count without the mask (prefix_keys: one length)
+            feeds["decode_span"] = np.zeros((0, 1 if prefill else self.filled + 1), np.int64)
         if self.bound is not None and not prefill:  # the kernel writes the new columns into the buffers itself
             out = self.model.run(feeds, bound=self.bound)
         else:

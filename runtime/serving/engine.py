@@ -324,6 +324,9 @@ class Engine:
         # a graph compiled for CUDA (compiler/passes/kv_cache.py DECODE_MASK): its GroupQueryAttention decoding
         # step takes the rows' mask of the filled slots and the new column, [rows, longest + 1]
         self.decode_mask = "decode_mask" in model.input_names
+        # the same without the mask's values (the engine's variant, CacheInfo.prefix_keys: seqlens_k alone, no
+        # attention_bias, so onnxruntime may choose flash decoding): decode_span [0, longest + 1], its width alone
+        self.decode_span = "decode_span" in model.input_names
         # the combined call (compiler/backends/onnx/mixed_attention.py): an iteration's decoding rows and
         # prompt chunk in one onnxruntime call, where the model has it (serving/model.py load builds it)
         self.combined = self.in_place and info.last_only and not self._copied and has_combined_call(model)
@@ -419,10 +422,16 @@ class Engine:
         dc = self.device_cache
         if dc is not None:
             where = "device memory" if dc.device == "cuda" else "CPU OrtValues (the device cache's path, forced)"
+            masks = ("its attention mask (n x (W + 1) x 8 B; the decoding step has no mask of its own: "
+                     "GroupQueryAttention takes each row's keys from seqlens_k alone, none hidden in columns "
+                     "0..filled as the engine lays rows, so onnxruntime's CUDA kernel may choose flash decoding)"
+                     if getattr(self.info, "prefix_keys", False) else
+                     "its masks (n x (2 x W + 2) x 8 B at most; the decoding step's mask goes to GroupQueryAttention "
+                     "as attention_bias, with which onnxruntime's CUDA kernel chose MATH)")
             return (f"placement: {provider}; the KV cache in {where}, allocated once (onnxruntime OrtValues, "
                     f"serving/device_cache.py) and bound in place: a decoding step of n rows at a view W columns "
-                    f"wide copies only its token ids, positions and cache lengths (n x 24 B) and its masks "
-                    f"(n x (2 x W + 2) x 8 B at most) in and n x {self.vocab} x 4 B of logits out; GroupQueryAttention "
+                    f"wide copies only its token ids, positions and cache lengths (n x 24 B) and {masks} "
+                    f"in and n x {self.vocab} x 4 B of logits out; GroupQueryAttention "
                     f"writes each row's new column into the shared buffer; a prompt chunk copies its tokens in and "
                     f"its logits out, its keys and values written into the row on the device; rows are moved, "
                     f"widened and narrowed there; the prefix cache copies a block device-to-host when it stores it "
@@ -662,6 +671,8 @@ class Engine:
         if self.decode_mask:  # CUDA: the decoding branch's filled slots and new column (T > 1: unread)
             feeds["decode_mask"] = (np.concatenate([self.slots[r:r + 1, :start], ones], axis=1) if t == 1
                                     else np.ones((1, 1), dtype=np.int64))
+        if self.decode_span:  # CUDA, no mask: their count alone (T > 1: unread)
+            feeds["decode_span"] = np.zeros((0, start + 1 if t == 1 else 1), dtype=np.int64)
         if self.device_cache is not None:
             out = self._run_chunk(feeds, None if start == 0 else r, 1)
         else:
@@ -714,6 +725,8 @@ class Engine:
             feeds[info.length_input] = np.array([s.filled for s in rows[:n]], dtype=np.int64)
             if self.decode_mask:  # CUDA: the columns up to the longest row's new one (the kernel's total length)
                 feeds["decode_mask"] = np.ascontiguousarray(mask[:, :max(s.filled for s in rows[:n]) + 1])
+            if self.decode_span:  # CUDA, no mask (each row's keys are its columns 0..filled): their count alone
+                feeds["decode_span"] = np.zeros((0, max(s.filled for s in rows[:n]) + 1), dtype=np.int64)
             started = time.perf_counter()
             out = self._run_in_place(feeds, n)
         else:  # the plain branch (the numpy cache only: device_cache_reason)

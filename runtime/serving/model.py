@@ -38,6 +38,14 @@ DECODE_REASONS = {
             "lengths share a step. Chosen over the plain MatMul/Softmax branch with a per-row mask: faster in "
             "11 of 12 rounds of bench/serve_decode.py (one step at 16 rows of uneven lengths; "
             "docs/benchmarks/table.md S3)."),
+    "gqa-prefix": ("decode (T = 1): onnxruntime's GroupQueryAttention over the shared cache buffer with per-row "
+                   "seqlens_k (cache_length [B]) and no attention_bias: each row's keys are its columns "
+                   "0..cache_length, none hidden among them (the engine fills every row from column 0, so the "
+                   "slot mask would say nothing the lengths do not), the kernel writes each row's new column at "
+                   "its own slot, in place. Without the mask onnxruntime's CUDA kernel may choose its flash "
+                   "decoding (FLASH_ATTENTION under tests/cuda's stub, fp16; with the mask as attention_bias it "
+                   "chose MATH) and the mask's values are not copied to the device (only decode_mask's width is "
+                   "read, for the kernel's total length). A left-padded batch (`tessera generate`) keeps the mask."),
     "plain": ("decode (T = 1): plain MatMul/Softmax over the cache buffer with a per-row slot mask and per-row "
               "positions, so every row of one step has its own length; the engine writes each row's new "
               "column at that row's own slot. (GroupQueryAttention with per-row lengths, faster where it "
@@ -80,17 +88,21 @@ def weights_line(model) -> str:
 
 
 def decode_kernel(info) -> str:
-    """The decoding kernel a loaded model runs: "gqa" when its steps write the buffer in place."""
-    return "gqa" if info.length_input else "plain"
+    """The decoding kernel a loaded model runs: "gqa" when its steps write the buffer in place ("gqa-prefix"
+    without their mask: the engine's variant, CacheInfo.prefix_keys)."""
+    if not info.length_input:
+        return "plain"
+    return "gqa-prefix" if getattr(info, "prefix_keys", False) else "gqa"
 
 
-def load(spec: str, decode: str | None = None, last_only: bool = True, **options) -> CachedModel:
+def load(spec: str, decode: str | None = None, last_only: bool = True, prefix_keys: bool | None = None,
+         **options) -> CachedModel:
     """The engine's model for ``spec`` with EngineOptions' fields as keywords (``sets=[...]``,
     ``threads=1``, ``quantize="int4"``...): runtime/driver.py's ``serve_model``, as `tessera serve` and
-    `tessera batch` load it (a shorthand for tests and benchmarks; ``decode`` and ``last_only`` are the
-    engine's choices, serve_model's)."""
+    `tessera batch` load it (a shorthand for tests and benchmarks; ``decode``, ``last_only`` and
+    ``prefix_keys`` are the engine's choices, serve_model's)."""
     o = EngineOptions(spec=spec, **options)
-    return driver.serve_model(o.model, o, decode or DECODE, last_only)
+    return driver.serve_model(o.model, o, decode or DECODE, last_only, prefix_keys)
 
 
 def tokenizer_path(tokenizer, spec) -> str | None:

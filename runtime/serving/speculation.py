@@ -230,6 +230,8 @@ class Speculation:
             feeds[info.length_input] = np.array([s.filled for s in rows[:n]], dtype=np.int64)
         if engine.decode_mask:  # CUDA's decoding-branch input; T > 1 takes the prompt branch, which ignores it
             feeds["decode_mask"] = np.ones((n, 1), dtype=np.int64)
+        if engine.decode_span:  # the same without the mask's values (the engine's variant)
+            feeds["decode_span"] = np.zeros((0, 1), dtype=np.int64)
         started = time.perf_counter()
         # the device cache binds the rows' views from its buffers; every position's logits come back
         out = engine.model.run(feeds) if views is not None else engine._run_chunk(feeds, 0, n)

@@ -399,7 +399,7 @@ def test_the_serving_engine_on_cuda(cuda_stub, family, tmp_path):
     compiled for CUDA, its KV cache in device OrtValues (runtime/serving/device_cache.py), every call's and
     every cache graph's host-side checks complete, and the copies are what docs/serve.md ("On CUDA") states:
     a decoding step of n rows at a view W wide copies its token ids, positions and cache lengths (n x 24 B)
-    and masks (at most n x 2 x (W + 1) x 8 B) in and n x V x 4 B of logits out -- n x (V x 4 + 1,064 B) at
+    and attention mask (n x (W + 1) x 8 B) in and n x V x 4 B of logits out -- n x (V x 4 + 544 B) at
     most at the first width -- and not the cache (n x 32 KiB at W = 64 for the 2-layer fp16 gpt2: what the host cache
     copied each way); a prompt chunk its tokens in and its last logits out; an iteration where the view
     widens or narrows or a row leaves (moved into the freed slot) copies nothing more between host and device.
@@ -422,9 +422,11 @@ def test_the_serving_engine_on_cuda(cuda_stub, family, tmp_path):
     for s in decoding:
         n, width = s["rows"], max(s["width"], s["after_width"])
         assert s["d2h"] == n * vocab * 4, s  # the logits, nothing else, come back
-        assert s["h2d"] <= n * (24 + 2 * 8 * (width + 1)) + 64, s  # ids, positions, lengths, masks
-        if width == 64:  # the issue's bound, n x (V x 4 + about 1 KiB): the masks are 2 x 65 x 8 B a row
-            assert s["h2d"] + s["d2h"] <= n * (vocab * 4 + 24 + 2 * 8 * 65) + 64, s
+        # ids, positions, lengths and attention_mask (the decoding step's own mask is gone: prefix_keys, its
+        # width in decode_span, which holds no values; test_the_engines_decoding_step_takes_flash_attention)
+        assert s["h2d"] <= n * (24 + 8 * (width + 1)) + 64, s
+        if width == 64:  # the issue's bound, n x (V x 4 + about 1 KiB): the mask is 65 x 8 B a row
+            assert s["h2d"] + s["d2h"] <= n * (vocab * 4 + 24 + 8 * 65) + 64, s
         if not s["relayouts"] and not s["moved"]:  # nor is the cache copied on the device
             assert s["d2d"] < n * s["row_bytes"], s
     assert any(s["relayouts"] and s["after_width"] > s["width"] for s in decoding)  # widened during a step
@@ -460,3 +462,95 @@ def test_mixtral_cached_decoding_step_with_fused_moe_on_cuda(cuda_stub, tmp_path
     (report,) = cuda_stub.check(out, seq=1, past=3)
     assert report["providers"][:1] == ["CUDAExecutionProvider"] and not report["cpu_unforced"], report
     assert report["memcpy_subgraph"] == 0 and report["ran"], report["error"]
+
+
+ENGINE_KERNELS = """
+import ctypes, json, os, sys
+from tessera.runtime import driver
+from tessera.runtime.options import EngineOptions
+from tessera.runtime.serving.engine import Engine, Request
+lib = ctypes.CDLL("libcudart.so.13")
+def mark(s):  # between the kernels' debug lines, which onnxruntime prints on stdout
+    sys.stdout.flush()
+    os.write(1, (s + "\\n").encode())
+o = EngineOptions(spec=sys.argv[1], sets=sys.argv[2].split(","), provider="cuda", dtype="fp16", max_batch=2,
+                  max_context=192)
+out = {}
+for variant, prefix_keys in (("default", None), ("masked", False)):
+    model = driver.serve_model(o.model, o, prefix_keys=prefix_keys)
+    eng = Engine(model, max_batch=2, capacity=192)
+    handles = [eng.submit(Request(list(range(1, 21)), 6)), eng.submit(Request([6, 7, 8], 6))]
+    steps = []
+    while not all(h.finished for h in handles):
+        decoding = bool(eng.rows) and not any(s.prefilling for s in eng.rows)
+        rows, longest = len(eng.rows), max([s.filled for s in eng.rows] or [0]) + 1
+        mark(f"@@step {variant} {len(steps)}")
+        lib.stub_memcpy_reset()
+        eng.step()
+        c = (ctypes.c_uint64 * 10)()
+        lib.stub_memcpy_counts(c)
+        mark("@@end")
+        steps.append({"decoding": decoding, "rows": rows, "longest": longest, "h2d": c[3], "d2h": c[5]})
+    out[variant] = {"steps": steps, "errors": [h.error for h in handles], "tokens": [len(h.tokens) for h in handles],
+                    "prefix_keys": model.info.prefix_keys, "inputs": sorted(model.input_names), "describe": eng.describe()}
+mark("@@json " + json.dumps(out))
+"""
+
+
+def _kernels_by_step(stdout: str) -> dict:
+    """(variant, step) -> the [op, kernel] each attention node chose in that step (check.py's pattern)."""
+    import re
+
+    found, current = {}, None
+    for line in stdout.splitlines():
+        if line.startswith("@@step "):
+            _, variant, i = line.split()
+            current = found.setdefault((variant, int(i)), [])
+        elif line.startswith("@@end"):
+            current = None
+        elif current is not None:
+            m = re.search(r"Operator=(\w+)(?: Node=\S+)? DataType=\w+ SdpaKernel=(\w+)", line)
+            if m:
+                current.append([m.group(1), m.group(2)])
+    return found
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_the_engines_decoding_step_takes_flash_attention(cuda_stub, family, tmp_path):
+    """The serving engine's decoder on CUDA in fp16 (runtime/driver.py serve_model: prefix_keys by default on
+    CUDA, passes/kv_cache.py) gives GroupQueryAttention no attention_bias -- each row's keys are its columns
+    0..seqlens_k, as the engine lays rows -- and onnxruntime-gpu 1.31.1 chooses FLASH_ATTENTION for every
+    decoding step (ORT_ENABLE_ATTENTION_KERNEL_DEBUG_INFO), where the same engine with the masked variant
+    (prefix_keys=False: the mask as attention_bias) chose MATH; the mask's values are no longer an input
+    (decode_span [0, longest + 1] carries the width), so each decoding step copies n x (longest + 1) x 8 B
+    less host-to-device, the logits the same. Values are not checked (the stub computes nothing; the
+    variant's numerics: tests/serving/test_serve_device_cache.py)."""
+    import json
+
+    sets = [x for x in FAMILIES[family] if not x.startswith("ctx=")] + ["ctx=192"]
+    script = tmp_path / "engine_kernels.py"
+    script.write_text(ENGINE_KERNELS)
+    p = cuda_stub.run([str(script), family, ",".join(sets)], timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    r = json.loads(next(x for x in p.stdout.splitlines() if x.startswith("@@json "))[len("@@json "):])
+    kernels = _kernels_by_step(p.stdout)
+    default, masked = r["default"], r["masked"]
+    assert default["prefix_keys"] and not masked["prefix_keys"]
+    assert "decode_span" in default["inputs"] and "decode_mask" not in default["inputs"]
+    assert "decode_mask" in masked["inputs"] and "decode_span" not in masked["inputs"]
+    assert default["errors"] == masked["errors"] == [None, None] and default["tokens"] == [6, 6]
+    assert "FLASH_ATTENTION" in default["describe"] and "no mask of its own" in default["describe"]
+    assert len(default["steps"]) == len(masked["steps"])
+    decoding = [i for i, s in enumerate(default["steps"]) if s["decoding"]]
+    assert len(decoding) >= 4
+    for i in decoding:
+        layers = 2
+        assert kernels[("default", i)] == [["GroupQueryAttention", "FLASH_ATTENTION"]] * layers, kernels[("default", i)]
+        assert kernels[("masked", i)] == [["GroupQueryAttention", "MATH"]] * layers, kernels[("masked", i)]
+        d, m = default["steps"][i], masked["steps"][i]
+        assert (d["rows"], d["longest"]) == (m["rows"], m["longest"])
+        assert m["h2d"] - d["h2d"] == d["rows"] * d["longest"] * 8, (d, m)  # decode_mask's bytes, gone
+        assert d["d2h"] == m["d2h"] == d["rows"] * 128 * 4  # the logits
+    # every GroupQueryAttention of the mask-less decoder, prompt chunks' decoding branch included, is flash
+    assert {k for (v, _), ks in kernels.items() if v == "default" for op, k in ks if op == "GroupQueryAttention"} == \
+        {"FLASH_ATTENTION"}

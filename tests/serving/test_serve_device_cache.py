@@ -230,3 +230,53 @@ def test_each_cache_operation_equals_its_numpy_form(dtype):
     got = dc.read(3, 8, 1, 5)
     for n in dims:
         np.testing.assert_array_equal(got[n], view(n, 8)[3, :, 1:5])
+
+
+def _rows_from_zero(engine: Engine) -> None:
+    """The layout the mask-less decoding step assumes (CacheOptions.prefix_keys): every row's slot mask is 1
+    exactly on its columns 0..filled-1."""
+    for s in engine.rows:
+        row = engine.slots[s.slot]
+        assert row[:s.filled].all() and not row[s.filled:].any(), (s.slot, s.filled, np.flatnonzero(row))
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_the_decoding_step_without_its_mask_gives_the_same_tokens(models, family):
+    """The engine's variant of the decoder (prefix_keys: GroupQueryAttention with seqlens_k alone, no
+    attention_bias; the default on CUDA, built here on the CPU) against the masked one (the CPU default),
+    stepped together over 14 concurrent requests of 1 to ~100 prompt tokens in 4 slots (joins, leaves,
+    widening, 16-token chunks, the combined call, the prefix cache, greedy and seeded sampling), each with
+    the numpy cache and with the device cache's path on CPU OrtValues: after every iteration the same rows,
+    slot masks and cache columns (bit for bit), every row's keys at its columns 0..filled-1; at the end the
+    same tokens, token for token."""
+    masked = models(family)
+    unmasked = serving_model.load(family, sets=GPT2 if family == "gpt2" else LLAMA, threads=1, prefix_keys=True)
+    assert not masked.info.prefix_keys and unmasked.info.prefix_keys
+    assert serving_model.decode_kernel(unmasked.info) == "gqa-prefix"
+    reqs = _requests(7)
+    engines = []
+    for model in (masked, unmasked):
+        for device in (False, True):
+            e = Engine(model, device_cache=device, max_batch=4, max_queue=16, prefill_chunk=16)
+            PrefixCache.for_engine(e, 1)
+            e.handles = [e.submit(Request(list(r.prompt), r.max_tokens, r.sampling)) for r in reqs]
+            engines.append(e)
+    want = engines[0]
+    while any(not h.finished for h in want.handles):
+        for e in engines:
+            assert e.step()
+            _rows_from_zero(e)
+        for e in engines[1:]:
+            assert [(s.handle.request.prompt, s.filled) for s in e.rows] == \
+                [(s.handle.request.prompt, s.filled) for s in want.rows]
+            np.testing.assert_array_equal(e.slots, want.slots)
+            for a, b in zip(_filled(want), _filled(e)):
+                for name in a:
+                    np.testing.assert_array_equal(a[name], b[name], err_msg=name)
+    for e in engines[1:]:
+        assert all(h.finished for h in e.handles)
+        assert [(h.tokens, h.finish_reason) for h in e.handles] == [(h.tokens, h.finish_reason) for h in want.handles]
+        assert e.combined_calls == want.combined_calls > 0 and e.relayouts == want.relayouts > 0
+    assert all(h.finish_reason == "length" for h in want.handles)
+    assert "seqlens_k" in engines[2].describe() and "no attention_bias" in engines[2].describe()
+    assert "no mask of its own" in engines[3].placement() and "no mask of its own" not in engines[1].placement()

@@ -89,6 +89,22 @@ KERNEL_ASSUMES: dict[str, frozenset[str]] = {
 # A phased node's decoding step as one GroupQueryAttention (cached_attention.py ``_lower_gqa_decode``):
 # its scale and softcap attributes, and the cache's mask (padding, causal) as its attention_bias.
 GQA_DECODE_FEATURES = frozenset({"scale", "softcap", "causal", "padding", "sinks"})  # sinks: its head_sink
+# The serving engine's variant of that step (attribute ``prefix_keys``, set by passes/kv_cache.py where its
+# compile option asks: runtime/options.py ``engine_pipeline_options``): GroupQueryAttention with seqlens_k alone
+# and no attention_bias, so onnxruntime's CUDA kernel may choose flash (or memory-efficient) decoding, where
+# with the bias it chose MATH (tests/cuda). It computes the same features, taking one shortcut more: each
+# row's keys are its columns 0..seqlens_k, none hidden among them (score_epilogue.py ASSUMPTIONS
+# "keys_by_length"). Guaranteed by the engine (a row fills its columns from 0); not by ``tessera generate``,
+# which left-pads prompts of different lengths (its rows' first columns are hidden: the bias is needed).
+PREFIX_KEYS_ASSUMES = frozenset({"keys_by_length"})
+
+
+def kernel_assumes(impl: str, attrs: dict | None = None) -> frozenset[str]:
+    """The shortcuts lowering ``impl`` takes for a node with these attributes: KERNEL_ASSUMES, and with a
+    gqa decoding step without its mask (``prefix_keys``) PREFIX_KEYS_ASSUMES too."""
+    a = attrs or {}
+    extra = PREFIX_KEYS_ASSUMES if a.get("prefix_keys") and a.get("decode") == "gqa" else frozenset()
+    return KERNEL_ASSUMES[impl] | extra
 
 
 def kernel_features(impl: str, decode: str | None = None, prefill: str | None = None) -> frozenset[str]:

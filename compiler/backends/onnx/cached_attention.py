@@ -187,9 +187,12 @@ def _gqa_inputs(b, node) -> tuple[str, str, str]:
     length for every row: ``generate``'s left-padded batch) or [B] (one per row: the serving engine,
     whose rows fill their buffers from slot 0 each; the kernel attends row b over its own
     cache_length[b] + 1 slots, so columns past a shorter row's new one are never read)."""
-    key = ("gqa_inputs", node.inputs[3])
+    prefix = bool(node.attrs.get("prefix_keys"))
+    key = ("gqa_inputs", node.inputs[3], prefix, node.attrs.get("decode_mask"))
     if key not in b.shared and node.attrs.get("decode_mask"):
         return _gqa_inputs_on_device(b, node, key)
+    if key not in b.shared and prefix:
+        return _gqa_inputs_by_length(b, node, key)
     if key not in b.shared:
         bias = _decode_bias(b, node, np.float32)  # [B, 1, 1, C + 1]
         saved, b.current = b.current, ""
@@ -211,21 +214,49 @@ def _gqa_inputs(b, node) -> tuple[str, str, str]:
     return b.shared[key]
 
 
+def _gqa_inputs_by_length(b, node, key) -> tuple[str, str, str]:
+    """``_gqa_inputs`` of the serving engine's variant (``prefix_keys``, CPU: no decode_mask input): seqlens_k
+    and total_sequence_length from cache_length, and no attention_bias ("": the input left out). Exact only
+    where each row's keys are its columns 0..cache_length[b], none hidden among them -- the engine's layout
+    (a row fills its columns from 0), not a left-padded batch's (attention.py PREFIX_KEYS_ASSUMES)."""
+    saved, b.current = b.current, ""
+    try:
+        length = node.attrs["length_input"]
+        batch = b.node("Shape", [node.inputs[3]], start=0, end=1)[0]
+        seqlens = b.node("Cast", [b.node("Expand", [length, batch])[0]], [b.fresh("gqa/seqlens_k")],
+                         to=TensorProto.INT32)[0]
+        longest = b.node("ReduceMax", [length], keepdims=1)[0]  # [1]
+        total = b.node("Cast", [b.node("Squeeze", [b.node("Add", [longest, b.i64([1])])[0], b.i64([0])])[0]],
+                       [b.fresh("gqa/total")], to=TensorProto.INT32)[0]
+        b.shared[key] = (seqlens, total, "")
+    finally:
+        b.current = saved
+    return b.shared[key]
+
+
 def _gqa_inputs_on_device(b, node, key) -> tuple[str, str, str]:
     """``_gqa_inputs`` on CUDA (fp16, the cache on the device): total_sequence_length and the bias from the
     ``decode_mask`` input, [B, filled + 1] (the filled slots and the new column, runtime/generation/cached.py):
     its width is shape arithmetic onnxruntime keeps on the host, where computed from cache_length (an input
-    it puts on the device) the kernel's host-side total would be copied back from the device each step."""
+    it puts on the device) the kernel's host-side total would be copied back from the device each step.
+    With ``prefix_keys`` (the serving engine's variant: each row's keys its columns 0..cache_length, none
+    hidden) the input is ``decode_span`` [0, filled + 1] (passes/kv_cache.py DECODE_SPAN), holding no values:
+    only its width is read, the batch comes from the attention mask's shape, and there is no attention_bias,
+    so onnxruntime may choose flash decoding and no mask is copied to the device for it."""
     np_dtype = _np_float(b.graph.type_of(node.inputs[0]).dtype)
     saved, b.current = b.current, ""
     try:
         dm = node.attrs["decode_mask"]
-        batch = b.node("Shape", [dm], start=0, end=1)[0]
+        prefix = bool(node.attrs.get("prefix_keys"))
+        batch = b.node("Shape", [node.inputs[3] if prefix else dm], start=0, end=1)[0]
         seqlens = b.node("Cast", [b.node("Expand", [node.attrs["length_input"], batch])[0]],
                          [b.fresh("gqa/seqlens_k")], to=TensorProto.INT32)[0]
         width = b.node("Shape", [dm], start=1, end=2)[0]
         total = b.node("Cast", [b.node("Squeeze", [width, b.i64([0])])[0]], [b.fresh("gqa/total")],
                        to=TensorProto.INT32)[0]
+        if prefix:
+            b.shared[key] = (seqlens, total, "")
+            return b.shared[key]
         hidden = b.node("Equal", [dm, b.const(np.array(0, np.int64), "zero_i64")])[0]
         lowest = b.const(np.array(np.finfo(np_dtype).min, dtype=np_dtype), "lowest")
         additive = b.node("Where", [hidden, lowest, b.const(np.array(0, dtype=np_dtype), "zero")])[0]
@@ -234,6 +265,14 @@ def _gqa_inputs_on_device(b, node, key) -> tuple[str, str, str]:
     finally:
         b.current = saved
     return b.shared[key]
+
+
+def gqa_node_inputs(names: list[str]) -> list[str]:
+    """GroupQueryAttention's inputs without trailing empty ones (an attention_bias left out: ``prefix_keys``)."""
+    names = list(names)
+    while names and not names[-1]:
+        names.pop()
+    return names
 
 
 def _lower_gqa_decode(b, node, outs: list[str], gqa_in) -> None:
@@ -252,7 +291,7 @@ def _lower_gqa_decode(b, node, outs: list[str], gqa_in) -> None:
         attrs["softcap"] = float(a["softcap"])
         attrs["scale"] = float(a["scale"]) * float(a["softcap"])
     sinks = [node.inputs[-1]] if a.get("sinks") else []  # head_sink (input 11): attention sinks
-    o = b.node("GroupQueryAttention", flat + [k_past, v_past, seqlens, total, "", "", "", bias] + sinks,
+    o = b.node("GroupQueryAttention", gqa_node_inputs(flat + [k_past, v_past, seqlens, total, "", "", "", bias] + sinks),
                [b.fresh("gqa_out"), outs[1], outs[2]], domain="com.microsoft", **attrs)[0]
     hd = int(b.graph.type_of(q).shape[-1])
     b.node("Reshape", [o, b.i64([0, a["heads"], 1, hd])], [outs[0]])
@@ -438,8 +477,8 @@ def _lower_gqa_packed(b, node, outs: list[str], gqa_in, packed: PackedQKV, share
         attrs["softcap"] = float(a["softcap"])
         attrs["scale"] = float(a["scale"]) * float(a["softcap"])
     sinks = [node.inputs[-1]] if a.get("sinks") else []  # head_sink (input 11): attention sinks
-    o = b.node("GroupQueryAttention", [packed.fused, "", "", k_past, v_past, seqlens, total, cos, sin,
-                                       packed.positions, bias] + sinks,
+    o = b.node("GroupQueryAttention", gqa_node_inputs([packed.fused, "", "", k_past, v_past, seqlens, total, cos,
+                                                       sin, packed.positions, bias] + sinks),
                [b.fresh("gqa_out"), outs[1], outs[2]], domain="com.microsoft", **attrs)[0]
     hd = int(b.graph.type_of(node.inputs[0]).shape[-1])
     b.node("Reshape", [o, b.i64([0, a["heads"], 1, hd])], [outs[0]])

@@ -134,6 +134,8 @@ def _lower_combined(b, node, outs: list[str], gqa_in, split, packed=None) -> Non
     """The combined call at one site (see the module docstring). ``outs``: the attention output
     [1, H, n + T, hd], the two cache buffers (GroupQueryAttention's present outputs, the buffer
     itself when bound), and for a packed site the new keys and values of every token."""
+    from tessera.compiler.backends.onnx.cached_attention import gqa_node_inputs
+
     g, a = b.graph, node.attrs
     q, k, v = node.inputs[:3]
     (k_past, k_new), (v_past, v_new) = split(b, k), split(b, v)
@@ -152,16 +154,17 @@ def _lower_combined(b, node, outs: list[str], gqa_in, split, packed=None) -> Non
 
     seqlens, total, bias = gqa_in
     if packed is None:
-        o = b.node("GroupQueryAttention", [rows(q, heads), rows(k_new, kv), rows(v_new, kv), k_past, v_past, seqlens,
-                                           total, "", "", "", bias],
+        o = b.node("GroupQueryAttention", gqa_node_inputs([rows(q, heads), rows(k_new, kv), rows(v_new, kv), k_past,
+                                                           v_past, seqlens, total, "", "", "", bias]),
                    [b.fresh("gqa_out"), outs[1], outs[2]], domain="com.microsoft", **_gqa_attrs(a))[0]
     else:  # a packed site: the rows read the q+k+v projection, rotated in the kernel, as its decoding step
         proj, (cos, sin) = packed
         first = lambda x, shape: b.node("Reshape", [b.node("Slice", [x, zero, n, b.i64([1])])[0],  # noqa: E731
                                                     b.i64(shape)])[0]
         width = (heads + 2 * kv) * hd
-        o = b.node("GroupQueryAttention", [first(proj.fused, [-1, 1, width]), "", "", k_past, v_past, seqlens, total,
-                                           cos, sin, first(proj.positions, [-1, 1]), bias],
+        o = b.node("GroupQueryAttention", gqa_node_inputs([first(proj.fused, [-1, 1, width]), "", "", k_past, v_past,
+                                                           seqlens, total, cos, sin, first(proj.positions, [-1, 1]),
+                                                           bias]),
                    [b.fresh("gqa_out"), outs[1], outs[2]], domain="com.microsoft", do_rotary=1,
                    rotary_interleaved=int(proj.interleaved), **_gqa_attrs(a))[0]
     o_rows = b.node("Transpose", [b.node("Reshape", [o, b.i64([1, -1, heads, hd])])[0]], perm=[0, 2, 1, 3])[0]
