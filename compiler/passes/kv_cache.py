@@ -546,6 +546,11 @@ class ChooseCacheKernels(Pass):
         mode = _mode(self.options.mode, sites)
         decode = self.options.decode_kernel
         notes = []
+        # the serving engine's combined call runs every site in one call, so it is built for all sites or
+        # none: mixed_attention.py computes no attention sinks, so a model with sinks gets two calls (a
+        # prompt chunk, then the decoding step), the engine's other path, and each site's note says why
+        sinks = next((n for n in sites if n.attrs.get("sinks")), None)
+        mixed = self.options.mixed and sinks is None
         for i, node in enumerate(sites):
             unfit = "not the buffer cache" if mode != "buffer" else (
                 f"the {impl} kernel" if impl not in (None, "phased") else _gqa_unfit(node, g, target))
@@ -566,11 +571,12 @@ class ChooseCacheKernels(Pass):
                 node.attrs["length_input"] = LENGTH
                 if target.device == "cuda":
                     node.attrs["decode_mask"] = DECODE_MASK
-                if self.options.mixed and node.attrs.get("sinks"):
-                    raise CacheError(f"the serving engine's combined call (backends/onnx/mixed_attention.py) computes "
-                                     f"no attention sinks (at {node.scope or node.name}); not done")
-                if self.options.mixed:  # the engine's combined call too (backends/onnx/mixed_attention.py)
+                if mixed:  # the engine's combined call too (backends/onnx/mixed_attention.py)
                     node.attrs["mixed"] = True
+                elif self.options.mixed:
+                    note = dataclasses.replace(note, kernel=dataclasses.replace(
+                        note.kernel, reason=f"{note.kernel.reason}; no combined call: mixed_attention.py computes "
+                                            f"no attention sinks (at {sinks.scope or sinks.name})"))
                 if self.options.prefix_keys:  # the engine's step without its mask, where the site allows it
                     refused = unsupported("phased", {**node.attrs, "prefix_keys": True})
                     if refused:
