@@ -90,6 +90,10 @@ OTHERS = {
     "whisper": ["layers=2", "d=64", "heads=4", "d_ff=96", "dec_layers=2", "dec_heads=4", "dec_d_ff=96", "vocab=128",
                 "mels=16"],
     "mamba": ["layers=2", "d=64", "vocab=128"],
+    "qwen3": ["layers=2", "d=64", "heads=4", "kv_heads=2", "head_dim=16", "d_ff=96", "vocab=128"],
+    "qwen3_moe": ["layers=2", "d=64", "heads=4", "kv_heads=2", "head_dim=16", "d_expert=48", "n_experts=4", "top=2",
+                  "vocab=128"],
+    "gemma3": ["layers=6", "d=64", "heads=4", "kv_heads=2", "head_dim=16", "d_ff=96", "vocab=128", "window=4"],
 }
 OTHER_CASES = [(f, dt) for f in sorted(OTHERS) for dt in ("fp16", "bf16")] + [("bloom", "fp32"), ("bart", "fp32"),
                                                                          ("gemma2", "fp32")]
