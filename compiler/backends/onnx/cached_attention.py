@@ -34,6 +34,7 @@ from onnx import TensorProto, numpy_helper
 from tessera.compiler.backends.onnx import score_epilogue as epilogue
 from tessera.compiler.backends.onnx.attention import _attn23, _portable
 from tessera.compiler.backends.onnx.branches import branch, branch_outputs
+from tessera.compiler.backends.onnx.gqa_inputs import gqa_node_inputs
 from tessera.compiler.backends.onnx.floats import np_float as _np_float, onnx_float as _onnx_float
 from tessera.compiler.backends.onnx.score_epilogue import _hidden_keys
 from tessera.compiler.backends.onnx.walk import all_nodes
@@ -265,14 +266,6 @@ def _gqa_inputs_on_device(b, node, key) -> tuple[str, str, str]:
     finally:
         b.current = saved
     return b.shared[key]
-
-
-def gqa_node_inputs(names: list[str]) -> list[str]:
-    """GroupQueryAttention's inputs without trailing empty ones (an attention_bias left out: ``prefix_keys``)."""
-    names = list(names)
-    while names and not names[-1]:
-        names.pop()
-    return names
 
 
 def _lower_gqa_decode(b, node, outs: list[str], gqa_in) -> None:

@@ -37,9 +37,10 @@ that gather), so the head costs a decoding step's plus one row.
 from __future__ import annotations
 
 import numpy as np
+from onnx import helper, numpy_helper
 
 from tessera.compiler.backends.onnx.floats import np_float as _np_float, onnx_float as _onnx_float
-from onnx import helper, numpy_helper
+from tessera.compiler.backends.onnx.gqa_inputs import gqa_node_inputs
 
 POSITIONS = "position_ids"  # the cached graph's input (compiler/passes/kv_cache.py)
 
@@ -134,7 +135,6 @@ def _lower_combined(b, node, outs: list[str], gqa_in, split, packed=None) -> Non
     """The combined call at one site (see the module docstring). ``outs``: the attention output
     [1, H, n + T, hd], the two cache buffers (GroupQueryAttention's present outputs, the buffer
     itself when bound), and for a packed site the new keys and values of every token."""
-    from tessera.compiler.backends.onnx.cached_attention import gqa_node_inputs
 
     g, a = b.graph, node.attrs
     q, k, v = node.inputs[:3]
