@@ -144,6 +144,30 @@ class Recomputation:
             seq.append(int(np.argmax(logits[r])))
 
 
+def cached_equals_recomputation(spec_path, weights, done, steps: int, vocab: int = 50) -> None:
+    """Greedy generation with a compiled cached decoder (``done``: compiler/build.py compile_cached's
+    result) from prompts of 7 and 2 tokens (left-padded to one batch), ``steps`` tokens each: at every
+    step its logits equal the unfused graph of ``spec_path`` over each row's whole sequence (1e-4)."""
+    import onnxruntime as ort
+
+    from tessera.compiler.backends.onnx import export as onnx_export
+    from tessera.compiler.passes.pipeline import PipelineOptions, pipeline
+    from tessera.runtime import pipeline as rt
+    from tessera.runtime.generation import cached as gen
+
+    ref = rt.build(str(spec_path), None, [])
+    pipeline("full", PipelineOptions(attention="unfused"))(ref.graph)
+    full = ort.InferenceSession(onnx_export.to_onnx(ref.graph, weights).SerializeToString(),
+                                providers=["CPUExecutionProvider"])
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(1, vocab, n).tolist() for n in (7, 2)]
+    check = Recomputation(full, prompts)
+    result = gen.generate(gen.CachedModel(done.model.SerializeToString(), done.info), prompts, steps,
+                          on_logits=check)
+    assert [len(r) for r in result.tokens] == [steps, steps]
+    assert check.worst <= 1e-4, f"max |cached - uncached| logits: {check.worst:.2e}"
+
+
 def hf_greedy(hf, prompts: list[list[int]], new: int, **kw) -> list[list[int]]:
     """transformers' greedy generate, the reference of the generation tests: prompts of any lengths
     left-padded with their attention mask, exactly ``new`` tokens each (no EOS stop), ``kw`` more

@@ -222,14 +222,10 @@ def test_cached_generation_with_sinks_equals_recomputing_the_whole_sequence(tmp_
     decoder's logits equal the unfused graph over the row's whole sequence, for the concat cache (the
     phased kernel: tiled prefill, plain decoding step), the buffer cache with the plain decoding step and
     with GroupQueryAttention's (its head_sink), and a sliding window."""
-    import onnxruntime as ort
-
-    from conftest import Recomputation
+    from conftest import cached_equals_recomputation
     from tessera.compiler import build as compiler_build
-    from tessera.compiler.backends.onnx import export as onnx_export
-    from tessera.compiler.passes.pipeline import PipelineOptions, pipeline
+    from tessera.compiler.passes.pipeline import PipelineOptions
     from tessera.runtime import pipeline as rt
-    from tessera.runtime.generation import cached as gen
 
     path = tmp_path / "gptoss.tsr"
     path.write_text(DECODER.replace("window = 0", f"window = {window}"))
@@ -245,16 +241,7 @@ def test_cached_generation_with_sinks_equals_recomputing_the_whole_sequence(tmp_
         assert gqa and all(len(n.input) == 12 and n.input[11] for n in gqa), "head_sink not passed"
     else:
         assert not gqa, ops
-    ref = rt.build(str(path), None, [])
-    pipeline("full", PipelineOptions(attention="unfused"))(ref.graph)
-    full = ort.InferenceSession(onnx_export.to_onnx(ref.graph, weights).SerializeToString(),
-                                providers=["CPUExecutionProvider"])
-    rng = np.random.default_rng(0)
-    prompts = [rng.integers(1, 50, n).tolist() for n in (7, 2)]
-    check = Recomputation(full, prompts)
-    result = gen.generate(gen.CachedModel(done.model.SerializeToString(), done.info), prompts, 8, on_logits=check)
-    assert [len(r) for r in result.tokens] == [8, 8]
-    assert check.worst <= 1e-4, f"max |cached - uncached| logits: {check.worst:.2e}"
+    cached_equals_recomputation(path, weights, done, 8)
 
 
 def test_explain_names_the_kernel_or_the_reason(tmp_path, capsys):

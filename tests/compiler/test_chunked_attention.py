@@ -118,14 +118,10 @@ def test_chunked_generation_with_the_cache_equals_recomputing_the_whole_sequence
     """Prompts of 7 and 2 tokens (left-padded to one batch), then 9 greedy steps across chunk boundaries
     (chunk 4): at each, the cached decoder's logits equal the unfused graph over the row's whole sequence,
     so the cache's chunks count from each row's first real token, not from its left padding."""
-    import onnxruntime as ort
-
-    from conftest import Recomputation
+    from conftest import cached_equals_recomputation
     from tessera.compiler import build as compiler_build
-    from tessera.compiler.backends.onnx import export as onnx_export
-    from tessera.compiler.passes.pipeline import PipelineOptions, pipeline
+    from tessera.compiler.passes.pipeline import PipelineOptions
     from tessera.runtime import pipeline as rt
-    from tessera.runtime.generation import cached as gen
 
     path = tmp_path / "chunked.tsr"
     path.write_text(DECODER)
@@ -134,16 +130,7 @@ def test_chunked_generation_with_the_cache_equals_recomputing_the_whole_sequence
     done = compiler_build.compile_cached(built.graph, weights, built.info, PipelineOptions(cache=cache))
     assert [s.fused for s in done.sites] == [True, True]
     assert all(layer.window == 0 for layer in done.info.layers)
-    ref = rt.build(str(path), None, [])
-    pipeline("full", PipelineOptions(attention="unfused"))(ref.graph)
-    full = ort.InferenceSession(onnx_export.to_onnx(ref.graph, weights).SerializeToString(),
-                                providers=["CPUExecutionProvider"])
-    rng = np.random.default_rng(0)
-    prompts = [rng.integers(1, 50, n).tolist() for n in (7, 2)]
-    check = Recomputation(full, prompts)
-    result = gen.generate(gen.CachedModel(done.model.SerializeToString(), done.info), prompts, 9, on_logits=check)
-    assert [len(r) for r in result.tokens] == [9, 9]
-    assert check.worst <= 1e-4, f"max |cached - uncached| logits: {check.worst:.2e}"
+    cached_equals_recomputation(path, weights, done, 9)
 
 
 def test_the_buffer_cache_refuses_chunked_attention(tmp_path):

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from conftest import MODELS, build, cli, ort_run
+from conftest import MODELS, build, cli, hf_greedy, ort_run
 from tessera.compiler.analysis.params import parameter_report
 from tessera.compiler.ops import interpret
 from tessera.compiler.passes.pipeline import optimize
@@ -68,16 +68,7 @@ def test_cached_greedy_generation_of_a_left_padded_batch_equals_transformers(cas
     prompts = [rng.integers(1, 200, 11).tolist(), rng.integers(1, 200, 5).tolist()]
     new = 12
     ours = generate(cached, prompts, new).tokens
-    t0 = max(len(p) for p in prompts)
-    ids = torch.zeros((2, t0), dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for r, p in enumerate(prompts):
-        ids[r, t0 - len(p):] = torch.tensor(p)
-        mask[r, t0 - len(p):] = 1
-    with torch.no_grad():
-        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
-                             do_sample=False, pad_token_id=0, eos_token_id=None)
-    assert ours == out[:, t0:].tolist()
+    assert ours == hf_greedy(model, prompts, new)
     assert len({t for row in ours for t in row}) > 4, "degenerate: the model repeats one token"
 
 
