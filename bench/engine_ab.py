@@ -19,6 +19,7 @@ import resource
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -75,11 +76,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
     a = ap.parse_args()
-    mine_root = str(HERE.parent / (HERE.name + "-benchroot"))  # this checkout, imported as tessera
-    os.makedirs(mine_root, exist_ok=True)
-    link = Path(mine_root) / "tessera"
-    if not link.exists():
-        link.symlink_to(HERE)
+    mine_root = tempfile.mkdtemp(prefix="tessera-ab-")  # this checkout, imported as tessera
+    (Path(mine_root) / "tessera").symlink_to(HERE)
     rows = {n: {"this": [], "other": []} for n in a.streams}
     for r in range(a.rounds):
         for side, root in (("this", mine_root), ("other", a.root)) if r % 2 == 0 else \
