@@ -369,3 +369,12 @@ def test_the_experts_builtin_equals_the_dense_moe_block_and_numpy(tmp_path, norm
     for got in (interpret.run(sparse, w, {"x": x})["y"], ort_run(sparse, w, {"x": x})["y"],
                 interpret.run(dense, w, {"x": x})["y"]):
         np.testing.assert_allclose(got.reshape(-1, 16), want, rtol=1e-5, atol=1e-6)
+
+
+def test_experts_builtin_errors_are_positioned(tmp_path):
+    """top past count: a SpecError at the call (file:line:col), no traceback."""
+    from tessera.spec.diagnostics import SpecError
+
+    (tmp_path / "bad.tsr").write_text(EXPERTS.replace("k = 2", "k = 7"))
+    with pytest.raises(SpecError, match=r"bad\.tsr:\d+:\d+.*experts: top=7 is more than count=6"):
+        build(str(tmp_path / "bad.tsr"))
