@@ -19,9 +19,9 @@ the K-quants Q2_K, Q3_K, Q4_K, Q5_K, Q6_K (a Q4_K_M file mixes Q4_K and Q6_K, wi
 or IQ4_NL where a row is not a multiple of 256), each dequantised to fp32 exactly as llama.cpp's
 ``dequantize_row_*`` computes it (``DEQUANTIZE``; the note says how many tensors came from each
 type); and the query and key matrices are permuted back from llama.cpp's rotary layout (its
-converter's ``permute``: each head's rows interleaved as pairs) to Hugging Face's (rotate-half). The tokenizer is read where it is
-byte-level BPE (``tokenizer.ggml.model = gpt2``) with a known pre-tokenizer (``PRE_TOKENIZERS``);
-another is left out with a note (give ``--tokenizer``). Anything else -- another architecture, another
+converter's ``permute``: each head's rows interleaved as pairs) to Hugging Face's (rotate-half). The tokenizer is rebuilt from the
+metadata where it is byte-level BPE with a known pre-tokenizer or SentencePiece BPE (Llama 2's and
+Gemma's; runtime/io/gguf_tokenizer.py); another is left out with a note (give ``--tokenizer``). Anything else -- another architecture, another
 tensor type (IQ2_XS and the other IQ* types, TQ*, MXFP4), rope scaling the spec does not take -- is a
 WeightsError naming it.
 """
@@ -39,9 +39,10 @@ from pathlib import Path
 
 import numpy as np
 
+from tessera.runtime.io import gguf_tokenizer
 from tessera.runtime.io.weights import WeightsError
 
-VERSION = 2  # of the conversion: a change here converts every file again (2: the note by type)
+VERSION = 3  # of the conversion: a change here converts every file again (2: the note by type; 3: SentencePiece)
 SUFFIX = ".gguf"
 MAGIC = b"GGUF"
 SHARD_BYTES = 2 * 1024 ** 3
@@ -492,77 +493,6 @@ ARCHITECTURES = {
 }
 
 
-# ------------------------------------------------------------------ tokenizer
-_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
-                 r"\s*[\r\n]+|\s+(?!\S)|\s+")
-
-
-def _pre_tokenizer(pre: str):
-    """tokenizer.ggml.pre -> the Hugging Face pre-tokenizer llama.cpp's regexes stand for, or None."""
-    from tokenizers import Regex, pre_tokenizers as pt
-
-    byte_level = pt.ByteLevel(add_prefix_space=False, use_regex=True)
-    if pre in ("gpt2", "default", "gpt-2"):
-        return byte_level
-    if pre in ("smollm", "starcoder", "refact"):  # digits one by one, then GPT-2's split
-        return pt.Sequence([pt.Digits(individual_digits=True), byte_level])
-    if pre in ("llama-bpe", "llama3", "llama-v3"):
-        return pt.Sequence([pt.Split(Regex(_LLAMA3_SPLIT), behavior="isolated", invert=False),
-                            pt.ByteLevel(add_prefix_space=False, use_regex=False)])
-    return None
-
-
-PRE_TOKENIZERS = ("gpt2", "default", "smollm", "starcoder", "refact", "llama-bpe")
-
-
-def _tokenizer(m: GGUFModel, folder: Path) -> str | None:
-    """tokenizer.json (and tokenizer_config.json) from the metadata; None, or a note why not."""
-    kind = m.meta.get("tokenizer.ggml.model")
-    tokens = m.meta.get("tokenizer.ggml.tokens")
-    if kind is None or not tokens:
-        return "it has no tokenizer metadata"
-    if kind != "gpt2":
-        return f"its tokenizer model is {kind!r} (only byte-level BPE, 'gpt2', is read)"
-    pre = m.meta.get("tokenizer.ggml.pre", "default")
-    try:
-        from tokenizers import AddedToken, Tokenizer, decoders, models, processors
-    except ImportError:
-        return "the tokenizers package is not installed (pip install 'tessera[gguf]')"
-    pre_tok = _pre_tokenizer(pre)
-    if pre_tok is None:
-        return f"its pre-tokenizer {pre!r} is not one Tessera knows ({', '.join(PRE_TOKENIZERS)})"
-    merges = [tuple(x.split(" ", 1)) for x in m.meta.get("tokenizer.ggml.merges") or []]
-    if any(len(pair) != 2 for pair in merges) or not all(isinstance(t, str) for t in tokens):
-        return "its merges or tokens are not BPE's (a merge is two tokens separated by a space)"
-    vocab = {t: i for i, t in enumerate(tokens)}
-    tok = Tokenizer(models.BPE(vocab, merges, fuse_unk=False, byte_fallback=False, ignore_merges=False))
-    tok.pre_tokenizer = pre_tok
-    tok.decoder = decoders.ByteLevel()
-    types = m.meta.get("tokenizer.ggml.token_type") or []
-    special = [AddedToken(tokens[i], special=t == 3, normalized=False) for i, t in enumerate(types) if t in (3, 4)]
-    tok.add_special_tokens([a for a in special if a.special])
-    tok.add_tokens([a for a in special if not a.special])
-    bos = m.meta.get("tokenizer.ggml.bos_token_id")
-    eos = m.meta.get("tokenizer.ggml.eos_token_id")
-    if m.meta.get("tokenizer.ggml.add_bos_token") and bos is not None:
-        tok.post_processor = processors.TemplateProcessing(single=f"{tokens[bos]} $A",
-                                                           pair=f"{tokens[bos]} $A {tokens[bos]} $B",
-                                                           special_tokens=[(tokens[bos], bos)])
-    tok.save(str(folder / "tokenizer.json"))
-    config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": m.get("context_length", 4096),
-              "add_bos_token": bool(m.meta.get("tokenizer.ggml.add_bos_token", False))}
-    for key, value in (("bos_token", bos), ("eos_token", eos),
-                       ("unk_token", m.meta.get("tokenizer.ggml.unknown_token_id")),
-                       ("pad_token", m.meta.get("tokenizer.ggml.padding_token_id"))):
-        if isinstance(value, int) and 0 <= value < len(tokens):
-            config[key] = tokens[value]
-    template = m.meta.get("tokenizer.chat_template")
-    if isinstance(template, str) and template:
-        config["chat_template"] = template
-    (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=1))
-    return None
-
-
 # ------------------------------------------------------------------ the folder
 def _generation_config(m: GGUFModel) -> dict:
     out = {}
@@ -627,7 +557,7 @@ def convert(path: Path, folder: Path, final: Path | None = None) -> str:
     (folder / "config.json").write_text(json.dumps(config, indent=1))
     (folder / "generation_config.json").write_text(json.dumps(_generation_config(m), indent=1))
     try:
-        why = _tokenizer(m, folder)
+        why = gguf_tokenizer.write(m.meta, m.arch, folder, m.get("context_length", 4096))
     except Exception as e:  # tokenizers raises plain Exceptions for a vocabulary or merges it cannot take
         why = f"its tokenizer metadata could not be built into a tokenizer ({type(e).__name__}: {e})"
     note = f"{path}: GGUF {m.arch}, {len(m.tensors)} tensors as fp32 in {final or folder} ({type_summary(m.types())})"
