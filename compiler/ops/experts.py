@@ -67,14 +67,20 @@ def expert_inputs(inputs: list, attrs) -> list[list]:
     return [rest[n * i: n * i + n] for i in range(len(rest) // n)]
 
 
+def _sigmoid(z: np.ndarray) -> np.ndarray:
+    """1 / (1 + exp(-z)) without overflowing exp for large |z| (gates far below zero)."""
+    e = np.exp(-np.abs(z))
+    return np.where(z >= 0, 1 / (1 + e), e / (1 + e)).astype(z.dtype, copy=False)
+
+
 def activation(g: np.ndarray, u: np.ndarray, attrs) -> np.ndarray:
     """The experts' gated activation of gate and up projections ``g``, ``u`` (numpy, any float dtype)."""
     if attrs.get("act", "swiglu") == "clamped_swiglu":
-        alpha, limit = float(attrs["alpha"]), float(attrs["limit"])
-        g = np.minimum(g, limit)
-        u = np.clip(u, -limit, limit)
-        return (u + 1) * (g / (1 + np.exp(-alpha * g)))
-    return (g / (1 + np.exp(-g))) * u
+        alpha, limit = attrs["alpha"], attrs["limit"]
+        g = np.minimum(g, np.asarray(limit, g.dtype))
+        u = np.clip(u, np.asarray(-limit, u.dtype), np.asarray(limit, u.dtype))
+        return (u + 1) * (g * _sigmoid(g * np.asarray(alpha, g.dtype)))
+    return (g * _sigmoid(g)) * u
 
 
 def route(logits: np.ndarray, k: int, normalize: bool = True) -> tuple[np.ndarray, np.ndarray]:
