@@ -145,3 +145,18 @@ def test_the_op_refuses_unknown_activation_and_stray_clamp():
     bad_bias = biased[:5] + [f32(5)] + biased[6:]
     with pytest.raises(ops.ShapeError, match="expert 0 gate bias must be"):
         ops.infer("sparse_moe", bad_bias, {"k": 1, "experts": 2, "bias": True})
+
+
+def test_the_cost_counts_biases_and_clamps_by_hand(tmp_path):
+    """MACs: the k experts' 3·d·f each (biases add no multiply-adds); FLOPs' elementwise: the plain SwiGLU's
+    n·k·f + 2·n·k·d, plus n·k·(2f + d) bias adds and 4·n·k·f for the clamp (min, clip, + 1, alpha·g)."""
+    from tessera.compiler.analysis import cost
+
+    graph = _build(tmp_path)
+    (c,) = [c for c in cost.node_costs(graph)[0] if c.op == "sparse_moe"]
+    b, t, d, k, f = 2, 9, 16, 2, 12
+    n = b * t
+    bind = {"B": b, "T": t}
+    assert c.macs.evaluate(bind) == n * k * 3 * d * f
+    flops = {kind: v.evaluate(bind) for kind, v in c.flops.items()}
+    assert flops["elementwise"] == n * k * f + 2 * n * k * d + n * k * (2 * f + d) + 4 * n * k * f
