@@ -99,7 +99,7 @@ def test_cached_greedy_generation_of_a_left_padded_batch_equals_transformers(cas
     cached = CachedModel(compiled.SerializeToString(), info)
     rng = np.random.default_rng(3)
     prompts = [rng.integers(1, VOCAB, 11).tolist(), rng.integers(1, VOCAB, 4).tolist()]
-    new = 12  # past the window of 5 and the prompts: the cached sliding layers drop keys
+    new = 12  # past the window of 5: the cached sliding layers mask keys a full layer sees
     kw = {} if penalty == 1.0 else {"repetition_penalty": penalty}
     ours = generate(cached, prompts, new, Sampling(**kw)).tokens
     assert ours == hf_greedy(model, prompts, new, **kw)
