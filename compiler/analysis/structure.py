@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 from tessera.compiler import ops
 from tessera.compiler.ir.graph import Graph, Node
+from tessera.compiler.ops.experts import expert_inputs
 from tessera.compiler.patterns.attention import AttentionMatch, recognise
 from tessera.compiler.patterns.experts import routing
 from tessera.compiler.patterns.norm import norm_parameters
@@ -206,11 +207,9 @@ def find_experts(graph: Graph, consumers) -> list[Experts]:
     out = []
     pos = {name: i for i, name in enumerate(graph.nodes)}
     for g in graph.nodes.values():
-        if g.op == "sparse_moe":  # compiler/passes/sparse_moe.py: weights gate, up, down per expert
-            w = g.inputs[2:]
+        if g.op == "sparse_moe":  # compiler/passes/sparse_moe.py: weights gate, up, down (biases) per expert
             out.append(Experts(gate=g.name, top=int(g.attrs["k"]), count=int(g.attrs["experts"]),
-                               params=[sorted(w[3 * i: 3 * i + 3]) for i in range(int(g.attrs["experts"]))],
-                               sparse=True))
+                               params=[sorted(ws) for ws in expert_inputs(g.inputs, g.attrs)], sparse=True))
             continue
         if g.op != "topk_gates":
             continue

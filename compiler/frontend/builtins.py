@@ -635,13 +635,22 @@ def _topk_gates(call, logits, k, normalize):
     return call.emit("topk_gates", [t], attrs)
 
 
-@builtin("experts", ("x", R), ("count", R), ("top", R), ("d_ff", R), ("normalize", True))
-def _experts(call, x, count, top, d_ff, normalize):
-    """A mixture of ``count`` SwiGLU experts as one sparse node: a bias-free router (``router.weight``
-    [count, d]) picks the ``top`` experts of each token, which alone run down(silu(gate(x)) * up(x))
-    (``experts.{e}.ffn.gate/up/down.weight``, the standard library moe block's paths) weighted by the
-    softmax over the chosen logits (normalize=false: over all). Equal to ``moe(x, count, top, d_ff)``,
-    in one IR node instead of one subgraph per expert, so models of 128 experts in 48 layers elaborate."""
+CLAMPED_SWIGLU = {"alpha": 1.702, "limit": 7.0}  # gpt-oss's (GptOssConfig swiglu_alpha, swiglu_limit)
+
+
+@builtin("experts", ("x", R), ("count", R), ("top", R), ("d_ff", R), ("normalize", True), ("bias", False),
+         ("router_bias", False), ("act", "swiglu"), ("alpha", 0.0), ("limit", 0.0))
+def _experts(call, x, count, top, d_ff, normalize, bias, router_bias, act, alpha, limit):
+    """A mixture of ``count`` SwiGLU experts as one sparse node: a router (``router.weight`` [count, d],
+    and with router_bias=true ``router.bias``) picks the ``top`` experts of each token, which alone run
+    down(silu(gate(x)) * up(x)) (``experts.{e}.ffn.gate/up/down.weight``, the standard library moe
+    block's paths) weighted by the softmax over the chosen logits (the same as "top k, then softmax over
+    them"; normalize=false: the softmax over all, at the chosen). bias=true: each expert's linears have
+    biases (``experts.{e}.ffn.gate/up/down.bias``); act="clamped_swiglu": gpt-oss's
+    (clip(up, -limit, limit) + 1) * g * sigmoid(alpha * g), g = min(gate, limit), with alpha and limit
+    (0: gpt-oss's 1.702 and 7.0; given with act="swiglu" they are refused, not ignored). Equal to ``moe(x, count, top,
+    d_ff)`` for the defaults, in one IR node instead of one subgraph per expert, so models of 128
+    experts in 48 layers elaborate."""
     t = _tensor(call, x)
     e, k, f = _int(call, count, "count", 1), _int(call, top, "top", 1), _int(call, d_ff, "d_ff", 1)
     if k > e:
@@ -652,13 +661,34 @@ def _experts(call, x, count, top, d_ff, normalize):
     if d is None or not dims.is_static(d):
         raise call.error(f"input width must be a fixed size, got {t.type}")
     d = int(d)
-    logits = call.emit("linear", [t, call.param("router.weight", (e, d), "normal")])
+    kind = _choice(call, act, "act", ("swiglu", "clamped_swiglu"))
+    attrs = {"k": k, "experts": e, "impl": "gather"}
+    for name, v in (("alpha", alpha), ("limit", limit)):
+        val = _float(call, v, name)
+        if kind == "swiglu" and val != 0.0:  # it would be silently unused
+            raise call.error(f"'{name}' applies to act=\"clamped_swiglu\" only, not act=\"{kind}\"", v[1])
+        if kind == "clamped_swiglu":
+            val = val or CLAMPED_SWIGLU[name]
+            if not (0.0 < val < math.inf):
+                raise call.error(f"'{name}' of the clamped SwiGLU must be a finite number > 0 (0: {CLAMPED_SWIGLU[name]}), "
+                                 f"got {val}", v[1])
+            attrs["act"], attrs[name] = kind, val
+    router = [t, call.param("router.weight", (e, d), "normal")]
+    if _bool(call, router_bias, "router_bias"):
+        router.append(call.param("router.bias", (e,), "zeros"))
+    logits = call.emit("linear", router)
+    with_bias = _bool(call, bias, "bias")
     weights = []
     for i in range(e):
         weights += [call.param(f"experts.{i}.ffn.gate.weight", (f, d), "normal"),
                     call.param(f"experts.{i}.ffn.up.weight", (f, d), "normal"),
                     call.param(f"experts.{i}.ffn.down.weight", (d, f), "normal")]
-    attrs = {"k": k, "experts": e, "impl": "gather"}
+        if with_bias:
+            weights += [call.param(f"experts.{i}.ffn.gate.bias", (f,), "zeros"),
+                        call.param(f"experts.{i}.ffn.up.bias", (f,), "zeros"),
+                        call.param(f"experts.{i}.ffn.down.bias", (d,), "zeros")]
+    if with_bias:
+        attrs["bias"] = True
     if not _bool(call, normalize, "normalize"):
         attrs["normalize"] = False
     return call.emit("sparse_moe", [t, logits, *weights], attrs)

@@ -39,6 +39,7 @@ MODEL_TYPES = {
     "qwen3": "qwen3",
     "qwen3_moe": "qwen3_moe",
     "gemma3_text": "gemma3",
+    "gpt_oss": "gpt_oss",
 }
 
 

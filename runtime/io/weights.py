@@ -8,8 +8,9 @@ which other parameters exist or in what order they were created.
 A checkpoint's tensors are matched by name. If the names are not Tessera's
 own paths, a mapping file beside the spec (``<spec>.hf.toml``) translates
 them: plain renames with ``{i}`` placeholders, plus splits (a fused QKV
-matrix, side by side or laid out per head: ``groups``) and transposes (GPT-2's
-Conv1D layout). Its ``[config]`` table maps a checkpoint folder's config.json to
+matrix, side by side or laid out per head: ``groups``), transposes (GPT-2's
+Conv1D layout) and unstacking (a 3-D ``[experts, ...]`` tensor, gpt-oss's and
+Llama 4's, into one parameter per expert: ``unstack = "e"``). Its ``[config]`` table maps a checkpoint folder's config.json to
 hyperparameters (runtime/io/checkpoint_config.py). Any mismatch is reported as one
 error listing the missing, unexpected and mis-shaped tensors.
 """
@@ -80,6 +81,7 @@ class _Rule:
     split_axis: int | None = None
     transpose: bool = False
     groups: int | str | None = None   # the split axis is [groups, parts...]: per head (or kv group)
+    unstack: str | None = None        # a placeholder of the targets only: item {unstack} of axis 0
 
 
 @dataclass
@@ -122,10 +124,10 @@ class NameMap:
             if isinstance(spec, str):
                 m.rules.append(_Rule(_compile(src, where), [spec]))
             elif isinstance(spec, dict):
-                bad = set(spec) - {"split", "axis", "transpose", "to", "groups"}
+                bad = set(spec) - {"split", "axis", "transpose", "to", "groups", "unstack"}
                 if bad:
                     raise WeightsError(f"{where} has unknown key(s) {sorted(bad)}; expected to, split, axis, "
-                                       f"groups, transpose")
+                                       f"groups, transpose, unstack")
                 if ("split" in spec) == ("to" in spec):
                     raise WeightsError(f"{where} needs exactly one of 'to' or 'split'")
                 split, to = spec.get("split"), spec.get("to")
@@ -150,12 +152,26 @@ class NameMap:
                             or (isinstance(groups, str) and re.fullmatch(r"[A-Za-z_]\w*", groups))):
                         raise WeightsError(f"{where}: 'groups' must be a positive integer or a hyperparameter "
                                            f"name, got {groups!r}")
+                unstack = spec.get("unstack")
+                if unstack is not None and not (isinstance(unstack, str) and re.fullmatch(r"[a-z_]+", unstack)):
+                    raise WeightsError(f"{where}: 'unstack' must be a placeholder name such as \"e\" (the targets' "
+                                       f"{{e}}: item e of the tensor's first axis), got {unstack!r}")
                 m.rules.append(_Rule(_compile(src, where), list(split or [to]), axis if split else None, transpose,
-                                     groups))
+                                     groups, unstack))
             else:
                 raise WeightsError(f"{where} must be a string or a table")
         for rule in m.rules:
             captured = set(rule.pattern.groupindex)
+            if rule.unstack is not None:
+                if rule.unstack in captured:
+                    raise WeightsError(f"{path}: rule for '{rule.pattern.text}': unstack = \"{rule.unstack}\" names a "
+                                       f"placeholder of the source; it must be one of the targets' only (the index "
+                                       f"into the tensor's first axis)")
+                without = [t for t in rule.targets if rule.unstack not in _target_fields(t, f"{path}: target '{t}'")]
+                if without:
+                    raise WeightsError(f"{path}: rule for '{rule.pattern.text}' unstacks into {{{rule.unstack}}}, "
+                                       f"which target '{without[0]}' does not use (every item would land on it)")
+                captured = captured | {rule.unstack}
             for target in rule.targets:
                 missing = _target_fields(target, f"{path}: target '{target}'") - captured
                 if missing:
@@ -211,17 +227,24 @@ class NameMap:
                 m = rule.pattern.fullmatch(name)
                 if not m:
                     continue
-                if native and not all(t.format(**m.groupdict()) in native for t in rule.targets):
+                if rule.unstack is not None and len(shape) < 2:
+                    raise WeightsError(f"{name} has shape {list(shape)}; its mapping rule unstacks it along its "
+                                       f"first axis into {{{rule.unstack}}}, which needs a rank of 2 or more")
+                items = [None] if rule.unstack is None else range(shape[0])
+                fields = [dict(m.groupdict(), **({} if j is None else {rule.unstack: str(j)})) for j in items]
+                if native and not all(t.format(**f) in native for f in fields for t in rule.targets):
                     unmatched.append(name)  # maps to no parameter of this model (e.g. a layer it does not have)
                     break
-                targets = [t.format(**m.groupdict()) for t in rule.targets]
-                if rule.split_axis is None:
-                    out[targets[0]] = Piece(name, tuple(shape), transpose=rule.transpose)
-                else:
-                    sizes, groups = _split_plan(name, tuple(shape), rule, targets, model_shapes or {}, hyper or {})
+                item_shape = tuple(shape) if rule.unstack is None else tuple(shape[1:])
+                for j, f in zip(items, fields):
+                    targets = [t.format(**f) for t in rule.targets]
+                    if rule.split_axis is None:
+                        out[targets[0]] = Piece(name, tuple(shape), transpose=rule.transpose, item=j)
+                        continue
+                    sizes, groups = _split_plan(name, item_shape, rule, targets, model_shapes or {}, hyper or {})
                     for index, target in enumerate(targets):
                         out[target] = Piece(name, tuple(shape), index, sizes, rule.split_axis, rule.transpose,
-                                            groups)
+                                            groups, j)
                 break
             else:
                 unmatched.append(name)
@@ -275,8 +298,9 @@ def _split_plan(name: str, shape: tuple[int, ...], rule: _Rule, targets: list[st
 
 @dataclass(frozen=True)
 class Piece:
-    """Where a parameter's values are in a checkpoint: part ``index`` of tensor ``source`` split
-    along ``axis`` into parts of ``sizes`` (laid out per group when ``groups`` > 1), transposed or not."""
+    """Where a parameter's values are in a checkpoint: item ``item`` of the first axis of tensor
+    ``source`` (when not None; the axes below count in that item), its part ``index`` split along
+    ``axis`` into parts of ``sizes`` (laid out per group when ``groups`` > 1), transposed or not."""
 
     source: str
     source_shape: tuple[int, ...]
@@ -285,15 +309,18 @@ class Piece:
     axis: int = 0
     transpose: bool = False
     groups: int = 1
+    item: int | None = None
 
     @property
     def shape(self) -> tuple[int, ...]:
-        shape = list(self.source_shape)
+        shape = list(self.source_shape if self.item is None else self.source_shape[1:])
         if self.sizes:
             shape[self.axis] = self.sizes[self.index]
         return tuple(reversed(shape)) if self.transpose else tuple(shape)
 
     def cut(self, arr: np.ndarray) -> np.ndarray:
+        """This piece of ``arr``: the whole source tensor, or with ``item`` that item alone
+        (``Checkpoint.read_item``)."""
         if self.sizes and self.groups > 1:
             shape, axis, g = arr.shape, self.axis, self.groups
             per = [s_ // g for s_ in self.sizes]
@@ -471,6 +498,15 @@ class Checkpoint:
         except Exception as e:
             raise WeightsError(f"cannot read tensor {name} from {f}: {e}") from None
 
+    def read_item(self, name: str, item: int) -> np.ndarray:
+        """Item ``item`` of the tensor's first axis, read alone (an unstacked expert of a [E, ...] tensor:
+        the whole tensor is not read once per expert)."""
+        f = self.where[name]
+        try:
+            return self._handles[f].get_slice(name)[item]
+        except Exception as e:
+            raise WeightsError(f"cannot read item {item} of tensor {name} from {f}: {e}") from None
+
 
 def read_safetensors(path: Path) -> dict[str, np.ndarray]:
     """Every tensor of a .safetensors file or folder of shards, read now (``Checkpoint`` reads lazily)."""
@@ -491,7 +527,8 @@ class CheckpointWeights(Mapping):
 
     def __getitem__(self, path: str) -> np.ndarray:
         piece = self.pieces[path]
-        arr = np.ascontiguousarray(piece.cut(self.ckpt.read(piece.source)))
+        whole = self.ckpt.read(piece.source) if piece.item is None else self.ckpt.read_item(piece.source, piece.item)
+        arr = np.ascontiguousarray(piece.cut(whole))
         return arr.astype(self.dtypes[path], copy=False)
 
     def __iter__(self):

@@ -94,6 +94,9 @@ OTHERS = {
     "qwen3_moe": ["layers=2", "d=64", "heads=4", "kv_heads=2", "head_dim=16", "d_expert=48", "n_experts=4", "top=2",
                   "vocab=128"],
     "gemma3": ["layers=6", "d=64", "heads=4", "kv_heads=2", "head_dim=16", "d_ff=96", "vocab=128", "window=4"],
+    # attention sinks (GroupQueryAttention's head_sink), a sliding layer, biased clamped experts (fused MoE)
+    "gpt_oss": ["layers=2", "d=64", "heads=4", "kv_heads=2", "head_dim=16", "d_ff=48", "n_experts=4", "top=2",
+                "vocab=128", "window=4"],
 }
 OTHER_CASES = [(f, dt) for f in sorted(OTHERS) for dt in ("fp16", "bf16")] + [("bloom", "fp32"), ("bart", "fp32"),
                                                                          ("gemma2", "fp32")]
@@ -457,11 +460,40 @@ def test_mixtral_experts_are_fused_moe_on_cuda_in_half_precision(tmp_path, targe
     assert (ops.count("MoE") == 2) == fused and ("NonZero" in ops) != fused, sorted(set(ops))
 
 
-def test_mixtral_cached_decoding_step_with_fused_moe_on_cuda(cuda_stub, tmp_path):
+def test_gpt_oss_experts_are_fused_moe_with_biases_and_the_clamp_on_cuda(tmp_path):
+    """gpt-oss's biased, clamped experts on CUDA fp16 are com.microsoft.MoE with its fc1/fc2 biases and the
+    clamped SwiGLU's attributes (the values of that form: tests/compiler/test_experts_options.py, CPU kernel)."""
+    import onnx
+    from onnx import helper
+
+    out = tmp_path / "g.onnx"
+    driver.compile(ModelRef(spec="gpt_oss", sets=OTHERS["gpt_oss"]),
+                   CompileOptions(output=out, target="cuda", dtype="fp16", quiet=True))
+    moe = [n for n in onnx.load(str(out)).graph.node if n.op_type == "MoE"]
+    assert len(moe) == 2
+    for n in moe:
+        attrs = {a.name: helper.get_attribute_value(a) for a in n.attribute}
+        assert n.input[3] and n.input[5], "fc1 and fc2 biases"
+        assert attrs["swiglu_fusion"] == 1 and attrs["activation_beta"] == 1.0 and attrs["swiglu_limit"] == 7.0
+        assert abs(attrs["activation_alpha"] - 1.702) < 1e-6
+
+
+# gpt-oss's cached decoder on CUDA does not complete a step under the stub, for a reason of its attention sinks, not
+# of its experts: the phased site's decoding branch is GroupQueryAttention with attention_bias (the padding) and
+# head_sink, which onnxruntime 1.31's CUDA kernel refuses ("attention_bias with smooth softmax or head_sink is not
+# implemented in GroupQueryAttention cuda kernel", seen with every layer full); with a sliding layer it stops
+# earlier, at a Where in that branch (Y [1, 1, 1, 0]; not diagnosed: the stub computes no device value). Its plain
+# graph runs (OTHERS above). strict: a fix of the sinks' CUDA decoding step makes this pass and must drop the mark.
+SINKS_ON_CUDA = pytest.mark.xfail(strict=True, reason="cached attention sinks on CUDA: GroupQueryAttention's CUDA "
+                                                      "kernel refuses head_sink with attention_bias (onnxruntime 1.31)")
+
+
+@pytest.mark.parametrize("family", ["mixtral", pytest.param("gpt_oss", marks=SINKS_ON_CUDA)])
+def test_cached_decoding_step_with_fused_moe_on_cuda(cuda_stub, tmp_path, family):
     """Mixtral's --kv-cache decoder at fp16 on CUDA (fused MoE): every node on CUDA, and a decoding step (T = 1
     over 3 cached positions) completes its host-side checks, which the gather form's NonZero stopped."""
-    out = tmp_path / "mixtral-kv.onnx"
-    driver.compile(ModelRef(spec="mixtral", sets=OTHERS["mixtral"]),
+    out = tmp_path / f"{family}-kv.onnx"
+    driver.compile(ModelRef(spec=family, sets=OTHERS[family]),
                    CompileOptions(output=out, target="cuda", dtype="fp16", kv_cache=True, quiet=True))
     (report,) = cuda_stub.check(out, seq=1, past=3)
     assert report["providers"][:1] == ["CUDAExecutionProvider"] and not report["cpu_unforced"], report

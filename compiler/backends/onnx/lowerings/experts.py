@@ -1,32 +1,51 @@
 """ONNX lowerings of ``sparse_moe`` (compiler/ops/experts.py), one per ``impl``: onnxruntime's
-com.microsoft.MoE, or a gather/scatter per expert in standard ops."""
+com.microsoft.MoE, or a gather/scatter per expert in standard ops. Both take every option of the op
+(expert biases, the clamped SwiGLU, normalize); an option either does not know is refused here."""
 
 from __future__ import annotations
 
 import numpy as np
 
-from tessera.compiler.ops.experts import IMPLS
+from tessera.compiler.backends.onnx.lowerings.common import np_float
+from tessera.compiler.ops.experts import ACTS, IMPLS, expert_inputs
+
+KNOWN = {"k", "experts", "impl", "normalize", "bias", "act", "alpha", "limit"}
+
+
+def _interleave(b, gate, up, shape):
+    """gate_0, up_0, gate_1, up_1, ... along the first axis of two [f, ...] tensors, reshaped to ``shape``."""
+    ax1 = b.i64([1])
+    pair = b.node("Concat", [b.node("Unsqueeze", [gate, ax1])[0], b.node("Unsqueeze", [up, ax1])[0]], axis=1)[0]
+    return b.node("Reshape", [pair, b.i64(shape)])[0]
+
+
+def _stack(b, parts):
+    ax0 = b.i64([0])
+    parts = [b.node("Unsqueeze", [p, ax0])[0] for p in parts]
+    return b.node("Concat", parts, axis=0)[0] if len(parts) > 1 else parts[0]
 
 
 def _lower_ort(L):
-    """com.microsoft.MoE on [tokens, d] and [tokens, E]; weights stacked [E, 2f, d] and [E, d, f]."""
+    """com.microsoft.MoE on [tokens, d] and [tokens, E]; weights stacked [E, 2f, d] (gate and up rows
+    interleaved, swiglu_fusion=1) and [E, d, f], biases [E, 2f] (interleaved alike) and [E, d]. Its SwiGLU
+    is min(g, limit)·sigmoid(alpha·min(g, limit))·(clip(l, ±limit) + beta) (no clamp without
+    swiglu_limit): silu(g)·u is alpha 1, beta 0, no limit; the clamped SwiGLU alpha, beta 1, limit."""
     b, x, k, e = L.b, L.x, L.a["k"], L.a["experts"]
     d, f = int(L.t_in[0].shape[-1]), int(L.t_in[2].shape[0])
     flat = b.node("Reshape", [x[0], b.i64([-1, d])])[0]
     logits = b.node("Reshape", [x[1], b.i64([-1, e])])[0]
-    fc1, fc2 = [], []
-    ax1, ax0 = b.i64([1]), b.i64([0])
-    for i in range(e):
-        gate, up, down = x[2 + 3 * i: 5 + 3 * i]
-        pair = b.node("Concat", [b.node("Unsqueeze", [gate, ax1])[0], b.node("Unsqueeze", [up, ax1])[0]], axis=1)[0]
-        rows = b.node("Reshape", [pair, b.i64([2 * f, d])])[0]     # gate_0, up_0, gate_1, up_1, ...
-        fc1.append(b.node("Unsqueeze", [rows, ax0])[0])
-        fc2.append(b.node("Unsqueeze", [down, ax0])[0])
-    w1 = b.node("Concat", fc1, axis=0)[0] if e > 1 else fc1[0]
-    w2 = b.node("Concat", fc2, axis=0)[0] if e > 1 else fc2[0]
-    y = b.node("MoE", [flat, logits, w1, "", w2], domain="com.microsoft", k=k, activation_type="swiglu",
-               swiglu_fusion=1, activation_alpha=1.0, activation_beta=0.0,
-               normalize_routing_weights=int(L.a.get("normalize", True)))[0]
+    experts = expert_inputs(x, L.a)
+    w1 = _stack(b, [_interleave(b, ws[0], ws[1], [2 * f, d]) for ws in experts])
+    w2 = _stack(b, [ws[2] for ws in experts])
+    b1 = b2 = ""
+    if L.a.get("bias"):
+        b1 = _stack(b, [_interleave(b, ws[3], ws[4], [2 * f]) for ws in experts])
+        b2 = _stack(b, [ws[5] for ws in experts])
+    act = {"activation_alpha": 1.0, "activation_beta": 0.0}
+    if L.a.get("act") == "clamped_swiglu":
+        act = {"activation_alpha": float(L.a["alpha"]), "activation_beta": 1.0, "swiglu_limit": float(L.a["limit"])}
+    y = b.node("MoE", [flat, logits, w1, b1, w2, b2], domain="com.microsoft", k=k, activation_type="swiglu",
+               swiglu_fusion=1, normalize_routing_weights=int(L.a.get("normalize", True)), **act)[0]
     L.emit("Reshape", [y, b.node("Shape", [x[0]])[0]])
 
 
@@ -52,16 +71,30 @@ def _lower_gather(L):
     low = L.t_in[0].dtype != "f32"
     acc = b.node("ConstantOfShape", [b.node("Shape", [flat])[0]], value=b.tensor_value(np.zeros(1, np.float32)))[0]
     kk = b.i64(k)
-    for i in range(e):
-        gate, up, down = x[2 + 3 * i: 5 + 3 * i]
+    clamped = L.a.get("act") == "clamped_swiglu"
+    if clamped:  # constants at the experts' precision
+        np_dt = np_float(L.t_in[0].dtype)
+        limit, alpha, neg_limit, one = (b.const(np.array(v, dtype=np_dt), "clamped_swiglu") for v in
+                                        (L.a["limit"], L.a["alpha"], -L.a["limit"], 1.0))
+    for i, ws in enumerate(expert_inputs(x, L.a)):
+        gate, up, down = ws[:3]
         hit = b.node("Equal", [idx_flat, b.i64(i)])[0]
         pos = b.node("Reshape", [b.node("NonZero", [hit])[0], b.i64([-1])])[0]            # slots routed to i
         tok = b.node("Div", [pos, kk])[0]                                                   # their tokens
         h = b.node("Gather", [flat, tok], axis=0)[0]
         g = b.node("MatMul", [h, b.node("Transpose", [gate], perm=[1, 0])[0]])[0]
         u = b.node("MatMul", [h, b.node("Transpose", [up], perm=[1, 0])[0]])[0]
-        act = b.node("Mul", [b.node("Mul", [g, b.node("Sigmoid", [g])[0]])[0], u])[0]
+        if len(ws) == 6:
+            g, u = b.node("Add", [g, ws[3]])[0], b.node("Add", [u, ws[4]])[0]
+        if clamped:  # (clip(u, ±limit) + 1) · g'·sigmoid(alpha·g'), g' = min(g, limit)
+            g = b.node("Min", [g, limit])[0]
+            u = b.node("Add", [b.node("Clip", [u, neg_limit, limit])[0], one])[0]
+            act = b.node("Mul", [b.node("Mul", [g, b.node("Sigmoid", [b.node("Mul", [g, alpha])[0]])[0]])[0], u])[0]
+        else:
+            act = b.node("Mul", [b.node("Mul", [g, b.node("Sigmoid", [g])[0]])[0], u])[0]
         y = b.node("MatMul", [act, b.node("Transpose", [down], perm=[1, 0])[0]])[0]
+        if len(ws) == 6:
+            y = b.node("Add", [y, ws[5]])[0]
         wy = b.node("Mul", [y, b.node("Unsqueeze", [b.node("Gather", [w_flat, pos], axis=0)[0], b.i64([1])])[0]])[0]
         if low:
             wy = b.node("Cast", [wy], to=b.onnx_type("f32"))[0]
@@ -75,6 +108,9 @@ def _lower(L):
     impl = L.a.get("impl", "gather")
     if impl not in IMPLS:
         raise ValueError(f"sparse_moe impl must be one of {IMPLS}, got {impl!r}")
+    unknown = set(L.a) - KNOWN
+    if unknown or L.a.get("act", "swiglu") not in ACTS:  # an option added to the op but not lowered here
+        raise ValueError(f"sparse_moe's {impl} lowering does not implement {sorted(unknown) or L.a.get('act')!r}")
     (_lower_ort if impl == "moe" else _lower_gather)(L)
 
 
