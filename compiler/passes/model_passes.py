@@ -102,6 +102,36 @@ class SettleMixed(ModelPass):
         return PassResult(exported.graph, bool(settle_mixed(exported.model)))
 
 
+class DerivePrefixMask(ModelPass):
+    """CUDA, the serving engine's variant (every cached site the mask-less gqa decoding step, ``prefix_keys``,
+    no combined call): the attention mask computed in the graph from cache_length and the shapes
+    (backends/onnx/prefix_mask.py), no longer an input, so a decoding step copies no mask to the device.
+    Any other graph is left as it is; the note says which."""
+
+    name = "derive-prefix-mask"
+
+    def requires(self, exported: Exported) -> None:
+        if exported.info is None:
+            raise PassError(f"{self.name} needs the cached decoder's CacheInfo")
+
+    def run(self, exported: Exported) -> PassResult:
+        from tessera.compiler.backends.onnx.prefix_mask import derive_prefix_mask  # onnx: ~0.6 s
+        from tessera.compiler.passes.kv_cache import DECODE_SPAN, LENGTH, MASK, cached_sites
+
+        info, sites = exported.info, cached_sites(exported.graph)
+        why = None
+        if not sites or not all(n.attrs.get("prefix_keys") and n.attrs.get("decode_mask") == DECODE_SPAN
+                                and not n.attrs.get("mixed") for n in sites):
+            why = "not every cached site is the engine's mask-less gqa decoding step on CUDA (prefix_keys)"
+        elif not info.layers or info.length_input != LENGTH:
+            why = "no cache_length input"
+        if why is None and derive_prefix_mask(exported.model, MASK, info.tokens, LENGTH, info.layers[0].past_key):
+            return PassResult(exported.graph, True, ["attention mask derived in the graph from cache_length (each row's "
+                                                     "keys its columns 0..cache_length and the call's own tokens): "
+                                                     "not an input, nothing copied for it per call"])
+        return PassResult(exported.graph, False)
+
+
 class FuseSkipNorms(ModelPass):
     """The residual Add + norm as onnxruntime's Skip(Simplified)LayerNormalization, when the graph already
     uses onnxruntime's com.microsoft ops (the GroupQueryAttention step); its note says what it fused

@@ -23,7 +23,8 @@ mask, the engine writing the new columns (serving/model.py ``DECODE_REASONS``).
 
 On CUDA (a model whose every layer the kernel writes in place) the same cache lives in onnxruntime
 OrtValues on the device (serving/device_cache.py, ``device_cache``): the views are bound by pointer,
-so a step copies its token ids and masks in and its logits out, not the cache; a chunk's keys and
+so a step copies its token ids, positions and lengths in (the engine's CUDA variant derives its mask in the
+graph: compiler/backends/onnx/prefix_mask.py) and its logits out, not the cache; a chunk's keys and
 values, a leaving row's move and the relayouts run there as small onnxruntime graphs (``_put``,
 ``_release``, ``_relayout`` branch to it). Elsewhere the cache is numpy, as described above.
 
@@ -327,6 +328,9 @@ class Engine:
         # the same without the mask's values (the engine's variant, CacheInfo.prefix_keys: seqlens_k alone, no
         # attention_bias, so onnxruntime may choose flash decoding): decode_span [0, longest + 1], its width alone
         self.decode_span = "decode_span" in model.input_names
+        # the engine's variant on CUDA derives the attention mask in the graph from cache_length (each row's keys
+        # its columns 0..filled and the call's own tokens: compiler/backends/onnx/prefix_mask.py): not fed at all
+        self.feeds_mask = "attention_mask" in model.input_names
         # the combined call (compiler/backends/onnx/mixed_attention.py): an iteration's decoding rows and
         # prompt chunk in one onnxruntime call, where the model has it (serving/model.py load builds it)
         self.combined = self.in_place and info.last_only and not self._copied and has_combined_call(model)
@@ -422,7 +426,12 @@ class Engine:
         dc = self.device_cache
         if dc is not None:
             where = "device memory" if dc.device == "cuda" else "CPU OrtValues (the device cache's path, forced)"
-            masks = ("its attention mask (n x (W + 1) x 8 B; the decoding step has no mask of its own: "
+            masks = ("no mask (the decoding step has no mask of its own: GroupQueryAttention takes each row's keys "
+                     "from seqlens_k alone, none hidden in columns 0..filled as the engine lays rows, so "
+                     "onnxruntime's CUDA kernel may choose flash decoding; the prompt's mask is derived in the "
+                     "graph from cache_length)"
+                     if getattr(self.info, "prefix_keys", False) and not self.feeds_mask else
+                     "its attention mask (n x (W + 1) x 8 B; the decoding step has no mask of its own: "
                      "GroupQueryAttention takes each row's keys from seqlens_k alone, none hidden in columns "
                      "0..filled as the engine lays rows, so onnxruntime's CUDA kernel may choose flash decoding)"
                      if getattr(self.info, "prefix_keys", False) else
@@ -664,8 +673,10 @@ class Engine:
         mask = ones if start == 0 else np.concatenate([self.slots[r:r + 1, :self.width], ones], axis=1)
         past = {} if self.device_cache is not None else self.empty if start == 0 else \
             {name: v[r:r + 1] for name, v in self._views().items()}
-        feeds = {info.tokens: np.array([chunk], dtype=np.int64), "attention_mask": mask,
+        feeds = {info.tokens: np.array([chunk], dtype=np.int64),
                  "position_ids": np.arange(start, start + t, dtype=np.int64)[None], **past}
+        if self.feeds_mask:
+            feeds["attention_mask"] = mask
         if info.length_input:  # the filled slots: a chunk of one token runs the decoding branch (T = 1)
             feeds[info.length_input] = np.array([start], dtype=np.int64)
         if self.decode_mask:  # CUDA: the decoding branch's filled slots and new column (T > 1: unread)
@@ -717,7 +728,9 @@ class Engine:
         idx = np.array([s.slot for s in decoding])
         cols = np.array([s.filled for s in decoding])
         mask = np.concatenate([self.slots[:n, :width], np.ones((n, 1), dtype=np.int64)], axis=1)
-        feeds = {info.tokens: tokens, "attention_mask": mask, "position_ids": positions}
+        feeds = {info.tokens: tokens, "position_ids": positions}
+        if self.feeds_mask:  # the same array, completed below for the in-place kernel
+            feeds["attention_mask"] = mask
         if self.in_place:
             # GroupQueryAttention: row r attends over its slots 0..filled[r] (cache_length[r] + 1), the
             # last its new token's, written there by the kernel; its mask column says so
