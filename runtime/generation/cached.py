@@ -46,6 +46,7 @@ from tessera.compiler.passes.kv_cache import CacheInfo
 from tessera.compiler.passes.pipeline import PipelineOptions
 
 from tessera.runtime import metadata, pipeline
+from tessera.runtime.bfloat16 import element_type, is_bf16, np_float, run_bound
 from tessera.runtime.pipeline import UsageError, compiler_errors
 
 
@@ -102,7 +103,7 @@ class CachedModel:
         self.input_names = {i.name for i in self.session.get_inputs()}
         vocab = self.session.get_outputs()[0].shape[-1]
         self.vocab = int(vocab) if isinstance(vocab, int) else None
-        self.np_dtype = np.float16 if info.dtype == "f16" else np.float32
+        self.np_dtype = np_float(info.dtype)  # bf16: ml_dtypes' bfloat16, crossing as tagged words (runtime/bfloat16.py)
         # on CUDA, a graph whose every layer writes its buffer in place keeps the cache on the device
         # (BoundStep): a decoding step then moves the new token ids in and the logits out, nothing else
         self.on_device = (self.session.get_providers()[0] == "CUDAExecutionProvider" and bool(info.length_input)
@@ -154,6 +155,13 @@ class CachedModel:
 
         if bound is not None:
             return bound.run(feeds)
+        if is_bf16(self.np_dtype):  # onnxruntime's run takes and gives no numpy bfloat16: through IOBinding
+            from tessera.runtime.session import RunError, ort_message
+
+            try:
+                return run_bound(self.session, feeds, self.output_names)
+            except Exception as e:  # onnxruntime's own exception types
+                raise RunError(f"onnxruntime could not run the model: {ort_message(e)}") from None
         return run_session(self.session, feeds)
 
 
@@ -326,15 +334,16 @@ class BoundStep:
         for layer in info.layers:
             for past, out in ((layer.past_key, layer.buffer_key), (layer.past_value, layer.buffer_value)):
                 buf = cache[past]
+                elem = element_type(buf.dtype)  # bf16: the ONNX type, an int (runtime/bfloat16.py)
                 if model.on_device:
-                    dev = self.device[past] = _ort().OrtValue.ortvalue_from_shape_and_type(list(buf.shape), buf.dtype,
+                    dev = self.device[past] = _ort().OrtValue.ortvalue_from_shape_and_type(list(buf.shape), elem,
                                                                                            "cuda", 0)
                     self.io.bind_ortvalue_input(past, dev)
-                    self.io.bind_output(out, "cuda", 0, buf.dtype, list(buf.shape), dev.data_ptr())
+                    self.io.bind_output(out, "cuda", 0, elem, list(buf.shape), dev.data_ptr())
                     continue
-                self.io.bind_cpu_input(past, buf)
+                self.io.bind_input(past, "cpu", 0, elem, list(buf.shape), buf.ctypes.data)
                 if out:  # bound with an empty name, onnxruntime fails ("Failed to find NodeArg with name: ")
-                    self.io.bind_output(out, "cpu", 0, buf.dtype, list(buf.shape), buf.ctypes.data)
+                    self.io.bind_output(out, "cpu", 0, elem, list(buf.shape), buf.ctypes.data)
         self.buffers = set(cache)
         self.outputs: dict[str, np.ndarray] = {}
         b = next(iter(cache.values())).shape[0]
@@ -350,18 +359,20 @@ class BoundStep:
                 raise UsageError(f"cannot bind output {name}: its size is not known ({shape})")
             arr = np.empty(shape, dtype=np.float32 if name == info.logits else model.np_dtype)
             if model.on_device and name != info.logits:  # the new columns, written in the buffers: left there
-                self.device[name] = _ort().OrtValue.ortvalue_from_shape_and_type(list(shape), arr.dtype, "cuda", 0)
+                self.device[name] = _ort().OrtValue.ortvalue_from_shape_and_type(list(shape), element_type(arr.dtype),
+                                                                                 "cuda", 0)
                 self.io.bind_ortvalue_output(name, self.device[name])
                 continue
-            self.io.bind_output(name, "cpu", 0, arr.dtype, list(arr.shape), arr.ctypes.data)
+            self.io.bind_output(name, "cpu", 0, element_type(arr.dtype), list(arr.shape), arr.ctypes.data)
             self.outputs[name] = arr
         self.logits = info.logits
 
     def upload(self) -> None:
         """The host cache (the prompt's columns written in) copied once into the device buffers."""
         for past, dev in self.device.items():
-            if past in self.cache:
-                dev.update_inplace(self.cache[past])
+            if past in self.cache:  # bf16: its words (update_inplace takes no numpy bfloat16)
+                host = self.cache[past]
+                dev.update_inplace(host.view(np.uint16) if is_bf16(host.dtype) else host)
 
     def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """One decoding step; returns the logits (a copy: the bound array is reused by the next step)."""

@@ -16,7 +16,8 @@ on the device by tiny onnxruntime graphs (onnx.helper, run on the model's provid
 
 - ``put``: columns of a call's cache outputs (or of host arrays: the prefix cache) into a row;
 - ``move_row``: the last row into a freed slot;
-- ``relayout``: the live view re-laid for another width, row by row;
+- ``relayout``: the live view re-laid for another width, row by row (zeros by ConstantOfShape and Concat,
+  not Pad: onnxruntime's CUDA Pad has no bfloat16 kernel);
 - ``read``: a row's columns back to the host (the prefix cache storing blocks: per request, not per step).
 
 None of these graphs binds one buffer as both an input and an output (onnxruntime does not promise
@@ -30,6 +31,8 @@ checked on a machine without a GPU (tests/serving/test_serve_device_cache.py).
 from __future__ import annotations
 
 import numpy as np
+
+from tessera.runtime.bfloat16 import element_type, is_bf16, ortvalue
 
 from .model import UsageError
 
@@ -47,7 +50,7 @@ def session_device(session) -> tuple[str, int]:
 class _Graphs:
     """The cache's own graphs, one session each, built at first use over ``k`` buffers of ``dtype``.
     Every graph takes the k buffers' inputs ``x{i}`` (and ``y{i}``) and gives outputs ``out{i}``; the
-    scalars (int64, 1-D) are shared and, being Slice/Pad/ConstantOfShape's shape inputs, stay on the host."""
+    scalars (int64, 1-D) are shared and, being Slice/ConstantOfShape's shape inputs, stay on the host."""
 
     def __init__(self, device: str, device_id: int, dtype, k: int):
         self.device, self.device_id, self.k = device, device_id, k
@@ -67,7 +70,8 @@ class _Graphs:
         from tessera.runtime.session import _ort
 
         nodes, inputs, consts = nodes_and_io
-        elem = TensorProto.FLOAT16 if self.dtype == np.float16 else TensorProto.FLOAT
+        elem = TensorProto.BFLOAT16 if is_bf16(self.dtype) else TensorProto.FLOAT16 if self.dtype == np.float16 \
+            else TensorProto.FLOAT
         value_infos = [helper.make_tensor_value_info(name, TensorProto.INT64 if is_int else elem, None)
                        for name, is_int in inputs]
         outputs = [helper.make_tensor_value_info(f"out{i}", elem, None) for i in range(self.k)]
@@ -102,15 +106,26 @@ class _Graphs:
         return nodes, inputs, {"zero": [0], "big": [_BIG], "axis2": [2], "axes02": [0, 2]}
 
     def _resize(self):
-        """out = x's first ``keep`` columns, padded with zeros to the new width (``pads``)."""
+        """out = x's first ``keep`` columns, then zeros to the new width (ConstantOfShape of ``z{i}``, the zero
+        columns' shape, concatenated: onnxruntime's CUDA Pad has no bfloat16 kernel, Concat and ConstantOfShape do)."""
         from onnx import helper
 
-        nodes, inputs = [], [("keep", True), ("pads", True)]
+        value = self._zero_value()
+        nodes, inputs = [], [("keep", True)]
         for i in range(self.k):
-            inputs.append((f"x{i}", False))
+            inputs += [(f"x{i}", False), (f"z{i}", True)]
             nodes += [helper.make_node("Slice", [f"x{i}", "zero", "keep", "axis2"], [f"s{i}"]),
-                      helper.make_node("Pad", [f"s{i}", "pads"], [f"out{i}"])]
+                      helper.make_node("ConstantOfShape", [f"z{i}"], [f"p{i}"], value=value),
+                      helper.make_node("Concat", [f"s{i}", f"p{i}"], [f"out{i}"], axis=2)]
         return nodes, inputs, {"zero": [0], "axis2": [2]}
+
+    def _zero_value(self):
+        """ConstantOfShape's value: one zero of the cache's type (bf16 spelled as its ONNX type)."""
+        from onnx import TensorProto, helper, numpy_helper
+
+        if is_bf16(self.dtype):
+            return helper.make_tensor("value", TensorProto.BFLOAT16, [1], [0])
+        return numpy_helper.from_array(np.zeros(1, dtype=self.dtype))
 
     def _copy(self):
         from onnx import helper
@@ -129,9 +144,9 @@ class _Graphs:
         return nodes, inputs, {"axis2": [2]}
 
     def _zeros(self):
-        from onnx import helper, numpy_helper
+        from onnx import helper
 
-        value = numpy_helper.from_array(np.zeros(1, dtype=self.dtype))
+        value = self._zero_value()
         return ([helper.make_node("ConstantOfShape", [f"x{i}"], [f"out{i}"], value=value) for i in range(self.k)],
                 [(f"x{i}", True) for i in range(self.k)], {})
 
@@ -160,12 +175,13 @@ class DeviceCache:
         self.max_batch, self.capacity = max_batch, capacity
         self.dtype = np.dtype(dtype)
         self.itemsize = self.dtype.itemsize
+        self.elem = element_type(self.dtype)  # bf16: the ONNX type (an int; runtime/bfloat16.py)
         new = _ort().OrtValue.ortvalue_from_shape_and_type
         try:
-            self.flat = {name: new([max_batch * kv * capacity * hd], self.dtype.type, self.device, self.device_id)
+            self.flat = {name: new([max_batch * kv * capacity * hd], self.elem, self.device, self.device_id)
                          for name, (kv, hd) in self.dims.items()}
             # one row per buffer: where a row is composed before it is copied into place
-            self.scratch = {name: new([kv * capacity * hd], self.dtype.type, self.device, self.device_id)
+            self.scratch = {name: new([kv * capacity * hd], self.elem, self.device, self.device_id)
                             for name, (kv, hd) in self.dims.items()}
         except Exception as e:  # onnxruntime's allocation failure (out of device memory)
             from .model import ort_message
@@ -194,20 +210,20 @@ class DeviceCache:
         """Bind rows [row, row + rows) of ``name``'s view at ``width`` as the input ``name`` (and, for a
         GroupQueryAttention graph, as its buffer output ``output``: one memory, written in place)."""
         ptr, shape = self.pointer(name, row, width), self.shape(name, rows, width)
-        io.bind_input(name, self.device, self.device_id, self.dtype.type, shape, ptr)
+        io.bind_input(name, self.device, self.device_id, self.elem, shape, ptr)
         if output:
-            io.bind_output(output, self.device, self.device_id, self.dtype.type, shape, ptr)
+            io.bind_output(output, self.device, self.device_id, self.elem, shape, ptr)
 
     def bind_empty(self, io, name: str) -> None:
         """An empty past [1, kv_heads, 0, hd] (a prompt's first chunk), on the device: nothing to copy."""
-        io.bind_input(name, self.device, self.device_id, self.dtype.type, self.shape(name, 1, 0),
+        io.bind_input(name, self.device, self.device_id, self.elem, self.shape(name, 1, 0),
                       self.flat[name].data_ptr())
 
     def _bind_rows(self, io, prefix: str, buffers, row: int, rows: int, width: int, output: bool = False) -> None:
         for i, name in enumerate(self.names):
             kv, hd = self.dims[name]
             ptr = buffers[name].data_ptr() + row * kv * width * hd * self.itemsize
-            args = (self.device, self.device_id, self.dtype.type, [rows, kv, width, hd], ptr)
+            args = (self.device, self.device_id, self.elem, [rows, kv, width, hd], ptr)
             if output:
                 io.bind_output(f"{prefix}{i}", *args)
             else:
@@ -221,7 +237,7 @@ class DeviceCache:
         for i, name in enumerate(self.names):
             size = self.flat[name].shape()
             io.bind_cpu_input(f"x{i}", np.array(size, dtype=np.int64))
-            io.bind_output(f"out{i}", self.device, self.device_id, self.dtype.type, size, self.flat[name].data_ptr())
+            io.bind_output(f"out{i}", self.device, self.device_id, self.elem, size, self.flat[name].data_ptr())
         self.graphs.run("zeros", io)
 
     def _copy_rows(self, src, src_row: int, src_width: int, dst, dst_row: int, width: int) -> None:
@@ -235,7 +251,7 @@ class DeviceCache:
     def put(self, row: int, width: int, at: int, sources: dict, src_row: int, s0: int, s1: int) -> None:
         """Columns [s0, s1) of row ``src_row`` of each source (by cache name: an OrtValue on the device, a
         call's cache output, or a host array) into row ``row``'s columns from ``at`` (view ``width`` wide)."""
-        io = self.graphs.binding("splice")
+        io, keep = self.graphs.binding("splice"), []
         io.bind_cpu_input("a", np.array([at], dtype=np.int64))
         io.bind_cpu_input("b", np.array([at + s1 - s0], dtype=np.int64))
         io.bind_cpu_input("ms", np.array([src_row, s0], dtype=np.int64))
@@ -243,8 +259,9 @@ class DeviceCache:
         self._bind_rows(io, "x", self.flat, row, 1, width)
         for i, name in enumerate(self.names):
             src = sources[name]
-            if isinstance(src, np.ndarray):  # the prefix cache's blocks: copied to the device here
-                io.bind_cpu_input(f"y{i}", np.ascontiguousarray(src, dtype=self.dtype))
+            if isinstance(src, np.ndarray):  # the prefix cache's blocks: copied to the device here (bf16 as words)
+                keep.append(ortvalue(np.ascontiguousarray(src, dtype=self.dtype)))
+                io.bind_ortvalue_input(f"y{i}", keep[-1])
             else:
                 io.bind_ortvalue_input(f"y{i}", src)
         self._bind_rows(io, "out", self.scratch, 0, 1, width, output=True)
@@ -269,7 +286,9 @@ class DeviceCache:
         for r in order:
             io = self.graphs.binding("resize")
             io.bind_cpu_input("keep", np.array([keep], dtype=np.int64))
-            io.bind_cpu_input("pads", np.array([0, 0, 0, 0, 0, 0, new - keep, 0], dtype=np.int64))
+            for i, name in enumerate(self.names):
+                kv, hd = self.dims[name]
+                io.bind_cpu_input(f"z{i}", np.array([1, kv, new - keep, hd], dtype=np.int64))
             self._bind_rows(io, "x", self.flat, r, 1, old)
             overlaps = r * new < (r + 1) * old and r * old < (r + 1) * new  # in units of kv_heads x hd
             self._bind_rows(io, "out", self.scratch if overlaps else self.flat, 0 if overlaps else r, 1, new,
@@ -284,10 +303,13 @@ class DeviceCache:
         io.bind_cpu_input("c0", np.array([c0], dtype=np.int64))
         io.bind_cpu_input("c1", np.array([c1], dtype=np.int64))
         self._bind_rows(io, "x", self.flat, row, 1, width)
-        for i in range(len(self.names)):
-            io.bind_output(f"out{i}", "cpu")
+        out = {}
+        for i, name in enumerate(self.names):  # into host arrays of the cache's type (bf16: ml_dtypes' words)
+            kv, hd = self.dims[name]
+            arr = out[name] = np.empty((1, kv, c1 - c0, hd), dtype=self.dtype)
+            io.bind_output(f"out{i}", "cpu", 0, self.elem, list(arr.shape), arr.ctypes.data)
         self.graphs.run("read", io)
-        return {name: v.numpy()[0] for name, v in zip(self.names, io.get_outputs())}
+        return {name: arr[0] for name, arr in out.items()}
 
     def host_view(self, rows: int, width: int) -> dict[str, np.ndarray]:
         """The first ``rows`` rows of every buffer's live view at ``width``, copied to the host:

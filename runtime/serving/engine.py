@@ -59,6 +59,7 @@ from typing import Callable, Iterator
 
 import numpy as np
 
+from tessera.runtime.bfloat16 import element_type
 from tessera.runtime.generation.constraints import Grammar, GrammarCompiler, GrammarError, TokenMask, masked_argmax
 
 from .device_cache import DeviceCache
@@ -845,10 +846,10 @@ class Engine:
             else:
                 for name, view in self._views().items():
                     view = view[:n]
-                    io.bind_input(name, "cpu", 0, view.dtype.type, list(view.shape), view.ctypes.data)
+                    io.bind_input(name, "cpu", 0, element_type(view.dtype), list(view.shape), view.ctypes.data)
                     out = self._buffer_output.get(name)
                     if out:
-                        io.bind_output(out, "cpu", 0, view.dtype.type, list(view.shape), view.ctypes.data)
+                        io.bind_output(out, "cpu", 0, element_type(view.dtype), list(view.shape), view.ctypes.data)
             if kind == "decode":  # the graph's bound step, if it has one: no cache columns
                 self.model.bind_step_inputs(io)
             binding = self._bindings[kind] = (key, io)

@@ -168,7 +168,7 @@ def cached_models(tmp_path_factory):
 def test_kv_cache_prefill_and_decoding_step_on_cuda(cuda_stub, cached_models, phase):
     """--kv-cache on CUDA: the prompt (T > 1) through onnx's Attention over past and new keys, its mask and key
     pads built before the If (no shape arithmetic in the branch, so no Memcpy there); a decoding step (T = 1)
-    in fp16 through GroupQueryAttention writing the buffer in place (its total length from the decode_mask
+    in fp16 and bf16 through GroupQueryAttention writing the buffer in place (its total length from the decode_mask
     input's width, on the host; with the padding mask as its attention_bias onnxruntime took its MATH path,
     one row of scores), in fp32 through the plain MatMul/Softmax over the cache (no fp32 CUDA kernel)."""
     keys = sorted(cached_models)
@@ -179,7 +179,8 @@ def test_kv_cache_prefill_and_decoding_step_on_cuda(cuda_stub, cached_models, ph
         if phase == "prefill":
             assert ops == [("Attention", "EFFICIENT_ATTENTION")] * 2, (key, ops)
         else:
-            assert [op for op, _ in ops] == (["GroupQueryAttention"] * 2 if key[1] == "fp16" else []), (key, ops)
+            assert [op for op, _ in ops] == (["GroupQueryAttention"] * 2 if key[1] in ("fp16", "bf16") else []), \
+                (key, ops)
 
 
 def test_the_cuda_cached_prompt_equals_the_cpu_one_on_cpu(tmp_path):
@@ -240,8 +241,8 @@ print(json.dumps(out))
 """
 
 
-@pytest.mark.parametrize("family", ["gpt2", "llama"])
-def test_generation_keeps_the_cache_on_the_device(cuda_stub, cached_models, family, tmp_path):
+@pytest.mark.parametrize("family, dtype", [("gpt2", "fp16"), ("llama", "fp16"), ("gpt2", "bf16"), ("llama", "bf16")])
+def test_generation_keeps_the_cache_on_the_device(cuda_stub, cached_models, family, dtype, tmp_path):
     """The issue's bound: a decoding step moves at most B x (V x 4 + 1 KiB) bytes between host and device
     (the new token ids and the mask in, the last position's logits out; the KV cache stays in device
     buffers bound in place with IOBinding, GroupQueryAttention writing each new column there), measured
@@ -250,7 +251,7 @@ def test_generation_keeps_the_cache_on_the_device(cuda_stub, cached_models, fami
 
     script = tmp_path / "generate.py"
     script.write_text(GENERATE)
-    p = cuda_stub.run([str(script), cached_models[(family, "fp16")], "cuda"])
+    p = cuda_stub.run([str(script), cached_models[(family, dtype)], "cuda"])
     assert p.returncode == 0, p.stderr[-3000:]
     r = json.loads(p.stdout.strip().splitlines()[-1])
     assert r["providers"][0] == "CUDAExecutionProvider" and r["on_device"], r
@@ -261,8 +262,9 @@ def test_generation_keeps_the_cache_on_the_device(cuda_stub, cached_models, fami
     assert r["20"]["d2h"] - r["4"]["d2h"] == 16 * rows * vocab * 4  # the logits, nothing else, come back
 
 
-def test_tessera_generate_on_cuda_copies_the_logits_and_little_else(cuda_stub, tmp_path):
-    """The issue's check through the command line: `tessera generate gpt2 ... --dtype fp16 --provider cuda`
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+def test_tessera_generate_on_cuda_copies_the_logits_and_little_else(cuda_stub, dtype, tmp_path):
+    """The issue's check through the command line: `tessera generate gpt2 ... --dtype fp16|bf16 --provider cuda`
     under the stub copies at most B x (V x 4 + 1 KiB) bytes per decoding step between host and device (the
     difference between a 20-token and a 4-token generation, per step; STUB_MEMCPY_REPORT counts every copy
     of the process, the weights' upload included, the same in both)."""
@@ -272,7 +274,7 @@ def test_tessera_generate_on_cuda_copies_the_logits_and_little_else(cuda_stub, t
     for n in (4, 20):
         report = tmp_path / f"copies-{n}.json"
         p = cuda_stub.run(["-m", "tessera.runtime.cli", "generate", "gpt2", *[a for s in FAMILIES["gpt2"] for a in ("--set", s)],
-                           "--dtype", "fp16", "--provider", "cuda", "--input", "tokens=[[1, 2, 3, 4, 5], [6, 7, 8, 9, 10]]",
+                           "--dtype", dtype, "--provider", "cuda", "--input", "tokens=[[1, 2, 3, 4, 5], [6, 7, 8, 9, 10]]",
                            "--max-new-tokens", str(n), "--ignore-eos", "--format", "json"],
                           STUB_MEMCPY_REPORT=report)
         assert p.returncode == 0, p.stderr[-3000:]
@@ -373,7 +375,7 @@ def run(eng, handles, most):
                     "after_width": eng.width, "relayouts": eng.relayouts - before["relayouts"],
                     "moved": eng.device_cache.moved_rows - before["moved"], "row_bytes": eng.view_row_bytes()})
     return out
-o = EngineOptions(spec=sys.argv[1], sets=sys.argv[2].split(","), provider="cuda", dtype="fp16", max_batch=2,
+o = EngineOptions(spec=sys.argv[1], sets=sys.argv[2].split(","), provider="cuda", dtype=sys.argv[3], max_batch=2,
                   max_context=192)
 model = driver.serve_model(o.model, o)
 eng = Engine(model, max_batch=2, capacity=192)
@@ -397,9 +399,9 @@ print(json.dumps(r))
 """
 
 
-@pytest.mark.parametrize("family", ["gpt2", "llama"])
-def test_the_serving_engine_on_cuda(cuda_stub, family, tmp_path):
-    """`serve`/`batch`'s engine with --provider cuda --dtype fp16 (runtime/driver.py serve_model): the model
+@pytest.mark.parametrize("family, dtype", [("gpt2", "fp16"), ("llama", "fp16"), ("gpt2", "bf16"), ("llama", "bf16")])
+def test_the_serving_engine_on_cuda(cuda_stub, family, dtype, tmp_path):
+    """`serve`/`batch`'s engine with --provider cuda --dtype fp16 or bf16 (runtime/driver.py serve_model): the model
     compiled for CUDA, its KV cache in device OrtValues (runtime/serving/device_cache.py), every call's and
     every cache graph's host-side checks complete, and the copies are what docs/serve.md ("On CUDA") states:
     a decoding step of n rows at any view width copies its token ids, positions and cache lengths (n x 24 B)
@@ -415,7 +417,7 @@ def test_the_serving_engine_on_cuda(cuda_stub, family, tmp_path):
     sets = [x for x in FAMILIES[family] if not x.startswith("ctx=")] + ["ctx=192"]
     script = tmp_path / "engine.py"
     script.write_text(ENGINE)
-    p = cuda_stub.run([str(script), family, ",".join(sets)], timeout=300)
+    p = cuda_stub.run([str(script), family, ",".join(sets), dtype], timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
     r = json.loads(p.stdout.strip().splitlines()[-1])
     assert r["providers"][0] == "CUDAExecutionProvider" and r["device"], r
@@ -477,7 +479,7 @@ lib = ctypes.CDLL("libcudart.so.13")
 def mark(s):  # between the kernels' debug lines, which onnxruntime prints on stdout
     sys.stdout.flush()
     os.write(1, (s + "\\n").encode())
-o = EngineOptions(spec=sys.argv[1], sets=sys.argv[2].split(","), provider="cuda", dtype="fp16", max_batch=2,
+o = EngineOptions(spec=sys.argv[1], sets=sys.argv[2].split(","), provider="cuda", dtype=sys.argv[3], max_batch=2,
                   max_context=192)
 out = {}
 for variant, prefix_keys in (("default", None), ("masked", False)):
@@ -520,9 +522,9 @@ def _kernels_by_step(stdout: str) -> dict:
     return found
 
 
-@pytest.mark.parametrize("family", ["gpt2", "llama"])
-def test_the_engines_decoding_step_takes_flash_attention(cuda_stub, family, tmp_path):
-    """The serving engine's decoder on CUDA in fp16 (runtime/driver.py serve_model: prefix_keys by default on
+@pytest.mark.parametrize("family, dtype", [("gpt2", "fp16"), ("llama", "fp16"), ("llama", "bf16")])
+def test_the_engines_decoding_step_takes_flash_attention(cuda_stub, family, dtype, tmp_path):
+    """The serving engine's decoder on CUDA in fp16 and bf16 (runtime/driver.py serve_model: prefix_keys by default on
     CUDA, passes/kv_cache.py) gives GroupQueryAttention no attention_bias -- each row's keys are its columns
     0..seqlens_k, as the engine lays rows -- and onnxruntime-gpu 1.31.1 chooses FLASH_ATTENTION for every
     decoding step (ORT_ENABLE_ATTENTION_KERNEL_DEBUG_INFO), where the same engine with the masked variant
@@ -537,7 +539,7 @@ def test_the_engines_decoding_step_takes_flash_attention(cuda_stub, family, tmp_
     sets = [x for x in FAMILIES[family] if not x.startswith("ctx=")] + ["ctx=192"]
     script = tmp_path / "engine_kernels.py"
     script.write_text(ENGINE_KERNELS)
-    p = cuda_stub.run([str(script), family, ",".join(sets)], timeout=300)
+    p = cuda_stub.run([str(script), family, ",".join(sets), dtype], timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
     r = json.loads(next(x for x in p.stdout.splitlines() if x.startswith("@@json "))[len("@@json "):])
     kernels = _kernels_by_step(p.stdout)

@@ -166,14 +166,18 @@ class _Cpu:
         return ["CPUExecutionProvider"]
 
 
-@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, "bfloat16"])
 def test_each_cache_operation_equals_its_numpy_form(dtype):
     """DeviceCache's operations against the numpy engine's (engine.py ``_put``, ``_release``,
     ``_relayout``), on buffers of two shapes: columns from a host array and from an OrtValue into a row,
     a row moved, the view widened (rows whose new place overlaps the old go through the scratch row,
     the others straight) and narrowed, columns read back. The columns a relayout does not keep are
-    zeros here and stale in numpy (masked either way): compared over the kept ones."""
-    import onnxruntime as ort
+    zeros here and stale in numpy (masked either way): compared over the kept ones. bfloat16 (--dtype bf16 on
+    CUDA): the same graphs over bf16 buffers, host arrays as ml_dtypes' bfloat16 words (runtime/bfloat16.py)."""
+    from tessera.runtime.bfloat16 import ortvalue
+
+    if dtype == "bfloat16":
+        from ml_dtypes import bfloat16 as dtype
 
     dims = {"k": (2, 4), "v": (3, 2)}
     rows, capacity = 5, 24
@@ -197,7 +201,7 @@ def test_each_cache_operation_equals_its_numpy_form(dtype):
         for n in dims:
             view(n, 4)[r, :, r % 2:r % 2 + 3] = src[n][r % 3, :, 1:4]
     same(4)
-    values = {n: ort.OrtValue.ortvalue_from_numpy(a) for n, a in src.items()}
+    values = {n: ortvalue(a) for n, a in src.items()}  # OrtValues, as a call's outputs reach _put
     dc.put(2, 4, 2, values, 1, 4, 6)
     for n in dims:
         view(n, 4)[2, :, 2:4] = src[n][1, :, 4:6]
