@@ -1013,8 +1013,8 @@ class EngineOptions(BuildOptions, ModelRef):
     provider: str = flag("auto", choices=list(PROVIDERS),
                          help="onnxruntime's execution provider: auto takes CUDA where the machine shows a GPU and "
                               "onnxruntime has its CUDA provider; on CUDA the model is compiled for CUDA and the "
-                              "engine's KV cache is kept on the device, so a decoding step copies the token ids and "
-                              "masks in and the logits out (docs/serve.md, On CUDA; --explain states the bytes) "
+                              "engine's KV cache is kept on the device, so a decoding step copies the token ids, "
+                              "positions and lengths in and the logits out (docs/serve.md, On CUDA; --explain states the bytes) "
                               "(default auto)")
     dtype: str = flag("fp32", choices=list(DTYPES),
                       help="the precision a spec is compiled at: fp32, fp16, or bf16 on CUDA only (the KV cache "

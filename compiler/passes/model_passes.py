@@ -103,10 +103,11 @@ class SettleMixed(ModelPass):
 
 
 class DerivePrefixMask(ModelPass):
-    """CUDA, the serving engine's variant (every cached site the mask-less gqa decoding step, ``prefix_keys``,
-    no combined call): the attention mask computed in the graph from cache_length and the shapes
-    (backends/onnx/prefix_mask.py), no longer an input, so a decoding step copies no mask to the device.
-    Any other graph is left as it is; the note says which."""
+    """CUDA, the serving engine's decoder (PipelineOptions.prefix_keys: the engine's layout, each row's keys its
+    columns from 0; no combined call): the attention mask computed in the graph (backends/onnx/prefix_mask.py) from
+    cache_length where every cached site is the mask-less gqa decoding step, from the first position ids where
+    every site decodes with the plain branch (fp32); no longer an input, so a decoding step copies no mask to the
+    device. Any other graph is left as it is."""
 
     name = "derive-prefix-mask"
 
@@ -116,19 +117,25 @@ class DerivePrefixMask(ModelPass):
 
     def run(self, exported: Exported) -> PassResult:
         from tessera.compiler.backends.onnx.prefix_mask import derive_prefix_mask  # onnx: ~0.6 s
-        from tessera.compiler.passes.kv_cache import DECODE_SPAN, LENGTH, MASK, cached_sites
+        from tessera.compiler.passes.kv_cache import DECODE_SPAN, LENGTH, MASK, POSITIONS, cached_sites
 
         info, sites = exported.info, cached_sites(exported.graph)
-        why = None
-        if not sites or not all(n.attrs.get("prefix_keys") and n.attrs.get("decode_mask") == DECODE_SPAN
-                                and not n.attrs.get("mixed") for n in sites):
-            why = "not every cached site is the engine's mask-less gqa decoding step on CUDA (prefix_keys)"
-        elif not info.layers or info.length_input != LENGTH:
-            why = "no cache_length input"
-        if why is None and derive_prefix_mask(exported.model, MASK, info.tokens, LENGTH, info.layers[0].past_key):
-            return PassResult(exported.graph, True, ["attention mask derived in the graph from cache_length (each row's "
-                                                     "keys its columns 0..cache_length and the call's own tokens): "
-                                                     "not an input, nothing copied for it per call"])
+        if not sites or not info.layers or any(n.attrs.get("mixed") for n in sites):
+            return PassResult(exported.graph, False)
+        if all(n.attrs.get("prefix_keys") and n.attrs.get("decode_mask") == DECODE_SPAN for n in sites) and \
+                info.length_input == LENGTH:
+            if derive_prefix_mask(exported.model, MASK, info.tokens, LENGTH, info.layers[0].past_key):
+                return PassResult(exported.graph, True, [
+                    "attention mask derived in the graph from cache_length (each row's keys its columns "
+                    "0..cache_length and the call's own tokens): not an input, nothing copied for it per call"])
+        elif not any(n.attrs.get("decode") == "gqa" for n in sites) and not info.length_input and info.mode == "buffer":
+            # the plain branch (fp32 on CUDA) in the engine's layout: a row's first position is its filled columns
+            if derive_prefix_mask(exported.model, MASK, info.tokens, POSITIONS, info.layers[0].past_key,
+                                  positions=True):
+                return PassResult(exported.graph, True, [
+                    "attention mask derived in the graph from the first position ids (each row's keys its columns "
+                    "0..position and the call's own tokens; the plain branch): not an input, nothing copied for it "
+                    "per call"])
         return PassResult(exported.graph, False)
 
 

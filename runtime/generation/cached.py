@@ -85,6 +85,9 @@ class CachedModel:
     """An onnxruntime session over a cached graph, with what the loop needs to feed it."""
 
     compile_cache = None  # how the compile cache served it (runtime/compile_cache.Lookup), where it went through one
+    # generate's cache for a decoder stepping with the plain branch (CachedDecoder): None, on the device on CUDA
+    # (runtime/device_cache.py), else numpy; True forces the device cache's path (on the CPU: the tests' check)
+    device_cache: bool | None = None
 
     def __init__(self, source: str | bytes, info: CacheInfo, provider: str = "cpu", threads: int | None = None):
         from tessera.runtime.session import _ort, open_session  # session.py imports onnx (~0.6 s)
@@ -400,6 +403,10 @@ class CachedDecoder:
     an empty past), each later one the last tokens against the cache, which it keeps (buffer: written
     in place or by the bound kernel; concat: the present tensors fed back, trimmed to a sliding window)."""
 
+    # a plain-branch decoder on CUDA keeps its cache on the device (runtime/device_cache.py); a subclass that
+    # edits the host cache itself (rollback.py's RollbackCache) does not
+    plain_device_cache = True
+
     def __init__(self, model: CachedModel, prompts: list[list[int]], max_new_tokens: int, pad_id: int,
                  stats: Stats, extra_feeds: dict[str, np.ndarray] | None = None):
         info = model.info
@@ -438,6 +445,19 @@ class CachedDecoder:
         # buffer's first slots, and every later step reads the buffer in place.
         self.empty = {name: np.zeros(c.shape[:2] + (0,) + c.shape[3:], dtype=c.dtype) for name, c in self.cache.items()}
         self.bound = BoundStep(model, self.cache) if self.buffer and info.length_input else None
+        # fp32 on CUDA: the plain branch (no fp32 CUDA GroupQueryAttention) over a device cache (runtime/device_cache.py):
+        # the past bound from it, each step's new columns left on the device and written in by its graphs
+        self.device = None
+        on_cuda = model.session.get_providers()[0] == "CUDAExecutionProvider"
+        if self.plain_device_cache and self.buffer and not info.length_input and not info.states and info.layers \
+                and (on_cuda if model.device_cache is None else model.device_cache):
+            from tessera.runtime.device_cache import DeviceCache
+
+            dims = {}
+            for layer in info.layers:
+                dims[layer.past_key] = (layer.kv_heads, layer.head_size)
+                dims[layer.past_value] = (layer.kv_heads, layer.value_size)
+            self.device = DeviceCache(model.session, dims, b, capacity, model.np_dtype)
         self.first = True
         # recurrent state (compiler/passes/recurrent_state.py): zeros before the prompt, then each call's
         # present fed back as the next call's past
@@ -472,6 +492,10 @@ class CachedDecoder:
             feeds["decode_span"] = np.zeros((0, 1 if prefill else self.filled + 1), np.int64)
         if self.bound is not None and not prefill:  # the kernel writes the new columns into the buffers itself
             out = self.model.run(feeds, bound=self.bound)
+        elif self.device is not None:  # the plain branch over the device cache: its columns written in there
+            out = self._run_on_device(feeds, prefill)
+            for r in range(self.rows):
+                self.device.put(r, self.device.capacity, self.filled, out["presents"], r, 0, t)
         else:
             out = self.model.run(feeds)
             filled = self.filled
@@ -497,6 +521,37 @@ class CachedDecoder:
         for state in info.states:
             self.states[state.past] = out[state.present]
         return out[info.logits][:, -1, :]
+
+    def _run_on_device(self, feeds: dict[str, np.ndarray], prefill: bool) -> dict:
+        """One call with the past bound from the device cache (empty for the prompt: P = 0), the logits to the
+        host and the new keys and values left on the device (``presents``, by past name, for ``put``)."""
+        from tessera.runtime.session import RunError, ort_message
+
+        dc, info = self.device, self.info
+        io = self.model.session.io_binding()
+        io.bind_output(info.logits, "cpu")
+        for layer in info.layers:
+            for name in (layer.present_key, layer.present_value):
+                io.bind_output(name, dc.device, dc.device_id)
+        for name in dc.names:
+            if prefill:
+                kv, hd = dc.dims[name]
+                io.bind_input(name, dc.device, dc.device_id, dc.elem, [self.rows, kv, 0, hd], dc.flat[name].data_ptr())
+            else:
+                dc.bind(io, name, 0, self.rows, dc.capacity)
+        for name, value in feeds.items():
+            if name not in dc.dims:
+                io.bind_cpu_input(name, np.ascontiguousarray(value))
+        try:
+            self.model.session.run_with_iobinding(io)
+        except Exception as e:  # onnxruntime's own exception types
+            raise RunError(f"onnxruntime could not run {'the prompt' if prefill else 'a decoding step'}: "
+                           f"{ort_message(e)}") from None
+        outs = io.get_outputs()
+        presents = {}
+        for i, layer in enumerate(info.layers):
+            presents[layer.past_key], presents[layer.past_value] = outs[1 + 2 * i], outs[2 + 2 * i]
+        return {info.logits: outs[0].numpy(), "presents": presents}
 
     def _prefill_rows(self) -> np.ndarray:
         """Prompts of uneven length for a model with recurrent state and no attention (check_request

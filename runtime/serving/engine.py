@@ -21,8 +21,9 @@ row (``seqlens_k``), the cache views bound in place so the kernel writes each ro
 its own slot; or, where a model's attention does not take it, the plain branch with the per-row
 mask, the engine writing the new columns (serving/model.py ``DECODE_REASONS``).
 
-On CUDA (a model whose every layer the kernel writes in place) the same cache lives in onnxruntime
-OrtValues on the device (serving/device_cache.py, ``device_cache``): the views are bound by pointer,
+On CUDA the same cache lives in onnxruntime OrtValues on the device (runtime/device_cache.py,
+``device_cache``; with the plain branch, fp32, each step's new columns come back as device OrtValues and
+``_put`` writes them in there): the views are bound by pointer,
 so a step copies its token ids, positions and lengths in (the engine's CUDA variant derives its mask in the
 graph: compiler/backends/onnx/prefix_mask.py) and its logits out, not the cache; a chunk's keys and
 values, a leaving row's move and the relayouts run there as small onnxruntime graphs (``_put``,
@@ -229,14 +230,13 @@ def _round_up(columns: int) -> int:
 
 
 def device_cache_reason(model) -> str | None:
-    """Why ``model`` cannot keep the engine's cache on its device (serving/device_cache.py), or None: a
-    decoding step must write every layer's new column into the bound buffer itself (GroupQueryAttention
-    with a buffer output at every layer), leaving the engine nothing to copy in per step."""
+    """Why ``model`` cannot keep the engine's cache on its device (serving/device_cache.py), or None. A decoding
+    step either writes every layer's new column into the bound buffer itself (GroupQueryAttention with a buffer
+    output at every layer) or none (the plain MatMul/Softmax branch, fp32 on CUDA: its new columns come back as
+    device OrtValues and the device cache's graphs write them in: ``_decode_step`` through ``_put``); a model mixing
+    the two has no device path (runtime/driver.py serve_model compiles such a model all plain)."""
     info = model.info
-    if not info.length_input:
-        return ("its decoding steps run the plain MatMul/Softmax branch, whose new columns the engine writes "
-                "into the cache after each step (the device cache needs GroupQueryAttention writing them in place)")
-    if not all(layer.buffer_key for layer in info.layers):
+    if info.length_input and not all(layer.buffer_key for layer in info.layers):
         return "some layers have no GroupQueryAttention buffer output, so their new columns would be copied per step"
     return None
 
@@ -277,8 +277,8 @@ class Engine:
                  prefill_chunk: int = 256, tokenizer=None, eos_ids=(), metrics: Metrics | None = None,
                  device_cache: bool | None = None):
         """``device_cache``: keep the cache in onnxruntime OrtValues on the session's device
-        (serving/device_cache.py); None (the default) where the model runs on CUDA with GroupQueryAttention
-        writing every layer's buffer in place (``CachedModel.on_device``), else the numpy cache. True
+        (runtime/device_cache.py); None (the default) where the model runs on CUDA (GroupQueryAttention writing
+        every layer's buffer in place, or the plain branch at every layer: fp32), else the numpy cache. True
         on a CPU session runs that path on CPU OrtValues (how the tests check its numerics)."""
         info = model.info
         if info.states:  # its slots hold keys and values only; a row's recurrent state has no slot here
@@ -293,11 +293,11 @@ class Engine:
             for name, size in ((layer.past_key, layer.head_size), (layer.past_value, layer.value_size)):
                 self.dims[name] = (layer.kv_heads, size)
                 self.empty[name] = np.zeros((1, layer.kv_heads, 0, size), dtype=model.np_dtype)
-        # the device cache needs every layer's new column written in place by the kernel (nothing for the
-        # engine to copy in per step): GroupQueryAttention decoding at every layer
+        # the device cache: GroupQueryAttention writing every layer's new column in place, or the plain branch at
+        # every layer (its columns written in by the cache's graphs); not a mix of the two
         self.device_reason = device_cache_reason(model)
-        if device_cache is None:
-            device_cache = bool(getattr(model, "on_device", False)) and self.device_reason is None
+        if device_cache is None:  # on CUDA, whichever branch decodes (device_cache_reason)
+            device_cache = model.session.get_providers()[0] == "CUDAExecutionProvider" and self.device_reason is None
         if device_cache and self.device_reason is not None:
             raise UsageError(f"the engine's device cache does not fit this model: {self.device_reason}")
         # ---- the cache, once: max_batch x kv_heads x capacity x hd elements per layer and key/value
@@ -437,12 +437,17 @@ class Engine:
                      "0..filled as the engine lays rows, so onnxruntime's CUDA kernel may choose flash decoding)"
                      if getattr(self.info, "prefix_keys", False) else
                      "its masks (n x (2 x W + 2) x 8 B at most; the decoding step's mask goes to GroupQueryAttention "
-                     "as attention_bias, with which onnxruntime's CUDA kernel chose MATH)")
+                     "as attention_bias, with which onnxruntime's CUDA kernel chose MATH)" if self.in_place else
+                     "its attention mask (n x (W + 1) x 8 B)" if self.feeds_mask else
+                     "no mask (derived in the graph from the first position ids: a row's filled columns)")
+            writes = ("GroupQueryAttention writes each row's new column into the shared buffer" if self.in_place else
+                      "the plain MatMul/Softmax branch (no fp32 CUDA GroupQueryAttention) reads the bound buffers and "
+                      "gives each row's new column on the device, which the cache's graphs write into its row")
             return (f"placement: {provider}; the KV cache in {where}, allocated once (onnxruntime OrtValues, "
                     f"serving/device_cache.py) and bound in place: a decoding step of n rows at a view W columns "
-                    f"wide copies only its token ids, positions and cache lengths (n x 24 B) and {masks} "
-                    f"in and n x {self.vocab} x 4 B of logits out; GroupQueryAttention "
-                    f"writes each row's new column into the shared buffer; a prompt chunk copies its tokens in and "
+                    f"wide copies only its token ids, positions{' and cache lengths' if self.in_place else ''} "
+                    f"(n x {24 if self.in_place else 16} B) and {masks} "
+                    f"in and n x {self.vocab} x 4 B of logits out; {writes}; a prompt chunk copies its tokens in and "
                     f"its logits out, its keys and values written into the row on the device; rows are moved, "
                     f"widened and narrowed there; the prefix cache copies a block device-to-host when it stores it "
                     f"and host-to-device when a request reuses it; speculation's check brings back every checked "
@@ -743,14 +748,20 @@ class Engine:
                 feeds["decode_span"] = np.zeros((0, max(s.filled for s in rows[:n]) + 1), dtype=np.int64)
             started = time.perf_counter()
             out = self._run_in_place(feeds, n)
-        else:  # the plain branch (the numpy cache only: device_cache_reason)
+        elif self.device_cache is not None:  # the plain branch over the device buffers: new columns stay there
+            started = time.perf_counter()
+            out = self._run_chunk(feeds, 0, n, "a decoding step")
+        else:  # the plain branch over the numpy cache
             feeds.update({name: v[:n] for name, v in views.items()})
             started = time.perf_counter()
             out = self.model.run(feeds)
         if self.speculation is not None:  # its price of the plain step (speculation.py, adaptive)
             self.speculation.observe_plain(n, time.perf_counter() - started)
         self.steps += 1
-        for layer in self._copied:
+        if self._copied and self.device_cache is not None:  # each decoding row's column, on the device
+            for s in decoding:
+                self._put(s.slot, s.filled, out, s.slot, 0, 1)
+        for layer in self._copied if self.device_cache is None else ():
             views[layer.past_key][idx, :, cols] = out[layer.present_key][idx, :, 0]
             views[layer.past_value][idx, :, cols] = out[layer.present_value][idx, :, 0]
         self.slots[idx, cols] = 1
@@ -963,8 +974,9 @@ class Engine:
             views[layer.past_key][r, :, at:at + s1 - s0] = out[layer.present_key][src_row, :, s0:s1]
             views[layer.past_value][r, :, at:at + s1 - s0] = out[layer.present_value][src_row, :, s0:s1]
 
-    def _run_chunk(self, feeds: dict[str, np.ndarray], row: int | None, rows: int) -> dict:
-        """The device cache's call of the graph's prompt branch (a prompt chunk; speculation's check):
+    def _run_chunk(self, feeds: dict[str, np.ndarray], row: int | None, rows: int, what: str = "a prompt chunk") -> dict:
+        """The device cache's call of the graph's prompt branch (a prompt chunk; speculation's check; a plain
+        branch's decoding step, whose one new column per row ``_decode_step`` then writes in with ``_put``):
         ``feeds`` without the past, which is bound from the device buffers -- rows [row, row + rows) of
         the view, or an empty past when ``row`` is None. The logits come back as an array, the cache
         outputs stay on the device as OrtValues (``_put`` writes them into the rows)."""
@@ -986,7 +998,7 @@ class Engine:
         try:
             self.model.session.run_with_iobinding(io)
         except Exception as e:  # onnxruntime's own exception types
-            raise RunError(f"onnxruntime could not run a prompt chunk: {ort_message(e)}") from None
+            raise RunError(f"onnxruntime could not run {what}: {ort_message(e)}") from None
         outs = io.get_outputs()
         return {info.logits: outs[0].numpy(), **dict(zip(presents, outs[1:]))}
 

@@ -241,7 +241,7 @@ print(json.dumps(out))
 """
 
 
-@pytest.mark.parametrize("family, dtype", [("gpt2", "fp16"), ("llama", "fp16"), ("gpt2", "bf16"), ("llama", "bf16")])
+@pytest.mark.parametrize("family, dtype", [(f, dt) for dt in ("fp16", "bf16", "fp32") for f in ("gpt2", "llama")])
 def test_generation_keeps_the_cache_on_the_device(cuda_stub, cached_models, family, dtype, tmp_path):
     """The issue's bound: a decoding step moves at most B x (V x 4 + 1 KiB) bytes between host and device
     (the new token ids and the mask in, the last position's logits out; the KV cache stays in device
@@ -254,7 +254,8 @@ def test_generation_keeps_the_cache_on_the_device(cuda_stub, cached_models, fami
     p = cuda_stub.run([str(script), cached_models[(family, dtype)], "cuda"])
     assert p.returncode == 0, p.stderr[-3000:]
     r = json.loads(p.stdout.strip().splitlines()[-1])
-    assert r["providers"][0] == "CUDAExecutionProvider" and r["on_device"], r
+    # fp32: the plain branch, its cache on the device all the same (runtime/device_cache.py), not BoundStep's
+    assert r["providers"][0] == "CUDAExecutionProvider" and (r["on_device"] or dtype == "fp32"), r
     assert r["20"]["tokens"] == 20 and r["4"]["tokens"] == 4
     per_step = (r["20"]["h2d"] + r["20"]["d2h"] - r["4"]["h2d"] - r["4"]["d2h"]) / 16
     rows, vocab = 2, 128
@@ -262,9 +263,9 @@ def test_generation_keeps_the_cache_on_the_device(cuda_stub, cached_models, fami
     assert r["20"]["d2h"] - r["4"]["d2h"] == 16 * rows * vocab * 4  # the logits, nothing else, come back
 
 
-@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+@pytest.mark.parametrize("dtype", ["fp16", "bf16", "fp32"])
 def test_tessera_generate_on_cuda_copies_the_logits_and_little_else(cuda_stub, dtype, tmp_path):
-    """The issue's check through the command line: `tessera generate gpt2 ... --dtype fp16|bf16 --provider cuda`
+    """The issue's check through the command line: `tessera generate gpt2 ... --dtype fp16|bf16|fp32 --provider cuda`
     under the stub copies at most B x (V x 4 + 1 KiB) bytes per decoding step between host and device (the
     difference between a 20-token and a 4-token generation, per step; STUB_MEMCPY_REPORT counts every copy
     of the process, the weights' upload included, the same in both)."""
@@ -399,15 +400,17 @@ print(json.dumps(r))
 """
 
 
-@pytest.mark.parametrize("family, dtype", [("gpt2", "fp16"), ("llama", "fp16"), ("gpt2", "bf16"), ("llama", "bf16")])
+@pytest.mark.parametrize("family, dtype", [(f, dt) for dt in ("fp16", "bf16", "fp32") for f in ("gpt2", "llama")])
 def test_the_serving_engine_on_cuda(cuda_stub, family, dtype, tmp_path):
-    """`serve`/`batch`'s engine with --provider cuda --dtype fp16 or bf16 (runtime/driver.py serve_model): the model
+    """`serve`/`batch`'s engine with --provider cuda --dtype fp16, bf16 or fp32 (runtime/driver.py serve_model): the model
     compiled for CUDA, its KV cache in device OrtValues (runtime/serving/device_cache.py), every call's and
     every cache graph's host-side checks complete, and the copies are what docs/serve.md ("On CUDA") states:
     a decoding step of n rows at any view width copies its token ids, positions and cache lengths (n x 24 B)
     in and n x V x 4 B of logits out -- no attention mask (derived in the graph; before, n x (W + 1) x 8 B a
     step) and not the cache (n x 32 KiB at W = 64 for the 2-layer fp16 gpt2: what the host cache
-    copied each way); a prompt chunk its tokens in and its last logits out; an iteration where the view
+    copied each way); in fp32 (the plain branch: no fp32 CUDA GroupQueryAttention) the same, less the lengths,
+    the new columns coming back as device OrtValues written into their rows by the cache's graphs (a row's
+    bytes per row on the device, none across); a prompt chunk its tokens in and its last logits out; an iteration where the view
     widens or narrows or a row leaves (moved into the freed slot) copies nothing more between host and device.
     With speculation and the prefix cache (every position's logits) the calls run and drafts are checked.
     Values computed on the device are not checkable here (tests/serving/test_serve_device_cache.py holds the same
@@ -428,13 +431,17 @@ def test_the_serving_engine_on_cuda(cuda_stub, family, dtype, tmp_path):
     for s in decoding:
         n, width = s["rows"], max(s["width"], s["after_width"])
         assert s["d2h"] == n * vocab * 4, s  # the logits, nothing else, come back
-        # ids, positions and lengths, n x 24 B, and a few shape scalars: no attention mask (derived in the graph
-        # from cache_length, compiler/backends/onnx/prefix_mask.py; the decoding step's own is gone too:
-        # prefix_keys, its width in decode_span, which holds no values), whatever the view's width
-        assert s["h2d"] <= n * 24 + 64, s
+        # ids, positions and lengths, n x 24 B (fp32, the plain branch: no lengths, n x 16 B), and a few shape
+        # scalars: no attention mask (derived in the graph from cache_length, or in fp32 from the first position
+        # ids, compiler/backends/onnx/prefix_mask.py; the gqa decoding step's own is gone too: prefix_keys, its
+        # width in decode_span, which holds no values), whatever the view's width
+        assert s["h2d"] <= n * (16 if dtype == "fp32" else 24) + 64, s
         assert s["h2d"] + s["d2h"] <= n * (vocab * 4 + 1024), s  # the issue's bound
         if not s["relayouts"] and not s["moved"]:  # nor is the cache copied on the device
-            assert s["d2d"] < n * s["row_bytes"], s
+            if dtype == "fp32":  # the plain branch's new column per row written in: its row composed once, on the device
+                assert s["d2d"] <= n * (s["row_bytes"] + 8192), s
+            else:  # GroupQueryAttention wrote it in place
+                assert s["d2d"] < n * s["row_bytes"], s
     assert any(s["relayouts"] and s["after_width"] > s["width"] for s in decoding)  # widened during a step
     assert any(s["after_rows"] < s["rows"] for s in decoding)  # a row left
     for s in steps:  # prefill (a chunk's last logits, beside the decoding rows') included: never the cache

@@ -156,9 +156,22 @@ def test_which_cache_the_engine_takes(models, tmp_path):
     assert "OrtValues" not in auto.describe()
     plain = serving_model.load("gpt2", sets=GPT2, threads=1, decode="plain")
     assert not plain.info.length_input
-    with pytest.raises(UsageError, match="plain MatMul/Softmax branch"):
-        Engine(plain, max_batch=2, device_cache=True)
     assert Engine(plain, max_batch=2).device_cache is None
+    forced = Engine(plain, max_batch=2, device_cache=True)  # fp32 on CUDA: the plain branch over device buffers
+    assert "plain MatMul/Softmax branch" in forced.placement() and "CPU OrtValues" in forced.placement()
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_the_plain_branch_with_the_device_cache(family):
+    """The decoder whose steps run the plain MatMul/Softmax branch (fp32 on CUDA: no fp32 CUDA GroupQueryAttention)
+    with the device cache: each step reads the bound buffers and gives the rows' new columns as OrtValues, which
+    the cache's graphs write into their rows (engine.py ``_decode_step``): the numpy cache's tokens and cache
+    columns, bit for bit, after every iteration (joins, leaves, widening and narrowing, chunks, the prefix cache)."""
+    model = serving_model.load(family, sets=GPT2 if family == "gpt2" else LLAMA, threads=1, decode="plain")
+    assert not model.info.length_input
+    host, device = _lockstep(model, _requests(9), max_batch=4, max_queue=16, prefill_chunk=16)
+    assert not device.combined and device.relayouts == host.relayouts >= 2
+    assert device.prefix_cache.hits == host.prefix_cache.hits > 0 and device.device_cache.moved_rows > 0
 
 
 class _Cpu:

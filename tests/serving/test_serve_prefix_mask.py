@@ -39,7 +39,8 @@ def _cuda_model(family: str, derive: bool, last_only: bool = True, dtype: str = 
             m.setattr(prefix_mask, "derive_prefix_mask", lambda *a, **k: False)
         proto, info = gen.compile_cached(built, weights, o.engine_pipeline_options(last_only=last_only))
     model = gen.CachedModel(proto.SerializeToString(), info, provider="cpu", threads=1)
-    assert ("attention_mask" in model.input_names) != derive and "decode_span" in model.input_names
+    assert ("attention_mask" in model.input_names) != derive
+    assert ("decode_span" in model.input_names) == (dtype != "fp32")  # fp32: the plain branch, no cache_length
     return model
 
 
@@ -67,10 +68,14 @@ def _filled(engine: Engine) -> list[dict[str, np.ndarray]]:
     return [{name: v[s.slot, :, :s.filled].copy() for name, v in views.items()} for s in engine.rows]
 
 
-@pytest.mark.parametrize("family, speculative", [("gpt2", False), ("llama", False), ("llama", True)])
-def test_the_derived_mask_gives_the_fed_masks_tokens_and_cache(family, speculative, monkeypatch):
-    fed = _cuda_model(family, False, last_only=not speculative, monkeypatch=monkeypatch)
-    derived = _cuda_model(family, True, last_only=not speculative, monkeypatch=monkeypatch)
+@pytest.mark.parametrize("family, speculative, dtype", [("gpt2", False, "fp16"), ("llama", False, "fp16"),
+                                                       ("llama", True, "fp16"), ("gpt2", False, "fp32"),
+                                                       ("llama", True, "fp32")])
+def test_the_derived_mask_gives_the_fed_masks_tokens_and_cache(family, speculative, dtype, monkeypatch):
+    """fp16: GroupQueryAttention decoding, the mask from cache_length; fp32: the plain branch (no fp32 CUDA
+    GroupQueryAttention), the mask from the first position ids, the cache on the device's path as well."""
+    fed = _cuda_model(family, False, last_only=not speculative, dtype=dtype, monkeypatch=monkeypatch)
+    derived = _cuda_model(family, True, last_only=not speculative, dtype=dtype, monkeypatch=monkeypatch)
     engines = []
     for model in (fed, derived):
         for device in (False, True):
