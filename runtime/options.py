@@ -775,11 +775,11 @@ class GenerateOptions(BuildOptions):
         super().check()
         check_choice(self.label("provider"), self.provider, PROVIDERS)
         check_choice(self.label("dtype"), self.dtype, DTYPES)
-        if self.dtype == "bf16":  # the loop reads logits and the prompt's cache through numpy
-            raise UsageError(self.say("--dtype bf16: generation reads the prompt's cache through numpy, which "
-                                      "onnxruntime gives no bfloat16; use fp16 (or compile --dtype bf16 to run it)",
-                                      "dtype='bf16': generation reads the prompt's cache through numpy, which "
-                                      "onnxruntime gives no bfloat16; use 'fp16'"))
+        if self.dtype == "bf16" and self.device != "cuda":  # runtime/bfloat16.py: the host never computes in it
+            raise UsageError(self.say(f"--dtype bf16 runs on CUDA only, and this runs on the CPU ({BF16_CPU}); use "
+                                      f"--provider cuda on a machine with a GPU, or --dtype fp32",
+                                      f"dtype='bf16' runs on CUDA only, and this runs on the CPU ({BF16_CPU}); use "
+                                      f"provider='cuda' on a machine with a GPU, or dtype='fp32'"))
         check_int(self.label("max_new_tokens"), self.max_new_tokens, optional=True)
         if self.max_new_tokens is not None and self.max_new_tokens < 1:
             raise UsageError(f"{self.flag('max_new_tokens')} must be at least 1, got {self.max_new_tokens}")
@@ -948,6 +948,11 @@ class GenerateOptions(BuildOptions):
                 "min_p": 0.0, "no_repeat_ngram_size": 0, "min_new_tokens": 0}
 
 
+# why --dtype bf16 is refused where the model would run on the CPU provider (generate, serve, batch)
+BF16_CPU = ("onnxruntime's CPU provider has no bfloat16 kernel for GroupQueryAttention, MatMul, Add or Softmax "
+            "(onnxruntime 1.31.1's CPU registry), so the model would not open there")
+
+
 def device_for(provider: str) -> str:
     """Where a model runs: cuda for --provider cuda, and for auto on a machine showing a GPU with
     onnxruntime's CUDA provider installed (runtime/session.py opens it, or falls back to the CPU)."""
@@ -1008,12 +1013,12 @@ class EngineOptions(BuildOptions, ModelRef):
     provider: str = flag("auto", choices=list(PROVIDERS),
                          help="onnxruntime's execution provider: auto takes CUDA where the machine shows a GPU and "
                               "onnxruntime has its CUDA provider; on CUDA the model is compiled for CUDA and the "
-                              "engine's KV cache is kept on the device, so a decoding step copies the token ids and "
-                              "masks in and the logits out (docs/serve.md, On CUDA; --explain states the bytes) "
+                              "engine's KV cache is kept on the device, so a decoding step copies the token ids, "
+                              "positions and lengths in and the logits out (docs/serve.md, On CUDA; --explain states the bytes) "
                               "(default auto)")
     dtype: str = flag("fp32", choices=list(DTYPES),
-                      help="the precision a spec is compiled at: fp32 or fp16 (bf16: the engine's CPU and prefix "
-                           "caches and its logits are numpy, which has no bfloat16) (default fp32)")
+                      help="the precision a spec is compiled at: fp32, fp16, or bf16 on CUDA only (the KV cache "
+                           "on the device in bf16, the logits cast to fp32 in the graph) (default fp32)")
 
     def check(self) -> None:
         ModelRef.check(self)
@@ -1026,9 +1031,9 @@ class EngineOptions(BuildOptions, ModelRef):
         _whole("max_context", self.max_context, 2, optional=True)
         check_choice("provider", self.provider, PROVIDERS)
         check_choice("dtype", self.dtype, DTYPES)
-        if self.dtype == "bf16":
-            raise UsageError("--dtype bf16: the engine's KV cache on the CPU, its prefix cache and the logits it "
-                             "chooses from are numpy arrays, which have no bfloat16; use fp16")
+        if self.dtype == "bf16" and self.device != "cuda":
+            raise UsageError(f"--dtype bf16 runs on CUDA only, and this engine runs on the CPU ({BF16_CPU}); use "
+                             f"--provider cuda on a machine with a GPU, or --dtype fp32")
         if self.quantize == "w8a8" and self.provider == "cuda":
             raise UsageError("--quantize w8a8 runs onnxruntime's CPU integer GEMM (MatMulIntegerToFloat has no CUDA "
                              "kernel): use --provider cpu, or --quantize int8 / int4 on CUDA")

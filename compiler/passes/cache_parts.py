@@ -13,7 +13,7 @@ from tessera.compiler.ir.graph import Graph, Node
 from tessera.compiler.passes.base import PassError
 from tessera.compiler.passes.cache_schema import Kind, json
 
-CACHE_DTYPES = ("f32", "f16")  # the precisions a cache (and a carried state) crosses the interface at
+CACHE_DTYPES = ("f32", "f16", "bf16")  # the precisions a cache (and a carried state) crosses the interface at (bf16: CUDA)
 
 
 class CacheError(PassError):

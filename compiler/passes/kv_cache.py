@@ -189,9 +189,9 @@ def _gqa_unfit(node: Node, g: Graph, target: Target) -> str | None:
     hd, hv = int(k_t.shape[-1]), int(v_t.shape[-1])
     if a["window"]:
         return "a sliding window"
-    cuda_half = target.device == "cuda" and target.dtype == "fp16"  # its CUDA kernels: fp16/bf16
+    cuda_half = target.device == "cuda" and target.dtype in ("fp16", "bf16")  # its CUDA kernels: fp16/bf16
     if q_t.dtype != "f32" or (target.dtype != "fp32" and not cuda_half):
-        return f"{target.dtype if q_t.dtype == 'f32' else q_t.dtype} (checked in float32 only, and fp16 on CUDA)"
+        return f"{target.dtype if q_t.dtype == 'f32' else q_t.dtype} (checked in float32 only, and fp16/bf16 on CUDA)"
     if target.device == "cuda" and target.dtype == "fp32":
         return "fp32 on CUDA (onnxruntime has no fp32 CUDA kernel for GroupQueryAttention)"
     if hd != hv or hd % 8:
@@ -228,12 +228,12 @@ class CacheOptions:
 
     @property
     def decode_kernel(self) -> str:
-        """``decode`` with auto resolved: measured on CPU only (docs/benchmarks/log.md); CUDA keeps the
-        plain branch (GroupQueryAttention decoding is built in float32 only, and onnxruntime has no fp32
-        CUDA kernel for it; its fp16 lowering, with the cache on the device, is issue 37's, not done)."""
+        """``decode`` with auto resolved: measured on CPU only (docs/benchmarks/log.md); on CUDA gqa in
+        fp16 and bf16 (onnxruntime's CUDA GroupQueryAttention kernels, the cache on the device), the plain
+        branch in fp32 (onnxruntime has no fp32 CUDA kernel for GroupQueryAttention)."""
         if self.decode == "auto":
             if self.target.device == "cuda":
-                return "gqa" if self.target.dtype == "fp16" else "plain"
+                return "gqa" if self.target.dtype in ("fp16", "bf16") else "plain"
             return "gqa"
         return self.decode
 

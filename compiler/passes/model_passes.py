@@ -102,6 +102,43 @@ class SettleMixed(ModelPass):
         return PassResult(exported.graph, bool(settle_mixed(exported.model)))
 
 
+class DerivePrefixMask(ModelPass):
+    """CUDA, the serving engine's decoder (PipelineOptions.prefix_keys: the engine's layout, each row's keys its
+    columns from 0; no combined call): the attention mask computed in the graph (backends/onnx/prefix_mask.py) from
+    cache_length where every cached site is the mask-less gqa decoding step, from the first position ids where
+    every site decodes with the plain branch (fp32); no longer an input, so a decoding step copies no mask to the
+    device. Any other graph is left as it is."""
+
+    name = "derive-prefix-mask"
+
+    def requires(self, exported: Exported) -> None:
+        if exported.info is None:
+            raise PassError(f"{self.name} needs the cached decoder's CacheInfo")
+
+    def run(self, exported: Exported) -> PassResult:
+        from tessera.compiler.backends.onnx.prefix_mask import derive_prefix_mask  # onnx: ~0.6 s
+        from tessera.compiler.passes.kv_cache import DECODE_SPAN, LENGTH, MASK, POSITIONS, cached_sites
+
+        info, sites = exported.info, cached_sites(exported.graph)
+        if not sites or not info.layers or any(n.attrs.get("mixed") for n in sites):
+            return PassResult(exported.graph, False)
+        if all(n.attrs.get("prefix_keys") and n.attrs.get("decode_mask") == DECODE_SPAN for n in sites) and \
+                info.length_input == LENGTH:
+            if derive_prefix_mask(exported.model, MASK, info.tokens, LENGTH, info.layers[0].past_key):
+                return PassResult(exported.graph, True, [
+                    "attention mask derived in the graph from cache_length (each row's keys its columns "
+                    "0..cache_length and the call's own tokens): not an input, nothing copied for it per call"])
+        elif not any(n.attrs.get("decode") == "gqa" for n in sites) and not info.length_input and info.mode == "buffer":
+            # the plain branch (fp32 on CUDA) in the engine's layout: a row's first position is its filled columns
+            if derive_prefix_mask(exported.model, MASK, info.tokens, POSITIONS, info.layers[0].past_key,
+                                  positions=True):
+                return PassResult(exported.graph, True, [
+                    "attention mask derived in the graph from the first position ids (each row's keys its columns "
+                    "0..position and the call's own tokens; the plain branch): not an input, nothing copied for it "
+                    "per call"])
+        return PassResult(exported.graph, False)
+
+
 class FuseSkipNorms(ModelPass):
     """The residual Add + norm as onnxruntime's Skip(Simplified)LayerNormalization, when the graph already
     uses onnxruntime's com.microsoft ops (the GroupQueryAttention step); its note says what it fused

@@ -36,8 +36,8 @@ from tessera.compiler.passes.expose_attention import ExposeAttentionProbs
 from tessera.compiler.passes.fuse_attention import AttentionSite, FuseAttention
 from tessera.compiler.passes.fuse_linears import FuseSharedInputLinears
 from tessera.compiler.passes.kv_cache import CacheOptions, cache_passes, cache_tensors
-from tessera.compiler.passes.model_passes import (FuseSkipNorms, ModelPass, PruneDeadNodes, SettleMixed, SettlePacked,
-                                                  SplitBoundStep)
+from tessera.compiler.passes.model_passes import (DerivePrefixMask, FuseSkipNorms, ModelPass, PruneDeadNodes,
+                                                  SettleMixed, SettlePacked, SplitBoundStep)
 from tessera.compiler.passes.precision import LowerPrecision
 from tessera.compiler.passes.quantize import QuantConfig, QuantizeWeights
 from tessera.compiler.passes.recurrence import ChooseRecurrenceLowering
@@ -158,9 +158,12 @@ PIPELINES: dict[str, Callable[[PipelineOptions], list[Pass]]] = {
 
 def cached_decoder_after_export(o: PipelineOptions) -> list[ModelPass]:
     """The cached decoder's rewrites of the exported model: dead nodes out, the packed step's and the
-    combined call's nodes settled, then (both on by default; off only to measure them) the residual
+    combined call's nodes settled, the engine's mask derived in the graph (CUDA, ``prefix_keys``), then
+    (both on by default; off only to measure them) the residual
     Add + norm fused and the bound decoding step split into a branch of its own."""
     passes: list[ModelPass] = [PruneDeadNodes(), SettlePacked(), SettleMixed()]
+    if o.prefix_keys and o.target.device == "cuda":  # the engine's mask from cache_length, in the graph
+        passes.append(DerivePrefixMask())
     if o.skip_norm:
         passes.append(FuseSkipNorms())
     if o.bound_step and o.target.device == "cpu":  # on CUDA its If would hold shape arithmetic on the device

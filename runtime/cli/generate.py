@@ -87,11 +87,11 @@ def add_parser(sub) -> argparse.ArgumentParser:
     g.add_argument("--threads", type=int, default=None, help="onnxruntime intra-op threads (default: all cores)")
     g.add_argument("--provider", choices=["auto", "cpu", "cuda"], default="auto",
                    help="onnxruntime's execution provider: auto takes CUDA where the machine shows a GPU and "
-                        "onnxruntime has its CUDA provider; on CUDA a spec is compiled for CUDA and, in fp16, its "
-                        "KV cache stays on the device (docs/generate.md) (default auto)")
+                        "onnxruntime has its CUDA provider; on CUDA a spec is compiled for CUDA and its KV cache "
+                        "stays on the device (docs/generate.md) (default auto)")
     g.add_argument("--dtype", choices=["fp32", "fp16", "bf16"], default="fp32",
-                   help="precision a spec is compiled at (fp16 on CUDA: GroupQueryAttention decoding over the "
-                        "cache on the device; bf16 is not exported yet) (default fp32)")
+                   help="precision a spec is compiled at (fp16 and bf16 on CUDA: GroupQueryAttention decoding "
+                        "over the cache on the device; bf16 on CUDA only) (default fp32)")
     g.add_argument("--cache", choices=["auto", "buffer", "concat"], default="auto",
                    help="buffer: preallocated cache, written in place; concat: present = past + new, fed back; "
                         "auto: buffer, or concat for sliding-window models (default)")

@@ -46,6 +46,7 @@ from tessera.compiler.passes.kv_cache import CacheInfo
 from tessera.compiler.passes.pipeline import PipelineOptions
 
 from tessera.runtime import metadata, pipeline
+from tessera.runtime.bfloat16 import element_type, is_bf16, np_float, run_bound
 from tessera.runtime.pipeline import UsageError, compiler_errors
 
 
@@ -84,6 +85,9 @@ class CachedModel:
     """An onnxruntime session over a cached graph, with what the loop needs to feed it."""
 
     compile_cache = None  # how the compile cache served it (runtime/compile_cache.Lookup), where it went through one
+    # generate's cache for a decoder stepping with the plain branch (CachedDecoder): None, on the device on CUDA
+    # (runtime/device_cache.py), else numpy; True forces the device cache's path (on the CPU: the tests' check)
+    device_cache: bool | None = None
 
     def __init__(self, source: str | bytes, info: CacheInfo, provider: str = "cpu", threads: int | None = None):
         from tessera.runtime.session import _ort, open_session  # session.py imports onnx (~0.6 s)
@@ -102,7 +106,7 @@ class CachedModel:
         self.input_names = {i.name for i in self.session.get_inputs()}
         vocab = self.session.get_outputs()[0].shape[-1]
         self.vocab = int(vocab) if isinstance(vocab, int) else None
-        self.np_dtype = np.float16 if info.dtype == "f16" else np.float32
+        self.np_dtype = np_float(info.dtype)  # bf16: ml_dtypes' bfloat16, crossing as tagged words (runtime/bfloat16.py)
         # on CUDA, a graph whose every layer writes its buffer in place keeps the cache on the device
         # (BoundStep): a decoding step then moves the new token ids in and the logits out, nothing else
         self.on_device = (self.session.get_providers()[0] == "CUDAExecutionProvider" and bool(info.length_input)
@@ -154,6 +158,13 @@ class CachedModel:
 
         if bound is not None:
             return bound.run(feeds)
+        if is_bf16(self.np_dtype):  # onnxruntime's run takes and gives no numpy bfloat16: through IOBinding
+            from tessera.runtime.session import RunError, ort_message
+
+            try:
+                return run_bound(self.session, feeds, self.output_names)
+            except Exception as e:  # onnxruntime's own exception types
+                raise RunError(f"onnxruntime could not run the model: {ort_message(e)}") from None
         return run_session(self.session, feeds)
 
 
@@ -326,15 +337,16 @@ class BoundStep:
         for layer in info.layers:
             for past, out in ((layer.past_key, layer.buffer_key), (layer.past_value, layer.buffer_value)):
                 buf = cache[past]
+                elem = element_type(buf.dtype)  # bf16: the ONNX type, an int (runtime/bfloat16.py)
                 if model.on_device:
-                    dev = self.device[past] = _ort().OrtValue.ortvalue_from_shape_and_type(list(buf.shape), buf.dtype,
+                    dev = self.device[past] = _ort().OrtValue.ortvalue_from_shape_and_type(list(buf.shape), elem,
                                                                                            "cuda", 0)
                     self.io.bind_ortvalue_input(past, dev)
-                    self.io.bind_output(out, "cuda", 0, buf.dtype, list(buf.shape), dev.data_ptr())
+                    self.io.bind_output(out, "cuda", 0, elem, list(buf.shape), dev.data_ptr())
                     continue
-                self.io.bind_cpu_input(past, buf)
+                self.io.bind_input(past, "cpu", 0, elem, list(buf.shape), buf.ctypes.data)
                 if out:  # bound with an empty name, onnxruntime fails ("Failed to find NodeArg with name: ")
-                    self.io.bind_output(out, "cpu", 0, buf.dtype, list(buf.shape), buf.ctypes.data)
+                    self.io.bind_output(out, "cpu", 0, elem, list(buf.shape), buf.ctypes.data)
         self.buffers = set(cache)
         self.outputs: dict[str, np.ndarray] = {}
         b = next(iter(cache.values())).shape[0]
@@ -350,18 +362,20 @@ class BoundStep:
                 raise UsageError(f"cannot bind output {name}: its size is not known ({shape})")
             arr = np.empty(shape, dtype=np.float32 if name == info.logits else model.np_dtype)
             if model.on_device and name != info.logits:  # the new columns, written in the buffers: left there
-                self.device[name] = _ort().OrtValue.ortvalue_from_shape_and_type(list(shape), arr.dtype, "cuda", 0)
+                self.device[name] = _ort().OrtValue.ortvalue_from_shape_and_type(list(shape), element_type(arr.dtype),
+                                                                                 "cuda", 0)
                 self.io.bind_ortvalue_output(name, self.device[name])
                 continue
-            self.io.bind_output(name, "cpu", 0, arr.dtype, list(arr.shape), arr.ctypes.data)
+            self.io.bind_output(name, "cpu", 0, element_type(arr.dtype), list(arr.shape), arr.ctypes.data)
             self.outputs[name] = arr
         self.logits = info.logits
 
     def upload(self) -> None:
         """The host cache (the prompt's columns written in) copied once into the device buffers."""
         for past, dev in self.device.items():
-            if past in self.cache:
-                dev.update_inplace(self.cache[past])
+            if past in self.cache:  # bf16: its words (update_inplace takes no numpy bfloat16)
+                host = self.cache[past]
+                dev.update_inplace(host.view(np.uint16) if is_bf16(host.dtype) else host)
 
     def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """One decoding step; returns the logits (a copy: the bound array is reused by the next step)."""
@@ -388,6 +402,10 @@ class CachedDecoder:
     """The KV-cached model as a decoding.Decoder: the first step runs the left-padded prompts (against
     an empty past), each later one the last tokens against the cache, which it keeps (buffer: written
     in place or by the bound kernel; concat: the present tensors fed back, trimmed to a sliding window)."""
+
+    # a plain-branch decoder on CUDA keeps its cache on the device (runtime/device_cache.py); a subclass that
+    # edits the host cache itself (rollback.py's RollbackCache) does not
+    plain_device_cache = True
 
     def __init__(self, model: CachedModel, prompts: list[list[int]], max_new_tokens: int, pad_id: int,
                  stats: Stats, extra_feeds: dict[str, np.ndarray] | None = None):
@@ -427,6 +445,19 @@ class CachedDecoder:
         # buffer's first slots, and every later step reads the buffer in place.
         self.empty = {name: np.zeros(c.shape[:2] + (0,) + c.shape[3:], dtype=c.dtype) for name, c in self.cache.items()}
         self.bound = BoundStep(model, self.cache) if self.buffer and info.length_input else None
+        # fp32 on CUDA: the plain branch (no fp32 CUDA GroupQueryAttention) over a device cache (runtime/device_cache.py):
+        # the past bound from it, each step's new columns left on the device and written in by its graphs
+        self.device = None
+        on_cuda = model.session.get_providers()[0] == "CUDAExecutionProvider"
+        if self.plain_device_cache and self.buffer and not info.length_input and not info.states and info.layers \
+                and (on_cuda if model.device_cache is None else model.device_cache):
+            from tessera.runtime.device_cache import DeviceCache
+
+            dims = {}
+            for layer in info.layers:
+                dims[layer.past_key] = (layer.kv_heads, layer.head_size)
+                dims[layer.past_value] = (layer.kv_heads, layer.value_size)
+            self.device = DeviceCache(model.session, dims, b, capacity, model.np_dtype)
         self.first = True
         # recurrent state (compiler/passes/recurrent_state.py): zeros before the prompt, then each call's
         # present fed back as the next call's past
@@ -461,6 +492,10 @@ class CachedDecoder:
             feeds["decode_span"] = np.zeros((0, 1 if prefill else self.filled + 1), np.int64)
         if self.bound is not None and not prefill:  # the kernel writes the new columns into the buffers itself
             out = self.model.run(feeds, bound=self.bound)
+        elif self.device is not None:  # the plain branch over the device cache: its columns written in there
+            out = self._run_on_device(feeds, prefill)
+            for r in range(self.rows):
+                self.device.put(r, self.device.capacity, self.filled, out["presents"], r, 0, t)
         else:
             out = self.model.run(feeds)
             filled = self.filled
@@ -486,6 +521,37 @@ class CachedDecoder:
         for state in info.states:
             self.states[state.past] = out[state.present]
         return out[info.logits][:, -1, :]
+
+    def _run_on_device(self, feeds: dict[str, np.ndarray], prefill: bool) -> dict:
+        """One call with the past bound from the device cache (empty for the prompt: P = 0), the logits to the
+        host and the new keys and values left on the device (``presents``, by past name, for ``put``)."""
+        from tessera.runtime.session import RunError, ort_message
+
+        dc, info = self.device, self.info
+        io = self.model.session.io_binding()
+        io.bind_output(info.logits, "cpu")
+        for layer in info.layers:
+            for name in (layer.present_key, layer.present_value):
+                io.bind_output(name, dc.device, dc.device_id)
+        for name in dc.names:
+            if prefill:
+                kv, hd = dc.dims[name]
+                io.bind_input(name, dc.device, dc.device_id, dc.elem, [self.rows, kv, 0, hd], dc.flat[name].data_ptr())
+            else:
+                dc.bind(io, name, 0, self.rows, dc.capacity)
+        for name, value in feeds.items():
+            if name not in dc.dims:
+                io.bind_cpu_input(name, np.ascontiguousarray(value))
+        try:
+            self.model.session.run_with_iobinding(io)
+        except Exception as e:  # onnxruntime's own exception types
+            raise RunError(f"onnxruntime could not run {'the prompt' if prefill else 'a decoding step'}: "
+                           f"{ort_message(e)}") from None
+        outs = io.get_outputs()
+        presents = {}
+        for i, layer in enumerate(info.layers):
+            presents[layer.past_key], presents[layer.past_value] = outs[1 + 2 * i], outs[2 + 2 * i]
+        return {info.logits: outs[0].numpy(), "presents": presents}
 
     def _prefill_rows(self) -> np.ndarray:
         """Prompts of uneven length for a model with recurrent state and no attention (check_request

@@ -119,6 +119,10 @@ def load_model(ref, o, weights=None, models: dict | None = None, progress=None):
     built = pipeline.build(ref.spec, ref.variant, ref.sets, ref.weights)
     options = o.pipeline_options()  # quantised by the pipeline's first pass
     target = target_input(built.graph)
+    if target is not None and o.dtype == "bf16":
+        raise UsageError("--dtype bf16: an encoder-decoder generates on onnxruntime's CPU provider (its CUDA "
+                         "lowering is not built), which has no bfloat16 kernel for MatMul or attention; use "
+                         "--dtype fp32 or fp16")
     if target is not None:
         step(1, 4, "weights")
         if weights is None:

@@ -46,6 +46,8 @@ def check(model: CachedModel, what: str) -> None:
 class RollbackCache(CachedDecoder):
     """The buffer cache of ``model`` for ``prompts``, fed in chunks and rolled back per row."""
 
+    plain_device_cache = False  # its chunks and rollbacks edit the host cache (fp32 on CUDA: as before, on the host)
+
     def __init__(self, model: CachedModel, prompts: list[list[int]], max_new_tokens: int, draft_tokens: int,
                  pad_id: int = 0, stats: Stats | None = None):
         extra = max_new_tokens + slack(draft_tokens)

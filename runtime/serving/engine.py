@@ -21,9 +21,11 @@ row (``seqlens_k``), the cache views bound in place so the kernel writes each ro
 its own slot; or, where a model's attention does not take it, the plain branch with the per-row
 mask, the engine writing the new columns (serving/model.py ``DECODE_REASONS``).
 
-On CUDA (a model whose every layer the kernel writes in place) the same cache lives in onnxruntime
-OrtValues on the device (serving/device_cache.py, ``device_cache``): the views are bound by pointer,
-so a step copies its token ids and masks in and its logits out, not the cache; a chunk's keys and
+On CUDA the same cache lives in onnxruntime OrtValues on the device (runtime/device_cache.py,
+``device_cache``; with the plain branch, fp32, each step's new columns come back as device OrtValues and
+``_put`` writes them in there): the views are bound by pointer,
+so a step copies its token ids, positions and lengths in (the engine's CUDA variant derives its mask in the
+graph: compiler/backends/onnx/prefix_mask.py) and its logits out, not the cache; a chunk's keys and
 values, a leaving row's move and the relayouts run there as small onnxruntime graphs (``_put``,
 ``_release``, ``_relayout`` branch to it). Elsewhere the cache is numpy, as described above.
 
@@ -58,6 +60,7 @@ from typing import Callable, Iterator
 
 import numpy as np
 
+from tessera.runtime.bfloat16 import element_type
 from tessera.runtime.generation.constraints import Grammar, GrammarCompiler, GrammarError, TokenMask, masked_argmax
 
 from .device_cache import DeviceCache
@@ -227,14 +230,13 @@ def _round_up(columns: int) -> int:
 
 
 def device_cache_reason(model) -> str | None:
-    """Why ``model`` cannot keep the engine's cache on its device (serving/device_cache.py), or None: a
-    decoding step must write every layer's new column into the bound buffer itself (GroupQueryAttention
-    with a buffer output at every layer), leaving the engine nothing to copy in per step."""
+    """Why ``model`` cannot keep the engine's cache on its device (serving/device_cache.py), or None. A decoding
+    step either writes every layer's new column into the bound buffer itself (GroupQueryAttention with a buffer
+    output at every layer) or none (the plain MatMul/Softmax branch, fp32 on CUDA: its new columns come back as
+    device OrtValues and the device cache's graphs write them in: ``_decode_step`` through ``_put``); a model mixing
+    the two has no device path (runtime/driver.py serve_model compiles such a model all plain)."""
     info = model.info
-    if not info.length_input:
-        return ("its decoding steps run the plain MatMul/Softmax branch, whose new columns the engine writes "
-                "into the cache after each step (the device cache needs GroupQueryAttention writing them in place)")
-    if not all(layer.buffer_key for layer in info.layers):
+    if info.length_input and not all(layer.buffer_key for layer in info.layers):
         return "some layers have no GroupQueryAttention buffer output, so their new columns would be copied per step"
     return None
 
@@ -275,8 +277,8 @@ class Engine:
                  prefill_chunk: int = 256, tokenizer=None, eos_ids=(), metrics: Metrics | None = None,
                  device_cache: bool | None = None):
         """``device_cache``: keep the cache in onnxruntime OrtValues on the session's device
-        (serving/device_cache.py); None (the default) where the model runs on CUDA with GroupQueryAttention
-        writing every layer's buffer in place (``CachedModel.on_device``), else the numpy cache. True
+        (runtime/device_cache.py); None (the default) where the model runs on CUDA (GroupQueryAttention writing
+        every layer's buffer in place, or the plain branch at every layer: fp32), else the numpy cache. True
         on a CPU session runs that path on CPU OrtValues (how the tests check its numerics)."""
         info = model.info
         if info.states:  # its slots hold keys and values only; a row's recurrent state has no slot here
@@ -291,11 +293,11 @@ class Engine:
             for name, size in ((layer.past_key, layer.head_size), (layer.past_value, layer.value_size)):
                 self.dims[name] = (layer.kv_heads, size)
                 self.empty[name] = np.zeros((1, layer.kv_heads, 0, size), dtype=model.np_dtype)
-        # the device cache needs every layer's new column written in place by the kernel (nothing for the
-        # engine to copy in per step): GroupQueryAttention decoding at every layer
+        # the device cache: GroupQueryAttention writing every layer's new column in place, or the plain branch at
+        # every layer (its columns written in by the cache's graphs); not a mix of the two
         self.device_reason = device_cache_reason(model)
-        if device_cache is None:
-            device_cache = bool(getattr(model, "on_device", False)) and self.device_reason is None
+        if device_cache is None:  # on CUDA, whichever branch decodes (device_cache_reason)
+            device_cache = model.session.get_providers()[0] == "CUDAExecutionProvider" and self.device_reason is None
         if device_cache and self.device_reason is not None:
             raise UsageError(f"the engine's device cache does not fit this model: {self.device_reason}")
         # ---- the cache, once: max_batch x kv_heads x capacity x hd elements per layer and key/value
@@ -327,6 +329,9 @@ class Engine:
         # the same without the mask's values (the engine's variant, CacheInfo.prefix_keys: seqlens_k alone, no
         # attention_bias, so onnxruntime may choose flash decoding): decode_span [0, longest + 1], its width alone
         self.decode_span = "decode_span" in model.input_names
+        # the engine's variant on CUDA derives the attention mask in the graph from cache_length (each row's keys
+        # its columns 0..filled and the call's own tokens: compiler/backends/onnx/prefix_mask.py): not fed at all
+        self.feeds_mask = "attention_mask" in model.input_names
         # the combined call (compiler/backends/onnx/mixed_attention.py): an iteration's decoding rows and
         # prompt chunk in one onnxruntime call, where the model has it (serving/model.py load builds it)
         self.combined = self.in_place and info.last_only and not self._copied and has_combined_call(model)
@@ -422,17 +427,27 @@ class Engine:
         dc = self.device_cache
         if dc is not None:
             where = "device memory" if dc.device == "cuda" else "CPU OrtValues (the device cache's path, forced)"
-            masks = ("its attention mask (n x (W + 1) x 8 B; the decoding step has no mask of its own: "
+            masks = ("no mask (the decoding step has no mask of its own: GroupQueryAttention takes each row's keys "
+                     "from seqlens_k alone, none hidden in columns 0..filled as the engine lays rows, so "
+                     "onnxruntime's CUDA kernel may choose flash decoding; the prompt's mask is derived in the "
+                     "graph from cache_length)"
+                     if getattr(self.info, "prefix_keys", False) and not self.feeds_mask else
+                     "its attention mask (n x (W + 1) x 8 B; the decoding step has no mask of its own: "
                      "GroupQueryAttention takes each row's keys from seqlens_k alone, none hidden in columns "
                      "0..filled as the engine lays rows, so onnxruntime's CUDA kernel may choose flash decoding)"
                      if getattr(self.info, "prefix_keys", False) else
                      "its masks (n x (2 x W + 2) x 8 B at most; the decoding step's mask goes to GroupQueryAttention "
-                     "as attention_bias, with which onnxruntime's CUDA kernel chose MATH)")
+                     "as attention_bias, with which onnxruntime's CUDA kernel chose MATH)" if self.in_place else
+                     "its attention mask (n x (W + 1) x 8 B)" if self.feeds_mask else
+                     "no mask (derived in the graph from the first position ids: a row's filled columns)")
+            writes = ("GroupQueryAttention writes each row's new column into the shared buffer" if self.in_place else
+                      "the plain MatMul/Softmax branch (no fp32 CUDA GroupQueryAttention) reads the bound buffers and "
+                      "gives each row's new column on the device, which the cache's graphs write into its row")
             return (f"placement: {provider}; the KV cache in {where}, allocated once (onnxruntime OrtValues, "
                     f"serving/device_cache.py) and bound in place: a decoding step of n rows at a view W columns "
-                    f"wide copies only its token ids, positions and cache lengths (n x 24 B) and {masks} "
-                    f"in and n x {self.vocab} x 4 B of logits out; GroupQueryAttention "
-                    f"writes each row's new column into the shared buffer; a prompt chunk copies its tokens in and "
+                    f"wide copies only its token ids, positions{' and cache lengths' if self.in_place else ''} "
+                    f"(n x {24 if self.in_place else 16} B) and {masks} "
+                    f"in and n x {self.vocab} x 4 B of logits out; {writes}; a prompt chunk copies its tokens in and "
                     f"its logits out, its keys and values written into the row on the device; rows are moved, "
                     f"widened and narrowed there; the prefix cache copies a block device-to-host when it stores it "
                     f"and host-to-device when a request reuses it; speculation's check brings back every checked "
@@ -664,8 +679,10 @@ class Engine:
         mask = ones if start == 0 else np.concatenate([self.slots[r:r + 1, :self.width], ones], axis=1)
         past = {} if self.device_cache is not None else self.empty if start == 0 else \
             {name: v[r:r + 1] for name, v in self._views().items()}
-        feeds = {info.tokens: np.array([chunk], dtype=np.int64), "attention_mask": mask,
+        feeds = {info.tokens: np.array([chunk], dtype=np.int64),
                  "position_ids": np.arange(start, start + t, dtype=np.int64)[None], **past}
+        if self.feeds_mask:
+            feeds["attention_mask"] = mask
         if info.length_input:  # the filled slots: a chunk of one token runs the decoding branch (T = 1)
             feeds[info.length_input] = np.array([start], dtype=np.int64)
         if self.decode_mask:  # CUDA: the decoding branch's filled slots and new column (T > 1: unread)
@@ -717,7 +734,9 @@ class Engine:
         idx = np.array([s.slot for s in decoding])
         cols = np.array([s.filled for s in decoding])
         mask = np.concatenate([self.slots[:n, :width], np.ones((n, 1), dtype=np.int64)], axis=1)
-        feeds = {info.tokens: tokens, "attention_mask": mask, "position_ids": positions}
+        feeds = {info.tokens: tokens, "position_ids": positions}
+        if self.feeds_mask:  # the same array, completed below for the in-place kernel
+            feeds["attention_mask"] = mask
         if self.in_place:
             # GroupQueryAttention: row r attends over its slots 0..filled[r] (cache_length[r] + 1), the
             # last its new token's, written there by the kernel; its mask column says so
@@ -729,14 +748,20 @@ class Engine:
                 feeds["decode_span"] = np.zeros((0, max(s.filled for s in rows[:n]) + 1), dtype=np.int64)
             started = time.perf_counter()
             out = self._run_in_place(feeds, n)
-        else:  # the plain branch (the numpy cache only: device_cache_reason)
+        elif self.device_cache is not None:  # the plain branch over the device buffers: new columns stay there
+            started = time.perf_counter()
+            out = self._run_chunk(feeds, 0, n, "a decoding step")
+        else:  # the plain branch over the numpy cache
             feeds.update({name: v[:n] for name, v in views.items()})
             started = time.perf_counter()
             out = self.model.run(feeds)
         if self.speculation is not None:  # its price of the plain step (speculation.py, adaptive)
             self.speculation.observe_plain(n, time.perf_counter() - started)
         self.steps += 1
-        for layer in self._copied:
+        if self._copied and self.device_cache is not None:  # each decoding row's column, on the device
+            for s in decoding:
+                self._put(s.slot, s.filled, out, s.slot, 0, 1)
+        for layer in self._copied if self.device_cache is None else ():
             views[layer.past_key][idx, :, cols] = out[layer.present_key][idx, :, 0]
             views[layer.past_value][idx, :, cols] = out[layer.present_value][idx, :, 0]
         self.slots[idx, cols] = 1
@@ -832,10 +857,10 @@ class Engine:
             else:
                 for name, view in self._views().items():
                     view = view[:n]
-                    io.bind_input(name, "cpu", 0, view.dtype.type, list(view.shape), view.ctypes.data)
+                    io.bind_input(name, "cpu", 0, element_type(view.dtype), list(view.shape), view.ctypes.data)
                     out = self._buffer_output.get(name)
                     if out:
-                        io.bind_output(out, "cpu", 0, view.dtype.type, list(view.shape), view.ctypes.data)
+                        io.bind_output(out, "cpu", 0, element_type(view.dtype), list(view.shape), view.ctypes.data)
             if kind == "decode":  # the graph's bound step, if it has one: no cache columns
                 self.model.bind_step_inputs(io)
             binding = self._bindings[kind] = (key, io)
@@ -949,8 +974,9 @@ class Engine:
             views[layer.past_key][r, :, at:at + s1 - s0] = out[layer.present_key][src_row, :, s0:s1]
             views[layer.past_value][r, :, at:at + s1 - s0] = out[layer.present_value][src_row, :, s0:s1]
 
-    def _run_chunk(self, feeds: dict[str, np.ndarray], row: int | None, rows: int) -> dict:
-        """The device cache's call of the graph's prompt branch (a prompt chunk; speculation's check):
+    def _run_chunk(self, feeds: dict[str, np.ndarray], row: int | None, rows: int, what: str = "a prompt chunk") -> dict:
+        """The device cache's call of the graph's prompt branch (a prompt chunk; speculation's check; a plain
+        branch's decoding step, whose one new column per row ``_decode_step`` then writes in with ``_put``):
         ``feeds`` without the past, which is bound from the device buffers -- rows [row, row + rows) of
         the view, or an empty past when ``row`` is None. The logits come back as an array, the cache
         outputs stay on the device as OrtValues (``_put`` writes them into the rows)."""
@@ -972,7 +998,7 @@ class Engine:
         try:
             self.model.session.run_with_iobinding(io)
         except Exception as e:  # onnxruntime's own exception types
-            raise RunError(f"onnxruntime could not run a prompt chunk: {ort_message(e)}") from None
+            raise RunError(f"onnxruntime could not run {what}: {ort_message(e)}") from None
         outs = io.get_outputs()
         return {info.logits: outs[0].numpy(), **dict(zip(presents, outs[1:]))}
 

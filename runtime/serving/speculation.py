@@ -8,10 +8,13 @@ guesses its next k tokens and one engine step checks them all, emitting up to k 
 How it fits the engine (serving/engine.py): ``Engine._decode_step`` asks ``step(engine)`` first.
 When no greedy row has a draft it returns False and the engine's own step runs (one token a row,
 the GroupQueryAttention in-place kernel and all). Otherwise this step replaces it: ONE call of the
-model over every decoding row, each row's chunk right-aligned in a [n, T] block -- a speculating
+model over every decoding row, each row's chunk left-aligned in a [n, T] block -- a speculating
 row's next token and its drafts, any other row's next token alone (sampled rows decode as usual,
 their token chosen by the engine's ``_choose`` from their last column), a row still prefilling
-an empty chunk (masked, its outputs dropped). T > 1 runs the graph's prompt branch against the
+an empty chunk (masked, its outputs dropped). The padding follows a row's tokens, so causality hides
+it from them and a row's keys stay its filled columns then its own tokens: the layout the engine's
+CUDA variant derives its mask from (compiler/backends/onnx/prefix_mask.py), where no mask is fed
+(a mask-less graph's padding is visible to the padding alone). T > 1 runs the graph's prompt branch against the
 rows' cache views (as a prompt chunk does), so every position's logits come back; the model is
 compiled with them (serving/model.py ``load(last_only=False)``).
 
@@ -219,13 +222,15 @@ class Speculation:
         for s in rows[:n]:
             c = chunks.get(s.slot, [])
             m = len(c)
-            positions[s.slot] = max(s.filled - 1, 0)  # padding: any position; it is masked
+            positions[s.slot] = max(s.filled - 1, 0)  # padding (after the tokens): any position; masked or later
             if m:
-                tokens[s.slot, t - m:] = c
-                new[s.slot, t - m:] = 1
-                positions[s.slot, t - m:] = s.filled + np.arange(m)
-        feeds = {info.tokens: tokens, "attention_mask": np.concatenate([engine.slots[:n, :width], new], axis=1),
-                 "position_ids": positions, **({name: v[:n] for name, v in views.items()} if views is not None else {})}
+                tokens[s.slot, :m] = c
+                new[s.slot, :m] = 1
+                positions[s.slot, :m] = s.filled + np.arange(m)
+        feeds = {info.tokens: tokens, "position_ids": positions,
+                 **({name: v[:n] for name, v in views.items()} if views is not None else {})}
+        if engine.feeds_mask:  # else derived in the graph (the rows' filled columns and every new one)
+            feeds["attention_mask"] = np.concatenate([engine.slots[:n, :width], new], axis=1)
         if info.length_input:  # read by the one-token branch only; T > 1 takes the prompt branch
             feeds[info.length_input] = np.array([s.filled for s in rows[:n]], dtype=np.int64)
         if engine.decode_mask:  # CUDA's decoding-branch input; T > 1 takes the prompt branch, which ignores it
@@ -244,17 +249,17 @@ class Speculation:
             c, r = chunks[s.slot], s.slot
             m, f = len(c), s.filled
             # every new column at the row's end; only the kept ones are unmasked
-            engine._put(r, f, out, r, t - m, t, views)
+            engine._put(r, f, out, r, 0, m, views)
             if r not in drafts:  # one token, as the engine's own step chooses it
-                tok = engine._choose(s, logits[r:r + 1, t - 1])
+                tok = engine._choose(s, logits[r:r + 1, m - 1])
                 kept, emitted = 1, [tok]
             else:
                 d, emitted, kept, mask = drafts[r], [], 1, s.mask
                 for j in range(m):  # position j's logits choose the token after chunk[j]
                     if mask is None:
-                        tok = int(np.argmax(logits[r, t - m + j]))
+                        tok = int(np.argmax(logits[r, j]))
                     else:  # the greedy choice among the tokens the grammar allows after the drafts so far
-                        tok = masked_argmax(logits[r, t - m + j], mask.allowed())
+                        tok = masked_argmax(logits[r, j], mask.allowed())
                     emitted.append(tok)
                     if j == m - 1 or tok != d[j]:
                         break

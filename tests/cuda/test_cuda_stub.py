@@ -171,7 +171,7 @@ def cached_models(tmp_path_factory):
 def test_kv_cache_prefill_and_decoding_step_on_cuda(cuda_stub, cached_models, phase):
     """--kv-cache on CUDA: the prompt (T > 1) through onnx's Attention over past and new keys, its mask and key
     pads built before the If (no shape arithmetic in the branch, so no Memcpy there); a decoding step (T = 1)
-    in fp16 through GroupQueryAttention writing the buffer in place (its total length from the decode_mask
+    in fp16 and bf16 through GroupQueryAttention writing the buffer in place (its total length from the decode_mask
     input's width, on the host; with the padding mask as its attention_bias onnxruntime took its MATH path,
     one row of scores), in fp32 through the plain MatMul/Softmax over the cache (no fp32 CUDA kernel)."""
     keys = sorted(cached_models)
@@ -182,7 +182,8 @@ def test_kv_cache_prefill_and_decoding_step_on_cuda(cuda_stub, cached_models, ph
         if phase == "prefill":
             assert ops == [("Attention", "EFFICIENT_ATTENTION")] * 2, (key, ops)
         else:
-            assert [op for op, _ in ops] == (["GroupQueryAttention"] * 2 if key[1] == "fp16" else []), (key, ops)
+            assert [op for op, _ in ops] == (["GroupQueryAttention"] * 2 if key[1] in ("fp16", "bf16") else []), \
+                (key, ops)
 
 
 def test_the_cuda_cached_prompt_equals_the_cpu_one_on_cpu(tmp_path):
@@ -243,8 +244,8 @@ print(json.dumps(out))
 """
 
 
-@pytest.mark.parametrize("family", ["gpt2", "llama"])
-def test_generation_keeps_the_cache_on_the_device(cuda_stub, cached_models, family, tmp_path):
+@pytest.mark.parametrize("family, dtype", [(f, dt) for dt in ("fp16", "bf16", "fp32") for f in ("gpt2", "llama")])
+def test_generation_keeps_the_cache_on_the_device(cuda_stub, cached_models, family, dtype, tmp_path):
     """The issue's bound: a decoding step moves at most B x (V x 4 + 1 KiB) bytes between host and device
     (the new token ids and the mask in, the last position's logits out; the KV cache stays in device
     buffers bound in place with IOBinding, GroupQueryAttention writing each new column there), measured
@@ -253,10 +254,11 @@ def test_generation_keeps_the_cache_on_the_device(cuda_stub, cached_models, fami
 
     script = tmp_path / "generate.py"
     script.write_text(GENERATE)
-    p = cuda_stub.run([str(script), cached_models[(family, "fp16")], "cuda"])
+    p = cuda_stub.run([str(script), cached_models[(family, dtype)], "cuda"])
     assert p.returncode == 0, p.stderr[-3000:]
     r = json.loads(p.stdout.strip().splitlines()[-1])
-    assert r["providers"][0] == "CUDAExecutionProvider" and r["on_device"], r
+    # fp32: the plain branch, its cache on the device all the same (runtime/device_cache.py), not BoundStep's
+    assert r["providers"][0] == "CUDAExecutionProvider" and (r["on_device"] or dtype == "fp32"), r
     assert r["20"]["tokens"] == 20 and r["4"]["tokens"] == 4
     per_step = (r["20"]["h2d"] + r["20"]["d2h"] - r["4"]["h2d"] - r["4"]["d2h"]) / 16
     rows, vocab = 2, 128
@@ -264,8 +266,9 @@ def test_generation_keeps_the_cache_on_the_device(cuda_stub, cached_models, fami
     assert r["20"]["d2h"] - r["4"]["d2h"] == 16 * rows * vocab * 4  # the logits, nothing else, come back
 
 
-def test_tessera_generate_on_cuda_copies_the_logits_and_little_else(cuda_stub, tmp_path):
-    """The issue's check through the command line: `tessera generate gpt2 ... --dtype fp16 --provider cuda`
+@pytest.mark.parametrize("dtype", ["fp16", "bf16", "fp32"])
+def test_tessera_generate_on_cuda_copies_the_logits_and_little_else(cuda_stub, dtype, tmp_path):
+    """The issue's check through the command line: `tessera generate gpt2 ... --dtype fp16|bf16|fp32 --provider cuda`
     under the stub copies at most B x (V x 4 + 1 KiB) bytes per decoding step between host and device (the
     difference between a 20-token and a 4-token generation, per step; STUB_MEMCPY_REPORT counts every copy
     of the process, the weights' upload included, the same in both)."""
@@ -275,7 +278,7 @@ def test_tessera_generate_on_cuda_copies_the_logits_and_little_else(cuda_stub, t
     for n in (4, 20):
         report = tmp_path / f"copies-{n}.json"
         p = cuda_stub.run(["-m", "tessera.runtime.cli", "generate", "gpt2", *[a for s in FAMILIES["gpt2"] for a in ("--set", s)],
-                           "--dtype", "fp16", "--provider", "cuda", "--input", "tokens=[[1, 2, 3, 4, 5], [6, 7, 8, 9, 10]]",
+                           "--dtype", dtype, "--provider", "cuda", "--input", "tokens=[[1, 2, 3, 4, 5], [6, 7, 8, 9, 10]]",
                            "--max-new-tokens", str(n), "--ignore-eos", "--format", "json"],
                           STUB_MEMCPY_REPORT=report)
         assert p.returncode == 0, p.stderr[-3000:]
@@ -376,7 +379,7 @@ def run(eng, handles, most):
                     "after_width": eng.width, "relayouts": eng.relayouts - before["relayouts"],
                     "moved": eng.device_cache.moved_rows - before["moved"], "row_bytes": eng.view_row_bytes()})
     return out
-o = EngineOptions(spec=sys.argv[1], sets=sys.argv[2].split(","), provider="cuda", dtype="fp16", max_batch=2,
+o = EngineOptions(spec=sys.argv[1], sets=sys.argv[2].split(","), provider="cuda", dtype=sys.argv[3], max_batch=2,
                   max_context=192)
 model = driver.serve_model(o.model, o)
 eng = Engine(model, max_batch=2, capacity=192)
@@ -400,15 +403,17 @@ print(json.dumps(r))
 """
 
 
-@pytest.mark.parametrize("family", ["gpt2", "llama"])
-def test_the_serving_engine_on_cuda(cuda_stub, family, tmp_path):
-    """`serve`/`batch`'s engine with --provider cuda --dtype fp16 (runtime/driver.py serve_model): the model
+@pytest.mark.parametrize("family, dtype", [(f, dt) for dt in ("fp16", "bf16", "fp32") for f in ("gpt2", "llama")])
+def test_the_serving_engine_on_cuda(cuda_stub, family, dtype, tmp_path):
+    """`serve`/`batch`'s engine with --provider cuda --dtype fp16, bf16 or fp32 (runtime/driver.py serve_model): the model
     compiled for CUDA, its KV cache in device OrtValues (runtime/serving/device_cache.py), every call's and
     every cache graph's host-side checks complete, and the copies are what docs/serve.md ("On CUDA") states:
-    a decoding step of n rows at a view W wide copies its token ids, positions and cache lengths (n x 24 B)
-    and attention mask (n x (W + 1) x 8 B) in and n x V x 4 B of logits out -- n x (V x 4 + 544 B) at
-    most at the first width -- and not the cache (n x 32 KiB at W = 64 for the 2-layer fp16 gpt2: what the host cache
-    copied each way); a prompt chunk its tokens in and its last logits out; an iteration where the view
+    a decoding step of n rows at any view width copies its token ids, positions and cache lengths (n x 24 B)
+    in and n x V x 4 B of logits out -- no attention mask (derived in the graph; before, n x (W + 1) x 8 B a
+    step) and not the cache (n x 32 KiB at W = 64 for the 2-layer fp16 gpt2: what the host cache
+    copied each way); in fp32 (the plain branch: no fp32 CUDA GroupQueryAttention) the same, less the lengths,
+    the new columns coming back as device OrtValues written into their rows by the cache's graphs (a row's
+    bytes per row on the device, none across); a prompt chunk its tokens in and its last logits out; an iteration where the view
     widens or narrows or a row leaves (moved into the freed slot) copies nothing more between host and device.
     With speculation and the prefix cache (every position's logits) the calls run and drafts are checked.
     Values computed on the device are not checkable here (tests/serving/test_serve_device_cache.py holds the same
@@ -418,7 +423,7 @@ def test_the_serving_engine_on_cuda(cuda_stub, family, tmp_path):
     sets = [x for x in FAMILIES[family] if not x.startswith("ctx=")] + ["ctx=192"]
     script = tmp_path / "engine.py"
     script.write_text(ENGINE)
-    p = cuda_stub.run([str(script), family, ",".join(sets)], timeout=300)
+    p = cuda_stub.run([str(script), family, ",".join(sets), dtype], timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
     r = json.loads(p.stdout.strip().splitlines()[-1])
     assert r["providers"][0] == "CUDAExecutionProvider" and r["device"], r
@@ -429,13 +434,17 @@ def test_the_serving_engine_on_cuda(cuda_stub, family, tmp_path):
     for s in decoding:
         n, width = s["rows"], max(s["width"], s["after_width"])
         assert s["d2h"] == n * vocab * 4, s  # the logits, nothing else, come back
-        # ids, positions, lengths and attention_mask (the decoding step's own mask is gone: prefix_keys, its
-        # width in decode_span, which holds no values; test_the_engines_decoding_step_takes_flash_attention)
-        assert s["h2d"] <= n * (24 + 8 * (width + 1)) + 64, s
-        if width == 64:  # the issue's bound, n x (V x 4 + about 1 KiB): the mask is 65 x 8 B a row
-            assert s["h2d"] + s["d2h"] <= n * (vocab * 4 + 24 + 8 * 65) + 64, s
+        # ids, positions and lengths, n x 24 B (fp32, the plain branch: no lengths, n x 16 B), and a few shape
+        # scalars: no attention mask (derived in the graph from cache_length, or in fp32 from the first position
+        # ids, compiler/backends/onnx/prefix_mask.py; the gqa decoding step's own is gone too: prefix_keys, its
+        # width in decode_span, which holds no values), whatever the view's width
+        assert s["h2d"] <= n * (16 if dtype == "fp32" else 24) + 64, s
+        assert s["h2d"] + s["d2h"] <= n * (vocab * 4 + 1024), s  # the issue's bound
         if not s["relayouts"] and not s["moved"]:  # nor is the cache copied on the device
-            assert s["d2d"] < n * s["row_bytes"], s
+            if dtype == "fp32":  # the plain branch's new column per row written in: its row composed once, on the device
+                assert s["d2d"] <= n * (s["row_bytes"] + 8192), s
+            else:  # GroupQueryAttention wrote it in place
+                assert s["d2d"] < n * s["row_bytes"], s
     assert any(s["relayouts"] and s["after_width"] > s["width"] for s in decoding)  # widened during a step
     assert any(s["after_rows"] < s["rows"] for s in decoding)  # a row left
     for s in steps:  # prefill (a chunk's last logits, beside the decoding rows') included: never the cache
@@ -509,7 +518,7 @@ lib = ctypes.CDLL("libcudart.so.13")
 def mark(s):  # between the kernels' debug lines, which onnxruntime prints on stdout
     sys.stdout.flush()
     os.write(1, (s + "\\n").encode())
-o = EngineOptions(spec=sys.argv[1], sets=sys.argv[2].split(","), provider="cuda", dtype="fp16", max_batch=2,
+o = EngineOptions(spec=sys.argv[1], sets=sys.argv[2].split(","), provider="cuda", dtype=sys.argv[3], max_batch=2,
                   max_context=192)
 out = {}
 for variant, prefix_keys in (("default", None), ("masked", False)):
@@ -526,7 +535,8 @@ for variant, prefix_keys in (("default", None), ("masked", False)):
         c = (ctypes.c_uint64 * 10)()
         lib.stub_memcpy_counts(c)
         mark("@@end")
-        steps.append({"decoding": decoding, "rows": rows, "longest": longest, "h2d": c[3], "d2h": c[5]})
+        steps.append({"decoding": decoding, "rows": rows, "longest": longest, "h2d": c[3], "d2h": c[5],
+                      "width": eng.width})
     out[variant] = {"steps": steps, "errors": [h.error for h in handles], "tokens": [len(h.tokens) for h in handles],
                     "prefix_keys": model.info.prefix_keys, "inputs": sorted(model.input_names), "describe": eng.describe()}
 mark("@@json " + json.dumps(out))
@@ -551,22 +561,24 @@ def _kernels_by_step(stdout: str) -> dict:
     return found
 
 
-@pytest.mark.parametrize("family", ["gpt2", "llama"])
-def test_the_engines_decoding_step_takes_flash_attention(cuda_stub, family, tmp_path):
-    """The serving engine's decoder on CUDA in fp16 (runtime/driver.py serve_model: prefix_keys by default on
+@pytest.mark.parametrize("family, dtype", [("gpt2", "fp16"), ("llama", "fp16"), ("llama", "bf16")])
+def test_the_engines_decoding_step_takes_flash_attention(cuda_stub, family, dtype, tmp_path):
+    """The serving engine's decoder on CUDA in fp16 and bf16 (runtime/driver.py serve_model: prefix_keys by default on
     CUDA, passes/kv_cache.py) gives GroupQueryAttention no attention_bias -- each row's keys are its columns
     0..seqlens_k, as the engine lays rows -- and onnxruntime-gpu 1.31.1 chooses FLASH_ATTENTION for every
     decoding step (ORT_ENABLE_ATTENTION_KERNEL_DEBUG_INFO), where the same engine with the masked variant
     (prefix_keys=False: the mask as attention_bias) chose MATH; the mask's values are no longer an input
-    (decode_span [0, longest + 1] carries the width), so each decoding step copies n x (longest + 1) x 8 B
-    less host-to-device, the logits the same. Values are not checked (the stub computes nothing; the
-    variant's numerics: tests/serving/test_serve_device_cache.py)."""
+    (decode_span [0, longest + 1] carries the width) and neither is the attention mask (derived in the graph
+    from cache_length, compiler/backends/onnx/prefix_mask.py), so each decoding step copies
+    n x (longest + 1) x 8 B + n x (W + 1) x 8 B less host-to-device, the logits the same. Values are not
+    checked (the stub computes nothing; the variant's numerics: tests/serving/test_serve_device_cache.py and
+    test_serve_prefix_mask.py)."""
     import json
 
     sets = [x for x in FAMILIES[family] if not x.startswith("ctx=")] + ["ctx=192"]
     script = tmp_path / "engine_kernels.py"
     script.write_text(ENGINE_KERNELS)
-    p = cuda_stub.run([str(script), family, ",".join(sets)], timeout=300)
+    p = cuda_stub.run([str(script), family, ",".join(sets), dtype], timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
     r = json.loads(next(x for x in p.stdout.splitlines() if x.startswith("@@json "))[len("@@json "):])
     kernels = _kernels_by_step(p.stdout)
@@ -585,7 +597,10 @@ def test_the_engines_decoding_step_takes_flash_attention(cuda_stub, family, tmp_
         assert kernels[("masked", i)] == [["GroupQueryAttention", "MATH"]] * layers, kernels[("masked", i)]
         d, m = default["steps"][i], masked["steps"][i]
         assert (d["rows"], d["longest"]) == (m["rows"], m["longest"])
-        assert m["h2d"] - d["h2d"] == d["rows"] * d["longest"] * 8, (d, m)  # decode_mask's bytes, gone
+        assert d["h2d"] <= d["rows"] * 24 + 64, d  # ids, positions, lengths, a few shape scalars
+        # decode_mask's bytes and attention_mask's (derived in the graph, prefix_mask.py), gone; the two graphs'
+        # shape scalars differ by a few bytes
+        assert abs(m["h2d"] - d["h2d"] - d["rows"] * (d["longest"] + d["width"] + 1) * 8) <= 16, (d, m)
         assert d["d2h"] == m["d2h"] == d["rows"] * 128 * 4  # the logits
     # every GroupQueryAttention of the mask-less decoder, prompt chunks' decoding branch included, is flash
     assert {k for (v, _), ks in kernels.items() if v == "default" for op, k in ks if op == "GroupQueryAttention"} == \

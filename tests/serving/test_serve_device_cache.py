@@ -156,9 +156,22 @@ def test_which_cache_the_engine_takes(models, tmp_path):
     assert "OrtValues" not in auto.describe()
     plain = serving_model.load("gpt2", sets=GPT2, threads=1, decode="plain")
     assert not plain.info.length_input
-    with pytest.raises(UsageError, match="plain MatMul/Softmax branch"):
-        Engine(plain, max_batch=2, device_cache=True)
     assert Engine(plain, max_batch=2).device_cache is None
+    forced = Engine(plain, max_batch=2, device_cache=True)  # fp32 on CUDA: the plain branch over device buffers
+    assert "plain MatMul/Softmax branch" in forced.placement() and "CPU OrtValues" in forced.placement()
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_the_plain_branch_with_the_device_cache(family):
+    """The decoder whose steps run the plain MatMul/Softmax branch (fp32 on CUDA: no fp32 CUDA GroupQueryAttention)
+    with the device cache: each step reads the bound buffers and gives the rows' new columns as OrtValues, which
+    the cache's graphs write into their rows (engine.py ``_decode_step``): the numpy cache's tokens and cache
+    columns, bit for bit, after every iteration (joins, leaves, widening and narrowing, chunks, the prefix cache)."""
+    model = serving_model.load(family, sets=GPT2 if family == "gpt2" else LLAMA, threads=1, decode="plain")
+    assert not model.info.length_input
+    host, device = _lockstep(model, _requests(9), max_batch=4, max_queue=16, prefill_chunk=16)
+    assert not device.combined and device.relayouts == host.relayouts >= 2
+    assert device.prefix_cache.hits == host.prefix_cache.hits > 0 and device.device_cache.moved_rows > 0
 
 
 class _Cpu:
@@ -166,14 +179,18 @@ class _Cpu:
         return ["CPUExecutionProvider"]
 
 
-@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, "bfloat16"])
 def test_each_cache_operation_equals_its_numpy_form(dtype):
     """DeviceCache's operations against the numpy engine's (engine.py ``_put``, ``_release``,
     ``_relayout``), on buffers of two shapes: columns from a host array and from an OrtValue into a row,
     a row moved, the view widened (rows whose new place overlaps the old go through the scratch row,
     the others straight) and narrowed, columns read back. The columns a relayout does not keep are
-    zeros here and stale in numpy (masked either way): compared over the kept ones."""
-    import onnxruntime as ort
+    zeros here and stale in numpy (masked either way): compared over the kept ones. bfloat16 (--dtype bf16 on
+    CUDA): the same graphs over bf16 buffers, host arrays as ml_dtypes' bfloat16 words (runtime/bfloat16.py)."""
+    from tessera.runtime.bfloat16 import ortvalue
+
+    if dtype == "bfloat16":
+        from ml_dtypes import bfloat16 as dtype
 
     dims = {"k": (2, 4), "v": (3, 2)}
     rows, capacity = 5, 24
@@ -197,7 +214,7 @@ def test_each_cache_operation_equals_its_numpy_form(dtype):
         for n in dims:
             view(n, 4)[r, :, r % 2:r % 2 + 3] = src[n][r % 3, :, 1:4]
     same(4)
-    values = {n: ort.OrtValue.ortvalue_from_numpy(a) for n, a in src.items()}
+    values = {n: ortvalue(a) for n, a in src.items()}  # OrtValues, as a call's outputs reach _put
     dc.put(2, 4, 2, values, 1, 4, 6)
     for n in dims:
         view(n, 4)[2, :, 2:4] = src[n][1, :, 4:6]

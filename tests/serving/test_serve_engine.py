@@ -433,7 +433,7 @@ def test_quantize_options_of_serve_and_batch():
 
 
 def test_provider_and_dtype_options_of_serve_and_batch():
-    """Issue 37: --provider and --dtype on the engine's options (generate's); bf16 and w8a8 on CUDA refused,
+    """Issue 37: --provider and --dtype on the engine's options (generate's); bf16 off CUDA and w8a8 on CUDA refused,
     --dtype refused for a compiled file; cpu compiles for the CPU."""
     from tessera.runtime.serving.batch import BatchOptions
     from tessera.runtime.serving.server import ServeOptions

@@ -414,10 +414,11 @@ def _split_ir(g, x: str) -> tuple[str, str | None]:
     return x, None
 
 
-def _rotary_caches(b, packed: PackedQKV, half: bool = False) -> tuple[str, str]:
+def _rotary_caches(b, packed: PackedQKV, half: str | None = None) -> tuple[str, str]:
     """cos and sin [max_positions, hd/2], fp32: the rope's tables at every position, computed in the
     graph by the same nodes as the per-step tables (Cos, Sin of position · inv_freq, YaRN's factor), so
-    onnxruntime folds them once at load with the same kernels. Built once in the main graph."""
+    onnxruntime folds them once at load with the same kernels. Built once in the main graph; ``half``: the
+    queries' 16-bit type (f16, bf16: CUDA), which GroupQueryAttention wants its cos/sin caches in."""
     key = ("rotary_caches", packed.inv_freq.tobytes(), packed.factor, packed.max_positions, half)
     if key not in b.shared:
         saved, b.current = b.current, ""
@@ -429,8 +430,8 @@ def _rotary_caches(b, packed: PackedQKV, half: bool = False) -> tuple[str, str]:
                 t = b.node(f, [freqs], [b.fresh(f"rope/{f.lower()}_cache")])[0]
                 if packed.factor != 1.0:
                     t = b.node("Mul", [t, b.const(np.array(packed.factor, dtype=np.float32), "rope_attention_factor")])[0]
-                if half:  # GroupQueryAttention takes cos/sin caches of the queries' type (fp16 on CUDA)
-                    t = b.node("Cast", [t], to=TensorProto.FLOAT16)[0]
+                if half:  # GroupQueryAttention takes cos/sin caches of the queries' type (fp16/bf16 on CUDA)
+                    t = b.node("Cast", [t], to=_onnx_float(half))[0]
                 tables.append(t)
             b.shared[key] = tuple(tables)
         finally:
@@ -491,7 +492,9 @@ def settle_packed(model) -> int:
     """After export: for each packed If, drop the main-graph Identity nodes that gave the cache outputs
     the If now gives, and move into its prefill branch every main-graph node read by that branch alone
     (the q/k/v slices, head splits and ropes), so a decoding step does not run them. Returns how many
-    nodes moved."""
+    nodes moved. Nodes that read no data (Shape, and nodes over initializers and such nodes' outputs alone:
+    shape arithmetic, a constant expanded to a shape, as bf16's zero keys) stay in the main graph: in a
+    branch onnxruntime would run their shape arithmetic on the device and copy it to the host (CUDA)."""
     graph = model.graph
     ifs = [n for n in graph.node if n.op_type == "If" and n.doc_string == PACKED_MARK]
     if not ifs:
@@ -505,10 +508,14 @@ def settle_packed(model) -> int:
             readers.setdefault(name, []).append(i)
     moved_to: dict[int, int] = {}  # node index -> the If index it moves into
     index = {id(n): i for i, n in enumerate(nodes)}
+    dataless = {t.name for t in graph.initializer} | {""}
+    for n in nodes:
+        if n.op_type != "If" and (n.op_type == "Shape" or set(n.input) <= dataless):
+            dataless.update(n.output)
     then_reads = {index[id(n)]: _graph_reads(_branch_graph(n, "then_branch").node) | set(n.input) for n in ifs}
     for i in range(len(nodes) - 1, -1, -1):
         n = nodes[i]
-        if n.op_type == "If" or any(o in outputs for o in n.output):
+        if n.op_type == "If" or any(o in outputs for o in n.output) or set(n.output) <= dataless:
             continue
         targets = {moved_to.get(r, r) for o in n.output for r in readers.get(o, [])}
         if len(targets) != 1:
@@ -612,7 +619,7 @@ def lower_phased_attention(b, node, out: str) -> None:
         if not isinstance(packed, str):  # the If also gives the new keys and values (the cache outputs)
             elems = [elem] * 5
             hd = int(b.graph.type_of(node.inputs[0]).shape[-1])
-            shared = (_rotary_caches(b, packed, q_t.dtype == "f16"), _new_column_index(b, node, a["kv_heads"], hd))  # main graph
+            shared = (_rotary_caches(b, packed, q_t.dtype if q_t.dtype != "f32" else None), _new_column_index(b, node, a["kv_heads"], hd))  # main graph
             then_g = branch_outputs(b, lambda b, n, o: _lower_gqa_packed(b, n, o, gqa_in, packed, shared), node,
                                      "decode", elems)
             else_g = branch_outputs(b, _or_combined(b, node, _lower_prefill_packed, gqa_in, elems, (packed, shared[0])),
