@@ -102,6 +102,19 @@ class SettleMixed(ModelPass):
         return PassResult(exported.graph, bool(settle_mixed(exported.model)))
 
 
+class HoistDataless(ModelPass):
+    """CUDA: the shape arithmetic of the If branches (a sliding window's key positions in a decoding step)
+    moved into the main graph (backends/onnx/hoist.py), so onnxruntime puts no Memcpy inside a branch."""
+
+    name = "hoist-dataless"
+
+    def run(self, exported: Exported) -> PassResult:
+        from tessera.compiler.backends.onnx.hoist import hoist_dataless  # onnx: ~0.6 s
+
+        moved = hoist_dataless(exported.model)
+        return PassResult(exported.graph, bool(moved), [moved] if moved else [])
+
+
 class DerivePrefixMask(ModelPass):
     """CUDA, the serving engine's decoder (PipelineOptions.prefix_keys: the engine's layout, each row's keys its
     columns from 0; no combined call): the attention mask computed in the graph (backends/onnx/prefix_mask.py) from

@@ -36,7 +36,7 @@ from tessera.compiler.passes.expose_attention import ExposeAttentionProbs
 from tessera.compiler.passes.fuse_attention import AttentionSite, FuseAttention
 from tessera.compiler.passes.fuse_linears import FuseSharedInputLinears
 from tessera.compiler.passes.kv_cache import CacheOptions, cache_passes, cache_tensors
-from tessera.compiler.passes.model_passes import (DerivePrefixMask, FuseSkipNorms, ModelPass, PruneDeadNodes,
+from tessera.compiler.passes.model_passes import (DerivePrefixMask, FuseSkipNorms, HoistDataless, ModelPass, PruneDeadNodes,
                                                   SettleMixed, SettlePacked, SplitBoundStep)
 from tessera.compiler.passes.precision import LowerPrecision
 from tessera.compiler.passes.quantize import QuantConfig, QuantizeWeights
@@ -164,6 +164,8 @@ def cached_decoder_after_export(o: PipelineOptions) -> list[ModelPass]:
     passes: list[ModelPass] = [PruneDeadNodes(), SettlePacked(), SettleMixed()]
     if o.prefix_keys and o.target.device == "cuda":  # the engine's mask from cache_length, in the graph
         passes.append(DerivePrefixMask())
+    if o.target.device == "cuda":  # no shape arithmetic left in a branch, where it would be on the device
+        passes.append(HoistDataless())
     if o.skip_norm:
         passes.append(FuseSkipNorms())
     if o.bound_step and o.target.device == "cpu":  # on CUDA its If would hold shape arithmetic on the device

@@ -145,9 +145,13 @@ def test_each_named_pipeline_lists_its_passes_in_order():
     assert pipeline("encoder_decoder", o).describe() == \
         f"quantize-weights -> {optimize} -> split-encoder -> {cache} | after export: {onnx}"
     assert pipeline("report", o).describe() == "sparse-experts"
-    # the serving engine's CUDA variant derives its attention mask after export (backends/onnx/prefix_mask.py)
+    # the serving engine's CUDA variant derives its attention mask after export (backends/onnx/prefix_mask.py);
+    # every CUDA cached decoder moves its branches' shape arithmetic to the main graph (backends/onnx/hoist.py)
     cuda = PipelineOptions(target=Target("cuda", "fp16"), prefix_keys=True)
-    assert pipeline("cached_decoder", cuda).describe().endswith(f"{onnx} -> derive-prefix-mask -> fuse-skip-norms")
+    assert pipeline("cached_decoder", cuda).describe().endswith(
+        f"{onnx} -> derive-prefix-mask -> hoist-dataless -> fuse-skip-norms")
+    assert pipeline("cached_decoder", PipelineOptions(target=Target("cuda", "fp16"))).describe().endswith(
+        f"{onnx} -> hoist-dataless -> fuse-skip-norms")
 
 
 def test_a_model_pass_that_leaves_a_value_read_before_it_is_written_is_refused():

@@ -487,12 +487,29 @@ def test_gpt_oss_experts_are_fused_moe_with_biases_and_the_clamp_on_cuda(tmp_pat
         assert abs(attrs["activation_alpha"] - 1.702) < 1e-6
 
 
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+def test_a_sliding_window_cached_decoder_keeps_no_copy_inside_a_branch(cuda_stub, tmp_path, dtype):
+    """Gemma 3's --kv-cache decoder (five sliding layers of six) on CUDA: its windowed sites' branches built
+    their key positions from the run-time dimensions (Squeeze, Range), which onnxruntime placed on the
+    device with a Memcpy to the host for each Range bound (15 in the decoding branches before); moved into
+    the main graph (backends/onnx/hoist.py), no Memcpy is left inside a branch, at a prompt (T = 5) and at
+    decoding steps over 3 and 9 cached positions (past the window of 4), each run completing."""
+    out = tmp_path / f"gemma3-kv-{dtype}.onnx"
+    driver.compile(ModelRef(spec="gemma3", sets=OTHERS["gemma3"]),
+                   CompileOptions(output=out, target="cuda", dtype=dtype, kv_cache=True, quiet=True))
+    for past in (0, 3, 9):
+        (report,) = cuda_stub.check(out, seq=1 if past else 5, past=past)
+        assert report["providers"][:1] == ["CUDAExecutionProvider"] and not report["cpu_unforced"], report
+        assert report["memcpy_subgraph"] == 0 and report["ran"], (past, report["memcpy_subgraph"], report["error"])
+
+
 # gpt-oss's cached decoder on CUDA does not complete a step under the stub, for a reason of its attention sinks, not
 # of its experts: the phased site's decoding branch is GroupQueryAttention with attention_bias (the padding) and
 # head_sink, which onnxruntime 1.31's CUDA kernel refuses ("attention_bias with smooth softmax or head_sink is not
-# implemented in GroupQueryAttention cuda kernel", seen with every layer full); with a sliding layer it stops
-# earlier, at a Where in that branch (Y [1, 1, 1, 0]; not diagnosed: the stub computes no device value). Its plain
-# graph runs (OTHERS above). strict: a fix of the sinks' CUDA decoding step makes this pass and must drop the mark.
+# implemented in GroupQueryAttention cuda kernel", seen with every layer full); and its prompt branch is the
+# portable Loop kernel (sinks with a window or a mask have no fused CUDA kernel here), whose body keeps its
+# tile bounds' arithmetic on the device (18 Memcpy inside the Loop with every layer full). Its plain graph runs
+# (OTHERS above). strict: a fix of the sinks' CUDA decoding step makes this pass and must drop the mark.
 SINKS_ON_CUDA = pytest.mark.xfail(strict=True, reason="cached attention sinks on CUDA: GroupQueryAttention's CUDA "
                                                       "kernel refuses head_sink with attention_bias (onnxruntime 1.31)")
 
