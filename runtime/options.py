@@ -46,6 +46,7 @@ CACHES = ("auto", "buffer", "concat")
 DECODES = ("auto", "gqa", "gqa-unpacked", "plain")
 PROVIDERS = ("auto", "cpu", "cuda")
 QUANT_ACTIVATIONS = ("int8", "float")
+GGUF_WEIGHTS = ("codes", "codes-fp32", "dequantize")  # runtime/io/gguf_codes.py MODES
 REPORT_FORMATS = ("table", "json", "md", "csv")
 
 
@@ -357,13 +358,23 @@ class BuildOptions(CompileCacheOptions, QuantOptions):
     do, and until every command line, the server, ``batch`` and Ray reach it)."""
 
     # the quantisation's fields are QuantOptions'; a new compile option is declared here, with flag(...)
+    gguf_weights: str = flag("codes", choices=list(GGUF_WEIGHTS),
+                             help="a GGUF file's Q4_0, Q8_0 and Q5_0 matrices: codes (default): kept as the file "
+                                  "stores them (onnxruntime's MatMulNBits reads the file's own codes and scales, "
+                                  "dequantising them exactly as llama.cpp does; no requantisation), the "
+                                  "activations quantised to int8 per block of 32 inside the product as llama.cpp "
+                                  "does; codes-fp32: kept, the product in fp32 (the logits equal the dequantised "
+                                  "model's to rounding; 8-bit codes then run slowly on the CPU); dequantize: every "
+                                  "tensor read as fp32. Other types (Q4_1, K-quants ...) are always dequantised "
+                                  "(--explain says which and why; docs/real-models.md)")
 
     def check(self) -> None:
         super().check()  # the quantisation's rules; a new compile option's follow
+        check_choice(self.label("gguf_weights"), self.gguf_weights, GGUF_WEIGHTS)
 
     def build_fields(self) -> dict:
         """These options as PipelineOptions keywords (compiler/passes/pipeline.py)."""
-        return {"quantize": self.quant_config()}
+        return {"quantize": self.quant_config(), "gguf_weights": self.gguf_weights}
 
     def build_given(self) -> list[str]:
         """The fields given otherwise than their defaults (an .onnx file is compiled already: it takes none;
@@ -1087,7 +1098,7 @@ PERPLEXITY_FORMATS = ("text", "json")
 
 
 @dataclass(kw_only=True)
-class PerplexityOptions(CompileCacheOptions, QuantOptions):
+class PerplexityOptions(BuildOptions):
     """``tessera perplexity`` / ``Model.perplexity``: a causal language model's perplexity on a text file
     (runtime/driver.perplexity says which windows are scored)."""
 

@@ -39,9 +39,10 @@ from pathlib import Path
 
 import numpy as np
 
+from tessera.runtime.io import gguf_codes
 from tessera.runtime.io.weights import WeightsError
 
-VERSION = 2  # of the conversion: a change here converts every file again (2: the note by type)
+VERSION = 3  # of the conversion: a change here converts every file again (2: the note by type; 3: the codes kept)
 SUFFIX = ".gguf"
 MAGIC = b"GGUF"
 SHARD_BYTES = 2 * 1024 ** 3
@@ -624,6 +625,7 @@ def convert(path: Path, folder: Path, final: Path | None = None) -> str:
         if size >= SHARD_BYTES:
             flush()
     flush()
+    kept = gguf_codes.write(folder, _kept_items(m, names, config))
     (folder / "config.json").write_text(json.dumps(config, indent=1))
     (folder / "generation_config.json").write_text(json.dumps(_generation_config(m), indent=1))
     try:
@@ -631,19 +633,62 @@ def convert(path: Path, folder: Path, final: Path | None = None) -> str:
     except Exception as e:  # tokenizers raises plain Exceptions for a vocabulary or merges it cannot take
         why = f"its tokenizer metadata could not be built into a tokenizer ({type(e).__name__}: {e})"
     note = f"{path}: GGUF {m.arch}, {len(m.tensors)} tensors as fp32 in {final or folder} ({type_summary(m.types())})"
+    summary = codes_summary(m) if kept or m.types().keys() - set(FLOATS) else ""
+    if summary:
+        note += f"; {summary}"
     if why:
         note += f"; no tokenizer read: {why} (give --tokenizer)"
     (folder / "gguf_source.json").write_text(json.dumps({"source": str(path), "version": VERSION, "note": note}))
     return note
 
 
+def _rows(m: GGUFModel, hf_name: str, config: dict, n: int) -> np.ndarray | None:
+    """The row order the architecture's tensor function gives a matrix of ``n`` rows (llama's q and k
+    permuted back to rotate-half), as an index into the file's rows; None for the file's own order."""
+    if m.arch == "llama" and hf_name.endswith(("self_attn.q_proj.weight", "self_attn.k_proj.weight")):
+        heads = config["num_attention_heads" if "q_proj" in hf_name else "num_key_value_heads"]
+        return _unpermute(np.arange(n), heads)
+    return None
+
+
+def _kept_items(m: GGUFModel, names: dict, config: dict) -> list:
+    """The matrices whose codes are kept (gguf_codes.KEPT types, 2-D, not a norm: Gemma's norms are
+    read as w - 1), as gguf_codes.write takes them."""
+    items = []
+    for name, t in m.tensors.items():
+        hf = _hf_name(name, names)
+        if t.tensor_type.name in gguf_codes.KEPT and len(t.shape) == 2 and not hf.endswith("norm.weight"):
+            n, k = int(t.shape[1]), int(t.shape[0])  # GGUF's ne: columns first
+            items.append((hf, t.tensor_type.name, np.asarray(t.data), n, k, _rows(m, hf, config, n)))
+    return items
+
+
+def codes_summary(m: GGUFModel) -> str:
+    """Which quantised types keep their codes and which are dequantised, and why (the note's words)."""
+    kept, other = {}, {}
+    for t in m.tensors.values():
+        kind = t.tensor_type.name
+        if kind in gguf_codes.KEPT and len(t.shape) == 2:
+            kept[kind] = kept.get(kind, 0) + 1
+        elif kind not in FLOATS:
+            other[kind] = other.get(kind, 0) + 1
+    parts = []
+    if kept:
+        parts.append("codes kept for MatMulNBits (no requantisation; --gguf-weights dequantize reads them as fp32): "
+                     + ", ".join(f"{k}: {v}" for k, v in kept.items()))
+    if other:
+        parts.append("dequantised: " + ", ".join(f"{k}: {v} ({gguf_codes.WHY_NOT.get(k, 'no exact MatMulNBits form')})"
+                                                 for k, v in other.items()))
+    return "; ".join(parts)
+
+
 _converted: dict[tuple, Path] = {}
 
 
-def explain(path) -> str | None:
+def explain(path, mode: str = "codes") -> str | None:
     """--explain's line for a GGUF file (None for any other path): how its tensors were read (the
-    conversion's note, kept in the folder); None too when this call converted the file, its note just
-    printed."""
+    conversion's note, kept in the folder) and whether --gguf-weights (``mode``) reads the kept codes;
+    None too when this call converted the file, its note just printed."""
     if path is None or not is_gguf(path):
         return None
     folder, now = _folder(path)
@@ -653,6 +698,10 @@ def explain(path) -> str | None:
         note = json.loads((folder / "gguf_source.json").read_text())["note"]
     except (OSError, ValueError, KeyError, TypeError):
         return None
+    if (folder / gguf_codes.FOLDER).is_dir():
+        note += ("; --gguf-weights dequantize: every tensor read as fp32" if mode == "dequantize" else
+                 f"; --gguf-weights {mode}: the linears over kept codes run as MatMulNBits ("
+                 + ("int8 activations per block of 32" if mode == "codes" else "fp32 products") + ")")
     return f"GGUF weights: {note}"
 
 
