@@ -344,6 +344,18 @@ class CompileCacheOptions(Options):
                                       "compile_cache and no_compile_cache=True contradict each other; give one"))
 
 
+def gguf_weights_flag():
+    """--gguf-weights (BuildOptions and PerplexityOptions: every command that compiles a model from weights)."""
+    return flag("codes", choices=list(GGUF_WEIGHTS),
+                help="a GGUF file's Q4_0, Q8_0, Q5_0, Q4_1, Q5_1, Q4_K and Q5_K matrices: codes (default): kept as "
+                     "the file stores them (onnxruntime's MatMulNBits reads the file's own codes and scales, which "
+                     "it dequantises to exactly llama.cpp's weights; no requantisation), the activations quantised "
+                     "to int8 per block of 32 inside the product as llama.cpp does; codes-fp32: kept, the product "
+                     "in fp32 (the logits equal the dequantised model's to rounding; 8-bit codes then run slowly "
+                     "on the CPU); dequantize: every tensor read as fp32. Other types (Q6_K, Q3_K, Q2_K, IQ4_NL) "
+                     "are dequantised (--explain says which and why; docs/cli.md, A GGUF file as the model)")
+
+
 CACHE_FIELDS = ("compile_cache", "no_compile_cache")  # where compiles are kept, not how: no pipeline keyword
 
 
@@ -358,15 +370,7 @@ class BuildOptions(CompileCacheOptions, QuantOptions):
     do, and until every command line, the server, ``batch`` and Ray reach it)."""
 
     # the quantisation's fields are QuantOptions'; a new compile option is declared here, with flag(...)
-    gguf_weights: str = flag("codes", choices=list(GGUF_WEIGHTS),
-                             help="a GGUF file's Q4_0, Q8_0 and Q5_0 matrices: codes (default): kept as the file "
-                                  "stores them (onnxruntime's MatMulNBits reads the file's own codes and scales, "
-                                  "dequantising them exactly as llama.cpp does; no requantisation), the "
-                                  "activations quantised to int8 per block of 32 inside the product as llama.cpp "
-                                  "does; codes-fp32: kept, the product in fp32 (the logits equal the dequantised "
-                                  "model's to rounding; 8-bit codes then run slowly on the CPU); dequantize: every "
-                                  "tensor read as fp32. Other types (Q4_1, K-quants ...) are always dequantised "
-                                  "(--explain says which and why; docs/real-models.md)")
+    gguf_weights: str = gguf_weights_flag()
 
     def check(self) -> None:
         super().check()  # the quantisation's rules; a new compile option's follow
@@ -1098,11 +1102,12 @@ PERPLEXITY_FORMATS = ("text", "json")
 
 
 @dataclass(kw_only=True)
-class PerplexityOptions(BuildOptions):
+class PerplexityOptions(CompileCacheOptions, QuantOptions):
     """``tessera perplexity`` / ``Model.perplexity``: a causal language model's perplexity on a text file
     (runtime/driver.perplexity says which windows are scored)."""
 
     text: str | Path
+    gguf_weights: str = gguf_weights_flag()
     tokenizer: str | Path | None = None
     context: int = 512
     stride: int | None = None
@@ -1113,6 +1118,7 @@ class PerplexityOptions(BuildOptions):
     def check(self) -> None:
         super().check()
         check_path(self.label("text"), self.text, optional=False)
+        check_choice(self.label("gguf_weights"), self.gguf_weights, GGUF_WEIGHTS)
         check_path(self.label("tokenizer"), self.tokenizer)
         check_int(self.label("context"), self.context, minimum=4)
         check_int(self.label("stride"), self.stride, minimum=1, optional=True)

@@ -135,7 +135,7 @@ def _mark_stored(graph: Graph, weights: Path, name_map, hyper: dict) -> None:
         entry = codes.index.get(piece.source)
         param = graph.params[path]
         if entry and not piece.sizes and not piece.transpose and list(param.shape) == entry["shape"]:
-            param.stored = (entry["bits"], entry["block"], entry["type"])
+            param.stored = (entry["bits"], entry["block"], entry["type"], bool(entry.get("mins")))
 
 
 def _drop_unfed_outputs(graph: Graph, weights: Path, name_map, hyper: dict) -> None:

@@ -1,13 +1,16 @@
 """Linears whose weight the checkpoint also holds block-quantised, exactly (``Param.stored``: a GGUF
-file's own Q4_0, Q8_0 or Q5_0 codes, runtime/io/gguf_codes.py), become ``linear_nbits`` over those codes.
+file's own Q4_0, Q8_0, Q5_0, Q4_1, Q5_1, Q4_K or Q5_K codes, runtime/io/gguf_codes.py), become
+``linear_nbits`` over those codes.
 
 Why a pass of its own rather than --quantize: nothing is quantised here. The packed codes and scales are
 read from the checkpoint as they are (the derived parameters' recipe ``("stored", weight, bits, block,
 part)``: compiler/reference/quant.py ParamValues asks the weights for them), and MatMulNBits dequantises
 them to exactly the weight the file's own dequantisation gives (gguf_codes' docstring says why for each
 type). Where the weight is also an embedding table (a tied head), the embedding keeps gathering from the
-float table (onnxruntime's GatherBlockQuantized takes 4-bit codes only, and a gather reads one row per
-token: the bytes it would save are not read anyway) and the head reads the codes.
+float table (onnxruntime's GatherBlockQuantized takes 4-bit codes with integer zero points only, and a
+gather reads one row per token: the bytes it would save are not read anyway) and the head reads the codes.
+The types with a min per block (Q4_1, Q4_K ...) take uint8 zero points 0 and ``block_mins`` (the
+offsets, added by the lowering: compiler/ops/linalg.py).
 
 ``accuracy_level``: 4 (``codes``, the default) lets MatMulNBits quantise the activations to int8 per
 block of 32 inside the product, as llama.cpp does for these types (its vec_dot_q4_0_q8_0 and
@@ -25,7 +28,7 @@ from dataclasses import dataclass
 
 from tessera.compiler.ir.graph import Graph, Param
 from tessera.compiler.passes.base import Pass, PassResult
-from tessera.compiler.reference.quant import blocks, packed_shape
+from tessera.compiler.reference.quant import blocks, packed_shape, zeros_shape
 
 ACCURACY = {"codes": 4, "codes-fp32": 0}
 TAG = "stored"  # the derived parameters' paths: WEIGHT.stored_packed, WEIGHT.stored_scales
@@ -64,19 +67,21 @@ class KeepStoredCodes(Pass):
             p = graph.params.get(w)
             if p is None or p.stored is None or p.dtype != "f32" or len(p.shape) != 2:
                 continue
-            bits, block, kind = p.stored
+            bits, block, kind, mins = p.stored
             n, k = p.shape
             names = {}
-            for part, shape, dtype in (("packed", packed_shape(n, k, bits, block), "u8"),
-                                       ("scales", (n, blocks(k, block)), "f32")):
+            parts = [("packed", packed_shape(n, k, bits, block), "u8"), ("scales", (n, blocks(k, block)), "f32")]
+            if mins:  # zero points 0 and an offset per block: w = scale * u + offset
+                parts += [("zeros", zeros_shape(n, k, bits, block), "u8"), ("mins", (n, blocks(k, block)), "f32")]
+            for part, shape, dtype in parts:
                 path = f"{w}.{TAG}_{part}"
                 if path not in graph.params:
                     graph.add_param(Param(path, shape, dtype, "derived", 0.0, p.pos, (TAG, w, bits, block, part)))
                 names[part] = path
-            graph.replace_node(node.name, "linear_nbits", [node.inputs[0], names["packed"], names["scales"],
-                                                           *node.inputs[2:]],
-                               {"bits": bits, "block_size": block, "K": k, "N": n,
-                                "accuracy_level": ACCURACY[self.mode]})
+            attrs = {"bits": bits, "block_size": block, "K": k, "N": n, "accuracy_level": ACCURACY[self.mode]}
+            if mins:
+                attrs.update(zero_points=1, block_mins=1)
+            graph.replace_node(node.name, "linear_nbits", [node.inputs[0], *names.values(), *node.inputs[2:]], attrs)
             if not graph.consumers(w):
                 graph.remove_param(w)
             notes.append(StoredNote(node.name, w, kind))

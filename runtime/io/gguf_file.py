@@ -18,7 +18,9 @@ as 1 + w and read back as w, every sixth layer full and the others sliding with 
 the K-quants Q2_K, Q3_K, Q4_K, Q5_K, Q6_K (a Q4_K_M file mixes Q4_K and Q6_K, with Q5_0, Q5_1, Q8_0
 or IQ4_NL where a row is not a multiple of 256), each dequantised to fp32 exactly as llama.cpp's
 ``dequantize_row_*`` computes it (``DEQUANTIZE``; the note says how many tensors came from each
-type); and the query and key matrices are permuted back from llama.cpp's rotary layout (its
+type); the matrices whose type MatMulNBits holds exactly also keep their own codes beside the fp32
+shards (runtime/io/gguf_codes.py: what --gguf-weights codes, the default, compiles them from; the
+note says which are kept and why the others are not); and the query and key matrices are permuted back from llama.cpp's rotary layout (its
 converter's ``permute``: each head's rows interleaved as pairs) to Hugging Face's (rotate-half). The tokenizer is read where it is
 byte-level BPE (``tokenizer.ggml.model = gpt2``) with a known pre-tokenizer (``PRE_TOKENIZERS``);
 another is left out with a note (give ``--tokenizer``). Anything else -- another architecture, another
@@ -625,7 +627,7 @@ def convert(path: Path, folder: Path, final: Path | None = None) -> str:
         if size >= SHARD_BYTES:
             flush()
     flush()
-    kept = gguf_codes.write(folder, _kept_items(m, names, config))
+    kept, inexact = gguf_codes.write(folder, _kept_items(m, names, config))
     (folder / "config.json").write_text(json.dumps(config, indent=1))
     (folder / "generation_config.json").write_text(json.dumps(_generation_config(m), indent=1))
     try:
@@ -633,7 +635,7 @@ def convert(path: Path, folder: Path, final: Path | None = None) -> str:
     except Exception as e:  # tokenizers raises plain Exceptions for a vocabulary or merges it cannot take
         why = f"its tokenizer metadata could not be built into a tokenizer ({type(e).__name__}: {e})"
     note = f"{path}: GGUF {m.arch}, {len(m.tensors)} tensors as fp32 in {final or folder} ({type_summary(m.types())})"
-    summary = codes_summary(m) if kept or m.types().keys() - set(FLOATS) else ""
+    summary = codes_summary(m, inexact) if kept or m.types().keys() - set(FLOATS) else ""
     if summary:
         note += f"; {summary}"
     if why:
@@ -659,26 +661,35 @@ def _kept_items(m: GGUFModel, names: dict, config: dict) -> list:
         hf = _hf_name(name, names)
         if t.tensor_type.name in gguf_codes.KEPT and len(t.shape) == 2 and not hf.endswith("norm.weight"):
             n, k = int(t.shape[1]), int(t.shape[0])  # GGUF's ne: columns first
-            items.append((hf, t.tensor_type.name, np.asarray(t.data), n, k, _rows(m, hf, config, n)))
+            want = m.read(name) if t.tensor_type.name in gguf_codes.MINS else None  # ggml's, for gguf_codes.exact
+            items.append((hf, t.tensor_type.name, np.asarray(t.data), n, k, _rows(m, hf, config, n), want))
     return items
 
 
-def codes_summary(m: GGUFModel) -> str:
-    """Which quantised types keep their codes and which are dequantised, and why (the note's words)."""
-    kept, other = {}, {}
-    for t in m.tensors.values():
+def codes_summary(m: GGUFModel, inexact: list[str] = ()) -> str:
+    """Which quantised types keep their codes and which are dequantised, and why (the note's words);
+    ``inexact``: the Hugging Face names of matrices whose d * q + m rounds in fp32 (gguf_codes.exact)."""
+    kept, other, rounded = {}, {}, {}
+    names = ARCHITECTURES[m.arch][1] if m.arch in ARCHITECTURES else {}
+    for name, t in m.tensors.items():
         kind = t.tensor_type.name
-        if kind in gguf_codes.KEPT and len(t.shape) == 2:
+        if kind in gguf_codes.KEPT and len(t.shape) == 2 and _hf_name(name, names) in inexact:
+            rounded[kind] = rounded.get(kind, 0) + 1
+        elif kind in gguf_codes.KEPT and len(t.shape) == 2:
             kept[kind] = kept.get(kind, 0) + 1
         elif kind not in FLOATS:
             other[kind] = other.get(kind, 0) + 1
+    for kind, count in rounded.items():
+        other[f"{kind} "] = count  # the same type, its own reason
     parts = []
     if kept:
         parts.append("codes kept for MatMulNBits (no requantisation; --gguf-weights dequantize reads them as fp32): "
                      + ", ".join(f"{k}: {v}" for k, v in kept.items()))
     if other:
-        parts.append("dequantised: " + ", ".join(f"{k}: {v} ({gguf_codes.WHY_NOT.get(k, 'no exact MatMulNBits form')})"
-                                                 for k, v in other.items()))
+        parts.append("dequantised: " + ", ".join(
+            f"{k.strip()}: {v} (" + ("d * q + m rounds in fp32 somewhere in it" if k.endswith(" ") else
+                                     gguf_codes.WHY_NOT.get(k, "no exact MatMulNBits form")) + ")"
+            for k, v in other.items()))
     return "; ".join(parts)
 
 
