@@ -160,13 +160,18 @@ class FullCompile:
 def explain_stored(result: PipelineResult) -> str:
     """--explain's line for the linears reading the checkpoint's own codes (passes/stored_codes.py)."""
     notes = result.notes(KeepStoredCodes.name)
-    if not notes:
-        return ""
-    kinds: dict[str, int] = {}
-    for n in notes:
-        kinds[n.kind] = kinds.get(n.kind, 0) + 1
-    return (f"linears reading the GGUF file's own codes (MatMulNBits, no requantisation): {len(notes)} ("
-            + ", ".join(f"{k}: {v}" for k, v in kinds.items()) + ")")
+    kept = [n for n in notes if n.kept]
+    line = ""
+    if kept:
+        kinds: dict[str, int] = {}
+        for n in kept:
+            kinds[n.kind] = kinds.get(n.kind, 0) + 1
+        line = (f"linears reading the GGUF file's own codes (MatMulNBits, no requantisation): {len(kept)} ("
+                + ", ".join(f"{k}: {v}" for k, v in kinds.items()) + ")")
+    if len(kept) < len(notes):
+        line += ("\n" if line else "") + (f"linears over 8-bit codes read as fp32 (--gguf-weights codes-fp32: "
+                                          f"onnxruntime has no fast fp32 path for 8 bits): {len(notes) - len(kept)}")
+    return line
 
 
 def compile_full(graph: Graph, options: PipelineOptions = PipelineOptions()) -> FullCompile:

@@ -350,9 +350,9 @@ def gguf_weights_flag():
                 help="a GGUF file's Q4_0, Q8_0, Q5_0, Q4_1, Q5_1, Q4_K and Q5_K matrices: codes (default): kept as "
                      "the file stores them (onnxruntime's MatMulNBits reads the file's own codes and scales, which "
                      "it dequantises to exactly llama.cpp's weights; no requantisation), the activations quantised "
-                     "to int8 per block of 32 inside the product as llama.cpp does; codes-fp32: kept, the product "
-                     "in fp32 (the logits equal the dequantised model's to rounding; 8-bit codes then run slowly "
-                     "on the CPU); dequantize: every tensor read as fp32. Other types (Q6_K, Q3_K, Q2_K, IQ4_NL) "
+                     "to int8 per block of 32 inside the product as llama.cpp does; codes-fp32: the 4-bit ones "
+                     "kept, the product in fp32, the 8-bit ones read as fp32 (the logits equal the dequantised "
+                     "model's to rounding); dequantize: every tensor read as fp32. Other types (Q6_K, Q3_K, Q2_K, IQ4_NL) "
                      "are dequantised (--explain says which and why; docs/cli.md, A GGUF file as the model)")
 
 

