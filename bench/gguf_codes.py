@@ -4,7 +4,7 @@ the compile's peak memory, the logits, ``tessera perplexity``, and decoding spee
 MatMulNBits micro-measurement that decides which GGUF types are kept (float zero points against
 uint8 ones and fp32 MatMul at one token).
 
-    python bench/gguf_codes.py FILE.gguf --text TEXT [--chars 16000] [--threads 2] [--json OUT]
+    python bench/gguf_codes.py FILE.gguf --text TEXT [--chars 16000] [--threads 2] [--tokenizer T] [--json OUT]
     python bench/gguf_codes.py --kernels                # the MatMulNBits paths alone
 
 Each measurement runs the command line in a process of its own (``/usr/bin/time -v`` gives its peak
@@ -42,7 +42,7 @@ def _tessera(*args, threads: int) -> tuple[str, str, int]:
     return done.stdout, done.stderr, rss
 
 
-def model(path: str, text: str | None, chars: int, threads: int) -> dict:
+def model(path: str, text: str | None, chars: int, threads: int, tokenizer: str | None = None) -> dict:
     out: dict = {}
     work = Path(tempfile.mkdtemp(prefix="gguf-codes-"))
     if text:
@@ -63,7 +63,8 @@ def model(path: str, text: str | None, chars: int, threads: int) -> dict:
         logits[mode] = np.load(work / mode / "logits.npy")
         if text:
             stdout, _, rss = _tessera("perplexity", path, "--text", work / "text.txt", "--context", 512, "--format",
-                                      "json", "-q", "--gguf-weights", mode, "--no-compile-cache", threads=threads)
+                                      "json", "-q", "--gguf-weights", mode, "--no-compile-cache",
+                                      *(["--tokenizer", tokenizer] if tokenizer else []), threads=threads)
             got = json.loads(stdout)
             row["perplexity"] = round(got["perplexity"], 4)
             row["perplexity_tokens_scored"] = got.get("scored") or got.get("tokens_scored")
@@ -144,6 +145,7 @@ def main() -> None:
     p.add_argument("gguf", nargs="?", help="a GGUF file")
     p.add_argument("--text", help="a UTF-8 text for tessera perplexity")
     p.add_argument("--chars", type=int, default=16000, help="the text's first N characters (default 16000)")
+    p.add_argument("--tokenizer", help="a tokenizer.json for perplexity where the file's tokenizer is not read")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--kernels", action="store_true", help="the MatMulNBits micro-measurement")
     p.add_argument("--json", metavar="FILE")
@@ -152,7 +154,7 @@ def main() -> None:
     if args.kernels:
         result["kernels"] = kernels(args.threads)
     if args.gguf:
-        result["model"] = model(args.gguf, args.text, args.chars, args.threads)
+        result["model"] = model(args.gguf, args.text, args.chars, args.threads, args.tokenizer)
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))
 

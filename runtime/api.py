@@ -133,7 +133,8 @@ class Model:
         o = CompileOptions(output=out, kv_cache=kv_cache, attention=attention, target=target, dtype=dtype,
                            check_model=check, quantize=quantize, quantize_block=quantize_block,
                            quantize_head=quantize_head, quantize_activations=quantize_activations,
-                           gguf_weights=gguf_weights, sparse_moe=sparse_moe, genai=genai, tokenizer=tokenizer, context_length=context_length,
+                           gguf_weights=gguf_weights, sparse_moe=sparse_moe, genai=genai, tokenizer=tokenizer,
+                           context_length=context_length,
                            cache=cache, decode=decode, combined_call=combined_call, recurrence=recurrence,
                            attention_probs=list(attention_probs) if isinstance(attention_probs, (list, tuple))
                            else attention_probs, explain=explain, compile_cache=compile_cache,
@@ -143,7 +144,8 @@ class Model:
     def run(self, inputs: dict | None = None, /, *, provider: str = "cpu", attention: str = "auto",
             target: str = "cpu", dtype: str = "fp32", quantize: str = "none", quantize_block: int | None = None,
             quantize_head: bool = False, quantize_activations: str | None = None, gguf_weights: str = "codes",
-            sparse_moe: bool = True, recurrence: str = "auto", explain: bool = False, tokenizer: str | Path | None = None,
+            sparse_moe: bool = True, recurrence: str = "auto", explain: bool = False,
+            tokenizer: str | Path | None = None,
             texts: list[str] = (), images: list[str] = (), pool: str | None = None,
             save: str | Path | None = None, compile_cache: str | Path | None = None, no_compile_cache: bool = False,
             **named_inputs) -> dict[str, np.ndarray]:
@@ -155,7 +157,8 @@ class Model:
         o = RunOptions(provider=provider, attention=attention, target=target, dtype=dtype, quantize=quantize,
                        quantize_block=quantize_block, quantize_head=quantize_head,
                        quantize_activations=quantize_activations, gguf_weights=gguf_weights, sparse_moe=sparse_moe,
-                       recurrence=recurrence, explain=explain, tokenizer=tokenizer, texts=_as_list(texts), images=_as_list(images), pool=pool,
+                       recurrence=recurrence, explain=explain, tokenizer=tokenizer, texts=_as_list(texts),
+                       images=_as_list(images), pool=pool,
                        save=save, compile_cache=compile_cache, no_compile_cache=no_compile_cache).for_api()
         o.check()
         key = (provider, attention, target, dtype, sparse_moe, recurrence, o.build_key())

@@ -352,8 +352,8 @@ def gguf_weights_flag():
                      "it dequantises to exactly llama.cpp's weights; no requantisation), the activations quantised "
                      "to int8 per block of 32 inside the product as llama.cpp does; codes-fp32: the 4-bit ones "
                      "kept, the product in fp32, the 8-bit ones read as fp32 (the logits equal the dequantised "
-                     "model's to rounding); dequantize: every tensor read as fp32. Other types (Q6_K, Q3_K, Q2_K, IQ4_NL) "
-                     "are dequantised (--explain says which and why; docs/cli.md, A GGUF file as the model)")
+                     "model's to rounding); dequantize: every tensor read as fp32. Other types (Q6_K, Q3_K, "
+                     "Q2_K, IQ4_NL) are dequantised (--explain says which and why; docs/cli.md, A GGUF file as the model)")
 
 
 CACHE_FIELDS = ("compile_cache", "no_compile_cache")  # where compiles are kept, not how: no pipeline keyword

@@ -20,8 +20,9 @@ or IQ4_NL where a row is not a multiple of 256), each dequantised to fp32 exactl
 ``dequantize_row_*`` computes it (``DEQUANTIZE``; the note says how many tensors came from each
 type); the matrices whose type MatMulNBits holds exactly also keep their own codes beside the fp32
 shards (runtime/io/gguf_codes.py: what --gguf-weights codes, the default, compiles them from; the
-note says which are kept and why the others are not); and the query and key matrices are permuted back from llama.cpp's rotary layout (its
-converter's ``permute``: each head's rows interleaved as pairs) to Hugging Face's (rotate-half). The tokenizer is read where it is
+note says which are kept and why the others are not); and the query and key matrices are permuted
+back from llama.cpp's rotary layout (its converter's ``permute``: each head's rows interleaved as
+pairs) to Hugging Face's (rotate-half). The tokenizer is read where it is
 byte-level BPE (``tokenizer.ggml.model = gpt2``) with a known pre-tokenizer (``PRE_TOKENIZERS``);
 another is left out with a note (give ``--tokenizer``). Anything else -- another architecture, another
 tensor type (IQ2_XS and the other IQ* types, TQ*, MXFP4), rope scaling the spec does not take -- is a
