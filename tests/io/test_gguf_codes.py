@@ -323,3 +323,27 @@ def test_a_real_file_keeps_its_codes_and_its_logits(env, tmp_path, capsys):
     scale = np.abs(runs["dequantize"]).max()
     assert np.abs(runs["codes-fp32"] - runs["dequantize"]).max() < 1e-5 * scale
     assert (runs["codes-fp32"].argmax(-1) == runs["dequantize"].argmax(-1)).all()
+
+
+@pytest.mark.parametrize("kind", ["Q4_1", "Q5_K", "Q4_0"])
+def test_the_interpreters_reference_of_the_codes_is_ggmls_weight(kind):
+    """linear_nbits' reference (compiler/ops/linalg.py, the interpreter's), with block_mins where the
+    type has a min, against x @ gguf.quants.dequantize(W).T in numpy."""
+    from tessera.compiler import ops  # noqa: F401  (registers the ops)
+    from tessera.compiler.ops.registry import get
+
+    rng = np.random.default_rng(4)
+    n, k = 16, 256
+    raw = _blocks(kind, n, k, rng)
+    want = quants.dequantize(raw, T[kind]).astype(np.float64)
+    packed, scales, mins = gguf_codes.to_nbits(kind, raw, n, k)
+    bits = gguf_codes.KEPT[kind]
+    attrs = {"bits": bits, "block_size": 32, "K": k, "N": n, "accuracy_level": 0}
+    inputs = [packed, scales]
+    if mins is not None:
+        attrs.update(zero_points=1, block_mins=1)
+        inputs += [np.zeros((n, -(-(k // 32) * bits // 8)), np.uint8), mins]
+    x = rng.standard_normal((3, k)).astype(np.float32)
+    y = get("linear_nbits").reference([x, *inputs], attrs, None)
+    ref = x.astype(np.float64) @ want.T
+    assert (np.abs(y - ref) <= 1e-5 * (np.abs(x) @ np.abs(want).T)).all()
