@@ -140,7 +140,9 @@ def main(argv=None) -> int:
                 sim = tessera.load(simulated_folder(folder, SIMULATED[name], Path(tmp) / name))
                 r = sim.perplexity(text_file, context=a.context, provider="cpu")
             else:
-                r = model.perplexity(text_file, context=a.context, provider="cpu",
+                # every scheme from the fp32 weights: a GGUF file's own codes would otherwise be kept
+                # (--gguf-weights codes) and leave the scheme nothing to quantise
+                r = model.perplexity(text_file, context=a.context, provider="cpu", gguf_weights="dequantize",
                                      quantize="none" if name == "fp32" else name, quantize_head=head)
             base = base or r["perplexity"]
             rows.append({"scheme": scheme, "perplexity": r["perplexity"], "ratio": r["perplexity"] / base,

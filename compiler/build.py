@@ -24,6 +24,7 @@ from tessera.compiler.passes.model_passes import Exported
 from tessera.compiler.passes.pipeline import PipelineOptions, attention_sites, expert_sites, explain as explain_sites, \
     explain_experts, pipeline
 from tessera.compiler.passes.quantize import QuantizeWeights
+from tessera.compiler.passes.stored_codes import KeepStoredCodes
 from tessera.compiler.passes.recurrence import ChooseRecurrenceLowering, explain as explain_scans
 
 if TYPE_CHECKING:  # onnx (and ml_dtypes under it) costs ~0.6 s to import: `tessera report` needs only model_metadata
@@ -144,6 +145,9 @@ class FullCompile:
             lines.append(f"quantised linears: {done} of {len(notes)} ({self.quantize.scheme}, "
                          f"{self.quantize.granularity})")
             lines += [f"  {n.describe()}" for n in notes if not n.quantized]
+        stored = explain_stored(self.result)
+        if stored:
+            lines.append(stored)
         experts = explain_experts(expert_sites(self.result))
         if experts:
             lines.append(experts)
@@ -151,6 +155,23 @@ class FullCompile:
         if scans:  # models without recurrence keep their listing as it was
             lines.append(explain_scans(scans))
         return "\n".join(lines)
+
+
+def explain_stored(result: PipelineResult) -> str:
+    """--explain's line for the linears reading the checkpoint's own codes (passes/stored_codes.py)."""
+    notes = result.notes(KeepStoredCodes.name)
+    kept = [n for n in notes if n.kept]
+    line = ""
+    if kept:
+        kinds: dict[str, int] = {}
+        for n in kept:
+            kinds[n.kind] = kinds.get(n.kind, 0) + 1
+        line = (f"linears reading the GGUF file's own codes (MatMulNBits, no requantisation): {len(kept)} ("
+                + ", ".join(f"{k}: {v}" for k, v in kinds.items()) + ")")
+    if len(kept) < len(notes):
+        line += ("\n" if line else "") + (f"linears over 8-bit codes read as fp32 (--gguf-weights codes-fp32: "
+                                          f"onnxruntime has no fast fp32 path for 8 bits): {len(notes) - len(kept)}")
+    return line
 
 
 def compile_full(graph: Graph, options: PipelineOptions = PipelineOptions()) -> FullCompile:

@@ -115,7 +115,7 @@ class Model:
     # ---------------------------------------------------------------- compile and run
     def compile(self, out: str | Path, kv_cache: bool = False, attention: str = "auto", target: str = "cpu",
                 dtype: str = "fp32", check: bool = True, quantize: str = "none", quantize_block: int | None = None,
-                quantize_head: bool = False, quantize_activations: str | None = None,
+                quantize_head: bool = False, quantize_activations: str | None = None, gguf_weights: str = "codes",
                 sparse_moe: bool = True, genai: bool = False, tokenizer: str | Path | None = None,
                 context_length: int | None = None, cache: str = "auto", decode: str = "auto",
                 combined_call: bool = False,
@@ -133,7 +133,8 @@ class Model:
         o = CompileOptions(output=out, kv_cache=kv_cache, attention=attention, target=target, dtype=dtype,
                            check_model=check, quantize=quantize, quantize_block=quantize_block,
                            quantize_head=quantize_head, quantize_activations=quantize_activations,
-                           sparse_moe=sparse_moe, genai=genai, tokenizer=tokenizer, context_length=context_length,
+                           gguf_weights=gguf_weights, sparse_moe=sparse_moe, genai=genai, tokenizer=tokenizer,
+                           context_length=context_length,
                            cache=cache, decode=decode, combined_call=combined_call, recurrence=recurrence,
                            attention_probs=list(attention_probs) if isinstance(attention_probs, (list, tuple))
                            else attention_probs, explain=explain, compile_cache=compile_cache,
@@ -142,8 +143,9 @@ class Model:
 
     def run(self, inputs: dict | None = None, /, *, provider: str = "cpu", attention: str = "auto",
             target: str = "cpu", dtype: str = "fp32", quantize: str = "none", quantize_block: int | None = None,
-            quantize_head: bool = False, quantize_activations: str | None = None, sparse_moe: bool = True,
-            recurrence: str = "auto", explain: bool = False, tokenizer: str | Path | None = None,
+            quantize_head: bool = False, quantize_activations: str | None = None, gguf_weights: str = "codes",
+            sparse_moe: bool = True, recurrence: str = "auto", explain: bool = False,
+            tokenizer: str | Path | None = None,
             texts: list[str] = (), images: list[str] = (), pool: str | None = None,
             save: str | Path | None = None, compile_cache: str | Path | None = None, no_compile_cache: bool = False,
             **named_inputs) -> dict[str, np.ndarray]:
@@ -154,8 +156,9 @@ class Model:
         ``no_compile_cache=True`` --no-compile-cache: docs/cli.md, the compile cache)."""
         o = RunOptions(provider=provider, attention=attention, target=target, dtype=dtype, quantize=quantize,
                        quantize_block=quantize_block, quantize_head=quantize_head,
-                       quantize_activations=quantize_activations, sparse_moe=sparse_moe, recurrence=recurrence,
-                       explain=explain, tokenizer=tokenizer, texts=_as_list(texts), images=_as_list(images), pool=pool,
+                       quantize_activations=quantize_activations, gguf_weights=gguf_weights, sparse_moe=sparse_moe,
+                       recurrence=recurrence, explain=explain, tokenizer=tokenizer, texts=_as_list(texts),
+                       images=_as_list(images), pool=pool,
                        save=save, compile_cache=compile_cache, no_compile_cache=no_compile_cache).for_api()
         o.check()
         key = (provider, attention, target, dtype, sparse_moe, recurrence, o.build_key())
@@ -180,8 +183,8 @@ class Model:
     def perplexity(self, text: str | Path, context: int = 512, stride: int | None = None,
                    tokenizer: str | Path | None = None, provider: str = "auto", quantize: str = "none",
                    quantize_block: int | None = None, quantize_head: bool = False,
-                   quantize_activations: str | None = None, compile_cache: str | Path | None = None,
-                   no_compile_cache: bool = False) -> dict:
+                   quantize_activations: str | None = None, gguf_weights: str = "codes",
+                   compile_cache: str | Path | None = None, no_compile_cache: bool = False) -> dict:
         """The perplexity on the text file ``text``, as ``tessera perplexity --format json`` gives it: by
         default llama.cpp's llama-perplexity figure (windows of ``context`` tokens, each scoring its
         second half), with ``stride`` transformers' sliding window (runtime/driver.perplexity_windows);
@@ -192,7 +195,8 @@ class Model:
                               tokenizer=tokenizer if tokenizer is not None else self._folder_tokenizer,
                               provider=provider, quantize=quantize, quantize_block=quantize_block,
                               quantize_head=quantize_head, quantize_activations=quantize_activations,
-                              compile_cache=compile_cache, no_compile_cache=no_compile_cache).for_api()
+                              gguf_weights=gguf_weights, compile_cache=compile_cache,
+                              no_compile_cache=no_compile_cache).for_api()
         return driver.perplexity(self.ref, o, weights=self._weights).as_dict()
 
     def cached(self, threads: int | None = None, cache: str = "auto") -> gen.CachedModel:
@@ -213,8 +217,8 @@ class Model:
                  ignore_eos: bool = False, explain: bool = False, seed: int | None = None, stop=(),
                  stop_tokens=(), tokenizer: str | Path | None = None, stream: bool = False, threads: int | None = None,
                  cache: str = "auto", quantize: str = "none", quantize_block: int | None = None,
-                 quantize_head: bool = False, quantize_activations: str | None = None, inputs: dict | None = None,
-                 provider: str = "auto", dtype: str = "fp32",
+                 quantize_head: bool = False, quantize_activations: str | None = None, gguf_weights: str = "codes",
+                 inputs: dict | None = None, provider: str = "auto", dtype: str = "fp32",
                  start_token: int | None = None, speculative=None, draft_tokens: int | None = None,
                  json_schema=None, regex: str | None = None, grammar: str | Path | None = None,
                  compile_cache: str | Path | None = None, no_compile_cache: bool = False):
@@ -258,8 +262,8 @@ class Model:
                             sampling_seed=seed, stops=[stop] if isinstance(stop, str) else stop,
                             stop_tokens=stop_tokens, threads=threads, cache=cache, quantize=quantize,
                             quantize_block=quantize_block, quantize_head=quantize_head,
-                            quantize_activations=quantize_activations, provider=provider, dtype=dtype,
-                            start_token=start_token, speculative=speculative, draft_tokens=draft_tokens,
+                            quantize_activations=quantize_activations, gguf_weights=gguf_weights, provider=provider,
+                            dtype=dtype, start_token=start_token, speculative=speculative, draft_tokens=draft_tokens,
                             json_schema=json_schema, regex=regex, grammar=grammar, compile_cache=compile_cache,
                             no_compile_cache=no_compile_cache).for_api()
         o.check()  # before the tokenizer is read

@@ -54,7 +54,8 @@ def from_checkpoint(ref: ModelRef, o=None, wants_tokenizer: bool = False):
 
     tokenizer = checkpoint.tokenizer_in(ref.spec)
     if getattr(o, "explain", False):  # a GGUF file: which tensors were dequantised from which type
-        for line in filter(None, (gguf_file.explain(ref.spec), gguf_file.explain(ref.weights))):
+        mode = getattr(o, "gguf_weights", "codes")
+        for line in filter(None, (gguf_file.explain(ref.spec, mode), gguf_file.explain(ref.weights, mode))):
             print(line, file=sys.stderr)
     ref = checkpoint.resolve(ref)
     if o is not None and wants_tokenizer and tokenizer is not None and not getattr(o, "tokenizer", None):
@@ -668,7 +669,7 @@ def perplexity(ref: ModelRef, o, weights=None, progress=None) -> PerplexityResul
                          f"{o.context if o.stride is None else 2} (give a longer text or a shorter context)")
     run_o = RunOptions(provider=o.provider, quantize=o.quantize, quantize_block=o.quantize_block,
                        quantize_head=o.quantize_head, quantize_activations=o.quantize_activations,
-                       compile_cache=o.compile_cache, no_compile_cache=o.no_compile_cache)
+                       gguf_weights=o.gguf_weights, compile_cache=o.compile_cache, no_compile_cache=o.no_compile_cache)
     runnable = prepare_run(ref, run_o, weights)
     ints = [s for s in runnable.specs if s.dtype.startswith(("i", "u"))]
     if len(runnable.specs) != 1 or len(ints) != 1:

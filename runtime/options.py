@@ -46,6 +46,7 @@ CACHES = ("auto", "buffer", "concat")
 DECODES = ("auto", "gqa", "gqa-unpacked", "plain")
 PROVIDERS = ("auto", "cpu", "cuda")
 QUANT_ACTIVATIONS = ("int8", "float")
+GGUF_WEIGHTS = ("codes", "codes-fp32", "dequantize")  # runtime/io/gguf_codes.py MODES
 REPORT_FORMATS = ("table", "json", "md", "csv")
 
 
@@ -343,6 +344,18 @@ class CompileCacheOptions(Options):
                                       "compile_cache and no_compile_cache=True contradict each other; give one"))
 
 
+def gguf_weights_flag():
+    """--gguf-weights (BuildOptions and PerplexityOptions: every command that compiles a model from weights)."""
+    return flag("codes", choices=list(GGUF_WEIGHTS),
+                help="a GGUF file's Q4_0, Q8_0, Q5_0, Q4_1, Q5_1, Q4_K and Q5_K matrices: codes (default): kept as "
+                     "the file stores them (onnxruntime's MatMulNBits reads the file's own codes and scales, which "
+                     "it dequantises to exactly llama.cpp's weights; no requantisation), the activations quantised "
+                     "to int8 per block of 32 inside the product as llama.cpp does; codes-fp32: the 4-bit ones "
+                     "kept, the product in fp32, the 8-bit ones read as fp32 (the logits equal the dequantised "
+                     "model's to rounding); dequantize: every tensor read as fp32. Other types (Q6_K, Q3_K, "
+                     "Q2_K, IQ4_NL) are dequantised (--explain says which and why; docs/cli.md, A GGUF file as the model)")
+
+
 CACHE_FIELDS = ("compile_cache", "no_compile_cache")  # where compiles are kept, not how: no pipeline keyword
 
 
@@ -357,13 +370,15 @@ class BuildOptions(CompileCacheOptions, QuantOptions):
     do, and until every command line, the server, ``batch`` and Ray reach it)."""
 
     # the quantisation's fields are QuantOptions'; a new compile option is declared here, with flag(...)
+    gguf_weights: str = gguf_weights_flag()
 
     def check(self) -> None:
         super().check()  # the quantisation's rules; a new compile option's follow
+        check_choice(self.label("gguf_weights"), self.gguf_weights, GGUF_WEIGHTS)
 
     def build_fields(self) -> dict:
         """These options as PipelineOptions keywords (compiler/passes/pipeline.py)."""
-        return {"quantize": self.quant_config()}
+        return {"quantize": self.quant_config(), "gguf_weights": self.gguf_weights}
 
     def build_given(self) -> list[str]:
         """The fields given otherwise than their defaults (an .onnx file is compiled already: it takes none;
@@ -1097,6 +1112,7 @@ class PerplexityOptions(CompileCacheOptions, QuantOptions):
     (runtime/driver.perplexity says which windows are scored)."""
 
     text: str | Path
+    gguf_weights: str = gguf_weights_flag()
     tokenizer: str | Path | None = None
     context: int = 512
     stride: int | None = None
@@ -1107,6 +1123,7 @@ class PerplexityOptions(CompileCacheOptions, QuantOptions):
     def check(self) -> None:
         super().check()
         check_path(self.label("text"), self.text, optional=False)
+        check_choice(self.label("gguf_weights"), self.gguf_weights, GGUF_WEIGHTS)
         check_path(self.label("tokenizer"), self.tokenizer)
         check_int(self.label("context"), self.context, minimum=4)
         check_int(self.label("stride"), self.stride, minimum=1, optional=True)

@@ -22,9 +22,10 @@ from tessera.spec import Program, SpecError, did_you_mean, load_program
 
 from tessera.runtime.errors import UsageError  # noqa: F401  (re-exported: callers import it from here)
 from tessera.runtime.io.checkpoint import unshadowed
+from tessera.runtime.io import gguf_codes
 from tessera.runtime.io.checkpoint_config import config_overrides
-from tessera.runtime.io.weights import (SeededWeights, WeightsError, absent_params, drop_unfed_outputs, init_weights,
-                                        load_weights, name_map_for)
+from tessera.runtime.io.weights import (SeededWeights, StoredWeights, WeightsError, absent_params, drop_unfed_outputs,
+                                        init_weights, load_weights, name_map_for, stored_pieces)
 
 
 @dataclass
@@ -115,7 +116,26 @@ def build(spec: str | Path, variant: str | None = None, sets: list[str] | None =
     graph, info = elaborate(program, variant, overrides)
     if weights:
         _drop_unfed_outputs(graph, Path(weights), name_map_for(path), info.hyperparams)
+        _mark_stored(graph, Path(weights), name_map_for(path), info.hyperparams)
     return Built(program, graph, info, path)
+
+
+def _mark_stored(graph: Graph, weights: Path, name_map, hyper: dict) -> None:
+    """Set ``Param.stored`` on the parameters whose checkpoint tensor a GGUF file's codes hold
+    (runtime/io/gguf_codes.py), each one whole: a parameter cut from a tensor or transposed reads the
+    fp32 tensor. Inert until the stored-codes pass reads it (--gguf-weights)."""
+    codes = gguf_codes.Codes.open(weights) if weights.is_dir() else None
+    if codes is None:
+        return
+    try:
+        pieces = stored_pieces(graph, weights, name_map, hyper)
+    except WeightsError:
+        return  # an unreadable checkpoint: load_weights says why
+    for path, piece in pieces.items():
+        entry = codes.index.get(piece.source)
+        param = graph.params[path]
+        if entry and not piece.sizes and not piece.transpose and list(param.shape) == entry["shape"]:
+            param.stored = (entry["bits"], entry["block"], entry["type"], bool(entry.get("mins")))
 
 
 def _drop_unfed_outputs(graph: Graph, weights: Path, name_map, hyper: dict) -> None:
@@ -212,7 +232,8 @@ def weights_for(built: Built, weights: str | None, seed: int, allow_large: bool 
                               built.info.hyperparams)
         for note in notes:
             print(f"note: {note}", file=sys.stderr)
-        return loaded
+        codes = gguf_codes.Codes.open(weights) if Path(weights).is_dir() else None
+        return loaded if codes is None else StoredWeights(loaded, codes)
     return SeededWeights(built.graph, seed)
 
 

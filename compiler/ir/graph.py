@@ -85,6 +85,10 @@ class Param:
     # A checkpoint tensor that is not trained (a PyTorch registered buffer: BART's final_logits_bias):
     # loaded and exported like a parameter, not counted as one (transformers' sum(p.numel()) skips it).
     buffer: bool = False
+    # The checkpoint also holds this weight block-quantised, exactly (a GGUF file's own codes,
+    # runtime/io/gguf_codes.py): (bits, block, source type, an offset per block or not).
+    # compiler/passes/stored_codes.py reads it as MatMulNBits where asked; otherwise it changes nothing.
+    stored: tuple | None = None
 
     @property
     def numel(self) -> int:

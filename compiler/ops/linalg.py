@@ -43,8 +43,10 @@ def _linear(t, a):
 
 # ------------------------------------------------------------------ linear_nbits
 def _linear_nbits_ref(x, a, ev):
-    zp = a.get("zero_points", 0)
+    zp = a.get("zero_points", 0) + a.get("block_mins", 0)  # the inputs before the bias, past the scales
     w = dequantize(x[1], x[2], a["bits"], a["block_size"], a["K"], x[3] if zp else None)
+    if a.get("block_mins", 0):  # an offset per block (a GGUF file's Q4_1 min): w + mins, block by block
+        w = w + np.repeat(x[4].astype(np.float32), a["block_size"], axis=1)[:, :a["K"]]
     y = (x[0].astype(np.float32) @ w.T).astype(x[0].dtype)
     return y + x[3 + zp] if len(x) == 4 + zp else y
 
@@ -59,9 +61,19 @@ def _linear_nbits(t, a):
     ``zero_points`` 1 (asymmetric blocks, the int4-asym scheme) input 3 the packed uint8 zero points
     [N, ceil(blocks * bits / 8)] and the bias after them. ``accuracy_level`` 4 lets onnxruntime
     quantise x to int8 per block inside the product; the reference computes the product in fp32
-    (the test tolerances cover the difference)."""
+    (the test tolerances cover the difference). With ``block_mins`` 1 (zero points too) input 4 is an
+    offset per block, f32 [N, blocks], added to every weight of its block: a GGUF file's Q4_1 or Q4_K
+    min (compiler/passes/stored_codes.py); the lowering adds x's block sums times the offsets to
+    MatMulNBits' product, so the kernel reads the file's codes as they are."""
     x, packed, scales = t[0], t[1], t[2]
-    zp = a.get("zero_points", 0)
+    mins = a.get("block_mins", 0)
+    if mins not in (0, 1) or (mins and not a.get("zero_points", 0)):
+        raise ShapeError(f"linear_nbits block_mins must be 0, or 1 with zero_points 1, got {mins!r}")
+    if mins and (len(t) < 5 or not dims.shapes_equal(t[4].shape, (a["N"], blocks(a["K"], a["block_size"])))
+                 or t[4].dtype != x.dtype):
+        raise ShapeError(f"linear_nbits block mins must be {x.dtype}[{a['N']}, {blocks(a['K'], a['block_size'])}], "
+                         f"got {t[4] if len(t) > 4 else 'none'}")
+    zp = a.get("zero_points", 0) + mins  # the inputs past the scales before the bias
     common.need_float(x, "linear_nbits")
     bits, block, k, n = a["bits"], a["block_size"], a["K"], a["N"]
     if a.get("accuracy_level", 0) not in (0, 4):
@@ -76,8 +88,8 @@ def _linear_nbits(t, a):
         raise ShapeError(f"linear_nbits scales must be {x.dtype}[{n}, {blocks(k, block)}], got {scales}")
     if x.rank < 1 or not dims.equal(x.shape[-1], k):
         raise ShapeError(f"linear_nbits expects input [..., {k}], got {dims.fmt_shape(x.shape)}")
-    if zp not in (0, 1):
-        raise ShapeError(f"linear_nbits zero_points must be 0 or 1, got {zp!r}")
+    if a.get("zero_points", 0) not in (0, 1):
+        raise ShapeError(f"linear_nbits zero_points must be 0 or 1, got {a.get('zero_points')!r}")
     if zp and (len(t) < 4 or t[3].dtype != "u8" or not dims.shapes_equal(t[3].shape, zeros_shape(n, k, bits, block))):
         raise ShapeError(f"linear_nbits zero points must be u8{list(zeros_shape(n, k, bits, block))}, got "
                          f"{t[3] if len(t) > 3 else 'none'}")

@@ -56,7 +56,12 @@ WEIGHT_INPUTS = {"linear": ((1,), 2), "linear_nbits": ((1, 2), 3), "linear_int8"
 ZERO_POINT_INPUTS = ((1, 2, 3), 4)  # a linear_nbits with zero_points: its zero points concatenated too
 
 
+MINS_INPUTS = ((1, 2, 3, 4), 5)  # with block mins (passes/stored_codes.py) too: [N, blocks], by output row
+
+
 def _weight_inputs(node) -> tuple[tuple[int, ...], int]:
+    if node.attrs.get("block_mins"):
+        return MINS_INPUTS
     return ZERO_POINT_INPUTS if node.attrs.get("zero_points") else WEIGHT_INPUTS[node.op]
 
 

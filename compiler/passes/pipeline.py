@@ -40,6 +40,7 @@ from tessera.compiler.passes.model_passes import (DerivePrefixMask, FuseSkipNorm
                                                   SettleMixed, SettlePacked, SplitBoundStep)
 from tessera.compiler.passes.precision import LowerPrecision
 from tessera.compiler.passes.quantize import QuantConfig, QuantizeWeights
+from tessera.compiler.passes.stored_codes import KeepStoredCodes
 from tessera.compiler.passes.recurrence import ChooseRecurrenceLowering
 from tessera.compiler.passes.site_groups import grouped_lines
 from tessera.compiler.passes.sparse_moe import SparseExperts
@@ -79,6 +80,9 @@ class PipelineOptions:
     # the cached decoder's two ONNX-level passes after export (compiler/build.py); off only to measure them
     skip_norm: bool = True  # residual Add + norm as Skip(Simplified)LayerNormalization (backends/onnx/skip_norm.py)
     bound_step: bool = True  # the bound decoding step as a branch of its own (backends/onnx/bound_step.py)
+    # weights the checkpoint holds block-quantised (Param.stored, a GGUF file's codes): "codes" and
+    # "codes-fp32" read them as MatMulNBits (passes/stored_codes.py), "dequantize" as the fp32 weights
+    gguf_weights: str = "codes"
 
     def cache_options(self) -> CacheOptions:
         return CacheOptions(self.last_only, self.cache, None, self.decoder_input, self.max_positions, self.target,
@@ -120,15 +124,20 @@ def sparse_moe_impl(target) -> str | None:
     return None
 
 
+def _stored(o: PipelineOptions) -> list[Pass]:
+    """The checkpoint's own block-quantised weights, first (before any --quantize)."""
+    return [] if o.gguf_weights == "dequantize" else [KeepStoredCodes(o.gguf_weights)]
+
+
 def full(o: PipelineOptions) -> list[Pass]:
-    return _optimize(o, o.lower_precision, o.quantize)
+    return _stored(o) + _optimize(o, o.lower_precision, o.quantize)
 
 
 def cached_decoder(o: PipelineOptions) -> list[Pass]:
     # quantised first, before fusion: the cached graph inherits the
     # quantised linears, and quantised experts stay dense
     o.check_cached()
-    passes: list[Pass] = [QuantizeWeights(o.quantize)] if o.quantize is not None else []
+    passes: list[Pass] = _stored(o) + ([QuantizeWeights(o.quantize)] if o.quantize is not None else [])
     passes += _optimize(o, False, None) + cache_passes(o.cache_options())
     if o.fuse_linears:
         passes.append(FuseSharedInputLinears())
@@ -142,7 +151,7 @@ def encoder_decoder(o: PipelineOptions) -> list[Pass]:
     o.check_cached()
     if o.decoder_input is None:
         raise PassError("the encoder_decoder pipeline needs the decoder's input (decoder_input)")
-    passes: list[Pass] = [QuantizeWeights(o.quantize)] if o.quantize is not None else []
+    passes: list[Pass] = _stored(o) + ([QuantizeWeights(o.quantize)] if o.quantize is not None else [])
     return passes + _optimize(o, False, None) + [SplitEncoder([o.decoder_input])] + cache_passes(o.cache_options())
 
 

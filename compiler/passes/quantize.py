@@ -42,6 +42,7 @@ import numpy as np
 from tessera.compiler import ops
 from tessera.compiler.ir.graph import DTYPES, Graph, Param
 from tessera.compiler.passes.base import Pass, PassError, PassResult
+from tessera.compiler.passes.stored_codes import is_stored
 from tessera.compiler.reference.quant import BITS, ROWS, blocks, packed_shape, zeros_shape
 
 SCHEMES = {"int8": 8, "int4": 4, "w8a8": 8, "int4-asym": 4}
@@ -127,7 +128,8 @@ class QuantizeWeights(Pass):
         self.config = config
 
     def requires(self, graph: Graph) -> None:
-        done = next((n.name for n in graph.nodes.values() if ops.has_trait(n.op, "quantized")), None)
+        done = next((n.name for n in graph.nodes.values() if ops.has_trait(n.op, "quantized")
+                     and not (len(n.inputs) > 1 and is_stored(graph, n.inputs[1]))), None)  # a file's own codes
         if done:
             raise PassError(f"the graph is already quantised (node {done})")
 

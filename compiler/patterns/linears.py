@@ -33,7 +33,9 @@ OWN_WEIGHT_LINEAR = {
     "linear_int8": Pat("linear_int8", (_X, Pat(name="w0", check=_own_param), Pat(name="w1", check=_own_param),
                                        Pat(name="bias", check=_own_vector)), optional=1),
     # zero points (or a bias) third, then a bias (after zero points): both parameters of this linear alone
+    # (block mins, compiler/passes/stored_codes.py, fourth after the zero points)
     "linear_nbits": Pat("linear_nbits", (_X, Pat(name="w0", check=_own_param), Pat(name="w1", check=_own_param),
-                                         Pat(name="w2", check=_own_param), Pat(name="bias", check=_own_vector)),
-                        optional=2),
+                                         Pat(name="w2", check=_own_param), Pat(name="w3", check=_own_param),
+                                         Pat(name="bias", check=_own_vector)),
+                        optional=3),
 }

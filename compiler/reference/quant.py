@@ -219,6 +219,11 @@ class ParamValues(Mapping):
             _, sources, axis, recipes = recipe
             return np.concatenate([np.asarray(self._derived(s, r)) for s, r in zip(sources, recipes)], axis=axis)
         kind, source, bits, block, part = recipe
+        if kind == "stored":  # a checkpoint's own codes (compiler/passes/stored_codes.py): read, not computed
+            read = getattr(self.weights, "stored", None)
+            if read is None:
+                raise ValueError(f"{path} is a stored code of {source}, and these weights hold none")
+            return read(source, part)
         if kind not in ("quantize", "quantize_zp") or part not in ("packed", "scales", "zeros") or \
                 (part == "zeros" and kind != "quantize_zp"):
             raise ValueError(f"unknown derived parameter {path}: {recipe}")

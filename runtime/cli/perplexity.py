@@ -37,6 +37,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
                         "(by default non-overlapping windows scoring their second half: llama.cpp's)")
     args.add_quant_arguments(p)
     options.add_arguments(p, CompileCacheOptions)  # --compile-cache DIR, --no-compile-cache
+    options.add_arguments(p, PerplexityOptions, only=("gguf_weights",))
     p.add_argument("--provider", choices=list(PROVIDERS), default="auto",
                    help="execution provider; auto takes CUDA when usable, else CPU (default auto)")
     p.add_argument("--format", choices=list(PERPLEXITY_FORMATS), default="text",

@@ -18,10 +18,13 @@ as 1 + w and read back as w, every sixth layer full and the others sliding with 
 the K-quants Q2_K, Q3_K, Q4_K, Q5_K, Q6_K (a Q4_K_M file mixes Q4_K and Q6_K, with Q5_0, Q5_1, Q8_0
 or IQ4_NL where a row is not a multiple of 256), each dequantised to fp32 exactly as llama.cpp's
 ``dequantize_row_*`` computes it (``DEQUANTIZE``; the note says how many tensors came from each
-type); and the query and key matrices are permuted back from llama.cpp's rotary layout (its
-converter's ``permute``: each head's rows interleaved as pairs) to Hugging Face's (rotate-half). The tokenizer is rebuilt from the
-metadata where it is byte-level BPE with a known pre-tokenizer or SentencePiece BPE (Llama 2's and
-Gemma's; runtime/io/gguf_tokenizer.py); another is left out with a note (give ``--tokenizer``). Anything else -- another architecture, another
+type); the matrices whose type MatMulNBits holds exactly also keep their own codes beside the fp32
+shards (runtime/io/gguf_codes.py: what --gguf-weights codes, the default, compiles them from; the
+note says which are kept and why the others are not); and the query and key matrices are permuted
+back from llama.cpp's rotary layout (its converter's ``permute``: each head's rows interleaved as
+pairs) to Hugging Face's (rotate-half). The tokenizer is rebuilt from the metadata where it is
+byte-level BPE with a known pre-tokenizer or SentencePiece BPE (Llama 2's and Gemma's;
+runtime/io/gguf_tokenizer.py); another is left out with a note (give ``--tokenizer``). Anything else -- another architecture, another
 tensor type (IQ2_XS and the other IQ* types, TQ*, MXFP4), rope scaling the spec does not take -- is a
 WeightsError naming it.
 """
@@ -39,10 +42,11 @@ from pathlib import Path
 
 import numpy as np
 
-from tessera.runtime.io import gguf_tokenizer
+from tessera.runtime.io import gguf_codes, gguf_tokenizer
 from tessera.runtime.io.weights import WeightsError
 
-VERSION = 3  # of the conversion: a change here converts every file again (2: the note by type; 3: SentencePiece)
+VERSION = 4  # of the conversion: a change here converts every file again (2: the note by type; 3: SentencePiece;
+# 4: the codes kept)
 SUFFIX = ".gguf"
 MAGIC = b"GGUF"
 SHARD_BYTES = 2 * 1024 ** 3
@@ -554,6 +558,7 @@ def convert(path: Path, folder: Path, final: Path | None = None) -> str:
         if size >= SHARD_BYTES:
             flush()
     flush()
+    kept, inexact = gguf_codes.write(folder, _kept_items(m, names, config))
     (folder / "config.json").write_text(json.dumps(config, indent=1))
     (folder / "generation_config.json").write_text(json.dumps(_generation_config(m), indent=1))
     try:
@@ -561,19 +566,71 @@ def convert(path: Path, folder: Path, final: Path | None = None) -> str:
     except Exception as e:  # tokenizers raises plain Exceptions for a vocabulary or merges it cannot take
         why = f"its tokenizer metadata could not be built into a tokenizer ({type(e).__name__}: {e})"
     note = f"{path}: GGUF {m.arch}, {len(m.tensors)} tensors as fp32 in {final or folder} ({type_summary(m.types())})"
+    summary = codes_summary(m, inexact) if kept or m.types().keys() - set(FLOATS) else ""
+    if summary:
+        note += f"; {summary}"
     if why:
         note += f"; no tokenizer read: {why} (give --tokenizer)"
     (folder / "gguf_source.json").write_text(json.dumps({"source": str(path), "version": VERSION, "note": note}))
     return note
 
 
+def _rows(m: GGUFModel, hf_name: str, config: dict, n: int) -> np.ndarray | None:
+    """The row order the architecture's tensor function gives a matrix of ``n`` rows (llama's q and k
+    permuted back to rotate-half), as an index into the file's rows; None for the file's own order."""
+    if m.arch == "llama" and hf_name.endswith(("self_attn.q_proj.weight", "self_attn.k_proj.weight")):
+        heads = config["num_attention_heads" if "q_proj" in hf_name else "num_key_value_heads"]
+        return _unpermute(np.arange(n), heads)
+    return None
+
+
+def _kept_items(m: GGUFModel, names: dict, config: dict) -> list:
+    """The matrices whose codes are kept (gguf_codes.KEPT types, 2-D, not a norm: Gemma's norms are
+    read as w - 1), as gguf_codes.write takes them."""
+    items = []
+    for name, t in m.tensors.items():
+        hf = _hf_name(name, names)
+        if t.tensor_type.name in gguf_codes.KEPT and len(t.shape) == 2 and not hf.endswith("norm.weight"):
+            n, k = int(t.shape[1]), int(t.shape[0])  # GGUF's ne: columns first
+            want = m.read(name) if t.tensor_type.name in gguf_codes.MINS else None  # ggml's, for gguf_codes.exact
+            items.append((hf, t.tensor_type.name, np.asarray(t.data), n, k, _rows(m, hf, config, n), want))
+    return items
+
+
+def codes_summary(m: GGUFModel, inexact: list[str] = ()) -> str:
+    """Which quantised types keep their codes and which are dequantised, and why (the note's words);
+    ``inexact``: the Hugging Face names of matrices whose d * q + m rounds in fp32 (gguf_codes.exact)."""
+    kept, other, rounded = {}, {}, {}
+    names = ARCHITECTURES[m.arch][1] if m.arch in ARCHITECTURES else {}
+    for name, t in m.tensors.items():
+        kind = t.tensor_type.name
+        if kind in gguf_codes.KEPT and len(t.shape) == 2 and _hf_name(name, names) in inexact:
+            rounded[kind] = rounded.get(kind, 0) + 1
+        elif kind in gguf_codes.KEPT and len(t.shape) == 2:
+            kept[kind] = kept.get(kind, 0) + 1
+        elif kind not in FLOATS:
+            other[kind] = other.get(kind, 0) + 1
+    for kind, count in rounded.items():
+        other[f"{kind} "] = count  # the same type, its own reason
+    parts = []
+    if kept:
+        parts.append("codes kept for MatMulNBits (no requantisation; --gguf-weights dequantize reads them as fp32): "
+                     + ", ".join(f"{k}: {v}" for k, v in kept.items()))
+    if other:
+        parts.append("dequantised: " + ", ".join(
+            f"{k.strip()}: {v} (" + ("d * q + m rounds in fp32 somewhere in it" if k.endswith(" ") else
+                                     gguf_codes.WHY_NOT.get(k, "no exact MatMulNBits form")) + ")"
+            for k, v in other.items()))
+    return "; ".join(parts)
+
+
 _converted: dict[tuple, Path] = {}
 
 
-def explain(path) -> str | None:
+def explain(path, mode: str = "codes") -> str | None:
     """--explain's line for a GGUF file (None for any other path): how its tensors were read (the
-    conversion's note, kept in the folder); None too when this call converted the file, its note just
-    printed."""
+    conversion's note, kept in the folder) and whether --gguf-weights (``mode``) reads the kept codes;
+    None too when this call converted the file, its note just printed."""
     if path is None or not is_gguf(path):
         return None
     folder, now = _folder(path)
@@ -583,6 +640,10 @@ def explain(path) -> str | None:
         note = json.loads((folder / "gguf_source.json").read_text())["note"]
     except (OSError, ValueError, KeyError, TypeError):
         return None
+    if (folder / gguf_codes.FOLDER).is_dir():
+        note += ("; --gguf-weights dequantize: every tensor read as fp32" if mode == "dequantize" else
+                 f"; --gguf-weights {mode}: the linears over kept codes run as MatMulNBits ("
+                 + ("int8 activations per block of 32" if mode == "codes" else "fp32 products") + ")")
     return f"GGUF weights: {note}"
 
 

@@ -583,6 +583,38 @@ def load_weights(graph: Graph, path: Path, name_map: NameMap | None = None,
     return CheckpointWeights(ckpt, {p: pieces[p] for p in graph.params}, dtypes)
 
 
+class StoredWeights(Mapping):
+    """A checkpoint's weights (CheckpointWeights) and the block-quantised codes a converted GGUF file
+    keeps beside them (runtime/io/gguf_codes.py): ``stored(path, part)`` gives the packed codes or the
+    scales of parameter ``path``, read from the codes of its checkpoint tensor (the derived parameters'
+    ``stored`` recipe, compiler/reference/quant.py)."""
+
+    def __init__(self, weights: CheckpointWeights, codes):
+        self.weights, self.codes = weights, codes
+
+    def __getitem__(self, path: str) -> np.ndarray:
+        return self.weights[path]
+
+    def __iter__(self):
+        return iter(self.weights)
+
+    def __len__(self) -> int:
+        return len(self.weights)
+
+    def stored(self, path: str, part: str) -> np.ndarray:
+        return self.codes.read(self.weights.pieces[path].source, part)
+
+
+def stored_pieces(graph: Graph, path: Path, name_map: NameMap | None = None, hyper: dict | None = None) -> dict:
+    """Each parameter's Piece of the checkpoint, from its headers alone (nothing read)."""
+    ckpt = Checkpoint(path)
+    if name_map is not None and not set(ckpt.shapes) <= set(graph.params):
+        pieces, _ = name_map.plan(ckpt.shapes, frozenset(graph.params),
+                                  {p: v.shape for p, v in graph.params.items()}, hyper)
+        return pieces
+    return {n: Piece(n, shape) for n, shape in ckpt.shapes.items() if n in graph.params}
+
+
 def absent_params(graph: Graph, path: Path, name_map: NameMap | None = None, hyper: dict | None = None) -> list[str]:
     """The model's parameters a checkpoint has no tensor for, from its headers alone (nothing read)."""
     ckpt = Checkpoint(path)

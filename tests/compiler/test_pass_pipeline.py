@@ -30,13 +30,15 @@ def _chain() -> Graph:
 
 
 def test_pipeline_is_declared_once_with_precision_in_it():
+    # stored-codes first: a checkpoint's own block-quantised weights (a GGUF file's), compiler/passes/stored_codes.py
     assert build_pipeline(Target("cpu", "fp16"), lower_precision=True).describe() == \
-        "fuse-attention -> eliminate-dead-nodes -> choose-attention-kernels -> sparse-experts -> lower-precision " \
-        "-> choose-recurrence-lowering"
+        "stored-codes -> fuse-attention -> eliminate-dead-nodes -> choose-attention-kernels -> sparse-experts " \
+        "-> lower-precision -> choose-recurrence-lowering"
     assert build_pipeline(Target("cpu", "fp16")).describe() == \
-        "fuse-attention -> eliminate-dead-nodes -> choose-attention-kernels -> sparse-experts -> choose-recurrence-lowering"
+        "stored-codes -> fuse-attention -> eliminate-dead-nodes -> choose-attention-kernels -> sparse-experts " \
+        "-> choose-recurrence-lowering"
     assert build_pipeline(attention="unfused").describe() == \
-        "fuse-attention -> eliminate-dead-nodes -> sparse-experts -> choose-recurrence-lowering"
+        "stored-codes -> fuse-attention -> eliminate-dead-nodes -> sparse-experts -> choose-recurrence-lowering"
 
 
 def test_notes_travel_in_the_pipeline_result():

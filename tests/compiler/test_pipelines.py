@@ -129,21 +129,25 @@ def test_each_named_pipeline_lists_its_passes_in_order():
     optimize = "fuse-attention -> eliminate-dead-nodes -> choose-attention-kernels -> sparse-experts " \
                "-> choose-recurrence-lowering"
     assert list(PIPELINES) == ["full", "cached_decoder", "encoder_decoder", "report"]
-    assert pipeline("full", o).describe() == "fuse-attention -> eliminate-dead-nodes -> choose-attention-kernels " \
-        "-> quantize-weights -> sparse-experts -> choose-recurrence-lowering"
+    # stored-codes first (a GGUF file's own codes, compiler/passes/stored_codes.py); --gguf-weights dequantize: none
+    assert pipeline("full", o).describe() == "stored-codes -> fuse-attention -> eliminate-dead-nodes " \
+        "-> choose-attention-kernels -> quantize-weights -> sparse-experts -> choose-recurrence-lowering"
     assert pipeline("full", PipelineOptions(target=Target("cpu", "fp16"), lower_precision=True)).describe() == \
         build_pipeline(Target("cpu", "fp16"), lower_precision=True).describe() == \
-        "fuse-attention -> eliminate-dead-nodes -> choose-attention-kernels -> sparse-experts -> lower-precision " \
+        "stored-codes -> fuse-attention -> eliminate-dead-nodes -> choose-attention-kernels -> sparse-experts " \
+        "-> lower-precision -> choose-recurrence-lowering"
+    assert pipeline("full", PipelineOptions(gguf_weights="dequantize")).describe() == \
+        "fuse-attention -> eliminate-dead-nodes -> choose-attention-kernels -> sparse-experts " \
         "-> choose-recurrence-lowering"
     onnx = "prune-dead-nodes -> settle-packed -> settle-mixed"
     assert pipeline("cached_decoder", o).describe() == \
-        f"quantize-weights -> {optimize} -> {cache} -> fuse-linears -> lower-precision | after export: {onnx} " \
+        f"stored-codes -> quantize-weights -> {optimize} -> {cache} -> fuse-linears -> lower-precision | after export: {onnx} " \
         f"-> fuse-skip-norms -> split-bound-step"
     assert pipeline("cached_decoder", PipelineOptions(last_only=False, fuse_linears=False, skip_norm=False,
                                                       bound_step=False)).describe() == \
-        f"{optimize} -> {cache.replace(' -> last-position-logits', '')} | after export: {onnx}"
+        f"stored-codes -> {optimize} -> {cache.replace(' -> last-position-logits', '')} | after export: {onnx}"
     assert pipeline("encoder_decoder", o).describe() == \
-        f"quantize-weights -> {optimize} -> split-encoder -> {cache} | after export: {onnx}"
+        f"stored-codes -> quantize-weights -> {optimize} -> split-encoder -> {cache} | after export: {onnx}"
     assert pipeline("report", o).describe() == "sparse-experts"
     # the serving engine's CUDA variant derives its attention mask after export (backends/onnx/prefix_mask.py);
     # every CUDA cached decoder moves its branches' shape arithmetic to the main graph (backends/onnx/hoist.py)

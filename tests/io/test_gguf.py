@@ -230,13 +230,17 @@ def test_a_tiny_gguf_llama_gives_the_logits_of_its_checkpoint_folder(kind, tied,
     model.save_pretrained(tmp_path / "folder", safe_serialization=True)
     capsys.readouterr()
     runs = {}
-    for name, source in (("gguf", tmp_path / "tiny.gguf"), ("folder", tmp_path / "folder")):
-        rc, _, err = cli(capsys, "run", source, "--input", f"tokens=[{IDS}]", "--save", tmp_path / name)
+    # the file dequantised; and its Q4_1 codes kept, the products in fp32 (tests/io/test_gguf_codes.py)
+    for name, source, how in (("gguf", tmp_path / "tiny.gguf", ["--gguf-weights", "dequantize"]),
+                              ("codes", tmp_path / "tiny.gguf", ["--gguf-weights", "codes-fp32"]),
+                              ("folder", tmp_path / "folder", [])):
+        rc, _, err = cli(capsys, "run", source, "--input", f"tokens=[{IDS}]", "--save", tmp_path / name, *how)
         assert rc == 0, err
         runs[name] = np.load(tmp_path / name / "logits.npy")
     with torch.no_grad():
         want = model(input_ids=torch.tensor([IDS])).logits.numpy()
     np.testing.assert_allclose(runs["gguf"], runs["folder"], atol=1e-5, rtol=0)
+    np.testing.assert_allclose(runs["codes"], runs["folder"], atol=2e-5, rtol=0)  # accumulation order only
     np.testing.assert_allclose(runs["gguf"], want, atol=1e-4, rtol=0)
     config = json.loads(next((tmp_path / "cache" / "gguf").glob("tiny-*/config.json")).read_text())
     assert config["tie_word_embeddings"] is tied and config["num_key_value_heads"] == KV

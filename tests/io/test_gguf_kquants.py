@@ -281,9 +281,10 @@ def test_a_k_quant_llama_gives_the_logits_of_its_dequantised_weights(tmp_path, c
     assert set(counts) == set(KINDS) | {"F32"}  # every type in the one file
     capsys.readouterr()
     logits = {}
-    for name in ("K", "F32"):
-        rc, _, err = cli(capsys, "run", tmp_path / f"{name}.gguf", "--input", f"tokens=[{IDS}]",
-                         "--save", tmp_path / name)
+    for name in ("K", "F32", "codes"):  # codes: K.gguf with its Q4_K/Q5_K... codes kept, products in fp32
+        rc, _, err = cli(capsys, "run", tmp_path / f"{'K' if name == 'codes' else name}.gguf", "--input",
+                         f"tokens=[{IDS}]", "--save", tmp_path / name, "--gguf-weights",
+                         "codes-fp32" if name == "codes" else "dequantize")
         assert rc == 0, err
         logits[name] = np.load(tmp_path / name / "logits.npy")
         if name == "K":  # the conversion's note: each type and its count
@@ -295,6 +296,7 @@ def test_a_k_quant_llama_gives_the_logits_of_its_dequantised_weights(tmp_path, c
         want = model(input_ids=torch.tensor([IDS])).logits.numpy()
     assert float(want.std()) > 0.1  # logits that tell the weights apart
     np.testing.assert_allclose(logits["K"], logits["F32"], atol=1e-5, rtol=0)
+    np.testing.assert_allclose(logits["codes"], logits["F32"], atol=2e-5, rtol=0)  # accumulation order only
     np.testing.assert_allclose(logits["K"], want, atol=1e-4, rtol=0)
 
     # generate: greedy tokens as transformers', and --explain on the cached folder names the types again

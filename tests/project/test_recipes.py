@@ -298,8 +298,9 @@ def add_compile_option(pkg: Path) -> None:
     edit(pkg, "runtime/options.py", "super().check()  # the quantisation's rules; a new compile option's follow", """
         check_bool(self.label("no_skip_norm"), self.no_skip_norm)
 """)
-    edit(pkg, "runtime/options.py", '        return {"quantize": self.quant_config()}',
-         '        return {"quantize": self.quant_config(), "skip_norm": not self.no_skip_norm}', where="replace")
+    edit(pkg, "runtime/options.py", '        return {"quantize": self.quant_config(), "gguf_weights": self.gguf_weights}',
+         '        return {"quantize": self.quant_config(), "gguf_weights": self.gguf_weights,\n'
+         '                "skip_norm": not self.no_skip_norm}', where="replace")
 
 
 def add_compile_keywords(pkg: Path) -> None:

@@ -26,11 +26,26 @@ def _linear(L):
 
 def _linear_nbits(L):
     zp = L.a.get("zero_points", 0)
+    mins = L.a.get("block_mins", 0)
     inputs = list(L.x[:3 + zp])  # MatMulNBits' inputs: A, B, scales, zero_points, g_idx, bias
-    if len(L.x) == 4 + zp:
-        inputs += ([] if zp else [""]) + ["", L.x[3 + zp]]
-    L.emit("MatMulNBits", inputs, domain="com.microsoft", K=L.a["K"], N=L.a["N"], bits=L.a["bits"],
-           block_size=L.a["block_size"], accuracy_level=L.a.get("accuracy_level", 0))
+    if len(L.x) == 4 + zp + mins:
+        inputs += ([] if zp else [""]) + ["", L.x[3 + zp + mins]]
+    attrs = dict(domain="com.microsoft", K=L.a["K"], N=L.a["N"], bits=L.a["bits"], block_size=L.a["block_size"],
+                 accuracy_level=L.a.get("accuracy_level", 0))
+    if not mins:
+        L.emit("MatMulNBits", inputs, **attrs)
+        return
+    # w = scale * u + offset per block: x W^T = MatMulNBits(x; u, scale, zero points 0) + (x's block sums)
+    # (offsets [N, blocks])^T. K is a whole number of blocks (a GGUF row is); x's rank is known.
+    b, x = L.b, L.x[0]
+    k, block = L.a["K"], L.a["block_size"]
+    assert k % block == 0, f"linear_nbits block_mins needs whole blocks, K {k} block {block}"
+    rank = len(L.t_in[0].shape)
+    product = b.node("MatMulNBits", inputs, **attrs)[0]
+    split = b.node("Reshape", [x, b.i64([0] * (rank - 1) + [k // block, block])])[0]
+    sums = b.node("ReduceSum", [split, b.i64([-1])], keepdims=0)[0]
+    offsets = b.node("MatMul", [sums, b.node("Transpose", [L.x[3 + zp]], perm=[1, 0])[0]])[0]
+    L.emit("Add", [product, offsets])
 
 
 
