@@ -94,8 +94,8 @@ class StoreCacheAt(Pass):
                 raise CacheError(f"--kv-cache-dtype fp16 needs every attention site to decode by onnxruntime's "
                                  f"GroupQueryAttention over the buffer cache, the one kernel that reads an fp16 cache "
                                  f"in place (any other decoding step would convert the whole cache at every step); "
-                                 f"the attention at {node.scope or node.name} decodes otherwise ({why}: "
-                                 f"{node.attrs.get('impl')}): use the default cache")
+                                 f"the attention at {node.scope or node.name} decodes otherwise ({why}): keep the "
+                                 f"default cache")
             if g.type_of(node.inputs[0]).dtype != "f32":
                 raise CacheError(f"--kv-cache-dtype fp16 lowers the cache of an fp32 model; this one computes in "
                                  f"{g.type_of(node.inputs[0]).dtype}")
