@@ -47,11 +47,13 @@ def _tokens(model_path: str, text: str | None, n: int) -> list[int]:
 
 def _load(model_path: str, kv: str, threads: int, sets=()):
     from tessera.runtime.generation import loop
+    from tessera.runtime.io import checkpoint
     from tessera.runtime.options import GenerateOptions, ModelRef
 
     o = GenerateOptions(threads=threads, kv_cache_dtype=kv, provider="cpu", no_compile_cache=True).for_api()
     o.check()
-    return loop.load_model(ModelRef(spec=model_path, sets=list(sets)), o)
+    ref = checkpoint.resolve(ModelRef(spec=model_path, sets=list(sets)))  # a GGUF file or folder: its spec
+    return loop.load_model(ref, o)
 
 
 def speed(models: dict, prompt_of, positions: list[int], steps: int, rounds: int) -> dict:
