@@ -5,11 +5,11 @@ contexts, sequences that fit a fixed memory, and the quality on real text.
     python bench/kv_cache_dtype.py $GGUF --positions 1024,4096 --steps 32 --rounds 2 --threads 2 \\
         --memory-gib 1 --text 000_b9c095075ac9a444.txt --quality-tokens 768
 
-- speed: per context P in --positions, a prompt of P tokens (the text's, repeated) decoded for --steps
-  greedy steps by ``generate``'s loop (the cache bound in place, GroupQueryAttention writing its column),
-  each decoding step timed (Stats.decode_s); fp32 and fp16 alternate, --rounds times each, in one
-  process (both sessions kept), so drift on the busy machine falls on both. Reported: min and median
-  ms/step over every step of every round, and fp16 / fp32 of each.
+- speed: per context P in --positions, a prompt of P tokens (the text's, repeated) prefilled once into
+  a one-slot serving engine per cache dtype; then --steps decoding steps of each engine, alternating,
+  --rounds times (each step timed: the cache bound in place, GroupQueryAttention writing its column),
+  in one process, so drift on the busy machine falls on both. Reported: min and median ms/step over
+  every step, and fp16 / fp32 of each.
 - memory: the serving engine (runtime/serving/engine.py) with one slot at the context, its cache read
   from its buffers (``Engine.cache_bytes``: their nbytes); sequences at the largest --positions that fit
   --memory-gib GiB = floor(GiB / bytes per slot).
@@ -57,16 +57,29 @@ def _load(model_path: str, kv: str, threads: int, sets=()):
 
 
 def speed(models: dict, prompt_of, positions: list[int], steps: int, rounds: int) -> dict:
-    from tessera.runtime.generation import cached as gen
+    """Per context P: each model's serving engine (one slot) holds one request whose prompt is P tokens,
+    prefilled once; then, alternating, each engine runs ``steps`` decoding steps (each timed: one
+    Engine.step, the cache bound in place, GroupQueryAttention writing its column), ``rounds`` times. The
+    contexts grow by steps x rounds positions over the run (both alike)."""
+    from tessera.runtime.serving.engine import Engine, Request
 
     out = {}
     for p in positions:
         prompt = prompt_of(p)
+        engines = {}
+        for kv, m in models.items():
+            engine = Engine(m, max_batch=1, capacity=p + steps * rounds + 8, prefill_chunk=512)
+            handle = engine.submit(Request(prompt, steps * rounds + 4))
+            while len(handle.tokens) < 2:  # the prompt in chunks, its first token, one decoding step
+                engine.step()
+            engines[kv] = engine
         times = {kv: [] for kv in models}
         for _ in range(rounds):
-            for kv, m in models.items():  # alternating
-                stats = gen.generate(m, [prompt], steps + 1).stats
-                times[kv].extend(stats.decode_s[1:])  # the first step binds the buffers
+            for kv, engine in engines.items():  # alternating
+                for _ in range(steps):
+                    t = time.perf_counter()
+                    engine.step()
+                    times[kv].append(time.perf_counter() - t)
         row = {kv: {"min_ms": 1e3 * min(t), "median_ms": 1e3 * statistics.median(t), "steps": len(t)}
                for kv, t in times.items()}
         row["fp16/fp32 min"] = row["fp16"]["min_ms"] / row["fp32"]["min_ms"]
