@@ -10,15 +10,16 @@ What this pass does (after the cache passes, passes/kv_cache.py, on an fp32 grap
 ``cast`` to f16 of the new keys and values. The numpy interpreter runs that graph as written, so it is
 the reference of an fp16 cache: the past rounded to fp16, the attention over it in fp32.
 
-How it is lowered (backends/onnx/cached_attention.py, mixed_attention.py): the ``cast`` of a past is never
-emitted in the main graph (that would convert the whole cache at every step). The decoding step's
-GroupQueryAttention reads the fp16 buffer in place (past and present bound to one buffer, the new
-column written by the kernel), its queries and new keys and values cast to fp16 and its output cast
-back to fp32: onnxruntime 1.31's CPU kernel with an fp16 cache is as fast as with fp32
-(docs/serve.md), while fp32 queries over an fp16 cache (a mixed T/T_CACHE, which its schema allows)
-ran about 1.6x slower in a probe. Every other reader of the past (the prompt's tiled kernel, the
-engine's combined call's chunk block, the verifying call of speculation, which is the prompt branch)
-casts what it reads to fp32 inside its branch.
+How it is lowered (backends/onnx/cached_attention.py, mixed_attention.py, half_cache.py): the ``cast`` of a
+past is never emitted in the main graph (that would convert the whole cache at every step). The
+decoding step's GroupQueryAttention reads the fp16 buffer in place (past and present bound to one
+buffer, the new column written by the kernel), its queries and new keys and values cast to fp16 and its
+output cast back to fp32. fp32 queries over an fp16 cache (a mixed T/T_CACHE, which onnxruntime 1.31's
+schema allows) give the same output but ran slower still in a probe (bench/kv_fp16_gqa_probe.py; on this
+machine's CPU, without fp16 arithmetic, the fp16 kernel itself is slower than fp32's: docs/serve.md
+gives the figures: the fp16 cache buys memory, not speed). Every other reader of the past (the
+prompt's tiled kernel, the engine's combined call's chunk block, the verifying call of speculation,
+which is the prompt branch) casts what it reads to fp32 inside its branch.
 
 Assumptions, checked here (a CacheError says which failed, and why):
 - every cached attention site decodes by GroupQueryAttention over the buffer cache (the only reader of
@@ -30,6 +31,7 @@ Assumptions, checked here (a CacheError says which failed, and why):
 
 from __future__ import annotations
 
+from tessera.compiler.backends.onnx.half_cache import TO_F32
 from tessera.compiler.ir.graph import Graph, TensorType
 from tessera.compiler.passes.base import Pass, PassResult
 from tessera.compiler.passes.cache_parts import CacheError
@@ -43,7 +45,6 @@ QUANTISED_REASON = ("onnxruntime 1.31's CPU GroupQueryAttention reads an int8/in
                     "every other reader of the cache (the prompt's tiled kernel, the engine's combined call, the "
                     "verifying call of --speculative) computes in float: not built (docs/serve.md, A quantised KV "
                     "cache); fp16 halves the cache")
-TO_F32 = "/to_f32"  # the suffix of a past's cast to the model's precision
 
 
 def resolve(kv_cache_dtype: str, model_dtype: str) -> str:
@@ -60,14 +61,6 @@ def resolve(kv_cache_dtype: str, model_dtype: str) -> str:
                          f"{model_dtype} keeps its cache at {model_dtype} (the cache is lowered with the model); "
                          f"drop --kv-cache-dtype or give {model_dtype}")
     return kv_cache_dtype
-
-
-def stored_past(g: Graph, value: str) -> str:
-    """The cache input a past value reads: ``value`` itself, or the f16 input its ``cast`` reads."""
-    p = g.producer(value)
-    if p is not None and p.op == "cast" and p.name.endswith(TO_F32) and p.inputs[0] in g.inputs:
-        return p.inputs[0]
-    return value
 
 
 class StoreCacheAt(Pass):

@@ -39,7 +39,8 @@ from tessera.compiler.backends.onnx.floats import np_float as _np_float, onnx_fl
 from tessera.compiler.backends.onnx.score_epilogue import _hidden_keys
 from tessera.compiler.backends.onnx.walk import all_nodes
 from tessera.compiler.ops.attention import rotated_dims
-from tessera.compiler.passes.kv_cache_dtype import stored_past
+from tessera.compiler.backends.onnx.half_cache import as_compute as _as_compute, half_bias, half_cache, new_columns, \
+    stored_past, to_half
 from tessera.compiler.patterns.matcher import Pat, match
 from tessera.compiler.reference.numerics import rope_attention_factor, rope_inv_freq
 
@@ -56,37 +57,12 @@ def _split(b, x: str) -> tuple[str, str | None]:
     return x, None
 
 
-def _as_compute(b, x: str, like: str) -> str:
-    """``x`` (a past as stored, or a slice of it) at the precision of ``like`` (the queries): a Cast where
-    the cache is stored below the model's precision, else ``x`` itself."""
-    have, want = b.graph.type_of(x).dtype if x in b.graph.values else "f16", b.graph.type_of(like).dtype
-    return x if have == want else b.node("Cast", [x], to=_onnx_float(want))[0]
 
 
-def half_cache(b, past: str, q: str) -> bool:
-    """Whether the cache is stored at f16 below an f32 model (GroupQueryAttention then runs in fp16: its
-    queries and new keys and values cast to fp16, its output back)."""
-    return b.graph.type_of(past).dtype == "f16" and b.graph.type_of(q).dtype == "f32"
 
 
-def to_half(b, xs: list[str]) -> list[str]:
-    """Casts to fp16 ("" stays: an absent optional input)."""
-    return [b.node("Cast", [x], to=TensorProto.FLOAT16)[0] if x else x for x in xs]
 
 
-def half_bias(b, bias: str) -> str:
-    """GroupQueryAttention's attention_bias at fp16 (its type is the queries'), cast once in the main graph
-    (called while the main graph is being built: before a site's branches)."""
-    if not bias:
-        return bias
-    key = ("half_bias", bias)
-    if key not in b.shared:
-        saved, b.current = b.current, ""
-        try:
-            b.shared[key] = b.node("Cast", [bias], [b.fresh("gqa/attention_bias_f16")], to=TensorProto.FLOAT16)[0]
-        finally:
-            b.current = saved
-    return b.shared[key]
 
 
 def _mask_bias(b, node, np_dtype) -> str | None:
@@ -539,14 +515,6 @@ def _lower_prefill_packed(b, node, outs: list[str]) -> None:
         new_columns(b, past, new, out)
 
 
-def new_columns(b, past: str, new: str, out: str) -> None:
-    """The new keys or values as the cache outputs hold them, into ``out``: at the stored past's precision
-    (an fp16 cache: a Cast), else an Identity."""
-    want = b.graph.type_of(past).dtype
-    if want != b.graph.type_of(new).dtype:
-        b.node("Cast", [new], [out], to=_onnx_float(want))
-    else:
-        b.node("Identity", [new], [out])
 
 
 def settle_packed(model) -> int:

@@ -41,6 +41,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from tessera.compiler.backends.onnx.floats import np_float as _np_float, onnx_float as _onnx_float
 from tessera.compiler.backends.onnx.gqa_inputs import gqa_node_inputs
+from tessera.compiler.backends.onnx.half_cache import new_columns, to_half
 
 POSITIONS = "position_ids"  # the cached graph's input (compiler/passes/kv_cache.py)
 
@@ -135,8 +136,6 @@ def _lower_combined(b, node, outs: list[str], gqa_in, split, packed=None) -> Non
     """The combined call at one site (see the module docstring). ``outs``: the attention output
     [1, H, n + T, hd], the two cache buffers (GroupQueryAttention's present outputs, the buffer
     itself when bound), and for a packed site the new keys and values of every token."""
-    # cached_attention.py imports this module: its helpers are imported here, when lowering
-    from tessera.compiler.backends.onnx.cached_attention import new_columns, to_half
 
     g, a = b.graph, node.attrs
     q, k, v = node.inputs[:3]
