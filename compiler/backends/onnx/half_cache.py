@@ -10,9 +10,10 @@ what it reads inside its own branch; the new keys and values go out as the cache
 
 from __future__ import annotations
 
-from onnx import TensorProto
-
 from tessera.compiler.backends.onnx.floats import onnx_float as _onnx_float
+
+# onnx is imported where a node is made, not here: passes/kv_cache_dtype.py imports TO_F32, and the pipelines
+# that import it run in `tessera report`, which must not load onnx (tests/project/test_cli_help.py)
 
 TO_F32 = "/to_f32"  # the suffix of the IR's cast of a past to the model's precision (passes/kv_cache_dtype.py)
 
@@ -40,7 +41,7 @@ def half_cache(b, past: str, q: str) -> bool:
 
 def to_half(b, xs: list[str]) -> list[str]:
     """Casts to fp16 ("" stays: an absent optional input)."""
-    return [b.node("Cast", [x], to=TensorProto.FLOAT16)[0] if x else x for x in xs]
+    return [b.node("Cast", [x], to=_onnx_float("f16"))[0] if x else x for x in xs]
 
 
 def half_bias(b, bias: str) -> str:
@@ -52,7 +53,7 @@ def half_bias(b, bias: str) -> str:
     if key not in b.shared:
         saved, b.current = b.current, ""
         try:
-            b.shared[key] = b.node("Cast", [bias], [b.fresh("gqa/attention_bias_f16")], to=TensorProto.FLOAT16)[0]
+            b.shared[key] = b.node("Cast", [bias], [b.fresh("gqa/attention_bias_f16")], to=_onnx_float("f16"))[0]
         finally:
             b.current = saved
     return b.shared[key]
