@@ -133,6 +133,7 @@ def test_explain_states_the_halved_cache(capsys):
         assert rc == 0, err
         text = out + err
         line = next(x for x in text.splitlines() if x.startswith("memory budget"))
-        return float(line.split("KV cache ")[1].split(" MiB")[0])
+        return float(line.split("KV cache ")[1].split(" MiB")[0]), " MiB at fp16 = " in line
 
-    assert explain("--kv-cache-dtype", "fp16") * 2 == pytest.approx(explain(), abs=0.1)
+    (half, at16), (full, at32) = explain("--kv-cache-dtype", "fp16"), explain()
+    assert half * 2 == pytest.approx(full, abs=0.1) and at16 and not at32
