@@ -35,12 +35,12 @@ from tessera.compiler.backends.onnx import score_epilogue as epilogue
 from tessera.compiler.backends.onnx.attention import _attn23, _portable
 from tessera.compiler.backends.onnx.branches import branch, branch_outputs
 from tessera.compiler.backends.onnx.gqa_inputs import gqa_node_inputs
+from tessera.compiler.backends.onnx.half_cache import as_compute as _as_compute, half_bias, half_cache, new_columns, \
+    stored_past, to_half
 from tessera.compiler.backends.onnx.floats import np_float as _np_float, onnx_float as _onnx_float
 from tessera.compiler.backends.onnx.score_epilogue import _hidden_keys
 from tessera.compiler.backends.onnx.walk import all_nodes
 from tessera.compiler.ops.attention import rotated_dims
-from tessera.compiler.backends.onnx.half_cache import as_compute as _as_compute, half_bias, half_cache, new_columns, \
-    stored_past, to_half
 from tessera.compiler.patterns.matcher import Pat, match
 from tessera.compiler.reference.numerics import rope_attention_factor, rope_inv_freq
 
@@ -55,14 +55,6 @@ def _split(b, x: str) -> tuple[str, str | None]:
     if p is not None and p.op == "concat" and len(p.inputs) == 2 and p.attrs["axis"] in (2, -2):
         return stored_past(b.graph, p.inputs[0]), p.inputs[1]
     return x, None
-
-
-
-
-
-
-
-
 
 
 def _mask_bias(b, node, np_dtype) -> str | None:
@@ -515,11 +507,9 @@ def _lower_prefill_packed(b, node, outs: list[str]) -> None:
         new_columns(b, past, new, out)
 
 
-
-
 def settle_packed(model) -> int:
-    """After export: for each packed If, drop the main-graph Identity (or, an fp16 cache, Cast) nodes that gave the cache outputs
-    the If now gives, and move into its prefill branch every main-graph node read by that branch alone
+    """After export: for each packed If, drop the main-graph Identity nodes (Cast with an fp16 cache) that gave
+    the cache outputs the If now gives, and move into its prefill branch every main-graph node read by that branch alone
     (the q/k/v slices, head splits and ropes), so a decoding step does not run them. Returns how many
     nodes moved."""
     graph = model.graph

@@ -27,9 +27,9 @@ def stored_past(g, value: str) -> str:
 
 
 def as_compute(b, x: str, like: str) -> str:
-    """``x`` (a past as stored, or a slice of it) at the precision of ``like`` (the queries): a Cast where
-    the cache is stored below the model's precision, else ``x`` itself."""
-    have, want = b.graph.type_of(x).dtype if x in b.graph.values else "f16", b.graph.type_of(like).dtype
+    """``x`` (a past as stored: an IR value) at the precision of ``like`` (the queries): a Cast where the
+    cache is stored below the model's precision, else ``x`` itself."""
+    have, want = b.graph.type_of(x).dtype, b.graph.type_of(like).dtype
     return x if have == want else b.node("Cast", [x], to=_onnx_float(want))[0]
 
 
