@@ -95,7 +95,8 @@ class Model:
                quantize_activations: str | None = None, plot: str | Path | None = None,
                tp: int = 1, pp: int = 1, dp: int = 1, ep: int = 1, train: bool = False, zero: int = 0,
                recompute: str = "none", serve: bool = False, context: int | None = None, measure: bool = False,
-               repeats: int = 5, calibrated: bool = False, calibration: str | Path | None = None) -> Report:
+               repeats: int = 5, calibrated: bool = False, calibration: str | Path | None = None,
+               kv_cache_dtype: str = "auto") -> Report:
         """The static cost report (parameters, MACs, memory, roofline) as ``tessera report --format json`` gives it,
         as a dict (a ``Report``: a one-line repr, ``print`` shows the tables, notebooks an HTML view)
         (``sparse_moe=False``: --no-sparse-moe; ``quantize``...: --quantize...; ``plot``: also draw --plot's figure).
@@ -109,7 +110,7 @@ class Model:
                           quantize_activations=quantize_activations, plot=plot,
                           tp=tp, pp=pp, dp=dp, ep=ep, train=train, zero=zero, recompute=recompute, serve=serve,
                           context=context, measure=measure, repeats=repeats, calibrated=calibrated,
-                          calibration=calibration).for_api()
+                          calibration=calibration, kv_cache_dtype=kv_cache_dtype).for_api()
         return Report(driver.report(self.ref, o))
 
     # ---------------------------------------------------------------- compile and run
@@ -118,11 +119,12 @@ class Model:
                 quantize_head: bool = False, quantize_activations: str | None = None, gguf_weights: str = "codes",
                 sparse_moe: bool = True, genai: bool = False, tokenizer: str | Path | None = None,
                 context_length: int | None = None, cache: str = "auto", decode: str = "auto",
-                combined_call: bool = False,
+                combined_call: bool = False, kv_cache_dtype: str = "auto",
                 recurrence: str = "auto", attention_probs: list[int | str] = (), explain: bool = False,
                 compile_cache: str | Path | None = None, no_compile_cache: bool = False) -> list[Path]:
         """Write the ONNX file (kv_cache=True: the cached decoder that ``tessera generate`` loads, with
-        ``cache``, ``decode`` and ``combined_call`` as --cache, --decode and --combined-call); the weights are streamed to it one tensor at a
+        ``cache``, ``decode``, ``combined_call`` and ``kv_cache_dtype`` as --cache, --decode, --combined-call and
+        --kv-cache-dtype); the weights are streamed to it one tensor at a
         time. ``quantize`` "int8" or "int4" (with ``quantize_block``, ``quantize_head``,
         ``quantize_activations``) is --quantize's quantisation; ``sparse_moe=False`` is --no-sparse-moe;
         ``recurrence`` is --recurrence; ``attention_probs`` (site numbers or "all") --attention-probs;
@@ -135,7 +137,8 @@ class Model:
                            quantize_head=quantize_head, quantize_activations=quantize_activations,
                            gguf_weights=gguf_weights, sparse_moe=sparse_moe, genai=genai, tokenizer=tokenizer,
                            context_length=context_length,
-                           cache=cache, decode=decode, combined_call=combined_call, recurrence=recurrence,
+                           cache=cache, decode=decode, combined_call=combined_call, kv_cache_dtype=kv_cache_dtype,
+                           recurrence=recurrence,
                            attention_probs=list(attention_probs) if isinstance(attention_probs, (list, tuple))
                            else attention_probs, explain=explain, compile_cache=compile_cache,
                            no_compile_cache=no_compile_cache).for_api()
@@ -146,19 +149,20 @@ class Model:
             quantize_head: bool = False, quantize_activations: str | None = None, gguf_weights: str = "codes",
             sparse_moe: bool = True, recurrence: str = "auto", explain: bool = False,
             tokenizer: str | Path | None = None,
-            texts: list[str] = (), images: list[str] = (), pool: str | None = None,
+            texts: list[str] = (), images: list[str] = (), pool: str | None = None, kv_cache_dtype: str = "auto",
             save: str | Path | None = None, compile_cache: str | Path | None = None, no_compile_cache: bool = False,
             **named_inputs) -> dict[str, np.ndarray]:
         """Run the model in onnxruntime on named inputs (arrays or nested lists, checked like
         ``tessera run --input``); an input whose name is also a keyword here goes in ``inputs``, a dict.
         The keywords are ``tessera run``'s options (``texts`` with ``tokenizer`` is --text, ``images``
-        --image, ``pool="mean"`` --pool mean, ``save`` --save DIR; ``compile_cache`` --compile-cache DIR,
+        --image, ``pool="mean"`` --pool mean, ``save`` --save DIR; ``kv_cache_dtype`` is refused unless "auto"
+        (run keeps no KV cache: as --kv-cache-dtype); ``compile_cache`` --compile-cache DIR,
         ``no_compile_cache=True`` --no-compile-cache: docs/cli.md, the compile cache)."""
         o = RunOptions(provider=provider, attention=attention, target=target, dtype=dtype, quantize=quantize,
                        quantize_block=quantize_block, quantize_head=quantize_head,
                        quantize_activations=quantize_activations, gguf_weights=gguf_weights, sparse_moe=sparse_moe,
                        recurrence=recurrence, explain=explain, tokenizer=tokenizer, texts=_as_list(texts),
-                       images=_as_list(images), pool=pool,
+                       images=_as_list(images), pool=pool, kv_cache_dtype=kv_cache_dtype,
                        save=save, compile_cache=compile_cache, no_compile_cache=no_compile_cache).for_api()
         o.check()
         key = (provider, attention, target, dtype, sparse_moe, recurrence, o.build_key())
@@ -218,7 +222,7 @@ class Model:
                  stop_tokens=(), tokenizer: str | Path | None = None, stream: bool = False, threads: int | None = None,
                  cache: str = "auto", quantize: str = "none", quantize_block: int | None = None,
                  quantize_head: bool = False, quantize_activations: str | None = None, gguf_weights: str = "codes",
-                 inputs: dict | None = None, provider: str = "auto", dtype: str = "fp32",
+                 inputs: dict | None = None, provider: str = "auto", dtype: str = "fp32", kv_cache_dtype: str = "auto",
                  start_token: int | None = None, speculative=None, draft_tokens: int | None = None,
                  json_schema=None, regex: str | None = None, grammar: str | Path | None = None,
                  compile_cache: str | Path | None = None, no_compile_cache: bool = False):
@@ -245,7 +249,8 @@ class Model:
         only, the same tokens as without it (docs/generate.md); streamed, a round's tokens come together.
         Structured output (one of, with a tokenizer): ``json_schema`` (a dict, or a JSON schema file),
         ``regex`` (a regular expression), ``grammar`` (a Lark grammar file): every output follows it.
-        ``provider`` and ``dtype``: generate's --provider and --dtype (on CUDA the spec is compiled for CUDA).
+        ``provider`` and ``dtype``: generate's --provider and --dtype (on CUDA the spec is compiled for CUDA);
+        ``kv_cache_dtype``: --kv-cache-dtype ("fp16": the KV cache stored at fp16, the model in fp32).
         ``compile_cache`` (a folder) and ``no_compile_cache=True``: --compile-cache and --no-compile-cache
         (the compiled decoder kept between runs, keyed by the weights' files: weights changed in memory,
         ``m.weights[...]``, are not seen by a cache hit; give ``no_compile_cache=True`` then)."""
@@ -263,7 +268,7 @@ class Model:
                             stop_tokens=stop_tokens, threads=threads, cache=cache, quantize=quantize,
                             quantize_block=quantize_block, quantize_head=quantize_head,
                             quantize_activations=quantize_activations, gguf_weights=gguf_weights, provider=provider,
-                            dtype=dtype, start_token=start_token, speculative=speculative, draft_tokens=draft_tokens,
+                            dtype=dtype, kv_cache_dtype=kv_cache_dtype, start_token=start_token, speculative=speculative, draft_tokens=draft_tokens,
                             json_schema=json_schema, regex=regex, grammar=grammar, compile_cache=compile_cache,
                             no_compile_cache=no_compile_cache).for_api()
         o.check()  # before the tokenizer is read

@@ -43,6 +43,9 @@ TARGETS = ("cpu", "cuda")
 DTYPES = ("fp32", "fp16", "bf16")
 RECURRENCES = ("auto", "scan")
 CACHES = ("auto", "buffer", "concat")
+# compiler/passes/kv_cache_dtype.py KV_CACHE_DTYPES (tests/generation/test_kv_cache_dtype.py keeps the two equal); here
+# so the parsers are built without importing the compiler
+KV_CACHE_DTYPES = ("auto", "fp32", "fp16", "int8", "int4")
 DECODES = ("auto", "gqa", "gqa-unpacked", "plain")
 PROVIDERS = ("auto", "cpu", "cuda")
 QUANT_ACTIVATIONS = ("int8", "float")
@@ -371,14 +374,44 @@ class BuildOptions(CompileCacheOptions, QuantOptions):
 
     # the quantisation's fields are QuantOptions'; a new compile option is declared here, with flag(...)
     gguf_weights: str = gguf_weights_flag()
+    kv_cache_dtype: str = flag("auto", choices=list(KV_CACHE_DTYPES),
+                               help="the precision the KV cache is stored at: fp16 halves its bytes (twice the "
+                                    "sequences in the same memory) while the model computes in fp32; it needs "
+                                    "every attention site decoding by GroupQueryAttention over the buffer cache "
+                                    "(not a sliding window, chunked attention or recurrent state). int8 and int4 "
+                                    "are refused with the reason (docs/serve.md). auto: the model's precision "
+                                    "(fp32, or fp16 with --dtype fp16) (default auto)")
 
     def check(self) -> None:
         super().check()  # the quantisation's rules; a new compile option's follow
         check_choice(self.label("gguf_weights"), self.gguf_weights, GGUF_WEIGHTS)
+        self._check_kv_cache_dtype()
+
+    def _check_kv_cache_dtype(self) -> None:
+        """--kv-cache-dtype: a choice; int8/int4 refused with the reason; against --dtype (an fp16 model's cache
+        is fp16) and the device (on CUDA the fp16 cache comes with --dtype fp16)."""
+        check_choice(self.label("kv_cache_dtype"), self.kv_cache_dtype, KV_CACHE_DTYPES)
+        kv, dtype = self.kv_cache_dtype, getattr(self, "dtype", "fp32")
+        name = self.flag("kv_cache_dtype")
+        if kv in ("int8", "int4"):
+            from tessera.compiler.passes.kv_cache_dtype import QUANTISED_REASON
+
+            raise UsageError(f"{name} {kv}: {QUANTISED_REASON}")
+        if kv in ("auto", dtype):
+            return
+        if dtype != "fp32":
+            raise UsageError(f"{name} {kv} with {self.flag('dtype')} {dtype}: a model compiled at {dtype} keeps its "
+                             f"cache at {dtype}; drop {name} or give {dtype}")
+        device = getattr(self, "device", None) if not isinstance(self, OptimizeOptions) else self.target
+        if device == "cuda":
+            raise UsageError(f"{name} {kv} on CUDA: the fp16 cache there comes with {self.flag('dtype')} fp16 (the "
+                             f"model in fp16; onnxruntime's CUDA GroupQueryAttention has no fp32 kernel to read a "
+                             f"cache beside an fp32 model)")
 
     def build_fields(self) -> dict:
         """These options as PipelineOptions keywords (compiler/passes/pipeline.py)."""
-        return {"quantize": self.quant_config(), "gguf_weights": self.gguf_weights}
+        cache = {"kv_cache_dtype": self.kv_cache_dtype}
+        return {"quantize": self.quant_config(), "gguf_weights": self.gguf_weights} | cache
 
     def build_given(self) -> list[str]:
         """The fields given otherwise than their defaults (an .onnx file is compiled already: it takes none;
@@ -496,6 +529,10 @@ class CompileOptions(OptimizeOptions):
                 raise UsageError(f"{self.flag('combined_call')} needs GroupQueryAttention decoding over the buffer "
                                  f"cache (the combined call runs the decoding rows' GroupQueryAttention in place); "
                                  f"drop {'--decode plain' if self.decode == 'plain' else '--cache concat'}")
+        if self.kv_cache_dtype not in ("auto", self.dtype) and (self.genai or not self.kv_cache):
+            raise UsageError(self.say("--kv-cache-dtype applies with --kv-cache (without --genai, which writes "
+                                      "onnxruntime-genai's concat cache at the model's precision)",
+                                      "kv_cache_dtype applies with kv_cache=True (not genai=True)"))
         if not (self.kv_cache or self.genai):
             if self.cache != "auto":
                 raise UsageError(self.say("--cache applies with --kv-cache", "cache applies with kv_cache=True"))
@@ -565,6 +602,9 @@ class RunOptions(OptimizeOptions):
 
     def check(self) -> None:
         super().check()
+        if self.kv_cache_dtype not in ("auto", self.dtype):
+            raise UsageError(f"{self.flag('kv_cache_dtype')} applies to a cached decoder (generate, serve, batch, "
+                             f"compile --kv-cache); run computes the full model, which keeps no KV cache")
         check_strings(self.label("inputs"), self.inputs)
         check_path(self.label("tokenizer"), self.tokenizer)
         check_strings(self.label("texts"), self.texts)
@@ -637,6 +677,7 @@ class ReportOptions(QuantOptions):
     recompute: str = "none"
     serve: bool = False
     context: int | None = None
+    kv_cache_dtype: str = "auto"  # the KV cache's bytes per element in the memory figures and --serve's capacity
     # --measure / --calibrated (runtime/report/measure.py, calibration.py; docs/report.md)
     measure: bool = False
     repeats: int = 5
@@ -692,6 +733,14 @@ class ReportOptions(QuantOptions):
         check_bool(self.label("train"), self.train)
         check_bool(self.label("serve"), self.serve)
         check_choice(self.label("recompute"), self.recompute, RECOMPUTE)
+        check_choice(self.label("kv_cache_dtype"), self.kv_cache_dtype, KV_CACHE_DTYPES)
+        if self.kv_cache_dtype in ("int8", "int4"):
+            from tessera.compiler.passes.kv_cache_dtype import QUANTISED_REASON
+
+            raise UsageError(f"{self.flag('kv_cache_dtype')} {self.kv_cache_dtype}: {QUANTISED_REASON}")
+        if self.kv_cache_dtype not in ("auto", self.dtype) and self.dtype != "fp32":
+            raise UsageError(f"{self.flag('kv_cache_dtype')} {self.kv_cache_dtype} with {self.flag('dtype')} "
+                             f"{self.dtype}: a model compiled at {self.dtype} keeps its cache at {self.dtype}")
         if self.plan is not None:  # the rules between them (--zero needs --dp 2 or more, --serve --context...)
             with plan_errors():
                 check_options(self.plan, self.flag)

@@ -20,12 +20,15 @@ DTYPES = memory.DTYPE_BYTES
 class Context:
     """The graph, its structure and costs, and how its symbols are bound."""
 
-    def __init__(self, graph: Graph, batch: int = 1, seq: int = 1024, dtype: str = "fp32", analysed=None):
+    def __init__(self, graph: Graph, batch: int = 1, seq: int = 1024, dtype: str = "fp32", analysed=None,
+                 kv_cache_dtype: str = "auto"):
         self.graph = graph
         # analysed: (costs, structure) of this graph from an earlier Context (a sweep binds it many times)
         self.costs, self.st = analysed or cost.node_costs(graph)
         self.dtype = dtype
         self.bytes = DTYPES[dtype]
+        # the KV cache's bytes per element: the model's, or --kv-cache-dtype's (fp16 on an fp32 model: 2)
+        self.kv_bytes = self.bytes if kv_cache_dtype in (None, "auto") else DTYPES[kv_cache_dtype]
         self.batch_symbol = "B" if "B" in graph.symbols else None
         self.seq_symbols = [s for s in graph.symbols if s != "B"]
         self.batch, self.seq = batch, seq

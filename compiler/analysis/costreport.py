@@ -123,7 +123,7 @@ def flops_section(ctx: Context) -> dict:
 
 def memory_section(ctx: Context) -> dict:
     g, st, b = ctx.graph, ctx.st, ctx.bytes
-    kv = memory.kv_cache(g, st, b)
+    kv = memory.kv_cache(g, st, ctx.kv_bytes)  # at --kv-cache-dtype's bytes where given
     peak_u = memory.peak_activations(g, st, ctx.bindings, b, fused=False)
     peak_f = memory.peak_activations(g, st, ctx.bindings, b, fused=True)
     tr = memory.training_memory(g, st, ctx.dtype)
@@ -238,11 +238,11 @@ def _notes(ctx: Context, rep: dict) -> list[str]:
 
 def build_report(graph: Graph, model: str, variant: str | None, hyperparams: dict, *, batch: int = 1,
                  seq: int = 1024, dtype: str = "fp32", device: roofline.Device | None = None,
-                 plan: Plan | None = None, phase_work: bool = False) -> dict:
+                 plan: Plan | None = None, phase_work: bool = False, kv_cache_dtype: str = "auto") -> dict:
     """The report; with a ``plan`` (checked first: PlanError) also ``parallel``,
     ``memory.training.per_device`` (--train) and ``serving`` (--serve, on ``device``); ``phase_work``:
     ``roofline.work`` (--measure, --calibrated)."""
-    ctx = Context(graph, batch, seq, dtype)
+    ctx = Context(graph, batch, seq, dtype, kv_cache_dtype=kv_cache_dtype)
     dep = deployment.Deployment(ctx, plan) if plan is not None else None  # checks the plan first
     rep = {
         "schema": SCHEMA,
@@ -254,6 +254,7 @@ def build_report(graph: Graph, model: str, variant: str | None, hyperparams: dic
             "batch_symbol": ctx.batch_symbol, "sequence_symbols": ctx.seq_symbols,
             "bindings": dict(ctx.bindings), "tokens_per_sequence": ctx.tokens_per_sequence,
             "tokens": ctx.tokens,
+            **({"kv_cache_bytes_per_element": ctx.kv_bytes} if ctx.kv_bytes != ctx.bytes else {}),
         },
         "params": parameter_report(graph, ctx.st),
         "macs": macs_section(ctx),

@@ -23,7 +23,7 @@ class Deployment:
         self.plan = plan
         self.shape = model_shape(ctx.graph, ctx.st)
         check(plan, self.shape)
-        self.split = parallel.split(ctx.graph, ctx.st, self.shape, plan, ctx.bytes)
+        self.split = parallel.split(ctx.graph, ctx.st, self.shape, plan, ctx.bytes, ctx.kv_bytes)
         self.params = max(self.split.params)
         self.b = Poly.symbol("B") if ctx.batch_symbol else Poly.const(1)
         self.s = Poly.symbol(ctx.seq_symbols[0]) if ctx.seq_symbols else Poly.const(ctx.tokens_per_sequence)
@@ -99,6 +99,9 @@ def serving_section(ctx: Context, dep: Deployment, device: roofline.Device) -> d
     return {
         "context": n, "device": device.name, "device_memory": device.memory, "headroom": plan.headroom,
         "weights_bytes": weights, "kv_cache_bytes_per_sequence": kv_seq,
+        **({"kv_cache_bytes_per_element": ctx.kv_bytes,
+            "note": f"the KV cache counted at {ctx.kv_bytes} bytes per element (--kv-cache-dtype); the decode "
+                    f"step's roofline still reads it at {ctx.bytes}"} if ctx.kv_bytes != ctx.bytes else {}),
         "activations_bytes_per_sequence": act_seq, "usable_bytes": cap.usable_bytes,
         "max_batch": cap.max_batch,
         "decode_step_s": decode_s,
@@ -119,17 +122,18 @@ def add_sections(rep: dict, ctx: Context, dep: Deployment, device: roofline.Devi
 
 
 def sweep_rows(graph: Graph, batches: list[int], seqs: list[int], dtype: str = "fp32",
-               device: roofline.Device | None = None, plan: Plan | None = None) -> list[dict]:
+               device: roofline.Device | None = None, plan: Plan | None = None,
+               kv_cache_dtype: str = "auto") -> list[dict]:
     """One row per (B, N) combination, batch-major: the headline figures of the report, and of the
     plan's split and training where a plan is given (``sweep`` in the JSON)."""
-    first = Context(graph, batches[0], seqs[0], dtype)
+    first = Context(graph, batches[0], seqs[0], dtype, kv_cache_dtype=kv_cache_dtype)
     analysed = (first.costs, first.st)
     total, flops = cost.total(first.costs), sum(cost.flops_by_category(first.costs).values(), Poly())
-    kv = memory.kv_cache(graph, first.st, first.bytes).bytes
+    kv = memory.kv_cache(graph, first.st, first.kv_bytes).bytes
     rows = []
     for b in batches:
         for n in seqs:
-            ctx = Context(graph, b, n, dtype, analysed)
+            ctx = Context(graph, b, n, dtype, analysed, kv_cache_dtype)
             row = {"batch": b, "seq": n, "macs_total": ctx.value(total), "flops_total": ctx.value(flops),
                    "kv_cache_bytes": ctx.value(kv),
                    "activations_peak_bytes_fused": memory.peak_activations(graph, ctx.st, ctx.bindings, ctx.bytes,

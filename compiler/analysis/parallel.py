@@ -63,7 +63,9 @@ def _norm_params(graph: Graph, st: Structure) -> set[str]:
     return out
 
 
-def split(graph: Graph, st: Structure, shape: ModelShape, plan: Plan, act_bytes: int) -> Split:
+def split(graph: Graph, st: Structure, shape: ModelShape, plan: Plan, act_bytes: int,
+          kv_bytes: int | None = None) -> Split:
+    """The plan's split of the weights and the KV cache (``kv_bytes`` per element, default ``act_bytes``)."""
     groups = stages(shape.layers, plan.pp)
     stage_of = {k: s for s, g in enumerate(groups) for k in g}
     last = plan.pp - 1
@@ -106,7 +108,7 @@ def split(graph: Graph, st: Structure, shape: ModelShape, plan: Plan, act_bytes:
         for v in (a.k, a.v):
             if v is not None and v not in seen:
                 seen.add(v)
-                kv[s] = kv[s] + memory.value_bytes(graph, v, act_bytes) / plan.tp
+                kv[s] = kv[s] + memory.value_bytes(graph, v, kv_bytes or act_bytes) / plan.tp
     moe_keys = {node_layer(graph.nodes[e.gate]) for e in st.experts}
     return Split(stage_of, params, kv, [len(g) for g in groups],
                  [sum(1 for k in g if k in moe_keys) for g in groups])

@@ -133,7 +133,8 @@ class CacheInfo:
 
     def explain(self) -> str:
         """--explain's listing for a cached compile: every cached site's kernel per phase and why."""
-        lines = [f"KV cache ({self.mode} mode): {len(self.layers)} cached attention sites"]
+        stored = ", stored at fp16" if self.dtype == "f16" else ""  # --kv-cache-dtype fp16, or --dtype fp16
+        lines = [f"KV cache ({self.mode} mode{stored}): {len(self.layers)} cached attention sites"]
         if self.states:
             lines.append(f"recurrent state: {sum(s.kind == 'scan' for s in self.states)} scan state(s), "
                          f"{sum(s.kind == 'conv' for s in self.states)} causal conv1d window(s) carried")

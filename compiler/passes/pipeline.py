@@ -36,6 +36,7 @@ from tessera.compiler.passes.expose_attention import ExposeAttentionProbs
 from tessera.compiler.passes.fuse_attention import AttentionSite, FuseAttention
 from tessera.compiler.passes.fuse_linears import FuseSharedInputLinears
 from tessera.compiler.passes.kv_cache import CacheOptions, cache_passes, cache_tensors
+from tessera.compiler.passes.kv_cache_dtype import StoreCacheAt, resolve as resolve_cache_dtype
 from tessera.compiler.passes.model_passes import (DerivePrefixMask, FuseSkipNorms, HoistDataless, ModelPass, PruneDeadNodes,
                                                   SettleMixed, SettlePacked, SplitBoundStep)
 from tessera.compiler.passes.precision import LowerPrecision
@@ -83,6 +84,9 @@ class PipelineOptions:
     # weights the checkpoint holds block-quantised (Param.stored, a GGUF file's codes): "codes" and
     # "codes-fp32" read them as MatMulNBits (passes/stored_codes.py), "dequantize" as the fp32 weights
     gguf_weights: str = "codes"
+    # the KV cache's precision (passes/kv_cache_dtype.py): auto = the model's; fp16 on an fp32 model stores the
+    # cache at fp16 (half the bytes), the model computing in fp32; int8/int4 refused with the reason
+    kv_cache_dtype: str = "auto"
 
     def cache_options(self) -> CacheOptions:
         return CacheOptions(self.last_only, self.cache, None, self.decoder_input, self.max_positions, self.target,
@@ -93,6 +97,11 @@ class PipelineOptions:
         if self.attention != "auto" or self.attention_probs or self.all_probs:
             raise PassError("the KV cache chooses the attention kernels per phase itself: it takes no attention "
                             "override and exposes no attention probabilities")
+
+    @property
+    def lower_cache(self) -> bool:
+        """Whether the cache is stored below the model's precision (fp16 on an fp32 model)."""
+        return resolve_cache_dtype(self.kv_cache_dtype, self.target.dtype) != self.target.dtype
 
 
 def _optimize(o: PipelineOptions, lower_precision: bool, quantize: QuantConfig | None) -> list[Pass]:
@@ -141,6 +150,8 @@ def cached_decoder(o: PipelineOptions) -> list[Pass]:
     passes += _optimize(o, False, None) + cache_passes(o.cache_options())
     if o.fuse_linears:
         passes.append(FuseSharedInputLinears())
+    if o.lower_cache:  # after the kernels are chosen: it needs every site decoding by GroupQueryAttention
+        passes.append(StoreCacheAt())
     if o.target.dtype != "fp32":  # the cache crosses the interface at the lower precision
         passes.append(LowerPrecision(o.target.dtype, native=cache_tensors, device=o.target.device))
     return passes
@@ -151,6 +162,9 @@ def encoder_decoder(o: PipelineOptions) -> list[Pass]:
     o.check_cached()
     if o.decoder_input is None:
         raise PassError("the encoder_decoder pipeline needs the decoder's input (decoder_input)")
+    if o.lower_cache:
+        raise PassError(f"--kv-cache-dtype {o.kv_cache_dtype}: an encoder-decoder's decoder keeps its cache at the "
+                        f"model's precision (its cached attention does not decode by GroupQueryAttention); not built")
     passes: list[Pass] = _stored(o) + ([QuantizeWeights(o.quantize)] if o.quantize is not None else [])
     return passes + _optimize(o, False, None) + [SplitEncoder([o.decoder_input])] + cache_passes(o.cache_options())
 

@@ -12,7 +12,7 @@ import sys
 
 from tessera.runtime import options
 from tessera.runtime.cli import args
-from tessera.runtime.options import ModelRef, ReportOptions
+from tessera.runtime.options import KV_CACHE_DTYPES, ModelRef, ReportOptions
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
@@ -75,6 +75,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="serving capacity on --device: largest batch at --context, decode tokens/s, "
                         "time to first token")
     g.add_argument("--context", type=int, metavar="N", help="tokens per sequence with --serve")
+    g.add_argument("--kv-cache-dtype", choices=list(KV_CACHE_DTYPES), default="auto",
+                   help="the KV cache's precision in the memory figures and --serve's capacity: fp16 counts 2 bytes "
+                        "an element on an fp32 model (generate/serve --kv-cache-dtype fp16); int8 and int4 are "
+                        "refused as those commands refuse them (default auto: the model's --dtype)")
     m = p.add_argument_group("measured against estimated (docs/report.md, \"Measured and calibrated\")")
     m.add_argument("--measure", action="store_true",
                    help="with --device cpu: compile and time prefill (B, N) and decoding steps (B, at N) in "

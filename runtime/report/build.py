@@ -65,9 +65,9 @@ def build_report(ref, o, timer=None) -> dict:
             rep = costreport.build_report(
                 graph, built.info.model, built.info.variant, model_metadata(built.info)["tessera.hyperparams"],
                 batch=batches[0], seq=seqs[0], dtype=o.dtype, device=device, plan=plan,
-                phase_work=o.measure or o.calibrated)
+                phase_work=o.measure or o.calibrated, kv_cache_dtype=o.kv_cache_dtype)
             if o.sweep:
-                rep["sweep"] = deployment.sweep_rows(graph, batches, seqs, o.dtype, device, plan)
+                rep["sweep"] = deployment.sweep_rows(graph, batches, seqs, o.dtype, device, plan, o.kv_cache_dtype)
     if o.plot is not None:
         with _no_gc():
             plot(graph, rep, str(o.plot))

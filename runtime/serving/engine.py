@@ -401,7 +401,7 @@ class Engine:
                 f"{max(self.prefill_chunk, self.idle_chunk)})\n"
                 f"memory budget: {self.memory_bytes / 2**20:.1f} MiB allocated once at start"
                 f"{where} "
-                f"(KV cache {self.cache_bytes / 2**20:.1f} MiB = {self.max_batch} slots x "
+                f"(KV cache {self.cache_bytes / 2**20:.1f} MiB{self._stored_at()} = {self.max_batch} slots x "
                 f"{per_slot / 2**20:.2f} MiB over {len(self.info.layers)} layers, viewed {WIDTH_STEP} "
                 f"columns at a time as the longest row grows); no step allocates cache; per request only its "
                 f"tokens (and a vocabulary-sized mask with repetition_penalty)\n"
@@ -414,6 +414,10 @@ class Engine:
                 + (f"\n{self.speculation.describe()}" if self.speculation is not None else "")
                 + (f"\n{self.model.compile_cache.line()}" if getattr(self.model, "compile_cache", None) is not None
                    else ""))
+
+    def _stored_at(self) -> str:
+        """`` at fp16`` where the cache is stored at fp16 (--kv-cache-dtype fp16, or --dtype fp16), else ""."""
+        return " at fp16" if np.dtype(self.model.np_dtype) == np.float16 else ""
 
     def view_row_bytes(self, width: int | None = None) -> int:
         """The bytes of one row of the cache's live view at ``width`` columns (default the current), every

@@ -52,7 +52,7 @@ class PrefixCache:
         if not isinstance(budget_bytes, int) or isinstance(budget_bytes, bool) or budget_bytes < 0:
             raise UsageError(f"the prefix cache's budget must be a whole number of bytes >= 0, got {budget_bytes}")
         self.block, self.budget = block, budget_bytes
-        dtype = np.dtype(engine.model.np_dtype)
+        dtype = np.dtype(engine.model.np_dtype)  # the cache's own: fp16 with --kv-cache-dtype fp16 (half a block)
         self.layout = []  # (cache name, kv heads, head size, offset in a pool row)
         offset = 0
         for name, (kv, hd) in engine.dims.items():  # the cache's buffers, in its order

@@ -35,6 +35,8 @@ from tessera.compiler.backends.onnx import score_epilogue as epilogue
 from tessera.compiler.backends.onnx.attention import _attn23, _portable
 from tessera.compiler.backends.onnx.branches import branch, branch_outputs
 from tessera.compiler.backends.onnx.gqa_inputs import gqa_node_inputs
+from tessera.compiler.backends.onnx.half_cache import as_compute as _as_compute, half_bias, half_cache, new_columns, \
+    stored_past, to_half
 from tessera.compiler.backends.onnx.floats import np_float as _np_float, onnx_float as _onnx_float
 from tessera.compiler.backends.onnx.score_epilogue import _hidden_keys
 from tessera.compiler.backends.onnx.walk import all_nodes
@@ -44,10 +46,14 @@ from tessera.compiler.reference.numerics import rope_attention_factor, rope_inv_
 
 
 def _split(b, x: str) -> tuple[str, str | None]:
-    """(past, new) when x is concat(past, new) along the sequence, else (x, None)."""
+    """(past, new) when x is concat(past, new) along the sequence, else (x, None). The past is the cache
+    input as stored: with ``--kv-cache-dtype fp16`` on an fp32 model the f16 input itself, not the IR's
+    cast of it (passes/kv_cache_dtype.py), which no lowering emits in the main graph (it would convert
+    the whole cache at every step): GroupQueryAttention reads the f16 buffer, every other reader
+    converts what it reads inside its branch (``_as_compute``)."""
     p = b.graph.producer(x)
     if p is not None and p.op == "concat" and len(p.inputs) == 2 and p.attrs["axis"] in (2, -2):
-        return p.inputs[0], p.inputs[1]
+        return stored_past(b.graph, p.inputs[0]), p.inputs[1]
     return x, None
 
 
@@ -132,6 +138,7 @@ def lower_cached_attention(b, node, out: str, bias: str | None = None) -> None:
     # Keys and values as the past (the cache buffer) and the new columns, each read where it lies:
     # the scores are computed per part and only they are concatenated (T rows, not the cache).
     (k_past, k_new), (v_past, v_new) = _split(b, k), _split(b, v)
+    k_past, v_past = _as_compute(b, k_past, q), _as_compute(b, v_past, q)  # an fp16 cache: converted here
     parts = [k_past] if k_new is None or v_new is None else [k_past, k_new]
     scores = [b.node("MatMul", [qs, b.node("Transpose", [kp], perm=[0, 1, 3, 2])[0]])[0] for kp in parts]
     s = scores[0] if len(scores) == 1 else b.node("Concat", scores, axis=-1)[0]  # [B, G, rep·T, Tk]
@@ -173,8 +180,8 @@ def _lower_prefill(b, node, out: str) -> None:
     names = list(node.inputs)
     for i in (1, 2):
         past, new = _split(b, names[i])
-        if new is not None:
-            names[i] = b.node("Concat", [past, new], axis=2)[0]
+        if new is not None:  # an fp16 cache is converted here, inside the prompt's branch
+            names[i] = b.node("Concat", [_as_compute(b, past, names[0]), new], axis=2)[0]
     if node.attrs.get("prefill") == "attn23":  # CUDA: onnx's Attention, its mask built before the If
         return _attn23(b, node, out, names=names)
     _portable(b, node, out, names=names)
@@ -284,8 +291,13 @@ def _lower_gqa_decode(b, node, outs: list[str], gqa_in) -> None:
         attrs["softcap"] = float(a["softcap"])
         attrs["scale"] = float(a["scale"]) * float(a["softcap"])
     sinks = [node.inputs[-1]] if a.get("sinks") else []  # head_sink (input 11): attention sinks
+    half = half_cache(b, k_past, q)
+    if half:  # an fp16 cache: the kernel in fp16 (passes/kv_cache_dtype.py), its output back to fp32
+        flat, sinks = to_half(b, flat), to_half(b, sinks)  # the bias is fp16 already (lower_phased_attention)
     o = b.node("GroupQueryAttention", gqa_node_inputs(flat + [k_past, v_past, seqlens, total, "", "", "", bias] + sinks),
                [b.fresh("gqa_out"), outs[1], outs[2]], domain="com.microsoft", **attrs)[0]
+    if half:
+        o = b.node("Cast", [o], to=TensorProto.FLOAT)[0]
     hd = int(b.graph.type_of(q).shape[-1])
     b.node("Reshape", [o, b.i64([0, a["heads"], 1, hd])], [outs[0]])
 
@@ -388,9 +400,11 @@ def packed_qkv(g, node) -> "PackedQKV | str":
     if int(ra["max_ctx"]) * hd * 4 > ROTARY_CACHE_BYTES:  # cos and sin, [max_ctx, hd/2] fp32 each
         return (f"cos/sin caches for a context of {int(ra['max_ctx']):,} positions would take "
                 f"{int(ra['max_ctx']) * hd * 4:,} bytes (over {ROTARY_CACHE_BYTES:,})")
-    outs = {c.outputs[0] for x in (k_new, v_new) for c in g.consumers(x) if c.op == "identity"}
-    key_out = next((c.outputs[0] for c in g.consumers(k_new) if c.op == "identity" and c.outputs[0] in g.outputs), None)
-    value_out = next((c.outputs[0] for c in g.consumers(v_new) if c.op == "identity" and c.outputs[0] in g.outputs), None)
+    # the cache outputs: identities of the new keys and values, or casts to fp16 (passes/kv_cache_dtype.py)
+    gives = ("identity", "cast")
+    outs = {c.outputs[0] for x in (k_new, v_new) for c in g.consumers(x) if c.op in gives}
+    key_out = next((c.outputs[0] for c in g.consumers(k_new) if c.op in gives and c.outputs[0] in g.outputs), None)
+    value_out = next((c.outputs[0] for c in g.consumers(v_new) if c.op in gives and c.outputs[0] in g.outputs), None)
     if key_out is None or value_out is None or len(outs) != 2:
         return "the new keys and values are not the cache's outputs (buffer mode)"
     return PackedQKV(fused, rope_inv_freq(hd, ra["theta"], ra.get("scaling"), kind), rope_attention_factor(
@@ -471,9 +485,14 @@ def _lower_gqa_packed(b, node, outs: list[str], gqa_in, packed: PackedQKV, share
         attrs["softcap"] = float(a["softcap"])
         attrs["scale"] = float(a["scale"]) * float(a["softcap"])
     sinks = [node.inputs[-1]] if a.get("sinks") else []  # head_sink (input 11): attention sinks
-    o = b.node("GroupQueryAttention", gqa_node_inputs([packed.fused, "", "", k_past, v_past, seqlens, total, cos,
+    fused, half = packed.fused, half_cache(b, k_past, node.inputs[0])
+    if half:  # an fp16 cache: the kernel in fp16 (cos/sin caches cast in the main graph), its output back
+        (fused,), sinks = to_half(b, [fused]), to_half(b, sinks)  # the bias: fp16 already
+    o = b.node("GroupQueryAttention", gqa_node_inputs([fused, "", "", k_past, v_past, seqlens, total, cos,
                                                        sin, packed.positions, bias] + sinks),
                [b.fresh("gqa_out"), outs[1], outs[2]], domain="com.microsoft", **attrs)[0]
+    if half:
+        o = b.node("Cast", [o], to=TensorProto.FLOAT)[0]
     hd = int(b.graph.type_of(node.inputs[0]).shape[-1])
     b.node("Reshape", [o, b.i64([0, a["heads"], 1, hd])], [outs[0]])
     b.node("GatherElements", [outs[1], index], [outs[3]], axis=2)
@@ -484,13 +503,14 @@ def _lower_prefill_packed(b, node, outs: list[str]) -> None:
     """The prompt as ``_lower_prefill_keeping_buffers``, and the new keys and values as the cache outputs
     (their chain, read by this branch alone, is moved into it by settle_packed)."""
     _lower_prefill_keeping_buffers(b, node, outs[:3])
-    b.node("Identity", [_split(b, node.inputs[1])[1]], [outs[3]])
-    b.node("Identity", [_split(b, node.inputs[2])[1]], [outs[4]])
+    for i, out in ((1, outs[3]), (2, outs[4])):
+        past, new = _split(b, node.inputs[i])
+        new_columns(b, past, new, out)
 
 
 def settle_packed(model) -> int:
-    """After export: for each packed If, drop the main-graph Identity nodes that gave the cache outputs
-    the If now gives, and move into its prefill branch every main-graph node read by that branch alone
+    """After export: for each packed If, drop the main-graph Identity nodes (Cast with an fp16 cache) that gave
+    the cache outputs the If now gives, and move into its prefill branch every main-graph node read by that branch alone
     (the q/k/v slices, head splits and ropes), so a decoding step does not run them. Returns how many
     nodes moved. Nodes that read no data (Shape, and nodes over initializers and such nodes' outputs alone:
     shape arithmetic, a constant expanded to a shape, as bf16's zero keys) stay in the main graph: in a
@@ -500,7 +520,8 @@ def settle_packed(model) -> int:
     if not ifs:
         return 0
     given = {o for n in ifs for o in n.output}
-    nodes = [n for n in graph.node if n.op_type == "If" or not (n.op_type == "Identity" and set(n.output) <= given)]
+    nodes = [n for n in graph.node if n.op_type == "If" or not (n.op_type in ("Identity", "Cast")
+                                                                  and set(n.output) <= given)]
     outputs = {o.name for o in graph.output}
     readers: dict[str, list[int]] = {}
     for i, n in enumerate(nodes):
@@ -614,12 +635,16 @@ def lower_phased_attention(b, node, out: str) -> None:
         attn23_inputs(b, node)
     if a.get("decode") == "gqa":  # decoding writes the buffer in place: the If also gives the buffers
         gqa_in = _gqa_inputs(b, node)
+        cache_elem = _onnx_float(b.graph.type_of(_split(b, node.inputs[1])[0]).dtype)  # the buffers' (an fp16 cache)
+        if half_cache(b, _split(b, node.inputs[1])[0], node.inputs[0]):  # the kernel's bias at fp16, main graph
+            gqa_in = (*gqa_in[:2], half_bias(b, gqa_in[2]))
         packed = packed_qkv(b.graph, node)
         b.shared.setdefault("packed_qkv", {})[node.name] = packed if isinstance(packed, str) else None
         if not isinstance(packed, str):  # the If also gives the new keys and values (the cache outputs)
-            elems = [elem] * 5
+            elems = [elem] + [cache_elem] * 4
             hd = int(b.graph.type_of(node.inputs[0]).shape[-1])
-            shared = (_rotary_caches(b, packed, q_t.dtype if q_t.dtype != "f32" else None), _new_column_index(b, node, a["kv_heads"], hd))  # main graph
+            half = q_t.dtype if q_t.dtype != "f32" else ("f16" if cache_elem == TensorProto.FLOAT16 else None)
+            shared = (_rotary_caches(b, packed, half), _new_column_index(b, node, a["kv_heads"], hd))  # main graph
             then_g = branch_outputs(b, lambda b, n, o: _lower_gqa_packed(b, n, o, gqa_in, packed, shared), node,
                                      "decode", elems)
             else_g = branch_outputs(b, _or_combined(b, node, _lower_prefill_packed, gqa_in, elems, (packed, shared[0])),
@@ -631,7 +656,7 @@ def lower_phased_attention(b, node, out: str) -> None:
             for name, past in zip(buffers, (_split(b, node.inputs[1])[0], _split(b, node.inputs[2])[0])):
                 b.extra_outputs.append((name, b.graph.type_of(past)))
             return
-        elems = [elem] * 3
+        elems = [elem, cache_elem, cache_elem]
         then_g = branch_outputs(b, lambda b, n, o: _lower_gqa_decode(b, n, o, gqa_in), node, "decode", elems)
         else_g = branch_outputs(b, _or_combined(b, node, _lower_prefill_keeping_buffers, gqa_in, elems), node, "prefill",
                                  elems)

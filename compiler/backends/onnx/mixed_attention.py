@@ -37,10 +37,11 @@ that gather), so the head costs a decoding step's plus one row.
 from __future__ import annotations
 
 import numpy as np
-from onnx import helper, numpy_helper
+from onnx import TensorProto, helper, numpy_helper
 
 from tessera.compiler.backends.onnx.floats import np_float as _np_float, onnx_float as _onnx_float
 from tessera.compiler.backends.onnx.gqa_inputs import gqa_node_inputs
+from tessera.compiler.backends.onnx.half_cache import new_columns, to_half
 
 POSITIONS = "position_ids"  # the cached graph's input (compiler/passes/kv_cache.py)
 
@@ -153,20 +154,26 @@ def _lower_combined(b, node, outs: list[str], gqa_in, split, packed=None) -> Non
         return b.node("Reshape", [b.node("Transpose", [first], perm=[0, 2, 1, 3])[0], b.i64([-1, 1, h * hd])])[0]
 
     seqlens, total, bias = gqa_in
+    # an fp16 cache (passes/kv_cache_dtype.py): the rows' GroupQueryAttention in fp16 (gqa_in's bias is fp16
+    # already: cached_attention.lower_phased_attention), its output back to fp32
+    half = g.type_of(k_past).dtype == "f16" and q_t.dtype == "f32"
+    cast = (lambda xs: to_half(b, xs)) if half else (lambda xs: xs)  # noqa: E731
     if packed is None:
-        o = b.node("GroupQueryAttention", gqa_node_inputs([rows(q, heads), rows(k_new, kv), rows(v_new, kv), k_past,
-                                                           v_past, seqlens, total, "", "", "", bias]),
+        o = b.node("GroupQueryAttention", gqa_node_inputs(cast([rows(q, heads), rows(k_new, kv), rows(v_new, kv)])
+                                                          + [k_past, v_past, seqlens, total, "", "", "", bias]),
                    [b.fresh("gqa_out"), outs[1], outs[2]], domain="com.microsoft", **_gqa_attrs(a))[0]
     else:  # a packed site: the rows read the q+k+v projection, rotated in the kernel, as its decoding step
         proj, (cos, sin) = packed
         first = lambda x, shape: b.node("Reshape", [b.node("Slice", [x, zero, n, b.i64([1])])[0],  # noqa: E731
                                                     b.i64(shape)])[0]
         width = (heads + 2 * kv) * hd
-        o = b.node("GroupQueryAttention", gqa_node_inputs([first(proj.fused, [-1, 1, width]), "", "", k_past, v_past,
-                                                           seqlens, total, cos, sin, first(proj.positions, [-1, 1]),
-                                                           bias]),
+        o = b.node("GroupQueryAttention", gqa_node_inputs(cast([first(proj.fused, [-1, 1, width])])
+                                                          + ["", "", k_past, v_past, seqlens, total, cos, sin,
+                                                             first(proj.positions, [-1, 1]), bias]),
                    [b.fresh("gqa_out"), outs[1], outs[2]], domain="com.microsoft", do_rotary=1,
                    rotary_interleaved=int(proj.interleaved), **_gqa_attrs(a))[0]
+    if half:
+        o = b.node("Cast", [o], to=TensorProto.FLOAT)[0]
     o_rows = b.node("Transpose", [b.node("Reshape", [o, b.i64([1, -1, heads, hd])])[0]], perm=[0, 2, 1, 3])[0]
 
     # ---- the chunk: its queries against its row's filled columns (cache_length[r] of them, every one a
@@ -175,6 +182,8 @@ def _lower_combined(b, node, outs: list[str], gqa_in, split, packed=None) -> Non
     bounds = [chunk["starts"], chunk["ends"], b.i64([0, 2])]
     past_k = b.node("Slice", [k_past] + bounds)[0]  # [1, kv, filled, hd]: one row's prefix
     past_v = b.node("Slice", [v_past] + bounds)[0]
+    if half:  # an fp16 cache: the one row's prefix converted, not the cache
+        past_k, past_v = (b.node("Cast", [x], to=TensorProto.FLOAT)[0] for x in (past_k, past_v))
     q_c, k_c, v_c = (b.node("Slice", [x, n, big, axis2])[0] for x in (q, k_new, v_new))
     keys = b.node("Concat", [past_k, k_c], axis=2)[0]
     values = b.node("Concat", [past_v, v_c], axis=2)[0]
@@ -182,8 +191,8 @@ def _lower_combined(b, node, outs: list[str], gqa_in, split, packed=None) -> Non
     _chunk_block(b, node, o_c, q_c, keys, values, chunk)
     b.node("Concat", [o_rows, o_c], [outs[0]], axis=2)
     if len(outs) == 5:  # a packed site: the If gives the new keys and values of every token
-        b.node("Identity", [k_new], [outs[3]])
-        b.node("Identity", [v_new], [outs[4]])
+        new_columns(b, k_past, k_new, outs[3])
+        new_columns(b, v_past, v_new, outs[4])
 
 
 # the score features ``_chunk_block`` computes: a gqa decoding site's (attention.py GQA_DECODE_FEATURES)
