@@ -30,7 +30,8 @@ load changes less than the wall time); and the mask's own times measured inside 
 wrapped for the run): the worker's time computing the masks of one step (all streams, wall and its
 thread's CPU), the time the engine's thread waited for a mask not yet computed, and the time of
 ``TokenMask.apply`` (the wait included: the row's logits plus the worker's 0 / -inf mask) and
-``consume`` per step.
+``consume`` per step, wall and the engine thread's CPU (under load the wall includes the time the
+thread was not running).
 
 The machine is shared: read the ratios, and CPU/wall (2.0 on two quiet cores) beside them.
 """
@@ -118,29 +119,33 @@ class MaskClock:
                 clock.wait += time.perf_counter() - t0
 
         def apply(mask, logits):
-            t0 = time.perf_counter()
+            c0, t0 = time.thread_time(), time.perf_counter()
             try:
                 return clock.saved["apply"](mask, logits)
             finally:
                 clock.apply += time.perf_counter() - t0
+                clock.apply_cpu += time.thread_time() - c0
 
         def consume(mask, token, prefetch=True):
-            t0 = time.perf_counter()
+            c0, t0 = time.thread_time(), time.perf_counter()
             try:
                 return clock.saved["consume"](mask, token, prefetch)
             finally:
                 clock.consume += time.perf_counter() - t0
+                clock.consume_cpu += time.thread_time() - c0
 
         for name, fn in (("_compute", _compute), ("allowed", allowed), ("apply", apply), ("consume", consume)):
             setattr(TokenMask, name, fn)
 
     def reset(self) -> None:
         self.compute_wall = self.compute_cpu = self.wait = self.apply = self.consume = 0.0
+        self.apply_cpu = self.consume_cpu = 0.0
         self.masks = 0
 
     def take(self) -> dict:
         out = {"compute_wall_s": self.compute_wall, "compute_cpu_s": self.compute_cpu, "wait_s": self.wait,
-               "apply_s": self.apply, "consume_s": self.consume, "masks": self.masks}
+               "apply_s": self.apply, "consume_s": self.consume, "apply_cpu_s": self.apply_cpu,
+               "consume_cpu_s": self.consume_cpu, "masks": self.masks}
         self.reset()
         return out
 
@@ -239,7 +244,8 @@ def main(argv=None) -> dict:
     busy = {k: sum(c for rs in steps[k] for _, c in rs) / sum(walls[k]) for k in engines}
     n_steps = a.rounds * a.steps
     per_step = {key: sum(m[key] for m in mask_rounds) / n_steps * 1e3
-                for key in ("compute_wall_s", "compute_cpu_s", "wait_s", "apply_s", "consume_s")}
+                for key in ("compute_wall_s", "compute_cpu_s", "wait_s", "apply_s", "consume_s", "apply_cpu_s",
+                            "consume_cpu_s")}
     masks_per_step = sum(m["masks"] for m in mask_rounds) / n_steps
     plain_med = statistics.median(walls["plain"]) * 1e3
 
@@ -268,8 +274,8 @@ def main(argv=None) -> dict:
     print(f"the mask per step ({masks_per_step:.1f} masks): computed in the worker {per_step['compute_wall_s']:.3f} ms "
           f"(its thread's CPU {per_step['compute_cpu_s']:.3f} ms; {per_step['compute_wall_s'] / plain_med * 100:.2f} % "
           f"of the plain step if it were not overlapped); the engine's thread waited for masks "
-          f"{per_step['wait_s']:.3f} ms; apply (wait included) {per_step['apply_s']:.3f} ms; consume "
-          f"{per_step['consume_s']:.3f} ms")
+          f"{per_step['wait_s']:.3f} ms; apply (wait included) {per_step['apply_s']:.3f} ms (CPU "
+          f"{per_step['apply_cpu_s']:.3f}); consume {per_step['consume_s']:.3f} ms (CPU {per_step['consume_cpu_s']:.3f})")
     sample = tok.decode(handles["json"][0].tokens)
     print(f"stream 0's output so far ({len(handles['json'][0].tokens)} tokens): {sample[:160]}...")
     result = {"machine": platform.platform(), "threads": a.threads, "streams": a.streams,
