@@ -11,16 +11,18 @@ ships, or --model DIR: a sentence-transformers folder). Cases, each on the same 
 
   tessera      ``tessera serve DIR`` 's embeddings engine (runtime/serving/server.py build_server:
                the folder compiled by run's pipeline, runtime/embedding.py): ``EmbeddingEngine.embed``,
-               what the route runs for a request -- the rows right-padded into ONE onnxruntime call,
-               mean-pooled over the mask and L2-normalised as the folder's 1_Pooling and modules.json say
+               what the route runs for a batch -- its rows in one onnxruntime call per group of similar
+               lengths, each right-padded to its own longest (runtime/embedding.py length_groups: 8
+               sentences stay one call, 64 become a few), mean-pooled over the mask and L2-normalised as
+               the folder's 1_Pooling and modules.json say
   optimum      ``optimum-cli export onnx --task feature-extraction`` of the same folder (BertModel's
                ``last_hidden_state``), in optimum's own environment (--optimum-python; bench/optimum_peer.py)
   optimum-o2   the same export with ``--optimize O2`` (ORTOptimizer: onnxruntime's fused Attention,
                SkipLayerNorm, BiasGelu ...)
 
 Each peer file runs in this environment's onnxruntime (an InferenceSession, CPU, --threads intra-op
-threads, one inter-op: the threads Tessera's session gets), the same right padding, then the same
-pooling and normalisation in numpy. Token ids: sentences of this repository's documentation (real
+threads, one inter-op: the threads Tessera's session gets), the whole batch right-padded to its longest
+row in one call (as a plain session is used), then the same pooling and normalisation in numpy. Token ids: sentences of this repository's documentation (real
 English text, 16-64 tokens each with [CLS] and [SEP]), tokenized once by the folder's tokenizer.json;
 a batch of B is the first B of them (rows of unequal lengths, padded to the longest: what a batched
 request pays). Tokenizing is left out of every case (the same tokenizer either way).

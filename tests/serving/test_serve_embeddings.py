@@ -123,7 +123,7 @@ def test_concurrent_requests_equal_alone(client, reference):
 
 
 def test_waiting_requests_share_one_call():
-    """The engine runs every waiting request's inputs in one call (up to MAX_ROWS); each gets its own
+    """The engine runs every waiting request's inputs in one batch (up to MAX_ROWS); each gets its own
     rows back, equal to running them alone (a seeded tiny BERT)."""
     from tessera.runtime import driver
     from tessera.runtime.options import EngineOptions
