@@ -98,7 +98,9 @@ class MaskClock:
         from tessera.runtime.generation.constraints import TokenMask
 
         self.cls = TokenMask
-        self.saved = {n: getattr(TokenMask, n) for n in ("_compute", "allowed", "apply", "consume")}
+        # where the engine's thread waits for a mask: TokenMask._mask (apply's), or allowed in older checkouts
+        self.waits_in = "_mask" if hasattr(TokenMask, "_mask") else "allowed"
+        self.saved = {n: getattr(TokenMask, n) for n in ("_compute", self.waits_in, "apply", "consume")}
         self.reset()
         clock = self
 
@@ -111,10 +113,10 @@ class MaskClock:
                 clock.compute_cpu += time.thread_time() - c0
                 clock.masks += 1
 
-        def allowed(mask):
+        def waits(mask):
             t0 = time.perf_counter()
             try:
-                return clock.saved["allowed"](mask)
+                return clock.saved[clock.waits_in](mask)
             finally:
                 clock.wait += time.perf_counter() - t0
 
@@ -134,7 +136,7 @@ class MaskClock:
                 clock.consume += time.perf_counter() - t0
                 clock.consume_cpu += time.thread_time() - c0
 
-        for name, fn in (("_compute", _compute), ("allowed", allowed), ("apply", apply), ("consume", consume)):
+        for name, fn in (("_compute", _compute), (self.waits_in, waits), ("apply", apply), ("consume", consume)):
             setattr(TokenMask, name, fn)
 
     def reset(self) -> None:
