@@ -16,10 +16,11 @@ safetensors and read by every case. Cases:
   unfused           Tessera with --no-fuse (the primitive attention graph)
   portable          Tessera with --attention portable (the tiled Loop kernel at every length)
   hf-eager, hf-sdpa transformers' GPT2LMHeadModel with that attention implementation, torch.no_grad
-  o2                optimum's export of the same checkpoint (ORTModelForCausalLM, no past) optimised by
-                    ORTOptimizer with AutoOptimizationConfig.O2() (onnxruntime's fused Attention,
+  o2                optimum's export of the same checkpoint (`optimum-cli export onnx --task text-generation`:
+                    no past) optimised by ORTOptimizer at O2 (onnxruntime's fused Attention,
                     SkipLayerNorm, FastGelu), run in onnxruntime like Tessera's file; optimum needs its own
                     environment (it pins an older transformers): --optimum-python exports it there once
+                    (bench/optimum_peer.py, shared with bench/embeddings.py)
   ceiling           onnxruntime's MatMul at 1024×768×3072 (the MLP's first product at N = 1024):
                     the GEMM rate this machine reaches at this thread count
 
@@ -59,6 +60,9 @@ import time
 from pathlib import Path
 
 import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import optimum_peer  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 CASES = ("tessera", "unfused", "portable", "hf-eager", "hf-sdpa", "o2", "ceiling")
@@ -135,7 +139,7 @@ def run_tessera(folder: Path, attention: str, n: int, repeat: int, threads: int)
 
 def run_o2(folder: Path, n: int, repeat: int, threads: int) -> dict:
     before = _memory_mib()
-    sess = _session(folder / "o2" / "model_optimized.onnx", threads)
+    sess = _session(folder / "o2" / "model.onnx", threads)
     tokens = _tokens(n)
     given = {"input_ids": tokens, "attention_mask": np.ones_like(tokens),
              "position_ids": np.arange(n, dtype=np.int64)[None]}
@@ -143,16 +147,6 @@ def run_o2(folder: Path, n: int, repeat: int, threads: int) -> dict:
     res = _timed(lambda: sess.run(["logits"], feeds), repeat)
     res["logits"] = sess.run(["logits"], feeds)[0][0, -1, :8].tolist()
     return {**res, "rss_before_mib": before["VmRSS"], "peak_rss_mib": _memory_mib()["VmHWM"]}
-
-
-def export_o2(folder: Path) -> None:
-    """Run in the optimum environment: export the checkpoint (no past) and optimise it at O2."""
-    from optimum.onnxruntime import ORTModelForCausalLM, ORTOptimizer
-    from optimum.onnxruntime.configuration import AutoOptimizationConfig
-
-    model = ORTModelForCausalLM.from_pretrained(folder, export=True, use_cache=False)
-    ORTOptimizer.from_pretrained(model).optimize(save_dir=folder / "o2",
-                                                 optimization_config=AutoOptimizationConfig.O2())
 
 
 def run_hf(folder: Path, attn: str, n: int, repeat: int, threads: int) -> dict:
@@ -262,17 +256,12 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--weights", metavar="DIR", help="a folder for (or with) the seeded checkpoint; default: temporary")
     p.add_argument("--json", metavar="FILE")
-    p.add_argument("--optimum-python", metavar="PYTHON",
-                   help="the python of an environment with optimum-onnx (for the o2 case's export)")
+    p.add_argument("--optimum-python", metavar="PYTHON", help=optimum_peer.HELP + " (the o2 case)")
     p.add_argument("--paired", action="store_true",
                    help="Tessera's cases alternating run by run in one process per N (see above)")
     p.add_argument("--_child", nargs=5, help=argparse.SUPPRESS)
     p.add_argument("--_paired", nargs="+", help=argparse.SUPPRESS)
-    p.add_argument("--_export_o2", metavar="DIR", help=argparse.SUPPRESS)
     args = p.parse_args()
-    if args._export_o2:
-        export_o2(Path(args._export_o2))
-        return
     if "o2" in args.cases and not args.optimum_python:
         p.error("the o2 case needs --optimum-python (an environment with optimum-onnx installed)")
     if args._paired:
@@ -287,9 +276,8 @@ def main() -> None:
         folder = Path(args.weights or tmp)
         if not (folder / "model.safetensors").exists():
             make_weights(folder)
-        if "o2" in args.cases and not (folder / "o2" / "model_optimized.onnx").exists():
-            subprocess.run([args.optimum_python, __file__, "--_export_o2", str(folder)], check=True,
-                           env={**os.environ, "HF_HUB_OFFLINE": "1"})
+        if "o2" in args.cases:  # the checkpoint without past ("text-generation"), optimised at O2
+            optimum_peer.export(args.optimum_python, folder, folder / "o2", "text-generation", "O2")
         for case in args.cases:  # compiled before any timing, so every round times the same files
             if case in TESSERA:
                 for n in args.n:

@@ -1,6 +1,8 @@
 """An encoder model (BERT, MiniLM) ready for sentence embeddings: compiled by run's pipeline, opened
 in onnxruntime, its hidden states pooled as its folder declares (``tessera serve`` of an encoder:
 serving/embeddings.py serves ``/v1/embeddings`` with it; the driver's ``serve_model`` builds it).
+A batch's rows run in calls of rows of similar lengths (``length_groups``), each padded to its own
+longest row, rather than all padded to the batch's longest.
 
 Pooling: sentence-transformers' ``1_Pooling/config.json`` (mean or CLS; mean by default, as ``tessera
 run --pool mean``) over the attention mask, L2-normalised when the folder's ``modules.json`` has a
@@ -20,6 +22,11 @@ from tessera.runtime.errors import UsageError
 from tessera.runtime.options import RunOptions
 
 POOLINGS = ("mean", "cls")
+# A call's fixed cost in padded tokens (``length_groups``): MiniLM-L6 at one thread took 3.7 ms for one row of
+# 4 tokens and +0.2 ms a token after (~18 tokens a call), but at two threads small calls use the second core
+# poorly: 8 sentences as 3 calls (399 padded tokens) took 1.17x one call of 504. At 128, 8 sentences of
+# 16-63 tokens stay one call, 32 become 2 and 64 become 4 (docs/benchmarks/log.md, bench/embeddings.py)
+CALL_TOKENS = 128
 
 
 class EmbeddingError(UsageError):
@@ -78,6 +85,18 @@ class EmbeddingModel:
         self.vocab = None
 
     def run(self, rows: list[list[int]], pad_id: int = 0) -> np.ndarray:
+        """Embeddings [N, dim] of token-id rows: rows of similar lengths together, one call per group
+        (``length_groups``: a batch of 16-63-token sentences padded to its longest row computes ~1.6 times
+        its tokens), each right-padded to its own longest row and masked."""
+        groups = length_groups([len(r) for r in rows])
+        if len(groups) == 1:
+            return self._run(rows, pad_id)
+        out = np.empty((len(rows), self.dim), dtype=np.float32)
+        for g in groups:
+            out[g] = self._run([rows[i] for i in g], pad_id)
+        return out
+
+    def _run(self, rows: list[list[int]], pad_id: int) -> np.ndarray:
         """Embeddings [N, dim] of token-id rows, in one call (right-padded, masked)."""
         from tessera.runtime.session import run_session  # session.py imports onnx (~0.6 s)
 
@@ -103,6 +122,28 @@ class EmbeddingModel:
         if self.normalize:
             out = out / np.maximum(np.linalg.norm(out, axis=-1, keepdims=True), 1e-12)
         return out
+
+
+def length_groups(lengths: list[int], call_tokens: int = CALL_TOKENS) -> list[list[int]]:
+    """The rows (indices) split into calls of similar lengths: sorted by length and cut into runs that
+    minimise the padded tokens computed plus ``call_tokens`` per call (each run padded to its longest;
+    exact over the runs of the sorted rows, by dynamic programming over the distinct lengths)."""
+    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
+    if len(order) < 2:
+        return [order]
+    values, counts = np.unique(np.array([lengths[i] for i in order], dtype=np.int64), return_counts=True)
+    upto = np.concatenate([[0], np.cumsum(counts)])  # rows with length < values[j]: upto[j]
+    best = np.zeros(len(values) + 1)
+    cut = np.zeros(len(values) + 1, dtype=np.int64)
+    for j in range(1, len(values) + 1):  # the first j distinct lengths, the last run ending at values[j - 1]
+        cost = best[:j] + call_tokens + (upto[j] - upto[:j]) * values[j - 1]
+        cut[j] = int(np.argmin(cost))
+        best[j] = cost[cut[j]]
+    bounds, j = [], len(values)
+    while j > 0:
+        bounds.append((int(upto[cut[j]]), int(upto[j])))
+        j = int(cut[j])
+    return [order[a:b] for a, b in reversed(bounds)]
 
 
 def load(built, weights, threads: int | None, folder: Path | None, name: str) -> EmbeddingModel:

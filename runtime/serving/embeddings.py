@@ -3,7 +3,8 @@
 `tessera serve` of a model whose graph gives hidden states ``hidden [B, T, d]`` and no logits (an
 encoder: models/bert.tsr) serves this route instead of the generation routes. A request's inputs
 (texts through the tokenizer, or token ids) and those of the other requests waiting run as one
-padded batch in ONE onnxruntime call (up to MAX_ROWS inputs); the
+batch (up to MAX_ROWS inputs): its rows in one onnxruntime call per group of similar lengths, each
+padded to its own longest row (runtime/embedding.py ``length_groups``; short batches: one call); the
 hidden states are pooled as the model's folder declares (sentence-transformers' ``1_Pooling/config.json``:
 mean or CLS; mean by default, as ``tessera run --pool mean``) over the attention mask and
 L2-normalised when the folder's ``modules.json`` has a Normalize module (or has no modules.json:
@@ -28,13 +29,14 @@ from tessera.runtime.embedding import EmbeddingError, EmbeddingModel  # noqa: F4
 from .metrics import Metrics
 
 MAX_INPUTS = 2048  # inputs in one request (OpenAI's limit)
-MAX_ROWS = 64  # inputs of several requests run together in one call (a larger request runs alone)
+MAX_ROWS = 64  # inputs of several requests run together in one batch (a larger request runs alone)
 
 
 class EmbeddingEngine:
     """Embedding requests, batched: a thread of its own takes every waiting request (up to
-    ``MAX_ROWS`` inputs together; a larger request runs alone) and runs them in ONE onnxruntime call,
-    padded to the longest input; each request's rows come back to its future."""
+    ``MAX_ROWS`` inputs together; a larger request runs alone) and runs them as one batch (one onnxruntime
+    call per group of rows of similar lengths, each padded to its longest); each request's rows come back
+    to its future."""
 
     def __init__(self, model: EmbeddingModel, tokenizer=None, max_queue: int = 64, metrics: Metrics | None = None):
         self.model, self.tokenizer = model, tokenizer
@@ -47,7 +49,7 @@ class EmbeddingEngine:
         self._accepting, self._closed = True, False
         self._busy = 0
         self._thread: threading.Thread | None = None
-        self.calls = 0  # onnxruntime calls run (the tests check that requests share them)
+        self.calls = 0  # batches run (the tests check that requests share them)
         self.pad_id = 0
         if tokenizer is not None:
             from tessera.runtime.io.text import _pad_ids
@@ -104,8 +106,9 @@ class EmbeddingEngine:
         m = self.model
         return (f"embeddings: {m.name}, {m.dim} dimensions, {m.pooling} pooling"
                 f"{', L2-normalised' if m.normalize else ''} ({m.pooling_source}); "
-                f"context {m.context} tokens; the waiting requests' inputs (up to {MAX_ROWS}) in one onnxruntime "
-                f"call; routes: /v1/embeddings (the generation routes answer 400)")
+                f"context {m.context} tokens; the waiting requests' inputs (up to {MAX_ROWS}) in one batch, one "
+                f"onnxruntime call per group of rows of similar lengths; routes: /v1/embeddings (the generation "
+                f"routes answer 400)")
 
     # requests
     def encode(self, inputs) -> list[list[int]]:

@@ -390,3 +390,24 @@ def test_a_failing_matcher_ends_its_request_alone(gpt2, tok):
     assert hb.finish_reason == "error" and "matcher failed" in hb.error and hb.tokens == []
     assert hg.finish_reason in ("stop", "length") and re.fullmatch("[a-c]{1,9}", _text(tok, hg))
     assert hp.finish_reason == "length" and len(hp.tokens) == 10
+
+
+def test_apply_is_the_allowed_logits_and_minus_inf_elsewhere(tok):
+    """TokenMask.apply (one add of the worker's 0 / -inf mask) equals np.where(allowed, logits, -inf) in
+    float32 and float64, logits wider than the vocabulary get -inf past it, and a copy is returned."""
+    from tessera.runtime.generation.constraints import GrammarCompiler
+
+    mask = GrammarCompiler(tok, VOCAB, [EOS]).mask(Grammar.regex(r"[a-c]{1,4}-[0-9]{2}"))
+    allowed = mask.allowed()
+    assert allowed.dtype == bool and allowed.shape == (VOCAB,) and 0 < allowed.sum() < VOCAB
+    rng = np.random.default_rng(0)
+    for dtype in (np.float32, np.float64):
+        logits = rng.standard_normal((1, VOCAB + 5)).astype(dtype)
+        before = logits.copy()
+        out = mask.apply(logits)
+        assert out.dtype == dtype and out.shape == logits.shape
+        want = np.where(allowed, logits[:, :VOCAB], -np.inf)
+        assert np.array_equal(out[:, :VOCAB], want) and np.all(out[:, VOCAB:] == -np.inf)
+        assert np.array_equal(logits, before)  # the caller's logits are left alone
+    narrow = rng.standard_normal((1, VOCAB - 3)).astype(np.float32)
+    assert np.array_equal(mask.apply(narrow), np.where(allowed[:VOCAB - 3], narrow, -np.inf))

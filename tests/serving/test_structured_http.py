@@ -113,3 +113,39 @@ def test_bad_grammars_are_400s(server):
                                                          "response_format": {"type": "text"}}, timeout=30)
     assert r.status_code == 200, r.text
     assert httpx.get(server.url + "/health", timeout=5).status_code == 200
+
+
+def test_random_schemas_through_the_openai_client(client):
+    """Issue 41's check at the HTTP surface: 200 random JSON schemas (test_structured's generator, bounded
+    instances), each sent twice through the ``openai`` client on the chat route with temperature 1.5
+    (far from the model's favourites), once streamed and once not, eight requests in flight: every
+    reply finishes with "stop" and is JSON valid against its schema."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import numpy as np
+    from test_structured import _random_schema
+
+    rng = np.random.default_rng(4101)
+    schemas = [_random_schema(rng) for _ in range(200)]
+
+    def ask(job):
+        i, stream = job
+        kw = dict(model="gpt2", messages=[{"role": "user", "content": "JSON"}], temperature=1.5, seed=i,
+                  max_tokens=200, response_format={"type": "json_schema",
+                                                   "json_schema": {"name": f"r{i}", "schema": schemas[i]}})
+        if stream:
+            return _stream_text(client.chat.completions.create(stream=True, **kw))
+        r = client.chat.completions.create(**kw)
+        return r.choices[0].message.content, r.choices[0].finish_reason
+
+    jobs = [(i, stream) for i in range(len(schemas)) for stream in (False, True)]
+    with ThreadPoolExecutor(8) as pool:
+        replies = list(pool.map(ask, jobs))
+    bad = []
+    for (i, stream), (text, finish) in zip(jobs, replies):
+        try:
+            assert finish == "stop"
+            jsonschema.validate(json.loads(text), schemas[i])
+        except (AssertionError, ValueError, jsonschema.ValidationError) as e:
+            bad.append((i, stream, finish, text, schemas[i], str(e)[:200]))
+    assert not bad, f"{len(bad)} of {len(jobs)} replies invalid; first: {bad[0]}"
