@@ -30,29 +30,16 @@ from __future__ import annotations
 import argparse
 import json
 import re
-import resource
 import shlex
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from child import run_timed as timed  # noqa: E402
+
 TESSERA = [sys.executable, "-c", "import sys; from tessera.runtime.cli import main; sys.exit(main())"]
-
-
-def timed(cmd: list[str]) -> tuple[str, float, float]:
-    """(stdout, wall seconds, CPU seconds of the child) of one process; exits with its stderr on failure."""
-    before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    t = time.perf_counter()
-    out = subprocess.run(cmd, capture_output=True, text=True)
-    wall = time.perf_counter() - t
-    after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    if out.returncode != 0:
-        sys.exit(f"{shlex.join(cmd)} failed ({out.returncode}):\n{out.stderr[-3000:]}")
-    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
-    return out.stdout + out.stderr, wall, cpu
 
 
 def cut(model: str, text: str, tokens: int, out: Path) -> Path:

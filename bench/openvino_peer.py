@@ -22,11 +22,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
 import statistics
-import subprocess
 import sys
-import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from child import run_timed  # noqa: E402
 
 OV_SCRIPT = r"""
 import json, sys
@@ -46,15 +47,7 @@ TESSERA = [sys.executable, "-c", "import sys; from tessera.runtime.cli import ma
 
 def timed(cmd: list[str]) -> tuple[dict, float]:
     """(the JSON the process printed last, its CPU time ÷ wall time)."""
-    before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    t = time.perf_counter()
-    out = subprocess.run(cmd, capture_output=True, text=True)
-    wall = time.perf_counter() - t
-    after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    if out.returncode != 0:
-        sys.exit(f"{cmd[:3]} failed ({out.returncode}):\n{out.stderr[-3000:]}")
-    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
-    text = out.stdout
+    text, wall, cpu = run_timed(cmd)
     return json.loads(text[text.index("{"):text.rindex("}") + 1]), cpu / wall
 
 

@@ -21,6 +21,8 @@ gguf = pytest.importorskip("gguf")
 transformers = pytest.importorskip("transformers")
 tokenizers = pytest.importorskip("tokenizers")
 
+from test_gguf import _write as write_gguf  # noqa: E402
+
 from tessera.runtime.io import gguf_file, gguf_tokenizer  # noqa: E402
 
 SP = "\u2581"
@@ -47,22 +49,9 @@ def _vocabulary() -> list[str]:
 
 
 def _write(path: Path, arch: str, tokens: list[str], types: list[int], meta: dict) -> None:
-    w = gguf.GGUFWriter(str(path), arch)
-    w.add_string("tokenizer.ggml.model", "llama")
-    w.add_string("tokenizer.ggml.pre", "default")
-    w.add_array("tokenizer.ggml.tokens", tokens)
-    w.add_array("tokenizer.ggml.token_type", types)
-    for key, value in meta.items():
-        if isinstance(value, bool):
-            w.add_bool(key, value)
-        elif isinstance(value, int):
-            w.add_uint32(key, value)
-        else:
-            w.add_array(key, value)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    """A GGUF file holding only tokenizer metadata (test_gguf's writer, no tensors)."""
+    write_gguf(path, {}, arch, {"tokenizer.ggml.model": "llama", "tokenizer.ggml.pre": "default",
+                                "tokenizer.ggml.tokens": tokens, "tokenizer.ggml.token_type": types, **meta})
 
 
 def _llama_form(path: Path) -> None:
