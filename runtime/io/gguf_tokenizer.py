@@ -121,10 +121,10 @@ def _add_special(tok, meta: dict, tokens: list[str], byte_level: bool) -> None:
     a user-defined token is added only as the vocabulary spells it, so no id past the vocabulary appears).
     In a byte-level vocabulary a 'control' token spelled outside the byte alphabet is llama.cpp's
     mislabel and is left out, as transformers leaves it out (adding it would grow the vocabulary)."""
-    from tokenizers import AddedToken
+    from tokenizers import AddedToken, pre_tokenizers
 
     types = meta.get("tokenizer.ggml.token_type") or []
-    alphabet = set(_byte_alphabet()) if byte_level else None
+    alphabet = set(pre_tokenizers.ByteLevel.alphabet()) if byte_level else None  # GPT-2's 256 byte spellings
     control = [AddedToken(tokens[i], special=True, normalized=False) for i, t in enumerate(types)
                if t == CONTROL and i < len(tokens) and (alphabet is None or set(tokens[i]) <= alphabet)]
     vocab = tok.get_vocab()  # a user-defined token the vocabulary spells otherwise (Gemma's spaces) is not added
@@ -132,19 +132,6 @@ def _add_special(tok, meta: dict, tokens: list[str], byte_level: bool) -> None:
             if t == USER_DEFINED and i < len(tokens) and tokens[i] in vocab]
     tok.add_special_tokens(control)
     tok.add_tokens(user)
-
-
-def _byte_alphabet() -> list[str]:
-    """GPT-2's printable spelling of the 256 bytes (the alphabet of a byte-level vocabulary)."""
-    keep = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAD)) + list(range(0xAE, 0x100))
-    spelled, extra = [], 0
-    for b in range(256):
-        if b in keep:
-            spelled.append(chr(b))
-        else:
-            spelled.append(chr(256 + extra))
-            extra += 1
-    return spelled
 
 
 def write(meta: dict, arch: str, folder: Path, context_length: int = 4096) -> str | None:

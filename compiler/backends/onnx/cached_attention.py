@@ -205,14 +205,7 @@ def _gqa_inputs(b, node) -> tuple[str, str, str]:
         bias = _decode_bias(b, node, np.float32)  # [B, 1, 1, C + 1]
         saved, b.current = b.current, ""
         try:
-            length = node.attrs["length_input"]
-            batch = b.node("Shape", [node.inputs[3]], start=0, end=1)[0]
-            seqlens = b.node("Cast", [b.node("Expand", [length, batch])[0]], [b.fresh("gqa/seqlens_k")],
-                             to=TensorProto.INT32)[0]
-            longest = b.node("ReduceMax", [length], keepdims=1)[0]  # [1]
-            one = b.i64([1])
-            total = b.node("Cast", [b.node("Squeeze", [b.node("Add", [longest, one])[0], b.i64([0])])[0]],
-                           [b.fresh("gqa/total")], to=TensorProto.INT32)[0]
+            seqlens, total, longest = _lengths(b, node)
             axis = b.i64([3])
             filled = b.node("Slice", [bias, b.i64([0]), longest, axis])[0]
             new = b.node("Slice", [bias, b.i64([-1]), b.i64([2**62]), axis])[0]
@@ -222,6 +215,19 @@ def _gqa_inputs(b, node) -> tuple[str, str, str]:
     return b.shared[key]
 
 
+def _lengths(b, node) -> tuple[str, str, str]:
+    """GroupQueryAttention's seqlens_k [B] (int32) and total_sequence_length (int32 scalar) from the
+    cache_length input, and its longest row [1] (int64): built in the main graph by the caller."""
+    length = node.attrs["length_input"]
+    batch = b.node("Shape", [node.inputs[3]], start=0, end=1)[0]
+    seqlens = b.node("Cast", [b.node("Expand", [length, batch])[0]], [b.fresh("gqa/seqlens_k")],
+                     to=TensorProto.INT32)[0]
+    longest = b.node("ReduceMax", [length], keepdims=1)[0]  # [1]
+    total = b.node("Cast", [b.node("Squeeze", [b.node("Add", [longest, b.i64([1])])[0], b.i64([0])])[0]],
+                   [b.fresh("gqa/total")], to=TensorProto.INT32)[0]
+    return seqlens, total, longest
+
+
 def _gqa_inputs_by_length(b, node, key) -> tuple[str, str, str]:
     """``_gqa_inputs`` of the serving engine's variant (``prefix_keys``, CPU: no decode_mask input): seqlens_k
     and total_sequence_length from cache_length, and no attention_bias ("": the input left out). Exact only
@@ -229,13 +235,7 @@ def _gqa_inputs_by_length(b, node, key) -> tuple[str, str, str]:
     (a row fills its columns from 0), not a left-padded batch's (attention.py PREFIX_KEYS_ASSUMES)."""
     saved, b.current = b.current, ""
     try:
-        length = node.attrs["length_input"]
-        batch = b.node("Shape", [node.inputs[3]], start=0, end=1)[0]
-        seqlens = b.node("Cast", [b.node("Expand", [length, batch])[0]], [b.fresh("gqa/seqlens_k")],
-                         to=TensorProto.INT32)[0]
-        longest = b.node("ReduceMax", [length], keepdims=1)[0]  # [1]
-        total = b.node("Cast", [b.node("Squeeze", [b.node("Add", [longest, b.i64([1])])[0], b.i64([0])])[0]],
-                       [b.fresh("gqa/total")], to=TensorProto.INT32)[0]
+        seqlens, total, _ = _lengths(b, node)
         b.shared[key] = (seqlens, total, "")
     finally:
         b.current = saved
