@@ -31,7 +31,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from tessera.compiler.backends.onnx.attention import kernel_assumes, kernel_features
+from tessera.compiler.backends.onnx.attention import kernel_assumes, kernel_clash, kernel_features
 from tessera.compiler.ir import dims
 from tessera.compiler.ir.graph import PRECISION_BYTES, Graph, Node
 from tessera.compiler.passes.base import Pass, PassError, PassResult
@@ -81,6 +81,9 @@ def unsupported(kernel: str, attrs: dict) -> str | None:
     if missing:
         return (f"{_NAMES.get(kernel, kernel)} computes no {score_epilogue.words(missing)} "
                 f"(of the score epilogue it computes {score_epilogue.words(sorted(have)) or 'nothing'})")
+    clash = kernel_clash(kernel, score_epilogue.used(attrs))
+    if clash:
+        return f"{_NAMES.get(kernel, kernel)} cannot be exact here: {clash}"
     broken = score_epilogue.broken(kernel_assumes(kernel, attrs), attrs)
     if broken:
         return f"{_NAMES.get(kernel, kernel)} cannot be exact here: {'; '.join(broken)}"
@@ -233,7 +236,7 @@ DECODE_MEASURED = "0.041 / 0.029 / 0.045 ms at P = 128, 0.119-0.195 / 0.129-0.17
 
 def cached_prefill(node: Node, target: Target, gqa_decode: bool = False) -> str | None:
     """The prompt's kernel of a phased site when not the portable Loop: on CUDA, onnx's Attention (opset
-    23), where it computes the site's features (no soft-cap)."""
+    23), where it computes the site's features (KERNEL_FEATURES, KERNEL_CLASHES)."""
     if target.device != "cuda" or unsupported("attn23", node.attrs):
         return None
     return "attn23"

@@ -179,6 +179,15 @@ CACHE_MODES = ("auto", "buffer", "concat")
 DECODE_KERNELS = ("auto", "gqa", "gqa-unpacked", "plain")  # gqa-unpacked: gqa without the packed q+k+v input
 
 
+# onnxruntime 1.31.1's CUDA GroupQueryAttention refuses head_sink beside attention_bias (seen under tests/cuda_stub:
+# "attention_bias with smooth softmax or head_sink is not implemented in GroupQueryAttention cuda kernel"); the
+# decoding step keeps its mask as that bias unless the engine's variant drops it (prefix_keys), so a site with
+# attention sinks decodes on CUDA through GroupQueryAttention only there, else through the plain branch.
+SINKS_WITH_BIAS_ON_CUDA = ("attention sinks with the decoding step's mask as attention_bias, which onnxruntime 1.31's "
+                           "CUDA GroupQueryAttention refuses beside head_sink (only the serving engine's step without "
+                           "the mask, prefix_keys, takes it)")
+
+
 def _gqa_unfit(node: Node, g: Graph, target: Target) -> str | None:
     """Why onnxruntime's GroupQueryAttention cannot be this site's decoding step, or None if it can:
     it needs no sliding window (buffer mode has none), keys and values of one head size, a multiple
@@ -555,11 +564,18 @@ class ChooseCacheKernels(Pass):
         for i, node in enumerate(sites):
             unfit = "not the buffer cache" if mode != "buffer" else (
                 f"the {impl} kernel" if impl not in (None, "phased") else _gqa_unfit(node, g, target))
+            if not unfit and target.device == "cuda" and node.attrs.get("sinks") and not (
+                    self.options.prefix_keys and not unsupported("phased", {**node.attrs, "decode": "gqa",
+                                                                            "prefix_keys": True})):
+                unfit = SINKS_WITH_BIAS_ON_CUDA
             if self.options.decode in ("gqa", "gqa-unpacked") and unfit:
                 raise CacheError(f"the gqa decode kernel (--decode gqa) cannot decode the attention at "
                                  f"{node.scope or node.name}: {unfit}")
             gqa = decode in ("gqa", "gqa-unpacked") and not unfit
             node.attrs["impl"], reason = (impl, "forced") if impl else choose_cached(node, g, target, gqa_decode=gqa)
+            if target.device == "cuda" and decode in ("gqa", "gqa-unpacked") and unfit and not impl and \
+                    node.attrs["impl"] == "phased":  # on CUDA the plain branch is the exception: say why
+                reason = f"{reason}; not GroupQueryAttention for decoding: {unfit}"
             note = CachedKernel(node.name, CacheKernel(node.scope or node.name, node.attrs["impl"], reason))
             prefill = cached_prefill(node, target, gqa) if node.attrs["impl"] == "phased" else None
             if prefill:

@@ -123,12 +123,12 @@ def _optimize(o: PipelineOptions, lower_precision: bool, quantize: QuantConfig |
 
 
 def sparse_moe_impl(target) -> str | None:
-    """The sparse experts' lowering for ``target``: onnxruntime's fused com.microsoft.MoE on CUDA in fp16/bf16
-    (its CUDA kernels; the gather form's NonZero count is read back on the host once per expert per layer
-    there), else the default (passes/sparse_moe.py DEFAULT_IMPL, measured on the CPU). MoE's semantics
+    """The sparse experts' lowering for ``target``: onnxruntime's fused com.microsoft.MoE on CUDA in every dtype
+    (onnxruntime-gpu 1.31.1 registers it for fp32, fp16 and bf16: placed on CUDA and run under tests/cuda_stub;
+    the gather form's NonZero count would be read back on the host once per expert per layer), else the default (passes/sparse_moe.py DEFAULT_IMPL, measured on the CPU). MoE's semantics
     (softmax of the router logits, top k, renormalised; SwiGLU experts as fc1 [E, 2f, d] interleaved, fc2
     [E, d, f]) are held to the gather form on onnxruntime's CPU kernel in tests/compiler/test_sparse_moe.py."""
-    if target.device == "cuda" and target.dtype in ("fp16", "bf16"):
+    if target.device == "cuda":
         return "moe"
     return None
 

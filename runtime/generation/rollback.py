@@ -46,7 +46,7 @@ def check(model: CachedModel, what: str) -> None:
 class RollbackCache(CachedDecoder):
     """The buffer cache of ``model`` for ``prompts``, fed in chunks and rolled back per row."""
 
-    plain_device_cache = False  # its chunks and rollbacks edit the host cache (fp32 on CUDA: as before, on the host)
+    plain_device_cache = False  # its chunks and rollbacks edit the host cache (on CUDA too: see __init__)
 
     def __init__(self, model: CachedModel, prompts: list[list[int]], max_new_tokens: int, draft_tokens: int,
                  pad_id: int = 0, stats: Stats | None = None):
@@ -54,6 +54,12 @@ class RollbackCache(CachedDecoder):
         longest = max(len(p) for p in prompts)
         check_cache_fits(model.info, len(prompts), longest + extra, np.dtype(model.np_dtype).itemsize)
         super().__init__(model, prompts, extra, pad_id, stats if stats is not None else Stats())
+        if model.on_device:
+            # the bound step's buffers on the device would take the single-token calls' columns while the chunks
+            # and rollbacks edit the host cache: the two would part. So every call here runs on the host cache
+            # (each copies it to the device and its new columns back: correct, not fast); the serving engine's
+            # speculation keeps its cache on the device (runtime/serving/device_cache.py)
+            self.bound = None
         self.capacity = self.slots.shape[1]
         self.pad_id = pad_id
         self.compactions = 0
@@ -86,6 +92,8 @@ class RollbackCache(CachedDecoder):
                  "position_ids": positions, **self.cache}
         if info.length_input:
             feeds[info.length_input] = np.array([filled], dtype=np.int64)
+        if "decode_mask" in self.model.input_names:  # CUDA: the filled slots and the new columns (CachedDecoder.step)
+            feeds["decode_mask"] = np.concatenate([self.slots[:, :filled], new], axis=1)
         if self.bound is not None and t == 1:  # GroupQueryAttention writes the column at `filled` itself
             out = self.model.run(feeds, bound=self.bound)
         else:

@@ -445,7 +445,8 @@ class Engine:
                      "its attention mask (n x (W + 1) x 8 B)" if self.feeds_mask else
                      "no mask (derived in the graph from the first position ids: a row's filled columns)")
             writes = ("GroupQueryAttention writes each row's new column into the shared buffer" if self.in_place else
-                      "the plain MatMul/Softmax branch (no fp32 CUDA GroupQueryAttention) reads the bound buffers and "
+                      "the plain MatMul/Softmax branch (no CUDA GroupQueryAttention for this decoding step: fp32, or "
+                      "attention sinks beside the mask, --explain says which) reads the bound buffers and "
                       "gives each row's new column on the device, which the cache's graphs write into its row")
             return (f"placement: {provider}; the KV cache in {where}, allocated once (onnxruntime OrtValues, "
                     f"serving/device_cache.py) and bound in place: a decoding step of n rows at a view W columns "

@@ -266,7 +266,8 @@ def test_every_kernel_declares_its_features_and_the_schema_knows_every_lowering(
     for impl in attention_ops.IMPLS:
         assert onnx_attention.kernel_features(impl) <= set(ref_epilogue.FEATURES)
     assert onnx_attention.kernel_features("gqa") == {"scale", "softcap", "causal", "window", "sinks"}  # head_sink
-    assert onnx_attention.kernel_features("attn23") == {"scale", "causal", "window", "local_window", "padding", "bias"}
+    assert onnx_attention.kernel_features("attn23") == {"scale", "softcap", "causal", "window", "local_window", "padding",
+                                                        "bias", "sinks"}  # sinks: one more key
     assert onnx_attention.kernel_features("portable") == set(ref_epilogue.FEATURES)
 
 

@@ -4,9 +4,10 @@ transformers' eager_attention_forward does (``slice(softmax(concat([s, sink_colu
 by sdpa(sinks=...) and attention(sinks=true); fused into the ``sinks`` feature of the score epilogue.
 
 Checked here against numpy written in this file: the unfused graph; each kernel that takes the feature
-(block, portable, gqa through its head_sink input, auto) against the unfused graph at lengths on both
-sides of the portable kernel's tiles and the block budget; the numpy references (the interpreter's
-fused node, plain and tiled flash); the kernels that cannot (mha, attn23) refusing with the reason;
+(block, portable, gqa through its head_sink input, attn23 through one extra key, auto) against the unfused
+graph at lengths on both sides of the portable kernel's tiles, the block budget and attn23's key alignment
+(T + 1 a multiple of 8 or not); the numpy references (the interpreter's fused node, plain and tiled flash);
+the kernels that cannot (mha; attn23 with a soft-cap too) refusing with the reason;
 rows whose keys are all hidden; cached greedy generation (concat and buffer caches, plain and
 GroupQueryAttention decoding steps) equal to recomputing each row's whole sequence; --explain; and,
 where transformers has gpt-oss, its GptOssAttention's eager attention."""
@@ -107,13 +108,13 @@ def test_each_kernel_that_takes_sinks_equals_the_unfused_graph(tmp_path, monkeyp
     monkeypatch.setattr(attention_kernels, "BLOCK_BYTES", 2 * 4 * 16 * 16 * 4)  # block up to T = 16
     spec = _write(tmp_path, SPEC)
     ran = set()
-    for t in (1, 3, 8, 9, 16, 17, 33):
+    for t in (1, 3, 7, 8, 9, 15, 16, 17, 33):
         g = build(spec, causal=causal, window=window)
         w = _weights(g)
         x = np.random.default_rng(t).standard_normal((2, t, 32)).astype(np.float32)
         want = ort_run(g, w, {"x": x})["y"]
         np.testing.assert_allclose(want, _numpy(x, w, causal=causal, window=window), atol=2e-5, rtol=1e-4)
-        kernels = [None, "block", "portable"] + (["gqa"] if causal else [])
+        kernels = [None, "block", "portable", "attn23"] + (["gqa"] if causal else [])
         for kernel in kernels:
             fused = build(spec, causal=causal, window=window)
             (site,) = optimize(fused, Target("cpu"), kernel)
@@ -172,14 +173,15 @@ def test_padded_rows_and_keys_with_sinks_fused_equal_unfused(tmp_path):
             np.testing.assert_allclose(ort_run(fused, w, {"x": x, "mask": mask})["y"], want, atol=2e-5, rtol=1e-4)
 
 
-@pytest.mark.parametrize("kernel", ["mha", "attn23"])
-def test_kernels_without_sinks_refuse_them_with_the_reason(tmp_path, kernel):
+def test_kernels_without_sinks_refuse_them_with_the_reason(tmp_path):
     spec = _write(tmp_path, SPEC)
     g = build(spec, causal=False)
     optimize(g, Target("cpu"), "block")
     (node,) = [n for n in g.nodes.values() if n.op == "fused_attention"]
-    why = why_not(kernel, node, g, Target("cpu"))
-    assert "attention sinks" in why
+    assert "attention sinks" in why_not("mha", node, g, Target("cpu"))
+    assert why_not("attn23", node, g, Target("cpu")) is None  # the sink as one more key
+    node.attrs["softcap"] = 30.0  # which onnx's Attention would cap too
+    assert "soft-cap with attention sinks" in why_not("attn23", node, g, Target("cpu"))
 
 
 def test_a_sink_column_varying_over_queries_is_attention_but_not_fused(tmp_path):

@@ -326,18 +326,24 @@ model Short(heads = 2, hd = 8) {
 GEMMA2_SMALL = dict(layers=2, d=64, heads=4, kv_heads=2, head_dim=16, d_ff=96, vocab=50, window=8)
 
 
-@pytest.mark.parametrize("kernel", ["gqa", "attn23"])
-def test_contrib_and_opset23_kernels_equal_the_unfused_graph_on_cpu(kernel, rng):
-    """GroupQueryAttention with Gemma 2's soft-cap and sliding window (its scale times c, its softcap c:
-    onnxruntime caps as c·tanh(scale·s / c)), onnx's Attention (opset 23) with T5's padding mask and
-    relative bias (keys padded to a multiple of 8 and hidden): the CUDA kernels of issue 37, held to the
-    unfused graph by onnxruntime's CPU kernels of the same ops."""
-    spec, sets = ("gemma2", GEMMA2_SMALL) if kernel == "gqa" else \
-        ("t5", dict(layers=2, d=32, heads=4, d_kv=8, vocab=50, d_ff=64))
+@pytest.mark.parametrize("kernel, spec", [("gqa", "gemma2"), ("attn23", "t5"), ("attn23", "gemma2")])
+def test_contrib_and_opset23_kernels_equal_the_unfused_graph_on_cpu(kernel, spec, rng):
+    """GroupQueryAttention and onnx's Attention (opset 23) with Gemma 2's soft-cap and sliding window (the
+    scale times c, the softcap attribute c: both cap as c·tanh(scale·s / c), Attention-23 before its mask),
+    and onnx's Attention with T5's padding mask and relative bias (keys padded to a multiple of 8 and hidden):
+    the CUDA kernels of issue 37, held to the unfused graph by onnxruntime's CPU kernels of the same ops."""
+    # a cap of 0.5 bites (scores of order 1; at the spec's 50 a kernel ignoring the cap would pass)
+    sets = dict(GEMMA2_SMALL, attn_softcap=0.5) if spec == "gemma2" else \
+        dict(layers=2, d=32, heads=4, d_kv=8, vocab=50, d_ff=64)
     unfused = build(spec, **sets)
     weights = init_weights(unfused, seed=2)
+    if spec == "gemma2":  # queries and keys large enough that the scores reach the cap
+        weights = {n: w * 10 if n.endswith((".q.weight", ".k.weight")) else w for n, w in weights.items()}
     feeds = feeds_for(unfused, rng, t=13)
     want = ort_run(unfused, weights, feeds)
+    if spec == "gemma2":  # the cap changes the result
+        loose = ort_run(build(spec, **dict(sets, attn_softcap=50.0)), weights, feeds)
+        assert max(np.abs(loose[n] - want[n]).max() for n in want) > 1e-3
     fused = build(spec, **sets)
     sites = optimize(fused, Target("cpu"), kernel)
     assert sites and all(s.fused and s.impl == kernel for s in sites), [s.describe() for s in sites]

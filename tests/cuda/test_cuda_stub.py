@@ -76,9 +76,9 @@ def test_every_attention_site_gets_a_fused_kernel(plain_reports, family, dtype):
 
 
 # The other bundled families, tiny: every one is placed on CUDA; a run completes except where the stub
-# itself stops it (its cuDNN has no functions: Conv, onnx's GRU) or the graph reads a device value on the
-# host (Mixtral's sparse experts: NonZero's count), and Gemma 2's soft-capped sites in fp32 keep the
-# portable Loop (no fused CUDA kernel computes them: --explain says so).
+# itself stops it (its cuDNN has no functions: Conv, onnx's GRU). Gemma 2's soft-capped sites in fp32 and
+# gpt-oss's sinks in fp32 are onnx's Attention (its softcap attribute; the sink as one more key), no longer
+# the portable Loop; sparse experts are onnxruntime's fused MoE in every dtype.
 OTHERS = {
     "mixtral": ["layers=2", "d=64", "heads=4", "kv_heads=2", "vocab=128", "d_ff=48", "experts=4", "top=2"],
     "gemma2": ["layers=2", "d=64", "heads=4", "kv_heads=2", "head_dim=16", "d_ff=96", "vocab=128"],
@@ -99,9 +99,8 @@ OTHERS = {
                 "vocab=128", "window=4"],
 }
 OTHER_CASES = [(f, dt) for f in sorted(OTHERS) for dt in ("fp16", "bf16")] + [("bloom", "fp32"), ("bart", "fp32"),
-                                                                         ("gemma2", "fp32")]
-# (Mixtral stopped at the gather form's NonZero, whose count the host reads back; on CUDA fp16/bf16 its experts
-# are onnxruntime's fused MoE now, and its run completes)
+                                                                         ("gemma2", "fp32"), ("gpt_oss", "fp32"),
+                                                                         ("mixtral", "fp32")]
 STUB_STOPS = {"vit": "cuDNN is unavailable", "whisper": "cuDNN is unavailable", "mamba": "cuDNN is unavailable"}
 
 
@@ -122,9 +121,6 @@ def test_the_other_bundled_families_on_cuda(other_reports, family, dtype):
     report = other_reports[(family, dtype)]
     assert report["providers"][:1] == ["CUDAExecutionProvider"] and report["cuda_nodes"] > 0
     assert not report["cpu_unforced"] and not report["not_found"], report
-    if (family, dtype) == ("gemma2", "fp32"):  # the portable Loop: Memcpy in its body, slice bounds read back
-        assert report["memcpy_subgraph"] > 0
-        return
     assert report["memcpy_subgraph"] == 0
     if family in STUB_STOPS:
         assert not report["ran"] and STUB_STOPS[family] in report["error"], report["error"]
@@ -286,6 +282,65 @@ def test_tessera_generate_on_cuda_copies_the_logits_and_little_else(cuda_stub, d
         counts[n] = c["host_to_device"][1] + c["device_to_host"][1]
     rows, vocab = 2, 128
     assert (counts[20] - counts[4]) / 16 <= rows * (vocab * 4 + 1024), counts
+
+
+@pytest.mark.parametrize("dtype", ["fp16", "fp32"])
+def test_speculative_generation_on_cuda_runs_every_call_on_the_host_cache(cuda_stub, dtype, tmp_path):
+    """`tessera generate ... --speculative ngram --provider cuda`: the rollback cache (runtime/generation/rollback.py)
+    feeds chunks and rolls rows back on its host cache, so it keeps no bound device buffers beside it (in fp16
+    they took the single-token calls' columns while the chunks went to the host cache: the two parted); every
+    call completes its host-side checks, the chunks' calls and the single-token ones. Values: not checkable
+    here (tests/generation/test_speculative.py holds the host path to plain generation on the CPU)."""
+    script = tmp_path / "spec.py"
+    script.write_text("""
+import sys
+from tessera.runtime.generation import cached as gen, rollback
+model = gen.CachedModel.from_onnx(sys.argv[1], provider="cuda")
+cache = rollback.RollbackCache(model, [[1, 2, 3, 1, 2], [4, 5]], 6, 3)
+assert model.on_device == (sys.argv[2] != "fp32") and cache.bound is None, (model.on_device, cache.bound)
+cache.prefill()
+cache.feed([[3, 1, 2, 3], [6]])  # a chunk per row (the longer one's drafts)
+cache.rollback(0, 2)
+cache.feed([[1], [7]])  # single tokens: the same host cache
+print("ok", cache.filled)
+""")
+    from tessera.compiler.passes.attention_kernels import Target
+    from tessera.runtime import pipeline as rt
+    from tessera.runtime.generation import cached as gen
+
+    built = rt.build("gpt2", None, FAMILIES["gpt2"])  # every position's logits: the verifier's
+    model, _ = gen.compile_cached(built, rt.weights_for(built, None, 0), target=Target("cuda", dtype), mode="buffer",
+                                  last_only=False)
+    out = tmp_path / f"spec-{dtype}.onnx"
+    out.write_bytes(model.SerializeToString())
+    p = cuda_stub.run([str(script), str(out), dtype])
+    assert p.returncode == 0 and p.stdout.strip().endswith("ok 10"), (p.stdout[-1000:], p.stderr[-3000:])
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "fp16"])
+def test_speculative_generation_with_the_cuda_decoder_equals_plain_generation_on_cpu(dtype):
+    """The CUDA-target verifier (fp16: GroupQueryAttention decoding steps fed decode_mask, which the rollback
+    cache did not feed, so `generate --speculative` on CUDA stopped at its first round) run by onnxruntime's CPU
+    kernels: greedy tokens with prompt-lookup drafts equal plain generation's with the same model, drafts
+    accepted (two prompts of different lengths, one repeating itself)."""
+    from tessera.compiler.passes.attention_kernels import Target
+    from tessera.runtime import pipeline as rt
+    from tessera.runtime.generation import cached as gen, speculative
+    from tessera.runtime.generation.drafting import NgramDrafter
+
+    built = rt.build("llama", None, FAMILIES["llama"])
+    model, info = gen.compile_cached(built, rt.weights_for(built, None, 0), target=Target("cuda", dtype),
+                                     mode="buffer", last_only=False)
+    verifier = gen.CachedModel(model.SerializeToString(), info, threads=1)
+    assert ("decode_mask" in verifier.input_names) == (dtype == "fp16")
+    prompts = [[5, 9, 2, 31, 7, 5, 9, 2, 31, 7, 5, 9], [3, 4, 5]]
+    plain = gen.generate(verifier, prompts, 16).tokens
+    stats, got = gen.Stats(), [[], []]
+    for step in speculative.steps(verifier, prompts, 16, gen.Sampling(), NgramDrafter(), 3, stats=stats):
+        for r, t in enumerate(step):
+            if t is not None:
+                got[r].append(t)
+    assert got == plain and stats.accepted > 0, (got, plain, stats.accepted)
 
 
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
@@ -453,11 +508,12 @@ def test_the_serving_engine_on_cuda(cuda_stub, family, dtype, tmp_path):
     assert r["speculative_errors"] == [None, None] and r["checks"] > 0 and r["hits"] > 0, r
 
 
-@pytest.mark.parametrize("target, dtype, fused", [("cuda", "fp16", True), ("cuda", "bf16", True), ("cuda", "fp32", False),
-                                                  ("cpu", "fp16", False)])
-def test_mixtral_experts_are_fused_moe_on_cuda_in_half_precision(tmp_path, target, dtype, fused):
-    """Sparse experts on CUDA fp16/bf16 lower to com.microsoft.MoE (compiler/passes/pipeline.py sparse_moe_impl):
-    no NonZero/ScatterND per expert, whose count the host would read back; elsewhere the measured gather form.
+@pytest.mark.parametrize("target, dtype, fused", [("cuda", "fp16", True), ("cuda", "bf16", True), ("cuda", "fp32", True),
+                                                  ("cpu", "fp16", False), ("cpu", "fp32", False)])
+def test_mixtral_experts_are_fused_moe_on_cuda(tmp_path, target, dtype, fused):
+    """Sparse experts on CUDA lower to com.microsoft.MoE in every dtype (compiler/passes/pipeline.py sparse_moe_impl;
+    onnxruntime-gpu 1.31.1 registers it for fp32 too: test_every_bundled_decoder_s_cache_on_cuda runs it): no
+    NonZero/ScatterND per expert, whose count the host would read back; on the CPU the measured gather form.
     MoE's numbers against the gather form: tests/compiler/test_sparse_moe.py (onnxruntime's CPU kernel, impl "moe");
     on CUDA only placement and the host-side checks are verified (test_the_other_bundled_families_on_cuda)."""
     import onnx
@@ -503,27 +559,50 @@ def test_a_sliding_window_cached_decoder_keeps_no_copy_inside_a_branch(cuda_stub
         assert report["memcpy_subgraph"] == 0 and report["ran"], (past, report["memcpy_subgraph"], report["error"])
 
 
-# gpt-oss's cached decoder on CUDA does not complete a step under the stub, for a reason of its attention sinks, not
-# of its experts: the phased site's decoding branch is GroupQueryAttention with attention_bias (the padding) and
-# head_sink, which onnxruntime 1.31's CUDA kernel refuses ("attention_bias with smooth softmax or head_sink is not
-# implemented in GroupQueryAttention cuda kernel", seen with every layer full); and its prompt branch is the
-# portable Loop kernel (sinks with a window or a mask have no fused CUDA kernel here), whose body keeps its
-# tile bounds' arithmetic on the device (18 Memcpy inside the Loop with every layer full). Its plain graph runs
-# (OTHERS above). strict: a fix of the sinks' CUDA decoding step makes this pass and must drop the mark.
-SINKS_ON_CUDA = pytest.mark.xfail(strict=True, reason="cached attention sinks on CUDA: GroupQueryAttention's CUDA "
-                                                      "kernel refuses head_sink with attention_bias (onnxruntime 1.31)")
+# Every other bundled decoder's --kv-cache graph (the generate/batch variant: the decoding step's mask fed) on CUDA in
+# fp32, fp16 and bf16. Seen before: gpt-oss's prompt branch the portable Loop (18-22 Memcpy in its body) and its
+# decoding step refused by onnxruntime (GroupQueryAttention's CUDA kernel takes head_sink only without attention_bias;
+# bf16 had no CUDA ReduceMax, so no session at all); Gemma 2's soft-capped prompt the portable Loop; sparse experts in
+# fp32 the gather form (NonZero's count read back on the host). Now: the prompt through onnx's Attention (softcap
+# attribute, sinks as one more key), the decoding step of a site with sinks through the plain branch (passes/kv_cache.py
+# SINKS_WITH_BIAS_ON_CUDA), fused MoE in every dtype. Mamba's Conv needs cuDNN, which the stub lacks.
+CACHED_OTHERS = ["gemma2", "gemma3", "gptj", "mixtral", "qwen3", "qwen3_moe", "gpt_oss", "mamba"]
 
 
-@pytest.mark.parametrize("family", ["mixtral", pytest.param("gpt_oss", marks=SINKS_ON_CUDA)])
-def test_cached_decoding_step_with_fused_moe_on_cuda(cuda_stub, tmp_path, family):
-    """Mixtral's --kv-cache decoder at fp16 on CUDA (fused MoE): every node on CUDA, and a decoding step (T = 1
-    over 3 cached positions) completes its host-side checks, which the gather form's NonZero stopped."""
-    out = tmp_path / f"{family}-kv.onnx"
-    driver.compile(ModelRef(spec=family, sets=OTHERS[family]),
-                   CompileOptions(output=out, target="cuda", dtype="fp16", kv_cache=True, quiet=True))
-    (report,) = cuda_stub.check(out, seq=1, past=3)
-    assert report["providers"][:1] == ["CUDAExecutionProvider"] and not report["cpu_unforced"], report
-    assert report["memcpy_subgraph"] == 0 and report["ran"], report["error"]
+@pytest.fixture(scope="module")
+def other_cached_models(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("cuda-cached-others")
+    out = {}
+    for family in CACHED_OTHERS:
+        for dtype in ("fp32", "fp16", "bf16"):
+            path = folder / f"{family}-{dtype}.onnx"
+            driver.compile(ModelRef(spec=family, sets=OTHERS[family]),
+                           CompileOptions(output=path, target="cuda", dtype=dtype, kv_cache=True, quiet=True))
+            out[(family, dtype)] = path
+    return out
+
+
+@pytest.mark.parametrize("seq, past", [(5, 3), (1, 6)], ids=["prompt", "decoding-step"])
+def test_every_bundled_decoder_s_cache_on_cuda(cuda_stub, other_cached_models, seq, past):
+    """Placement (no compute node on the CPU, no Memcpy in any Loop/If body), a prompt over a past of 3 and a
+    decoding step over 6 cached positions each completing its host-side checks, every prompt site on a fused
+    kernel (onnx's Attention: EFFICIENT_ATTENTION), every decoding step on GroupQueryAttention or the plain
+    branch (no contrib kernel)."""
+    keys = sorted(other_cached_models)
+    reports = cuda_stub.check(*(other_cached_models[k] for k in keys), seq=seq, past=past, timeout=600)
+    for key, report in zip(keys, reports):
+        if key[0] == "mamba":  # placed, then stopped by the stub's cuDNN
+            assert report["providers"][:1] == ["CUDAExecutionProvider"] and not report["cpu_unforced"], report
+            assert report["memcpy_subgraph"] == 0 and "cuDNN is unavailable" in report["error"], report["error"]
+            continue
+        assert not placement_problems(report), (key, placement_problems(report))
+        kinds = {(k[0], k[3]) for k in report["kernels"]}
+        if seq > 1:
+            assert kinds == {("Attention", "EFFICIENT_ATTENTION")}, (key, kinds)
+        else:
+            assert {op for op, _ in kinds} <= {"GroupQueryAttention"}, (key, kinds)
+            if key[0] == "gpt_oss" or key[1] == "fp32":  # sinks with the fed mask, or no fp32 GQA: the plain branch
+                assert not kinds, (key, kinds)
 
 
 ENGINE_KERNELS = """
@@ -578,7 +657,7 @@ def _kernels_by_step(stdout: str) -> dict:
     return found
 
 
-@pytest.mark.parametrize("family, dtype", [("gpt2", "fp16"), ("llama", "fp16"), ("llama", "bf16")])
+@pytest.mark.parametrize("family, dtype", [("gpt2", "fp16"), ("llama", "fp16"), ("llama", "bf16"), ("gpt_oss", "fp16")])
 def test_the_engines_decoding_step_takes_flash_attention(cuda_stub, family, dtype, tmp_path):
     """The serving engine's decoder on CUDA in fp16 and bf16 (runtime/driver.py serve_model: prefix_keys by default on
     CUDA, passes/kv_cache.py) gives GroupQueryAttention no attention_bias -- each row's keys are its columns
@@ -592,7 +671,10 @@ def test_the_engines_decoding_step_takes_flash_attention(cuda_stub, family, dtyp
     test_serve_prefix_mask.py)."""
     import json
 
-    sets = [x for x in FAMILIES[family] if not x.startswith("ctx=")] + ["ctx=192"]
+    if family == "gpt_oss":  # attention sinks (head_sink), every layer full: the engine serves no sliding window
+        sets = [x for x in OTHERS[family] if not x.startswith("window=")] + ["window=0", "ctx=192"]
+    else:
+        sets = [x for x in FAMILIES[family] if not x.startswith("ctx=")] + ["ctx=192"]
     script = tmp_path / "engine_kernels.py"
     script.write_text(ENGINE_KERNELS)
     p = cuda_stub.run([str(script), family, ",".join(sets), dtype], timeout=300)
@@ -602,7 +684,7 @@ def test_the_engines_decoding_step_takes_flash_attention(cuda_stub, family, dtyp
     default, masked = r["default"], r["masked"]
     assert default["prefix_keys"] and not masked["prefix_keys"]
     assert "decode_span" in default["inputs"] and "decode_mask" not in default["inputs"]
-    assert "decode_mask" in masked["inputs"] and "decode_span" not in masked["inputs"]
+    assert ("decode_mask" in masked["inputs"]) != (family == "gpt_oss") and "decode_span" not in masked["inputs"]
     assert default["errors"] == masked["errors"] == [None, None] and default["tokens"] == [6, 6]
     assert "FLASH_ATTENTION" in default["describe"] and "no mask of its own" in default["describe"]
     assert len(default["steps"]) == len(masked["steps"])
@@ -611,13 +693,19 @@ def test_the_engines_decoding_step_takes_flash_attention(cuda_stub, family, dtyp
     for i in decoding:
         layers = 2
         assert kernels[("default", i)] == [["GroupQueryAttention", "FLASH_ATTENTION"]] * layers, kernels[("default", i)]
-        assert kernels[("masked", i)] == [["GroupQueryAttention", "MATH"]] * layers, kernels[("masked", i)]
+        # the masked variant: GroupQueryAttention with attention_bias (MATH); with sinks the plain branch, since
+        # onnxruntime's CUDA kernel refuses head_sink beside attention_bias (passes/kv_cache.py SINKS_WITH_BIAS_ON_CUDA)
+        masked_kernels = [] if family == "gpt_oss" else [["GroupQueryAttention", "MATH"]] * layers
+        assert kernels[("masked", i)] == masked_kernels, kernels[("masked", i)]
         d, m = default["steps"][i], masked["steps"][i]
         assert (d["rows"], d["longest"]) == (m["rows"], m["longest"])
         assert d["h2d"] <= d["rows"] * 24 + 64, d  # ids, positions, lengths, a few shape scalars
         # decode_mask's bytes and attention_mask's (derived in the graph, prefix_mask.py), gone; the two graphs'
         # shape scalars differ by a few bytes
-        assert abs(m["h2d"] - d["h2d"] - d["rows"] * (d["longest"] + d["width"] + 1) * 8) <= 16, (d, m)
+        if family == "gpt_oss":  # the plain branch's inputs: ids, positions and the attention mask, no lengths
+            assert m["h2d"] <= m["rows"] * (16 + (m["width"] + 1) * 8) + 64, m
+        else:
+            assert abs(m["h2d"] - d["h2d"] - d["rows"] * (d["longest"] + d["width"] + 1) * 8) <= 16, (d, m)
         assert d["d2h"] == m["d2h"] == d["rows"] * 128 * 4  # the logits
     # every GroupQueryAttention of the mask-less decoder, prompt chunks' decoding branch included, is flash
     assert {k for (v, _), ks in kernels.items() if v == "default" for op, k in ks if op == "GroupQueryAttention"} == \

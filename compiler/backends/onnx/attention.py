@@ -60,16 +60,32 @@ KERNEL_FEATURES: dict[str, frozenset | Epilogue] = {
     # and attention sinks (its head_sink input)
     "gqa": frozenset({"scale", "softcap", "causal", "window", "sinks"}),
     "mha": frozenset({"scale"}),                        # no mask, bias, cap (not causal: see attention_kernels)
-    # onnx's Attention (opset 23): the scale attribute, and every mask and the bias as its one attn_mask
-    # (score_epilogue.prepare_whole's boolean, or bias + the masks as the dtype's lowest value); its softcap
-    # attribute is not used (onnxruntime 1.31's CUDA kernel was not seen to take it)
-    "attn23": frozenset({"scale", "causal", "window", "local_window", "padding", "bias"}),
+    # onnx's Attention (opset 23): the scale and softcap attributes (the spec caps the scaled scores before
+    # the mask, as the reference's stages do; onnxruntime 1.31.1's CUDA kernel takes the attribute, where 1.2x
+    # threw "softcap is not supported yet"), every mask and the bias as its one attn_mask
+    # (score_epilogue.prepare_whole's boolean, or bias + the masks as the dtype's lowest value), and attention
+    # sinks as one extra key per head (``_sink_key``; not with a soft-cap, which would cap the sink too)
+    "attn23": frozenset({"scale", "softcap", "causal", "window", "local_window", "padding", "bias", "sinks"}),
     "block": EPILOGUE,
     "portable": EPILOGUE,
     # the cached kernels add one mask the cache builds (causal, window, chunk, padding): no two-sided window
     "cached": Epilogue(frozenset({"local_window"})),
     "phased": Epilogue(frozenset({"local_window"})),
 }
+# Features a kernel computes alone but not together, and why (passes/attention_kernels.py ``unsupported``).
+KERNEL_CLASHES: dict[str, dict[frozenset, str]] = {
+    "attn23": {frozenset({"softcap", "sinks"}): "a soft-cap with attention sinks (its softcap would cap the sink key's score too)"},
+}
+
+
+def kernel_clash(impl: str, used) -> str | None:
+    """Why lowering ``impl`` cannot compute these features together (None: it can)."""
+    for pair, why in KERNEL_CLASHES.get(impl, {}).items():
+        if pair <= set(used):
+            return why
+    return None
+
+
 # The structural shortcuts each lowering takes (compiler/reference/score_epilogue.py ASSUMPTIONS): a
 # kernel is picked only for a node none of whose features breaks one (passes/attention_kernels.py
 # ``unsupported``). The block kernel computes every score of [Tq, Tk] and takes none; the portable
@@ -79,8 +95,9 @@ KERNEL_ASSUMES: dict[str, frozenset[str]] = {
     "gqa": frozenset({"hidden_weigh_zero", "tiles_scores"}),
     "mha": frozenset({"hidden_weigh_zero", "tiles_scores", "keys_only_softmax"}),
     # the memory-efficient/flash kernels tile the scores and skip hidden blocks; the keys padded to KEY_ALIGN
-    # are hidden and weigh zero
-    "attn23": frozenset({"hidden_weigh_zero", "tiles_scores", "keys_only_softmax"}),
+    # are hidden and weigh zero; its softmax is over the keys alone, and attention sinks come in as one more
+    # key (``_sink_key``), so it takes no "keys_only_softmax" shortcut
+    "attn23": frozenset({"hidden_weigh_zero", "tiles_scores"}),
     "block": frozenset(),
     "portable": frozenset({"hidden_weigh_zero", "tiles_scores"}),
     "cached": frozenset({"hidden_weigh_zero"}),
@@ -260,22 +277,93 @@ def _attn23(b, node, out: str, names: list[str] | None = None) -> None:
     Tk' is Tk rounded up to KEY_ALIGN, the keys and values padded with zeros and the padded keys hidden
     (exact: their weights are 0). On CUDA (onnxruntime 1.31.1, sm_90) the op then runs the
     memory-efficient kernel in fp32, fp16 and bf16; ``is_causal`` is not used: in fp32 it selected the
-    unfused MATH path (tests/cuda_stub). ``names`` replaces the inputs' names (same types): a cached
-    prompt's keys and values, past and new concatenated in an If branch (backends/onnx/cached_attention.py),
-    whose mask was built in the main graph before the If."""
+    unfused MATH path (tests/cuda_stub). A soft-cap is the op's softcap attribute (Tessera's scale has
+    the 1/c folded in, as for GroupQueryAttention); attention sinks one extra key (``_sink_key``).
+    ``names`` replaces the inputs' names (same types): a cached prompt's keys and values, past and new
+    concatenated in an If branch (backends/onnx/cached_attention.py), whose mask was built in the main
+    graph before the If."""
     a = node.attrs
     q, k, v = (names or node.inputs)[:3]
     mask, pads = attn23_inputs(b, node)
     q_t = b.graph.type_of(node.inputs[0])
+    more = SINK_DIMS if a.get("sinks") else 0
+    hd, hv = int(q_t.shape[-1]) + more, int(b.graph.type_of(node.inputs[2]).shape[-1]) + more
+    if more:
+        q, k, v = _sink_key(b, node, q, k, v)
     if q_t.dtype == "f32" and a["kv_heads"] != a["heads"]:
         # grouped key/value heads in fp32: onnxruntime 1.31's CUDA Attention took its MATH path (the whole
         # N x N scores) for them and the memory-efficient kernel once the heads are repeated (tests/cuda_stub)
-        k, v = (_repeat_heads(b, x, a["heads"], a["heads"] // a["kv_heads"], int(q_t.shape[-1])) for x in (k, v))
+        k, v = (_repeat_heads(b, x, a["heads"], a["heads"] // a["kv_heads"], d) for x, d in ((k, hd), (v, hv)))
     if isinstance(pads, tuple):  # bf16: onnxruntime has no bf16 CUDA Pad; zeros concatenated instead
         k, v = (b.node("Concat", [x, z], axis=2)[0] for x, z in zip((k, v), pads))
     elif pads is not None:
         k, v = b.node("Pad", [k, pads])[0], b.node("Pad", [v, pads])[0]
-    b.node("Attention", [q, k, v] + ([mask] if mask else []), [out], scale=float(a["scale"]))
+    attrs = {"scale": float(a["scale"])}
+    if a.get("softcap"):  # c·tanh(scale·s / c): Tessera's scale already holds the 1/c
+        attrs = {"scale": float(a["scale"]) * float(a["softcap"]), "softcap": float(a["softcap"])}
+    inputs = [q, k, v] + ([mask] if mask else [])
+    if not more:
+        b.node("Attention", inputs, [out], **attrs)
+        return
+    wide = b.node("Attention", inputs, **attrs)[0]  # the values' zero dimensions sliced off
+    b.node("Slice", [wide, b.i64([0]), b.i64([hv - more]), b.i64([3])], [out])
+
+
+# Attention sinks on onnx's Attention, which has no input for them: softmax over the keys and one logit per
+# query head, s_h, whose weight is dropped, is the softmax over one extra key whose score is s_h and whose
+# value is zero. Its score comes from SINK_DIMS more head dimensions (a multiple of 8, the CUDA kernels'
+# rule): queries get [s_h / scale, 0, ...] there, the real keys zeros, the sink key [1, 0, ...] there and
+# zeros elsewhere, so q·k_sink·scale = s_h and every real score is unchanged. The sink key is key 0, seen
+# by every query (its mask column is True); its value row is zeros. The values get SINK_DIMS zero dimensions
+# too, sliced off the output: with value heads narrower than the keys' onnxruntime 1.31's CUDA Attention took
+# its MATH path in fp16/bf16 (tests/cuda_stub). Exact up to s_h / scale rounded to the scores' dtype.
+SINK_DIMS = 8
+
+
+def _sink_key(b, node, q: str, k: str, v: str) -> tuple[str, str, str]:
+    """q, k, v with the sink key (see SINK_DIMS): the constants and every shape built in the main graph by
+    ``_sink_inputs`` (no shape arithmetic in an If branch), expanded here."""
+    q_more, (q_shape, k_shape, key_shape, value_shape), (key, zero) = _sink_inputs(b, node)
+    q = b.node("Concat", [q, b.node("Expand", [q_more, q_shape])[0]], axis=-1)[0]
+    k, v = (b.node("Concat", [x, b.node("Expand", [zero, k_shape])[0]], axis=-1)[0] for x in (k, v))
+    k = b.node("Concat", [b.node("Expand", [key, key_shape])[0], k], axis=2)[0]
+    v = b.node("Concat", [b.node("Expand", [zero, value_shape])[0], v], axis=2)[0]
+    return q, k, v
+
+
+def _sink_inputs(b, node):
+    """In the main graph, once per node: the queries' extra dimensions [1, H, 1, SINK_DIMS] (s_h / scale,
+    zeros), the shapes [B, H, Tq, SINK_DIMS], [B, G, Tk, SINK_DIMS] (zeros after the keys and values),
+    [B, G, 1, hd + SINK_DIMS] (the sink key), [B, G, 1, hv + SINK_DIMS] (its value), and the sink key's row
+    and a zero, in the scores' dtype."""
+    cache = ("attn23_sinks", node.name)
+    if cache in b.shared:
+        return b.shared[cache]
+    a = node.attrs
+    q_t, k_t, v_t = (b.graph.type_of(x) for x in node.inputs[:3])
+    np_dtype = _np_float(q_t.dtype)
+    hd, hv, batch = int(q_t.shape[-1]), int(v_t.shape[-1]), q_t.shape[0]
+    scale = float(a["scale"]) * (float(a["softcap"]) if a.get("softcap") else 1.0)
+    first = np.zeros((1, 1, 1, SINK_DIMS), np.float32)
+    first[..., 0] = 1.0 / scale
+    saved, b.current = b.current, ""
+    try:
+        logits = b.node("Reshape", [node.inputs[-1], b.i64([1, -1, 1, 1])])[0]
+        if q_t.dtype != "f32":  # divided in fp32, then rounded once
+            logits = b.node("Cast", [logits], to=_onnx_float("f32"))[0]
+        q_more = b.node("Mul", [logits, b.const(first, "sink_query")])[0]
+        if q_t.dtype != "f32":
+            q_more = b.node("Cast", [q_more], to=_onnx_float(q_t.dtype))[0]
+        shapes = (b.shape_vec([batch, a["heads"], q_t.shape[-2], SINK_DIMS]),
+                  b.shape_vec([batch, a["kv_heads"], k_t.shape[-2], SINK_DIMS]),
+                  b.shape_vec([batch, a["kv_heads"], 1, hd + SINK_DIMS]),
+                  b.shape_vec([batch, a["kv_heads"], 1, hv + SINK_DIMS]))
+    finally:
+        b.current = saved
+    key = np.zeros((1, 1, 1, hd + SINK_DIMS), np_dtype)
+    key[..., hd] = 1
+    b.shared[cache] = q_more, shapes, (b.const(key, "sink_key"), b.const(np.zeros((1, 1, 1, 1), np_dtype), "zero"))
+    return b.shared[cache]
 
 
 def _repeat_heads(b, x: str, heads: int, rep: int, hd: int) -> str:
@@ -299,22 +387,25 @@ def attn23_inputs(b, node) -> tuple[str | None, str | None]:
     mask = extra.pop(0) if a["padding"] else None
     bias = extra.pop(0) if a["bias"] else None
     q_t, k_t = b.graph.type_of(node.inputs[0]), b.graph.type_of(node.inputs[1])
-    tk = k_t.shape[-2]
+    sink = 1 if a.get("sinks") else 0  # the sink key (``_sink_key``) is key 0
+    tk = dims.dim(k_t.shape[-2] + sink)
     aligned = dims.is_static(tk) and int(tk) % KEY_ALIGN == 0
     saved, b.current = b.current, ""
     try:
         hidden = epilogue.prepare_whole(b, a, mask, q_t, k_t, b.const(np.array(True), "true"))
         attn_mask = None
         if hidden is not None or bias is not None or not aligned:
-            attn_mask = _attn_mask(b, hidden, bias, q_t, k_t, aligned)
+            attn_mask = _attn_mask(b, hidden, bias, q_t, k_t, aligned, sink)
         pads = None if aligned else _key_pads(b, tk, 2)
         if pads is not None and q_t.dtype == "bf16":  # the zero keys and values themselves (no bf16 CUDA Pad)
             extra = b.node("Slice", [pads, b.i64([6]), b.i64([7])])[0]
             v_t = b.graph.type_of(node.inputs[2])
             zero = b.const(np.zeros((1, 1, 1, 1), dtype=_np_float("bf16")), "zero_bf16")
+            widths = (int(k_t.shape[-1]) + SINK_DIMS * sink,
+                      int(b.graph.type_of(node.inputs[2]).shape[-1]) + SINK_DIMS * sink)
             pads = tuple(b.node("Expand", [zero, b.node("Concat", [b.dim(q_t.shape[0]), b.i64([a["kv_heads"]]), extra,
-                                                                 b.i64([int(t.shape[-1])])], axis=0)[0]])[0]
-                         for t in (k_t, v_t))
+                                                                 b.i64([w])], axis=0)[0]])[0]
+                         for w in widths)
         b.shared[key] = attn_mask, pads
     finally:
         b.current = saved
@@ -336,22 +427,27 @@ def _key_pads(b, tk, axis: int) -> str:
     return b.shared[key]
 
 
-def _attn_mask(b, hidden: str | None, bias: str | None, q_t, k_t, aligned: bool) -> str:
+def _attn_mask(b, hidden: str | None, bias: str | None, q_t, k_t, aligned: bool, sink: int = 0) -> str:
     """Attention-23's attn_mask: [B, 1, Tq, Tk'] boolean (True = attend) from the hidden-score mask (all
     True without one), or, with a bias, bias + (the dtype's lowest value where hidden) as the scores'
-    dtype; the keys past Tk hidden. The boolean one once per shape (``b.shared``)."""
+    dtype; with ``sink`` the sink key's column first (seen, nothing added); the keys past Tk hidden. The
+    boolean one once per shape (``b.shared``)."""
     tq, tk = q_t.shape[-2], k_t.shape[-2]
+    keys = dims.dim(tk + sink)
     np_dtype = _np_float(q_t.dtype)
     if bias is None:
-        key = ("attn23_mask", hidden, str(q_t.shape[0]), str(tq), str(tk))
+        key = ("attn23_mask", hidden, str(q_t.shape[0]), str(tq), str(tk), sink)
         if key not in b.shared:
-            full = b.shape_vec([q_t.shape[0], 1, tq, tk])
+            full = b.shape_vec([q_t.shape[0], 1, tq, keys])
             if hidden is None:
                 keep = b.node("ConstantOfShape", [full], value=_bool_tensor(True))[0]
             else:
-                keep = b.node("Expand", [b.node("Not", [hidden])[0], full])[0]
+                keep = b.node("Expand", [b.node("Not", [hidden])[0], b.shape_vec([q_t.shape[0], 1, tq, tk])])[0]
+                if sink:
+                    seen = b.node("ConstantOfShape", [b.shape_vec([q_t.shape[0], 1, tq, 1])], value=_bool_tensor(True))[0]
+                    keep = b.node("Concat", [seen, keep], axis=3)[0]
             if not aligned:
-                keep = _pad_keys(b, keep, tk, np.array(False))
+                keep = _pad_keys(b, keep, keys, np.array(False))
             b.shared[key] = b.node("Identity", [keep], [b.fresh("attn23_mask")])[0]
         return b.shared[key]
     lowest = np.array(np.finfo(np_dtype).min, dtype=np_dtype)
@@ -363,8 +459,19 @@ def _attn_mask(b, hidden: str | None, bias: str | None, q_t, k_t, aligned: bool)
         where = b.node("Where", [hidden, b.const(lowest, "lowest"), b.const(np.array(0, dtype=np_dtype), "zero")])[0]
         summed = b.node("Add", [summed, where])[0]
     summed = b.node("Expand", [summed, b.shape_vec([1, 1, tq, tk])])[0]  # rank 4, Tq x Tk
-    summed = summed if aligned else _pad_keys(b, summed, tk, lowest)
+    if sink:  # the sink key's column: nothing added (its score is the sink logit)
+        rows = b.node("Shape", [summed], start=0, end=3)[0]
+        column = b.node("ConstantOfShape", [b.node("Concat", [rows, b.i64([1])], axis=0)[0]],
+                        value=_float_tensor(0.0, np_dtype))[0]
+        summed = b.node("Concat", [column, summed], axis=3)[0]
+    summed = summed if aligned else _pad_keys(b, summed, keys, lowest)
     return b.node("Cast", [summed], to=_onnx_float("bf16"))[0] if q_t.dtype == "bf16" else summed
+
+
+def _float_tensor(value: float, np_dtype):
+    from onnx import numpy_helper
+
+    return numpy_helper.from_array(np.array([value], dtype=np_dtype), "value")
 
 
 def _bool_tensor(value: bool):

@@ -262,20 +262,21 @@ def _sinks(b, a, s, p: Prepared, blk: Block) -> str:
 def softmax(b, a: dict, s: str, p: Prepared, blk: Block) -> str:
     """The weights of a block of epilogued scores holding whole rows (every key of its rows): Softmax
     over the last axis, or with attention sinks the softmax over the keys and the head's sink, whose
-    weight is dropped (the reference's ``softmax``): m = max(row max, sink), e = exp(s - m),
-    e / (Σe + exp(sink - m)); no column is concatenated to the scores. ``blk.head`` takes the block's
-    head of the sinks, ``blk.sink_shape`` lays them out as the block (grouped heads: [1, G, rep, 1, 1])."""
+    weight is dropped (the reference's ``softmax``): the sink concatenated to each row as one more score,
+    one Softmax, the sink's column sliced off. One Softmax rather than the max, exp and sum written out:
+    every provider has Softmax in every float type, where onnxruntime 1.31's CUDA provider has no bf16
+    ReduceMax (tests/cuda). ``blk.head`` takes the block's head of the sinks, ``blk.sink_shape`` lays them
+    out as the block (grouped heads: [1, G, rep, 1, 1])."""
     if not a.get("sinks"):
         return b.node("Softmax", [s], axis=-1)[0]
     sk = p.sinks
     if blk.head is not None:
         sk = b.node("Slice", [sk, _u(b, blk.head[0]), _u(b, blk.head[1]), b.i64([0])])[0]
     sk = b.node("Reshape", [sk, b.i64(list(blk.sink_shape))])[0]
-    m = b.node("Max", [b.node("ReduceMax", [s, b.i64([-1])], keepdims=1)[0], sk])[0]
-    e = b.node("Exp", [b.node("Sub", [s, m])[0]])[0]
-    total = b.node("Add", [b.node("ReduceSum", [e, b.i64([-1])], keepdims=1)[0],
-                           b.node("Exp", [b.node("Sub", [sk, m])[0]])[0]])[0]
-    return b.node("Div", [e, total])[0]
+    rows = b.node("Shape", [s], start=0, end=-1)[0]
+    column = b.node("Expand", [sk, b.node("Concat", [rows, b.i64([1])], axis=0)[0]])[0]
+    weights = b.node("Softmax", [b.node("Concat", [s, column], axis=-1)[0]], axis=-1)[0]
+    return b.node("Slice", [weights, b.i64([0]), b.i64([-1]), b.i64([-1])])[0]
 
 
 def add_triangle(b, s: str, p: Prepared) -> str:
