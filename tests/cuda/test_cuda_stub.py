@@ -487,7 +487,7 @@ def test_the_serving_engine_on_cuda(cuda_stub, family, dtype, tmp_path):
     vocab, steps = 128, r["plain"]
     decoding = [s for s in steps if s["rows"] and not s["prefilling"]]  # every row decodes: one call, n rows
     for s in decoding:
-        n, width = s["rows"], max(s["width"], s["after_width"])
+        n = s["rows"]
         assert s["d2h"] == n * vocab * 4, s  # the logits, nothing else, come back
         # ids, positions and lengths, n x 24 B (fp32, the plain branch: no lengths, n x 16 B), and a few shape
         # scalars: no attention mask (derived in the graph from cache_length, or in fp32 from the first position

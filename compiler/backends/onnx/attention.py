@@ -157,8 +157,6 @@ def short_or(b, node, out: str, lower, budget: int) -> None:
     kernel (no Loop), else ``lower``. The test is on run-time dimensions, computed outside the If."""
     from tessera.compiler.backends.onnx.branches import branch
 
-    from onnx import TensorProto
-
     q_t, k_t = b.graph.type_of(node.inputs[0]), b.graph.type_of(node.inputs[1])
     elem = _onnx_float(q_t.dtype)
     fits = _fits(b, q_t, k_t, node.attrs["heads"], budget)
@@ -399,7 +397,6 @@ def attn23_inputs(b, node) -> tuple[str | None, str | None]:
         pads = None if aligned else _key_pads(b, tk, 2)
         if pads is not None and q_t.dtype == "bf16":  # the zero keys and values themselves (no bf16 CUDA Pad)
             extra = b.node("Slice", [pads, b.i64([6]), b.i64([7])])[0]
-            v_t = b.graph.type_of(node.inputs[2])
             zero = b.const(np.zeros((1, 1, 1, 1), dtype=_np_float("bf16")), "zero_bf16")
             widths = (int(k_t.shape[-1]) + SINK_DIMS * sink,
                       int(b.graph.type_of(node.inputs[2]).shape[-1]) + SINK_DIMS * sink)

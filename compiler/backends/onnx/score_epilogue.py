@@ -21,7 +21,7 @@ from typing import Callable
 
 import numpy as np
 
-from tessera.compiler.backends.onnx.floats import np_float as _np_float, onnx_float as _onnx_float
+from tessera.compiler.backends.onnx.floats import np_float as _np_float
 
 from tessera.compiler.ir import dims
 from tessera.compiler.reference import score_epilogue as reference
