@@ -949,9 +949,14 @@ class GenerateOptions(BuildOptions):
 
         from tessera.compiler.passes.attention_kernels import Target
 
+        # on CUDA the decoding step without its mask (prefix_keys: GroupQueryAttention may choose flash decoding;
+        # the loop lays prompts of different lengths row by row, generation/cached.py CachedDecoder.by_row), as the
+        # serving engine does; not for speculation's target or draft model (``drafting``, set by
+        # generation/loop.py load_drafter), whose rollback caches keep the left-padded layout and its mask
+        prefix_keys = self.device == "cuda" and self.speculative is None and not getattr(self, "drafting", False)
         return PipelineOptions(Target(self.device, self.dtype), cache=self.cache,
                                last_only=self.speculative is None,  # the verifier reads every position's logits
-                               **self.build_fields())
+                               prefix_keys=prefix_keys, **self.build_fields())
 
     @property
     def device(self) -> str:

@@ -412,13 +412,10 @@ class CachedDecoder:
         info = model.info
         self.model, self.info, self.stats, self.extra_feeds = model, info, stats, extra_feeds or {}
         b, t0 = len(prompts), max(len(p) for p in prompts)
-        if info.prefix_keys and any(len(p) != t0 for p in prompts):
-            # its decoding step takes each row's keys to be its columns 0..cache_length (seqlens_k alone, no
-            # mask: compiler/backends/onnx/attention.py PREFIX_KEYS_ASSUMES); left padding hides a row's first ones
-            raise UsageError("this decoder was compiled for the serving engine's layout (its decoding step has no "
-                             "mask: each row's keys are its columns from 0, prefix_keys), so prompts of different "
-                             "lengths, which generate left-pads, would attend to the padding; compile it without "
-                             "the engine's variant, or give prompts of one length")
+        # a decoder whose decoding step has no mask (prefix_keys: each row's keys are its columns 0..cache_length,
+        # seqlens_k alone; compiler/backends/onnx/attention.py PREFIX_KEYS_ASSUMES) gets the serving engine's
+        # layout: each row's prompt from column 0 (run row by row), its own length, no left padding
+        self.by_row = bool(info.prefix_keys)
         self.rows = b
         ids = np.full((b, t0), pad_id, dtype=np.int64)
         mask = np.zeros((b, t0), dtype=np.int64)
@@ -465,9 +462,15 @@ class CachedDecoder:
                                 if s.initial else np.zeros((b, *s.shape), dtype=model.np_dtype))
                        for s in info.states}
         self.prompts = prompts
+        if self.by_row and (self.bound is None or self.bound.copied or self.states):
+            raise UsageError("this decoder was compiled for the serving engine's layout (its decoding step has no "
+                             "mask: prefix_keys), which generate runs only with every layer's cache written in place "
+                             "by GroupQueryAttention and no recurrent state; compile it without the engine's variant")
 
     def step(self, last: np.ndarray | None) -> np.ndarray:
         info, cache = self.info, self.cache
+        if self.by_row:
+            return self._step_by_row(last)
         if self.first and self.states and len(set(self.lengths.tolist())) > 1:
             return self._prefill_rows()
         if last is not None:
@@ -552,6 +555,54 @@ class CachedDecoder:
         for i, layer in enumerate(info.layers):
             presents[layer.past_key], presents[layer.past_value] = outs[1 + 2 * i], outs[2 + 2 * i]
         return {info.logits: outs[0].numpy(), "presents": presents}
+
+    def _step_by_row(self, last: np.ndarray | None) -> np.ndarray:
+        """A step of the engine's layout (``by_row``): the prompts one row at a time, each from column 0 against
+        an empty past, its keys and values written into its row; then every row's token at its own column
+        (cache_length per row), written in place by GroupQueryAttention (the bound step), no mask read."""
+        info, cache = self.info, self.cache
+        if self.first:
+            self.first = False
+            logits = []
+            for r, p in enumerate(self.prompts):
+                n = len(p)
+                feeds = {info.tokens: np.array([p], dtype=np.int64), "position_ids": np.arange(n, dtype=np.int64)[None],
+                         **{k: v[:1] for k, v in self.empty.items()},
+                         **{k: v[r:r + 1] for k, v in self.extra_feeds.items()}}
+                self._by_row_feeds(feeds, np.ones((1, n), dtype=np.int64), np.zeros(1, dtype=np.int64), 1)
+                out = self.model.run(feeds)
+                for layer in info.layers:
+                    cache[layer.past_key][r, :, :n] = out[layer.present_key][0]
+                    cache[layer.past_value][r, :, :n] = out[layer.present_value][0]
+                self.slots[r, :n] = 1
+                logits.append(out[info.logits][:, -1, :])
+            if self.bound is not None and self.model.on_device:  # the prompts' columns to the device, once
+                self.bound.upload()
+            self.filled = int(self.lengths.max())
+            return np.concatenate(logits, axis=0)
+        rows = np.arange(self.rows)
+        # as the engine's step: the past's slots and the new token's column, and each row's column where the kernel
+        # writes it (a last column of 0 would mark the engine's combined call, backends/onnx/mixed_attention.py)
+        mask = np.concatenate([self.slots, np.ones((self.rows, 1), dtype=np.int64)], axis=1)
+        mask[rows, self.lengths] = 1
+        feeds = {info.tokens: last[:, None].astype(np.int64), "position_ids": self.lengths[:, None].copy(),
+                 **cache, **self.extra_feeds}
+        self._by_row_feeds(feeds, mask, self.lengths.copy(), int(self.lengths.max()) + 1)
+        out = self.model.run(feeds, bound=self.bound)
+        self.slots[rows, self.lengths] = 1
+        self.lengths += 1
+        self.filled = int(self.lengths.max())
+        return out[info.logits][:, -1, :]
+
+    def _by_row_feeds(self, feeds: dict, mask: np.ndarray, lengths: np.ndarray, width: int) -> None:
+        """The by-row layout's other inputs, where the graph has them: the attention mask (the CPU variant's
+        prompt branch reads it), cache_length per row, decode_span's width (CUDA: the kernel's total length)."""
+        names = self.model.input_names
+        if "attention_mask" in names:
+            feeds["attention_mask"] = mask
+        feeds[self.info.length_input] = lengths
+        if "decode_span" in names:
+            feeds["decode_span"] = np.zeros((0, width), dtype=np.int64)
 
     def _prefill_rows(self) -> np.ndarray:
         """Prompts of uneven length for a model with recurrent state and no attention (check_request

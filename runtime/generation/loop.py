@@ -111,13 +111,14 @@ def load_model(ref, o, weights=None, models: dict | None = None, progress=None):
             raise UsageError("--variant, --set, --weights and --quantize apply to .tsr specs; an .onnx file is "
                              "already compiled")
         return gen.CachedModel.from_onnx(path, provider=o.provider, threads=o.threads)
+    options = o.pipeline_options()  # quantised by the pipeline's first pass
     key = (o.threads, o.cache, o.build_key(), o.device, o.dtype,
-           o.speculative is None)  # speculative decoding's target keeps every position's logits
+           o.speculative is None,  # speculative decoding's target keeps every position's logits
+           options.prefix_keys)  # a draft model's rollback cache keeps the decoding step's mask
     if models is not None and key in models:
         return models[key]
     step(0, 4, "graph")
     built = pipeline.build(ref.spec, ref.variant, ref.sets, ref.weights)
-    options = o.pipeline_options()  # quantised by the pipeline's first pass
     target = target_input(built.graph)
     if target is not None and o.dtype == "bf16":
         raise UsageError("--dtype bf16: an encoder-decoder generates on onnxruntime's CPU provider (its CUDA "
@@ -128,7 +129,8 @@ def load_model(ref, o, weights=None, models: dict | None = None, progress=None):
         if weights is None:
             weights = pipeline.weights_for(built, ref.weights, ref.seed, ref.allow_large)
         step(2, 4, "passes and ONNX")
-        loaded = EncoderDecoder(built, weights, target, o.threads, options)
+        # runs on the CPU provider (above), so its decoding step keeps its mask (no prefix_keys: CUDA's flash decoding)
+        loaded = EncoderDecoder(built, weights, target, o.threads, dataclasses.replace(options, prefix_keys=False))
     else:
         loaded = compile_decoder(built, ref, o, options, "cached decoder", o.device, o.threads, weights, step)
         if o.explain:
@@ -367,6 +369,7 @@ def load_drafter(o, draft_ref, target: gen.CachedModel):
     plain = dataclasses.replace(o, speculative=None, draft_tokens=None, quantize="none", quantize_block=None,
                                 quantize_head=False, quantize_activations=None)
     plain.api = o.api
+    plain.drafting = True  # its rollback cache (generation/rollback.py) feeds the mask: no prefix_keys
     if hasattr(spec, "ref"):  # the API's tessera.Model: its compiled decoders and weights are kept
         label, model = str(spec.spec), load_model(spec.ref, plain, spec.weights, spec._models)
     else:

@@ -37,6 +37,10 @@ def slack(draft_tokens: int) -> int:
 
 def check(model: CachedModel, what: str) -> None:
     """Refuse, with the reason, a cached model whose cache cannot be rolled back per row."""
+    if model.info.prefix_keys:
+        raise UsageError(f"speculative decoding rolls rows back in a left-padded cache, whose decoding step needs "
+                         f"its mask; {what} was compiled for the serving engine's layout (prefix_keys: no mask), "
+                         f"which the serving engine's own speculation takes (`tessera serve --speculative`)")
     if model.info.mode != "buffer":
         raise UsageError(f"speculative decoding needs the buffer cache (its columns are rolled back per row); "
                          f"{what} uses the {model.info.mode} cache (--cache concat, or a sliding-window model, "

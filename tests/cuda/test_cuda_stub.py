@@ -130,6 +130,38 @@ def test_the_other_bundled_families_on_cuda(other_reports, family, dtype):
         assert kinds and kinds <= {"FLASH_ATTENTION", "EFFICIENT_ATTENTION"}, report["kernels"]
 
 
+INT4_STOPS = {"vit", "whisper", "mamba"}  # Conv: the stub's cuDNN has no functions
+
+
+@pytest.fixture(scope="module")
+def int4_reports(cuda_stub, tmp_path_factory):
+    """Every bundled family quantised to int4 (MatMulNBits) for CUDA in fp32, fp16 and bf16, checked in one process."""
+    folder = tmp_path_factory.mktemp("cuda-int4")
+    cases, paths = [], []
+    for family, sets in sorted({**FAMILIES, **OTHERS}.items()):
+        for dtype in ("fp32", "fp16", "bf16"):
+            out = folder / f"{family}-{dtype}.onnx"
+            driver.compile(ModelRef(spec=family, sets=sets),
+                           CompileOptions(output=out, target="cuda", dtype=dtype, quantize="int4", quiet=True))
+            cases.append((family, dtype))
+            paths.append(out)
+    return dict(zip(cases, cuda_stub.check(*paths, seq=5, timeout=600)))
+
+
+def test_every_bundled_family_at_int4_on_cuda(int4_reports):
+    """The issue's third mode: int4 weights (onnxruntime's MatMulNBits, which has fp32, fp16 and bf16 CUDA kernels)
+    for every bundled family in every dtype: no compute node on the CPU, no Memcpy in a subgraph, a run completing
+    (ViT's, Whisper's and Mamba's Conv stop at the stub's cuDNN after placement), every attention site fused."""
+    assert len(int4_reports) == 3 * len({**FAMILIES, **OTHERS})
+    for (family, dtype), report in int4_reports.items():
+        if family in INT4_STOPS:
+            assert report["providers"][:1] == ["CUDAExecutionProvider"] and not report["cpu_unforced"], report
+            assert not report["memcpy_subgraph"] and "cuDNN is unavailable" in report["error"], report["error"]
+            continue
+        assert not placement_problems(report), ((family, dtype), placement_problems(report))
+        assert {k[3] for k in report["kernels"]} <= {"FLASH_ATTENTION", "EFFICIENT_ATTENTION"}, report["kernels"]
+
+
 def test_gqa_fp16_names_its_presents(plain_models):
     """The failure of issue 37: onnxruntime's CUDA GroupQueryAttention refuses a node without
     present_key/present_value ('present_key and present_value are required ...')."""
@@ -282,6 +314,26 @@ def test_tessera_generate_on_cuda_copies_the_logits_and_little_else(cuda_stub, d
         counts[n] = c["host_to_device"][1] + c["device_to_host"][1]
     rows, vocab = 2, 128
     assert (counts[20] - counts[4]) / 16 <= rows * (vocab * 4 + 1024), counts
+
+
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+def test_tessera_generate_on_cuda_decodes_with_flash_attention(cuda_stub, dtype):
+    """`tessera generate --provider cuda` compiles the decoder whose decoding step has no mask (prefix_keys, as the
+    serving engine's) and lays prompts of different lengths row by row (generation/cached.py CachedDecoder.by_row):
+    each prompt through onnx's Attention (EFFICIENT_ATTENTION, one call per row), every decoding step through
+    GroupQueryAttention's FLASH_ATTENTION, where with the left-padded batch's mask as attention_bias onnxruntime
+    chose MATH. Its numbers on the CPU: tests/generation/test_generate_by_row.py."""
+    import re
+
+    p = cuda_stub.run(["-m", "tessera.runtime.cli", "generate", "llama", *[a for s in FAMILIES["llama"] for a in ("--set", s)],
+                       "--dtype", dtype, "--provider", "cuda", "--input", "tokens=[[1, 2, 3, 4, 5], [6, 7]]",
+                       "--max-new-tokens", "5", "--ignore-eos", "--format", "json"])
+    assert p.returncode == 0, p.stderr[-3000:]
+    kernels = re.findall(r"Operator=(\w+)(?: Node=\S+)? DataType=\w+ SdpaKernel=(\w+)", p.stdout)
+    layers, rows, steps = 2, 2, 4  # the first token comes from the prompts' calls
+    assert sorted(set(kernels)) == [("Attention", "EFFICIENT_ATTENTION"), ("GroupQueryAttention", "FLASH_ATTENTION")]
+    assert kernels.count(("Attention", "EFFICIENT_ATTENTION")) == layers * rows
+    assert kernels.count(("GroupQueryAttention", "FLASH_ATTENTION")) == layers * steps
 
 
 @pytest.mark.parametrize("dtype", ["fp16", "fp32"])
