@@ -96,7 +96,7 @@ class Model:
                tp: int = 1, pp: int = 1, dp: int = 1, ep: int = 1, train: bool = False, zero: int = 0,
                recompute: str = "none", serve: bool = False, context: int | None = None, measure: bool = False,
                repeats: int = 5, calibrated: bool = False, calibration: str | Path | None = None,
-               kv_cache_dtype: str = "auto") -> Report:
+               kv_cache_dtype: str = "auto", gguf_weights: str = "codes") -> Report:
         """The static cost report (parameters, MACs, memory, roofline) as ``tessera report --format json`` gives it,
         as a dict (a ``Report``: a one-line repr, ``print`` shows the tables, notebooks an HTML view)
         (``sparse_moe=False``: --no-sparse-moe; ``quantize``...: --quantize...; ``plot``: also draw --plot's figure).
@@ -104,13 +104,15 @@ class Model:
         ``zero``, ``recompute``, ``serve`` and ``context`` are --tp ... --context's deployment plan.
         ``measure=True`` (with ``device="cpu"``) times prefill and decoding on this machine and records the
         calibration (``repeats`` runs per phase; the file ``calibration``, else the user cache's);
-        ``calibrated=True`` uses it: --measure, --repeats, --calibrated and --calibration."""
+        ``calibrated=True`` uses it: --measure, --repeats, --calibrated and --calibration. ``gguf_weights``: a GGUF
+        file's codes, as --gguf-weights (the ``gguf_codes`` section counts the linears reading them)."""
         o = ReportOptions(batch=batch, seq=seq, dtype=dtype, device=device, sparse_moe=sparse_moe, quantize=quantize,
                           quantize_block=quantize_block, quantize_head=quantize_head,
                           quantize_activations=quantize_activations, plot=plot,
                           tp=tp, pp=pp, dp=dp, ep=ep, train=train, zero=zero, recompute=recompute, serve=serve,
                           context=context, measure=measure, repeats=repeats, calibrated=calibrated,
-                          calibration=calibration, kv_cache_dtype=kv_cache_dtype).for_api()
+                          calibration=calibration, kv_cache_dtype=kv_cache_dtype,
+                          gguf_weights=gguf_weights).for_api()
         return Report(driver.report(self.ref, o))
 
     # ---------------------------------------------------------------- compile and run

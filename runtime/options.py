@@ -678,6 +678,7 @@ class ReportOptions(QuantOptions):
     serve: bool = False
     context: int | None = None
     kv_cache_dtype: str = "auto"  # the KV cache's bytes per element in the memory figures and --serve's capacity
+    gguf_weights: str = gguf_weights_flag()  # a GGUF file's codes: the report's gguf_codes section counts them
     # --measure / --calibrated (runtime/report/measure.py, calibration.py; docs/report.md)
     measure: bool = False
     repeats: int = 5
@@ -734,6 +735,7 @@ class ReportOptions(QuantOptions):
         check_bool(self.label("serve"), self.serve)
         check_choice(self.label("recompute"), self.recompute, RECOMPUTE)
         check_choice(self.label("kv_cache_dtype"), self.kv_cache_dtype, KV_CACHE_DTYPES)
+        check_choice(self.label("gguf_weights"), self.gguf_weights, GGUF_WEIGHTS)
         if self.kv_cache_dtype in ("int8", "int4"):
             from tessera.compiler.passes.kv_cache_dtype import QUANTISED_REASON
 
@@ -779,7 +781,7 @@ class ReportOptions(QuantOptions):
         """The ``report`` pipeline's PipelineOptions: experts sparse as compile makes them."""
         from tessera.compiler.passes.pipeline import PipelineOptions
 
-        return PipelineOptions(quantize=self.quant_config(), sparse_moe=self.sparse_moe)
+        return PipelineOptions(quantize=self.quant_config(), sparse_moe=self.sparse_moe, gguf_weights=self.gguf_weights)
 
 
 @dataclass(kw_only=True)

@@ -19,3 +19,21 @@ def describe_quantization(config, float_bytes: int, quantized_bytes: int, notes:
             "ratio": float_bytes / quantized_bytes if quantized_bytes else None,
             "quantized_linears": len(notes) - len(kept), "float_linears": len(kept),
             "kept_in_float": [{"node": n.node, "weight": n.weight, "reason": n.reason} for n in kept]}
+
+
+def describe_stored(mode: str, graph, notes: list, float_bytes: int, stored_bytes: int) -> dict:
+    """The gguf_codes section: the parameters the checkpoint holds as codes (``Param.stored``), the
+    linears reading them under --gguf-weights ``mode`` (passes/stored_codes.py's StoredNote per linear;
+    none under dequantize) and the weights' bytes with and without them."""
+    held: dict[str, int] = {}
+    for p in graph.params.values():
+        if p.stored is not None:
+            held[p.stored[2]] = held.get(p.stored[2], 0) + 1
+    kept = [n for n in notes if n.kept]
+    by_type: dict[str, int] = {}
+    for n in kept:
+        by_type[n.kind] = by_type.get(n.kind, 0) + 1
+    return {"mode": mode, "held": held, "codes_linears": len(kept), "by_type": by_type,
+            "linears": [{"node": n.node, "weight": n.weight, "type": n.kind} for n in kept],
+            "read_as_fp32": [{"node": n.node, "weight": n.weight, "type": n.kind} for n in notes if not n.kept],
+            "weights_bytes": stored_bytes, "float_weights_bytes": float_bytes}

@@ -734,6 +734,15 @@ def codes_summary(m: GGUFModel, inexact: list[str] = ()) -> str:
     return "; ".join(parts)
 
 
+def source_note(folder) -> str | None:
+    """The conversion's note kept in a converted folder (which tensors came from which type, which keep
+    their codes and why the others do not); None for any other folder."""
+    try:
+        return json.loads((Path(str(folder)) / "gguf_source.json").read_text())["note"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
 _converted: dict[tuple, Path] = {}
 
 
