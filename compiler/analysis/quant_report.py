@@ -12,8 +12,10 @@ from __future__ import annotations
 def describe_quantization(config, float_bytes: int, quantized_bytes: int, notes: list) -> dict:
     """The section from the weights' bytes before and after the pass and its QuantNote per linear."""
     kept = [n for n in notes if not n.quantized]
+    heads = [n for n in notes if getattr(n, "head", False) and n.quantized]
     return {"scheme": config.scheme, "bits": config.bits, "block_size": config.block_size,
-            "granularity": config.granularity, "head": config.head,
+            "granularity": config.granularity, "head": config.head_bits is not None, "head_bits": config.head_bits,
+            "head_tied_float_table": any(n.reason == "tied" for n in heads),
             "activations": config.activations,
             "weights_bytes": quantized_bytes, "float_weights_bytes": float_bytes,
             "ratio": float_bytes / quantized_bytes if quantized_bytes else None,

@@ -242,8 +242,10 @@ def _quantization(rep: dict) -> list[Rows]:
     rows += [[f"  kept: {k['node']}: {k['reason']}", "", ""] for k in q["kept_in_float"][:8]]
     if len(q["kept_in_float"]) > 8:
         rows.append([f"  ... and {len(q['kept_in_float']) - 8} more kept in float", "", ""])
-    return [(f"Quantisation ({q['scheme']}, {q['granularity']}, head "
-             f"{'quantised' if q['head'] else 'float'})", ["", "bytes", ""], rows)]
+    head = f"head at {q['head_bits']} bits" if q.get("head_bits") else "head float"
+    if q.get("head_tied_float_table"):
+        rows.append(["  the head is tied: the embedding gathers from its float table, the head reads the codes", "", ""])
+    return [(f"Quantisation ({q['scheme']}, {q['granularity']}, {head})", ["", "bytes", ""], rows)]
 
 
 def _gguf_codes(rep: dict) -> list[Rows]:
