@@ -707,30 +707,31 @@ def _kept_items(m: GGUFModel, names: dict, config: dict) -> list:
 def codes_summary(m: GGUFModel, inexact: list[str] = ()) -> str:
     """Which quantised types keep their codes and which are dequantised, and why (the note's words);
     ``inexact``: the Hugging Face names of matrices whose d * q + m rounds in fp32 (gguf_codes.exact)."""
-    kept, other, rounded = {}, {}, {}
+    kept: dict[str, int] = {}
+    other: dict[tuple[str, str], int] = {}  # (type, why dequantised) -> tensors
     names = ARCHITECTURES[m.arch][1] if m.arch in ARCHITECTURES else {}
     for name, t in m.tensors.items():
         kind = t.tensor_type.name
-        if kind in gguf_codes.KEPT and len(t.shape) != 2:
-            other[f"{kind}  "] = other.get(f"{kind}  ", 0) + 1  # an expert stack: its own reason
-        elif kind in gguf_codes.KEPT and len(t.shape) == 2 and _hf_name(name, names) in inexact:
-            rounded[kind] = rounded.get(kind, 0) + 1
-        elif kind in gguf_codes.KEPT and len(t.shape) == 2:
+        if kind in gguf_codes.KEPT and len(t.shape) == 3:
+            why = "expert stacks: the sparse experts read fp32 weights"
+        elif kind in gguf_codes.KEPT and len(t.shape) != 2:
+            why = "not a matrix"
+        elif kind in gguf_codes.KEPT and _hf_name(name, names) in inexact:
+            why = "d * q + m rounds in fp32 somewhere in it"
+        elif kind in gguf_codes.KEPT:
             kept[kind] = kept.get(kind, 0) + 1
+            continue
         elif kind not in FLOATS:
-            other[kind] = other.get(kind, 0) + 1
-    for kind, count in rounded.items():
-        other[f"{kind} "] = count  # the same type, its own reason
+            why = gguf_codes.WHY_NOT.get(kind, "no exact MatMulNBits form")
+        else:
+            continue
+        other[kind, why] = other.get((kind, why), 0) + 1
     parts = []
     if kept:
         parts.append("codes kept for MatMulNBits (no requantisation; --gguf-weights dequantize reads them as fp32): "
                      + ", ".join(f"{k}: {v}" for k, v in kept.items()))
     if other:
-        parts.append("dequantised: " + ", ".join(
-            f"{k.strip()}: {v} (" + ("expert stacks: the sparse experts read fp32 weights" if k.endswith("  ") else
-                                     "d * q + m rounds in fp32 somewhere in it" if k.endswith(" ") else
-                                     gguf_codes.WHY_NOT.get(k, "no exact MatMulNBits form")) + ")"
-            for k, v in other.items()))
+        parts.append("dequantised: " + ", ".join(f"{k}: {v} ({why})" for (k, why), v in other.items()))
     return "; ".join(parts)
 
 
