@@ -174,9 +174,10 @@ def test_qwen3moe_expert_stacks_are_named_as_dequantised(tmp_path, capsys, monke
     """The sparse experts read fp32 weights: a Q4_1 expert stack is dequantised, and the note says why."""
     monkeypatch.setenv("TESSERA_CACHE_DIR", str(tmp_path / "cache"))
     _gguf_of("qwen3moe", _model("qwen3moe", False), tmp_path / "moe.gguf", "Q4_1")
-    rc, _, err = cli(capsys, "run", tmp_path / "moe.gguf", "--input", f"tokens=[{IDS}]")
+    rc, _, err = cli(capsys, "run", tmp_path / "moe.gguf", "--input", f"tokens=[{IDS}]", "--explain")
     assert rc == 0, err
     assert f"Q4_1: {3 * LAYERS} (expert stacks" in err, err
+    assert f"top {TOP} of {EXPERTS} experts: sparse" in err, err  # split per expert, the experts builtin's form
 
 
 def test_unread_qwen_metadata_and_another_architecture_are_named(tmp_path, capsys, monkeypatch):
