@@ -10,8 +10,10 @@ loaded once (``tessera.load``) and compiled per scheme. ``--perturb F`` adds to 
 Gaussian noise of F times its rows' quantisation step at int4 block 32 (max - min over 15 per block
 of 32), seeded: weights dequantised from a 4-bit file lie on a 4-bit grid that an asymmetric block-32
 quantiser reproduces exactly, so quantisers are also judged on weights off that grid (issue 42).
-A scheme is ``fp32``, ``int8``, ``int4``, ``int4-asym``, ``w8a8``, and ``+head`` after one quantises
-the head too (``int4-asym+head``: the head at 8 bits); ``llama.cpp-q4_0`` and ``llama.cpp-q4_1`` are
+A scheme is ``fp32``, ``int8``, ``int4``, ``int4-asym``, ``w8a8`` (the head float: ``--quantize-head
+float``, as these rows were first measured), and ``+head`` after one quantises the head too at the
+scheme's head bits (the old ``--quantize-head``: ``int4+head`` 4 bits, ``int4-asym+head`` 8), ``+head8``
+or ``+head4`` at those bits (``int4+head8``: ``--quantize int4``'s default now); ``llama.cpp-q4_0`` and ``llama.cpp-q4_1`` are
 llama.cpp's reference quantisers (quantize_row_q4_0_ref, quantize_row_q4_1_ref, written here) applied
 to the same linears as Tessera's schemes (the embedding and the head kept in float), the model then
 run in fp32 on the weights they dequantise to: their rounding, not llama.cpp's kernels (which also
@@ -134,7 +136,8 @@ def main(argv=None) -> int:
         rows = []
         base = None
         for scheme in a.schemes.split(","):
-            name, head = scheme.removesuffix("+head"), scheme.endswith("+head")
+            name, _, bits = scheme.partition("+head")
+            head = (bits or True) if "+head" in scheme else False  # "8", "4", True (the scheme's) or float
             t0 = time.perf_counter()
             if name in SIMULATED:
                 sim = tessera.load(simulated_folder(folder, SIMULATED[name], Path(tmp) / name))

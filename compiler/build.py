@@ -23,7 +23,7 @@ from tessera.compiler.passes.kv_cache import CacheInfo, cache_info
 from tessera.compiler.passes.model_passes import Exported
 from tessera.compiler.passes.pipeline import PipelineOptions, attention_sites, expert_sites, explain as explain_sites, \
     explain_experts, pipeline
-from tessera.compiler.passes.quantize import QuantizeWeights
+from tessera.compiler.passes.quantize import QuantizeWeights, head_line
 from tessera.compiler.passes.stored_codes import KeepStoredCodes
 from tessera.compiler.passes.recurrence import ChooseRecurrenceLowering, explain as explain_scans
 
@@ -43,7 +43,8 @@ def model_metadata(info: ModelInfo, quantize=None, cache: CacheInfo | None = Non
             "tessera.hyperparams": {k: jsonable(v) for k, v in info.hyperparams.items()}}
     if quantize is not None:  # runtime/metadata.py ``quantization`` reads it back
         meta["tessera.quantize"] = {"scheme": quantize.scheme, "block_size": quantize.block_size,
-                                    "head": quantize.head, "activations": quantize.activations}
+                                    "head": quantize.head_bits is not None, "head_bits": quantize.head_bits or 0,
+                                    "activations": quantize.activations}
     if cache is not None:
         meta[CacheInfo.METADATA_KEY] = cache.to_json()
     return meta
@@ -143,7 +144,7 @@ class FullCompile:
             notes = self.result.notes(QuantizeWeights.name)
             done = sum(n.quantized for n in notes)
             lines.append(f"quantised linears: {done} of {len(notes)} ({self.quantize.scheme}, "
-                         f"{self.quantize.granularity})")
+                         f"{self.quantize.granularity}; {head_line(self.quantize, notes)})")
             lines += [f"  {n.describe()}" for n in notes if not n.quantized]
         stored = explain_stored(self.result)
         if stored:

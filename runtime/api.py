@@ -91,12 +91,12 @@ class Model:
 
     def report(self, batch: int | list[int] = 1, seq: int | list[int] = 1024, dtype: str = "fp32",
                device: str = "h200", sparse_moe: bool = True, quantize: str = "none",
-               quantize_block: int | None = None, quantize_head: bool = False,
+               quantize_block: int | None = None, quantize_head: str | bool = "auto",
                quantize_activations: str | None = None, plot: str | Path | None = None,
                tp: int = 1, pp: int = 1, dp: int = 1, ep: int = 1, train: bool = False, zero: int = 0,
                recompute: str = "none", serve: bool = False, context: int | None = None, measure: bool = False,
                repeats: int = 5, calibrated: bool = False, calibration: str | Path | None = None,
-               kv_cache_dtype: str = "auto") -> Report:
+               kv_cache_dtype: str = "auto", gguf_weights: str = "codes") -> Report:
         """The static cost report (parameters, MACs, memory, roofline) as ``tessera report --format json`` gives it,
         as a dict (a ``Report``: a one-line repr, ``print`` shows the tables, notebooks an HTML view)
         (``sparse_moe=False``: --no-sparse-moe; ``quantize``...: --quantize...; ``plot``: also draw --plot's figure).
@@ -104,19 +104,21 @@ class Model:
         ``zero``, ``recompute``, ``serve`` and ``context`` are --tp ... --context's deployment plan.
         ``measure=True`` (with ``device="cpu"``) times prefill and decoding on this machine and records the
         calibration (``repeats`` runs per phase; the file ``calibration``, else the user cache's);
-        ``calibrated=True`` uses it: --measure, --repeats, --calibrated and --calibration."""
+        ``calibrated=True`` uses it: --measure, --repeats, --calibrated and --calibration. ``gguf_weights``: a GGUF
+        file's codes, as --gguf-weights (the ``gguf_codes`` section counts the linears reading them)."""
         o = ReportOptions(batch=batch, seq=seq, dtype=dtype, device=device, sparse_moe=sparse_moe, quantize=quantize,
                           quantize_block=quantize_block, quantize_head=quantize_head,
                           quantize_activations=quantize_activations, plot=plot,
                           tp=tp, pp=pp, dp=dp, ep=ep, train=train, zero=zero, recompute=recompute, serve=serve,
                           context=context, measure=measure, repeats=repeats, calibrated=calibrated,
-                          calibration=calibration, kv_cache_dtype=kv_cache_dtype).for_api()
+                          calibration=calibration, kv_cache_dtype=kv_cache_dtype,
+                          gguf_weights=gguf_weights).for_api()
         return Report(driver.report(self.ref, o))
 
     # ---------------------------------------------------------------- compile and run
     def compile(self, out: str | Path, kv_cache: bool = False, attention: str = "auto", target: str = "cpu",
                 dtype: str = "fp32", check: bool = True, quantize: str = "none", quantize_block: int | None = None,
-                quantize_head: bool = False, quantize_activations: str | None = None, gguf_weights: str = "codes",
+                quantize_head: str | bool = "auto", quantize_activations: str | None = None, gguf_weights: str = "codes",
                 sparse_moe: bool = True, genai: bool = False, tokenizer: str | Path | None = None,
                 context_length: int | None = None, cache: str = "auto", decode: str = "auto",
                 combined_call: bool = False, kv_cache_dtype: str = "auto",
@@ -146,7 +148,7 @@ class Model:
 
     def run(self, inputs: dict | None = None, /, *, provider: str = "cpu", attention: str = "auto",
             target: str = "cpu", dtype: str = "fp32", quantize: str = "none", quantize_block: int | None = None,
-            quantize_head: bool = False, quantize_activations: str | None = None, gguf_weights: str = "codes",
+            quantize_head: str | bool = "auto", quantize_activations: str | None = None, gguf_weights: str = "codes",
             sparse_moe: bool = True, recurrence: str = "auto", explain: bool = False,
             tokenizer: str | Path | None = None,
             texts: list[str] = (), images: list[str] = (), pool: str | None = None, kv_cache_dtype: str = "auto",
@@ -186,7 +188,7 @@ class Model:
     # ---------------------------------------------------------------- generation
     def perplexity(self, text: str | Path, context: int = 512, stride: int | None = None,
                    tokenizer: str | Path | None = None, provider: str = "auto", quantize: str = "none",
-                   quantize_block: int | None = None, quantize_head: bool = False,
+                   quantize_block: int | None = None, quantize_head: str | bool = "auto",
                    quantize_activations: str | None = None, gguf_weights: str = "codes",
                    compile_cache: str | Path | None = None, no_compile_cache: bool = False) -> dict:
         """The perplexity on the text file ``text``, as ``tessera perplexity --format json`` gives it: by
@@ -221,7 +223,7 @@ class Model:
                  ignore_eos: bool = False, explain: bool = False, seed: int | None = None, stop=(),
                  stop_tokens=(), tokenizer: str | Path | None = None, stream: bool = False, threads: int | None = None,
                  cache: str = "auto", quantize: str = "none", quantize_block: int | None = None,
-                 quantize_head: bool = False, quantize_activations: str | None = None, gguf_weights: str = "codes",
+                 quantize_head: str | bool = "auto", quantize_activations: str | None = None, gguf_weights: str = "codes",
                  inputs: dict | None = None, provider: str = "auto", dtype: str = "fp32", kv_cache_dtype: str = "auto",
                  start_token: int | None = None, speculative=None, draft_tokens: int | None = None,
                  json_schema=None, regex: str | None = None, grammar: str | Path | None = None,

@@ -359,7 +359,7 @@ def _time_prefill(ref: ModelRef, o: ReportOptions, token_input: str, vocab: int)
 
     run_o = RunOptions(provider="cpu", quantize=o.quantize, quantize_block=o.quantize_block,
                        quantize_head=o.quantize_head, quantize_activations=o.quantize_activations,
-                       sparse_moe=o.sparse_moe)
+                       sparse_moe=o.sparse_moe, gguf_weights=o.gguf_weights)
     runnable = prepare_run(ref, run_o)
     feeds = {token_input: measure.tokens(o.batches[0], o.seqs[0], vocab)}
     bind_inputs(runnable.specs, feeds, runnable.limits)  # N past the model's positions: a clear InputError
@@ -379,7 +379,7 @@ def _time_decode(ref: ModelRef, o: ReportOptions, vocab: int):
 
     steps = measure.decode_steps(o)
     gen_o = GenerateOptions(quantize=o.quantize, quantize_block=o.quantize_block, quantize_head=o.quantize_head,
-                            quantize_activations=o.quantize_activations)
+                            quantize_activations=o.quantize_activations, gguf_weights=o.gguf_weights)
     model = loop.load_model(ref, gen_o)
     prompts = measure.tokens(o.batches[0], o.seqs[0] - steps, vocab).tolist()
     prompts = gen.check_request(model, prompts, steps, gen.Sampling())  # the context, the cache's memory

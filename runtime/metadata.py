@@ -116,10 +116,11 @@ def quantization(text: str, path) -> dict:
     """``tessera.quantize``: the scheme, block size (0: one scale per output row), head, activations."""
     data = parse_json(text, path, QUANTIZE_KEY)
     try:
-        q = _obj(data, "the value", ("scheme", "block_size", "head", "activations"))
+        q = _obj(data, "the value", ("scheme", "block_size", "head", "activations"), ("head_bits",))
         _str(q["scheme"], "scheme")
         _int(q["block_size"], "block_size", 0)
         _bool(q["head"], "head")
+        _int(q.get("head_bits", 0), "head_bits", 0)  # 0: float, or a file written before the head had bits
         _str(q["activations"], "activations")
         return q
     except _Bad as e:

@@ -49,6 +49,7 @@ KV_CACHE_DTYPES = ("auto", "fp32", "fp16", "int8", "int4")
 DECODES = ("auto", "gqa", "gqa-unpacked", "plain")
 PROVIDERS = ("auto", "cpu", "cuda")
 QUANT_ACTIVATIONS = ("int8", "float")
+QUANT_HEADS = ("auto", "float", "8", "4", "on")  # --quantize-head: compiler/passes/quantize.py HEADS
 GGUF_WEIGHTS = ("codes", "codes-fp32", "dequantize")  # runtime/io/gguf_codes.py MODES
 REPORT_FORMATS = ("table", "json", "md", "csv")
 
@@ -283,10 +284,9 @@ class QuantOptions(Options):
                               "output row, each activation row (token) quantised at run time, the product in "
                               "onnxruntime's integer GEMM (VNNI/AMX): fastest for prompts and batches (fp32 only). "
                               "int4-asym: int4 blocks with zero points over each block's [min, max] and a searched "
-                              "scale (--quantize-head: the head at 8 bits); keeps a real model's quality best at "
-                              "4 bits (docs/real-models.md). "
-                              "The embedding tables stay float; the output head too unless --quantize-head "
-                              "(default none)")
+                              "scale; keeps a real model's quality best at 4 bits (docs/real-models.md). "
+                              "The embedding tables stay float; the output head is quantised at 8 bits under int4 "
+                              "and int4-asym and stays float under int8 and w8a8 (--quantize-head) (default none)")
     quantize_block: int | None = flag(None, type=int, metavar="N",
                                       help="input features per quantisation scale: a power of two, at least 16; "
                                            "larger is faster and less accurate (int4 at 128: about 1.3x faster "
@@ -296,14 +296,18 @@ class QuantOptions(Options):
                                             help="int8: MatMulNBits quantises the activations to int8 inside each "
                                                  "product (accuracy_level 4, faster); float: the product runs in fp32 "
                                                  "(accuracy_level 0) (default int8)")
-    quantize_head: bool = flag(False, action="store_true",
-                               help="quantise the output head as well (by default it stays float: its errors go "
-                                    "straight into the logits)")
+    quantize_head: str | bool = flag(
+        "auto", nargs="?", const="on", choices=list(QUANT_HEADS), metavar="{float,8,4}",
+        help="the output head's bits (its errors go straight into the logits): float, 8 or 4. By default (auto) 8 "
+             "under int4 and int4-asym (llama.cpp's layout: symmetric under int4, with zero points under int4-asym) "
+             "and float under int8 and w8a8. --quantize-head alone, as before: the head at the scheme's bits (int4: "
+             "4; int4-asym, int8, w8a8: 8). A tied head's embedding keeps gathering from its float table")
 
     def check(self) -> None:
         check_choice(self.label("quantize"), self.quantize, QUANTIZE_CHOICES)
         check_int(self.label("quantize_block"), self.quantize_block, optional=True)
-        check_bool(self.label("quantize_head"), self.quantize_head)
+        if not isinstance(self.quantize_head, bool):  # the API takes True / False too (quant_config says how)
+            check_choice(self.label("quantize_head"), str(self.quantize_head), QUANT_HEADS)
         check_choice(self.label("quantize_activations"), self.quantize_activations, QUANT_ACTIVATIONS, optional=True)
         self.quant_config()  # the rules between them (--quantize-block needs --quantize, a power of two...)
 
@@ -678,6 +682,7 @@ class ReportOptions(QuantOptions):
     serve: bool = False
     context: int | None = None
     kv_cache_dtype: str = "auto"  # the KV cache's bytes per element in the memory figures and --serve's capacity
+    gguf_weights: str = gguf_weights_flag()  # a GGUF file's codes: the report's gguf_codes section counts them
     # --measure / --calibrated (runtime/report/measure.py, calibration.py; docs/report.md)
     measure: bool = False
     repeats: int = 5
@@ -734,6 +739,7 @@ class ReportOptions(QuantOptions):
         check_bool(self.label("serve"), self.serve)
         check_choice(self.label("recompute"), self.recompute, RECOMPUTE)
         check_choice(self.label("kv_cache_dtype"), self.kv_cache_dtype, KV_CACHE_DTYPES)
+        check_choice(self.label("gguf_weights"), self.gguf_weights, GGUF_WEIGHTS)
         if self.kv_cache_dtype in ("int8", "int4"):
             from tessera.compiler.passes.kv_cache_dtype import QUANTISED_REASON
 
@@ -779,7 +785,7 @@ class ReportOptions(QuantOptions):
         """The ``report`` pipeline's PipelineOptions: experts sparse as compile makes them."""
         from tessera.compiler.passes.pipeline import PipelineOptions
 
-        return PipelineOptions(quantize=self.quant_config(), sparse_moe=self.sparse_moe)
+        return PipelineOptions(quantize=self.quant_config(), sparse_moe=self.sparse_moe, gguf_weights=self.gguf_weights)
 
 
 @dataclass(kw_only=True)

@@ -252,15 +252,26 @@ def compiler_errors():
         raise UsageError(str(e)) from None
 
 
-def quant_config(scheme: str = "none", block: int | None = None, head: bool = False,
+def head_choice(head) -> str:
+    """--quantize-head's value as QuantConfig takes it (compiler/passes/quantize.py HEADS): the API's
+    True is the old flag (the scheme's head bits: "on"), False float, 8 and 4 the bits; None the default."""
+    if head is None:
+        return "auto"
+    if isinstance(head, bool):
+        return "on" if head else "float"
+    return str(head)
+
+
+def quant_config(scheme: str = "none", block: int | None = None, head: str | bool | None = "auto",
                  activations: str | None = None):
     """The QuantConfig that --quantize, --quantize-block, --quantize-head and --quantize-activations
     ask for (None for none)."""
     scheme = scheme or "none"
+    head = head_choice(head)
     if scheme not in QUANTIZE_CHOICES:
         raise UsageError(f"quantize must be one of {', '.join(QUANTIZE_CHOICES)}, got {scheme!r}")
     if scheme == "none":
-        if block is not None or head or activations is not None:
+        if block is not None or head not in ("auto", "float") or activations is not None:
             raise UsageError("--quantize-block, --quantize-head and --quantize-activations need --quantize "
                              "(int8, int4 or w8a8)")
         return None

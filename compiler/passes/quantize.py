@@ -7,9 +7,7 @@ weight replaced by derived parameters (compiler/reference/quant.py):
   ``activations="int8"``), ``activations="float"`` keeps the product in fp32 (accuracy_level 0);
 - scheme ``int4-asym``: ``linear_nbits`` with zero points: asymmetric blocks, all 16 levels over each
   block's [min, max] and the scale searched per block for the least squared error
-  (compiler/reference/quant.py ``quantize_zp``); with ``head=True`` the output head is quantised
-  at 8 bits (asymmetric too), not 4: llama.cpp's layout (its Q4 files keep the head at 6-8 bits),
-  since the head's errors go straight into the logits;
+  (compiler/reference/quant.py ``quantize_zp``);
 - scheme ``w8a8``: ``linear_int8``, int8 values with one scale per output row; at run time each
   row (token) of the activations is quantised to int8 with a scale of its own, and the product runs
   in onnxruntime's integer GEMM (com.microsoft.MatMulIntegerToFloat: VNNI, AMX where the CPU has
@@ -21,9 +19,21 @@ and there the integer GEMM of ``w8a8`` is several times fp32's, where MatMulNBit
 (docs/benchmarks/log.md "Serving with w8a8"); its activations carry one scale per row, coarser than
 MatMulNBits' per block of 32.
 
-Which linears: every one whose weight is a parameter, except
-- the output head (a linear whose result is a model output, through views or not, or whose weight is also an embedding
-  table, GPT-2's tied head) unless ``head=True``: its errors go straight into the logits;
+The output head (a linear whose result is a model output, through views or not, or whose weight is
+also an embedding table, GPT-2's tied head) has bits of its own (``head``, --quantize-head): its
+errors go straight into the logits. Under the 4-bit schemes it is quantised at 8 bits by default
+(``auto``), llama.cpp's layout (its Q4_0/Q4_1/Q4_K_M files keep the output at Q6_K or Q8_0): for
+SmolLM2-135M, whose tied head is two thirds of the bytes a decoding step reads at int4, a float head
+kept decoding slow and a 4-bit one cost a third more perplexity (issue 42). 8 bits: symmetric under
+``int4`` (max|w| / 127 per block), with zero points under ``int4-asym``. Under ``int8`` and ``w8a8``
+``auto`` keeps it float, as before (the body's bits are already the head's 8). ``float``, ``8``
+and ``4`` ask for one; ``on`` (the old ``--quantize-head`` alone) is the scheme's head bits
+(``HEAD_BITS``: int4 4, the others 8). A tied head's table stays float for the embedding's gather
+(the head reads its own codes beside it): the gather reads one row per token, so codes would save
+no time, the embedding's values enter the model unrounded, and onnxruntime's GatherBlockQuantized
+takes no 8-bit codes with the block layout MatMulNBits reads.
+
+Which linears: every one whose weight is a parameter (the head at its own bits, or left float), except
 - linears with fewer than ``block_size`` input features or fewer than 16 outputs (a Mixtral
   router: tiny, and its top-k choice is brittle);
 the embedding tables themselves stay in float (a gather reads one row per token; the bytes saved
@@ -48,7 +58,9 @@ from tessera.compiler.reference.quant import BITS, ROWS, blocks, packed_shape, z
 SCHEMES = {"int8": 8, "int4": 4, "w8a8": 8, "int4-asym": 4}
 ROW_SCHEMES = ("w8a8",)  # one scale per output row and per activation row (linear_int8)
 ZERO_POINT_SCHEMES = ("int4-asym",)  # asymmetric blocks with zero points, the scale searched (quantize_zp)
-HEAD_BITS = {"int4-asym": 8}  # the output head's bits under --quantize-head, where not the scheme's
+HEAD_BITS = {"int4-asym": 8}  # the output head's bits under head "on" (the old --quantize-head), where not the scheme's
+# --quantize-head: auto (8 bits under int4 and int4-asym, float under int8 and w8a8), float, 8, 4, or on (HEAD_BITS)
+HEADS = ("auto", "float", "8", "4", "on")
 # MatMulNBits' accuracy_level: 0 computes in fp32 from dequantised weights; 4 quantises each block
 # of activations to int8 at run time and uses onnxruntime's integer kernels (several times faster
 # for one token at a time on this CPU: docs/benchmarks/log.md).
@@ -60,12 +72,20 @@ MIN_OUTPUTS = 16
 @dataclass(frozen=True)
 class QuantConfig:
     """What --quantize asks for: the scheme (int8 or int4), the block size along the input
-    features, and whether the output head is quantised too."""
+    features, and the output head's bits (``head``, one of HEADS: ``head_bits``)."""
 
     scheme: str
     block_size: int = DEFAULT_BLOCK
-    head: bool = False
+    head: str = "auto"
     activations: str = "int8"  # "int8": MatMulNBits quantises activations at run time (accuracy_level 4)
+
+    def __post_init__(self):
+        """``head`` as a bool (the old field: True quantised it at the scheme's head bits, False kept it
+        float) or the bits as an int, spelled as HEADS spells them."""
+        if isinstance(self.head, bool):
+            object.__setattr__(self, "head", "on" if self.head else "float")
+        elif isinstance(self.head, int) and not isinstance(self.head, bool):
+            object.__setattr__(self, "head", str(self.head))
 
     @property
     def bits(self) -> int:
@@ -80,8 +100,26 @@ class QuantConfig:
         return self.scheme in ZERO_POINT_SCHEMES
 
     @property
-    def head_bits(self) -> int:
-        return HEAD_BITS.get(self.scheme, self.bits)
+    def head_bits(self) -> int | None:
+        """The output head's bits, None for float."""
+        if self.head == "auto":
+            return 8 if self.bits == 4 else None
+        if self.head == "on":
+            return HEAD_BITS.get(self.scheme, self.bits)
+        return None if self.head == "float" else int(self.head)
+
+    def describe(self) -> str:
+        """The quantisation in words (generate's --explain: what the compiled decoder holds, hit or miss)."""
+        return f"{self.scheme}, {self.granularity}; {self.head_words()}"
+
+    def head_words(self) -> str:
+        """The head's treatment in words, for --explain and the report."""
+        bits = self.head_bits
+        if bits is None:
+            return "the output head float, " + ("as --quantize-head float asks" if self.head == "float" else
+                                                f"{self.scheme}'s default (--quantize-head 8 quantises it)")
+        how = {"auto": ", the 4-bit schemes' default", "on": ", the scheme's (--quantize-head alone)"}
+        return f"the output head at {bits} bits" + how.get(self.head, f" as --quantize-head {self.head} asks")
 
     @property
     def granularity(self) -> str:
@@ -91,8 +129,11 @@ class QuantConfig:
     def check(self) -> None:
         if self.scheme not in SCHEMES:
             raise PassError(f"quantize must be one of {', '.join(SCHEMES)}, got {self.scheme!r}")
-        if not isinstance(self.head, bool):
-            raise PassError(f"quantize head must be true or false, got {self.head!r}")
+        if self.head not in HEADS:
+            raise PassError(f"quantize head must be one of {', '.join(HEADS)}, got {self.head!r}")
+        if self.per_row and self.head_bits not in (None, 8):
+            raise PassError(f"{self.scheme} quantises per output row to int8: its output head is 8 bits or float, "
+                            f"not {self.head_bits}")
         if self.per_row:
             if self.block_size != ROWS or self.activations != "int8":
                 raise PassError(f"{self.scheme} has one scale per output row and quantises the activations per "
@@ -115,9 +156,12 @@ class QuantNote:
     weight: str
     quantized: bool
     reason: str = ""
+    bits: int = 0  # where quantised
+    head: bool = False  # the output head (a model output, or tied to an embedding table)
 
     def describe(self) -> str:
-        return f"{self.node} ({self.weight}): " + ("quantised" if self.quantized else f"kept in float: {self.reason}")
+        return f"{self.node} ({self.weight}): " + (f"quantised at {self.bits} bits" if self.quantized else
+                                                   f"kept in float: {self.reason}")
 
 
 class QuantizeWeights(Pass):
@@ -141,11 +185,12 @@ class QuantizeWeights(Pass):
         if p.dtype != "f32":
             return f"its weight is {p.dtype}; quantisation starts from f32 weights"
         n, k = p.shape
-        if not self.config.head:
+        if self.config.head_bits is None:
+            why = "--quantize-head float" if self.config.head == "float" else "--quantize-head 8 quantises it"
             if any(c.op == "embedding" for c in graph.consumers(w)):
-                return "the output head, tied to the embedding (--quantize-head quantises it too)"
+                return f"the output head, tied to the embedding ({why})"
             if _is_output(graph, node.outputs[0]):
-                return "the output head (--quantize-head quantises it too)"
+                return f"the output head ({why})"
         if self.config.per_row:
             if graph.type_of(node.inputs[0]).dtype != "f32":
                 return "its input is not f32 (the integer product takes f32 activations)"
@@ -175,7 +220,7 @@ class QuantizeWeights(Pass):
                 parts += (("zeros", zeros_shape(n, k, bits, block), "u8"),)
                 attrs["zero_points"] = 1
         names = {}
-        tag = self.config.scheme.replace("-", "_") + ("_head8" if bits != self.config.bits else "")
+        tag = self.config.scheme.replace("-", "_") + (f"_head{bits}" if bits != self.config.bits else "")
         for part, shape, dtype in parts:
             path = f"{w}.{tag}_{part}"  # a parameter path: no '/' (constants have one)
             if path not in graph.params:  # a weight read by two linears is quantised once
@@ -200,8 +245,21 @@ class QuantizeWeights(Pass):
             self._replace(graph, node, n, k, head)
             if not graph.consumers(w):
                 graph.remove_param(w)
-            notes.append(QuantNote(node.name, w, True))
+            tied = head and w in graph.params and any(c.op == "embedding" for c in graph.consumers(w))
+            notes.append(QuantNote(node.name, w, True, "tied" if tied else "",
+                                   bits=self.config.head_bits if head else self.config.bits, head=head))
         return PassResult(graph, any(n.quantized for n in notes), notes)
+
+
+def head_line(config: QuantConfig, notes: list) -> str:
+    """--explain's and the report's words for the output head: its bits, and where it is tied, that the
+    embedding still gathers from the float table."""
+    heads = [n for n in notes if n.head and n.quantized]
+    if not heads:
+        return config.head_words()
+    tied = " (tied: the embedding gathers from its float table, the head reads the codes)" if any(
+        n.quantized and n.head and n.reason == "tied" for n in notes) else ""
+    return config.head_words() + tied
 
 
 def _is_output(graph: Graph, value: str) -> bool:

@@ -98,6 +98,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "spellings f32 and f16 are accepted too (default fp32)")
     p.add_argument("--device", default="h200", metavar="NAME", help=args.LazyHelp(_device_help))
     args.add_quant_arguments(p)
+    options.add_arguments(p, ReportOptions, only=("gguf_weights",), helps={"gguf_weights": (
+        "a GGUF file's Q4_0, Q8_0, Q5_0, Q4_1, Q5_1, Q4_K and Q5_K matrices, as compile, run and generate read them: "
+        "codes (default) and codes-fp32 keep the file's own codes (MatMulNBits), dequantize reads every tensor as "
+        "fp32; the report's GGUF codes section lists the linears reading codes, the weights' bytes then, and the "
+        "conversion's note (which tensors were dequantised from which type, and why)")})
     p.add_argument("--no-sparse-moe", action="store_true",
                    help="report mixtures of experts in their dense form, as compile --no-sparse-moe builds "
                         "them (by default they are counted as compile builds them: sparse, the top-k experts "

@@ -135,6 +135,8 @@ def load_model(ref, o, weights=None, models: dict | None = None, progress=None):
         loaded = compile_decoder(built, ref, o, options, "cached decoder", o.device, o.threads, weights, step)
         if o.explain:
             print(loaded.compile_cache.explain(), file=sys.stderr)
+            if options.quantize is not None:
+                print(f"quantisation: {options.quantize.describe()}", file=sys.stderr)
     step(4, 4)
     if models is not None:
         models[key] = loaded
@@ -367,7 +369,7 @@ def load_drafter(o, draft_ref, target: gen.CachedModel):
     if isinstance(spec, str) and spec == "ngram":
         return drafting.NgramDrafter()
     plain = dataclasses.replace(o, speculative=None, draft_tokens=None, quantize="none", quantize_block=None,
-                                quantize_head=False, quantize_activations=None)
+                                quantize_head="auto", quantize_activations=None)
     plain.api = o.api
     plain.drafting = True  # its rollback cache (generation/rollback.py) feeds the mask: no prefix_keys
     if hasattr(spec, "ref"):  # the API's tessera.Model: its compiled decoders and weights are kept

@@ -14,14 +14,17 @@ it is a temporary folder removed at exit.
 What is read: the ``llama`` architecture (Llama 1/2/3 without rope scaling tensors, Mistral,
 SmolLM2, TinyLlama ...) and ``gemma3`` (Gemma 3's text decoder, models/gemma3.tsr: its norms stored
 as 1 + w and read back as w, every sixth layer full and the others sliding with the local base
-10,000, as llama.cpp takes them), tensors of type F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL and
+10,000, as llama.cpp takes them), ``qwen2`` (models/qwen2.tsr: q/k/v biases), ``qwen3`` (models/qwen3.tsr:
+q/k norms, a head size of its own) and ``qwen3moe`` (models/qwen3_moe.tsr: its experts stored as one
+[experts, out, in] stack per layer and split one per expert, read as fp32 since the sparse experts take
+no stored codes), tensors of type F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL and
 the K-quants Q2_K, Q3_K, Q4_K, Q5_K, Q6_K (a Q4_K_M file mixes Q4_K and Q6_K, with Q5_0, Q5_1, Q8_0
 or IQ4_NL where a row is not a multiple of 256), each dequantised to fp32 exactly as llama.cpp's
 ``dequantize_row_*`` computes it (``DEQUANTIZE``; the note says how many tensors came from each
 type); the matrices whose type MatMulNBits holds exactly also keep their own codes beside the fp32
 shards (runtime/io/gguf_codes.py: what --gguf-weights codes, the default, compiles them from; the
-note says which are kept and why the others are not); and the query and key matrices are permuted
-back from llama.cpp's rotary layout (its converter's ``permute``: each head's rows interleaved as
+note says which are kept and why the others are not); and llama's query and key matrices (not
+Qwen's: llama.cpp rotates those in the NeoX layout) are permuted back from llama.cpp's rotary layout (its converter's ``permute``: each head's rows interleaved as
 pairs) to Hugging Face's (rotate-half). The tokenizer is rebuilt from the metadata where it is
 byte-level BPE with a known pre-tokenizer or SentencePiece BPE (Llama 2's and Gemma's;
 runtime/io/gguf_tokenizer.py); another is left out with a note (give ``--tokenizer``). Anything else -- another architecture, another
@@ -351,7 +354,7 @@ def _hf_name(name: str, table: dict[str, str]) -> str | None:
     if len(parts) > 2 and parts[0] == "blk" and parts[1].isdigit():
         pattern = ".".join(["blk", "{i}", *parts[2:]])
         if pattern in table:
-            return table[pattern].format(i=parts[1])
+            return table[pattern].replace("{i}", parts[1])  # an expert stack's "{e}" stays: _expert_items
     return None
 
 
@@ -490,10 +493,109 @@ def _gemma3_tensor(m: GGUFModel, gguf_name: str, hf_name: str, config: dict) -> 
     return w - np.float32(1.0) if gguf_name.endswith("norm.weight") else w
 
 
+# Qwen2 and Qwen3 (llama.cpp's LLM_ARCH_QWEN2, QWEN3, QWEN3MOE): llama's tensor names, plus Qwen2's
+# q/k/v biases, Qwen3's q/k norms and Qwen3-MoE's router and expert stacks. Their converter
+# (convert_hf_to_gguf.py Qwen2Model, Qwen3Model, Qwen3MoeModel) does not permute q and k: llama.cpp
+# rotates these with LLAMA_ROPE_TYPE_NEOX, Hugging Face's rotate-half, and transformers' GGUF loader
+# reads them with its plain TensorProcessor (modeling_gguf_pytorch_utils.py: only "llama" unpermutes).
+QWEN2_NAMES = {**LLAMA_NAMES, **{f"blk.{{i}}.attn_{x}.bias": f"model.layers.{{i}}.self_attn.{x}_proj.bias"
+                                 for x in "qkv"}}
+QWEN3_NAMES = {**LLAMA_NAMES,
+               "blk.{i}.attn_q_norm.weight": "model.layers.{i}.self_attn.q_norm.weight",
+               "blk.{i}.attn_k_norm.weight": "model.layers.{i}.self_attn.k_norm.weight"}
+# the experts stacked [experts, out, in] in one tensor each, split into Hugging Face's one per expert ({e})
+QWEN3MOE_NAMES = {**{k: v for k, v in QWEN3_NAMES.items() if not k.startswith("blk.{i}.ffn_")},
+                  "blk.{i}.ffn_norm.weight": "model.layers.{i}.post_attention_layernorm.weight",
+                  "blk.{i}.ffn_gate_inp.weight": "model.layers.{i}.mlp.gate.weight",
+                  "blk.{i}.ffn_gate_exps.weight": "model.layers.{i}.mlp.experts.{e}.gate_proj.weight",
+                  "blk.{i}.ffn_up_exps.weight": "model.layers.{i}.mlp.experts.{e}.up_proj.weight",
+                  "blk.{i}.ffn_down_exps.weight": "model.layers.{i}.mlp.experts.{e}.down_proj.weight"}
+
+
+def _rope_default(m: GGUFModel) -> None:
+    """The Qwen specs rotate with plain RoPE: rope scaling in the metadata (Qwen2.5's long-context yarn)
+    is refused, not dropped."""
+    scaling = m.get("rope.scaling.type")
+    if scaling not in (None, "none"):
+        raise WeightsError(f"{m.path}: {m.arch}.rope.scaling.type = {scaling!r}: the bundled {m.arch} spec has "
+                           f"plain rotary positions only")
+
+
+def _qwen_common(m: GGUFModel, model_type: str, architecture: str) -> dict:
+    """The hyperparameters Qwen2, Qwen3 and Qwen3-MoE share, from llama.cpp's metadata."""
+    if m.get("attention.sliding_window"):
+        raise WeightsError(f"{m.path}: {m.arch}.attention.sliding_window is set; the bundled spec attends over "
+                           f"the whole context at every layer")
+    _rope_default(m)
+    d, heads = int(m.need("embedding_length")), int(m.need("attention.head_count"))
+    tokens = m.meta.get("tokenizer.ggml.tokens") or []
+    vocab = m.get("vocab_size") or len(tokens) or int(m.tensors["token_embd.weight"].shape[-1])
+    return {
+        "model_type": model_type,
+        "architectures": [architecture],
+        "vocab_size": int(vocab),
+        "hidden_size": d,
+        "num_hidden_layers": int(m.need("block_count")),
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(m.get("attention.head_count_kv") or heads),
+        "rms_norm_eps": float(m.get("attention.layer_norm_rms_epsilon", 1e-6)),
+        "max_position_embeddings": int(m.get("context_length", 32768)),
+        "rope_theta": float(m.get("rope.freq_base", 1000000.0)),
+        "hidden_act": "silu",
+        "use_sliding_window": False,
+        "tie_word_embeddings": "output.weight" not in m.tensors,
+    }
+
+
+def _head_dim(m: GGUFModel, config: dict) -> int:
+    """Qwen3's head size: attention.key_length (128 in the released models, not d / heads)."""
+    key = int(m.get("attention.key_length") or config["hidden_size"] // config["num_attention_heads"])
+    if int(m.get("attention.value_length") or key) != key:
+        raise WeightsError(f"{m.path}: {m.arch}.attention.value_length differs from key_length; the bundled "
+                           f"spec's heads have one size")
+    return key
+
+
+def _qwen2_config(m: GGUFModel) -> dict:
+    config = _qwen_common(m, "qwen2", "Qwen2ForCausalLM")
+    d, heads = config["hidden_size"], config["num_attention_heads"]
+    if d % heads or _head_dim(m, config) != d // heads:
+        raise WeightsError(f"{m.path}: Qwen2's heads are embedding_length / head_count ({d} / {heads}); this "
+                           f"file's key_length says otherwise")
+    return dict(config, intermediate_size=int(m.need("feed_forward_length")))
+
+
+def _qwen3_config(m: GGUFModel) -> dict:
+    config = _qwen_common(m, "qwen3", "Qwen3ForCausalLM")
+    return dict(config, head_dim=_head_dim(m, config), intermediate_size=int(m.need("feed_forward_length")),
+                attention_bias=False)
+
+
+def _qwen3moe_config(m: GGUFModel) -> dict:
+    """Qwen3-MoE: llama.cpp renormalises the chosen experts' gates (its qwen3moe graph passes norm_w =
+    true; transformers' GGUF loader sets norm_topk_prob = true for it); a file whose
+    expert_weights_norm says false keeps the softmax weights."""
+    config = _qwen_common(m, "qwen3_moe", "Qwen3MoeForCausalLM")
+    if m.get("expert_shared_feed_forward_length") or any(".ffn_gate_shexp." in n for n in m.tensors):
+        raise WeightsError(f"{m.path}: a shared expert is not in the bundled qwen3_moe spec")
+    norm = m.get("expert_weights_norm")
+    return dict(config, head_dim=_head_dim(m, config), attention_bias=False,
+                moe_intermediate_size=int(m.need("expert_feed_forward_length")),
+                num_experts=int(m.need("expert_count")), num_experts_per_tok=int(m.need("expert_used_count")),
+                norm_topk_prob=True if norm is None else bool(norm), decoder_sparse_step=1, mlp_only_layers=[])
+
+
+def _plain_tensor(m: GGUFModel, gguf_name: str, hf_name: str, config: dict) -> np.ndarray:
+    return m.read(gguf_name)
+
+
 # general.architecture -> (config.json from the metadata, tensor names, one tensor as Hugging Face has it)
 ARCHITECTURES = {
     "llama": (_llama_config, LLAMA_NAMES, _llama_tensor),
     "gemma3": (_gemma3_config, GEMMA3_NAMES, _gemma3_tensor),
+    "qwen2": (_qwen2_config, QWEN2_NAMES, _plain_tensor),
+    "qwen3": (_qwen3_config, QWEN3_NAMES, _plain_tensor),
+    "qwen3moe": (_qwen3moe_config, QWEN3MOE_NAMES, _plain_tensor),
 }
 
 
@@ -553,10 +655,15 @@ def convert(path: Path, folder: Path, final: Path | None = None) -> str:
         arr = np.ascontiguousarray(tensor(m, name, hf, config), dtype=np.float32)
         if not np.isfinite(arr).all():
             raise WeightsError(f"{path}: tensor {name} holds NaN or infinity")
-        shard[hf] = arr
-        size += arr.nbytes
-        if size >= SHARD_BYTES:
-            flush()
+        if "{e}" in hf and arr.ndim != 3:
+            raise WeightsError(f"{path}: tensor {name} has shape {list(arr.shape)}; an expert stack is "
+                               f"[experts, out, in]")
+        for key, part in ([(hf.replace("{e}", str(e)), arr[e]) for e in range(arr.shape[0])] if "{e}" in hf
+                          else [(hf, arr)]):
+            shard[key] = np.ascontiguousarray(part)
+            size += part.nbytes
+            if size >= SHARD_BYTES:
+                flush()
     flush()
     kept, inexact = gguf_codes.write(folder, _kept_items(m, names, config))
     (folder / "config.json").write_text(json.dumps(config, indent=1))
@@ -600,28 +707,41 @@ def _kept_items(m: GGUFModel, names: dict, config: dict) -> list:
 def codes_summary(m: GGUFModel, inexact: list[str] = ()) -> str:
     """Which quantised types keep their codes and which are dequantised, and why (the note's words);
     ``inexact``: the Hugging Face names of matrices whose d * q + m rounds in fp32 (gguf_codes.exact)."""
-    kept, other, rounded = {}, {}, {}
+    kept: dict[str, int] = {}
+    other: dict[tuple[str, str], int] = {}  # (type, why dequantised) -> tensors
     names = ARCHITECTURES[m.arch][1] if m.arch in ARCHITECTURES else {}
     for name, t in m.tensors.items():
         kind = t.tensor_type.name
-        if kind in gguf_codes.KEPT and len(t.shape) == 2 and _hf_name(name, names) in inexact:
-            rounded[kind] = rounded.get(kind, 0) + 1
-        elif kind in gguf_codes.KEPT and len(t.shape) == 2:
+        if kind in gguf_codes.KEPT and len(t.shape) == 3:
+            why = "expert stacks: the sparse experts read fp32 weights"
+        elif kind in gguf_codes.KEPT and len(t.shape) != 2:
+            why = "not a matrix"
+        elif kind in gguf_codes.KEPT and _hf_name(name, names) in inexact:
+            why = "d * q + m rounds in fp32 somewhere in it"
+        elif kind in gguf_codes.KEPT:
             kept[kind] = kept.get(kind, 0) + 1
+            continue
         elif kind not in FLOATS:
-            other[kind] = other.get(kind, 0) + 1
-    for kind, count in rounded.items():
-        other[f"{kind} "] = count  # the same type, its own reason
+            why = gguf_codes.WHY_NOT.get(kind, "no exact MatMulNBits form")
+        else:
+            continue
+        other[kind, why] = other.get((kind, why), 0) + 1
     parts = []
     if kept:
         parts.append("codes kept for MatMulNBits (no requantisation; --gguf-weights dequantize reads them as fp32): "
                      + ", ".join(f"{k}: {v}" for k, v in kept.items()))
     if other:
-        parts.append("dequantised: " + ", ".join(
-            f"{k.strip()}: {v} (" + ("d * q + m rounds in fp32 somewhere in it" if k.endswith(" ") else
-                                     gguf_codes.WHY_NOT.get(k, "no exact MatMulNBits form")) + ")"
-            for k, v in other.items()))
+        parts.append("dequantised: " + ", ".join(f"{k}: {v} ({why})" for (k, why), v in other.items()))
     return "; ".join(parts)
+
+
+def source_note(folder) -> str | None:
+    """The conversion's note kept in a converted folder (which tensors came from which type, which keep
+    their codes and why the others do not); None for any other folder."""
+    try:
+        return json.loads((Path(str(folder)) / "gguf_source.json").read_text())["note"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 _converted: dict[tuple, Path] = {}

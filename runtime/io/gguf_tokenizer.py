@@ -32,7 +32,11 @@ SPACE = "\u2581"  # SentencePiece's spelling of a space
 _LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
                  r"\s*[\r\n]+|\s+(?!\S)|\s+")
 
-PRE_TOKENIZERS = ("gpt2", "default", "smollm", "starcoder", "refact", "llama-bpe")
+# Qwen2's (and Qwen3's: llama.cpp's LLAMA_VOCAB_PRE_TYPE_QWEN2, the Qwen tokenizer.json's Split): Llama 3's
+# with digits one by one
+_QWEN2_SPLIT = _LLAMA3_SPLIT.replace(r"\p{N}{1,3}", r"\p{N}")
+
+PRE_TOKENIZERS = ("gpt2", "default", "smollm", "starcoder", "refact", "llama-bpe", "qwen2")
 GEMMA_ARCHITECTURES = ("gemma", "gemma2", "gemma3")
 
 
@@ -45,8 +49,9 @@ def _pre_tokenizer(pre: str):
         return byte_level
     if pre in ("smollm", "starcoder", "refact"):  # digits one by one, then GPT-2's split
         return pt.Sequence([pt.Digits(individual_digits=True), byte_level])
-    if pre in ("llama-bpe", "llama3", "llama-v3"):
-        return pt.Sequence([pt.Split(Regex(_LLAMA3_SPLIT), behavior="isolated", invert=False),
+    if pre in ("llama-bpe", "llama3", "llama-v3", "qwen2"):
+        split = _QWEN2_SPLIT if pre == "qwen2" else _LLAMA3_SPLIT
+        return pt.Sequence([pt.Split(Regex(split), behavior="isolated", invert=False),
                             pt.ByteLevel(add_prefix_space=False, use_regex=False)])
     return None
 

@@ -18,8 +18,9 @@ from tessera.compiler.analysis import costreport, deployment, roofline
 from tessera.compiler.analysis.roofline import probe_cpu
 from tessera.compiler.build import model_metadata
 from tessera.compiler.passes.pipeline import run_report
-from tessera.compiler.report import attention_section, quantization_section
+from tessera.compiler.report import attention_section, quantization_section, stored_codes_section
 from tessera.runtime import pipeline
+from tessera.runtime.io import gguf_file
 from tessera.runtime.options import plan_errors
 from tessera.runtime.report import calibration, measure
 from tessera.runtime.report.calibration import default_path, stored_device
@@ -74,9 +75,13 @@ def build_report(ref, o, timer=None) -> dict:
     with _no_gc():  # fuses a copy: built.graph is left as written
         rep["attention"] = attention_section(graph, rep["settings"]["bindings"],
                                              rep["settings"]["bytes_per_element"], device.name, o.dtype)
+    stored = stored_codes_section(built.graph, o.gguf_weights)  # a GGUF file's codes (--gguf-weights)
+    if stored is not None:
+        stored["source"] = gguf_file.source_note(ref.weights)
+        rep["gguf_codes"] = stored
     if config is not None:
-        with _no_gc():  # quantises a copy
-            rep["quantization"] = quantization_section(built.graph, config)
+        with _no_gc():  # quantises a copy (the linears over a GGUF file's codes read those first)
+            rep["quantization"] = quantization_section(built.graph, config, o.gguf_weights)
     if o.calibrated:
         rep["roofline"]["calibrated"] = {**calibrated_roofline(rep["roofline"], points),
                                          "file": str(cal_file)}

@@ -242,8 +242,35 @@ def _quantization(rep: dict) -> list[Rows]:
     rows += [[f"  kept: {k['node']}: {k['reason']}", "", ""] for k in q["kept_in_float"][:8]]
     if len(q["kept_in_float"]) > 8:
         rows.append([f"  ... and {len(q['kept_in_float']) - 8} more kept in float", "", ""])
-    return [(f"Quantisation ({q['scheme']}, {q['granularity']}, head "
-             f"{'quantised' if q['head'] else 'float'})", ["", "bytes", ""], rows)]
+    head = f"head at {q['head_bits']} bits" if q.get("head_bits") else "head float"
+    if q.get("head_tied_float_table"):
+        rows.append(["  the head is tied: the embedding gathers from its float table, the head reads the codes", "", ""])
+    return [(f"Quantisation ({q['scheme']}, {q['granularity']}, {head})", ["", "bytes", ""], rows)]
+
+
+def _gguf_codes(rep: dict) -> list[Rows]:
+    g = rep.get("gguf_codes")
+    if not g:
+        return []
+    held = ", ".join(f"{k}: {v}" for k, v in g["held"].items())
+    rows = [[f"parameters the file holds as codes: {sum(g['held'].values())} ({held})", "", ""]]
+    if g["mode"] == "dequantize":
+        rows.append(["  --gguf-weights dequantize: every tensor read as fp32", "", ""])
+    else:
+        by = ", ".join(f"{k}: {v}" for k, v in g["by_type"].items())
+        rows.append([f"linears reading the file's own codes (MatMulNBits, no requantisation): "
+                     f"{g['codes_linears']}" + (f" ({by})" if by else ""), "", ""])
+        rows += [[f"  {x['node']} ({x['weight']}): {x['type']}", "", ""] for x in g["linears"][:8]]
+        if len(g["linears"]) > 8:
+            rows.append([f"  ... and {len(g['linears']) - 8} more", "", ""])
+        if g["read_as_fp32"]:
+            rows.append([f"linears over 8-bit codes read as fp32 (codes-fp32): {len(g['read_as_fp32'])}", "", ""])
+        rows += [["weights, codes kept", exact(g["weights_bytes"]), si(g["weights_bytes"]) + "B"],
+                 ["weights, all fp32", exact(g["float_weights_bytes"]), si(g["float_weights_bytes"]) + "B"],
+                 ["  (the memory and roofline sections count every weight at --dtype)", "", ""]]
+    if g.get("source"):
+        rows.append([f"conversion: {g['source']}", "", ""])
+    return [(f"GGUF codes (--gguf-weights {g['mode']})", ["", "bytes", ""], rows)]
 
 
 def percent(x: float | None) -> str:
@@ -360,6 +387,7 @@ SECTIONS: tuple[Section, ...] = (
     Section("measure", "runtime/report/measure.py (--measure)", _measured),
     Section("attention", "compiler/report.py attention_section", _attention),
     Section("quantization", "compiler/report.py quantization_section (--quantize)", _quantization),
+    Section("gguf_codes", "compiler/report.py stored_codes_section (a GGUF file, --gguf-weights)", _gguf_codes),
 )
 
 

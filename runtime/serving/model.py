@@ -84,7 +84,8 @@ def weights_line(model) -> str:
     q = metadata.quantization(meta[metadata.QUANTIZE_KEY], "the served model")
     how = "one scale per output row, each activation row quantised at run time" if q["block_size"] == ROWS \
         else f"one scale per {q['block_size']} input features, activations {q['activations']} in the product"
-    return f"weights: {q['scheme']} ({how}; the output head {'quantised' if q['head'] else 'in float'})"
+    head = (f"at {q['head_bits']} bits" if q.get("head_bits") else "quantised") if q["head"] else "in float"
+    return f"weights: {q['scheme']} ({how}; the output head {head})"
 
 
 def decode_kernel(info) -> str:

@@ -123,10 +123,15 @@ def test_quantised_file_holds_the_expected_bytes(capsys, tmp_path):
     inits = {i.name: i for i in model.graph.initializer}
     packed = inits["layers.0.mlp.fc.weight.int4_packed"]
     assert packed.data_type == TensorProto.UINT8 and list(packed.dims) == [256, 2, 16]  # [N, K/32, 32*4/8]
-    assert sum(n.op_type == "MatMulNBits" for n in model.graph.node) == 12
+    # 12 linears at 4 bits and the tied head at 8 (int4's default): [vocab, K/32, 32] bytes, one per weight
+    assert sum(n.op_type == "MatMulNBits" for n in model.graph.node) == 13
+    head = next(n for n in model.graph.node if n.op_type == "MatMulNBits" and "head" in n.input[1])
+    assert {a.name: a.i for a in head.attribute}["bits"] == 8
+    assert list(inits[head.input[1]].dims) == [1000, 2, 32]
+    assert "wte.weight" in inits  # the embedding still gathers from its float table
     meta = {e.key: e.value for e in model.metadata_props}
-    assert json.loads(meta["tessera.quantize"]) == {"scheme": "int4", "block_size": 32, "head": False,
-                                                     "activations": "int8"}
+    assert json.loads(meta["tessera.quantize"]) == {"scheme": "int4", "block_size": 32, "head": True,
+                                                     "head_bits": 8, "activations": "int8"}
 
 
 def test_report_gives_the_quantised_weight_bytes(capsys):
@@ -135,12 +140,20 @@ def test_report_gives_the_quantised_weight_bytes(capsys):
     assert rc == 0, err
     q = json.loads(out)["quantization"]
     # hand count: 12 layers of q, k, v, o (768x768), fc (3072x768), proj (768x3072) in int4 with one
-    # fp32 scale per 32 weights; everything else (embeddings, tied head, biases, norms) in fp32
+    # fp32 scale per 32 weights; the tied head (50257x768) at 8 bits (int4's default) beside the float
+    # table the embedding gathers from; everything else (embeddings, biases, norms) in fp32
     quantised = 12 * (4 * 768 * 768 + 2 * 768 * 3072)
+    head = 50257 * 768
     rest = 124_439_808 - quantised
+    assert q["weights_bytes"] == quantised // 2 + quantised // 32 * 4 + rest * 4 + head + head // 32 * 4
+    assert q["scheme"] == "int4" and q["block_size"] == 32 and q["head"] is True and q["head_bits"] == 8
+    assert q["quantized_linears"] == 73 and q["float_linears"] == 0 and q["head_tied_float_table"] is True
+    rc, out, err = cli(capsys, "report", MODELS / "gpt2.tsr", "--variant", "small", "--quantize", "int4",
+                       "--quantize-head", "float", "--format", "json")
+    assert rc == 0, err
+    q = json.loads(out)["quantization"]
     assert q["weights_bytes"] == quantised // 2 + quantised // 32 * 4 + rest * 4
-    assert q["scheme"] == "int4" and q["block_size"] == 32 and q["head"] is False
-    assert q["quantized_linears"] == 72 and q["float_linears"] == 1
+    assert q["head"] is False and q["quantized_linears"] == 72 and q["float_linears"] == 1
 
 
 @pytest.mark.parametrize("args, expected", [
@@ -161,7 +174,7 @@ def test_mixtral_router_stays_float_and_llama_head_is_a_model_output():
     assert any("router" in w and "outputs, fewer than 16" in r for w, r in kept.items()), kept
     graph, _, result = _quantized("llama", layers=1, d=64, heads=4, kv_heads=2, vocab=100, d_ff=64)
     kept = {n.weight: n.reason for n in result.notes if not n.quantized}
-    assert list(kept.values()) == ["the output head (--quantize-head quantises it too)"]
+    assert list(kept.values()) == ["the output head (--quantize-head 8 quantises it)"]  # int8: float by default
 
 
 # ---------------------------------------------------------------- generation with a KV cache
@@ -192,8 +205,8 @@ def test_api_compiles_a_cached_int4_decoder(tmp_path):
     m = tessera.load(MODELS / "gpt2.tsr", layers=2, d=128, heads=4, vocab=500, ctx=64)
     files = m.compile(tmp_path / "dec.onnx", kv_cache=True, quantize="int4")
     model = onnx.load(str(files[0]))
-    # per layer: q, k and v fused into one (compiler/passes/fuse_linears.py), o, fc, proj
-    assert sum(n.op_type == "MatMulNBits" for n in general_graph(model).node) == 8  # the per-site graph
+    # per layer: q, k and v fused into one (compiler/passes/fuse_linears.py), o, fc, proj; and the head at 8 bits
+    assert sum(n.op_type == "MatMulNBits" for n in general_graph(model).node) == 9  # the per-site graph
     cached = gen.CachedModel.from_onnx(files[0])
     steps = list(gen.stream(cached, [[464, 68, 7]], 5))
     assert len(steps) == 5 and all(isinstance(s[0], int) for s in steps)

@@ -123,5 +123,6 @@ def test_the_report_counts_the_zero_points(capsys):
     rc, out, err = cli(capsys, "report", MODELS / "gpt2.tsr", *sets, "--quantize", "int4-asym", "--format", "json")
     assert rc == 0, err
     q = json.loads(out)["quantization"]
-    # 12 linears of 64 x 64 or 256: packed 4 bits, a scale (4 bytes) and half a zero point byte per block of 32
-    assert q["scheme"] == "int4-asym" and q["quantized_linears"] == 12
+    # 12 linears of 64 x 64 or 256: packed 4 bits, a scale (4 bytes) and half a zero point byte per block of 32;
+    # and the tied head at 8 bits (the default), asymmetric too
+    assert q["scheme"] == "int4-asym" and q["quantized_linears"] == 13 and q["head_bits"] == 8

@@ -93,10 +93,11 @@ def test_the_parsers_import_no_compiler_and_no_onnx():
 
 
 def test_the_quantize_choices_are_the_pipelines():
-    from tessera.compiler.passes.quantize import SCHEMES
+    from tessera.compiler.passes.quantize import HEADS, SCHEMES
     from tessera.runtime import options, pipeline
 
     assert options.QUANTIZE_CHOICES == pipeline.QUANTIZE_CHOICES == ("none", *SCHEMES)
+    assert options.QUANT_HEADS == HEADS  # --quantize-head's choices
 
 
 @pytest.mark.parametrize("argv", [["ir", "gpt2", "--set", "layers=1"], ["report", "gpt2", "--set", "layers=1"]])
