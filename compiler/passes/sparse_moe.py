@@ -10,7 +10,9 @@ already one ``sparse_moe`` node) gets the target's lowering (``impl``) here too,
 com.microsoft.MoE cannot express its routing (sigmoid scores, a correction bias, groups, gates on the
 input: ``moe_refusal``): such a node keeps the gather form, and its note says why.
 The router stays a ``linear`` (the quantiser and the report see it as before). A block the pattern
-does not fit stays dense, and its note says why (``--explain`` prints it).
+does not fit stays dense, and its note says why (``--explain`` prints it). A ``topk_gates`` that weighs
+no expert (used as a mask, ``topk_gates(s, k) > 0.0``, or to choose groups) is a routing step, not a
+mixture: no site, as the report does not count it (patterns/experts.py ``weighs_experts``).
 
 Run after weight quantisation: experts already quantised (``linear_nbits``) are left dense.
 """
@@ -22,7 +24,7 @@ from dataclasses import dataclass
 from tessera.compiler.ir.graph import Graph
 from tessera.compiler.ops.experts import IMPLS, moe_refusal
 from tessera.compiler.passes.base import Pass, PassError, PassResult
-from tessera.compiler.patterns.experts import sparse_block
+from tessera.compiler.patterns.experts import sparse_block, weighs_experts
 
 # Chosen by measurement (bench/moe.py, docs/benchmarks/log.md): the standard-op gather/scatter form ran a
 # 2-layer Mixtral-shaped model at N = 512 2.7x faster than dense, onnxruntime's MoE kernel 2.1x (its CPU
@@ -84,6 +86,8 @@ class SparseExperts(Pass):
             sites.append(ExpertSite(node.name, node.scope, e, k, True, node=node.name, impl=impl,
                                     reason="; ".join(reason)))
         for g in [n for n in graph.nodes.values() if n.op == "topk_gates"]:
+            if not weighs_experts(graph, g):  # a routing step (a mask, a group choice): not a mixture
+                continue
             e, k = int(graph.type_of(g.inputs[0]).shape[-1]), int(g.attrs["k"])
             if not self.enabled:
                 sites.append(ExpertSite(g.name, g.scope, e, k, False, DISABLED))

@@ -8,6 +8,8 @@ com.microsoft.MoE can express the routing, and the gather form where it cannot (
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -362,3 +364,116 @@ def test_the_op_refuses_bad_routing_attributes():
         ops.infer("sparse_moe", types[:2] + [f32(5)] + types[3:], base)
     with pytest.raises(ops.ShapeError, match="the correction bias and 3 weights per expert"):
         ops.infer("sparse_moe", types[:2] + types[3:], base)
+
+
+# ---------------------------------------------------------------- a DeepSeek-V3-style stack against the whole model
+STACK = Path(__file__).resolve().parents[1] / "specs" / "deepseek_v3_moe_stack.tsr"
+
+
+def _deepseek_model(norm: bool):
+    """A tiny DeepseekV3ForCausalLM (first layer dense, two MoE layers) with every attention's o_proj zero,
+    so that its residual stream is the spec's stack of feed-forward blocks; random correction biases."""
+    import torch
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    torch.manual_seed(3)
+    cfg = DeepseekV3Config(vocab_size=64, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
+                           num_hidden_layers=3, first_k_dense_replace=1, n_routed_experts=8, num_experts_per_tok=2,
+                           n_group=4, topk_group=2, n_shared_experts=1, routed_scaling_factor=2.5,
+                           norm_topk_prob=norm, rms_norm_eps=1e-6, num_attention_heads=2, num_key_value_heads=2,
+                           q_lora_rank=None, kv_lora_rank=8, qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=4,
+                           tie_word_embeddings=False)
+    m = DeepseekV3ForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            p.copy_(torch.zeros_like(p) if name.endswith("o_proj.weight") else
+                    1 + torch.randn(p.shape) * 0.1 if name.endswith("norm.weight") else torch.randn(p.shape) * 0.3)
+        for layer in m.model.layers[1:]:
+            layer.mlp.gate.e_score_correction_bias.copy_(torch.randn(8) * 0.3)
+    return m
+
+
+def _stack_weights(m) -> dict:
+    sd = {k: v.detach().numpy().astype(np.float32) for k, v in m.state_dict().items()}
+    w = {"embed.weight": sd["model.embed_tokens.weight"], "norm.weight": sd["model.norm.weight"],
+         "head.weight": sd["lm_head.weight"]}
+    for i in range(3):
+        p = f"model.layers.{i}."
+        w[f"layers.{i}.moe_norm.weight"] = sd[p + "post_attention_layernorm.weight"]
+        if i == 0:
+            for part in ("gate", "up", "down"):
+                w[f"layers.0.mlp.{part}.weight"] = sd[p + f"mlp.{part}_proj.weight"]
+            continue
+        w[f"layers.{i}.moe.router.weight"] = sd[p + "mlp.gate.weight"]
+        w[f"layers.{i}.moe.router.correction_bias"] = sd[p + "mlp.gate.e_score_correction_bias"]
+        for e in range(8):
+            w[f"layers.{i}.moe.experts.{e}.ffn.gate.weight"] = sd[p + "mlp.experts.gate_up_proj"][e, :16]
+            w[f"layers.{i}.moe.experts.{e}.ffn.up.weight"] = sd[p + "mlp.experts.gate_up_proj"][e, 16:]
+            w[f"layers.{i}.moe.experts.{e}.ffn.down.weight"] = sd[p + "mlp.experts.down_proj"][e]
+        for part in ("gate", "up", "down"):
+            w[f"layers.{i}.shared.{part}.weight"] = sd[p + f"mlp.shared_experts.{part}_proj.weight"]
+    return w
+
+
+@pytest.mark.parametrize("norm", [True, False])
+def test_deepseek_v3_stack_equals_transformers(norm):
+    import torch
+
+    m = _deepseek_model(norm)
+    graph = build(str(STACK), None, normalize=norm)
+    w = _stack_weights(m)
+    assert set(w) == set(graph.params)
+    tokens = np.random.default_rng(4).integers(0, 64, (2, 13)).astype(np.int64)
+    with torch.no_grad():
+        want = m(torch.from_numpy(tokens)).logits.numpy()
+    scale = max(1.0, np.abs(want).max())
+    assert np.abs(interpret.run(graph, w, {"tokens": tokens})["logits"] - want).max() <= 1e-4 * scale
+    for impl in ("gather", "moe"):  # MoE cannot: the pass keeps the gather form
+        g, notes = _sparse(graph, impl)
+        assert [n.impl for n in notes] == ["gather", "gather"]
+        assert np.abs(ort_run(g, w, {"tokens": tokens})["logits"] - want).max() <= 1e-4 * scale
+
+
+def test_explain_and_report_count_one_mixture_per_experts_call(capsys, tmp_path):
+    """--explain and the report count the stack's two experts calls as two mixtures, whatever routing
+    each does; on CUDA fp16 (where the pass would pick com.microsoft.MoE) the gather form and why."""
+    import json
+
+    from conftest import cli
+
+    rc, _, err = cli(capsys, "compile", STACK, "-o", tmp_path / "m.onnx", "--explain")
+    assert rc == 0, err
+    assert "mixtures of experts: 2 (2 sparse, 0 dense)" in err
+    rc, _, err = cli(capsys, "compile", STACK, "-o", tmp_path / "h.onnx", "--explain", "--target", "cuda",
+                     "--dtype", "fp16")
+    assert rc == 0, err
+    assert "2 sites layers.{1-2}: top 2 of 8 experts: sparse (gather): com.microsoft.MoE cannot express " \
+           "sigmoid scores" in err
+    rc, out, err = cli(capsys, "report", STACK, "--format", "json", "-N", "16")
+    assert rc == 0, err
+    moe = json.loads(out)["params"]["moe"]
+    assert (moe["blocks"], moe["experts"], moe["top"]) == (2, 8, 2)
+
+
+ROUTING_STEPS = """
+model M(d = 16, e = 8) {
+  in x: f32[B, T, d]
+  out y: f32[B, T, d]
+  logits = linear(x, e, bias=false, name="router")
+  chosen = where(topk_gates(logits, 2) > 0.0, logits, -1000.0)
+  gates = topk_gates(chosen, 2)
+  y = 0.0
+  repeat e as i {
+    y += swiglu(x, 12, name="expert") * slice(gates, -1, i, i + 1)
+  }
+}
+"""
+
+
+def test_a_topk_gates_used_as_a_mask_is_no_mixture(capsys, tmp_path):
+    """A hand-written router that uses topk_gates as a mask before the gates: one mixture, not two."""
+    (tmp_path / "steps.tsr").write_text(ROUTING_STEPS)
+    graph = build(str(tmp_path / "steps.tsr"))
+    assert sum(n.op == "topk_gates" for n in graph.nodes.values()) == 2
+    notes = SparseExperts()(graph.copy()).notes
+    assert len(notes) == 1 and notes[0].sparse
