@@ -477,3 +477,18 @@ def test_a_topk_gates_used_as_a_mask_is_no_mixture(capsys, tmp_path):
     assert sum(n.op == "topk_gates" for n in graph.nodes.values()) == 2
     notes = SparseExperts()(graph.copy()).notes
     assert len(notes) == 1 and notes[0].sparse
+
+
+def test_the_routing_cost_by_hand(tmp_path):
+    """DeepSeek's routing for n tokens over E logits: sigmoid 4·n·E, the bias n·E, the groups' top-2 sums
+    3·n·E and their choice groups·top_groups per token, choosing k·n·E, renormalising 2·n·k, scaling n·k;
+    the experts' MACs unchanged by the routing (k experts of 3·d·f per token)."""
+    from tessera.compiler.analysis import cost
+
+    graph = _build(tmp_path, 'experts(x, e, k, f, scoring="sigmoid", correction_bias=true, groups=4, '
+                             'top_groups=2, scale=2.5, name="moe")')
+    (c,) = [c for c in cost.node_costs(graph)[0] if c.op == "sparse_moe"]
+    b, t, d, e, k, f = 2, 9, 16, 8, 2, 12
+    n, bind = b * t, {"B": b, "T": t}
+    assert c.flops["routing"].evaluate(bind) == 4 * n * e + n * e + 3 * n * e + n * 4 * 2 + k * n * e + 3 * n * k
+    assert c.macs.evaluate(bind) == n * k * 3 * d * f
