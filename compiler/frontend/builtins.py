@@ -636,6 +636,34 @@ def _topk_gates(call, logits, k, normalize):
     return call.emit("topk_gates", [t], attrs)
 
 
+@builtin("topk_indices", ("x", R), ("k", R))
+def _topk_indices(call, x, k):
+    """The positions of the k largest values along the last axis (a fixed size), i64 [..., k], largest
+    first, ties to the lower index (torch.topk's indices; ``gather(x, topk_indices(x, k), -1)`` are the
+    values). A routing step, not a mixture of experts."""
+    return call.emit("topk_indices", [_topk_input(call, x, k)], {"k": _int(call, k, "k", 1)})
+
+
+@builtin("topk_mask", ("x", R), ("k", R))
+def _topk_mask(call, x, k):
+    """True at the k largest values along the last axis (ties to the lower index), false elsewhere, x's
+    shape: ``where(topk_mask(s, k), s, -inf)`` keeps the top k (what ``topk_gates(s, k) > 0.0`` stood
+    for, without its softmax underflowing to 0). A routing step, not a mixture of experts."""
+    return call.emit("topk_mask", [_topk_input(call, x, k)], {"k": _int(call, k, "k", 1)})
+
+
+def _topk_input(call, x, k) -> Tensor:
+    """x for topk_indices/topk_mask: a float tensor whose last axis is fixed and at least k."""
+    t = _tensor(call, x)
+    if t.type.dtype not in ("f32", "f16", "bf16"):
+        raise call.error(f"top-k needs a floating-point tensor, got {t.type}", x[1])
+    e = _static_last(call, t)
+    n = _int(call, k, "k", 1)
+    if n > e:
+        raise call.error(f"k={n} is more than the last axis' {e}", k[1])
+    return t
+
+
 CLAMPED_SWIGLU = {"alpha": 1.702, "limit": 7.0}  # gpt-oss's (GptOssConfig swiglu_alpha, swiglu_limit)
 
 
