@@ -477,6 +477,10 @@ def test_a_topk_gates_used_as_a_mask_is_no_mixture(capsys, tmp_path):
     assert sum(n.op == "topk_gates" for n in graph.nodes.values()) == 2
     notes = SparseExperts()(graph.copy()).notes
     assert len(notes) == 1 and notes[0].sparse
+    from tessera.compiler.analysis import structure
+
+    (found,) = structure.analyse(graph).experts  # the report counts the same one
+    assert (found.count, found.top, len(found.branches)) == (8, 2, 8)
 
 
 def test_the_routing_cost_by_hand(tmp_path):
