@@ -104,6 +104,24 @@ def plain_choice(attrs) -> bool:
     return not attrs.get("correction_bias") and not attrs.get("groups")
 
 
+def describe_routing(attrs) -> str:
+    """The routing options a node has beyond the default softmax top k, in words ("" for none), for --explain."""
+    parts = []
+    if attrs.get("scoring", "softmax") != "softmax":
+        parts.append(f"{attrs['scoring']} scores")
+    if attrs.get("correction_bias"):
+        parts.append("correction bias")
+    if attrs.get("groups"):
+        parts.append(f"best {attrs['top_groups']} of {attrs['groups']} groups")
+    if attrs.get("normalize") is False:
+        parts.append("not renormalised")
+    if "scale" in attrs:
+        parts.append(f"scaled by {attrs['scale']:g}")
+    if attrs.get("gates_on", "output") != "output":
+        parts.append(f"gates on the {attrs['gates_on']}")
+    return ", ".join(parts)
+
+
 def moe_refusal(attrs) -> str | None:
     """Why com.microsoft.MoE cannot compute this node (None: it can). Its routing is softmax(router_probs),
     top k, renormalised or not: it has no other scoring, no separate choosing scores, no groups, and it

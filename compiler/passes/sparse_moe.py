@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tessera.compiler.ir.graph import Graph
-from tessera.compiler.ops.experts import IMPLS, moe_refusal
+from tessera.compiler.ops.experts import IMPLS, describe_routing, moe_refusal
 from tessera.compiler.passes.base import Pass, PassError, PassResult
 from tessera.compiler.patterns.experts import sparse_block, weighs_experts
 
@@ -45,13 +45,14 @@ class ExpertSite:
     reason: str = ""
     node: str | None = None
     impl: str | None = None
+    routing: str = ""  # the routing options beyond a softmax top k, in words (describe_routing)
 
     def describe(self) -> str:
         return f"{self.scope or '<model>'}: {self.verdict()}"
 
     def verdict(self) -> str:
         """What became of the mixture and why, without where it is: --explain groups the sites sharing one."""
-        head = f"top {self.top} of {self.experts} experts"
+        head = f"top {self.top} of {self.experts} experts" + (f" ({self.routing})" if self.routing else "")
         if self.sparse:
             return f"{head}: sparse ({self.impl})" + (f": {self.reason}" if self.reason else "")
         return f"{head}: dense: {self.reason}"
@@ -84,7 +85,7 @@ class SparseExperts(Pass):
             if not self.enabled:
                 reason.append("written sparse (the experts builtin): --no-sparse-moe has no dense form of it")
             sites.append(ExpertSite(node.name, node.scope, e, k, True, node=node.name, impl=impl,
-                                    reason="; ".join(reason)))
+                                    reason="; ".join(reason), routing=describe_routing(node.attrs)))
         for g in [n for n in graph.nodes.values() if n.op == "topk_gates"]:
             if not weighs_experts(graph, g):  # a routing step (a mask, a group choice): not a mixture
                 continue

@@ -447,7 +447,8 @@ def test_explain_and_report_count_one_mixture_per_experts_call(capsys, tmp_path)
     rc, _, err = cli(capsys, "compile", STACK, "-o", tmp_path / "h.onnx", "--explain", "--target", "cuda",
                      "--dtype", "fp16")
     assert rc == 0, err
-    assert "2 sites layers.{1-2}: top 2 of 8 experts: sparse (gather): com.microsoft.MoE cannot express " \
+    assert "2 sites layers.{1-2}: top 2 of 8 experts (sigmoid scores, correction bias, best 2 of 4 groups, " \
+           "scaled by 2.5): sparse (gather): com.microsoft.MoE cannot express " \
            "sigmoid scores" in err
     rc, out, err = cli(capsys, "report", STACK, "--format", "json", "-N", "16")
     assert rc == 0, err
