@@ -1,6 +1,7 @@
 """Sparse mixture of experts: each token runs only the ``k`` experts its router picks.
 
-``sparse_moe(x, logits, gate_0, up_0, down_0, ..., gate_{E-1}, up_{E-1}, down_{E-1})`` is what the
+``sparse_moe(x, logits[, correction_bias], gate_0, up_0, down_0, ..., gate_{E-1}, up_{E-1}, down_{E-1})``,
+with its default routing, is what the
 standard library's dense ``moe`` block computes (spec/stdlib/nn.tsr, with SwiGLU experts): for each
 token, the top ``k`` of the ``E`` router logits, their softmax (Mixtral's softmax over all logits,
 top-k, renormalised, which is the same), and the gate-weighted sum of those experts'
@@ -29,9 +30,6 @@ Options (attributes; each lowering says which it takes and refuses the rest):
 - ``act`` (default ``"swiglu"``: ``silu(g) * u``): ``"clamped_swiglu"`` is gpt-oss's
   ``(clip(u, -limit, limit) + 1) * g' * sigmoid(alpha * g')`` with ``g' = min(g, limit)``
   (transformers' GptOssExperts._apply_gate), attributes ``alpha`` and ``limit`` (> 0).
-- ``normalize`` (default True): the softmax over the chosen k logits, which is both Mixtral's
-  "softmax over all, top k, renormalised" and gpt-oss's "top k, then softmax over them" (equal
-  but for ties); False: the softmax over all E at the chosen k (Qwen-MoE's norm_topk_prob=false).
 
 Routing options (DeepSeek-V3's DeepseekV3TopkRouter and Llama 4's Llama4Router/Llama4TextMoe in
 transformers, followed step by step):
@@ -42,8 +40,11 @@ transformers, followed step by step):
 - ``groups``, ``top_groups`` (absent: no grouping): the E experts in ``groups`` equal groups of
   consecutive experts, each group scored by the sum of its two best choosing scores; only the experts
   of the best ``top_groups`` groups may be chosen (DeepSeek's n_group, topk_group).
-- ``normalize``: True: the chosen gates renormalised to sum to 1 (softmax scores: the softmax over the
-  chosen logits; sigmoid scores: divided by their sum + 1e-20, as DeepSeek); False: the scores as they are.
+- ``normalize`` (default True): the chosen gates renormalised to sum to 1 (softmax scores: the softmax
+  over the chosen k logits, which is both Mixtral's "softmax over all, top k, renormalised" and
+  gpt-oss's "top k, then softmax over them", equal but for ties; sigmoid scores: divided by their sum
+  + 1e-20, as DeepSeek); False: the scores as they are (softmax: over all E, at the chosen k, as
+  Qwen-MoE's norm_topk_prob=false).
 - ``scale`` (absent: 1): the gates times it, after normalising (DeepSeek's routed_scaling_factor).
 - ``gates_on`` (default ``"output"``): ``"input"``: each chosen expert runs on ``x * gate`` and its
   output is summed unweighted (Llama 4: sigmoid of the chosen logit times the expert's input).
