@@ -17,6 +17,7 @@ from tessera.compiler.ir import dims
 from tessera.compiler.ir.graph import DTYPES
 from tessera.compiler.frontend.values import REQUIRED, Builtin, Tensor, describe
 from tessera.compiler.reference.numerics import ROPE_TYPES
+from tessera.compiler.ops.experts import GATES_ON, SCORINGS, group_problem
 
 BUILTINS: dict[str, Builtin] = {}
 
@@ -635,12 +636,42 @@ def _topk_gates(call, logits, k, normalize):
     return call.emit("topk_gates", [t], attrs)
 
 
+@builtin("topk_indices", ("x", R), ("k", R))
+def _topk_indices(call, x, k):
+    """The positions of the k largest values along the last axis (a fixed size), i64 [..., k], largest
+    first, ties to the lower index (torch.topk's indices; ``gather(x, topk_indices(x, k), -1)`` are the
+    values). A routing step, not a mixture of experts."""
+    return call.emit("topk_indices", [_topk_input(call, x, k)], {"k": _int(call, k, "k", 1)})
+
+
+@builtin("topk_mask", ("x", R), ("k", R))
+def _topk_mask(call, x, k):
+    """True at the k largest values along the last axis (ties to the lower index), false elsewhere, x's
+    shape: ``where(topk_mask(s, k), s, -inf)`` keeps the top k (what ``topk_gates(s, k) > 0.0`` stood
+    for, without its softmax underflowing to 0). A routing step, not a mixture of experts."""
+    return call.emit("topk_mask", [_topk_input(call, x, k)], {"k": _int(call, k, "k", 1)})
+
+
+def _topk_input(call, x, k) -> Tensor:
+    """x for topk_indices/topk_mask: a float tensor whose last axis is fixed and at least k."""
+    t = _tensor(call, x)
+    if t.type.dtype not in ("f32", "f16", "bf16"):
+        raise call.error(f"top-k needs a floating-point tensor, got {t.type}", x[1])
+    e = _static_last(call, t)
+    n = _int(call, k, "k", 1)
+    if n > e:
+        raise call.error(f"k={n} is more than the last axis' {e}", k[1])
+    return t
+
+
 CLAMPED_SWIGLU = {"alpha": 1.702, "limit": 7.0}  # gpt-oss's (GptOssConfig swiglu_alpha, swiglu_limit)
 
 
 @builtin("experts", ("x", R), ("count", R), ("top", R), ("d_ff", R), ("normalize", True), ("bias", False),
-         ("router_bias", False), ("act", "swiglu"), ("alpha", 0.0), ("limit", 0.0))
-def _experts(call, x, count, top, d_ff, normalize, bias, router_bias, act, alpha, limit):
+         ("router_bias", False), ("act", "swiglu"), ("alpha", 0.0), ("limit", 0.0), ("scoring", "softmax"),
+         ("correction_bias", False), ("groups", 1), ("top_groups", 0), ("scale", 1.0), ("gates_on", "output"))
+def _experts(call, x, count, top, d_ff, normalize, bias, router_bias, act, alpha, limit, scoring, correction_bias,
+             groups, top_groups, scale, gates_on):
     """A mixture of ``count`` SwiGLU experts as one sparse node: a router (``router.weight`` [count, d],
     and with router_bias=true ``router.bias``) picks the ``top`` experts of each token, which alone run
     down(silu(gate(x)) * up(x)) (``experts.{e}.ffn.gate/up/down.weight``, the standard library moe
@@ -648,9 +679,16 @@ def _experts(call, x, count, top, d_ff, normalize, bias, router_bias, act, alpha
     them"; normalize=false: the softmax over all, at the chosen). bias=true: each expert's linears have
     biases (``experts.{e}.ffn.gate/up/down.bias``); act="clamped_swiglu": gpt-oss's
     (clip(up, -limit, limit) + 1) * g * sigmoid(alpha * g), g = min(gate, limit), with alpha and limit
-    (0: gpt-oss's 1.702 and 7.0; given with act="swiglu" they are refused, not ignored). Equal to ``moe(x, count, top,
-    d_ff)`` for the defaults, in one IR node instead of one subgraph per expert, so models of 128
-    experts in 48 layers elaborate."""
+    (0: gpt-oss's 1.702 and 7.0; given with act="swiglu" they are refused, not ignored). Routing
+    (DeepSeek-V3, Llama 4): scoring="sigmoid": each score sigmoid(logit), the gates the chosen scores
+    (normalize=true: divided by their sum + 1e-20; false: as they are); correction_bias=true: a bias
+    ``router.correction_bias`` [count] added to the scores for choosing only (DeepSeek's
+    e_score_correction_bias); groups=n, top_groups=m: the experts in n groups, each scored by the sum
+    of its two best (bias included), only the best m groups' experts eligible; scale: the gates times
+    it (routed_scaling_factor); gates_on="input": each chosen expert runs on x * gate and its output is
+    summed unweighted (Llama 4). Without a correction bias or groups the top logits are chosen.
+    Equal to ``moe(x, count, top, d_ff)`` for the defaults, in one IR node instead of one subgraph per
+    expert, so models of 128 experts in 48 layers elaborate."""
     t = _tensor(call, x)
     e, k, f = _int(call, count, "count", 1), _int(call, top, "top", 1), _int(call, d_ff, "d_ff", 1)
     if k > e:
@@ -673,10 +711,15 @@ def _experts(call, x, count, top, d_ff, normalize, bias, router_bias, act, alpha
                 raise call.error(f"'{name}' of the clamped SwiGLU must be a finite number > 0 (0: {CLAMPED_SWIGLU[name]}), "
                                  f"got {val}", v[1])
             attrs["act"], attrs[name] = kind, val
+    attrs.update(_routing_options(call, e, k, scoring, groups, top_groups, scale, gates_on))
     router = [t, call.param("router.weight", (e, d), "normal")]
     if _bool(call, router_bias, "router_bias"):
         router.append(call.param("router.bias", (e,), "zeros"))
     logits = call.emit("linear", router)
+    routing = [t, logits]
+    if _bool(call, correction_bias, "correction_bias"):
+        routing.append(call.param("router.correction_bias", (e,), "zeros"))
+        attrs["correction_bias"] = True
     with_bias = _bool(call, bias, "bias")
     weights = []
     for i in range(e):
@@ -691,7 +734,34 @@ def _experts(call, x, count, top, d_ff, normalize, bias, router_bias, act, alpha
         attrs["bias"] = True
     if not _bool(call, normalize, "normalize"):
         attrs["normalize"] = False
-    return call.emit("sparse_moe", [t, logits, *weights], attrs)
+    return call.emit("sparse_moe", [*routing, *weights], attrs)
+
+
+def _routing_options(call, e, k, scoring, groups, top_groups, scale, gates_on) -> dict:
+    """The experts builtin's routing attributes (compiler/ops/experts.py), each checked where it is written;
+    defaults leave no attribute, so a default mixture is the node it always was."""
+    attrs = {}
+    if _choice(call, scoring, "scoring", SCORINGS) != "softmax":
+        attrs["scoring"] = scoring[0]
+    if _choice(call, gates_on, "gates_on", GATES_ON) != "output":
+        attrs["gates_on"] = gates_on[0]
+    s = _float(call, scale, "scale")
+    if not 0.0 < s < math.inf:
+        raise call.error(f"'scale' (the gates' scaling factor) must be a finite number > 0, got {s}", scale[1])
+    if s != 1.0:
+        attrs["scale"] = s
+    g, tg = _int(call, groups, "groups", 1), _int(call, top_groups, "top_groups", 0)
+    if g == 1:
+        if tg:  # it would be silently unused
+            raise call.error(f"'top_groups' applies to groups > 1, not groups=1", top_groups[1])
+        return attrs
+    if not tg:
+        raise call.error(f"groups={g} needs 'top_groups', how many groups' experts may be chosen", groups[1])
+    why = group_problem(e, k, g, tg)
+    if why:
+        raise call.error(why, top_groups[1] if "top_groups" in why else groups[1])
+    attrs["groups"], attrs["top_groups"] = g, tg
+    return attrs
 
 
 # ------------------------------------------------------------------ positions

@@ -202,6 +202,51 @@ def _topk_gates(t, a):
     return [x]
 
 
+def topk_indices(x, k):
+    """The positions of the k largest along the last axis, largest first, ties to the lower index (as ONNX TopK)."""
+    return np.argsort(-x, axis=-1, kind="stable")[..., :k].astype(np.int64)
+
+
+def topk_mask(x, k):
+    """True at the k largest along the last axis (ties to the lower index), False elsewhere."""
+    out = np.zeros(x.shape, bool)
+    np.put_along_axis(out, topk_indices(x, k), True, axis=-1)
+    return out
+
+
+def _topk_pick_flops(c):
+    # k compares per element to choose (the mask: one more write per element)
+    x = c.numel(c.type(0).shape)
+    return {"routing": x * int(c.attrs["k"]) + (x if c.op == "topk_mask" else 0)}
+
+
+def _topk_checked(t, a) -> TensorType:
+    """x, checked: a float tensor with a fixed last axis of at least attrs["k"] >= 1."""
+    x = t[0]
+    common.need_float(x, "topk")
+    e, k = x.shape[-1] if x.rank else None, a.get("k")
+    if e is None or not dims.is_static(e):
+        raise ShapeError(f"topk needs a fixed last axis, got {x}")
+    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= int(e):
+        raise ShapeError(f"topk needs 1 <= k <= {dims.fmt(e)} (the last axis), got {k!r}")
+    return x
+
+
+@op("topk_indices", reference=lambda x, a, ev: topk_indices(x[0], a["k"]), cost=custom(_topk_pick_flops), saved=())
+def _topk_indices(t, a):
+    """The positions of the top attrs["k"] of the last axis (a fixed size), i64 [..., k], largest first,
+    ties to the lower index. A routing step, not a mixture of experts."""
+    x = _topk_checked(t, a)
+    return [TensorType("i64", x.shape[:-1] + (dims.dim(a["k"]),))]
+
+
+@op("topk_mask", reference=lambda x, a, ev: topk_mask(x[0], a["k"]), cost=custom(_topk_pick_flops), saved=())
+def _topk_mask(t, a):
+    """A bool tensor of x's shape, true at the top attrs["k"] of the last axis (ties to the lower index)."""
+    x = _topk_checked(t, a)
+    return [TensorType("bool", x.shape)]
+
+
 # ------------------------------------------------------------------ fused attention
 # The attribute schema of fused_attention (``fused_schema``): every attribute a node may carry, its
 # type and allowed values. The score epilogue's own (scale, softcap, bias, causal, window, padding) come from

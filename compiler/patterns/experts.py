@@ -3,6 +3,8 @@
 The standard library's ``moe`` block (spec/stdlib/nn.tsr) is written densely: ``topk_gates`` of the
 router logits, and for each expert ``e`` its output times ``slice(gates, -1, e, e+1)``, summed.
 
+- ``weighs_experts(graph, gate)``: whether a topk_gates node weighs experts at all (one slice per
+  expert); a topk_gates used as a mask or a group choice is a routing step, not a mixture.
 - ``routing(graph, gate)``: the gates sliced once per expert, each slice weighting one expert's
   output by a ``mul``. analysis/structure.py reports every block this matches (its experts,
   whatever they compute), so the report and the pass agree on what is a mixture of experts.
@@ -52,6 +54,16 @@ SWIGLU = Pat("linear", (
         why="an expert is not a SwiGLU (down(silu(gate(x)) * up(x)))"),
     Pat(name="w_down"),
 ), check=_linear("output"), private=True, outside=_OUTSIDE)
+
+
+def weighs_experts(graph: Graph, gate: Node) -> bool:
+    """Whether any one expert's gate is sliced out of this topk_gates node's output (width 1 on the last
+    axis): a mixture, recognised or not. Without such a slice it is a routing step of some other use (a
+    mask, ``topk_gates(s, k) > 0.0``, or a choice among groups), which neither the report nor --explain
+    counts as a mixture of experts."""
+    last = graph.type_of(gate.inputs[0]).rank - 1
+    return any(s.op == "slice" and s.attrs.get("axis") in (-1, last)
+               and s.attrs.get("end") == s.attrs.get("start", 0) + 1 for s in graph.consumers(gate.outputs[0]))
 
 
 def routing(graph: Graph, gate: Node) -> MatchResult:

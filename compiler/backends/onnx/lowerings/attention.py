@@ -169,6 +169,24 @@ def _rope_fused(L, r: int, hd: int, interleaved: bool, inv_freq: np.ndarray) -> 
     L.emit("RotaryEmbedding", [x[0], cos, sin], **attrs)
 
 
+def _topk_index(L, out: str | None = None) -> str:
+    """TopK's indices of the node's input along the last axis, largest first, ties to the lower index
+    (written to ``out`` if given; bf16: TopK has no kernel for it at opset 21, so in fp32)."""
+    b, x = L.b, L.x[0]
+    if L.t_in[0].dtype == "bf16":
+        x = b.node("Cast", [x], to=b.onnx_type("f32"))[0]
+    return b.node("TopK", [x, b.i64([L.a["k"]])], [b.fresh("TopK"), out or b.fresh("TopK")], axis=-1, largest=1,
+                  sorted=1)[1]
+
+
+def _topk_mask(L):
+    """False everywhere, then True scattered at TopK's indices."""
+    b, idx = L.b, _topk_index(L)
+    none = b.node("ConstantOfShape", [b.node("Shape", [L.x[0]])[0]], value=b.tensor_value(np.zeros(1, np.bool_)))[0]
+    every = b.node("ConstantOfShape", [b.node("Shape", [idx])[0]], value=b.tensor_value(np.ones(1, np.bool_)))[0]
+    L.emit("ScatterElements", [none, idx, every], axis=-1)
+
+
 def _topk_gates(L):
     b, x = L.b, L.x
     logits = x[0]
@@ -215,5 +233,7 @@ LOWERINGS = {
     "padding_mask": _padding_mask,
     "rope": _rope,
     "topk_gates": _topk_gates,
+    "topk_indices": lambda L: _topk_index(L, L.out),
+    "topk_mask": _topk_mask,
     "fused_attention": lambda L: lower_fused_attention(L.b, L.node, L.out),
 }
