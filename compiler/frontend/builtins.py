@@ -552,7 +552,7 @@ def _padding_mask(call, scores, mask):
 @builtin("rope", ("x", R), ("theta", 10000.0), ("factor", 1.0), ("low_freq", 1.0), ("high_freq", 4.0),
          ("original_ctx", 8192), ("dims", 0), ("layout", "half"), ("max_ctx", 0), ("scaling", "llama3"),
          ("beta_fast", 32.0), ("beta_slow", 1.0), ("attention_factor", 0.0), ("truncate", True),
-         ("short_factor", ()), ("long_factor", ()))
+         ("short_factor", []), ("long_factor", []))
 def _rope(call, x, theta, factor, low_freq, high_freq, original_ctx, dims, layout, max_ctx, scaling,
           beta_fast, beta_slow, attention_factor, truncate, short_factor, long_factor):
     """Rotary position embedding on [..., T, hd].
@@ -564,7 +564,7 @@ def _rope(call, x, theta, factor, low_freq, high_freq, original_ctx, dims, layou
     rope_scaling; factor = 1 (the default) is plain RoPE and ignores the other three. scaling picks
     another rope_type of transformers' for factor > 1: "linear" (frequencies / factor), "dynamic"
     (dynamic NTK: the base grows with the run's length past original_ctx, the checkpoint's
-    max_position_embeddings; no KV-cached form) or "yarn" (beta_fast, beta_slow, original_ctx =
+    max_position_embeddings; no KV-cached form), "yarn" (beta_fast, beta_slow, original_ctx =
     original_max_position_embeddings, truncate; cos and sin times attention_factor, 0: derived from
     factor as transformers does) or "longrope" (Phi-3's, at any factor: short_factor and long_factor,
     r/2 numbers each, divide each frequency, the short ones while the sequence -- its largest

@@ -1,4 +1,5 @@
-"""Rope scaling types beyond Llama 3.1's (issue 24): linear, dynamic NTK and YaRN, each equal to
+"""Rope scaling types beyond Llama 3.1's (issue 24; longrope: issue 39): linear, dynamic NTK, YaRN and
+Phi-3's longrope (its short and long factor lists, the switch past original_ctx, its cos/sin factor), each equal to
 transformers' own rotary embedding (LlamaRotaryEmbedding with that rope_parameters, whose inverse
 frequencies come from transformers.modeling_rope_utils) and apply_rotary_pos_emb, in the numpy
 interpreter and in onnxruntime; YaRN also through the KV-cached decoder's RotaryEmbedding; dynamic
@@ -119,6 +120,15 @@ def test_bad_scaling_options_are_positioned_errors(spec_path):
         build(spec_path, factor=2.0, kind="llama3", low=2.0, high=1.0)
     with pytest.raises(SpecError, match="yarn needs 0 < beta_slow < beta_fast"):
         build(spec_path, factor=2.0, kind="yarn", fast=1.0, slow=4.0)
+    with pytest.raises(SpecError, match=r"longrope needs 'short_factor': a list of 8 numbers > 0 \(one per frequency "
+                                        r"of the 16 rotated features\), got 0 values"):
+        build(spec_path, kind="longrope", long=LONG)
+    with pytest.raises(SpecError, match="longrope needs 'long_factor': a list of 4 numbers > 0 .*, got 8 values"):
+        build(spec_path, kind="longrope", dims=8, short=SHORT[:4], long=LONG)
+    with pytest.raises(SpecError, match="longrope needs 'long_factor': a list of 8 numbers > 0"):
+        build(spec_path, kind="longrope", short=SHORT, long=LONG[:7] + [0.0])
+    with pytest.raises(SpecError, match="'original_ctx' must be at least 2, got 1"):
+        build(spec_path, kind="longrope", ctx=1, short=SHORT, long=LONG)
 
 
 DECODER = """
