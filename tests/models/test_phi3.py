@@ -168,6 +168,18 @@ def test_the_folder_alone_is_the_model_every_site_fused(case, tmp_path, capsys):
     assert np.abs(got - ref).max() <= TOL
 
 
+def test_tessera_generate_takes_the_folder(case, capsys):
+    """`tessera generate FOLDER` (no spec, no --set): one prompt of 11 ids, 16 new tokens past the
+    longrope switch, equal to transformers' greedy generate (EOS ignored on both sides)."""
+    import json
+
+    name, model, folder = case
+    rc, out, err = cli(capsys, "generate", folder, "--input", f"tokens={json.dumps([PROMPTS[0]])}", "--format",
+                       "json", "-q", "--max-new-tokens", str(NEW), "--ignore-eos")
+    assert rc == 0, err
+    assert json.loads(out)["outputs"][0]["tokens"] == hf_greedy(model, PROMPTS[:1], NEW)[0]
+
+
 def test_what_cannot_follow_the_switch_refuses_it(case):
     """The serving engine batches unrelated requests (no one length to switch on): it serves up to the
     switch. Speculative decoding's rolled-back drafts cannot follow a recomputed cache: it refuses a
@@ -187,6 +199,26 @@ def test_what_cannot_follow_the_switch_refuses_it(case):
     with pytest.raises(UsageError, match=f"speculative decoding cannot cross position {ORIGINAL}"):
         RollbackCache(cached, PROMPTS, NEW, 2)
     RollbackCache(cached, [[5, 6]], 1, 2)
+
+
+def test_a_config_the_spec_does_not_implement_is_refused(case, tmp_path, capsys):
+    """Another rope_type, or biases (Phi-4-mini's config names them), are refused with the reason."""
+    import json
+    import shutil
+
+    name, model, folder = case
+    if name != "longrope":
+        pytest.skip("one folder is enough")
+    for key, value, want in (("rope_parameters", {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0},
+                              "rope_type dynamic is not implemented (default, longrope)"),
+                             ("mlp_bias", True, "mlp_bias = true is not supported")):
+        edited = tmp_path / key
+        shutil.copytree(folder, edited)
+        config = json.loads((edited / "config.json").read_text())
+        config[key] = value
+        (edited / "config.json").write_text(json.dumps(config))
+        rc, _, err = cli(capsys, "compile", edited, "-o", tmp_path / f"{key}.onnx")
+        assert rc == 2 and want in err and "Traceback" not in err, err
 
 
 # config.json sizes (huggingface.co/microsoft/Phi-3-mini-4k-instruct: 3,821,079,552 parameters;
