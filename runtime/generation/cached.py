@@ -427,8 +427,8 @@ class CachedDecoder:
             mask[r, t0 - len(p):] = 1
         self.tokens, self.mask = ids, mask
         # every token so far, left-padded, and its mask: a longrope model (info.length_switch) runs them
-        # all again at the step that takes the batch past its switch (restart)
-        self.history = (ids, mask) if info.length_switch else None
+        # all again at the step that takes the batch past its switch (restart); kept only until then
+        self.history = (ids, mask) if info.length_switch and t0 <= info.length_switch else None
         self.lengths = np.array([len(p) for p in prompts], dtype=np.int64)  # real tokens per row so far
         self.buffer = info.mode == "buffer"
         self.window = cache_window(info)
@@ -502,6 +502,7 @@ class CachedDecoder:
                 # the batch's longest row passes the switch at this step (transformers: max(position_ids) + 1)
                 if self.positions.max() + 1 > info.length_switch >= self.positions.max():
                     self._restart()
+                    self.history = None
         tokens, mask = self.tokens, self.mask
         t = tokens.shape[1]
         prefill = self.first and self.buffer

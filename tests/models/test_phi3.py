@@ -153,6 +153,20 @@ def test_longrope_generation_recomputes_its_cache_where_the_factors_switch(case,
     assert max(check.worst[:switch]) <= TOL and max(check.worst[switch:]) > 100 * TOL, check.worst
 
 
+def test_longrope_generation_from_a_prompt_past_the_switch(case):
+    """A prompt already longer than original_ctx: the prompt runs with the long factors and nothing is
+    recomputed; every step equals transformers' uncached forward over the batch."""
+    from tessera.runtime.generation.cached import generate
+
+    name, model, folder = case
+    if not name.startswith("longrope"):
+        pytest.skip("plain rotary: nothing switches")
+    prompts = [np.random.default_rng(5).integers(1, VOCAB, n).tolist() for n in (ORIGINAL + 4, 9)]
+    check = WholeBatch(model, prompts)
+    generate(_cached(folder), prompts, 6, on_logits=check)
+    assert max(check.worst) <= TOL, check.worst
+
+
 def test_the_folder_alone_is_the_model_every_site_fused(case, tmp_path, capsys):
     import onnxruntime as ort
 
