@@ -142,6 +142,9 @@ class CacheInfo:
         if self.states:
             lines.append(f"recurrent state: {sum(s.kind == 'scan' for s in self.states)} scan state(s), "
                          f"{sum(s.kind == 'conv' for s in self.states)} causal conv1d window(s) carried")
+        if self.length_switch is not None:
+            lines.append(f"longrope: the rotary switches to its long factors past {self.length_switch} positions; "
+                         f"generation runs the whole sequence again at the step that crosses it")
         groups: dict[tuple[str, str], list[str]] = {}
         for k in self.kernels:
             groups.setdefault((k.impl, k.reason), []).append(k.site)

@@ -102,6 +102,8 @@ def test_cached_greedy_generation_of_a_left_padded_batch_equals_transformers(cas
     name, model, folder = case
     cached = _cached(folder)
     assert cached.info.length_switch == (ORIGINAL if name.startswith("longrope") else None)
+    assert ("longrope: the rotary switches to its long factors past 16 positions" in cached.info.explain()) == \
+        name.startswith("longrope")
     ours = generate(cached, PROMPTS, NEW, Sampling(repetition_penalty=penalty)).tokens
     assert ours == hf_greedy(model, PROMPTS, NEW, repetition_penalty=penalty)
     assert len({t for row in ours for t in row}) > 5, "degenerate: the model repeats one token"
