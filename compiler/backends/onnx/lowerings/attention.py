@@ -147,8 +147,11 @@ def _rope_length(b, x: list[str], n) -> str:
     position + 1 of the whole batch with explicit positions (transformers' max(position_ids) + 1)."""
     if len(x) == 1:
         return b.dim_scalar(n)
-    top = b.node("ReduceMax", [x[1]], keepdims=0)[0]
-    return b.node("Add", [top, b.const(np.array(1, dtype=np.int64), "one")])[0]
+    # TopK(1) of the flattened positions rather than ReduceMax: onnxruntime's CUDA ReduceMax over [B, T]
+    # goes through cuDNN's reduction (tests/cuda: the stub has none), its TopK does not
+    flat = b.node("Reshape", [x[1], b.i64([-1])])[0]
+    top = b.node("TopK", [flat, b.i64([1])], 2, axis=-1, largest=1, sorted=1)[0]  # [1]
+    return b.node("Add", [b.node("Squeeze", [top, b.i64([0])])[0], b.const(np.array(1, dtype=np.int64), "one")])[0]
 
 
 def _longrope_inv_freq(b, a, r: int, length: str, lead: bool) -> str:
