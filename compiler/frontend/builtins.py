@@ -552,9 +552,10 @@ def _padding_mask(call, scores, mask):
 
 @builtin("rope", ("x", R), ("theta", 10000.0), ("factor", 1.0), ("low_freq", 1.0), ("high_freq", 4.0),
          ("original_ctx", 8192), ("dims", 0), ("layout", "half"), ("max_ctx", 0), ("scaling", "llama3"),
-         ("beta_fast", 32.0), ("beta_slow", 1.0), ("attention_factor", 0.0), ("truncate", True))
+         ("beta_fast", 32.0), ("beta_slow", 1.0), ("attention_factor", 0.0), ("truncate", True),
+         ("short_factor", []), ("long_factor", []))
 def _rope(call, x, theta, factor, low_freq, high_freq, original_ctx, dims, layout, max_ctx, scaling,
-          beta_fast, beta_slow, attention_factor, truncate):
+          beta_fast, beta_slow, attention_factor, truncate, short_factor, long_factor):
     """Rotary position embedding on [..., T, hd].
 
     layout="half" pairs feature i with i + r/2 (rotate-half: GPT-NeoX, Llama); "interleaved" pairs
@@ -564,9 +565,12 @@ def _rope(call, x, theta, factor, low_freq, high_freq, original_ctx, dims, layou
     rope_scaling; factor = 1 (the default) is plain RoPE and ignores the other three. scaling picks
     another rope_type of transformers' for factor > 1: "linear" (frequencies / factor), "dynamic"
     (dynamic NTK: the base grows with the run's length past original_ctx, the checkpoint's
-    max_position_embeddings; no KV-cached form) or "yarn" (beta_fast, beta_slow, original_ctx =
+    max_position_embeddings; no KV-cached form), "yarn" (beta_fast, beta_slow, original_ctx =
     original_max_position_embeddings, truncate; cos and sin times attention_factor, 0: derived from
-    factor as transformers does). max_ctx > 0
+    factor as transformers does) or "longrope" (Phi-3's, at any factor: short_factor and long_factor,
+    r/2 numbers each, divide each frequency, the short ones while the sequence -- its largest
+    position + 1 -- is at most original_ctx, the long ones past it; cos and sin times
+    attention_factor, 0: sqrt(1 + ln(factor) / ln(original_ctx)), 1 for factor 1). max_ctx > 0
     declares the positions the model was trained for: `run` and `generate` refuse longer sequences
     (0: no limit declared)."""
     base = _float(call, theta, "theta")
@@ -590,7 +594,11 @@ def _rope(call, x, theta, factor, low_freq, high_freq, original_ctx, dims, layou
     if f < 1.0:
         raise call.error(f"'factor' must be at least 1.0 (1.0 is no scaling), got {f}", factor[1])
     kind = _choice(call, scaling, "scaling", ROPE_TYPES)
-    if f > 1.0 and kind != "llama3":
+    if kind == "longrope":  # its factor lists apply at any factor
+        attrs["scaling"] = _longrope(call, r or _static_last(call, t), f, original_ctx, attention_factor,
+                                     short_factor, long_factor)
+        attrs["rope_type"] = kind
+    elif f > 1.0 and kind != "llama3":
         ctx = _int(call, original_ctx, "original_ctx", 1)
         if kind == "linear":
             attrs["scaling"] = (f,)
@@ -615,6 +623,28 @@ def _rope(call, x, theta, factor, low_freq, high_freq, original_ctx, dims, layou
                              high_freq[1] or low_freq[1])
         attrs["scaling"] = (f, low, high, _int(call, original_ctx, "original_ctx", 1))
     return call.emit("rope", [t], attrs)
+
+
+def _longrope(call, r, factor, original_ctx, attention_factor, short_factor, long_factor) -> tuple:
+    """longrope's attribute (numerics.longrope_parts): original_ctx, the cos/sin factor (given, or
+    transformers' sqrt(1 + ln(factor) / ln(original_ctx)), 1 for factor 1), the short factors then
+    the long ones, r/2 positive numbers each."""
+    ctx = _int(call, original_ctx, "original_ctx", 2)  # ln(original_ctx) divides
+    lists = []
+    for arg, what in ((short_factor, "short_factor"), (long_factor, "long_factor")):
+        value, pos = arg
+        if not isinstance(value, (list, tuple)) or len(value) != r // 2 or not all(
+                isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0 for v in value):
+            got = f"{len(value)} values" if isinstance(value, (list, tuple)) else describe(value)
+            raise call.error(f"longrope needs '{what}': a list of {r // 2} numbers > 0 (one per frequency of the "
+                             f"{r} rotated features), got {got}", pos)
+        lists.append(tuple(float(v) for v in value))
+    af = _float(call, attention_factor, "attention_factor")
+    if af < 0.0:
+        raise call.error(f"'attention_factor' must be 0 (derived) or more, got {af}", attention_factor[1])
+    if af == 0.0:
+        af = math.sqrt(1 + math.log(factor) / math.log(ctx)) if factor > 1.0 else 1.0
+    return (ctx, af, *lists[0], *lists[1])
 
 
 MAX_EXPERTS = 512  # experts one router (topk_gates) may choose among: Kimi K2's 384 is the most published

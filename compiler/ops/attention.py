@@ -98,7 +98,7 @@ def _padding_mask(t, a):
 
 # ------------------------------------------------------------------ rotary embedding
 # attrs: theta, optional scaling (its parameters; rope_type says which: Llama 3.1's when absent,
-# else linear, dynamic or yarn, see reference/numerics.rope_inv_freq), and -- only when not the default, so graphs of
+# else linear, dynamic, yarn or longrope, see reference/numerics.rope_inv_freq), and -- only when not the default, so graphs of
 # existing specs keep their attributes -- dims (rotate the first `dims` features of the head,
 # pass the rest through: partial rotary as in GPT-NeoX, Phi, GPT-J) and interleaved (pair
 # features (0, 1), (2, 3), ... as GPT-J does, instead of the halves (i, i + dims/2) of NeoX
@@ -110,7 +110,10 @@ def rotated_dims(a, hd: int) -> int:
 def rope(x, theta, scaling=None, positions=None, dims_=None, interleaved=False, kind="llama3"):
     n, hd = x.shape[-2], x.shape[-1]
     r = dims_ or hd
-    inv_freq = rope_inv_freq(r, theta, scaling, kind, seq_len=n)
+    seq_len = n  # longrope's switch reads the largest position + 1 (the whole batch's, as transformers)
+    if positions is not None and kind == "longrope":
+        seq_len = int(positions.max()) + 1 if positions.size else 0
+    inv_freq = rope_inv_freq(r, theta, scaling, kind, seq_len=seq_len)
     if positions is None:
         freqs = np.arange(n, dtype=np.float32)[:, None] * inv_freq[None, :]
     else:  # explicit positions [B, T] (a KV-cached graph: past length P > 0, left padding)

@@ -59,7 +59,7 @@ from tessera.compiler.ir.graph import SymbolSource
 from tessera.compiler import ops
 from tessera.compiler.passes.attention_kernels import Target, cached_prefill, choose_cached, unsupported
 from tessera.compiler.patterns.positions import NotAffine, affine_reads, positions_reached
-from tessera.compiler.reference.numerics import sinusoidal_table
+from tessera.compiler.reference.numerics import longrope_parts, sinusoidal_table
 from tessera.compiler.passes.base import Pass, PassError, PassManager, PassResult, PipelineResult
 from tessera.compiler.passes import cache_schema
 from tessera.compiler.passes.cache_parts import CACHE_DTYPES, CacheError, CacheState, insert_before as _insert_before
@@ -128,6 +128,10 @@ class CacheInfo:
     # the gqa decoding step without its mask (CacheOptions.prefix_keys): each row's keys must be its columns
     # 0..cache_length, none hidden (the serving engine's layout; a left-padded batch breaks it)
     prefix_keys: bool = json(Kind("bool"), default=False)
+    # longrope (Phi-3): the rotary frequencies switch once the sequence (the batch's longest) passes this
+    # length, and the keys cached before were rotated with the others: the runtime runs the whole
+    # sequence again at the call that crosses it, as transformers does (Phi3ForCausalLM drops its cache)
+    length_switch: int | None = json(Kind("int", 1, optional=True), default=None)
     # --explain's lines from the passes over the exported graph (compiler/build.py); not in the file's metadata
     notes: list[str] = json(None, default_factory=list, compare=False)
 
@@ -138,6 +142,9 @@ class CacheInfo:
         if self.states:
             lines.append(f"recurrent state: {sum(s.kind == 'scan' for s in self.states)} scan state(s), "
                          f"{sum(s.kind == 'conv' for s in self.states)} causal conv1d window(s) carried")
+        if self.length_switch is not None:
+            lines.append(f"longrope: the rotary switches to its long factors past {self.length_switch} positions; "
+                         f"generation runs the whole sequence again at the step that crosses it")
         groups: dict[tuple[str, str], list[str]] = {}
         for k in self.kernels:
             groups.setdefault((k.impl, k.reason), []).append(k.site)
@@ -375,9 +382,11 @@ class AddCacheInputs(Pass):
 
 @dataclass(frozen=True)
 class CacheContext:
-    """The positions pass's note: the positions a prompt and its new tokens may span (None: unbounded)."""
+    """The positions pass's note: the positions a prompt and its new tokens may span (None: unbounded),
+    and the length past which a longrope rotary switches its frequencies (None: none does)."""
 
     positions: int | None
+    switch: int | None = None
 
 
 def _read_positions(g: Graph, arange: Node, b_dim, t_dim) -> list[int | None]:
@@ -428,7 +437,7 @@ class ReadPositionIds(Pass):
 
     def run(self, g: Graph) -> PassResult:
         b_dim, t_dim = _batch_and_time(g)
-        context = None
+        context = switch = None
         for node in list(g.nodes.values()):
             if node.op == "arange":
                 if not dims.equal(dims.dim(node.attrs["n"]), t_dim):
@@ -457,11 +466,18 @@ class ReadPositionIds(Pass):
                     raise CacheError(f"the rope at {node.scope} is dynamic NTK: its frequencies follow the whole "
                                      f"sequence's length, so keys cached at a shorter length would be rotated "
                                      f"differently; it has no cached form (run the model whole instead)")
+                if node.attrs.get("rope_type") == "longrope":
+                    at = longrope_parts(node.attrs["scaling"])[0]
+                    if switch not in (None, at):
+                        raise CacheError(f"the rope at {node.scope} switches its frequencies past {at} positions "
+                                         f"and another past {switch}: one decoder cannot recompute its cache at "
+                                         f"both lengths (its cached form is not known)")
+                    switch = at
                 g.set_inputs(node, [node.inputs[0], POSITIONS])
                 if node.attrs.get("max_ctx"):  # the trained context bounds prompt + new tokens
                     context = min(context or node.attrs["max_ctx"], node.attrs["max_ctx"])
         _settle(g)
-        return PassResult(g, True, [CacheContext(context)])
+        return PassResult(g, True, [CacheContext(context, switch)])
 
 
 class AddCacheLayers(Pass):
@@ -682,7 +698,8 @@ def cache_info(result: PipelineResult) -> CacheInfo:
     prefix = any(n.attrs.get("prefix_keys") for n in cached_sites(g))
     return CacheInfo(face.tokens, face.logits, layers, context.positions, face.last_only, face.mode, dtype,
                      [kernels[layer.node].kernel for layer in layers],
-                     LENGTH if any(layer.buffer_key for layer in layers) else None, states, prefix)
+                     LENGTH if any(layer.buffer_key for layer in layers) else None, states, prefix,
+                     length_switch=context.switch)
 
 
 def add_kv_cache(g: Graph, last_only: bool = False, mode: str = "auto", impl: str | None = None,

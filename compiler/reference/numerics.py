@@ -25,7 +25,15 @@ def softmax(x: np.ndarray, axis: int) -> np.ndarray:
     return e / np.sum(e, axis=axis, keepdims=True)
 
 
-ROPE_TYPES = ("llama3", "linear", "dynamic", "yarn")
+ROPE_TYPES = ("llama3", "linear", "dynamic", "yarn", "longrope")
+
+
+def longrope_parts(scaling: tuple) -> tuple[int, float, tuple, tuple]:
+    """A longrope rope's attribute (original_ctx, attention_factor, short factors..., long factors...)
+    as (original_ctx, attention_factor, short, long): one flat tuple of numbers in the graph, like
+    every other kind's, so attribute hashing and printing need nothing new."""
+    half = (len(scaling) - 2) // 2
+    return int(scaling[0]), float(scaling[1]), tuple(scaling[2:2 + half]), tuple(scaling[2 + half:])
 
 
 def rope_inv_freq(hd: int, theta: float, scaling: tuple | None = None, kind: str = "llama3",
@@ -40,7 +48,16 @@ def rope_inv_freq(hd: int, theta: float, scaling: tuple | None = None, kind: str
     - "dynamic": (factor, original_ctx), dynamic NTK: the base grows with the sequence length
       ``seq_len`` once it passes original_ctx (plain RoPE up to there);
     - "yarn": (factor, beta_fast, beta_slow, original_ctx, attention_factor, truncate): YaRN's
-      blend of interpolated and extrapolated frequencies (its cos/sin factor: rope_attention_factor)."""
+      blend of interpolated and extrapolated frequencies (its cos/sin factor: rope_attention_factor);
+    - "longrope": (original_ctx, attention_factor, short..., long...) (longrope_parts), Phi-3's: each
+      frequency divided by its own factor, the short ones while the sequence length ``seq_len`` (the
+      largest position + 1) is at most original_ctx, the long ones past it (transformers'
+      _compute_longrope_parameters and longrope_frequency_update)."""
+    if kind == "longrope":
+        ctx, _, short, long = longrope_parts(scaling)
+        ext = np.asarray(long if seq_len is not None and seq_len > ctx else short, dtype=np.float32)
+        shape = np.arange(0, hd, 2, dtype=np.int64).astype(np.float32) / np.float32(hd)
+        return (np.float32(1.0) / (ext * np.float32(theta) ** shape)).astype(np.float32)
     if kind == "dynamic" and scaling is not None:
         factor, ctx = scaling
         length = np.float32(max(int(seq_len if seq_len is not None else ctx), int(ctx)))
@@ -89,7 +106,9 @@ def _yarn_inv_freq(hd, theta, factor, beta_fast, beta_slow, ctx, truncate) -> np
 
 def rope_attention_factor(scaling: tuple | None, kind: str) -> float:
     """What cos and sin are multiplied by: YaRN's attention factor (given, or 0.1·ln(factor) + 1 as
-    transformers derives it); 1 for every other kind."""
+    transformers derives it), longrope's (settled by the builtin); 1 for every other kind."""
+    if kind == "longrope":
+        return longrope_parts(scaling)[1]
     if kind != "yarn" or scaling is None:
         return 1.0
     import math

@@ -423,6 +423,9 @@ class CachedDecoder:
             ids[r, t0 - len(p):] = p
             mask[r, t0 - len(p):] = 1
         self.tokens, self.mask = ids, mask
+        # every token so far, left-padded, and its mask: a longrope model (info.length_switch) runs them
+        # all again at the step that takes the batch past its switch (restart); kept only until then
+        self.history = (ids, mask) if info.length_switch and t0 <= info.length_switch else None
         self.lengths = np.array([len(p) for p in prompts], dtype=np.int64)  # real tokens per row so far
         self.buffer = info.mode == "buffer"
         self.window = cache_window(info)
@@ -458,14 +461,32 @@ class CachedDecoder:
         self.first = True
         # recurrent state (compiler/passes/recurrent_state.py): zeros before the prompt, then each call's
         # present fed back as the next call's past
-        self.states = {s.past: (np.ascontiguousarray(self.extra_feeds[s.initial], dtype=model.np_dtype)
-                                if s.initial else np.zeros((b, *s.shape), dtype=model.np_dtype))
-                       for s in info.states}
+        self.states = self._initial_states()
         self.prompts = prompts
         if self.by_row and (self.bound is None or self.bound.copied or self.states):
             raise UsageError("this decoder was compiled for the serving engine's layout (its decoding step has no "
                              "mask: prefix_keys), which generate runs only with every layer's cache written in place "
                              "by GroupQueryAttention and no recurrent state; compile it without the engine's variant")
+
+    def _initial_states(self) -> dict[str, np.ndarray]:
+        b, dtype = self.rows, self.model.np_dtype
+        return {s.past: (np.ascontiguousarray(self.extra_feeds[s.initial], dtype=dtype)
+                         if s.initial else np.zeros((b, *s.shape), dtype=dtype)) for s in self.info.states}
+
+    def _restart(self) -> None:
+        """Forget the cache and make this step run every token so far against an empty past, as the
+        prompt ran: a longrope model's frequencies switch once the sequence passes info.length_switch,
+        so the keys cached before, rotated with the short factors, would be wrong (transformers'
+        Phi3ForCausalLM drops its cache at that step too)."""
+        ids, mask = self.history
+        self.tokens, self.mask = ids, mask
+        self.positions = np.maximum(np.cumsum(mask, axis=1) - 1, 0)
+        self.first, self.filled = True, 0
+        self.slots = np.zeros_like(self.slots) if self.buffer else np.zeros((self.rows, 0), dtype=np.int64)
+        if not self.buffer:
+            for name, empty in self.empty.items():
+                self.cache[name] = empty
+        self.states = self._initial_states()
 
     def step(self, last: np.ndarray | None) -> np.ndarray:
         info, cache = self.info, self.cache
@@ -478,6 +499,13 @@ class CachedDecoder:
             self.mask = np.ones((self.rows, 1), dtype=np.int64)
             self.positions = self.lengths[:, None].copy()
             self.lengths += 1
+            if self.history is not None:
+                self.history = (np.concatenate([self.history[0], self.tokens], axis=1),
+                                np.concatenate([self.history[1], self.mask], axis=1))
+                # the batch's longest row passes the switch at this step (transformers: max(position_ids) + 1)
+                if self.positions.max() + 1 > info.length_switch >= self.positions.max():
+                    self._restart()
+                    self.history = None
         tokens, mask = self.tokens, self.mask
         t = tokens.shape[1]
         prefill = self.first and self.buffer

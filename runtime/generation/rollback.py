@@ -56,6 +56,13 @@ class RollbackCache(CachedDecoder):
                  pad_id: int = 0, stats: Stats | None = None):
         extra = max_new_tokens + slack(draft_tokens)
         longest = max(len(p) for p in prompts)
+        switch = model.info.length_switch
+        if switch is not None and longest <= switch < longest + extra:
+            raise UsageError(f"speculative decoding cannot cross position {switch}, where this model's longrope "
+                             f"rotary switches to its long factors (its cache is recomputed there, which rolled-back "
+                             f"drafts cannot follow): the prompt has {longest} tokens, so at most "
+                             f"{max(switch - longest - slack(draft_tokens), 0)} new tokens, or decode without "
+                             f"speculation")
         check_cache_fits(model.info, len(prompts), longest + extra, np.dtype(model.np_dtype).itemsize)
         super().__init__(model, prompts, extra, pad_id, stats if stats is not None else Stats())
         if model.on_device:

@@ -41,6 +41,7 @@ MODEL_TYPES = {
     "qwen3_moe": "qwen3_moe",
     "gemma3_text": "gemma3",
     "gpt_oss": "gpt_oss",
+    "phi3": "phi3",
 }
 
 

@@ -160,6 +160,11 @@ def genai_config(graph, info: CacheInfo, model: onnx.ModelProto, tokens: dict, c
     if context is not None and info.context is not None and context > info.context:
         raise UsageError(f"--context-length {context} is past the model's context of {info.context} positions")
     context = int(context or info.context)
+    if info.length_switch is not None and context > info.length_switch:
+        # onnxruntime-genai would keep the keys rotated with the short factors past the switch
+        raise UsageError(f"this model's longrope rotary switches to its long factors past {info.length_switch} "
+                         f"positions, where its cache must be computed again, which onnxruntime-genai does not do: "
+                         f"give --context-length {info.length_switch} or less (tessera generate runs longer ones)")
     logits = next(o for o in model.graph.output if o.name == info.logits)
     vocab = logits.type.tensor_type.shape.dim[-1].dim_value
     if not vocab:

@@ -350,7 +350,16 @@ class Engine:
                 raise UsageError(f"{name} must be an integer >= 1, got {v}")
         if not isinstance(max_queue, int) or max_queue < 0:
             raise UsageError(f"max_queue must be an integer >= 0, got {max_queue}")
-        ctx = model.info.context
+        ctx, switch = model.info.context, model.info.length_switch
+        if switch is not None:
+            # longrope: past the switch every cached key would be rotated again, and a batch of unrelated
+            # requests has no one length to switch on; below it the short factors hold for every request
+            if capacity is not None and capacity > switch:
+                raise UsageError(f"--max-context {capacity} is past {switch} positions, where this model's longrope "
+                                 f"rotary switches to its long factors: the serving engine batches unrelated "
+                                 f"requests and cannot recompute their caches there, so it serves up to {switch} "
+                                 f"positions (tessera generate runs longer sequences exactly)")
+            ctx = switch if ctx is None else min(ctx, switch)
         if capacity is None:
             capacity = ctx if ctx is not None else no_context_capacity
             if capacity is None:

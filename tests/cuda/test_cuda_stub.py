@@ -95,6 +95,10 @@ OTHERS = {
                   "vocab=128"],
     "gemma3": ["layers=6", "d=64", "heads=4", "kv_heads=2", "head_dim=16", "d_ff=96", "vocab=128", "window=4"],
     # attention sinks (GroupQueryAttention's head_sink), a sliding layer, biased clamped experts (fused MoE)
+    # longrope (the factors switched by the length: a TopK of the positions in the cached graph)
+    "phi3": ["layers=2", "d=64", "heads=4", "kv_heads=2", "d_ff=96", "vocab=128", "ctx=64", "rope_type=longrope",
+             "original_ctx=16", "short_factor=[1.0, 1.1, 1.3, 1.6, 2.0, 2.4, 2.9, 3.5]",
+             "long_factor=[1.3, 2.2, 3.5, 5.0, 8.0, 12.0, 19.0, 30.0]"],
     "gpt_oss": ["layers=2", "d=64", "heads=4", "kv_heads=2", "head_dim=16", "d_ff=48", "n_experts=4", "top=2",
                 "vocab=128", "window=4"],
 }

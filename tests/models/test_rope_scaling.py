@@ -1,4 +1,5 @@
-"""Rope scaling types beyond Llama 3.1's (issue 24): linear, dynamic NTK and YaRN, each equal to
+"""Rope scaling types beyond Llama 3.1's (issue 24; longrope: issue 39): linear, dynamic NTK, YaRN and
+Phi-3's longrope (its short and long factor lists, the switch past original_ctx, its cos/sin factor), each equal to
 transformers' own rotary embedding (LlamaRotaryEmbedding with that rope_parameters, whose inverse
 frequencies come from transformers.modeling_rope_utils) and apply_rotary_pos_emb, in the numpy
 interpreter and in onnxruntime; YaRN also through the KV-cached decoder's RotaryEmbedding; dynamic
@@ -19,11 +20,12 @@ transformers = pytest.importorskip("transformers")
 HD = 16
 SPEC = """
 model R(theta = 10000.0, factor = 1.0, kind = "llama3", ctx = 16, fast = 32.0, slow = 1.0, af = 0.0,
-        trunc = true, dims = 0, low = 1.0, high = 4.0) {
+        trunc = true, dims = 0, low = 1.0, high = 4.0, short = [], long = []) {
   in x: f32[B, 2, T, 16]
   out y: f32[B, 2, T, 16]
   y = rope(x, theta, factor, original_ctx=ctx, scaling=kind, beta_fast=fast, beta_slow=slow,
-           attention_factor=af, truncate=trunc, dims=dims, low_freq=low, high_freq=high)
+           attention_factor=af, truncate=trunc, dims=dims, low_freq=low, high_freq=high,
+           short_factor=short, long_factor=long)
 }
 """
 
@@ -54,6 +56,9 @@ def transformers_rope(x: np.ndarray, rope_parameters: dict, max_positions: int, 
     return torch.cat([out, xt[..., dims:]], -1).numpy()
 
 
+SHORT = [1.0, 1.1, 1.3, 1.6, 2.0, 2.5, 3.1, 3.8]  # longrope's factors, one per frequency (hd / 2 = 8)
+LONG = [1.2, 1.9, 2.7, 4.0, 6.5, 9.0, 14.0, 20.0]
+
 CASES = {
     "llama3": (dict(factor=8.0, kind="llama3", ctx=16, low=1.0, high=4.0),
                {"rope_type": "llama3", "factor": 8.0, "rope_theta": 10000.0, "low_freq_factor": 1.0,
@@ -73,6 +78,19 @@ CASES = {
         dict(factor=4.0, kind="yarn", ctx=32, fast=16.0, slow=2.0, af=1.3, trunc=False),
         {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0, "original_max_position_embeddings": 32,
          "beta_fast": 16.0, "beta_slow": 2.0, "attention_factor": 1.3, "truncate": False}, 128),
+    # Phi-3's: a factor per frequency, the long ones past original_ctx (t = 40 > 16; t = 10 the short ones),
+    # cos and sin times sqrt(1 + ln(factor) / ln(original_ctx)), factor = max_position_embeddings / ctx
+    "longrope": (dict(kind="longrope", ctx=16, factor=8.0, short=SHORT, long=LONG),
+                 {"rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 16,
+                  "short_factor": SHORT, "long_factor": LONG}, 128),
+    "longrope_factor_given_partial": (
+        dict(kind="longrope", ctx=16, factor=4.0, dims=8, short=SHORT[:4], long=LONG[:4]),
+        {"rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 16, "factor": 4.0,
+         "short_factor": SHORT[:4], "long_factor": LONG[:4]}, 128),
+    "longrope_attention_factor_given": (
+        dict(kind="longrope", ctx=16, factor=8.0, af=1.5, short=SHORT, long=LONG),
+        {"rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 16,
+         "attention_factor": 1.5, "short_factor": SHORT, "long_factor": LONG}, 128),
     "yarn_partial": (dict(factor=4.0, kind="yarn", ctx=16, dims=8),
                      {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0,
                       "original_max_position_embeddings": 16}, 64),
@@ -102,6 +120,15 @@ def test_bad_scaling_options_are_positioned_errors(spec_path):
         build(spec_path, factor=2.0, kind="llama3", low=2.0, high=1.0)
     with pytest.raises(SpecError, match="yarn needs 0 < beta_slow < beta_fast"):
         build(spec_path, factor=2.0, kind="yarn", fast=1.0, slow=4.0)
+    with pytest.raises(SpecError, match=r"longrope needs 'short_factor': a list of 8 numbers > 0 \(one per frequency "
+                                        r"of the 16 rotated features\), got 0 values"):
+        build(spec_path, kind="longrope", long=LONG)
+    with pytest.raises(SpecError, match="longrope needs 'long_factor': a list of 4 numbers > 0 .*, got 8 values"):
+        build(spec_path, kind="longrope", dims=8, short=SHORT[:4], long=LONG)
+    with pytest.raises(SpecError, match="longrope needs 'long_factor': a list of 8 numbers > 0"):
+        build(spec_path, kind="longrope", short=SHORT, long=LONG[:7] + [0.0])
+    with pytest.raises(SpecError, match="'original_ctx' must be at least 2, got 1"):
+        build(spec_path, kind="longrope", ctx=1, short=SHORT, long=LONG)
 
 
 DECODER = """

@@ -360,7 +360,7 @@ def packed_qkv(g, node) -> "PackedQKV | str":
     H·hd:(H+kv)·hd))), the new values split_heads(slice(F, (H+kv)·hd:(H+2kv)·hd)), F one linear (fused
     by fuse-linears, float or quantised) of exactly that width; the two ropes alike. Checks: the rope
     is expressible as GroupQueryAttention's cos/sin caches [max_positions, hd/2] indexed by the
-    position ids (every kind but dynamic NTK, whose frequencies follow the length; the whole head
+    position ids (every kind but dynamic NTK and longrope, whose frequencies follow the length; the whole head
     rotated; a trained context bounding the positions, so the caches have a length)."""
 
     if not node.attrs.get("pack_qkv", True):
@@ -391,6 +391,8 @@ def packed_qkv(g, node) -> "PackedQKV | str":
     kind = ra.get("rope_type", "llama3")
     if kind == "dynamic":
         return "dynamic NTK rope: its frequencies follow the length, no fixed cos/sin cache"
+    if kind == "longrope":
+        return "longrope: its frequencies switch with the sequence's length, no fixed cos/sin cache"
     if rotated_dims(ra, hd) != hd:
         return "partial rotary (GroupQueryAttention is checked here rotating the whole head only)"
     if hd % 16:

@@ -11,7 +11,7 @@ from tessera.compiler.backends.onnx import attention as kernels
 from tessera.compiler.backends.onnx.lowerings.common import min_const, np_float
 from tessera.compiler.ir import dims
 from tessera.compiler.ops.attention import check_fused_attrs, rotated_dims
-from tessera.compiler.reference.numerics import rope_attention_factor, rope_inv_freq
+from tessera.compiler.reference.numerics import longrope_parts, rope_attention_factor, rope_inv_freq
 
 
 def _positions(L):
@@ -87,6 +87,8 @@ def _rope(L):
     inv = b.const(inv_freq[None, :], "inv_freq")
     if kind == "dynamic":
         inv = _dynamic_inv_freq(L, r, n)
+    elif kind == "longrope":
+        inv = _longrope_inv_freq(b, L.a, r, _rope_length(b, x, n), lead=True)
     freqs = b.node("Mul", [pos, inv])[0]
     if interleaved:  # f0 f0 f1 f1 ...
         pair = b.node("Unsqueeze", [freqs, b.i64([-1])])[0]
@@ -140,6 +142,28 @@ def _dynamic_inv_freq(L, r: int, n) -> str:
     return b.node("Reciprocal", [b.node("Pow", [base, exps])[0]])[0]
 
 
+def _rope_length(b, x: list[str], n) -> str:
+    """The sequence length longrope switches on, an i64 scalar: T for a whole sequence, the largest
+    position + 1 of the whole batch with explicit positions (transformers' max(position_ids) + 1)."""
+    if len(x) == 1:
+        return b.dim_scalar(n)
+    # TopK(1) of the flattened positions rather than ReduceMax: onnxruntime's CUDA ReduceMax over [B, T]
+    # goes through cuDNN's reduction (tests/cuda: the stub has none), its TopK does not
+    flat = b.node("Reshape", [x[1], b.i64([-1])])[0]
+    top = b.node("TopK", [flat, b.i64([1])], 2, axis=-1, largest=1, sorted=1)[0]  # [1]
+    return b.node("Add", [b.node("Squeeze", [top, b.i64([0])])[0], b.const(np.array(1, dtype=np.int64), "one")])[0]
+
+
+def _longrope_inv_freq(b, a, r: int, length: str, lead: bool) -> str:
+    """longrope's frequencies (reference/numerics.rope_inv_freq): the long factors' where ``length``
+    passes original_ctx, else the short ones'; [1, r/2] with ``lead``, else [r/2]."""
+    ctx = longrope_parts(a["scaling"])[0]
+    short, long = (rope_inv_freq(r, a["theta"], a["scaling"], "longrope", seq_len=n) for n in (ctx, ctx + 1))
+    shape = (lambda v: v[None, :]) if lead else (lambda v: v)
+    past = b.node("Greater", [length, b.const(np.array(ctx, dtype=np.int64), "longrope_ctx")])[0]
+    return b.node("Where", [past, b.const(shape(long), "inv_freq_long"), b.const(shape(short), "inv_freq")])[0]
+
+
 def _rope_fused(L, r: int, hd: int, interleaved: bool, inv_freq: np.ndarray) -> None:
     """Explicit positions on [B, H, T, hd] (the KV-cached graph): one ONNX RotaryEmbedding (opset 23)
     per rope instead of six element-wise nodes. Its cos and sin tables are given per position,
@@ -148,13 +172,16 @@ def _rope_fused(L, r: int, hd: int, interleaved: bool, inv_freq: np.ndarray) -> 
     and no limit on the position."""
     b, t, x = L.b, L.t_in[0], L.x
     key = ("rope_tables", x[1], inv_freq.tobytes(), t.dtype,
-           rope_attention_factor(L.a.get("scaling"), L.a.get("rope_type", "llama3")))
+           rope_attention_factor(L.a.get("scaling"), L.a.get("rope_type", "llama3")),
+           L.a.get("scaling") if L.a.get("rope_type") == "longrope" else None)  # its long factors too
     if key not in b.shared:
         saved, b.current = b.current, ""
         try:
             pos = b.node("Unsqueeze", [b.node("Cast", [x[1]], to=b.onnx_type("f32"))[0], b.i64([2])])[0]
-            freqs = b.node("Mul", [pos, b.const(inv_freq.astype(np.float32), "inv_freq")],
-                           [b.fresh("rope/freqs")])[0]  # [B, T, r/2]
+            inv = b.const(inv_freq.astype(np.float32), "inv_freq")
+            if L.a.get("rope_type") == "longrope":  # the short or long factors by the batch's length
+                inv = _longrope_inv_freq(b, L.a, r, _rope_length(b, x, None), lead=False)
+            freqs = b.node("Mul", [pos, inv], [b.fresh("rope/freqs")])[0]  # [B, T, r/2]
             tables = [_attention_factor(b, L.a, b.node(f, [freqs], [b.fresh(f"rope/{f.lower()}")])[0])
                       for f in ("Cos", "Sin")]
             if t.dtype != "f32":  # computed in fp32, applied at the tensor's precision
