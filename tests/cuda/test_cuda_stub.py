@@ -90,6 +90,7 @@ OTHERS = {
     "whisper": ["layers=2", "d=64", "heads=4", "d_ff=96", "dec_layers=2", "dec_heads=4", "dec_d_ff=96", "vocab=128",
                 "mels=16"],
     "mamba": ["layers=2", "d=64", "vocab=128"],
+    "qwen2": ["layers=2", "d=64", "heads=4", "kv_heads=2", "d_ff=96", "vocab=128"],
     "qwen3": ["layers=2", "d=64", "heads=4", "kv_heads=2", "head_dim=16", "d_ff=96", "vocab=128"],
     "qwen3_moe": ["layers=2", "d=64", "heads=4", "kv_heads=2", "head_dim=16", "d_expert=48", "n_experts=4", "top=2",
                   "vocab=128"],
@@ -622,7 +623,7 @@ def test_a_sliding_window_cached_decoder_keeps_no_copy_inside_a_branch(cuda_stub
 # fp32 the gather form (NonZero's count read back on the host). Now: the prompt through onnx's Attention (softcap
 # attribute, sinks as one more key), the decoding step of a site with sinks through the plain branch (passes/kv_cache.py
 # SINKS_WITH_BIAS_ON_CUDA), fused MoE in every dtype. Mamba's Conv needs cuDNN, which the stub lacks.
-CACHED_OTHERS = ["gemma2", "gemma3", "gptj", "mixtral", "qwen3", "qwen3_moe", "gpt_oss", "mamba"]
+CACHED_OTHERS = ["gemma2", "gemma3", "gptj", "mixtral", "qwen2", "qwen3", "qwen3_moe", "gpt_oss", "phi3", "mamba"]
 
 
 @pytest.fixture(scope="module")

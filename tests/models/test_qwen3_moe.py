@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from conftest import MODELS, build, cli, hf_greedy, ort_run
+from conftest import MODELS, build, cli, hf_greedy, ort_run, perturbed
 from tessera.compiler.analysis.params import parameter_report
 from tessera.compiler.ops import interpret
 from tessera.compiler.passes.pipeline import optimize
@@ -31,10 +31,7 @@ def case(request, tmp_path_factory):
                                       num_experts=6, num_experts_per_tok=2, norm_topk_prob=request.param,
                                       decoder_sparse_step=1, mlp_only_layers=[], max_position_embeddings=128,
                                       rope_theta=10000.0, rms_norm_eps=1e-6)
-    model = transformers.Qwen3MoeForCausalLM(cfg).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * 0.1)
+    model = perturbed(transformers.Qwen3MoeForCausalLM(cfg), 0.1)
     folder = tmp_path_factory.mktemp("qwen3_moe")
     model.save_pretrained(folder)
     return model, folder
