@@ -216,6 +216,15 @@ def _gqa_unfit(node: Node, g: Graph, target: Target) -> str | None:
     return None
 
 
+def _longrope(g: Graph) -> str | None:
+    """Why a model with a longrope rotary keeps its decoding step's mask (None: it has none): `generate` recomputes
+    a longrope cache when the batch's longest row passes the switch, all rows together in the left-padded layout
+    (generation/cached.py ``_restart``, as transformers' batch does); the engine's layout runs rows one by one."""
+    if any(n.op == "rope" and n.attrs.get("rope_type") == "longrope" for n in g.nodes.values()):
+        return "a longrope rotary, whose cache generate recomputes for the whole left-padded batch at its switch"
+    return None
+
+
 @dataclass(frozen=True)
 class CacheOptions:
     """How the cache is added (the options every kv-cache pass reads; see ``add_kv_cache``)."""
@@ -611,7 +620,7 @@ class ChooseCacheKernels(Pass):
                         note.kernel, reason=f"{note.kernel.reason}; no combined call: mixed_attention.py computes "
                                             f"no attention sinks (at {sinks.scope or sinks.name})"))
                 if self.options.prefix_keys:  # the engine's step without its mask, where the site allows it
-                    refused = unsupported("phased", {**node.attrs, "prefix_keys": True})
+                    refused = unsupported("phased", {**node.attrs, "prefix_keys": True}) or _longrope(g)
                     if refused:
                         note = dataclasses.replace(note, kernel=dataclasses.replace(
                             note.kernel, reason=f"{note.kernel.reason}; decode keeps its mask as attention_bias "

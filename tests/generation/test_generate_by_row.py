@@ -89,3 +89,18 @@ def test_generate_compiles_the_mask_less_step_on_cuda_only_without_speculation()
     assert not GenerateOptions(provider="cpu").pipeline_options().prefix_keys
     with pytest.raises(UsageError, match="serving engine's layout"):
         rollback.check(_decoder("llama", Target("cpu", "fp32"), prefix_keys=True), "the target model")
+
+
+def test_a_longrope_model_keeps_the_masked_step():
+    """A longrope rotary (Phi-3) switches its frequencies when the batch's longest row passes original_ctx, and generate
+    then recomputes the whole left-padded batch together, as transformers does (runtime/generation/cached.py
+    ``_restart``); run row by row, a shorter row would switch on its own length instead. So the kv-cache pass keeps the
+    masked decoding step for it even when asked for the mask-less one, and the loop keeps the left-padded layout."""
+    built = rt.build("phi3", None, ["layers=2", "d=64", "heads=4", "kv_heads=2", "d_ff=96", "vocab=128", "ctx=64",
+                                    "rope_type=longrope", "original_ctx=16",
+                                    "short_factor=[1.0, 1.1, 1.3, 1.6, 2.0, 2.4, 2.9, 3.5]",
+                                    "long_factor=[1.3, 2.2, 3.5, 5.0, 8.0, 12.0, 19.0, 30.0]"])
+    _, info = gen.compile_cached(built, rt.weights_for(built, None, 0),
+                                 PipelineOptions(Target("cuda", "fp16"), cache="buffer", prefix_keys=True))
+    assert info.length_switch == 16 and not info.prefix_keys
+    assert "longrope" in " ".join(k.reason for k in info.kernels)
