@@ -16,9 +16,12 @@ ignored, submitted together:
   as the prompts share nothing; ``INFERENCE_PRECISION_HINT`` f32 unless ``--ov-precision default``: its CPU plugin
   computes in bf16 on a CPU with AVX512-BF16 otherwise; Tessera computes in fp32).
 
-Each process warms up with one short request, then times the whole batch: aggregate new tokens / wall seconds.
-Reported per case: min and median over the rounds, the ratio Tessera ÷ OpenVINO per round (> 1: Tessera faster),
-CPU/wall of each process, and how many streams' greedy tokens agree (fp32 both: they should, up to near-ties).
+Each process warms up with one short request, then submits all the streams and steps its engine in a loop of its own
+(Tessera's ``Engine.step``, OpenVINO's ``add_request``/``step``/``read``), noting when each stream's tokens appear:
+aggregate new tokens / wall seconds; time to first token (from the submission) and inter-token latency (between a
+stream's successive tokens; tokens read in one step share a time) at p50 and p99. Reported per case: min and median
+over the rounds, the ratio Tessera ÷ OpenVINO per round (> 1: Tessera faster), CPU/wall of each process, and how many
+streams' greedy tokens agree (fp32 both: they should, up to near-ties).
 """
 
 from __future__ import annotations
@@ -45,16 +48,25 @@ sc.cache_size = 1  # GB of KV blocks: room for every stream's whole sequence
 sc.max_num_seqs = len(prompts)
 sc.enable_prefix_caching = False
 pipe = ovg.ContinuousBatchingPipeline(folder, sc, "CPU", props)
-def config():
-    c = ovg.GenerationConfig(); c.max_new_tokens = new; c.do_sample = False; c.ignore_eos = True
+def config(n):
+    c = ovg.GenerationConfig(); c.max_new_tokens = n; c.do_sample = False; c.ignore_eos = True
     return c
-tensors = lambda ps: [ov.Tensor(np.array([p], dtype=np.int64)) for p in ps]
-pipe.generate(tensors([prompts[0][:8]]), [config()])  # warm-up
-start = time.perf_counter()
-out = pipe.generate(tensors(prompts), [config() for _ in prompts])
-wall = time.perf_counter() - start
-tokens = [list(map(int, r.m_generation_ids[0])) for r in out]
-print(json.dumps({"tokens": tokens, "wall_s": wall}))
+def run(ps, n):
+    start = time.perf_counter()
+    handles = [pipe.add_request(i, ov.Tensor(np.array([p], dtype=np.int64)), config(n)) for i, p in enumerate(ps)]
+    tokens, stamps = [[] for _ in ps], [[] for _ in ps]
+    while pipe.has_non_finished_requests():
+        pipe.step()
+        now = time.perf_counter() - start
+        for i, h in enumerate(handles):
+            if h.can_read():
+                for out in h.read().values():
+                    tokens[i].extend(int(t) for t in out.generated_ids)
+                    stamps[i].extend([now] * len(out.generated_ids))
+    return tokens, stamps, time.perf_counter() - start
+run([prompts[0][:8]], 2)  # warm-up
+tokens, stamps, wall = run(prompts, new)
+print(json.dumps({"tokens": tokens, "stamps": stamps, "wall_s": wall}))
 """
 
 TESSERA_SCRIPT = r"""
@@ -69,17 +81,20 @@ o = EngineOptions(spec=folder, threads=threads, max_batch=len(prompts), provider
                   max_context=max(map(len, prompts)) + new + 8, **kw)
 model = driver.serve_model(o.model, o)
 eng = Engine(model, max_batch=len(prompts), capacity=o.max_context)
-def run(ps):
-    hs = [eng.submit(Request(list(p), new, ignore_eos=True)) for p in ps]
+def run(ps, n):
+    start = time.perf_counter()
+    hs = [eng.submit(Request(list(p), n, ignore_eos=True)) for p in ps]
+    stamps = [[] for _ in ps]
     while not all(h.finished for h in hs):
         eng.step()
-    return hs
-run([prompts[0][:8]])  # warm-up
-start = time.perf_counter()
-hs = run(prompts)
-wall = time.perf_counter() - start
-assert all(h.error is None for h in hs), [h.error for h in hs]
-print(json.dumps({"tokens": [list(h.tokens) for h in hs], "wall_s": wall}))
+        now = time.perf_counter() - start
+        for i, h in enumerate(hs):
+            stamps[i].extend([now] * (len(h.tokens) - len(stamps[i])))
+    assert all(h.error is None for h in hs), [h.error for h in hs]
+    return [list(h.tokens) for h in hs], stamps, time.perf_counter() - start
+run([prompts[0][:8]], 2)  # warm-up
+tokens, stamps, wall = run(prompts, new)
+print(json.dumps({"tokens": tokens, "stamps": stamps, "wall_s": wall}))
 """
 
 
@@ -87,6 +102,12 @@ def timed(cmd: list[str]) -> tuple[dict, float]:
     """(the JSON the process printed last, its CPU time ÷ wall time)."""
     text, wall, cpu = run_timed(cmd)
     return json.loads(text[text.index("{"):text.rindex("}") + 1]), cpu / wall
+
+
+def pct(xs: list[float], q: float) -> float:
+    """The q-th percentile (nearest rank) of xs."""
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, max(0, int(round(q / 100 * len(xs) + 0.5)) - 1))] if xs else float("nan")
 
 
 def stream_prompts(streams: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
@@ -126,8 +147,14 @@ def main() -> None:
                     res, cpu = timed([a.ov_python, "-c", OV_SCRIPT, ov_model, str(a.threads), str(a.new),
                                       json.dumps(prompts), a.ov_precision])
                 tps = a.streams * a.new / res["wall_s"]
-                results.setdefault((label, who), []).append({"tps": tps, "cpu": cpu, "tokens": res["tokens"]})
-                print(f"round {rnd + 1} {label} {who}: {tps:.1f} tokens/s (CPU/wall {cpu:.2f})", flush=True)
+                ttft = [st[0] * 1000 for st in res["stamps"]]
+                itl = [(b - c) * 1000 for st in res["stamps"] for c, b in zip(st, st[1:])]
+                r = {"tps": tps, "cpu": cpu, "tokens": res["tokens"], "ttft50": pct(ttft, 50), "ttft99": pct(ttft, 99),
+                     "itl50": pct(itl, 50), "itl99": pct(itl, 99)}
+                results.setdefault((label, who), []).append(r)
+                print(f"round {rnd + 1} {label} {who}: {tps:.1f} tokens/s, TTFT p50/p99 {r['ttft50']:.0f}/"
+                      f"{r['ttft99']:.0f} ms, ITL p50/p99 {r['itl50']:.1f}/{r['itl99']:.1f} ms (CPU/wall {cpu:.2f})",
+                      flush=True)
     print(f"\n{a.streams} streams x {a.prompt} + {a.new} tokens, {a.threads} threads, {a.rounds} rounds alternating")
     for label, _, _ in pairs:
         t, o = results[(label, "tessera")], results[(label, "openvino")]
@@ -137,6 +164,10 @@ def main() -> None:
               f"OpenVINO {min(x['tps'] for x in o):.1f} / {statistics.median(x['tps'] for x in o):.1f} tokens/s "
               f"(min / median); Tessera ÷ OpenVINO min {min(ratios):.2f}, median {statistics.median(ratios):.2f}; "
               f"streams whose greedy tokens agree: {agree} of {a.streams}")
+        for who, rs in (("Tessera", t), ("OpenVINO", o)):
+            med = {k: statistics.median(x[k] for x in rs) for k in ("ttft50", "ttft99", "itl50", "itl99")}
+            print(f"  {who}: TTFT p50 / p99 {med['ttft50']:.0f} / {med['ttft99']:.0f} ms, inter-token p50 / p99 "
+                  f"{med['itl50']:.1f} / {med['itl99']:.1f} ms (medians over the rounds)")
 
 
 if __name__ == "__main__":
