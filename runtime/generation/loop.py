@@ -129,10 +129,7 @@ def load_model(ref, o, weights=None, models: dict | None = None, progress=None):
         if weights is None:
             weights = pipeline.weights_for(built, ref.weights, ref.seed, ref.allow_large)
         step(2, 4, "passes and ONNX")
-        # on o.device (CUDA: compiled for it, options' Target); its decoding step keeps its mask (no prefix_keys:
-        # the source mask and the left-padded targets are read by every step, CachedDecoder's batch layout)
-        loaded = EncoderDecoder(built, weights, target, o.threads, dataclasses.replace(options, prefix_keys=False),
-                                provider=o.device)
+        loaded = EncoderDecoder(built, weights, target, o.threads, seq2seq_options(o), provider=o.device)
     else:
         loaded = compile_decoder(built, ref, o, options, "cached decoder", o.device, o.threads, weights, step)
         if o.explain:
@@ -143,6 +140,13 @@ def load_model(ref, o, weights=None, models: dict | None = None, progress=None):
     if models is not None:
         models[key] = loaded
     return loaded
+
+
+def seq2seq_options(o):
+    """The encoder_decoder pipeline's options for generate's ``o``: compiled for o.device (on CUDA at --dtype:
+    compiler/passes/pipeline.py encoder_decoder), its decoding step keeping its mask (no prefix_keys: CachedDecoder
+    runs an encoder-decoder's targets left-padded, as a batch, the source mask read by every step)."""
+    return dataclasses.replace(o.pipeline_options(), prefix_keys=False)
 
 
 def compile_decoder(built, ref, o, options, what: str, provider: str, threads: int | None, weights=None,
