@@ -184,7 +184,6 @@ class CachedModel:
                 raise RunError(f"onnxruntime could not run the model: {ort_message(e)}") from None
         return run_session(self.session, feeds)
 
-
     def _run_binding(self, feeds: dict) -> dict[str, np.ndarray]:
         """One call with some feeds OrtValues (Seq2Seq's fixed inputs): every input bound (``bind_feed``), every
         output to host memory (bf16 read back by ``host_array``)."""

@@ -205,7 +205,7 @@ class Generation:
     stop_ids: list[int]
     tokenizer: object = None
     stopper: TextStopper | None = None
-    fixed: dict | None = None       # an encoder-decoder's encoder outputs, fed to every step
+    fixed: dict | None = None       # an encoder-decoder's encoder outputs, fed to every step (on CUDA device OrtValues)
     stats: gen.Stats = field(default_factory=gen.Stats)
     # per prompt, each new token's log-probabilities (sampling.token_logprobs), filled by steps() when
     # sampling.logprobs is set
