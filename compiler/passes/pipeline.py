@@ -166,7 +166,8 @@ def encoder_decoder(o: PipelineOptions) -> list[Pass]:
         raise PassError(f"--kv-cache-dtype {o.kv_cache_dtype}: an encoder-decoder's decoder keeps its cache at the "
                         f"model's precision (its cached attention does not decode by GroupQueryAttention); not built")
     passes: list[Pass] = _stored(o) + ([QuantizeWeights(o.quantize)] if o.quantize is not None else [])
-    return passes + _optimize(o, False, None) + [SplitEncoder([o.decoder_input])] + cache_passes(o.cache_options())
+    lower = o.target.device == "cuda"  # on CUDA at --dtype; on the CPU fp32, as before
+    return passes + _optimize(o, lower, None) + [SplitEncoder([o.decoder_input])] + cache_passes(o.cache_options())
 
 
 def report(o: PipelineOptions) -> list[Pass]:

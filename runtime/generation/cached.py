@@ -81,6 +81,21 @@ class Result:
     texts: list[str] | None = None
 
 
+def is_ortvalue(value) -> bool:
+    """Whether a feed is an onnxruntime OrtValue (an encoder's output kept on the device: Seq2Seq) rather than
+    a host array; checked by type name so that nothing imports onnxruntime for it."""
+    return type(value).__name__ == "OrtValue"
+
+
+def bind_feed(io, name: str, value) -> None:
+    """Bind one input on an IOBinding: an OrtValue as it is (on the device: no copy), a host array from host
+    memory (copied to the device at the run when the session is on CUDA)."""
+    if is_ortvalue(value):
+        io.bind_ortvalue_input(name, value)
+    else:
+        io.bind_cpu_input(name, np.ascontiguousarray(value))
+
+
 class CachedModel:
     """An onnxruntime session over a cached graph, with what the loop needs to feed it."""
 
@@ -158,6 +173,8 @@ class CachedModel:
 
         if bound is not None:
             return bound.run(feeds)
+        if any(is_ortvalue(v) for v in feeds.values()):  # an encoder's outputs on the device: bound as they are
+            return self._run_binding(feeds)
         if is_bf16(self.np_dtype):  # onnxruntime's run takes and gives no numpy bfloat16: through IOBinding
             from tessera.runtime.session import RunError, ort_message
 
@@ -166,6 +183,26 @@ class CachedModel:
             except Exception as e:  # onnxruntime's own exception types
                 raise RunError(f"onnxruntime could not run the model: {ort_message(e)}") from None
         return run_session(self.session, feeds)
+
+    def _run_binding(self, feeds: dict) -> dict[str, np.ndarray]:
+        """One call with some feeds OrtValues (Seq2Seq's fixed inputs): every input bound (``bind_feed``), every
+        output to host memory (bf16 read back by ``host_array``)."""
+        from tessera.runtime.bfloat16 import host_array, ortvalue
+        from tessera.runtime.session import RunError, ort_message
+
+        io, keep = self.session.io_binding(), []
+        for name, value in feeds.items():
+            if not is_ortvalue(value) and is_bf16(np.asarray(value).dtype):  # tagged words (runtime/bfloat16.py)
+                keep.append(ortvalue(value))
+                value = keep[-1]
+            bind_feed(io, name, value)
+        for name in self.output_names:
+            io.bind_output(name, "cpu")
+        try:
+            self.session.run_with_iobinding(io)
+        except Exception as e:  # onnxruntime's own exception types
+            raise RunError(f"onnxruntime could not run the model: {ort_message(e)}") from None
+        return {name: host_array(v) for name, v in zip(self.output_names, io.get_outputs())}
 
 
 def cached_options(mode: str = "auto", dtype: str = "fp32", target=None, sparse_moe: bool = True,
@@ -195,7 +232,15 @@ def compile_cached(built, weights, options=None, **choices):
 
 class Seq2Seq:
     """An encoder-decoder for generation: the encoder part (run once per source batch: the encoder and
-    every layer's cross-attention keys and values) and the cached decoder (compiler/passes/encdec.py)."""
+    every layer's cross-attention keys and values) and the cached decoder (compiler/passes/encdec.py).
+
+    On CUDA the encoder runs with IOBinding and its outputs stay on the device as OrtValues, which every
+    decoding step binds as they are (``bind_feed``): the decoder's fixed inputs (each layer's cross-attention
+    keys and values, the source mask) cross from the host once per source batch, never per step."""
+
+    # the encoder's outputs as OrtValues on the decoder's device: None, when the decoder runs on CUDA; True forces
+    # them (on the CPU: CPU OrtValues, the tests' check that this path gives the numpy path's numbers), False never
+    device_outputs: bool | None = None
 
     def __init__(self, encoder_source: str | bytes, decoder: CachedModel, boundary: list[str],
                  provider: str = "cpu"):
@@ -205,13 +250,53 @@ class Seq2Seq:
         self.decoder = decoder
         self.boundary = boundary
 
-    def encode(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """The decoder's fixed inputs for a source batch: the encoder's outputs and the inputs both read."""
+    def keeps_on_device(self) -> bool:
+        """Whether ``encode`` gives OrtValues: on CUDA (or forced), for a decoder whose steps all bind their feeds
+        (not one carrying recurrent state, whose initial state is sliced per row on the host)."""
+        from tessera.runtime.device_cache import session_device
+
+        wanted = self.device_outputs
+        if wanted is None:
+            wanted = session_device(self.decoder.session)[0] == "cuda"
+        return bool(wanted) and not self.decoder.info.states and not self.decoder.info.prefix_keys
+
+    def encode(self, feeds: dict[str, np.ndarray]) -> dict:
+        """The decoder's fixed inputs for a source batch: the encoder's outputs and the inputs both read
+        (numpy arrays; OrtValues on the decoder's device where ``keeps_on_device``)."""
         from tessera.runtime.session import run_session  # session.py imports onnx (~0.6 s)
 
         enc_inputs = {i.name for i in self.encoder.get_inputs()}
-        out = run_session(self.encoder, {k: v for k, v in feeds.items() if k in enc_inputs})
+        given = {k: v for k, v in feeds.items() if k in enc_inputs}
+        if self.keeps_on_device():
+            return self._encode_on_device(given, feeds)
+        out = run_session(self.encoder, given)
         return {b: out[b] if b in out else feeds[b] for b in self.boundary}
+
+    def _encode_on_device(self, given: dict[str, np.ndarray], feeds: dict[str, np.ndarray]) -> dict:
+        """The encoder through IOBinding, its outputs left where the decoder runs; the source inputs the decoder
+        reads too (the source mask) copied there once."""
+        from tessera.runtime.device_cache import session_device
+        from tessera.runtime.session import RunError, _ort, ort_message
+
+        device, device_id = session_device(self.decoder.session)
+        io = self.encoder.io_binding()
+        for name, value in given.items():
+            io.bind_cpu_input(name, np.ascontiguousarray(value))
+        names = [o.name for o in self.encoder.get_outputs()]
+        for name in names:
+            io.bind_output(name, device, device_id)
+        try:
+            self.encoder.run_with_iobinding(io)
+        except Exception as e:  # onnxruntime's own exception types
+            raise RunError(f"onnxruntime could not run the encoder: {ort_message(e)}") from None
+        out = dict(zip(names, io.get_outputs()))
+        fixed = {}
+        for b in self.boundary:
+            if b in out:
+                fixed[b] = out[b]
+            else:  # a source input (token ids and their mask, float features): never bfloat16
+                fixed[b] = _ort().OrtValue.ortvalue_from_numpy(np.ascontiguousarray(feeds[b]), device, device_id)
+        return fixed
 
 
 def compile_seq2seq(built, weights, decoder_input: str, last_only: bool = True, max_positions: int = 4096,
@@ -348,6 +433,7 @@ class BoundStep:
                 if out:  # bound with an empty name, onnxruntime fails ("Failed to find NodeArg with name: ")
                     self.io.bind_output(out, "cpu", 0, elem, list(buf.shape), buf.ctypes.data)
         self.buffers = set(cache)
+        self.fixed = {}  # OrtValue feeds bound (an encoder's outputs), by name
         self.outputs: dict[str, np.ndarray] = {}
         b = next(iter(cache.values())).shape[0]
         shapes = {info.logits: (b, 1, model.vocab)}
@@ -382,8 +468,14 @@ class BoundStep:
         from tessera.runtime.session import RunError, ort_message  # session.py imports onnx (~0.6 s)
 
         for name, value in feeds.items():
-            if name not in self.buffers:  # the buffers stay bound; the step's tokens, mask, positions rebind
-                self.io.bind_cpu_input(name, np.ascontiguousarray(value))
+            if name in self.buffers:  # the buffers stay bound; the step's tokens, mask, positions rebind
+                continue
+            if is_ortvalue(value):  # an encoder's output on the device (Seq2Seq): bound once, read by every step
+                if self.fixed.get(name) is not value:
+                    self.io.bind_ortvalue_input(name, value)
+                    self.fixed[name] = value
+                continue
+            self.io.bind_cpu_input(name, np.ascontiguousarray(value))
         try:
             self.model.session.run_with_iobinding(self.io)
         except Exception as e:  # onnxruntime's own exception types
@@ -572,7 +664,7 @@ class CachedDecoder:
                 dc.bind(io, name, 0, self.rows, dc.capacity)
         for name, value in feeds.items():
             if name not in dc.dims:
-                io.bind_cpu_input(name, np.ascontiguousarray(value))
+                bind_feed(io, name, value)  # an encoder's outputs as the device OrtValues they are
         try:
             self.model.session.run_with_iobinding(io)
         except Exception as e:  # onnxruntime's own exception types

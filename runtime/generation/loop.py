@@ -49,14 +49,14 @@ class EncoderDecoder:
     input (the prompt the cache extends) and of the source inputs (any element type: token ids and
     their mask for BART or T5, float log-mel features for Whisper)."""
 
-    def __init__(self, built, weights, target: str, threads: int | None, options=None):
+    def __init__(self, built, weights, target: str, threads: int | None, options=None, provider: str = "cpu"):
         self.target = target
         self.sources = [i for i in built.graph.inputs if i != target]
         self.specs = [s for s in specs_from_graph(built.graph) if s.name in self.sources]  # before compiling
         self.limits = input_limits(built.graph)
         enc, dec, info, boundary = gen.compile_seq2seq(built, weights, target, options=options)
-        decoder = gen.CachedModel(dec.SerializeToString(), info, threads=threads)
-        self.s2s = gen.Seq2Seq(enc.SerializeToString(), decoder, boundary)
+        decoder = gen.CachedModel(dec.SerializeToString(), info, provider=provider, threads=threads)
+        self.s2s = gen.Seq2Seq(enc.SerializeToString(), decoder, boundary, provider=provider)
 
     def source_arrays(self, texts: dict[str, str], arrays: dict | None) -> dict:
         """The source inputs as arrays: ``texts`` from --input NAME=VALUE (a JSON array or a .npy file,
@@ -120,17 +120,16 @@ def load_model(ref, o, weights=None, models: dict | None = None, progress=None):
     step(0, 4, "graph")
     built = pipeline.build(ref.spec, ref.variant, ref.sets, ref.weights)
     target = target_input(built.graph)
-    if target is not None and o.dtype == "bf16":
-        raise UsageError("--dtype bf16: an encoder-decoder generates on onnxruntime's CPU provider (its CUDA "
-                         "lowering is not built), which has no bfloat16 kernel for MatMul or attention; use "
-                         "--dtype fp32 or fp16")
+    if target is not None and o.dtype == "bf16" and o.device != "cuda":
+        raise UsageError("--dtype bf16: an encoder-decoder on onnxruntime's CPU provider cannot run it (the CPU "
+                         "provider has no bfloat16 kernel for MatMul or attention); use --provider cuda on a "
+                         "machine with a GPU, or --dtype fp32 or fp16")
     if target is not None:
         step(1, 4, "weights")
         if weights is None:
             weights = pipeline.weights_for(built, ref.weights, ref.seed, ref.allow_large)
         step(2, 4, "passes and ONNX")
-        # runs on the CPU provider (above), so its decoding step keeps its mask (no prefix_keys: CUDA's flash decoding)
-        loaded = EncoderDecoder(built, weights, target, o.threads, dataclasses.replace(options, prefix_keys=False))
+        loaded = EncoderDecoder(built, weights, target, o.threads, seq2seq_options(o), provider=o.device)
     else:
         loaded = compile_decoder(built, ref, o, options, "cached decoder", o.device, o.threads, weights, step)
         if o.explain:
@@ -141,6 +140,13 @@ def load_model(ref, o, weights=None, models: dict | None = None, progress=None):
     if models is not None:
         models[key] = loaded
     return loaded
+
+
+def seq2seq_options(o):
+    """The encoder_decoder pipeline's options for generate's ``o``: compiled for o.device (on CUDA at --dtype:
+    compiler/passes/pipeline.py encoder_decoder), its decoding step keeping its mask (no prefix_keys: CachedDecoder
+    runs an encoder-decoder's targets left-padded, as a batch, the source mask read by every step)."""
+    return dataclasses.replace(o.pipeline_options(), prefix_keys=False)
 
 
 def compile_decoder(built, ref, o, options, what: str, provider: str, threads: int | None, weights=None,
@@ -199,7 +205,7 @@ class Generation:
     stop_ids: list[int]
     tokenizer: object = None
     stopper: TextStopper | None = None
-    fixed: dict | None = None       # an encoder-decoder's encoder outputs, fed to every step
+    fixed: dict | None = None       # an encoder-decoder's encoder outputs, fed to every step (on CUDA device OrtValues)
     stats: gen.Stats = field(default_factory=gen.Stats)
     # per prompt, each new token's log-probabilities (sampling.token_logprobs), filled by steps() when
     # sampling.logprobs is set
