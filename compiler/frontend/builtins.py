@@ -783,7 +783,7 @@ def _routing_options(call, e, k, scoring, groups, top_groups, scale, gates_on) -
     g, tg = _int(call, groups, "groups", 1), _int(call, top_groups, "top_groups", 0)
     if g == 1:
         if tg:  # it would be silently unused
-            raise call.error(f"'top_groups' applies to groups > 1, not groups=1", top_groups[1])
+            raise call.error("'top_groups' applies to groups > 1, not groups=1", top_groups[1])
         return attrs
     if not tg:
         raise call.error(f"groups={g} needs 'top_groups', how many groups' experts may be chosen", groups[1])
