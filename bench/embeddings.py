@@ -113,13 +113,10 @@ def sentences(tokenizer_json: Path, count: int) -> list[list[int]]:
 
 
 def padded(rows: list[list[int]], pad_id: int) -> tuple[np.ndarray, np.ndarray]:
-    n, t = len(rows), max(len(r) for r in rows)
-    ids = np.full((n, t), pad_id, dtype=np.int64)
-    mask = np.zeros((n, t), dtype=np.int64)
-    for i, r in enumerate(rows):
-        ids[i, :len(r)] = r
-        mask[i, :len(r)] = 1
-    return ids, mask
+    """The peers' batches laid out as the embeddings engine lays its own (runtime/embedding.py right_padded)."""
+    from tessera.runtime.embedding import right_padded
+
+    return right_padded(rows, pad_id)
 
 
 class Peer:

@@ -100,12 +100,7 @@ class EmbeddingModel:
         """Embeddings [N, dim] of token-id rows, in one call (right-padded, masked)."""
         from tessera.runtime.session import run_session  # session.py imports onnx (~0.6 s)
 
-        n, t = len(rows), max(len(r) for r in rows)
-        ids = np.full((n, t), pad_id, dtype=np.int64)
-        mask = np.zeros((n, t), dtype=np.int64)
-        for i, r in enumerate(rows):
-            ids[i, :len(r)] = r
-            mask[i, :len(r)] = 1
+        ids, mask = right_padded(rows, pad_id)
         values = {"tokens": ids, "mask": mask, "token_types": np.zeros_like(ids)}
         feeds = {}
         for spec in self.specs:
@@ -122,6 +117,18 @@ class EmbeddingModel:
         if self.normalize:
             out = out / np.maximum(np.linalg.norm(out, axis=-1, keepdims=True), 1e-12)
         return out
+
+
+def right_padded(rows: list[list[int]], pad_id: int) -> tuple[np.ndarray, np.ndarray]:
+    """Token-id rows as one [N, T] batch, each row from column 0 and ``pad_id`` after it, and its mask (1 on the
+    rows' tokens): the layout an encoder's call takes (its attention mask hides the padding)."""
+    n, t = len(rows), max(len(r) for r in rows)
+    ids = np.full((n, t), pad_id, dtype=np.int64)
+    mask = np.zeros((n, t), dtype=np.int64)
+    for i, r in enumerate(rows):
+        ids[i, :len(r)] = r
+        mask[i, :len(r)] = 1
+    return ids, mask
 
 
 def length_groups(lengths: list[int], call_tokens: int = CALL_TOKENS) -> list[list[int]]:

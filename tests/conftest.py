@@ -186,6 +186,30 @@ def hf_greedy(hf, prompts: list[list[int]], new: int, **kw) -> list[list[int]]:
     return out[:, t0:].tolist()
 
 
+def engine_cache_columns(engine) -> list[dict]:
+    """Every active row's filled columns of every cache buffer of a serving engine, as host arrays (its numpy
+    cache's views or its device cache's host view)."""
+    if not engine.rows:
+        return []
+    if engine.device_cache is not None:
+        views = engine.device_cache.host_view(len(engine.rows), engine.width)
+    else:
+        views = engine._views()
+    return [{name: v[s.slot, :, :s.filled].copy() for name, v in views.items()} for s in engine.rows]
+
+
+def assert_engines_agree(want, other) -> None:
+    """Two serving engines stepped together hold the same rows, slots and cache columns."""
+    import numpy as np
+
+    assert [(s.handle.request.prompt, s.filled) for s in other.rows] == \
+        [(s.handle.request.prompt, s.filled) for s in want.rows]
+    np.testing.assert_array_equal(other.slots, want.slots)
+    for a, b in zip(engine_cache_columns(want), engine_cache_columns(other)):
+        for name in a:
+            np.testing.assert_array_equal(a[name], b[name], err_msg=name)
+
+
 def perturbed(model, scale: float, seed: int = 0):
     """A transformers model's weights moved away from its initialisation (norms by 0.1, the rest by
     ``scale``), so that greedy tokens differ by row and by step (a tied head at its initialisation

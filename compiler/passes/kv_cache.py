@@ -586,6 +586,7 @@ class ChooseCacheKernels(Pass):
         # prompt chunk, then the decoding step), the engine's other path, and each site's note says why
         sinks = next((n for n in sites if n.attrs.get("sinks")), None)
         mixed = self.options.mixed and sinks is None
+        longrope = _longrope(g) if self.options.prefix_keys else None  # once for the graph, not per site
         for i, node in enumerate(sites):
             unfit = "not the buffer cache" if mode != "buffer" else (
                 f"the {impl} kernel" if impl not in (None, "phased") else _gqa_unfit(node, g, target))
@@ -620,7 +621,7 @@ class ChooseCacheKernels(Pass):
                         note.kernel, reason=f"{note.kernel.reason}; no combined call: mixed_attention.py computes "
                                             f"no attention sinks (at {sinks.scope or sinks.name})"))
                 if self.options.prefix_keys:  # the engine's step without its mask, where the site allows it
-                    refused = unsupported("phased", {**node.attrs, "prefix_keys": True}) or _longrope(g)
+                    refused = unsupported("phased", {**node.attrs, "prefix_keys": True}) or longrope
                     if refused:
                         note = dataclasses.replace(note, kernel=dataclasses.replace(
                             note.kernel, reason=f"{note.kernel.reason}; decode keeps its mask as attention_bias "

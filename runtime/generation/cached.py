@@ -498,6 +498,9 @@ class CachedDecoder:
     # a plain-branch decoder on CUDA keeps its cache on the device (runtime/device_cache.py); a subclass that
     # edits the host cache itself (rollback.py's RollbackCache) does not
     plain_device_cache = True
+    # the bound step's buffers on the device (CachedModel.on_device); a subclass whose calls all run on its host
+    # cache (rollback.py's RollbackCache) allocates none
+    bound_on_device = True
 
     def __init__(self, model: CachedModel, prompts: list[list[int]], max_new_tokens: int, pad_id: int,
                  stats: Stats, extra_feeds: dict[str, np.ndarray] | None = None):
@@ -536,7 +539,8 @@ class CachedDecoder:
         # the prompt alone, not over the whole (still empty) buffer; its keys and values then fill the
         # buffer's first slots, and every later step reads the buffer in place.
         self.empty = {name: np.zeros(c.shape[:2] + (0,) + c.shape[3:], dtype=c.dtype) for name, c in self.cache.items()}
-        self.bound = BoundStep(model, self.cache) if self.buffer and info.length_input else None
+        self.bound = BoundStep(model, self.cache) if self.buffer and info.length_input and (
+            self.bound_on_device or not model.on_device) else None
         # fp32 on CUDA: the plain branch (no fp32 CUDA GroupQueryAttention) over a device cache (runtime/device_cache.py):
         # the past bound from it, each step's new columns left on the device and written in by its graphs
         self.device = None

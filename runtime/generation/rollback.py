@@ -50,7 +50,12 @@ def check(model: CachedModel, what: str) -> None:
 class RollbackCache(CachedDecoder):
     """The buffer cache of ``model`` for ``prompts``, fed in chunks and rolled back per row."""
 
-    plain_device_cache = False  # its chunks and rollbacks edit the host cache (on CUDA too: see __init__)
+    plain_device_cache = False  # its chunks and rollbacks edit the host cache (on CUDA too: see below)
+    # and no bound step's buffers on the device: they would take the single-token calls' columns while the chunks
+    # and rollbacks edit the host cache, and the two would part. So on CUDA every call here runs on the host cache
+    # (each copies it to the device and its new columns back: correct, not fast); the serving engine's
+    # speculation keeps its cache on the device (runtime/serving/device_cache.py)
+    bound_on_device = False
 
     def __init__(self, model: CachedModel, prompts: list[list[int]], max_new_tokens: int, draft_tokens: int,
                  pad_id: int = 0, stats: Stats | None = None):
@@ -65,12 +70,6 @@ class RollbackCache(CachedDecoder):
                              f"speculation")
         check_cache_fits(model.info, len(prompts), longest + extra, np.dtype(model.np_dtype).itemsize)
         super().__init__(model, prompts, extra, pad_id, stats if stats is not None else Stats())
-        if model.on_device:
-            # the bound step's buffers on the device would take the single-token calls' columns while the chunks
-            # and rollbacks edit the host cache: the two would part. So every call here runs on the host cache
-            # (each copies it to the device and its new columns back: correct, not fast); the serving engine's
-            # speculation keeps its cache on the device (runtime/serving/device_cache.py)
-            self.bound = None
         self.capacity = self.slots.shape[1]
         self.pad_id = pad_id
         self.compactions = 0

@@ -15,10 +15,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from conftest import assert_engines_agree
 from tessera.runtime.generation import cached as gen
 from tessera.runtime.serving import model as serving_model
 from tessera.runtime.serving.device_cache import DeviceCache
-from tessera.runtime.serving.engine import Engine, Request, UsageError
+from tessera.runtime.serving.engine import Engine, Request
 from tessera.runtime.serving.prefix_cache import PrefixCache
 from tessera.runtime.serving.speculation import Speculation
 
@@ -60,17 +61,6 @@ def _requests(seed: int, speculative: bool = False) -> list[Request]:
     return out
 
 
-def _filled(engine: Engine) -> list[dict[str, np.ndarray]]:
-    """Every active row's filled columns of every cache buffer, as host arrays."""
-    if not engine.rows:
-        return []
-    if engine.device_cache is not None:
-        views = engine.device_cache.host_view(len(engine.rows), engine.width)
-    else:
-        views = engine._views()
-    return [{name: v[s.slot, :, :s.filled].copy() for name, v in views.items()} for s in engine.rows]
-
-
 def _lockstep(model, reqs, speculation: bool = False, **engine_args) -> tuple[Engine, Engine]:
     """The numpy-cache engine and the device-cache one over the same requests, stepped together: after
     every iteration the same rows, lengths, slot masks and cache columns."""
@@ -86,13 +76,8 @@ def _lockstep(model, reqs, speculation: bool = False, **engine_args) -> tuple[En
     assert host.device_cache is None and device.device_cache is not None and device.cache is None
     while any(not h.finished for h in host.handles):
         assert host.step() and device.step()
-        assert [(s.handle.request.prompt, s.filled) for s in host.rows] == \
-            [(s.handle.request.prompt, s.filled) for s in device.rows]
         assert host.width == device.width
-        np.testing.assert_array_equal(host.slots, device.slots)
-        for a, b in zip(_filled(host), _filled(device)):
-            for name in a:
-                np.testing.assert_array_equal(a[name], b[name], err_msg=name)
+        assert_engines_agree(host, device)
     assert all(h.finished for h in device.handles)
     for a, b in zip(host.handles, device.handles):
         assert (a.tokens, a.finish_reason) == (b.tokens, b.finish_reason)
@@ -284,12 +269,7 @@ def test_the_decoding_step_without_its_mask_gives_the_same_tokens(models, family
             assert e.step()
             _rows_from_zero(e)
         for e in engines[1:]:
-            assert [(s.handle.request.prompt, s.filled) for s in e.rows] == \
-                [(s.handle.request.prompt, s.filled) for s in want.rows]
-            np.testing.assert_array_equal(e.slots, want.slots)
-            for a, b in zip(_filled(want), _filled(e)):
-                for name in a:
-                    np.testing.assert_array_equal(a[name], b[name], err_msg=name)
+            assert_engines_agree(want, e)
     for e in engines[1:]:
         assert all(h.finished for h in e.handles)
         assert [(h.tokens, h.finish_reason) for h in e.handles] == [(h.tokens, h.finish_reason) for h in want.handles]

@@ -15,6 +15,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from conftest import assert_engines_agree
 from tessera.runtime import pipeline
 from tessera.runtime.generation import cached as gen
 from tessera.runtime.options import EngineOptions
@@ -60,14 +61,6 @@ def _requests(seed: int) -> list[Request]:
     return out
 
 
-def _filled(engine: Engine) -> list[dict[str, np.ndarray]]:
-    if engine.device_cache is not None:
-        views = engine.device_cache.host_view(len(engine.rows), engine.width) if engine.rows else {}
-    else:
-        views = engine._views()
-    return [{name: v[s.slot, :, :s.filled].copy() for name, v in views.items()} for s in engine.rows]
-
-
 @pytest.mark.parametrize("family, speculative, dtype", [("gpt2", False, "fp16"), ("llama", False, "fp16"),
                                                        ("llama", True, "fp16"), ("gpt2", False, "fp32"),
                                                        ("llama", True, "fp32")])
@@ -91,12 +84,7 @@ def test_the_derived_mask_gives_the_fed_masks_tokens_and_cache(family, speculati
         for e in engines:
             assert e.step()
         for e in engines[1:]:
-            assert [(s.handle.request.prompt, s.filled) for s in e.rows] == \
-                [(s.handle.request.prompt, s.filled) for s in want.rows]
-            np.testing.assert_array_equal(e.slots, want.slots)
-            for a, b in zip(_filled(want), _filled(e)):
-                for name in a:
-                    np.testing.assert_array_equal(a[name], b[name], err_msg=name)
+            assert_engines_agree(want, e)
     for e in engines[1:]:
         assert [(h.tokens, h.finish_reason) for h in e.handles] == [(h.tokens, h.finish_reason) for h in want.handles]
     assert all(h.finish_reason == "length" for h in want.handles), [h.error for h in want.handles]
