@@ -29,8 +29,11 @@ graph: compiler/backends/onnx/prefix_mask.py) and its logits out, not the cache;
 values, a leaving row's move and the relayouts run there as small onnxruntime graphs (``_put``,
 ``_release``, ``_relayout`` branch to it). Elsewhere the cache is numpy, as described above.
 
-Prompts are prefilled between decoding steps in chunks of at most ``prefill_chunk`` tokens, one
-chunk per iteration, so a long prompt delays the running streams by at most one chunk per step.
+Prompts are prefilled between decoding steps in chunks of at most ``prefill_chunk`` tokens an iteration,
+so a long prompt delays the running streams by at most one chunk per step. In the combined call (below)
+the iteration's chunk may be several prompts' chunks: the oldest prompt's, then the first chunks of
+prompts not started yet while the budget has room (``_more_first_chunks``), so a burst of prompts goes in
+by the budget, not one prompt a call.
 Where the model has the combined call (compiler/backends/onnx/mixed_attention.py; serving/model.py
 ``load`` builds it), an iteration with both a chunk and decoding rows is ONE onnxruntime call
 (``_combined_step``: every weight read once for both); otherwise the chunk and the step are a call each.
@@ -336,6 +339,7 @@ class Engine:
         # prompt chunk in one onnxruntime call, where the model has it (serving/model.py load builds it)
         self.combined = self.in_place and info.last_only and not self._copied and has_combined_call(model)
         self.combined_calls = 0  # iterations run as one call (the tests check mixed iterations happen)
+        self.prompts_in_combined_calls = 0  # the prompt segments those calls took (several a call: a burst)
         self._wanted_combined = [info.logits] + [o for layer in info.layers for o in (layer.present_key,
                                                                                     layer.present_value)]
         self.metrics.cache_bytes = self.memory_bytes
@@ -649,11 +653,13 @@ class Engine:
             decoding = len(self.rows) - len(prefilling)
             if prefilling and self.prefix_cache is not None:  # as its prefill starts (so it sees the blocks the
                 self.prefix_cache.admit(self, prefilling[0])  # prompts before it stored): a cached prefix goes in
-            if prefilling and decoding and self.combined and self.speculation is None:
-                self._combined_step(prefilling[0], self.chunk_for(decoding))  # one call for both
+            budget = self.chunk_for(decoding)
+            if prefilling and self.combined and self.speculation is None and (decoding or self._room_for_more(
+                    prefilling, budget)):
+                self._combined_step(prefilling[0], budget)  # one call for the rows and the prompts' chunks
             else:
                 if prefilling:
-                    self._prefill_chunk(prefilling[0], self.chunk_for(decoding))
+                    self._prefill_chunk(prefilling[0], budget)
                 if any(not s.prefilling for s in self.rows):
                     self._decode_step()
         except Exception as e:  # onnxruntime failed: every running request ends with the reason, the engine goes on
@@ -804,58 +810,109 @@ class Engine:
     def _combined_step(self, seq: _Sequence, size: int) -> None:
         """One iteration as ONE onnxruntime call (compiler/backends/onnx/mixed_attention.py): the tokens
         [1, n + T] are one per row of the view's first n (the decoding rows' next tokens; a dummy for a
-        row not decoding, which rides along as in ``_decode_step``) and then the chunk's T prompt tokens
-        of ``seq``, whose row is among the n and marked by a 0 in the mask's last column. The decoding
-        part is ``_decode_step``'s (GroupQueryAttention writing each row's new column in place: the same
-        feeds), the chunk attends over its row's filled columns and itself, as ``_prefill_chunk``'s; the
-        chunk's keys and values come back as the cache outputs' last T columns and are written into its
-        row here, as there. A prompt finished here takes its first decoding step at the next iteration."""
+        row not decoding, which rides along as in ``_decode_step``) and then the iteration's T prompt
+        tokens: ``seq``'s chunk, whose row is among the n and marked by a 0 in the mask's last column,
+        and, while the budget ``size`` has room, the first chunks of later prompts (``_more_first_chunks``),
+        each a segment whose positions start again at 0 (the graph keeps every segment's queries to its
+        own keys, and ``seq``'s past to ``seq``'s). The decoding part is ``_decode_step``'s
+        (GroupQueryAttention writing each row's new column in place: the same feeds); each segment
+        attends over its row's filled columns (``seq``'s; none for a first chunk) and itself, as
+        ``_prefill_chunk``'s; the segments' keys and values come back as the cache outputs' last T
+        columns and are written into their rows here, as there, and a segment that completes its prompt
+        gets its first token from the logits at its last token. Why several prompts in one call: every
+        call reads every weight, and a burst of short prompts would otherwise take one iteration each
+        (docs/benchmarks: bench/openvino_batching.py). A prompt finished here takes its first decoding
+        step at the next iteration."""
         info, rows, req = self.info, self.rows, seq.handle.request
         decoding = [s for s in rows if not s.prefilling]
-        start, r = seq.filled, seq.slot
+        start = seq.filled
         chunk = req.prompt[start:start + size]
-        t = len(chunk)
-        n = max(max(s.slot for s in decoding), r) + 1
-        self._fit(max(max(s.filled for s in rows[:n]) + 1, start + t))
+        segments = [(seq, start, chunk)] + [(s, 0, c) for s, c in self._more_first_chunks(seq, size - len(chunk))]
+        t = sum(len(c) for _, _, c in segments)
+        n = max([s.slot for s in decoding] + [s.slot for s, _, _ in segments]) + 1
+        self._fit(max(max(s.filled for s in rows[:n]) + 1, max(at + len(c) for _, at, c in segments)))
         width = self.width
         tokens = np.zeros((1, n + t), dtype=np.int64)
         positions = np.zeros((1, n + t), dtype=np.int64)
         for s in decoding:
             tokens[0, s.slot], positions[0, s.slot] = s.next_token, s.filled
-        tokens[0, n:], positions[0, n:] = chunk, np.arange(start, start + t)
-        idx = np.array([s.slot for s in decoding])
-        cols = np.array([s.filled for s in decoding])
+        offsets, at_token = [], n
+        for s, at, c in segments:
+            tokens[0, at_token:at_token + len(c)] = c
+            positions[0, at_token:at_token + len(c)] = np.arange(at, at + len(c))
+            offsets.append(at_token)
+            at_token += len(c)
+        idx = np.array([s.slot for s in decoding], dtype=np.int64)  # none in a burst's first call
+        cols = np.array([s.filled for s in decoding], dtype=np.int64)
         mask = np.concatenate([self.slots[:n, :width], np.ones((n, 1), dtype=np.int64)], axis=1)
         mask[idx, cols] = 1  # the chunk's row keeps its filled columns only: its mask row is its past's
-        mask[r, -1] = 0  # the combined call's marker: the chunk's row (mixed_attention.py ``_marker``)
+        mask[seq.slot, -1] = 0  # the combined call's marker: the first segment's row (mixed_attention.py ``_marker``)
         feeds = {info.tokens: tokens, "attention_mask": mask, "position_ids": positions,
                  info.length_input: np.array([s.filled for s in rows[:n]], dtype=np.int64)}
-        out = self._run_in_place(feeds, n, "combined")
+        out = self._run_in_place(feeds, n, "combined", len(segments))
         self.steps += 1
         self.combined_calls += 1
+        self.prompts_in_combined_calls += len(segments)
         self.slots[idx, cols] = 1  # the decoding rows' new columns (written in place by the kernel)
-        logits = out[info.logits][0]  # [n + 1, vocab]: the n row tokens, then the chunk's last
+        logits = out[info.logits][0]  # [n + segments, vocab]: the n row tokens, then each segment's last
         finished = self._decoded(decoding, logits[:n])
-        # the chunk's keys and values: the cache outputs' columns after the n row tokens'
-        if self._chunk_in(seq, t, out, n, logits[n:n + 1]):
-            finished.append(seq)
+        # each segment's keys and values: the cache outputs' columns from its first token's
+        for k, ((s, _, c), first) in enumerate(zip(segments, offsets)):
+            if self._chunk_in(s, len(c), out, first, logits[n + k:n + k + 1]):
+                finished.append(s)
         for s in sorted(finished, key=lambda s: -s.slot):
             self._release(s)
 
-    def _run_in_place(self, feeds: dict[str, np.ndarray], n: int, kind: str = "decode") -> dict:
+    @staticmethod
+    def _room_for_more(prefilling: list[_Sequence], budget: int) -> bool:
+        """With no row decoding: whether the first prompt's chunk leaves room in the budget for another's
+        (then the combined call takes both; else the prompt goes in alone, by the prefill kernel)."""
+        first = prefilling[0]
+        return len(prefilling) > 1 and budget - (len(first.handle.request.prompt) - first.filled) >= MIN_PREFILL_CHUNK
+
+    def _more_first_chunks(self, seq: _Sequence, room: int) -> list[tuple[_Sequence, list[int]]]:
+        """The prompts whose first chunks join ``seq``'s in a combined call, oldest first, within ``room``
+        tokens: each not started (no filled column: its segment has no past) and given at least
+        ``MIN_PREFILL_CHUNK`` tokens (or its whole prompt, if shorter). With the prefix cache, a prompt
+        whose first block is also another unfinished prompt's waits (the blocks that prompt stores are
+        its own prefix: run together, neither could reuse the other's), and one joins only once its
+        lookup found nothing to reuse (a hit gives it filled columns: it goes in later as a first segment)."""
+        chosen = []
+        pc = self.prefix_cache
+        for s in self.rows:
+            if room < MIN_PREFILL_CHUNK:
+                break
+            if s is seq or not s.prefilling or s.filled:
+                continue
+            prompt = s.handle.request.prompt
+            if pc is not None:
+                ahead = [o for o in self.rows if o is not s and o.prefilling and (o.slot < s.slot or o is seq or o.filled)]
+                if any(o.handle.request.prompt[:pc.block] == prompt[:pc.block] for o in ahead):
+                    continue
+                pc.admit(self, s)
+                if s.filled:
+                    continue
+            take = min(room, len(prompt))
+            if take < len(prompt) and take < MIN_PREFILL_CHUNK:
+                break
+            chosen.append((s, prompt[:take]))
+            room -= take
+        return chosen
+
+    def _run_in_place(self, feeds: dict[str, np.ndarray], n: int, kind: str = "decode", segments: int = 1) -> dict:
         """A decoding step of a GroupQueryAttention graph over the view's first ``n`` rows: each past
         view is bound (IOBinding) as both its input and its buffer output, so the kernel writes every
         row's new column into the engine's cache where it lies (no copy of the cache); the logits and
         the new columns of the layers it does not write (``_copied``) come back as arrays. ``kind``
         "combined": the combined call, whose cache outputs (every layer's new keys and values) come back
-        too; each kind keeps its binding. With the device cache the views are its buffers on the
+        too, and whose logits have a row per decoding row and ``segments``; each kind keeps its binding. With the device cache the views are its buffers on the
         device and the combined call's cache outputs stay there (OrtValues, ``_put`` writes them in)."""
         from .model import RunError, ort_message
 
         wanted = self._wanted if kind == "decode" else self._wanted_combined
         key = (n, self.width)  # rows and width: the views' shapes (their memory never moves)
-        if kind != "decode":  # and the tokens: the outputs onnxruntime allocates keep their first shape
-            key += (feeds[self.info.tokens].shape[1],)
+        if kind != "decode":  # and the tokens and segments (the logits' rows): the outputs onnxruntime
+            key += (feeds[self.info.tokens].shape[1], segments)  # allocates keep their first shape
         binding = self._bindings.get(kind)
         dc = self.device_cache
         if binding is None or binding[0] != key:  # bound again only when the shapes change

@@ -83,6 +83,34 @@ def test_combined_calls_give_transformers_greedy_tokens(cases, family):
     assert engine.running == 0 and engine.cache_allocations == 1
 
 
+@pytest.mark.parametrize("family", ["gpt2", "llama_gqa"])
+def test_a_burst_of_prompts_goes_in_as_segments_of_one_call(cases, family):
+    """Two bursts of 1-70-token prompts, 10 slots, a 48-token budget: the first (5 prompts, no row
+    decoding yet) goes in as one combined call, each prompt's first chunk a segment whose positions
+    start at 0 and which attends to itself alone; the second (9 prompts) arrives while those decode and
+    joins their calls, a prompt longer than the room left going in partly and continuing later (with
+    its past, as a first segment). Every request's tokens are still transformers' greedy tokens of its
+    prompt alone, which they would not be if a segment saw another's keys or the first segment's past."""
+    case = cases(family)
+    engine = Engine(case.model, max_batch=10, max_queue=16, prefill_chunk=48)
+    partial = []
+    more = engine._more_first_chunks
+
+    def spy(seq, room):
+        chosen = more(seq, room)
+        partial.extend(len(c) < len(s.handle.request.prompt) for s, c in chosen)
+        return chosen
+    engine._more_first_chunks = spy
+    handles = [engine.submit(Request(list(r.prompt), r.max_tokens)) for r in case.requests[:5]]
+    assert engine.step() and engine.combined_calls == 1 and engine.prompts_in_combined_calls == 5
+    handles += [engine.submit(Request(list(r.prompt), r.max_tokens)) for r in case.requests[5:]]
+    while any(not h.finished for h in handles):
+        assert engine.step()
+    assert [h.tokens for h in handles] == case.reference
+    assert engine.prompts_in_combined_calls > engine.combined_calls + 4  # the second burst's calls too
+    assert any(partial) and not all(partial)  # a first chunk cut by the budget, and whole prompts
+
+
 def test_combined_and_two_calls_agree_and_the_cache_is_never_reallocated(cases):
     """The same staggered run with the combined call switched off (two calls per iteration) gives the
     same tokens; with it on, the cache arrays stay the same memory and every iteration that had both

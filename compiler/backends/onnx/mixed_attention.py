@@ -32,6 +32,16 @@ outputs are concatenated in token order. The cache outputs (``key.{i}``) give ev
 token's new keys; the engine writes the chunk's into its row. The logits are taken at the n row
 tokens and the chunk's last (``settle_mixed`` turns the last-position slice before the head into
 that gather), so the head costs a decoding step's plus one row.
+
+Segments: the T chunk tokens may be several prompts' chunks one after another (a burst of prompts in
+one call: every call reads every weight). The first segment is the marked row's chunk, with its past;
+each later one is another prompt's FIRST chunk (no past), its positions starting again at 0. Nothing
+else marks them: token j of the chunk belongs to segment j - p_j + p_0 (0 for the first, whose
+positions run on from p_0; s + p_0 > 0 for a segment starting at token s), and the block hides every
+key of another segment and the marked row's past from the later segments (``_chunk``). The logits are
+taken at every segment's last token (where the next position is not this one's + 1), in token order.
+Assumed, as the engine feeds it: a later segment starts at position 0 and has no filled column; a
+call that is not combined is one segment.
 """
 
 from __future__ import annotations
@@ -89,10 +99,29 @@ def _chunk(b, node, split) -> dict:
             total = b.node("Add", [filled, t])[0]
             zero, one = b.const(np.array(0, dtype=np.int64), "zero"), b.const(np.array(1, dtype=np.int64), "one")
             scalar = lambda x: b.node("Squeeze", [x, b.i64([0])])[0]  # noqa: E731
-            rows = b.node("Add", [b.node("Range", [zero, scalar(t), one])[0], filled])[0]
+            index = b.node("Range", [zero, scalar(t), one])[0]  # the chunk's tokens 0..t-1
+            rows = b.node("Add", [index, filled])[0]
             cols = b.node("Range", [zero, scalar(total), one])[0]
-            hidden = b.node("Greater", [b.node("Unsqueeze", [cols, b.i64([0])])[0],
-                                        b.node("Unsqueeze", [rows, b.i64([1])])[0]], [b.fresh("mixed/causal")])[0]
+            causal = b.node("Greater", [b.node("Unsqueeze", [cols, b.i64([0])])[0],
+                                        b.node("Unsqueeze", [rows, b.i64([1])])[0]])[0]
+            # the chunk's segments (several prompts' first chunks after the first segment: module docstring):
+            # token j's segment is j - p_j + p_0, 0 for the first segment (its positions run on from p_0) and
+            # s + p_0 > 0 for one starting at token s (its positions run from 0); the r filled columns are
+            # the first segment's past
+            chunk_positions = b.node("Slice", [b.node("Slice", [POSITIONS, b.i64([0]), b.i64([1]), b.i64([0])])[0],
+                                               n, b.i64([2**62]), b.i64([1])])[0]
+            chunk_positions = b.node("Reshape", [chunk_positions, b.i64([-1])])[0]
+            first_position = b.node("Slice", [chunk_positions, b.i64([0]), b.i64([1]), b.i64([0])])[0]
+            segment = b.node("Add", [b.node("Sub", [index, chunk_positions])[0], first_position])[0]
+            past_segment = b.node("Expand", [b.const(np.array([0], dtype=np.int64), "zero1"), filled])[0]
+            key_segment = b.node("Concat", [past_segment, segment], axis=0)[0]
+            # total columns (not filled + max(t, 0): in a call that is not combined t may be negative, and these
+            # values, unread there, must still have the shapes of ``causal``'s)
+            key_segment = b.node("Slice", [key_segment, b.i64([0]), b.node("Max", [total, b.i64([0])])[0],
+                                           b.i64([0])])[0]
+            other = b.node("Not", [b.node("Equal", [b.node("Unsqueeze", [key_segment, b.i64([0])])[0],
+                                                     b.node("Unsqueeze", [segment, b.i64([1])])[0]])[0]])[0]
+            hidden = b.node("Or", [causal, other], [b.fresh("mixed/causal")])[0]
             b.shared[key] = {"n": n, "t": t, "total": total, "hidden": hidden,
                              "starts": b.node("Concat", [r, b.i64([0])], axis=0)[0],
                              "ends": b.node("Concat", [b.node("Add", [r, b.i64([1])])[0], filled], axis=0)[0]}
@@ -271,14 +300,39 @@ def settle_mixed(model) -> bool:
         graph.initializer.append(numpy_helper.from_array(np.array(values, dtype=np.int64), f"mixed/{name}"))
         return f"mixed/{name}"
 
+    def const_bool(name: str, values) -> str:
+        graph.initializer.append(numpy_helper.from_array(np.array(values, dtype=np.bool_), f"mixed/{name}"))
+        return f"mixed/{name}"
+
     x = last.input[0]
     nodes = [
         helper.make_node("Shape", [past], ["mixed/rows"], start=0, end=1),
         helper.make_node("Where", ["mixed/is_combined", "mixed/rows", const("none", [0])], ["mixed/n"]),
         helper.make_node("Squeeze", ["mixed/n", const("axis0", [0])], ["mixed/n_scalar"]),
         helper.make_node("Range", [const("zero", 0), "mixed/n_scalar", const("one", 1)], ["mixed/row_positions"]),
-        helper.make_node("Shape", [x], ["mixed/tokens"], start=1, end=2),
-        helper.make_node("Sub", ["mixed/tokens", const("one1", [1])], ["mixed/last"]),
+        # each segment's last token (the chunk's last, and in a combined call every token after the rows
+        # whose successor's position is not its own + 1: the next segment starts there, at position 0)
+        helper.make_node("Slice", [POSITIONS, const("zero1", [0]), const("one1", [1]), const("zero1b", [0])],
+                         ["mixed/first_row_positions"]),
+        helper.make_node("Reshape", ["mixed/first_row_positions", const("flat", [-1])], ["mixed/token_positions"]),
+        helper.make_node("Slice", ["mixed/token_positions", const("one1b", [1]), const("big", [2**62])],
+                         ["mixed/successors"]),
+        helper.make_node("Slice", ["mixed/token_positions", const("zero1c", [0]), const("minus1", [-1])],
+                         ["mixed/predecessors"]),
+        helper.make_node("Add", ["mixed/predecessors", const("step", 1)], ["mixed/continued"]),
+        helper.make_node("Equal", ["mixed/successors", "mixed/continued"], ["mixed/runs_on"]),
+        helper.make_node("Not", ["mixed/runs_on"], ["mixed/breaks"]),
+        helper.make_node("And", ["mixed/breaks", "mixed/is_combined"], ["mixed/combined_breaks"]),
+        helper.make_node("Concat", ["mixed/combined_breaks", const_bool("last_ends", [True])], ["mixed/ends_here"],
+                         axis=0),
+        helper.make_node("Shape", ["mixed/token_positions"], ["mixed/token_count"]),
+        helper.make_node("Squeeze", ["mixed/token_count", const("axis0b", [0])], ["mixed/token_count_scalar"]),
+        helper.make_node("Range", [const("zero0", 0), "mixed/token_count_scalar", const("one0", 1)],
+                         ["mixed/token_index"]),
+        helper.make_node("GreaterOrEqual", ["mixed/token_index", "mixed/n_scalar"], ["mixed/in_chunk"]),
+        helper.make_node("And", ["mixed/ends_here", "mixed/in_chunk"], ["mixed/segment_ends"]),
+        helper.make_node("NonZero", ["mixed/segment_ends"], ["mixed/segment_end_index"]),
+        helper.make_node("Reshape", ["mixed/segment_end_index", const("flat1", [-1])], ["mixed/last"]),
         helper.make_node("Concat", ["mixed/row_positions", "mixed/last"], ["mixed/positions"], axis=0),
         helper.make_node("Gather", [x, "mixed/positions"], list(last.output), name=f"{LAST_SLICE}/Gather", axis=1),
     ]
