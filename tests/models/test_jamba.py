@@ -111,3 +111,10 @@ def test_a_decoder_that_lets_padding_into_its_state_is_refused_for_uneven_prompt
     assert "does not keep left padding out of that state" in err
     rc, _, err = cli(capsys, "generate", old, "--input", "tokens=[[1, 2, 3], [4, 5, 6]]", "--max-new-tokens", 2)
     assert rc == 0, err
+
+
+def test_speculative_decoding_refuses_recurrent_state_clearly(folder, capsys):
+    """Its rollback of rejected drafts masks cache columns; a scan's state has no such way back."""
+    err = cli_error(capsys, "generate", folder, "--input", f"tokens={json.dumps(PROMPTS)}", "--max-new-tokens", 4,
+                    "--speculative", "ngram")
+    assert "recurrent state cannot" in err and "decode without --speculative" in err
