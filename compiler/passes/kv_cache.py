@@ -132,6 +132,9 @@ class CacheInfo:
     # length, and the keys cached before were rotated with the others: the runtime runs the whole
     # sequence again at the call that crosses it, as transformers does (Phi3ForCausalLM drops its cache)
     length_switch: int | None = json(Kind("int", 1, optional=True), default=None)
+    # the recurrent state keeps left padding out (a hybrid's: passes/state_padding.py reads the attention mask),
+    # so prompts of different lengths batch left-padded; False: a row's padding would enter its state
+    padded_state: bool = json(Kind("bool"), default=False)
     # --explain's lines from the passes over the exported graph (compiler/build.py); not in the file's metadata
     notes: list[str] = json(None, default_factory=list, compare=False)
 
@@ -141,7 +144,8 @@ class CacheInfo:
         lines = [f"KV cache ({self.mode} mode{stored}): {len(self.layers)} cached attention sites"]
         if self.states:
             lines.append(f"recurrent state: {sum(s.kind == 'scan' for s in self.states)} scan state(s), "
-                         f"{sum(s.kind == 'conv' for s in self.states)} causal conv1d window(s) carried")
+                         f"{sum(s.kind == 'conv' for s in self.states)} causal conv1d window(s) carried"
+                         + ("; left padding kept out of them (the attention mask)" if self.padded_state else ""))
         if self.length_switch is not None:
             lines.append(f"longrope: the rotary switches to its long factors past {self.length_switch} positions; "
                          f"generation runs the whole sequence again at the step that crosses it")
@@ -512,7 +516,7 @@ class AddCacheLayers(Pass):
         b_dim, t_dim = _batch_and_time(g)
         sites = _self_attention(g, t_dim)
         layers = self._attention_layers(g, sites, b_dim, t_dim) if sites else []
-        states = carry_state(g, t_dim)
+        states = carry_state(g, t_dim, MASK if sites else None)  # a hybrid: the mask keeps padding out
         _settle(g)
         return PassResult(g, True, layers + states)
 
@@ -709,7 +713,7 @@ def cache_info(result: PipelineResult) -> CacheInfo:
     return CacheInfo(face.tokens, face.logits, layers, context.positions, face.last_only, face.mode, dtype,
                      [kernels[layer.node].kernel for layer in layers],
                      LENGTH if any(layer.buffer_key for layer in layers) else None, states, prefix,
-                     length_switch=context.switch)
+                     length_switch=context.switch, padded_state=bool(layers and states))  # carry_state's mask
 
 
 def add_kv_cache(g: Graph, last_only: bool = False, mode: str = "auto", impl: str | None = None,

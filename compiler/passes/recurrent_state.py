@@ -24,6 +24,10 @@ values and state, is added by one pass:
   inputs stand where the zero padding was), and ``conv.{i}``, the last ``kernel - 1`` columns of
   that concatenation, is the next call's past. Any other convolution over time is refused.
 
+In a hybrid (attention beside the state, so the cached graph takes ``attention_mask``), left
+padding is kept out of every scan and conv1d over time (passes/state_padding.py: padded positions
+feed the conv1d zeros and leave a scan's state as it was), so prompts of different lengths batch.
+
 Scans and convolutions over other axes (a scan over a depth axis, a convolution over features)
 are left alone. The first call starts from zeros (or the encoder's state), which is exactly what
 the spec computes over the whole sequence.
@@ -37,6 +41,7 @@ from tessera.compiler.ir import dims
 from tessera.compiler.ir.graph import Graph, Node, TensorType
 from tessera.compiler.ops.recurrence import parts
 from tessera.compiler.passes.cache_parts import CacheError, CacheState, insert_before as _insert_before
+from tessera.compiler.passes.state_padding import hold_state_at_padding, real_positions, zero_padded_conv_input
 
 ZERO_PATH = ("expand", "reshape", "identity", "transpose", "cast")
 """Ops through which an initial state of zeros stays zeros (zero_state is expand([[0.0]], [B, n]))."""
@@ -117,10 +122,19 @@ def check_state(g: Graph, t_dim) -> None:
         _check_conv(g, node, t_dim)
 
 
-def carry_state(g: Graph, t_dim) -> list[CacheState]:
+def carry_state(g: Graph, t_dim, mask: str | None = None) -> list[CacheState]:
     """Scans over time start from ``past_state.{i}`` and give ``state.{i}``; causal conv1d over time
     read ``past_conv.{i}`` before their input and give ``conv.{i}`` (appended to the graph's outputs).
-    Returns a CacheState each; the caller settles the graph."""
+    ``mask``: the attention mask input [B, P+T] of a hybrid (attention beside the state), which then
+    keeps left padding out of every scan and conv1d (passes/state_padding.py). Returns a CacheState
+    each; the caller settles the graph."""
+    if mask is not None:
+        b_dim = g.type_of(mask).shape[0]
+        real = real_positions(g, mask, b_dim, t_dim)
+        for node in time_convs(g, t_dim):
+            zero_padded_conv_input(g, node, real)
+        for node in time_scans(g, t_dim):
+            hold_state_at_padding(g, node, real)
     notes: list[CacheState] = []
     for node in time_scans(g, t_dim):
         k = node.attrs["n_state"]

@@ -23,7 +23,10 @@ graph's buffer outputs (``BoundStep``): the kernel writes each step's new column
 
 A batch of prompts of different lengths is left-padded: the mask marks the
 padding, and each row's positions count only its real tokens (Hugging Face's
-``position_ids = cumsum(mask) - 1``), so every row is decoded as if alone.
+``position_ids = cumsum(mask) - 1``), so every row is decoded as if alone. A hybrid's recurrent state
+(attention beside Mamba layers: Jamba) reads the same mask and leaves the padding out
+(compiler/passes/state_padding.py, CacheInfo.padded_state); a state-only model (Mamba) has no mask,
+so its uneven prompts run one row at a time (``_prefill_rows``).
 
 Token choice (transformers' logits processors, in their order, and the log-probabilities) is
 generation/sampling.py's, shared with the recurrent loop and the serving engine. Sampling draws from
@@ -355,10 +358,11 @@ def check_request(model: CachedModel, prompts, max_new_tokens: int, sampling: Sa
         if longest + max_new_tokens > ctx:
             raise UsageError(f"max_new_tokens={max_new_tokens} goes past the context: the prompt has {longest} "
                              f"tokens and the model has {ctx} positions, so at most {ctx - longest} new tokens")
-    if model.info.states and model.info.layers and len({len(p) for p in prompts}) > 1:
-        raise UsageError("this model carries recurrent state beside its attention: prompts of different lengths "
-                         "would run their left padding through the recurrence, so give prompts of one length "
-                         "(or one prompt at a time)")
+    if model.info.states and model.info.layers and not model.info.padded_state and len({len(p) for p in prompts}) > 1:
+        raise UsageError("this model carries recurrent state beside its attention, and its compiled decoder does not "
+                         "keep left padding out of that state (a file compiled before Tessera did): prompts of "
+                         "different lengths would run their padding through the recurrence, so give prompts of one "
+                         "length (or one prompt at a time), or compile it again with --kv-cache")
     for t in stop_tokens:
         if not isinstance(t, (int, np.integer)) or t < 0 or (model.vocab is not None and t >= model.vocab):
             raise UsageError(f"unknown stop token {t}: ids are in [0, {model.vocab})")
@@ -588,7 +592,7 @@ class CachedDecoder:
         info, cache = self.info, self.cache
         if self.by_row:
             return self._step_by_row(last)
-        if self.first and self.states and len(set(self.lengths.tolist())) > 1:
+        if self.first and self.states and not info.padded_state and len(set(self.lengths.tolist())) > 1:
             return self._prefill_rows()
         if last is not None:
             self.tokens = last[:, None].astype(np.int64)
@@ -729,9 +733,10 @@ class CachedDecoder:
             feeds["decode_span"] = np.zeros((0, width), dtype=np.int64)
 
     def _prefill_rows(self) -> np.ndarray:
-        """Prompts of uneven length for a model with recurrent state and no attention (check_request
-        refuses a hybrid): left padding would run the pad tokens through the recurrence, which no mask
-        undoes, so each prompt runs alone, unpadded, and the rows' states are stacked."""
+        """Prompts of uneven length for a model with recurrent state and no attention mask (a hybrid's
+        decoder keeps the padding out of its state itself, info.padded_state: compiler/passes/state_padding.py):
+        left padding would run the pad tokens through the recurrence, so each prompt runs alone, unpadded,
+        and the rows' states are stacked."""
         info, rows, logits = self.info, [], []
         for r, p in enumerate(self.prompts):
             feeds = {info.tokens: np.array([p], dtype=np.int64),

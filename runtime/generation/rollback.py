@@ -17,8 +17,9 @@ single tokens) with three additions:
   positions count real tokens only, so attention over them equals attention without them);
   ``compact()`` packs every row's real columns to the right again when the buffer runs out.
 
-Only the buffer cache (``check``): the concat cache is fed back whole, and the sliding-window models
-that need it measure their window in cache columns, which holes would break.
+Only the buffer cache without recurrent state (``check``): a scan's state cannot be rolled back; the
+concat cache is fed back whole, and the sliding-window models that need it measure their window in
+cache columns, which holes would break.
 """
 
 from __future__ import annotations
@@ -41,6 +42,12 @@ def check(model: CachedModel, what: str) -> None:
         raise UsageError(f"speculative decoding rolls rows back in a left-padded cache, whose decoding step needs "
                          f"its mask; {what} was compiled for the serving engine's layout (prefix_keys: no mask), "
                          f"which the serving engine's own speculation takes (`tessera serve --speculative`)")
+    if model.info.states:
+        raise UsageError(f"speculative decoding rolls each row back past its rejected drafts, which a cache of keys "
+                         f"and values can (their columns are masked out again) but recurrent state cannot (the "
+                         f"state after the drafts has no way back to the state before them); {what} carries "
+                         f"{len(model.info.states)} scan or conv1d state(s) (a Mamba or hybrid layer): decode "
+                         f"without --speculative")
     if model.info.mode != "buffer":
         raise UsageError(f"speculative decoding needs the buffer cache (its columns are rolled back per row); "
                          f"{what} uses the {model.info.mode} cache (--cache concat, or a sliding-window model, "

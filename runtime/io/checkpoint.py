@@ -36,6 +36,7 @@ MODEL_TYPES = {
     "bart": "bart",
     "whisper": "whisper",
     "mamba": "mamba",
+    "jamba": "jamba",
     "qwen2": "qwen2",
     "qwen3": "qwen3",
     "qwen3_moe": "qwen3_moe",

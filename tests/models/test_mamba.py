@@ -218,20 +218,50 @@ model Hybrid(d = 16, vocab = 32) {
 
 def test_attention_and_recurrent_state_together(tmp_path):
     """Both caches in one decoder (the decoding step's attention writes its buffer in place, the state
-    comes back beside it): each step equals the whole sequence recomputed; prompts of two lengths are
-    refused (their left padding would enter the state)."""
+    comes back beside it): each step equals the whole sequence recomputed, for prompts of one length
+    and of three lengths left-padded in one batch (the padding kept out of the state)."""
     import tessera
 
     spec = tmp_path / "hybrid.tsr"
     spec.write_text(HYBRID)
     m = tessera.load(str(spec), seed=2)
-    prompts = [[3, 1, 4, 1], [5, 9, 2, 6]]
-    got = m.generate(prompts, max_new_tokens=6)
-    for p, row in zip(prompts, got):
-        full = [int(m.run(tokens=[p + row[:k]])["logits"][0, -1].argmax()) for k in range(6)]
-        assert full == row
-    with pytest.raises(Exception, match="prompts of one length"):
-        m.generate([[3, 1, 4], [5]], max_new_tokens=2)
+    for prompts in ([[3, 1, 4, 1], [5, 9, 2, 6]], [[3, 1, 4, 1, 5, 9], [5], [2, 6, 5]]):
+        got = m.generate(prompts, max_new_tokens=6)
+        for p, row in zip(prompts, got):
+            full = [int(m.run(tokens=[p + row[:k]])["logits"][0, -1].argmax()) for k in range(6)]
+            assert full == row
+
+
+GRU_HYBRID = """
+model GruHybrid(d = 8, vocab = 32) {
+  in tokens: i64[B, T]
+  out logits: f32[B, T, vocab]
+  x = embedding(tokens, vocab, d, name="emb")
+  x += attention(x, 2, causal=true, name="attn")
+  x += transpose(slice(conv1d(transpose(x), d, 3, padding=2, groups=d, name="conv"), -1, 0, T))
+  x += gru(x, d, name="rnn")
+  logits = linear(x, vocab, name="head")
+}
+"""
+
+
+def test_a_hybrid_batch_of_uneven_prompts_scores_each_row_as_alone(tmp_path):
+    """A GRU (whose step from a zero state and a zero input is not zero: zeroing inputs alone would not
+    keep the padding out) and a causal conv1d beside attention: the cached decoder's scores for every
+    row of a left-padded batch equal the uncached model's over that row alone, unpadded, at every step."""
+    import tessera
+    from tessera.runtime.generation import cached as gen
+
+    spec = tmp_path / "gru.tsr"
+    spec.write_text(GRU_HYBRID)
+    m = tessera.load(str(spec), seed=4)
+    prompts = [[3, 1, 4, 1, 5, 9], [5], [2, 6, 5]]
+    scores = []
+    tokens = gen.generate(m.cached(), prompts, 4, on_logits=lambda step, s: scores.append(s.copy())).tokens
+    for r, p in enumerate(prompts):
+        for k in range(4):
+            alone = m.run(tokens=[p + tokens[r][:k]])["logits"][0, -1]
+            np.testing.assert_allclose(scores[k][r], alone, atol=1e-5, rtol=0)
 
 
 def _state_edit(**changes):

@@ -1,0 +1,120 @@
+"""Jamba (models/jamba.tsr): attention and Mamba layers in one decoder, against transformers'
+JambaForCausalLM with the same weights; and prompts of different lengths batched left-padded, the
+padding kept out of the recurrent state (compiler/passes/state_padding.py).
+
+The references are transformers' own model (its PyTorch path on CPU; use_mamba_kernels=False) with a
+checkpoint folder written by save_pretrained: logits, parameter count, greedy generate of each prompt
+alone (no padding anywhere) and of transformers' own left-padded batch (its Mamba layers zero the
+padded positions' inputs). The folder is the model (runtime/io/checkpoint.py's model_type table).
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from conftest import cli, cli_error, hf_greedy, perturbed
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+VOCAB = 128
+NEW = 10
+PROMPTS = [[5, 17, 42, 99, 3, 7, 8], [9, 8], [61, 2, 33, 4]]  # three lengths in one batch
+
+
+@pytest.fixture(scope="module")
+def hf():
+    """A tiny Jamba: layers mamba, attention, mamba, attention (attn period 2, offset 1), dense SwiGLU."""
+    torch.manual_seed(0)
+    cfg = transformers.JambaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=4,
+                                   num_attention_heads=4, num_key_value_heads=2, attn_layer_period=2,
+                                   attn_layer_offset=1, num_experts=1, mamba_d_state=8, mamba_d_conv=4,
+                                   mamba_expand=2, mamba_dt_rank=4, use_mamba_kernels=False, bos_token_id=1,
+                                   eos_token_id=None, pad_token_id=0)  # no stop: every row makes NEW tokens
+    return perturbed(transformers.JambaForCausalLM(cfg), 0.3)
+
+
+@pytest.fixture(scope="module")
+def folder(hf, tmp_path_factory):
+    path = tmp_path_factory.mktemp("jamba") / "ckpt"
+    hf.save_pretrained(path, safe_serialization=True)
+    return path
+
+
+def _alone(hf, prompt: list[int], new: int = NEW) -> list[int]:
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([prompt]), max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                          eos_token_id=None, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def test_logits_and_parameter_count_equal_transformers(hf, folder):
+    import tessera
+
+    m = tessera.load(str(folder))
+    ids = [[5, 17, 42, 99, 3, 7, 8], [1, 2, 3, 4, 5, 6, 7]]
+    with torch.no_grad():
+        want = hf(input_ids=torch.tensor(ids)).logits.numpy()
+    np.testing.assert_allclose(m.run(tokens=ids)["logits"], want, atol=1e-4, rtol=0)
+    assert sum(int(np.prod(w.shape)) for w in m.weights.values()) == sum(p.numel() for p in hf.parameters())
+
+
+def test_uneven_prompts_in_one_batch_give_each_prompt_its_own_tokens(hf, folder, capsys):
+    """`tessera generate FOLDER` with three prompts of different lengths: every row's tokens are the
+    ones transformers gives that prompt alone, and the ones transformers' left-padded batch gives."""
+    rc, out, err = cli(capsys, "generate", folder, "--input", f"tokens={json.dumps(PROMPTS)}",
+                       "--max-new-tokens", NEW, "--format", "json", "-q")
+    assert rc == 0, err
+    got = [o["tokens"] for o in json.loads(out)["outputs"]]
+    assert got == [_alone(hf, p) for p in PROMPTS]
+    assert got == hf_greedy(hf, PROMPTS, NEW)
+    assert len({tuple(g) for g in got}) == 3 and len({t for g in got for t in g}) > 4, got
+
+
+def test_the_api_batch_equals_each_prompt_alone(folder):
+    import tessera
+
+    m = tessera.load(str(folder))
+    batch = m.generate(PROMPTS, max_new_tokens=NEW)
+    assert batch == [m.generate(p, max_new_tokens=NEW) for p in PROMPTS]
+
+
+def test_a_compiled_cached_jamba_batches_uneven_prompts_too(hf, folder, tmp_path, capsys):
+    """The file keeps what its decoder does with padding (tessera.kv_cache's padded_state)."""
+    rc, _, err = cli(capsys, "compile", folder, "--kv-cache", "--explain", "-o", tmp_path / "j.onnx")
+    assert rc == 0, err
+    assert "left padding kept out of them" in err
+    rc, out, err = cli(capsys, "generate", tmp_path / "j.onnx", "--input", f"tokens={json.dumps(PROMPTS)}",
+                       "--max-new-tokens", NEW, "--format", "json", "-q")
+    assert rc == 0, err
+    assert [o["tokens"] for o in json.loads(out)["outputs"]] == [_alone(hf, p) for p in PROMPTS]
+
+
+def test_a_decoder_that_lets_padding_into_its_state_is_refused_for_uneven_prompts(folder, tmp_path, capsys):
+    """A hybrid's file whose metadata says the state does not keep padding out (one compiled before
+    state_padding.py) generates prompts of one length, and refuses uneven ones with the reason."""
+    import onnx
+
+    from test_metadata_hostile import _with_meta
+
+    rc, _, err = cli(capsys, "compile", folder, "--kv-cache", "-o", tmp_path / "j.onnx")
+    assert rc == 0, err
+    model = onnx.load(str(tmp_path / "j.onnx"), load_external_data=False)
+    meta = json.loads(next(e.value for e in model.metadata_props if e.key == "tessera.kv_cache"))
+    assert meta["padded_state"] is True
+    meta["padded_state"] = False
+    old = _with_meta(tmp_path, "j.onnx", "tessera.kv_cache", json.dumps(meta), "old")
+    err = cli_error(capsys, "generate", old, "--input", f"tokens={json.dumps(PROMPTS)}", "--max-new-tokens", 2)
+    assert "does not keep left padding out of that state" in err
+    rc, _, err = cli(capsys, "generate", old, "--input", "tokens=[[1, 2, 3], [4, 5, 6]]", "--max-new-tokens", 2)
+    assert rc == 0, err
+
+
+def test_speculative_decoding_refuses_recurrent_state_clearly(folder, capsys):
+    """Its rollback of rejected drafts masks cache columns; a scan's state has no such way back."""
+    err = cli_error(capsys, "generate", folder, "--input", f"tokens={json.dumps(PROMPTS)}", "--max-new-tokens", 4,
+                    "--speculative", "ngram")
+    assert "recurrent state cannot" in err and "decode without --speculative" in err
