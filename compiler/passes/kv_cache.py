@@ -530,10 +530,14 @@ class AddCacheLayers(Pass):
         t_dim = _batch_and_time(g)[1]
         if _self_attention(g, t_dim):
             _needs(g, MASK, self.name)
+        b_dim, keys = _batch_and_time(g)[0], g.type_of(MASK).shape[1] if MASK in g.inputs else None
         for n in _self_attention(g, t_dim):
-            if n.attrs["bias"] and not dims.equal(g.type_of(bias_input(n)).shape[-1], g.type_of(MASK).shape[1]):
-                raise PassError(f"{self.name}: the score bias of the attention at {n.scope} is not over the cache's "
-                                f"keys: run {CachedPositionBiasPass.name} first")
+            shape = g.type_of(bias_input(n)).shape if n.attrs["bias"] else None
+            if shape is not None and not (len(shape) == 4 and dims.equal(shape[0], b_dim) and (
+                    dims.equal(shape[-1], keys) or dims.equal(shape[-1], 1))):
+                raise PassError(f"{self.name}: the score bias of the attention at {n.scope} is "
+                                f"{dims.fmt_shape(shape)}, not [B, heads, T, P+T] over the cache's keys: run "
+                                f"{CachedPositionBiasPass.name} first")
         check_state(g, t_dim)
 
     def run(self, g: Graph) -> PassResult:
