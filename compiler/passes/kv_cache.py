@@ -8,9 +8,10 @@ positions, instead of recomputing the whole sequence. The cached form is
 derived from the spec's own graph, after attention fusion, so no spec has to
 be written twice: every causal ``fused_attention`` node is a cache site.
 
-The rewrite is five passes (``cache_passes``, run in order by the cached
+The rewrite is six passes (``cache_passes``, run in order by the cached
 pipelines of passes/pipeline.py, or alone by ``add_kv_cache``): kv-cache-inputs,
-kv-cache-positions, kv-cache-layers, kv-cache-kernels, last-position-logits. Each
+kv-cache-position-bias, kv-cache-positions, kv-cache-layers, kv-cache-kernels,
+last-position-logits. Each
 reads its options and the graph, never another pass's state; ``cache_info``
 assembles the runtime's CacheInfo from their notes. With P the number of cached
 positions and T the number of new ones (the prompt at prefill, 1 when decoding):
@@ -28,6 +29,10 @@ positions and T the number of new ones (the prompt at prefill, 1 when decoding):
   ``position_ids`` instead, and every ``rope`` node takes them as a second input
   (with and without Llama 3.1's frequency scaling) -- so positions stay right
   with P > 0 and with left padding;
+- score biases computed from the positions (T5's relative position bias, from
+  ``arange(T)`` as query and key positions): computed at ``position_ids`` and at
+  the keys' positions, the attention mask's running count (passes/position_bias.py),
+  [B, heads, T, P+T]; any other score bias is refused;
 - masks: every attention keeps its causal flag and window (the queries are the
   last T of the P+T keys) and takes ``attention_mask`` as its key padding, which
   also hides a buffer's unfilled slots;
@@ -64,6 +69,8 @@ from tessera.compiler.passes.base import Pass, PassError, PassManager, PassResul
 from tessera.compiler.passes import cache_schema
 from tessera.compiler.passes.cache_parts import CACHE_DTYPES, CacheError, CacheState, insert_before as _insert_before
 from tessera.compiler.passes.cache_schema import Kind, json
+from tessera.compiler.passes.position_bias import CachedPositionBiasPass, grid_or_refuse
+from tessera.compiler.patterns.position_grid import bias_input
 from tessera.compiler.passes.recurrent_state import carries_state, carry_state, check_state
 
 MASK, POSITIONS = "attention_mask", "position_ids"
@@ -210,6 +217,8 @@ def _gqa_unfit(node: Node, g: Graph, target: Target) -> str | None:
     hd, hv = int(k_t.shape[-1]), int(v_t.shape[-1])
     if a["window"]:
         return "a sliding window"
+    if a["bias"]:
+        return "an additive score bias (GroupQueryAttention's attention_bias carries the cache's mask)"
     cuda_half = target.device == "cuda" and target.dtype in ("fp16", "bf16")  # its CUDA kernels: fp16/bf16
     if q_t.dtype != "f32" or (target.dtype != "fp32" and not cuda_half):
         return f"{target.dtype if q_t.dtype == 'f32' else q_t.dtype} (checked in float32 only, and fp16/bf16 on CUDA)"
@@ -332,6 +341,20 @@ def _needs(g: Graph, name: str, what: str) -> None:
         raise PassError(f"{what} needs the input {name}: run kv-cache-inputs first")
 
 
+def _check_biases(g: Graph, sites: list[Node], t_dim) -> None:
+    """A cache site may add a score bias only if it is computed from the positions alone (T5's relative
+    position bias: passes/position_bias.py reads it at the cache's positions); any other has no cached form."""
+    biased = [n for n in sites if n.attrs["bias"]]
+    if not biased:
+        return
+    grid = grid_or_refuse(g, t_dim)
+    read = {s for sites_of in (grid.biases.values() if grid else ()) for s in sites_of}
+    for n in biased:
+        if n.name not in read:
+            raise CacheError(f"the attention at {n.scope} adds a score bias ({bias_input(n)}) that is not computed "
+                             f"from the positions arange({dims.fmt(t_dim)}) alone; its cached form is not known")
+
+
 # ---- the passes, in the order CACHE_PASSES runs them
 @dataclass(frozen=True)
 class CacheInterface:
@@ -359,13 +382,14 @@ class AddCacheInputs(Pass):
         if not sites and not carries_state(g, t_dim):
             raise CacheError(f"model {g.name} has no fused attention and no recurrence over time to cache (is "
                              f"attention fused? --no-fuse leaves nothing to cache)")
-        bad = [n for n in sites if not n.attrs["causal"] or n.attrs["padding"] or n.attrs["bias"]]
+        bad = [n for n in sites if not n.attrs["causal"] or n.attrs["padding"]]
         if bad:
             n = bad[0]
             why = "not causal (an encoder or cross-attention)" if not n.attrs["causal"] else \
-                "already masked or biased by the spec"
+                "already masked by the spec"
             raise CacheError(f"the attention at {n.scope} is {why}; generation with a KV cache supports "
                              f"decoder-only models whose attention is causal")
+        _check_biases(g, sites, t_dim)
         # a recurrent decoder may give per-step outputs beside its logits (RNNsearch's alignment): they
         # are kept; the attention cache's outputs replace everything but the logits
         extra_ok = not sites and all(_over_time(g, o, t_dim) for o in g.outputs[1:])
@@ -510,6 +534,14 @@ class AddCacheLayers(Pass):
         t_dim = _batch_and_time(g)[1]
         if _self_attention(g, t_dim):
             _needs(g, MASK, self.name)
+        b_dim, keys = _batch_and_time(g)[0], g.type_of(MASK).shape[1] if MASK in g.inputs else None
+        for n in _self_attention(g, t_dim):
+            shape = g.type_of(bias_input(n)).shape if n.attrs["bias"] else None
+            if shape is not None and not (len(shape) == 4 and dims.equal(shape[0], b_dim) and (
+                    dims.equal(shape[-1], keys) or dims.equal(shape[-1], 1))):
+                raise PassError(f"{self.name}: the score bias of the attention at {n.scope} is "
+                                f"{dims.fmt_shape(shape)}, not [B, heads, T, P+T] over the cache's keys: run "
+                                f"{CachedPositionBiasPass.name} first")
         check_state(g, t_dim)
 
     def run(self, g: Graph) -> PassResult:
@@ -547,8 +579,9 @@ class AddCacheLayers(Pass):
                                        origin=node.origin)
                     _insert_before(g, ident, node.name)
             sinks = [node.inputs[-1]] if node.attrs.get("sinks") else []  # attention sinks: the last input
-            g.set_inputs(node, [q, full[0], full[1], MASK] + sinks)
-            node.attrs.update(padding=True, bias=False)
+            bias = [bias_input(node)] if node.attrs["bias"] else []  # read at the cache's positions already
+            g.set_inputs(node, [q, full[0], full[1], MASK] + bias + sinks)
+            node.attrs.update(padding=True)
             layers.append(layer)
         g.symbols["P"] = SymbolSource(layers[0].past_key, 2)
         g.outputs = [g.outputs[0]] + [n for layer in layers for n in (layer.present_key, layer.present_value)]
@@ -690,7 +723,8 @@ class LastPositionLogits(Pass):
 
 def cache_passes(options: CacheOptions) -> list[Pass]:
     """The KV cache as passes, in order (the cached pipelines in passes/pipeline.py splice them in)."""
-    passes = [AddCacheInputs(options), ReadPositionIds(options), AddCacheLayers(options), ChooseCacheKernels(options)]
+    passes = [AddCacheInputs(options), CachedPositionBiasPass(), ReadPositionIds(options), AddCacheLayers(options),
+              ChooseCacheKernels(options)]
     if options.last_only:
         passes.append(LastPositionLogits())
     return passes
