@@ -120,6 +120,27 @@ def test_the_folder_alone_is_the_model(case, tmp_path, capsys):
     assert "attention sites: 3 (3 fused, 0 not fused)" in stdout + err, stdout + err
 
 
+def test_cuda_kernels_that_want_one_head_size_refuse_the_site_and_say_why():
+    from tessera.compiler.passes.attention_kernels import Target
+    from tessera.compiler.passes.base import PassError
+    from tessera.compiler.passes.pipeline import PipelineOptions
+    from tessera.compiler.passes.pipeline import pipeline as named_pipeline
+
+    # head sizes 16 (q, k) and 8 (v), multiples of 8 both: only their differing keeps GroupQueryAttention out
+    tiny = dict(vocab=64, d=32, layers=2, first_dense=1, heads=4, q_rank=24, kv_rank=16, nope=12, rope_dims=4,
+                v_dim=8, d_ff=48, d_expert=16, n_experts=8, top=2, groups=4, top_groups=2)
+    fp16 = Target(device="cuda", dtype="fp16")
+    graph = build("deepseek_v3", None, **tiny)
+    named_pipeline("full", PipelineOptions(target=fp16))(graph)
+    assert [n.attrs["impl"] for n in graph.nodes.values() if n.op == "fused_attention"] == ["portable"] * 2
+    same = build("deepseek_v3", None, **{**tiny, "v_dim": 16})   # the contrast: one head size, GroupQueryAttention
+    named_pipeline("full", PipelineOptions(target=fp16))(same)
+    assert [n.attrs["impl"] for n in same.nodes.values() if n.op == "fused_attention"] == ["gqa"] * 2
+    for kernel in ("gqa", "attn23"):
+        with pytest.raises(PassError, match="values have a different head size from queries and keys"):
+            named_pipeline("full", PipelineOptions(attention=kernel, target=fp16))(build("deepseek_v3", None, **tiny))
+
+
 def test_another_rope_type_is_refused_by_name(tmp_path, capsys):
     torch.manual_seed(0)
     cfg = _config(rope_parameters={"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0})
