@@ -120,7 +120,7 @@ def test_the_folder_alone_is_the_model(case, tmp_path, capsys):
     assert "attention sites: 3 (3 fused, 0 not fused)" in stdout + err, stdout + err
 
 
-def test_cuda_kernels_that_want_one_head_size_refuse_the_site_and_say_why():
+def test_cuda_kernels_that_want_one_head_size_refuse_the_site():
     from tessera.compiler.passes.attention_kernels import Target
     from tessera.compiler.passes.base import PassError
     from tessera.compiler.passes.pipeline import PipelineOptions
@@ -139,6 +139,12 @@ def test_cuda_kernels_that_want_one_head_size_refuse_the_site_and_say_why():
     for kernel in ("gqa", "attn23"):
         with pytest.raises(PassError, match="values have a different head size from queries and keys"):
             named_pipeline("full", PipelineOptions(attention=kernel, target=fp16))(build("deepseek_v3", None, **tiny))
+    # the cached decoder's prompt: the portable Loop, not onnx's Attention (which equal sizes get)
+    for v_dim, prefill in ((8, None), (16, "attn23")):
+        cached = build("deepseek_v3", None, **{**tiny, "v_dim": v_dim})
+        named_pipeline("cached_decoder", PipelineOptions(target=fp16))(cached)
+        sites = [n for n in cached.nodes.values() if n.op == "fused_attention"]
+        assert [(n.attrs["impl"], n.attrs.get("prefill")) for n in sites] == [("phased", prefill)] * 2
 
 
 def test_another_rope_type_is_refused_by_name(tmp_path, capsys):
