@@ -112,6 +112,27 @@ def test_cached_greedy_generation_of_a_left_padded_batch_equals_transformers(cas
     assert len({t for row in ours for t in row}) > 4, "degenerate: the model repeats one token"
 
 
+def test_the_serving_engine_equals_transformers_for_concurrent_requests(case):
+    """Continuous batching (prompt chunks beside decoding rows, the combined call where the model has it)
+    over the cache with value heads narrower than the keys: each request's greedy tokens equal
+    transformers' for its prompt alone."""
+    from tessera.runtime.generation.sampling import Sampling
+    from tessera.runtime.serving import model as serving_model
+    from tessera.runtime.serving.engine import Engine, Request
+
+    model, folder = case
+    if model.config.rope_parameters["rope_type"] != "default" or model.config.q_lora_rank is None:
+        pytest.skip("one rotary and one query form suffice here; the cache itself is the subject")
+    rng = np.random.default_rng(7)
+    prompts = [rng.integers(1, VOCAB, n).tolist() for n in (3, 11, 6, 1)]
+    engine = Engine(serving_model.load(str(folder), threads=1), max_batch=3, max_queue=8, prefill_chunk=4,
+                    capacity=64)
+    handles = [engine.submit(Request(list(p), 8, Sampling())) for p in prompts]
+    while any(not h.finished for h in handles):
+        engine.step()
+    assert [h.tokens for h in handles] == [hf_greedy(model, [p], 8)[0] for p in prompts]
+
+
 def test_the_folder_alone_is_the_model(case, tmp_path, capsys):
     model, folder = case
     out = tmp_path / "m.onnx"
