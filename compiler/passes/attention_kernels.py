@@ -117,7 +117,7 @@ def why_not(kernel: str, node: Node, graph: Graph, target: Target) -> str | None
         return None
     if not dims.is_static(hd):
         return "the head size is not fixed"
-    if not dims.equal(graph.type_of(node.inputs[2]).shape[-1], hd):
+    if value_size_differs(node, graph):
         return "values have a different head size from queries and keys"
     if target.device == "cuda" and (int(hd) % 8 or int(hd) > 256):
         return f"CUDA flash kernels need a head size that is a multiple of 8 and at most 256 (got {int(hd)})"
@@ -234,12 +234,19 @@ def _choose_cuda(node: Node, graph: Graph, target: Target) -> tuple[str, str]:
 DECODE_MEASURED = "0.041 / 0.029 / 0.045 ms at P = 128, 0.119-0.195 / 0.129-0.173 / 0.152-0.168 ms at P = 1024"
 
 
-def cached_prefill(node: Node, target: Target, gqa_decode: bool = False) -> str | None:
+def cached_prefill(node: Node, graph: Graph, target: Target, gqa_decode: bool = False) -> str | None:
     """The prompt's kernel of a phased site when not the portable Loop: on CUDA, onnx's Attention (opset
-    23), where it computes the site's features (KERNEL_FEATURES, KERNEL_CLASHES)."""
-    if target.device != "cuda" or unsupported("attn23", node.attrs):
+    23), where it computes the site's features (KERNEL_FEATURES, KERNEL_CLASHES) and the values have the
+    keys' head size (as the uncached attn23 asks, ``why_not``: with narrower values, DeepSeek's, onnxruntime
+    1.31's CUDA Attention was seen taking its MATH path, and that case was never run on a GPU here)."""
+    if target.device != "cuda" or unsupported("attn23", node.attrs) or value_size_differs(node, graph):
         return None
     return "attn23"
+
+
+def value_size_differs(node: Node, graph: Graph) -> bool:
+    """Whether the site's value heads have a size of their own (sdpa's v [B, H, Tk, hv], hv != hd)."""
+    return not dims.equal(graph.type_of(node.inputs[2]).shape[-1], graph.type_of(node.inputs[0]).shape[-1])
 
 
 def choose_cached(node: Node, graph: Graph, target: Target, gqa_decode: bool = False) -> tuple[str, str]:
@@ -260,7 +267,9 @@ def choose_cached(node: Node, graph: Graph, target: Target, gqa_decode: bool = F
                           "mask counts the chunks from each row's first real token (the tiled prefill would "
                           "count them from the left padding)")
     prefill = "prefill (T > 1): portable tiled kernel, the T x (P+T) scores never formed"
-    if cached_prefill(node, target, gqa_decode):
+    if target.device == "cuda" and value_size_differs(node, graph):
+        prefill += " (not onnx's Attention: values have a different head size from queries and keys)"
+    if cached_prefill(node, graph, target, gqa_decode):
         prefill = (f"prefill (T > 1): onnx's Attention (opset 23) over past and new keys, its masks as one attn_mask "
                    f"(EFFICIENT_ATTENTION in {target.dtype}; {CUDA_SEEN})")
     if gqa_decode:  # passes/kv_cache.py found the site fit for it (buffer cache, float32, head size)

@@ -640,7 +640,7 @@ class ChooseCacheKernels(Pass):
                     node.attrs["impl"] == "phased":  # on CUDA the plain branch is the exception: say why
                 reason = f"{reason}; not GroupQueryAttention for decoding: {unfit}"
             note = CachedKernel(node.name, CacheKernel(node.scope or node.name, node.attrs["impl"], reason))
-            prefill = cached_prefill(node, target, gqa) if node.attrs["impl"] == "phased" else None
+            prefill = cached_prefill(node, g, target, gqa) if node.attrs["impl"] == "phased" else None
             if prefill:
                 node.attrs["prefill"] = prefill
             if gqa:

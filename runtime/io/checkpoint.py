@@ -43,6 +43,7 @@ MODEL_TYPES = {
     "gemma3_text": "gemma3",
     "gpt_oss": "gpt_oss",
     "phi3": "phi3",
+    "deepseek_v3": "deepseek_v3",
 }
 
 

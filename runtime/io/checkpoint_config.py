@@ -10,7 +10,9 @@ variant is an error naming both. A table entry ``{ expect = [...] }`` instead na
 a config key may have (``rope_type``: the scalings the spec implements), so a checkpoint that
 needs something else is refused rather than loaded wrong. ``{ name = "max_rel", fallback =
 "max_position_embeddings", unset = -1 }`` reads another key when this one is absent, null or
-``unset`` (DeBERTa's "-1 means the context"). A value may be a flat list of numbers, bools or
+``unset`` (DeBERTa's "-1 means the context"); ``{ name = "q_rank", null = 0 }`` gives 0 when the
+key is present and null (DeepSeek's ``q_lora_rank``: no query bottleneck), where a plain entry would
+leave the spec's default. A value may be a flat list of numbers, bools or
 strings (Gemma 3's ``layer_types``), which a spec indexes per layer (``layer_types[i]``).
 """
 
@@ -106,7 +108,11 @@ def config_overrides(program: Program, name_map: NameMap | None, weights: str | 
                                    f"(the mapping {name_map.source} allows "
                                    f"{', '.join(json.dumps(a) for a in target[1])})")
             continue
-        if isinstance(target, tuple):  # ("fallback", name, another key, the value meaning unset)
+        if isinstance(target, tuple) and target[0] == "null":  # ("null", name, the value a null gives)
+            _, target, null = target
+            if found and value is None:
+                value = null
+        elif isinstance(target, tuple):  # ("fallback", name, another key, the value meaning unset)
             _, target, other, unset = target
             if not found or value is None or (unset is not None and _same(value, unset)):
                 shown = "absent" if not found or value is None else f"{json.dumps(value)}"

@@ -191,6 +191,13 @@ class NameMap:
                 if not isinstance(target["expect"], list) or not target["expect"]:
                     raise WeightsError(f"{where}: a table must be {{ expect = [allowed values] }}, got {target!r}")
                 m.config[key] = ("expect", list(target["expect"]))
+            elif isinstance(target, dict) and set(target) == {"name", "null"}:
+                # { name = "q_rank", null = 0 }: a key present and null gives this value (DeepSeek's
+                # q_lora_rank null: no query bottleneck), where a plain entry would leave the default
+                name, null = target["name"], target["null"]
+                if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z_]\w*", name):
+                    raise WeightsError(f"{where}: '{name}' is not a hyperparameter name")
+                m.config[key] = ("null", name, null)
             elif isinstance(target, dict) and "name" in target:
                 # { name = "max_rel", fallback = "max_position_embeddings", unset = -1 }: when the key is
                 # absent, null or equal to `unset`, the fallback key's value (DeBERTa's "-1: the context")
@@ -198,12 +205,14 @@ class NameMap:
                 name, fallback = target["name"], target.get("fallback")
                 if bad or not isinstance(name, str) or not re.fullmatch(r"[A-Za-z_]\w*", name) or \
                         not isinstance(fallback, str) or not fallback:
-                    raise WeightsError(f"{where}: a table must be {{ expect = [...] }} or {{ name = \"hyperparameter\", "
-                                       f"fallback = \"config key\", unset = value }}, got {target!r}")
+                    raise WeightsError(f"{where}: a table must be {{ expect = [...] }}, {{ name = \"hyperparameter\", "
+                                       f"fallback = \"config key\", unset = value }} or {{ name = \"hyperparameter\", "
+                                       f"null = value }}, got {target!r}")
                 m.config[key] = ("fallback", name, fallback, target.get("unset"))
             else:
-                raise WeightsError(f"{where} must be a hyperparameter name, {{ expect = [allowed values] }} or "
-                                   f"{{ name = ..., fallback = ..., unset = ... }}, got {target!r}")
+                raise WeightsError(f"{where} must be a hyperparameter name, {{ expect = [allowed values] }}, "
+                                   f"{{ name = ..., fallback = ..., unset = ... }} or {{ name = ..., null = ... }}, "
+                                   f"got {target!r}")
         return m
 
     def plan(self, shapes: dict[str, tuple[int, ...]], native=frozenset(), model_shapes: dict | None = None,

@@ -275,6 +275,41 @@ def test_portable_causal_kernel_with_many_tiles(tmp_path, rng, monkeypatch, sets
     np.testing.assert_allclose(got, want, atol=1e-5)
 
 
+NARROW_VALUES = """
+model Narrow(heads = 2, hd = 12, hv = 4) {
+  in q: f32[B, heads, T, hd]
+  in k: f32[B, heads, T, hd]
+  in v: f32[B, heads, T, hv]
+  out y: f32[B, heads, T, hv]
+  y = sdpa(q, k, v, causal=true)
+}
+"""
+
+
+@pytest.mark.parametrize("kernel", ["portable", "block"])
+def test_value_heads_of_their_own_size_fuse_and_equal_numpy(tmp_path, rng, monkeypatch, kernel):
+    """sdpa's v [B, H, Tk, hv] with hv != hd (DeepSeek-V3's latent attention: values narrower than q/k):
+    fused, over many tiles, equal to causal softmax attention written here in numpy."""
+    from tessera.compiler.backends.onnx import attention as attention_onnx
+
+    monkeypatch.setattr(attention_onnx, "SCORE_BLOCK_BUDGET", 1)
+    monkeypatch.setattr(attention_onnx, "MAX_TILE", 16)
+    spec = tmp_path / "narrow.tsr"
+    spec.write_text(NARROW_VALUES)
+    fused = build(str(spec))
+    assert [x.fused for x in optimize(fused, Target("cpu"), kernel)] == [True]
+    t = 37
+    q, k = (rng.standard_normal((2, 2, t, 12)).astype(np.float32) for _ in range(2))
+    v = rng.standard_normal((2, 2, t, 4)).astype(np.float32)
+    scores = q @ np.swapaxes(k, -1, -2) / np.sqrt(12) + np.triu(np.full((t, t), -np.inf), 1)
+    weights = np.exp(scores - scores.max(-1, keepdims=True))
+    want = weights / weights.sum(-1, keepdims=True) @ v
+    got = ort_run(fused, {}, {"q": q, "k": k, "v": v})["y"]
+    assert got.shape == (2, 2, t, 4)
+    np.testing.assert_allclose(got, want, atol=1e-5)
+    np.testing.assert_allclose(interpret.run(fused, {}, {"q": q, "k": k, "v": v})["y"], want, atol=1e-5)
+
+
 def test_block_kernel_choice_follows_the_score_bytes(tmp_path):
     """CPU auto: a site whose whole score block is known to fit BLOCK_BYTES gets the block kernel; one
     known not to fit, the tiled kernel alone; one with a run-time length, the tiled kernel with the

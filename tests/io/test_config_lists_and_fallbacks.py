@@ -1,6 +1,7 @@
 """A checkpoint's config.json keys that are lists (Gemma 3's ``layer_types``, Llama 4's
 ``no_rope_layers``) and keys whose "unset" value means another key (DeBERTa's
-``max_relative_positions = -1``: the context) reach the spec's hyperparameters through the mapping
+``max_relative_positions = -1``: the context), and null keys with a value of their own
+(DeepSeek's ``q_lora_rank``: null, no query bottleneck) reach the spec's hyperparameters through the mapping
 file's ``[config]`` table (runtime/io/checkpoint_config.py); ``--set`` takes lists as the spec writes
 them. The expected outputs are worked out by hand in each test from the config written there."""
 
@@ -86,3 +87,21 @@ def test_nested_lists_and_bad_fallback_tables_are_refused(tmp_path):
         pipeline.build(spec, weights=folder)
     with pytest.raises(pipeline.UsageError, match="not lists"):
         pipeline.build(spec, sets=['kinds=[["a"]]'])
+
+
+NULL_MAPPING = '[config]\nnum_hidden_layers = "layers"\nlayer_types = "kinds"\nq_lora_rank = { name = "reach", null = 0 }\n'
+
+
+def test_a_null_table_gives_its_value_for_a_null_key_only(tmp_path):
+    """DeepSeek's q_lora_rank: null means no query bottleneck (0), which a plain entry would leave at the
+    spec's default (here reach = 8)."""
+    config = {"num_hidden_layers": 3, "layer_types": ["full"] * 3}
+    spec, folder = _folder(tmp_path, {**config, "q_lora_rank": None}, NULL_MAPPING)
+    assert _run(pipeline.build(spec, weights=folder)) == 3 + 0
+    spec, folder = _folder(tmp_path, {**config, "q_lora_rank": 24}, NULL_MAPPING)
+    assert _run(pipeline.build(spec, weights=folder)) == 3 + 24
+    spec, folder = _folder(tmp_path, config, NULL_MAPPING)   # absent: the spec's default
+    assert _run(pipeline.build(spec, weights=folder)) == 3 + 8
+    spec, folder = _folder(tmp_path, config, '[config]\nq_lora_rank = { name = "1x", null = 0 }\n')
+    with pytest.raises(WeightsError, match="'1x' is not a hyperparameter name"):
+        pipeline.build(spec, weights=folder)
