@@ -13,7 +13,7 @@ round; reported: the min over rounds, and per row):
   ``-p int8`` / ``-p int4``;
 - ``w8a8``: what Tessera lowers ``--quantize w8a8``'s linear to (compiler/backends/onnx/lowerings/
   linalg.py, built here by the exporter from a one-linear spec): each row quantised with its own
-  scale, MatMulIntegerToFloat (u8 x s8 integer GEMM), the row scale;
+  scale, MatMulIntegerToFloat (u8 x u8 integer GEMM: exact on AVX2 without VNNI, where u8 x s8 saturates), the row scale;
 - ``dqmm``: com.microsoft.DynamicQuantizeMatMul (one activation scale for the whole tensor: as fast,
   but a row's result then depends on the other rows, which is why w8a8 does not use it).
 

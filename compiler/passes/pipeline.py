@@ -158,7 +158,8 @@ def cached_decoder(o: PipelineOptions) -> list[Pass]:
 
 
 def encoder_decoder(o: PipelineOptions) -> list[Pass]:
-    """As generation has compiled encoder-decoders so far: fp32, linears unfused."""
+    """An encoder-decoder for generation: at --dtype (fp16 on the CPU too: it used to compile fp32 there whatever
+    --dtype said), linears unfused."""
     o.check_cached()
     if o.decoder_input is None:
         raise PassError("the encoder_decoder pipeline needs the decoder's input (decoder_input)")
@@ -166,7 +167,7 @@ def encoder_decoder(o: PipelineOptions) -> list[Pass]:
         raise PassError(f"--kv-cache-dtype {o.kv_cache_dtype}: an encoder-decoder's decoder keeps its cache at the "
                         f"model's precision (its cached attention does not decode by GroupQueryAttention); not built")
     passes: list[Pass] = _stored(o) + ([QuantizeWeights(o.quantize)] if o.quantize is not None else [])
-    lower = o.target.device == "cuda"  # on CUDA at --dtype; on the CPU fp32, as before
+    lower = o.target.dtype != "fp32"  # at --dtype on every device (bf16 refused on the CPU by LowerPrecision)
     return passes + _optimize(o, lower, None) + [SplitEncoder([o.decoder_input])] + cache_passes(o.cache_options())
 
 

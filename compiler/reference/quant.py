@@ -171,7 +171,8 @@ def quantize_rows(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 # whatever else the serving engine runs with it). A row of zeros gets the smallest scale instead of 0.
 ROW_SCALE_FLOOR = np.float32(1e-30)
 INV_127 = np.float32(1 / 127)
-ACTIVATION_ZERO_POINT = 128  # the row's int8 value + 128 as uint8: onnxruntime's fast u8 x s8 GEMM
+ACTIVATION_ZERO_POINT = 128  # the row's int8 value + 128 as uint8: onnxruntime's u8 x u8 GEMM
+WEIGHT_ZERO_POINT = 128  # and the weight's (u8 x s8 saturates on AVX2 without VNNI: lowerings/linalg.py _linear_int8)
 
 
 def quantize_activation_rows(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -143,7 +143,7 @@ def load_model(ref, o, weights=None, models: dict | None = None, progress=None):
 
 
 def seq2seq_options(o):
-    """The encoder_decoder pipeline's options for generate's ``o``: compiled for o.device (on CUDA at --dtype:
+    """The encoder_decoder pipeline's options for generate's ``o``: compiled for o.device at --dtype (fp16 on the CPU too:
     compiler/passes/pipeline.py encoder_decoder), its decoding step keeping its mask (no prefix_keys: CachedDecoder
     runs an encoder-decoder's targets left-padded, as a batch, the source mask read by every step)."""
     return dataclasses.replace(o.pipeline_options(), prefix_keys=False)

@@ -51,10 +51,21 @@ def _linear_nbits(L):
 
 def _linear_int8(L):
     """x quantised per row (compiler/reference/quant.py quantize_activation_rows: scale = max|x_row| / 127,
-    q = round(x / scale) + 128 as uint8), MatMulIntegerToFloat (u8 x s8 in onnxruntime's integer GEMM,
-    times W's row scales), times x's row scale, + bias. Not DynamicQuantizeMatMul: its one scale for
-    the whole tensor would make each row's result depend on the other rows of the batch."""
-    from tessera.compiler.reference.quant import ACTIVATION_ZERO_POINT, INV_127, ROW_SCALE_FLOOR
+    q = round(x / scale) + 128 as uint8), MatMulIntegerToFloat (u8 x u8 in onnxruntime's integer GEMM,
+    the weight's int8 values + 128 as uint8, both zero points 128; times W's row scales), times x's row
+    scale, + bias. Not DynamicQuantizeMatMul: its one scale for the whole tensor would make each row's
+    result depend on the other rows of the batch.
+
+    Why u8 x u8 and not u8 x s8 (onnxruntime's fastest form where the CPU has VNNI): on a CPU with AVX2
+    and no VNNI, its u8 x s8 kernel adds pairs of products in 16 bits (vpmaddubsw), which saturates
+    once two adjacent products pass 32,767 -- an activation near 255 times a weight near 127 does --
+    and the linear is silently wrong (measured on an AMD EPYC with AVX2 only: integer sums off by
+    thousands; tests/compiler/test_quantize_w8a8.py). Its u8 x u8 kernel widens to 16 bits before
+    multiplying and is exact there, at 0.9-1.4x u8 x s8's time (s8 x s8, also exact, took 9 ms for
+    what u8 x u8 does in 0.19: bench/int8_gemm.py). The compiled file does not know which CPU will
+    run it, so it takes the form that is exact on all of them. The weight's shift is a Cast/Add over
+    an initializer: onnxruntime folds it once, when the session is made."""
+    from tessera.compiler.reference.quant import ACTIVATION_ZERO_POINT, INV_127, ROW_SCALE_FLOOR, WEIGHT_ZERO_POINT
 
     b, x = L.b, L.x[0]
     assert L.x[1] in b.transposed, f"linear_int8's weight {L.x[1]} must be written [in, out]"
@@ -64,8 +75,12 @@ def _linear_int8(L):
     rounded = b.node("Round", [b.node("Div", [x, scale])[0]])[0]
     shifted = b.node("Add", [rounded, b.const(np.float32(ACTIVATION_ZERO_POINT), "f128")])[0]
     xq = b.node("Cast", [shifted], to=TensorProto.UINT8)[0]
+    wide = b.node("Cast", [L.x[1]], to=TensorProto.INT16)[0]
+    wq = b.node("Cast", [b.node("Add", [wide, b.const(np.int16(WEIGHT_ZERO_POINT), "i16_128")])[0]],
+                to=TensorProto.UINT8)[0]
     product = b.node("MatMulIntegerToFloat",
-                     [xq, L.x[1], b.const(np.float32(1), "one"), L.x[2], b.const(np.uint8(ACTIVATION_ZERO_POINT), "u128")],
+                     [xq, wq, b.const(np.float32(1), "one"), L.x[2], b.const(np.uint8(ACTIVATION_ZERO_POINT), "u128"),
+                      b.const(np.uint8(WEIGHT_ZERO_POINT), "w_u128")],
                      domain="com.microsoft")[0]
     if len(L.x) == 4:  # the bias after x's row scale (MatMulIntegerToFloat's own bias input would be scaled by it)
         L.emit("Add", [b.node("Mul", [product, scale])[0], L.x[3]])
