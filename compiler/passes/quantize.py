@@ -62,7 +62,7 @@ import numpy as np
 from tessera.compiler import ops
 from tessera.compiler.ir.graph import DTYPES, Graph, Param
 from tessera.compiler.passes.base import Pass, PassError, PassResult
-from tessera.compiler.passes.stored_codes import is_stored
+from tessera.compiler.passes.stored_codes import TAG as STORED, is_stored
 from tessera.compiler.reference.quant import BITS, ROWS, blocks, packed_shape, zeros_shape
 
 SCHEMES = {"int8": 8, "int4": 4, "w8a8": 8, "int4-asym": 4}
@@ -200,7 +200,8 @@ class QuantNote:
 
     def describe(self) -> str:
         what = "the table " if self.embedding else ""
-        also = "; its float table kept too, which the output head reads" if self.reason == "float kept" else ""
+        also = {"float kept": "; its float table kept too, which the output head reads",
+                "stored": ": the checkpoint's own codes, which the tied head reads"}.get(self.reason, "")
         return f"{self.node} ({self.weight}): " + (f"{what}quantised at {self.bits} bits{also}" if self.quantized
                                                    else f"{what}kept in float: {self.reason}")
 
@@ -306,8 +307,12 @@ class QuantizeWeights(Pass):
         table = node.inputs[1]
         k = graph.params[table].shape[1]
         bits = self.config.embedding_bits
-        names = self._codes(graph, table, bits)
-        attrs = {"bits": bits, "block_size": self.config.block_size, "K": k}
+        names, block = _stored_codes(graph, table, bits), None
+        if names is not None:  # a GGUF file's own 8-bit codes, which the tied head reads: exact, and shared
+            block = graph.params[names["packed"]].derive[3]
+        else:
+            names, block = self._codes(graph, table, bits), self.config.block_size
+        attrs = {"bits": bits, "block_size": block, "K": k}
         if "zeros" in names:
             attrs["zero_points"] = 1
         graph.replace_node(node.name, "embedding_nbits", [node.inputs[0], *names.values()], attrs)
@@ -315,8 +320,8 @@ class QuantizeWeights(Pass):
         float_kept = bool(graph.consumers(table))
         if not float_kept:
             graph.remove_param(table)
-        return QuantNote(node.name, table, True, "shared" if shared else "float kept" if float_kept else "",
-                         bits=bits, embedding=True)
+        how = "stored" if is_stored(graph, names["packed"]) else "shared" if shared else ""
+        return QuantNote(node.name, table, True, "float kept" if float_kept else how, bits=bits, embedding=True)
 
     def run(self, graph: Graph) -> PassResult:
         assert self.config.bits in BITS
@@ -364,7 +369,7 @@ def head_line(config: QuantConfig, notes: list) -> str:
     if not any(n.quantized and n.head and n.reason == "tied" for n in notes):
         return config.head_words()
     tables = [n for n in table_notes(notes) if n.quantized]
-    if any(n.reason == "shared" for n in tables):
+    if any(n.reason in ("shared", "stored") for n in tables):
         tied = " (tied: the head and the embedding read one set of 8-bit codes)"
     elif tables:
         tied = " (tied: the head reads its codes, the embedding 8-bit codes of its own)"
@@ -379,8 +384,21 @@ def embedding_line(config: QuantConfig, notes: list) -> str:
     done = [n for n in tables if n.quantized]
     lines = [f"embedding tables at {config.embedding_bits or 8} bits: {len(done)} of {len(tables)} "
              f"({config.embedding_words()})"]
-    lines += [f"  {n.describe()}" for n in tables if not n.quantized or n.reason == "float kept"]
+    lines += [f"  {n.describe()}" for n in tables if not n.quantized or n.reason in ("float kept", "stored")]
     return "\n".join(lines)
+
+
+def _stored_codes(graph: Graph, table: str, bits: int) -> dict[str, str] | None:
+    """The checkpoint's own codes of ``table`` that compiler/passes/stored_codes.py declared for the tied
+    head, where they are ``bits`` wide with the default zero point and no offsets (a GGUF file's Q8_0,
+    Q5_0): the embedding gathers them as they are; else None."""
+    names = {part: f"{table}.{STORED}_{part}" for part in ("packed", "scales")}
+    if not all(graph.params.get(p) is not None and is_stored(graph, p) and p in graph.values
+               and graph.consumers(p) for p in names.values()):
+        return None
+    if f"{table}.{STORED}_zeros" in graph.params or graph.params[names["packed"]].derive[2] != bits:
+        return None
+    return names
 
 
 def _is_output(graph: Graph, value: str) -> bool:
