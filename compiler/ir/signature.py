@@ -90,6 +90,9 @@ def input_limits(graph: Graph) -> InputLimits:
             continue
         ids, table = n.inputs[0], n.inputs[1]
         rows = dims.static_int(graph.type_of(table).shape[0])
+        derive = getattr(graph.params.get(table), "derive", None)
+        if n.op == "embedding_nbits" and isinstance(derive, tuple) and len(derive) > 1:
+            table = derive[1]  # the errors name the table the codes stand for, not the codes
         producer = graph.producer(ids)
         if rows is None:
             continue

@@ -36,7 +36,7 @@ layout with a scale per block of ``block_size`` along the row (and a zero point 
 gathered and dequantised by ``embedding_nbits`` (onnxruntime's GatherBlockQuantized, which reads
 that layout: uint8 codes, the blocks along the row). Why: a gather reads one row per token, so the
 codes save no time, but the fp32 table is most of a small model's bytes once its linears are int4
-(SmolLM2-135M: 113 MB against 66 MB), and llama.cpp keeps it at Q8_0 or below. A tied head at the
+(SmolLM2-135M: 113 MB against 66 MB); SmolLM2's own Q4_1 file stores it in Q8_0. A tied head at the
 same bits reads the same codes (one set of parameters: the recipe, hence the name, is the same), so
 the float table is gone; a tied head left float keeps the table float under ``auto`` too (codes
 beside it would only add bytes; ``8`` stores them anyway). ``float`` keeps the table; under ``int8`` ``auto`` keeps it float as before;

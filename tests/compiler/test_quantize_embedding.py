@@ -176,6 +176,14 @@ def test_a_tied_table_is_one_set_of_codes_in_the_file_and_the_report(capsys, tmp
     assert sizes["float"] - sizes["auto"] == 4 * vocab * d
 
 
+def test_ids_past_the_quantised_table_are_a_clear_error(capsys, tmp_path):
+    out = tmp_path / "m.onnx"
+    rc, _, err = cli(capsys, "compile", MODELS / "llama.tsr", *SETS, "--quantize", "int4", "-o", out)
+    assert rc == 0, err
+    err = cli_error(capsys, "run", out, "--input", "tokens=[[1, 250]]")
+    assert "holds 250 at [0, 1], but its values index the 200 rows of 'embed.weight'" in err, err
+
+
 def test_an_untied_table_stores_codes_and_scales(capsys):
     """Without a tied head the table's codes are its own: 1 byte an element plus a 4-byte scale a block."""
     vocab, d = LLAMA["vocab"], LLAMA["d"]
