@@ -38,8 +38,10 @@ that layout: uint8 codes, the blocks along the row). Why: a gather reads one row
 codes save no time, but the fp32 table is most of a small model's bytes once its linears are int4
 (SmolLM2-135M: 113 MB against 66 MB); SmolLM2's own Q4_1 file stores it in Q8_0. A tied head at the
 same bits reads the same codes (one set of parameters: the recipe, hence the name, is the same), so
-the float table is gone; a tied head left float keeps the table float under ``auto`` too (codes
-beside it would only add bytes; ``8`` stores them anyway). ``float`` keeps the table; under ``int8`` ``auto`` keeps it float as before;
+the float table is gone; where the tied head reads a GGUF file's own 8-bit codes (Q8_0, Q5_0:
+compiler/passes/stored_codes.py) the embedding gathers those, the file's values exactly. A tied head
+left float keeps the table float under ``auto`` too (codes beside it would only add bytes; ``8``
+stores them anyway). ``float`` keeps the table; under ``int8`` ``auto`` keeps it float as before;
 ``w8a8`` takes no ``8`` (its codes are int8 with one scale per row, a layout GatherBlockQuantized
 does not read). Position tables (an embedding of computed ids, GPT-2's ``wpe``) stay float: the
 KV-cache pass re-indexes them, and they are small.
