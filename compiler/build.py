@@ -23,7 +23,7 @@ from tessera.compiler.passes.kv_cache import CacheInfo, cache_info
 from tessera.compiler.passes.model_passes import Exported
 from tessera.compiler.passes.pipeline import PipelineOptions, attention_sites, expert_sites, explain as explain_sites, \
     explain_experts, pipeline
-from tessera.compiler.passes.quantize import QuantizeWeights, head_line
+from tessera.compiler.passes.quantize import QuantizeWeights, embedding_line, head_line, linear_notes
 from tessera.compiler.passes.stored_codes import KeepStoredCodes
 from tessera.compiler.passes.recurrence import ChooseRecurrenceLowering, explain as explain_scans
 
@@ -44,6 +44,7 @@ def model_metadata(info: ModelInfo, quantize=None, cache: CacheInfo | None = Non
     if quantize is not None:  # runtime/metadata.py ``quantization`` reads it back
         meta["tessera.quantize"] = {"scheme": quantize.scheme, "block_size": quantize.block_size,
                                     "head": quantize.head_bits is not None, "head_bits": quantize.head_bits or 0,
+                                    "embedding_bits": quantize.embedding_bits or 0,
                                     "activations": quantize.activations}
     if cache is not None:
         meta[CacheInfo.METADATA_KEY] = cache.to_json()
@@ -142,10 +143,12 @@ class FullCompile:
         lines = [explain_sites(attention_sites(self.result), self.exposed)]
         if self.quantize is not None:
             notes = self.result.notes(QuantizeWeights.name)
-            done = sum(n.quantized for n in notes)
-            lines.append(f"quantised linears: {done} of {len(notes)} ({self.quantize.scheme}, "
+            linears = linear_notes(notes)
+            done = sum(n.quantized for n in linears)
+            lines.append(f"quantised linears: {done} of {len(linears)} ({self.quantize.scheme}, "
                          f"{self.quantize.granularity}; {head_line(self.quantize, notes)})")
-            lines += [f"  {n.describe()}" for n in notes if not n.quantized]
+            lines += [f"  {n.describe()}" for n in linears if not n.quantized]
+            lines.append(embedding_line(self.quantize, notes))
         stored = explain_stored(self.result)
         if stored:
             lines.append(stored)

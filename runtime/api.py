@@ -91,7 +91,7 @@ class Model:
 
     def report(self, batch: int | list[int] = 1, seq: int | list[int] = 1024, dtype: str = "fp32",
                device: str = "h200", sparse_moe: bool = True, quantize: str = "none",
-               quantize_block: int | None = None, quantize_head: str | bool = "auto",
+               quantize_block: int | None = None, quantize_head: str | bool = "auto", quantize_embedding: str = "auto",
                quantize_activations: str | None = None, plot: str | Path | None = None,
                tp: int = 1, pp: int = 1, dp: int = 1, ep: int = 1, train: bool = False, zero: int = 0,
                recompute: str = "none", serve: bool = False, context: int | None = None, measure: bool = False,
@@ -107,7 +107,7 @@ class Model:
         ``calibrated=True`` uses it: --measure, --repeats, --calibrated and --calibration. ``gguf_weights``: a GGUF
         file's codes, as --gguf-weights (the ``gguf_codes`` section counts the linears reading them)."""
         o = ReportOptions(batch=batch, seq=seq, dtype=dtype, device=device, sparse_moe=sparse_moe, quantize=quantize,
-                          quantize_block=quantize_block, quantize_head=quantize_head,
+                          quantize_block=quantize_block, quantize_head=quantize_head, quantize_embedding=quantize_embedding,
                           quantize_activations=quantize_activations, plot=plot,
                           tp=tp, pp=pp, dp=dp, ep=ep, train=train, zero=zero, recompute=recompute, serve=serve,
                           context=context, measure=measure, repeats=repeats, calibrated=calibrated,
@@ -118,7 +118,7 @@ class Model:
     # ---------------------------------------------------------------- compile and run
     def compile(self, out: str | Path, kv_cache: bool = False, attention: str = "auto", target: str = "cpu",
                 dtype: str = "fp32", check: bool = True, quantize: str = "none", quantize_block: int | None = None,
-                quantize_head: str | bool = "auto", quantize_activations: str | None = None, gguf_weights: str = "codes",
+                quantize_head: str | bool = "auto", quantize_embedding: str = "auto", quantize_activations: str | None = None, gguf_weights: str = "codes",
                 sparse_moe: bool = True, genai: bool = False, tokenizer: str | Path | None = None,
                 context_length: int | None = None, cache: str = "auto", decode: str = "auto",
                 combined_call: bool = False, kv_cache_dtype: str = "auto",
@@ -128,7 +128,7 @@ class Model:
         ``cache``, ``decode``, ``combined_call`` and ``kv_cache_dtype`` as --cache, --decode, --combined-call and
         --kv-cache-dtype); the weights are streamed to it one tensor at a
         time. ``quantize`` "int8" or "int4" (with ``quantize_block``, ``quantize_head``,
-        ``quantize_activations``) is --quantize's quantisation; ``sparse_moe=False`` is --no-sparse-moe;
+        ``quantize_activations``, ``quantize_embedding``) is --quantize's quantisation; ``sparse_moe=False`` is --no-sparse-moe;
         ``recurrence`` is --recurrence; ``attention_probs`` (site numbers or "all") --attention-probs;
         ``explain=True`` prints --explain's listing to stderr. ``genai=True`` (with ``tokenizer``, and
         ``context_length`` where the model has none) writes the folder ``out`` for onnxruntime-genai,
@@ -136,7 +136,7 @@ class Model:
         compiling method takes them; compile writes its output afresh, neither reading nor filling the cache."""
         o = CompileOptions(output=out, kv_cache=kv_cache, attention=attention, target=target, dtype=dtype,
                            check_model=check, quantize=quantize, quantize_block=quantize_block,
-                           quantize_head=quantize_head, quantize_activations=quantize_activations,
+                           quantize_head=quantize_head, quantize_embedding=quantize_embedding, quantize_activations=quantize_activations,
                            gguf_weights=gguf_weights, sparse_moe=sparse_moe, genai=genai, tokenizer=tokenizer,
                            context_length=context_length,
                            cache=cache, decode=decode, combined_call=combined_call, kv_cache_dtype=kv_cache_dtype,
@@ -148,7 +148,7 @@ class Model:
 
     def run(self, inputs: dict | None = None, /, *, provider: str = "cpu", attention: str = "auto",
             target: str = "cpu", dtype: str = "fp32", quantize: str = "none", quantize_block: int | None = None,
-            quantize_head: str | bool = "auto", quantize_activations: str | None = None, gguf_weights: str = "codes",
+            quantize_head: str | bool = "auto", quantize_embedding: str = "auto", quantize_activations: str | None = None, gguf_weights: str = "codes",
             sparse_moe: bool = True, recurrence: str = "auto", explain: bool = False,
             tokenizer: str | Path | None = None,
             texts: list[str] = (), images: list[str] = (), pool: str | None = None, kv_cache_dtype: str = "auto",
@@ -161,7 +161,7 @@ class Model:
         (run keeps no KV cache: as --kv-cache-dtype); ``compile_cache`` --compile-cache DIR,
         ``no_compile_cache=True`` --no-compile-cache: docs/cli.md, the compile cache)."""
         o = RunOptions(provider=provider, attention=attention, target=target, dtype=dtype, quantize=quantize,
-                       quantize_block=quantize_block, quantize_head=quantize_head,
+                       quantize_block=quantize_block, quantize_head=quantize_head, quantize_embedding=quantize_embedding,
                        quantize_activations=quantize_activations, gguf_weights=gguf_weights, sparse_moe=sparse_moe,
                        recurrence=recurrence, explain=explain, tokenizer=tokenizer, texts=_as_list(texts),
                        images=_as_list(images), pool=pool, kv_cache_dtype=kv_cache_dtype,
@@ -188,7 +188,7 @@ class Model:
     # ---------------------------------------------------------------- generation
     def perplexity(self, text: str | Path, context: int = 512, stride: int | None = None,
                    tokenizer: str | Path | None = None, provider: str = "auto", quantize: str = "none",
-                   quantize_block: int | None = None, quantize_head: str | bool = "auto",
+                   quantize_block: int | None = None, quantize_head: str | bool = "auto", quantize_embedding: str = "auto",
                    quantize_activations: str | None = None, gguf_weights: str = "codes",
                    compile_cache: str | Path | None = None, no_compile_cache: bool = False) -> dict:
         """The perplexity on the text file ``text``, as ``tessera perplexity --format json`` gives it: by
@@ -200,7 +200,7 @@ class Model:
         o = PerplexityOptions(text=text, context=context, stride=stride,
                               tokenizer=tokenizer if tokenizer is not None else self._folder_tokenizer,
                               provider=provider, quantize=quantize, quantize_block=quantize_block,
-                              quantize_head=quantize_head, quantize_activations=quantize_activations,
+                              quantize_head=quantize_head, quantize_embedding=quantize_embedding, quantize_activations=quantize_activations,
                               gguf_weights=gguf_weights, compile_cache=compile_cache,
                               no_compile_cache=no_compile_cache).for_api()
         return driver.perplexity(self.ref, o, weights=self._weights).as_dict()
@@ -223,7 +223,7 @@ class Model:
                  ignore_eos: bool = False, explain: bool = False, seed: int | None = None, stop=(),
                  stop_tokens=(), tokenizer: str | Path | None = None, stream: bool = False, threads: int | None = None,
                  cache: str = "auto", quantize: str = "none", quantize_block: int | None = None,
-                 quantize_head: str | bool = "auto", quantize_activations: str | None = None, gguf_weights: str = "codes",
+                 quantize_head: str | bool = "auto", quantize_embedding: str = "auto", quantize_activations: str | None = None, gguf_weights: str = "codes",
                  inputs: dict | None = None, provider: str = "auto", dtype: str = "fp32", kv_cache_dtype: str = "auto",
                  start_token: int | None = None, speculative=None, draft_tokens: int | None = None,
                  json_schema=None, regex: str | None = None, grammar: str | Path | None = None,
@@ -268,7 +268,7 @@ class Model:
                             logprobs=logprobs, chat=chat, ignore_eos=ignore_eos, explain=explain,
                             sampling_seed=seed, stops=[stop] if isinstance(stop, str) else stop,
                             stop_tokens=stop_tokens, threads=threads, cache=cache, quantize=quantize,
-                            quantize_block=quantize_block, quantize_head=quantize_head,
+                            quantize_block=quantize_block, quantize_head=quantize_head, quantize_embedding=quantize_embedding,
                             quantize_activations=quantize_activations, gguf_weights=gguf_weights, provider=provider,
                             dtype=dtype, kv_cache_dtype=kv_cache_dtype, start_token=start_token, speculative=speculative, draft_tokens=draft_tokens,
                             json_schema=json_schema, regex=regex, grammar=grammar, compile_cache=compile_cache,

@@ -359,6 +359,7 @@ def _time_prefill(ref: ModelRef, o: ReportOptions, token_input: str, vocab: int)
 
     run_o = RunOptions(provider="cpu", quantize=o.quantize, quantize_block=o.quantize_block,
                        quantize_head=o.quantize_head, quantize_activations=o.quantize_activations,
+                       quantize_embedding=o.quantize_embedding,
                        sparse_moe=o.sparse_moe, gguf_weights=o.gguf_weights)
     runnable = prepare_run(ref, run_o)
     feeds = {token_input: measure.tokens(o.batches[0], o.seqs[0], vocab)}
@@ -379,7 +380,8 @@ def _time_decode(ref: ModelRef, o: ReportOptions, vocab: int):
 
     steps = measure.decode_steps(o)
     gen_o = GenerateOptions(quantize=o.quantize, quantize_block=o.quantize_block, quantize_head=o.quantize_head,
-                            quantize_activations=o.quantize_activations, gguf_weights=o.gguf_weights)
+                            quantize_activations=o.quantize_activations, quantize_embedding=o.quantize_embedding,
+                            gguf_weights=o.gguf_weights)
     model = loop.load_model(ref, gen_o)
     prompts = measure.tokens(o.batches[0], o.seqs[0] - steps, vocab).tolist()
     prompts = gen.check_request(model, prompts, steps, gen.Sampling())  # the context, the cache's memory
@@ -669,6 +671,7 @@ def perplexity(ref: ModelRef, o, weights=None, progress=None) -> PerplexityResul
                          f"{o.context if o.stride is None else 2} (give a longer text or a shorter context)")
     run_o = RunOptions(provider=o.provider, quantize=o.quantize, quantize_block=o.quantize_block,
                        quantize_head=o.quantize_head, quantize_activations=o.quantize_activations,
+                       quantize_embedding=o.quantize_embedding,
                        gguf_weights=o.gguf_weights, compile_cache=o.compile_cache, no_compile_cache=o.no_compile_cache)
     runnable = prepare_run(ref, run_o, weights)
     ints = [s for s in runnable.specs if s.dtype.startswith(("i", "u"))]

@@ -116,11 +116,12 @@ def quantization(text: str, path) -> dict:
     """``tessera.quantize``: the scheme, block size (0: one scale per output row), head, activations."""
     data = parse_json(text, path, QUANTIZE_KEY)
     try:
-        q = _obj(data, "the value", ("scheme", "block_size", "head", "activations"), ("head_bits",))
+        q = _obj(data, "the value", ("scheme", "block_size", "head", "activations"), ("head_bits", "embedding_bits"))
         _str(q["scheme"], "scheme")
         _int(q["block_size"], "block_size", 0)
         _bool(q["head"], "head")
         _int(q.get("head_bits", 0), "head_bits", 0)  # 0: float, or a file written before the head had bits
+        _int(q.get("embedding_bits", 0), "embedding_bits", 0)  # 0: float (or an older file)
         _str(q["activations"], "activations")
         return q
     except _Bad as e:

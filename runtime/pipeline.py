@@ -263,24 +263,26 @@ def head_choice(head) -> str:
 
 
 def quant_config(scheme: str = "none", block: int | None = None, head: str | bool | None = "auto",
-                 activations: str | None = None):
-    """The QuantConfig that --quantize, --quantize-block, --quantize-head and --quantize-activations
-    ask for (None for none)."""
+                 activations: str | None = None, embedding: str | int | None = "auto"):
+    """The QuantConfig that --quantize, --quantize-block, --quantize-head, --quantize-activations and
+    --quantize-embedding ask for (None for none)."""
     scheme = scheme or "none"
     head = head_choice(head)
+    embedding = "auto" if embedding is None else str(embedding)
     if scheme not in QUANTIZE_CHOICES:
         raise UsageError(f"quantize must be one of {', '.join(QUANTIZE_CHOICES)}, got {scheme!r}")
     if scheme == "none":
-        if block is not None or head not in ("auto", "float") or activations is not None:
-            raise UsageError("--quantize-block, --quantize-head and --quantize-activations need --quantize "
-                             "(int8, int4 or w8a8)")
+        if block is not None or head not in ("auto", "float") or activations is not None or \
+                embedding not in ("auto", "float"):
+            raise UsageError("--quantize-block, --quantize-head, --quantize-activations and --quantize-embedding "
+                             "need --quantize (int8, int4 or w8a8)")
         return None
     if scheme in ROW_SCHEMES:
         if block is not None or activations is not None:
             raise UsageError(f"--quantize {scheme} has one scale per output row and quantises the activations per "
                              f"row at run time: --quantize-block and --quantize-activations apply to int8 and int4")
         block = ROWS
-    config = QuantConfig(scheme, DEFAULT_BLOCK if block is None else block, head, activations or "int8")
+    config = QuantConfig(scheme, DEFAULT_BLOCK if block is None else block, head, activations or "int8", embedding)
     with compiler_errors():
         config.check()
     return config

@@ -10,12 +10,21 @@ from __future__ import annotations
 
 
 def describe_quantization(config, float_bytes: int, quantized_bytes: int, notes: list) -> dict:
-    """The section from the weights' bytes before and after the pass and its QuantNote per linear."""
+    """The section from the weights' bytes before and after the pass and its QuantNote per linear and
+    per embedding table (``embedding``: the tables' notes, kept apart from the linears' counts)."""
+    tables = [n for n in notes if n.embedding]
+    notes = [n for n in notes if not n.embedding]
     kept = [n for n in notes if not n.quantized]
     heads = [n for n in notes if getattr(n, "head", False) and n.quantized]
     return {"scheme": config.scheme, "bits": config.bits, "block_size": config.block_size,
             "granularity": config.granularity, "head": config.head_bits is not None, "head_bits": config.head_bits,
-            "head_tied_float_table": any(n.reason == "tied" for n in heads),
+            "head_tied_float_table": any(n.reason == "tied" for n in heads) and not any(
+                n.quantized and n.reason in ("shared", "stored") for n in tables),
+            "embedding_bits": config.embedding_bits,
+            "quantized_embeddings": sum(n.quantized for n in tables),
+            "embedding_shares_head_codes": any(n.quantized and n.reason in ("shared", "stored") for n in tables),
+            "embeddings_in_float": [{"node": n.node, "table": n.weight, "reason": n.reason}
+                                    for n in tables if not n.quantized],
             "activations": config.activations,
             "weights_bytes": quantized_bytes, "float_weights_bytes": float_bytes,
             "ratio": float_bytes / quantized_bytes if quantized_bytes else None,

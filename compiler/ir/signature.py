@@ -86,10 +86,13 @@ def input_limits(graph: Graph) -> InputLimits:
             if not dims.is_static(t_dim) and t_dim.is_Symbol and len(n.inputs) == 1:
                 tighten(limits.dims, str(t_dim), int(n.attrs["max_ctx"]), f"{n.scope or n.name} (rotary max_ctx)")
             continue
-        if n.op != "embedding":
+        if n.op not in ("embedding", "embedding_nbits"):  # a table's codes have its rows too
             continue
         ids, table = n.inputs[0], n.inputs[1]
         rows = dims.static_int(graph.type_of(table).shape[0])
+        derive = getattr(graph.params.get(table), "derive", None)
+        if n.op == "embedding_nbits" and isinstance(derive, tuple) and len(derive) > 1:
+            table = derive[1]  # the errors name the table the codes stand for, not the codes
         producer = graph.producer(ids)
         if rows is None:
             continue

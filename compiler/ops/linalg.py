@@ -162,6 +162,46 @@ def _embedding(t, a):
     return [TensorType(w.dtype, ids.shape + (w.shape[1],))]
 
 
+def _embedding_nbits_ref(x, a, ev):
+    ids = np.asarray(x[0])
+    rows = ids.reshape(-1)
+    zeros = x[3][rows] if a.get("zero_points", 0) else None  # 8-bit zero points: one byte a block, unpacked
+    w = dequantize(x[1][rows], x[2][rows], a["bits"], a["block_size"], a["K"], zeros)
+    return w.astype(x[2].dtype).reshape(ids.shape + (a["K"],))
+
+
+@op("embedding_nbits", reference=_embedding_nbits_ref,
+    cost=free(),          # a gather and one multiply per element: no products
+    saved=(0,))
+def _embedding_nbits(t, a):
+    """Rows of a [vocab, K] table stored block-quantised at 8 bits, picked by integer ids (input 0) and
+    dequantised: input 1 the codes uint8 [vocab, blocks, block_size] (MatMulNBits' layout at 8 bits,
+    compiler/reference/quant.py), input 2 the scales [vocab, blocks] (the output's float type); with
+    ``zero_points`` 1 input 3 the zero points uint8 [vocab, blocks], else 128. Why: the table of a
+    small-vocabulary-heavy model (SmolLM2: 49,152 x 576) is most of its bytes once the linears are
+    int4; the same codes are a tied head's at 8 bits, so the two share them (passes/quantize.py)."""
+    ids, codes, scales = t[0], t[1], t[2]
+    bits, block, k = a["bits"], a["block_size"], a["K"]
+    zp = a.get("zero_points", 0)
+    if ids.dtype not in ("i64", "i32"):
+        raise ShapeError(f"embedding_nbits ids must be integers, got {ids}")
+    if bits != 8:
+        raise ShapeError(f"embedding_nbits stores 8-bit codes, got bits {bits!r}")
+    if block < 16 or block & (block - 1):
+        raise ShapeError(f"embedding_nbits block_size must be a power of two >= 16, got {block}")
+    vocab = codes.shape[0] if codes.rank == 3 else None
+    if codes.dtype != "u8" or vocab is None or not dims.shapes_equal(codes.shape, packed_shape(vocab, k, bits, block)):
+        raise ShapeError(f"embedding_nbits codes must be u8[vocab, {blocks(k, block)}, {block}], got {codes}")
+    if scales.dtype not in ("f32", "f16", "bf16") or not dims.shapes_equal(scales.shape, (vocab, blocks(k, block))):
+        raise ShapeError(f"embedding_nbits scales must be float[{dims.fmt(vocab)}, {blocks(k, block)}], got {scales}")
+    if zp not in (0, 1) or len(t) != 3 + zp:
+        raise ShapeError(f"embedding_nbits takes ids, codes, scales and, with zero_points 1, zero points: "
+                         f"zero_points {zp!r}, {len(t)} inputs")
+    if zp and (t[3].dtype != "u8" or not dims.shapes_equal(t[3].shape, (vocab, blocks(k, block)))):
+        raise ShapeError(f"embedding_nbits zero points must be u8[{dims.fmt(vocab)}, {blocks(k, block)}], got {t[3]}")
+    return [TensorType(scales.dtype, ids.shape + (dims.dim(k),))]
+
+
 # ------------------------------------------------------------------ convolutions
 def _conv_len(what: str, size, k: int, stride: int, pad: int, exact: bool):
     """Output length of a convolution along one axis: (size + 2·pad - k) / stride + 1, rounded

@@ -6,9 +6,11 @@ Why a pass of its own rather than --quantize: nothing is quantised here. The pac
 read from the checkpoint as they are (the derived parameters' recipe ``("stored", weight, bits, block,
 part)``: compiler/reference/quant.py ParamValues asks the weights for them), and MatMulNBits dequantises
 them to exactly the weight the file's own dequantisation gives (gguf_codes' docstring says why for each
-type). Where the weight is also an embedding table (a tied head), the embedding keeps gathering from the
-float table (onnxruntime's GatherBlockQuantized takes 4-bit codes with integer zero points only, and a
-gather reads one row per token: the bytes it would save are not read anyway) and the head reads the codes.
+type). Where the weight is also an embedding table (a tied head), the head reads the codes and the
+embedding keeps gathering from the float table, unless --quantize stores the embedding at 8 bits
+(compiler/passes/quantize.py): then a table held as 8-bit codes without offsets (Q8_0, Q5_0) is
+gathered from these same codes (GatherBlockQuantized reads MatMulNBits' 8-bit layout) and the float
+table is dropped.
 The types with a min per block (Q4_1, Q4_K ...) take uint8 zero points 0 and ``block_mins`` (the
 offsets, added by the lowering: compiler/ops/linalg.py).
 

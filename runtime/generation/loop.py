@@ -375,7 +375,8 @@ def load_drafter(o, draft_ref, target: gen.CachedModel):
     if isinstance(spec, str) and spec == "ngram":
         return drafting.NgramDrafter()
     plain = dataclasses.replace(o, speculative=None, draft_tokens=None, quantize="none", quantize_block=None,
-                                quantize_head="auto", quantize_activations=None)
+                                quantize_head="auto", quantize_activations=None,
+                                quantize_embedding="auto")
     plain.api = o.api
     plain.drafting = True  # its rollback cache (generation/rollback.py) feeds the mask: no prefix_keys
     if hasattr(spec, "ref"):  # the API's tessera.Model: its compiled decoders and weights are kept

@@ -170,8 +170,8 @@ def genai_config(graph, info: CacheInfo, model: onnx.ModelProto, tokens: dict, c
     if not vocab:
         raise UsageError("the logits' vocabulary axis is not a fixed size, which onnxruntime-genai's config needs")
     first = graph.nodes[info.layers[0].node]
-    hidden = next((int(graph.type_of(n.inputs[1]).shape[1]) for n in graph.consumers(info.tokens)
-                   if n.op == "embedding"), first.attrs["heads"] * info.layers[0].head_size)
+    hidden = next((int(graph.type_of(n.outputs[0]).shape[-1]) for n in graph.consumers(info.tokens)
+                   if n.op in ("embedding", "embedding_nbits")), first.attrs["heads"] * info.layers[0].head_size)
     inputs = {"input_ids": info.tokens, "attention_mask": "attention_mask", "position_ids": "position_ids",
               "past_key_names": _template([x.past_key for x in info.layers], "past key"),
               "past_value_names": _template([x.past_value for x in info.layers], "past value")}

@@ -245,7 +245,13 @@ def _quantization(rep: dict) -> list[Rows]:
     head = f"head at {q['head_bits']} bits" if q.get("head_bits") else "head float"
     if q.get("head_tied_float_table"):
         rows.append(["  the head is tied: the embedding gathers from its float table, the head reads the codes", "", ""])
-    return [(f"Quantisation ({q['scheme']}, {q['granularity']}, {head})", ["", "bytes", ""], rows)]
+    if q.get("embedding_shares_head_codes"):
+        rows.append(["  the head is tied: the head and the embedding read one set of 8-bit codes", "", ""])
+    if q.get("quantized_embeddings"):
+        rows.append([f"  {q['quantized_embeddings']} embedding table(s) stored at {q['embedding_bits']} bits", "", ""])
+    rows += [[f"  kept: {e['node']} (embedding): {e['reason']}", "", ""] for e in q.get("embeddings_in_float", [])]
+    embedding = f"embedding at {q['embedding_bits']} bits" if q.get("embedding_bits") else "embedding float"
+    return [(f"Quantisation ({q['scheme']}, {q['granularity']}, {head}, {embedding})", ["", "bytes", ""], rows)]
 
 
 def _gguf_codes(rep: dict) -> list[Rows]:

@@ -85,7 +85,8 @@ def weights_line(model) -> str:
     how = "one scale per output row, each activation row quantised at run time" if q["block_size"] == ROWS \
         else f"one scale per {q['block_size']} input features, activations {q['activations']} in the product"
     head = (f"at {q['head_bits']} bits" if q.get("head_bits") else "quantised") if q["head"] else "in float"
-    return f"weights: {q['scheme']} ({how}; the output head {head})"
+    embedding = f"at {q['embedding_bits']} bits" if q.get("embedding_bits") else "float"
+    return f"weights: {q['scheme']} ({how}; the output head {head}; the embedding {embedding})"
 
 
 def decode_kernel(info) -> str:

@@ -94,7 +94,8 @@ def test_a_cached_decoder_records_its_quantisation_as_the_full_export_does(tmp_p
 
     import tessera
 
-    want = {"scheme": "int4", "block_size": 32, "head": True, "head_bits": 8, "activations": "int8"}  # 8-bit head: int4's default
+    # the 8-bit head and embedding: int4's defaults
+    want = {"scheme": "int4", "block_size": 32, "head": True, "head_bits": 8, "embedding_bits": 8, "activations": "int8"}
     m = tessera.load(GPT2[0], **dict(s.split("=") for s in GPT2[1]))
     for kw in ({}, {"kv_cache": True}):
         (path, *_) = m.compile(tmp_path / f"m{len(kw)}.onnx", quantize="int4", **kw)

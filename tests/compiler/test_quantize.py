@@ -83,7 +83,8 @@ def test_the_pass_replaces_linears_and_keeps_the_head_by_default():
     assert p.dtype == "u8" and p.shape == (64, 2, 32)
     graph2, _, _ = _quantized(config=QuantConfig("int4", 32, head=True))
     assert not any(n.op == "linear" for n in graph2.nodes.values())
-    assert "wte.weight" in graph2.params  # the embedding still reads it
+    # the head at 4 bits, the embedding at 8 (int4's default) on codes of its own: no float table left
+    assert "wte.weight" not in graph2.params and "wte.weight.int4_8bit_packed" in graph2.params
 
 
 @pytest.mark.parametrize("scheme", ["int8", "int4"])
@@ -125,13 +126,15 @@ def test_quantised_file_holds_the_expected_bytes(capsys, tmp_path):
     assert packed.data_type == TensorProto.UINT8 and list(packed.dims) == [256, 2, 16]  # [N, K/32, 32*4/8]
     # 12 linears at 4 bits and the tied head at 8 (int4's default): [vocab, K/32, 32] bytes, one per weight
     assert sum(n.op_type == "MatMulNBits" for n in model.graph.node) == 13
-    head = next(n for n in model.graph.node if n.op_type == "MatMulNBits" and "head" in n.input[1])
+    head = next(n for n in model.graph.node if n.op_type == "MatMulNBits" and n.input[1].startswith("wte."))
     assert {a.name: a.i for a in head.attribute}["bits"] == 8
     assert list(inits[head.input[1]].dims) == [1000, 2, 32]
-    assert "wte.weight" in inits  # the embedding still gathers from its float table
+    # the embedding gathers from the head's codes (int4's default 8-bit embedding): no float table
+    assert "wte.weight" not in inits
+    assert [n.input[0] for n in model.graph.node if n.op_type == "GatherBlockQuantized"] == [head.input[1]]
     meta = {e.key: e.value for e in model.metadata_props}
     assert json.loads(meta["tessera.quantize"]) == {"scheme": "int4", "block_size": 32, "head": True,
-                                                     "head_bits": 8, "activations": "int8"}
+                                                     "head_bits": 8, "embedding_bits": 8, "activations": "int8"}
 
 
 def test_report_gives_the_quantised_weight_bytes(capsys):
@@ -140,20 +143,24 @@ def test_report_gives_the_quantised_weight_bytes(capsys):
     assert rc == 0, err
     q = json.loads(out)["quantization"]
     # hand count: 12 layers of q, k, v, o (768x768), fc (3072x768), proj (768x3072) in int4 with one
-    # fp32 scale per 32 weights; the tied head (50257x768) at 8 bits (int4's default) beside the float
-    # table the embedding gathers from; everything else (embeddings, biases, norms) in fp32
+    # fp32 scale per 32 weights; the tied head (50257x768) at 8 bits (int4's default), whose codes the
+    # embedding gathers from (int4's default 8-bit embedding: no float table); everything else (the
+    # position table, biases, norms) in fp32
     quantised = 12 * (4 * 768 * 768 + 2 * 768 * 3072)
     head = 50257 * 768
     rest = 124_439_808 - quantised
-    assert q["weights_bytes"] == quantised // 2 + quantised // 32 * 4 + rest * 4 + head + head // 32 * 4
+    assert q["weights_bytes"] == quantised // 2 + quantised // 32 * 4 + (rest - head) * 4 + head + head // 32 * 4
     assert q["scheme"] == "int4" and q["block_size"] == 32 and q["head"] is True and q["head_bits"] == 8
-    assert q["quantized_linears"] == 73 and q["float_linears"] == 0 and q["head_tied_float_table"] is True
+    assert q["quantized_linears"] == 73 and q["float_linears"] == 0 and q["head_tied_float_table"] is False
+    assert q["embedding_bits"] == 8 and q["embedding_shares_head_codes"] is True and q["quantized_embeddings"] == 1
     rc, out, err = cli(capsys, "report", MODELS / "gpt2.tsr", "--variant", "small", "--quantize", "int4",
                        "--quantize-head", "float", "--format", "json")
     assert rc == 0, err
     q = json.loads(out)["quantization"]
     assert q["weights_bytes"] == quantised // 2 + quantised // 32 * 4 + rest * 4
     assert q["head"] is False and q["quantized_linears"] == 72 and q["float_linears"] == 1
+    # the float head keeps the tied table float, so the embedding's default keeps it too (no codes beside it)
+    assert q["quantized_embeddings"] == 0 and "tied to the float output head" in q["embeddings_in_float"][0]["reason"]
 
 
 @pytest.mark.parametrize("args, expected", [
@@ -173,7 +180,7 @@ def test_mixtral_router_stays_float_and_llama_head_is_a_model_output():
     kept = {n.weight: n.reason for n in result.notes if not n.quantized}
     assert any("router" in w and "outputs, fewer than 16" in r for w, r in kept.items()), kept
     graph, _, result = _quantized("llama", layers=1, d=64, heads=4, kv_heads=2, vocab=100, d_ff=64)
-    kept = {n.weight: n.reason for n in result.notes if not n.quantized}
+    kept = {n.weight: n.reason for n in result.notes if not n.quantized and not n.embedding}
     assert list(kept.values()) == ["the output head (--quantize-head 8 quantises it)"]  # int8: float by default
 
 

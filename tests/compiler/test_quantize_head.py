@@ -6,8 +6,9 @@ The reference is numpy written here: each linear's weight quantised and dequanti
 symmetric blocks state it (scale max|w| / (2^(bits-1) - 1) per block of 32, codes rounded to nearest),
 put back into the float model, whose logits the quantised model's must equal (products in fp32:
 --quantize-activations float). A tied head is checked against the untied model whose head holds the
-embedding's 8-bit dequantisation while its embedding keeps the float table: the gather reads the
-float table, the head its 8-bit codes.
+embedding's 8-bit dequantisation while its embedding keeps the float table (--quantize-embedding float:
+the embedding's own 8 bits are tests/compiler/test_quantize_embedding.py's): the gather reads the float
+table, the head its 8-bit codes.
 """
 
 from __future__ import annotations
@@ -50,9 +51,10 @@ def test_int4_quantises_the_head_at_8_bits_by_default(tied):
     graph = build("llama", tied=tied, **LLAMA)
     weights = {p: np.array(v) for p, v in SeededWeights(graph, 0).items()}
     tokens = np.random.default_rng(0).integers(0, LLAMA["vocab"], (2, 11)).astype(np.int64)
-    result = QuantizeWeights(QuantConfig("int4", activations="float"))(graph)
+    result = QuantizeWeights(QuantConfig("int4", activations="float", embedding="float"))(graph)
     head = next(n for n in result.notes if n.head)
-    assert head.quantized and head.bits == 8 and all(n.bits == 4 for n in result.notes if not n.head)
+    assert head.quantized and head.bits == 8
+    assert all(n.bits == 4 for n in result.notes if not n.head and not n.embedding)
     got = _logits(graph, weights, tokens)
 
     ref_graph = build("llama", tied=False, **LLAMA)

@@ -130,7 +130,7 @@ def test_the_file_holds_int8_weights_in_the_kernels_layout(capsys, tmp_path):
     assert sum(n.op_type == "MatMulIntegerToFloat" for n in model.graph.node) == 12
     meta = {e.key: e.value for e in model.metadata_props}
     assert json.loads(meta["tessera.quantize"]) == {"scheme": "w8a8", "block_size": 0, "head": False,
-                                                     "head_bits": 0, "activations": "int8"}
+                                                     "head_bits": 0, "embedding_bits": 0, "activations": "int8"}
 
 
 def test_report_gives_the_w8a8_weight_bytes(capsys):
@@ -146,7 +146,7 @@ def test_report_gives_the_w8a8_weight_bytes(capsys):
     assert q["weights_bytes"] == quantised + rows * 4 + rest * 4
     assert q["scheme"] == "w8a8" and q["granularity"] == "per row"
     rc, out, err = cli(capsys, "report", MODELS / "gpt2.tsr", "--variant", "small", "--quantize", "w8a8")
-    assert rc == 0 and "Quantisation (w8a8, per row, head float)" in out
+    assert rc == 0 and "Quantisation (w8a8, per row, head float, embedding float)" in out
 
 
 @pytest.mark.parametrize("args, expected", [

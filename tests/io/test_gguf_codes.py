@@ -348,3 +348,24 @@ def test_the_interpreters_reference_of_the_codes_is_ggmls_weight(kind):
     y = get("linear_nbits").reference([x, *inputs], attrs, None)
     ref = x.astype(np.float64) @ want.T
     assert (np.abs(y - ref) <= 1e-5 * (np.abs(x) @ np.abs(want).T)).all()
+
+
+def test_an_8_bit_embedding_gathers_the_files_q8_0_codes_which_the_tied_head_reads(tmp_path, capsys, monkeypatch):
+    """--quantize int4 on a tied file whose table is Q8_0: the embedding at 8 bits (int4's default) gathers the
+    file's own codes (GatherBlockQuantized over the initializer the head's MatMulNBits reads), so no float table
+    is left, and its rows are the file's values: the logits equal those with --quantize-embedding float (the
+    float table, dequantised by the reader; the same model's logits equal transformers' above)."""
+    monkeypatch.setenv("TESSERA_CACHE_DIR", str(tmp_path / "cache"))
+    _write_llama(tmp_path / "m.gguf", True)
+    codes, err = _logits(capsys, tmp_path, tmp_path / "m.gguf", "--quantize", "int4", "--explain")
+    table, _ = _logits(capsys, tmp_path, tmp_path / "m.gguf", "--quantize", "int4", "--quantize-embedding", "float")
+    np.testing.assert_allclose(codes, table, atol=1e-5, rtol=0)
+    assert "the table quantised at 8 bits: the checkpoint's own codes, which the tied head reads" in err, err
+    out = tmp_path / "q.onnx"
+    rc, _, err = cli(capsys, "compile", tmp_path / "m.gguf", "--quantize", "int4", "-o", out)
+    assert rc == 0, err
+    m = onnx.load(str(out))
+    (gather,) = [n for n in m.graph.node if n.op_type == "GatherBlockQuantized"]
+    assert gather.input[0].endswith(".stored_packed")
+    assert any(n.op_type == "MatMulNBits" and n.input[1] == gather.input[0] for n in m.graph.node)
+    assert not [i.name for i in m.graph.initializer if list(i.dims) == [VOCAB, D]]  # no float table

@@ -161,7 +161,8 @@ def test_the_comparison_reports_a_flag_without_an_option():
 
 def test_the_comparison_reports_a_keyword_without_an_option_and_an_option_without_a_keyword():
     def report(self, batch=1, seq=1024, dtype="fp32", device="h200", sparse_moe=True, quantize="none",
-               quantize_block=None, quantize_head=False, quantize_activations=None, tp=1, pp=1, dp=1, ep=1,
+               quantize_block=None, quantize_head=False, quantize_embedding="auto", quantize_activations=None,
+               tp=1, pp=1, dp=1, ep=1,
                train=False, zero=0, recompute="none", serve=False, context=None, measure=False, repeats=5,
                calibrated=False, calibration=None, kv_cache_dtype="auto", gguf_weights="codes", bogus=0):
         """Model.report without its plot keyword, and with one that is no option."""

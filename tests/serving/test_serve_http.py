@@ -336,12 +336,12 @@ def test_serve_takes_quantize_and_explain_says_so(capsys):
     rc, out, err = cli(capsys, "serve", "gpt2", *SETS, "--quantize", "w8a8", "--explain")
     assert rc == 0, err
     assert "weights: w8a8 (one scale per output row, each activation row quantised at run time; the output " \
-           "head in float)" in err
+           "head in float; the embedding float)" in err
     rc, out, err = cli(capsys, "serve", "gpt2", *SETS, "--quantize", "int4", "--quantize-head", "--explain")
     assert rc == 0 and "weights: int4 (one scale per 32 input features, activations int8 in the product; the " \
-                       "output head at 4 bits)" in err, err  # the old flag alone: the scheme's bits
+                       "output head at 4 bits; the embedding at 8 bits)" in err, err  # the old flag alone
     rc, out, err = cli(capsys, "serve", "gpt2", *SETS, "--quantize", "int4", "--explain")
-    assert rc == 0 and "the output head at 8 bits)" in err, err  # int4's default
+    assert rc == 0 and "the output head at 8 bits; the embedding at 8 bits)" in err, err  # int4's default
 
 
 @pytest.mark.parametrize("kind", ["bytelevel", "metaspace", "wordlevel"])

@@ -110,12 +110,36 @@ def _conv1d(L):
 
 
 
+def _embedding_nbits(L):
+    """com.microsoft GatherBlockQuantized (CPU and CUDA kernels for uint8 codes) over the codes as they
+    lie, [vocab, blocks, block] (a tied head's MatMulNBits reads the same initializer), blocks along
+    the last axis: the scales (and zero points) [vocab, blocks] get that axis back as [vocab, blocks, 1]
+    (a view, not a copy of the codes), and the gathered [..., blocks, block] is reshaped to [..., K]
+    (sliced where the last block is padded)."""
+    b = L.b
+    block, k = L.a["block_size"], L.a["K"]
+    axis = b.i64([2])
+    inputs = [L.x[1], L.x[0], b.node("Unsqueeze", [L.x[2], axis])[0]]
+    if L.a.get("zero_points", 0):
+        inputs.append(b.node("Unsqueeze", [L.x[3], axis])[0])
+    rows = b.node("GatherBlockQuantized", inputs, domain="com.microsoft", bits=8, block_size=block,
+                  gather_axis=0, quantize_axis=2)[0]
+    rank = len(L.t_in[0].shape)
+    padded = -(-k // block) * block
+    if padded == k:
+        L.emit("Reshape", [rows, b.i64([0] * rank + [k])])
+        return
+    flat = b.node("Reshape", [rows, b.i64([0] * rank + [padded])])[0]
+    L.emit("Slice", [flat, b.i64([0]), b.i64([k]), b.i64([-1])])
+
+
 LOWERINGS = {
     "linear": _linear,
     "linear_nbits": _linear_nbits,
     "linear_int8": _linear_int8,
     "matmul": lambda L: L.emit("MatMul", L.x),
     "embedding": lambda L: L.emit("Gather", [L.x[1], L.x[0]], axis=0),
+    "embedding_nbits": _embedding_nbits,
     "conv2d": _conv2d,
     "conv1d": _conv1d,
 }
