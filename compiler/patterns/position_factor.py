@@ -61,15 +61,16 @@ class PositionFactor:
     meetings: tuple[Meeting, ...]
 
 
-def _reaches_a_table(g: Graph, start: Node, arange_out: str) -> bool:
+def _reaches_a_table(g: Graph, start: Node, positions: set[str], fixed: FixedValues) -> bool:
     """Whether the use ``start`` of an ``arange`` reaches an ``embedding`` (a position table read at it)
-    through nodes that read the positions."""
-    seen, todo, values = {start.name}, [start], {arange_out}
+    through position nodes (every other operand fixed or ``positions``, the ``arange(T)`` outputs), before
+    meeting anything else."""
+    seen, todo, values = {start.name}, [start], set(positions)
     while todo:
         n = todo.pop()
         if n.op == "embedding" and n.inputs[0] in values:
             return True
-        if not any(i in values for i in n.inputs) or n.op == "fused_attention":
+        if n.op == "fused_attention" or not all(i in values or fixed(i) for i in n.inputs):
             continue
         values.update(n.outputs)
         for o in n.outputs:
@@ -82,10 +83,13 @@ def _reaches_a_table(g: Graph, start: Node, arange_out: str) -> bool:
 
 def factor_leaves(g: Graph, t_dim) -> list[Leaf]:
     """The uses of ``arange(t_dim)`` that reach no position table (candidates for a factor)."""
+    fixed = FixedValues(g)
+    aranges = [n for n in g.nodes.values() if n.op == "arange" and dims.equal(dims.dim(n.attrs["n"]), t_dim)]
+    positions = {a.outputs[0] for a in aranges}
     leaves = []
-    for a in [n for n in g.nodes.values() if n.op == "arange" and dims.equal(dims.dim(n.attrs["n"]), t_dim)]:
+    for a in aranges:
         for u in g.consumers(a.outputs[0]):
-            if not _reaches_a_table(g, u, a.outputs[0]):
+            if not _reaches_a_table(g, u, positions, fixed):
                 leaves.append(Leaf(a.name, u.name))
     return leaves
 
