@@ -8,10 +8,10 @@ positions, instead of recomputing the whole sequence. The cached form is
 derived from the spec's own graph, after attention fusion, so no spec has to
 be written twice: every causal ``fused_attention`` node is a cache site.
 
-The rewrite is six passes (``cache_passes``, run in order by the cached
+The rewrite is seven passes (``cache_passes``, run in order by the cached
 pipelines of passes/pipeline.py, or alone by ``add_kv_cache``): kv-cache-inputs,
-kv-cache-position-bias, kv-cache-positions, kv-cache-layers, kv-cache-kernels,
-last-position-logits. Each
+kv-cache-position-bias, kv-cache-position-factor, kv-cache-positions, kv-cache-layers,
+kv-cache-kernels, last-position-logits. Each
 reads its options and the graph, never another pass's state; ``cache_info``
 assembles the runtime's CacheInfo from their notes. With P the number of cached
 positions and T the number of new ones (the prompt at prefill, 1 when decoding):
@@ -33,6 +33,10 @@ positions and T the number of new ones (the prompt at prefill, 1 when decoding):
   ``arange(T)`` as query and key positions): computed at ``position_ids`` and at
   the keys' positions, the attention mask's running count (passes/position_bias.py),
   [B, heads, T, P+T]; any other score bias is refused;
+- factors computed from the query positions (Llama 4's attention temperature, from
+  ``arange(T)``, applied pointwise along the activations' token axis): computed at
+  ``position_ids`` (passes/position_factor.py); any other use of ``arange(T)`` than
+  these three is refused with the reason;
 - masks: every attention keeps its causal flag and window (the queries are the
   last T of the P+T keys) and takes ``attention_mask`` as its key padding, which
   also hides a buffer's unfilled slots;
@@ -70,6 +74,7 @@ from tessera.compiler.passes import cache_schema
 from tessera.compiler.passes.cache_parts import CACHE_DTYPES, CacheError, CacheState, insert_before as _insert_before
 from tessera.compiler.passes.cache_schema import Kind, json
 from tessera.compiler.passes.position_bias import CachedPositionBiasPass, grid_or_refuse
+from tessera.compiler.passes.position_factor import CachedPositionFactorPass
 from tessera.compiler.patterns.position_grid import bias_input
 from tessera.compiler.passes.recurrent_state import carries_state, carry_state, check_state
 
@@ -723,8 +728,8 @@ class LastPositionLogits(Pass):
 
 def cache_passes(options: CacheOptions) -> list[Pass]:
     """The KV cache as passes, in order (the cached pipelines in passes/pipeline.py splice them in)."""
-    passes = [AddCacheInputs(options), CachedPositionBiasPass(), ReadPositionIds(options), AddCacheLayers(options),
-              ChooseCacheKernels(options)]
+    passes = [AddCacheInputs(options), CachedPositionBiasPass(), CachedPositionFactorPass(), ReadPositionIds(options),
+              AddCacheLayers(options), ChooseCacheKernels(options)]
     if options.last_only:
         passes.append(LastPositionLogits())
     return passes

@@ -29,7 +29,7 @@ from tessera.compiler.ir import dims
 from tessera.compiler.ir.graph import Graph, Node
 from tessera.compiler.passes.base import Pass, PassError, PassResult
 from tessera.compiler.passes.cache_parts import CacheError
-from tessera.compiler.patterns.position_grid import QUERY, NotPositionGrid, PositionGrid, bias_input, position_grid
+from tessera.compiler.patterns.position_grid import QUERY, Leaf, NotPositionGrid, PositionGrid, bias_input, position_grid
 
 MASK, POSITIONS = "attention_mask", "position_ids"  # the cache's inputs (passes/kv_cache.py)
 KEY_POSITIONS = "cache/key_positions"
@@ -52,8 +52,9 @@ def grid_or_refuse(g: Graph, t_dim) -> PositionGrid | None:
             from None
 
 
-class _Lift:
-    """Adds the lifted nodes (a leading batch axis on every position value) to the graph, in order."""
+class Lift:
+    """Adds the lifted nodes (a leading batch axis on every position value) to the graph, in order (shared
+    with passes/position_factor.py)."""
 
     def __init__(self, g: Graph):
         self.g, self.added, self.lifted = g, [], {}
@@ -84,6 +85,31 @@ class _Lift:
         new = [lifted[0]] + [dims.dim(1) if _unit(d) else next(kept) for d in dst]
         return self.node("reshape", [value], {"shape": new}, n, f"{n.name}/cached")
 
+    def spec_node(self, n: Node, positions: dict[Leaf, str]) -> str:
+        """Add ``n`` lifted (its output with a leading batch axis): an input it reads from a leaf (an
+        ``arange`` use) reads that leaf's positions [B, N] instead, one it reads from an already lifted
+        node that node's lifted output. Returns (and records in ``lifted``) the lifted output."""
+        g = self.g
+        ins, lifted_ins = [], set()
+        for v in n.inputs:
+            p = g.producer(v)
+            leaf = Leaf(p.name, n.name) if p is not None else None
+            ins.append(positions[leaf] if leaf in positions else self.lifted.get(v, v))
+            if leaf in positions or v in self.lifted:
+                lifted_ins.add(ins[-1])
+        if n.op == "transpose":
+            out = self.node("transpose", ins, {"perm": [0] + [p + 1 for p in n.attrs["perm"]]}, n, f"{n.name}/cached")
+        elif n.op == "reshape":
+            out = self.reshape(n, ins[0])
+        elif n.op == "embedding":
+            out = self.node("embedding", ins, dict(n.attrs), n, f"{n.name}/cached")
+        else:  # pointwise: position operands brought to the output's rank plus the batch axis
+            rank = g.type_of(n.outputs[0]).rank + 1
+            ins = [self.with_rank(x, rank, n) if x in lifted_ins else x for x in ins]
+            out = self.node(n.op, ins, dict(n.attrs), n, f"{n.name}/cached")
+        self.lifted[n.outputs[0]] = out
+        return out
+
 
 def _unit(d) -> bool:
     return dims.is_static(d) and int(d) == 1
@@ -91,7 +117,7 @@ def _unit(d) -> bool:
 
 def lift_grid(g: Graph, grid: PositionGrid) -> list[CachedPositionBias]:
     """Rewrite every bias of ``grid`` to read the cache's positions (the module's docstring)."""
-    lift = _Lift(g)
+    lift = Lift(g)
     first = g.nodes[grid.biases[next(iter(grid.biases))][0]]
     one = lift.const("cache/one", 1)
     zero = lift.const("cache/zero", 0)
@@ -100,25 +126,7 @@ def lift_grid(g: Graph, grid: PositionGrid) -> list[CachedPositionBias]:
                      first, KEY_POSITIONS)
     positions = {leaf: POSITIONS if role == QUERY else keys for leaf, role in grid.roles.items()}
     for name in grid.nodes:
-        n = g.nodes[name]
-        ins, lifted_ins = [], set()
-        for v in n.inputs:
-            p = g.producer(v)
-            leaf = next((lf for lf in grid.roles if p is not None and (lf.arange, lf.node) == (p.name, n.name)), None)
-            ins.append(positions[leaf] if leaf else lift.lifted.get(v, v))
-            if leaf or v in lift.lifted:
-                lifted_ins.add(ins[-1])
-        if n.op == "transpose":
-            out = lift.node("transpose", ins, {"perm": [0] + [p + 1 for p in n.attrs["perm"]]}, n, f"{n.name}/cached")
-        elif n.op == "reshape":
-            out = lift.reshape(n, ins[0])
-        elif n.op == "embedding":
-            out = lift.node("embedding", ins, dict(n.attrs), n, f"{n.name}/cached")
-        else:  # pointwise: position operands brought to the output's rank plus the batch axis
-            rank = g.type_of(n.outputs[0]).rank + 1
-            ins = [lift.with_rank(x, rank, n) if x in lifted_ins else x for x in ins]
-            out = lift.node(n.op, ins, dict(n.attrs), n, f"{n.name}/cached")
-        lift.lifted[n.outputs[0]] = out
+        lift.spec_node(g.nodes[name], positions)
     notes = []
     for bias, sites in grid.biases.items():
         shape = g.type_of(lift.lifted[bias]).shape  # [B] + the spec's bias shape, whose batch axis (if any) is 1

@@ -90,7 +90,7 @@ def _feeds_a_bias(g: Graph, nodes: list[Node]) -> bool:
     return any(bias_input(n) in outs for n in nodes if n.op == "fused_attention")
 
 
-class _Fixed:
+class FixedValues:
     """Whether a value is the same for every position and row: a constant, a parameter, or computed
     from them alone, with a static shape (memoised)."""
 
@@ -107,7 +107,7 @@ class _Fixed:
         return self.memo[value]
 
 
-def _where(n: Node) -> str:
+def site_of(n: Node) -> str:
     return f"{n.op} at {n.scope or '<model>'}"
 
 
@@ -115,13 +115,13 @@ def _unit(d) -> bool:
     return dims.is_static(d) and int(d) == 1
 
 
-def _reshape_labels(g: Graph, n: Node, labels: tuple) -> tuple:
+def reshape_labels(g: Graph, n: Node, labels: tuple) -> tuple:
     """A reshape that adds or drops axes of size 1 only: the other axes keep their labels, in order."""
     src, dst = g.type_of(n.inputs[0]).shape, g.type_of(n.outputs[0]).shape
     kept = [i for i, d in enumerate(src) if not _unit(d)]
     into = [i for i, d in enumerate(dst) if not _unit(d)]
     if len(kept) != len(into) or not all(dims.equal(src[i], dst[j]) for i, j in zip(kept, into)):
-        raise NotPositionGrid(f"the {_where(n)} merges or splits axes ({dims.fmt_shape(src)} to "
+        raise NotPositionGrid(f"the {site_of(n)} merges or splits axes ({dims.fmt_shape(src)} to "
                               f"{dims.fmt_shape(dst)}), not only adds or drops axes of size 1")
     out = [frozenset()] * len(dst)
     for i, j in zip(kept, into):
@@ -129,7 +129,7 @@ def _reshape_labels(g: Graph, n: Node, labels: tuple) -> tuple:
     return tuple(out)
 
 
-def _broadcast_labels(shapes_labels: list[tuple[tuple, tuple]], rank: int) -> tuple:
+def broadcast_labels(shapes_labels: list[tuple[tuple, tuple]], rank: int) -> tuple:
     """Numpy broadcasting, right-aligned: each output axis gets the labels of the operands' axis there."""
     out = [frozenset()] * rank
     for _, labels in shapes_labels:
@@ -138,24 +138,24 @@ def _broadcast_labels(shapes_labels: list[tuple[tuple, tuple]], rank: int) -> tu
     return tuple(out)
 
 
-def _labels(g: Graph, n: Node, grid_in: dict[str, tuple], fixed: _Fixed) -> tuple:
+def _labels(g: Graph, n: Node, grid_in: dict[str, tuple], fixed: FixedValues) -> tuple:
     """The output's labels (per axis, the leaves whose positions vary along it), or NotPositionGrid."""
     for i, v in enumerate(n.inputs):
         if v not in grid_in and not fixed(v):
-            raise NotPositionGrid(f"the {_where(n)} combines the positions with {v}, which is not fixed (not a "
+            raise NotPositionGrid(f"the {site_of(n)} combines the positions with {v}, which is not fixed (not a "
                                   f"constant, a parameter or computed from them alone)")
     out_t = g.type_of(n.outputs[0])
     if ops.has_trait(n.op, "elementwise"):
-        return _broadcast_labels([(g.type_of(v).shape, grid_in[v]) for v in n.inputs if v in grid_in], out_t.rank)
+        return broadcast_labels([(g.type_of(v).shape, grid_in[v]) for v in n.inputs if v in grid_in], out_t.rank)
     if n.op == "transpose":
         return tuple(grid_in[n.inputs[0]][p] for p in n.attrs["perm"])
     if n.op == "reshape":
-        return _reshape_labels(g, n, grid_in[n.inputs[0]])
+        return reshape_labels(g, n, grid_in[n.inputs[0]])
     if n.op == "embedding":
         if n.inputs[1] in grid_in:
-            raise NotPositionGrid(f"the {_where(n)} reads a table computed from the positions")
+            raise NotPositionGrid(f"the {site_of(n)} reads a table computed from the positions")
         return grid_in[n.inputs[0]] + (frozenset(),)
-    raise NotPositionGrid(f"the positions are read by {_where(n)} (not pointwise, a transpose, a reshape adding "
+    raise NotPositionGrid(f"the positions are read by {site_of(n)} (not pointwise, a transpose, a reshape adding "
                           f"or dropping axes of size 1, or a learned table's embedding), so a score at (i, j) may "
                           f"depend on other positions than i and j")
 
@@ -177,7 +177,7 @@ def position_grid(g: Graph, t_dim) -> PositionGrid | None:
     order = {name: i for i, name in enumerate(g.nodes)}
     inner = sorted((n for n in reached.values() if n.op != "fused_attention"), key=lambda n: order[n.name])
     sites = [n for n in reached.values() if n.op == "fused_attention"]
-    fixed = _Fixed(g)
+    fixed = FixedValues(g)
     labels: dict[str, tuple] = {}
     for n in inner:
         grid_in = {}
@@ -189,7 +189,7 @@ def position_grid(g: Graph, t_dim) -> PositionGrid | None:
                 grid_in[v] = labels[v]
         labels[n.outputs[0]] = _labels(g, n, grid_in, fixed)
         if n.outputs[0] in g.outputs:
-            raise NotPositionGrid(f"the {_where(n)} on the way to a score bias is a model output")
+            raise NotPositionGrid(f"the {site_of(n)} on the way to a score bias is a model output")
     biases: dict[str, list[str]] = {}
     for s in sites:
         for k, v in enumerate(s.inputs):
@@ -212,5 +212,5 @@ def position_grid(g: Graph, t_dim) -> PositionGrid | None:
                                           f"both the query and the key positions of the score bias {v}")
     missing = [leaf for leaf in leaves if leaf not in roles]
     if missing:
-        raise NotPositionGrid(f"the positions read by {_where(g.nodes[missing[0].node])} reach no axis of a score bias")
+        raise NotPositionGrid(f"the positions read by {site_of(g.nodes[missing[0].node])} reach no axis of a score bias")
     return PositionGrid(tuple(n.name for n in inner), roles, {v: tuple(s) for v, s in biases.items()})

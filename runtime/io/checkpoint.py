@@ -44,6 +44,7 @@ MODEL_TYPES = {
     "gpt_oss": "gpt_oss",
     "phi3": "phi3",
     "deepseek_v3": "deepseek_v3",
+    "llama4_text": "llama4",
 }
 
 

@@ -126,8 +126,8 @@ def test_every_export_records_the_same_metadata():
 
 def test_each_named_pipeline_lists_its_passes_in_order():
     o = PipelineOptions(target=Target("cpu", "fp16"), quantize=QuantConfig("int4"), decoder_input="tgt")
-    cache = "kv-cache-inputs -> kv-cache-position-bias -> kv-cache-positions -> kv-cache-layers -> kv-cache-kernels " \
-            "-> last-position-logits"
+    cache = "kv-cache-inputs -> kv-cache-position-bias -> kv-cache-position-factor -> kv-cache-positions " \
+            "-> kv-cache-layers -> kv-cache-kernels -> last-position-logits"
     optimize = "fuse-attention -> eliminate-dead-nodes -> choose-attention-kernels -> sparse-experts " \
                "-> choose-recurrence-lowering"
     assert list(PIPELINES) == ["full", "cached_decoder", "encoder_decoder", "report"]
