@@ -5,6 +5,7 @@ against a direct loop, PyTorch, onnxruntime and a hand count of its cost."""
 from __future__ import annotations
 
 import ast
+import concurrent.futures
 from pathlib import Path
 
 import numpy as np
@@ -72,7 +73,12 @@ def _op_literals(path: Path) -> set[str]:
     (_unary_builtin, _scalar_math, _reduce), ``node.op = "..."``, and the operator table
     of the elaborator's tensor arithmetic."""
     found: set[str] = set()
-    tree = ast.parse(path.read_text())
+    # parsed in a thread of its own: in a full run on CPython 3.11.7, ast.parse in pytest's thread once raised
+    # "SystemError: AST constructor recursion depth mismatch (before=123, after=74)" -- the interpreter's
+    # recursion counters of that thread left inconsistent by something earlier in the run (it passes alone);
+    # a fresh thread starts from its own counters
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        tree = pool.submit(ast.parse, path.read_text()).result()
 
     def lit(node):
         return node.value if isinstance(node, ast.Constant) and isinstance(node.value, str) else None
