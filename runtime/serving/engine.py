@@ -31,9 +31,10 @@ values, a leaving row's move and the relayouts run there as small onnxruntime gr
 
 Prompts are prefilled between decoding steps in chunks of at most ``prefill_chunk`` tokens an iteration,
 so a long prompt delays the running streams by at most one chunk per step. In the combined call (below)
-the iteration's chunk may be several prompts' chunks: the oldest prompt's, then the first chunks of
-prompts not started yet while the budget has room (``_more_first_chunks``), so a burst of prompts goes in
-by the budget, not one prompt a call.
+an iteration with no row decoding (a burst's start) may take several prompts' chunks: the oldest prompt's,
+then the first chunks of prompts not started yet while the budget has room (``_more_first_chunks``), so a
+burst of prompts goes in by the budget, not one prompt a call. Beside decoding rows a call takes one
+prompt's chunk: more would lengthen every stream's step for no gain in tokens/s (bench/engine_ab.py).
 Where the model has the combined call (compiler/backends/onnx/mixed_attention.py; serving/model.py
 ``load`` builds it), an iteration with both a chunk and decoding rows is ONE onnxruntime call
 (``_combined_step``: every weight read once for both); otherwise the chunk and the step are a call each.
@@ -654,9 +655,11 @@ class Engine:
             if prefilling and self.prefix_cache is not None:  # as its prefill starts (so it sees the blocks the
                 self.prefix_cache.admit(self, prefilling[0])  # prompts before it stored): a cached prefix goes in
             budget = self.chunk_for(decoding)
+            # with no row decoding, a burst's prompts share a call within the iteration's budget, not the idle
+            # chunk: the combined call's attention is one block over all its segments' tokens (O(T^2))
             if prefilling and self.combined and self.speculation is None and (decoding or self._room_for_more(
-                    prefilling, budget)):
-                self._combined_step(prefilling[0], budget)  # one call for the rows and the prompts' chunks
+                    prefilling, self.prefill_chunk)):
+                self._combined_step(prefilling[0], budget if decoding else self.prefill_chunk)
             else:
                 if prefilling:
                     self._prefill_chunk(prefilling[0], budget)
@@ -812,7 +815,7 @@ class Engine:
         [1, n + T] are one per row of the view's first n (the decoding rows' next tokens; a dummy for a
         row not decoding, which rides along as in ``_decode_step``) and then the iteration's T prompt
         tokens: ``seq``'s chunk, whose row is among the n and marked by a 0 in the mask's last column,
-        and, while the budget ``size`` has room, the first chunks of later prompts (``_more_first_chunks``),
+        and, when no row decodes and the budget ``size`` has room, the first chunks of later prompts (``_more_first_chunks``),
         each a segment whose positions start again at 0 (the graph keeps every segment's queries to its
         own keys, and ``seq``'s past to ``seq``'s). The decoding part is ``_decode_step``'s
         (GroupQueryAttention writing each row's new column in place: the same feeds); each segment
@@ -827,7 +830,10 @@ class Engine:
         decoding = [s for s in rows if not s.prefilling]
         start = seq.filled
         chunk = req.prompt[start:start + size]
-        segments = [(seq, start, chunk)] + [(s, 0, c) for s, c in self._more_first_chunks(seq, size - len(chunk))]
+        # later prompts' first chunks only while no row decodes (a burst's start): beside decoding rows they would
+        # lengthen every stream's step for no gain in tokens/s (bench/engine_ab.py at 16 streams: 0.87-0.97x)
+        more = self._more_first_chunks(seq, size - len(chunk)) if not decoding else []
+        segments = [(seq, start, chunk)] + [(s, 0, c) for s, c in more]
         t = sum(len(c) for _, _, c in segments)
         n = max([s.slot for s in decoding] + [s.slot for s, _, _ in segments]) + 1
         self._fit(max(max(s.filled for s in rows[:n]) + 1, max(at + len(c) for _, at, c in segments)))

@@ -85,12 +85,12 @@ def test_combined_calls_give_transformers_greedy_tokens(cases, family):
 
 @pytest.mark.parametrize("family", ["gpt2", "llama_gqa"])
 def test_a_burst_of_prompts_goes_in_as_segments_of_one_call(cases, family):
-    """Two bursts of 1-70-token prompts, 10 slots, a 48-token budget: the first (5 prompts, no row
-    decoding yet) goes in as one combined call, each prompt's first chunk a segment whose positions
-    start at 0 and which attends to itself alone; the second (9 prompts) arrives while those decode and
-    joins their calls, a prompt longer than the room left going in partly and continuing later (with
-    its past, as a first segment). Every request's tokens are still transformers' greedy tokens of its
-    prompt alone, which they would not be if a segment saw another's keys or the first segment's past."""
+    """A burst of five 1-61-token prompts with no row decoding yet, 10 slots, a 48-token budget: the first
+    call takes the 5- and 1-token prompts and the first 42 tokens of the 61-token one, each a segment whose
+    positions start at 0 and which attends to itself alone; the cut prompt goes on later with its past
+    (as a first segment). The other nine prompts arrive while those decode (no segments beside decoding
+    rows). Every request's tokens are still transformers' greedy tokens of its prompt alone, which they
+    would not be if a segment saw another's keys or the first segment's past."""
     case = cases(family)
     engine = Engine(case.model, max_batch=10, max_queue=16, prefill_chunk=48)
     partial = []
@@ -101,14 +101,18 @@ def test_a_burst_of_prompts_goes_in_as_segments_of_one_call(cases, family):
         partial.extend(len(c) < len(s.handle.request.prompt) for s, c in chosen)
         return chosen
     engine._more_first_chunks = spy
-    handles = [engine.submit(Request(list(r.prompt), r.max_tokens)) for r in case.requests[:5]]
-    assert engine.step() and engine.combined_calls == 1 and engine.prompts_in_combined_calls == 5
-    handles += [engine.submit(Request(list(r.prompt), r.max_tokens)) for r in case.requests[5:]]
-    while any(not h.finished for h in handles):
+    order = [1, 3, 2, 4, 0] + list(range(5, len(case.requests)))  # prompts of 5, 1, 61, 18, 37 tokens first
+    assert [len(case.requests[i].prompt) for i in order[:3]] == [5, 1, 61]
+    handles = {}
+    for i in order[:5]:
+        handles[i] = engine.submit(Request(list(case.requests[i].prompt), case.requests[i].max_tokens))
+    assert engine.step() and engine.combined_calls == 1 and engine.prompts_in_combined_calls == 3
+    assert partial == [False, True]  # the 1-token prompt whole, the 61-token prompt's first 42
+    for i in order[5:]:
+        handles[i] = engine.submit(Request(list(case.requests[i].prompt), case.requests[i].max_tokens))
+    while any(not h.finished for h in handles.values()):
         assert engine.step()
-    assert [h.tokens for h in handles] == case.reference
-    assert engine.prompts_in_combined_calls > engine.combined_calls + 4  # the second burst's calls too
-    assert any(partial) and not all(partial)  # a first chunk cut by the budget, and whole prompts
+    assert [handles[i].tokens for i in range(len(case.requests))] == case.reference
 
 
 def test_combined_and_two_calls_agree_and_the_cache_is_never_reallocated(cases):

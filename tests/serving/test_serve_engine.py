@@ -363,8 +363,9 @@ def test_prefill_chunk_is_the_iterations_token_budget(llama, budget, chunks, com
     """With 5 streams decoding, a 100-token prompt goes in chunks of budget - 5 (40: 35, 35, 30), never
     under 16 (20: six of 16 and the rest); with none decoding, by up to IDLE_PREFILL_CHUNK tokens (no
     stream waits for it). Every iteration that prefills also runs the decoding step (in a call of its
-    own, or in the combined call), and the tokens are generate's. A burst of short prompts goes in as
-    one combined call (each prompt's first chunk a segment) where the model has it, else one a call."""
+    own, or in the combined call), and the tokens are generate's. While no stream decodes, a burst's short
+    prompts share combined calls (each prompt's first chunk a segment) within the budget where the model
+    has the call, else go in one a call."""
     engine = Engine(llama, max_batch=8, prefill_chunk=budget)
     engine.combined = combined
     assert engine.chunk_for(0) == IDLE_PREFILL_CHUNK and engine.chunk_for(5) == max(16, budget - 5)
@@ -387,8 +388,10 @@ def test_prefill_chunk_is_the_iterations_token_budget(llama, budget, chunks, com
         handles = [engine.submit(r) for r in short]
         while engine.queued or any(s.prefilling for s in engine.rows):
             engine.step()
-        if combined:  # the burst's five prompts in one call, their first chunks as segments
-            assert sizes == [3] and engine.combined_calls == 1 and engine.prompts_in_combined_calls == 5
+        if combined:  # the burst's prompts as segments of a call while none decodes, within the budget (20: two)
+            first_calls = 1 if budget == 40 else 4
+            assert sizes == [3] * first_calls and engine.combined_calls == first_calls
+            assert engine.prompts_in_combined_calls == 5
         else:
             assert sizes == [3] * 5
         sizes.clear()
@@ -399,7 +402,7 @@ def test_prefill_chunk_is_the_iterations_token_budget(llama, budget, chunks, com
             engine.step()
         assert sizes == chunks
         assert engine.steps - before == len(chunks)  # the streams decoded at every one of those iterations
-        assert engine.combined_calls == (len(chunks) + 1 if combined else 0)  # and the short prompts' burst
+        assert engine.combined_calls == (len(chunks) + first_calls if combined else 0)  # and the short prompts' burst
         _run_all(engine, handles)
     finally:
         llama.run = run
