@@ -21,13 +21,13 @@ from tessera.compiler.backends.onnx import export as onnx_export
 from tessera.runtime.io.weights import init_weights
 from tessera.spec import load_program
 
-# Specs written with the `experts` builtin (one sparse_moe node: qwen3_moe, gpt_oss, deepseek_v3) are left out: the node's
+# Specs written with the `experts` builtin (one sparse_moe node: qwen3_moe, gpt_oss, deepseek_v3, llama4) are left out: the node's
 # ONNX lowering sizes its Gathers by the routing at run time (NonZero), which a static counter cannot size; its
 # MACs (the active experts only) are checked by hand in tests/compiler/test_sparse_moe.py, gpt-oss's parameter
-# counts against transformers in tests/models/test_gpt_oss.py.
+# counts against transformers in tests/models/test_gpt_oss.py (llama4's in tests/models/test_llama4.py).
 # Jamba's variants with experts are left out the same way (its dense `tiny` stays); their parameter counts are
 # checked against transformers in tests/models/test_jamba.py.
-SPARSE_AS_WRITTEN = {"qwen3_moe", "gpt_oss", "deepseek_v3"}
+SPARSE_AS_WRITTEN = {"qwen3_moe", "gpt_oss", "deepseek_v3", "llama4"}
 SPARSE_VARIANTS = {("jamba", "v0_1"), ("jamba", "tiny_moe")}
 VARIANTS = [(path.stem, v) for path in sorted(MODELS.glob("*.tsr")) if path.stem not in SPARSE_AS_WRITTEN
             for v in (list(load_program(path).variants) or [None]) if (path.stem, v) not in SPARSE_VARIANTS]
