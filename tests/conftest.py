@@ -144,6 +144,20 @@ class Recomputation:
             seq.append(int(np.argmax(logits[r])))
 
 
+def compile_written_cached(path, text: str, cache: str = "auto"):
+    """``text`` written to ``path`` as a spec, built with seeded weights (seed 0) and compiled as a cached
+    decoder in ``cache`` mode: (path, weights, compiler/build.py's compile_cached result), what
+    ``cached_equals_recomputation`` takes."""
+    from tessera.compiler import build as compiler_build
+    from tessera.compiler.passes.pipeline import PipelineOptions
+    from tessera.runtime import pipeline as rt
+
+    path.write_text(text)
+    built = rt.build(str(path), None, [])
+    weights = rt.weights_for(built, None, 0)
+    return path, weights, compiler_build.compile_cached(built.graph, weights, built.info, PipelineOptions(cache=cache))
+
+
 def cached_equals_recomputation(spec_path, weights, done, steps: int, vocab: int = 50) -> None:
     """Greedy generation with a compiled cached decoder (``done``: compiler/build.py compile_cached's
     result) from prompts of 7 and 2 tokens (left-padded to one batch), ``steps`` tokens each: at every

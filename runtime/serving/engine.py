@@ -824,7 +824,7 @@ class Engine:
         columns and are written into their rows here, as there, and a segment that completes its prompt
         gets its first token from the logits at its last token. Why several prompts in one call: every
         call reads every weight, and a burst of short prompts would otherwise take one iteration each
-        (docs/benchmarks: bench/openvino_batching.py). A prompt finished here takes its first decoding
+        (bench/engine_ab.py). A prompt finished here takes its first decoding
         step at the next iteration."""
         info, rows, req = self.info, self.rows, seq.handle.request
         decoding = [s for s in rows if not s.prefilling]

@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from conftest import build, cached_equals_recomputation, cli_error, ort_run
+from conftest import build, cached_equals_recomputation, cli_error, compile_written_cached, ort_run
 
 DECODER = """
 model Tuned(vocab = 50, d = 32, layers = 2, heads = 4, floor_scale = 2.0, attn_scale = 2.0) {
@@ -46,19 +46,11 @@ PLAIN_Q = QUERIES["heads"]
 
 
 def _compile(tmp_path, q: str = PLAIN_Q, extra: str = "", cache: str = "auto", tune: str | None = None):
-    from tessera.compiler import build as compiler_build
-    from tessera.compiler.passes.pipeline import PipelineOptions
-    from tessera.runtime import pipeline as rt
-
     spec = DECODER.replace("Q", q, 1).replace("EXTRA", extra)
     if tune is not None:
         spec = spec.replace("tune = reshape(log(floor((p + 1.0) / floor_scale) + 1.0) * attn_scale + 1.0, [T, 1])",
                             tune)
-    path = tmp_path / "tuned.tsr"
-    path.write_text(spec)
-    built = rt.build(str(path), None, [])
-    weights = rt.weights_for(built, None, 0)
-    return path, weights, compiler_build.compile_cached(built.graph, weights, built.info, PipelineOptions(cache=cache))
+    return compile_written_cached(tmp_path / "tuned.tsr", spec, cache)
 
 
 @pytest.mark.parametrize("cache", ["auto", "concat"])

@@ -23,7 +23,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from conftest import cached_equals_recomputation, cli, cli_error, perturbed  # noqa: E402
+from conftest import cached_equals_recomputation, cli, cli_error, compile_written_cached, perturbed  # noqa: E402
 
 VOCAB, NEW, START, EOS = 64, 16, 0, 1
 SRC = [[5, 17, 42, 9, 3, 30, 2, 8, 11], [7, 11, 21, 2, 0, 0, 0, 0, 0]]  # the second right-padded
@@ -134,15 +134,7 @@ BIASES = {
 
 
 def _compile_biased(tmp_path, bias: str, cache: str = "auto"):
-    from tessera.compiler import build as compiler_build
-    from tessera.compiler.passes.pipeline import PipelineOptions
-    from tessera.runtime import pipeline as rt
-
-    path = tmp_path / "biased.tsr"
-    path.write_text(DECODER.replace("BIAS", bias))
-    built = rt.build(str(path), None, [])
-    weights = rt.weights_for(built, None, 0)
-    return path, weights, compiler_build.compile_cached(built.graph, weights, built.info, PipelineOptions(cache=cache))
+    return compile_written_cached(tmp_path / "biased.tsr", DECODER.replace("BIAS", bias), cache)
 
 
 @pytest.mark.parametrize("cache", ["auto", "concat"])
