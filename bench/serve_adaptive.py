@@ -5,11 +5,13 @@
 
 One process, one seeded Llama-shaped model loaded twice as the server loads it: ``plain`` -- the
 engine without speculation (last-position logits, the combined call), what `tessera serve` runs
-without --speculative; ``plain-all`` -- the same engine on the model --speculative compiles (every
-position's logits, so no combined call: a prompt chunk and the decoding step are two calls), no
-speculation: what adaptive speculation costs when it declines every draft; ``fixed`` -- `--speculative ngram` checking every draft (adaptive=False);
-``adaptive`` -- `--speculative ngram` as it now runs (speculation.py: the number of drafts chosen per
-step from measured call times and acceptance rates). Per concurrency C, C requests at once, each a
+without --speculative; ``plain-all`` -- the same engine on a model giving every position's logits in every call (no
+combined call: a prompt chunk and the decoding step are two calls; what --speculative compiled
+before 2026-12-07's sixteenth session, and still does on CUDA), no speculation; ``fixed`` --
+`--speculative ngram` checking every draft (adaptive=False); ``adaptive`` -- `--speculative ngram` as it
+now runs (speculation.py: the number of drafts chosen per step from measured call times and acceptance
+rates). ``fixed`` and ``adaptive`` run the model `serve --speculative` compiles on the CPU: the combined
+call, with every position's logits in the short calls that check drafts (``check_tokens``). Per concurrency C, C requests at once, each a
 random 24-token passage twice and its first 8 tokens (prompt lookup finds the passage; a seeded
 model's greedy output falls into loops, which it finds too), greedy, --new tokens, no end-of-sequence;
 the engine stepped by hand from submit to the last token. Cases alternate within each round; the
@@ -51,11 +53,12 @@ def main(argv=None) -> dict:
     for s in a.sets or []:
         sets = [x for x in sets if x.split("=")[0] != s.split("=")[0]] + [s]
     plain_model = serving_model.load("llama", sets=sets, threads=a.threads)
-    spec_model = serving_model.load("llama", sets=sets, threads=a.threads, last_only=False)
+    all_model = serving_model.load("llama", sets=sets, threads=a.threads, last_only=False)
+    spec_model = serving_model.load("llama", sets=sets, threads=a.threads, check_tokens=a.draft_tokens + 1)
     vocab = plain_model.vocab
     top = max(a.streams)
     engines = {"plain": Engine(plain_model, max_batch=top, max_queue=top, prefill_chunk=256),
-               "plain-all": Engine(spec_model, max_batch=top, max_queue=top, prefill_chunk=256),
+               "plain-all": Engine(all_model, max_batch=top, max_queue=top, prefill_chunk=256),
                "fixed": Engine(spec_model, max_batch=top, max_queue=top, prefill_chunk=256),
                "adaptive": Engine(spec_model, max_batch=top, max_queue=top, prefill_chunk=256)}
     Speculation(a.draft_tokens, adaptive=False).attach(engines["fixed"])
@@ -101,6 +104,7 @@ def main(argv=None) -> dict:
             row[name] = {"min": round(min(r), 1), "median": round(statistics.median(r), 1),
                          "x_plain_median": round(statistics.median(r) / statistics.median(rates["plain"]), 3)}
             spec = engines[name].speculation
+            row[name]["combined_calls"] = engines[name].combined_calls  # since the start (warm-up included)
             if spec is not None:
                 row[name].update(drafted=spec.drafted, accepted=spec.accepted, calls=spec.calls,
                                  declined=spec.declined)

@@ -439,12 +439,14 @@ DECODE = "auto"  # GroupQueryAttention where every cached site takes it, else th
 
 
 def serve_model(ref: ModelRef, o: EngineOptions, decode: str = DECODE, last_only: bool = True,
-                prefix_keys: bool | None = None):
+                prefix_keys: bool | None = None, check_tokens: int = 0):
     """The model for the serving engine (serving/row_engine.py ``engine_for`` picks the engine): a .tsr
     spec (or a bundled spec's name, or a checkpoint folder) compiled now with ``o``'s compile options in
     buffer mode (``EngineOptions.engine_pipeline_options``: ``decode``'s kernels, the combined call with
     last-position logits; ``last_only=False``: every position's, for serve --speculative; ``prefix_keys``: the
-    gqa decoding step without its mask, default on CUDA: EngineOptions.engine_pipeline_options), or an .onnx
+    gqa decoding step without its mask, default on CUDA: EngineOptions.engine_pipeline_options; ``check_tokens``:
+    serve --speculative's drafts + 1, the calls that give every position's logits, the combined call kept where
+    it is built: EngineOptions.engine_pipeline_options), or an .onnx
     file compiled with ``--kv-cache``; a decoder with recurrent state compiled with its state as cache
     state, and an encoder-decoder as generation/loop.py's EncoderDecoder (both for the RowEngine)."""
 
@@ -466,7 +468,8 @@ def serve_model(ref: ModelRef, o: EngineOptions, decode: str = DECODE, last_only
         if device == "cuda" and (embeddings.is_encoder(built.graph) or target_input(built.graph) is not None
                                  or _carries_state(built.graph)):
             if o.provider == "auto":  # served on the CPU, compiled for it
-                return serve_model(ref, dataclasses.replace(o, provider="cpu"), decode, last_only, prefix_keys)
+                return serve_model(ref, dataclasses.replace(o, provider="cpu"), decode, last_only, prefix_keys,
+                                   check_tokens)
             raise UsageError("on CUDA `tessera serve` and `tessera batch` run the KV-cache engine (decoder-only "
                              "attention models); this model is an encoder, an encoder-decoder or carries recurrent "
                              "state, which they serve on the CPU only: use --provider cpu")
@@ -491,14 +494,17 @@ def serve_model(ref: ModelRef, o: EngineOptions, decode: str = DECODE, last_only
             return compile_decoder(built, ref, o, o.engine_pipeline_options(state=True), "row engine's decoder",
                                    "cpu", o.threads, read_weights)
         try:
-            # the engine's variant: with the combined call (last-position logits only: not for speculation)
-            model = compile_decoder(built, ref, o, o.engine_pipeline_options(decode, last_only, prefix_keys=prefix_keys),
+            # the engine's variant: with the combined call (last-position logits, and every position's in the short
+            # calls that check drafts: check_tokens)
+            model = compile_decoder(built, ref, o, o.engine_pipeline_options(decode, last_only, prefix_keys=prefix_keys,
+                                                                             check_tokens=check_tokens),
                                     "serving engine's decoder", device, o.threads, read_weights)
             info = model.info
             if info.length_input and not all(layer.buffer_key for layer in info.layers):
                 # mixed kernels would read one attention mask two ways (see check_fit): all plain
                 built = pipeline.build(ref.spec, ref.variant, ref.sets, ref.weights)  # the compile rewrote it
-                model = compile_decoder(built, ref, o, o.engine_pipeline_options("plain", last_only, mixed=False),
+                model = compile_decoder(built, ref, o, o.engine_pipeline_options("plain", last_only, mixed=False,
+                                                                                 check_tokens=check_tokens),
                                         "serving engine's decoder", device, o.threads, read_weights)
         except UsageError as e:  # e.g. a sliding window: no buffer-mode cache
             raise UsageError(f"{e}; `tessera serve` needs the buffer cache (one row per slot), so it cannot serve "

@@ -1135,7 +1135,7 @@ class EngineOptions(BuildOptions, ModelRef):
         return ModelRef(**{f.name: getattr(self, f.name) for f in fields(ModelRef)})
 
     def engine_pipeline_options(self, decode: str = "auto", last_only: bool = True, mixed: bool = True,
-                                state: bool = False, prefix_keys: bool | None = None):
+                                state: bool = False, prefix_keys: bool | None = None, check_tokens: int = 0):
         """The cached decoder the engine runs (driver.serve_model): the buffer cache (one row per slot),
         ``decode``'s kernels, the last position's logits (``last_only=False``: every position's, which
         serve --speculative checks drafts with) and with them the combined call (``mixed``: the engine's
@@ -1145,7 +1145,11 @@ class EngineOptions(BuildOptions, ModelRef):
         seqlens_k alone, which assumes each row's keys are its columns 0..cache_length, none hidden -- true of
         the engine, whose rows fill their columns from 0, and of no left-padded batch); None: on CUDA, where it
         lets onnxruntime choose flash decoding (with the mask as attention_bias it chose MATH), and not on the
-        CPU, whose kernel has no flash path (the variant is checked there against the masked step, tests/serving)."""
+        CPU, whose kernel has no flash path (the variant is checked there against the masked step, tests/serving).
+        ``check_tokens`` > 0 (serve --speculative: the drafts and the token before them): calls of at most that
+        many tokens give every position's logits; with the combined call (the CPU) that is its ``short_logits``
+        and everything else keeps last-position logits; without it (CUDA, or ``mixed=False``) every call gives
+        every position's."""
         from tessera.compiler.passes.attention_kernels import Target
         from tessera.compiler.passes.pipeline import PipelineOptions
 
@@ -1155,8 +1159,11 @@ class EngineOptions(BuildOptions, ModelRef):
         # the combined call's CUDA lowering is not built (mixed_attention.py): on CUDA a chunk and a step are two calls
         if prefix_keys is None:
             prefix_keys = target.device == "cuda"
-        return PipelineOptions(target, cache="buffer", decode=decode, last_only=last_only,
-                               mixed=mixed and last_only and target.device != "cuda", prefix_keys=prefix_keys,
+        combined = mixed and last_only and target.device != "cuda"
+        if check_tokens and not combined:
+            last_only = False
+        return PipelineOptions(target, cache="buffer", decode=decode, last_only=last_only, mixed=combined,
+                               short_logits=check_tokens if combined else 0, prefix_keys=prefix_keys,
                                **self.build_fields())
 
     @property

@@ -92,14 +92,18 @@ class SettlePacked(ModelPass):
 
 
 class SettleMixed(ModelPass):
-    """The serving engine's combined call: the chunk's row index an input, the logits it needs."""
+    """The serving engine's combined call: the logits it needs (and, with ``short_logits``, every position's
+    in a call of at most that many tokens that is not combined: serve --speculative's checks)."""
 
     name = "settle-mixed"
+
+    def __init__(self, short_logits: int = 0):
+        self.short_logits = short_logits
 
     def run(self, exported: Exported) -> PassResult:
         from tessera.compiler.backends.onnx.mixed_attention import settle_mixed  # onnx: ~0.6 s
 
-        return PassResult(exported.graph, bool(settle_mixed(exported.model)))
+        return PassResult(exported.graph, bool(settle_mixed(exported.model, self.short_logits)))
 
 
 class HoistDataless(ModelPass):

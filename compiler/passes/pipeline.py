@@ -76,6 +76,9 @@ class PipelineOptions:
     max_positions: int = 4096
     decoder_input: str | None = None
     mixed: bool = False  # the serving engine's combined prefill+decode call (backends/onnx/mixed_attention.py)
+    # with ``mixed``: a call that is not combined and has at most this many tokens gives every position's logits
+    # (serve --speculative checks drafts in such calls: backends/onnx/mixed_attention.py settle_mixed); 0: none
+    short_logits: int = 0
     # the serving engine's gqa decoding step without its mask (passes/kv_cache.py CacheOptions.prefix_keys)
     prefix_keys: bool = False
     # the cached decoder's two ONNX-level passes after export (compiler/build.py); off only to measure them
@@ -186,7 +189,7 @@ def cached_decoder_after_export(o: PipelineOptions) -> list[ModelPass]:
     combined call's nodes settled, the engine's mask derived in the graph (CUDA, ``prefix_keys``), then
     (both on by default; off only to measure them) the residual
     Add + norm fused and the bound decoding step split into a branch of its own."""
-    passes: list[ModelPass] = [PruneDeadNodes(), SettlePacked(), SettleMixed()]
+    passes: list[ModelPass] = [PruneDeadNodes(), SettlePacked(), SettleMixed(o.short_logits)]
     if o.prefix_keys and o.target.device == "cuda":  # the engine's mask from cache_length, in the graph
         passes.append(DerivePrefixMask())
     if o.target.device == "cuda":  # no shape arithmetic left in a branch, where it would be on the device

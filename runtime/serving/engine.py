@@ -422,7 +422,7 @@ class Engine:
                 f"{weights_line(self.model)}\n"
                 f"{self.placement()}\n"
                 f"{DECODE_REASONS[decode_kernel(self.info)]}\n"
-                f"{COMBINED_REASONS[self.combined and self.speculation is None]}\n"
+                f"{COMBINED_REASONS[self.combined]}\n"
                 + (self.prefix_cache.describe() if self.prefix_cache is not None else
                    "prefix cache: off (--prefix-cache-mb 0): every prompt is prefilled whole")
                 + (f"\n{self.speculation.describe()}" if self.speculation is not None else "")
@@ -657,8 +657,13 @@ class Engine:
             budget = self.chunk_for(decoding)
             # with no row decoding, a burst's prompts share a call within the iteration's budget, not the idle
             # chunk: the combined call's attention is one block over all its segments' tokens (O(T^2))
-            if prefilling and self.combined and self.speculation is None and (decoding or self._room_for_more(
-                    prefilling, self.prefill_chunk)):
+            # with speculation, rows checking drafts this iteration take a call of their own (speculation.py)
+            plan = self.speculation.plan(self) if prefilling and self.combined and self.speculation is not None \
+                and decoding else None
+            if plan:
+                self._prefill_chunk(prefilling[0], budget)
+                self.speculation.run(self, plan)
+            elif prefilling and self.combined and (decoding or self._room_for_more(prefilling, self.prefill_chunk)):
                 self._combined_step(prefilling[0], budget if decoding else self.prefill_chunk)
             else:
                 if prefilling:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from tessera.compiler.backends.onnx.mixed_attention import COMBINED_KEY
+from tessera.compiler.backends.onnx.mixed_attention import COMBINED_KEY, SHORT_LOGITS_KEY
 from tessera.compiler.reference.quant import ROWS
 from tessera.runtime import driver, metadata
 from tessera.runtime.driver import DECODE, check_fit, served_sources  # noqa: F401  (re-exported)
@@ -63,7 +63,7 @@ COMBINED_REASONS = {
            "GroupQueryAttention in place and the chunk's attention as one block over its row's filled columns); "
            "a prompt with no decoding row beside it, or a decoding step with no prompt waiting, runs alone"),
     False: ("iteration: a prompt chunk and the decoding step in two onnxruntime calls (this model has no combined "
-            "call: it needs GroupQueryAttention decoding at every site, last-position logits, and no speculation)"),
+            "call: it needs GroupQueryAttention decoding at every site and last-position logits)"),
 }
 
 
@@ -72,6 +72,15 @@ def has_combined_call(model) -> bool:
     compiler/backends/onnx/mixed_attention.py: ``load`` builds it for every GroupQueryAttention decoder)."""
     session = getattr(model, "session", None)
     return session is not None and session.get_modelmeta().custom_metadata_map.get(COMBINED_KEY) == "1"
+
+
+def short_call_logits(model) -> int:
+    """The most tokens a call that is not combined may have and still give every position's logits (the engine's
+    variant compiled for serve --speculative: mixed_attention.py settle_mixed's ``short_logits``); 0 where the
+    loaded model has no such calls. An untrusted value reads as 0."""
+    session = getattr(model, "session", None)
+    value = session.get_modelmeta().custom_metadata_map.get(SHORT_LOGITS_KEY, "") if session is not None else ""
+    return int(value) if value.isdigit() else 0
 
 
 def weights_line(model) -> str:
@@ -98,13 +107,13 @@ def decode_kernel(info) -> str:
 
 
 def load(spec: str, decode: str | None = None, last_only: bool = True, prefix_keys: bool | None = None,
-         **options) -> CachedModel:
+         check_tokens: int = 0, **options) -> CachedModel:
     """The engine's model for ``spec`` with EngineOptions' fields as keywords (``sets=[...]``,
     ``threads=1``, ``quantize="int4"``...): runtime/driver.py's ``serve_model``, as `tessera serve` and
-    `tessera batch` load it (a shorthand for tests and benchmarks; ``decode``, ``last_only`` and
-    ``prefix_keys`` are the engine's choices, serve_model's)."""
+    `tessera batch` load it (a shorthand for tests and benchmarks; ``decode``, ``last_only``,
+    ``prefix_keys`` and ``check_tokens`` are the engine's choices, serve_model's)."""
     o = EngineOptions(spec=spec, **options)
-    return driver.serve_model(o.model, o, decode or DECODE, last_only, prefix_keys)
+    return driver.serve_model(o.model, o, decode or DECODE, last_only, prefix_keys, check_tokens)
 
 
 def tokenizer_path(tokenizer, spec) -> str | None:

@@ -93,7 +93,9 @@ def build_server(opts: ServeOptions):
         except ChatTemplateError as e:  # the completion route still works; the chat route says why
             template_error = str(e)
             print(f"warning: {e}; /v1/chat/completions answers 400 saying so", file=sys.stderr)
-    model = driver.serve_model(opts.model, opts, last_only=opts.speculative is None)
+    draft_tokens = (opts.draft_tokens or Speculation.DRAFT_TOKENS) if opts.speculative else 0
+    # with --speculative the drafts' checking calls (drafts + 1 tokens) give every position's logits
+    model = driver.serve_model(opts.model, opts, check_tokens=draft_tokens + 1 if draft_tokens else 0)
     if isinstance(model, EmbeddingModel):  # an encoder: /v1/embeddings (serving/embeddings.py)
         if opts.speculative:
             raise UsageError("--speculative is for decoders; this model is an encoder, served for /v1/embeddings")
@@ -110,6 +112,6 @@ def build_server(opts: ServeOptions):
         if isinstance(engine, RowEngine):  # its steps are its own: no drafts checked in them
             raise UsageError("--speculative serves decoder-only models with a KV cache; this model is served by "
                              "the row engine (recurrent state or an encoder-decoder): drop --speculative")
-        Speculation.check(model)
-        Speculation(opts.draft_tokens or Speculation.DRAFT_TOKENS).attach(engine)
+        Speculation.check(model, draft_tokens)
+        Speculation(draft_tokens).attach(engine)
     return engine, Server(engine, opts.served_name, tokenizer, template, template_error)

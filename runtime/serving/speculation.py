@@ -16,7 +16,14 @@ it from them and a row's keys stay its filled columns then its own tokens: the l
 CUDA variant derives its mask from (compiler/backends/onnx/prefix_mask.py), where no mask is fed
 (a mask-less graph's padding is visible to the padding alone). T > 1 runs the graph's prompt branch against the
 rows' cache views (as a prompt chunk does), so every position's logits come back; the model is
-compiled with them (serving/model.py ``load(last_only=False)``).
+compiled with them: on the CPU the engine's variant gives every position's logits in calls of at
+most drafts + 1 tokens and the last position's in longer ones, so it keeps the combined call
+(serving/model.py ``load(check_tokens=...)``); elsewhere every call gives every position's. While a
+prompt is being prefilled, an iteration whose rows check no drafts (``plan`` says so) is the engine's
+combined call (a prompt chunk and one token a row); one that checks drafts runs the prompt's chunk
+alone and then ``run``. Every padded row's last column is unmasked in a checking call: a 0 there
+marks a combined call (compiler/backends/onnx/mixed_attention.py ``_marker``), and the padding's
+own outputs are dropped.
 
 Each row's new columns are written at its ``filled``; the row keeps its next token and the
 longest prefix of drafts equal to the model's greedy choices, plus the model's own choice after
@@ -114,9 +121,11 @@ class Speculation:
         self.rates: dict[int, list[int]] = {}  # handle id -> [accepted, rejections] of its drafts
 
     @staticmethod
-    def check(model) -> None:
-        """The model must give the logits of every position of a chunk."""
-        if model.info.last_only:
+    def check(model, draft_tokens: int = DRAFT_TOKENS) -> None:
+        """The model must give the logits of every position of a checking call (``draft_tokens`` + 1 tokens):
+        compiled with every position's, or the engine's variant whose short calls give them
+        (serving/model.py ``short_call_logits``)."""
+        if model.info.last_only and serving_model.short_call_logits(model) < draft_tokens + 1:
             raise UsageError("--speculative needs the logits of every position; this file was compiled with the "
                              "last position's only (--kv-cache does that): serve the .tsr spec or checkpoint folder")
 
@@ -195,12 +204,23 @@ class Speculation:
 
     def step(self, engine) -> bool:
         """The engine's decoding step with drafts checked (see the module docstring); False, having
-        run nothing, when no row has a draft."""
-        info, rows = engine.info, engine.rows
+        run nothing, when no row has a draft or checking them was priced slower."""
+        plan = self.plan(engine)
+        if plan is None:
+            return False
+        self.run(engine, plan)
+        return True
+
+    def plan(self, engine) -> dict | None:
+        """The drafts this step would check, by row (the _Sequence), or None for the plain step: no
+        greedy row has a draft, or checking them was priced slower (``choose``)."""
+        rows = engine.rows
         decoding = [s for s in rows if not s.prefilling]
+        if not decoding:
+            return None
         drafts = self._drafts(engine, decoding)
         if not drafts:
-            return False
+            return None
         live = {s.handle.id for s in rows}
         for gone in [i for i in self.rates if i not in live]:
             del self.rates[gone]
@@ -208,8 +228,18 @@ class Speculation:
                         {s.slot: self._rate(s) for s in decoding if s.slot in drafts})
         if k == 0:
             self.declined += 1
-            return False
-        drafts = {r: d[:k] for r, d in drafts.items()}
+            return None
+        by_slot = {s.slot: s for s in decoding}
+        return {by_slot[r]: d[:k] for r, d in drafts.items()}
+
+    def run(self, engine, plan: dict) -> None:
+        """One checking call over every decoding row, ``plan``'s rows with their drafts (a row of the plan
+        that no longer decodes -- finished meanwhile -- is left out; the slots are read now)."""
+        info, rows = engine.info, engine.rows
+        decoding = [s for s in rows if not s.prefilling]
+        if not decoding:
+            return
+        drafts = {s.slot: d for s, d in plan.items() if s in decoding}
         chunks = {s.slot: [s.next_token] + drafts.get(s.slot, []) for s in decoding}
         n = max(chunks) + 1
         t = max(len(c) for c in chunks.values())
@@ -230,7 +260,9 @@ class Speculation:
         feeds = {info.tokens: tokens, "position_ids": positions,
                  **({name: v[:n] for name, v in views.items()} if views is not None else {})}
         if engine.feeds_mask:  # else derived in the graph (the rows' filled columns and every new one)
-            feeds["attention_mask"] = np.concatenate([engine.slots[:n, :width], new], axis=1)
+            mask = np.concatenate([engine.slots[:n, :width], new], axis=1)
+            mask[:, -1] = 1  # not a combined call (whose marker is a 0 there); a padded row's last column is its own
+            feeds["attention_mask"] = mask
         if info.length_input:  # read by the one-token branch only; T > 1 takes the prompt branch
             feeds[info.length_input] = np.array([s.filled for s in rows[:n]], dtype=np.int64)
         if engine.decode_mask:  # CUDA's decoding-branch input; T > 1 takes the prompt branch, which ignores it
@@ -287,4 +319,3 @@ class Speculation:
                 finished.append(s)
         for s in sorted(finished, key=lambda s: -s.slot):
             engine._release(s)
-        return True

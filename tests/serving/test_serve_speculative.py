@@ -29,6 +29,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 NEW = 40
+SHORT = 7  # check_tokens of the short-call variant: drafts of up to 6 tokens (the tests' largest k)
 
 
 
@@ -40,12 +41,25 @@ class Case:
     def __init__(self, family, root):
         self.hf = tiny_hf(family)
         self.hf.save_pretrained(root, safe_serialization=True)
-        self.model = serving_model.load(str(root), threads=1, last_only=False)
+        self.root = root
+        self.model = serving_model.load(str(root), threads=1, last_only=False)  # every call: every position
+        self._short = None
         rng = np.random.default_rng(1)
         a, b = rng.integers(1, 300, 14).tolist(), rng.integers(1, 300, 6).tolist()
         own = _hf_greedy(self.hf, a, 12)  # the model's own continuation, quoted: its drafts are accepted
         self.prompts = [a + a + a[:5], b + [7] + b, (a + own) * 2 + a]
         self.reference = [_hf_greedy(self.hf, p, NEW) for p in self.prompts]
+
+    @property
+    def short(self):
+        """The engine's variant as `serve --speculative` loads it on the CPU: the combined call, last-position
+        logits, and every position's in calls of at most SHORT tokens (the checks of up to SHORT - 1 drafts)."""
+        if self._short is None:
+            self._short = serving_model.load(str(self.root), threads=1, check_tokens=SHORT)
+        return self._short
+
+    def layout(self, name):
+        return self.model if name == "every" else self.short
 
 
 @pytest.fixture(scope="module")
@@ -73,17 +87,60 @@ def _run(engine, requests):
     return handles
 
 
+@pytest.mark.parametrize("layout", ["every", "short"])
 @pytest.mark.parametrize("k", [1, 4])
 @pytest.mark.parametrize("family", ["gpt2", "llama_gqa"])
-def test_concurrent_greedy_requests_equal_transformers(cases, family, k):
-    """Three prompts of uneven lengths in one batch, prefilled in chunks while others decode."""
+def test_concurrent_greedy_requests_equal_transformers(cases, family, k, layout):
+    """Three prompts of uneven lengths in one batch, prefilled in chunks while others decode; the model
+    giving every position's logits in every call ("every", as on CUDA), or only in the short calls that
+    check drafts, with the combined call for the iterations that check none ("short", the CPU's)."""
     case = cases(family)
-    engine = _engine(case.model, k)
+    engine = _engine(case.layout(layout), k)
+    assert engine.combined == (layout == "short")
     handles = _run(engine, [Request(p, NEW) for p in case.prompts])
     assert [h.tokens for h in handles] == case.reference
     spec = engine.speculation
     assert spec.calls > 0 and 0 < spec.accepted <= spec.drafted
     assert engine.steps < sum(len(h.tokens) for h in handles)  # accepted drafts saved calls
+
+
+def _first_chunk_logits(model, tokens: list[int]) -> np.ndarray:
+    """A prompt's first chunk alone through the engine's variant, fed as the engine feeds it (no past; mask,
+    positions and cache_length as Engine._prefill_chunk's): the logits that come back, [1, positions, vocab]."""
+    info, t = model.info, len(tokens)
+    feeds = {info.tokens: np.array([tokens], dtype=np.int64), "position_ids": np.arange(t, dtype=np.int64)[None],
+             "attention_mask": np.ones((1, t), dtype=np.int64), info.length_input: np.array([0], dtype=np.int64)}
+    for layer in info.layers:
+        feeds[layer.past_key] = np.zeros((1, layer.kv_heads, 0, layer.head_size), dtype=np.float32)
+        feeds[layer.past_value] = np.zeros((1, layer.kv_heads, 0, layer.value_size), dtype=np.float32)
+    return model.run(feeds)[info.logits]
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama_gqa"])
+def test_short_calls_give_every_position_and_longer_ones_the_last(cases, family):
+    """Where the short-call variant's behaviour switches: a call of SHORT tokens gives SHORT positions' logits,
+    equal to the every-position model's (itself held to transformers above); SHORT + 1 tokens give the last
+    position's only, equal to that model's last."""
+    case = cases(family)
+    assert serving_model.short_call_logits(case.short) == SHORT and case.short.info.last_only
+    assert serving_model.short_call_logits(case.model) == 0
+    tokens = case.prompts[0]
+    for t in (2, SHORT):
+        short, every = _first_chunk_logits(case.short, tokens[:t]), _first_chunk_logits(case.model, tokens[:t])
+        assert short.shape == every.shape == (1, t, case.model.vocab)
+        np.testing.assert_allclose(short, every, rtol=0, atol=2e-5)
+    short, every = _first_chunk_logits(case.short, tokens[:SHORT + 1]), _first_chunk_logits(case.model, tokens[:SHORT + 1])
+    assert short.shape == (1, 1, case.model.vocab) and every.shape[1] == SHORT + 1
+    np.testing.assert_allclose(short[:, 0], every[:, -1], rtol=0, atol=2e-5)
+
+
+def test_more_drafts_than_the_short_calls_take_is_refused(cases):
+    """A model whose short calls are too short for the drafts asked (its checks would get one position's
+    logits) is refused before serving, not run wrong."""
+    case = cases("gpt2")
+    Speculation.check(case.short, SHORT - 1)
+    with pytest.raises(gen.UsageError, match="needs the logits of every position"):
+        Speculation.check(case.short, SHORT)
 
 
 def test_sampled_and_penalised_requests_decode_as_without_speculation(cases):
@@ -174,15 +231,18 @@ def test_declined_drafts_run_the_plain_step_with_the_same_tokens(cases):
     are transformers'; priced so that it always pays: drafts are checked and accepted, same tokens.
     The acceptance rates are kept per request and dropped when it leaves."""
     case = cases("llama_gqa")
-    never = Engine(case.model, max_batch=4, prefill_chunk=8)
-    _priced(lambda n: 0.001 * n, lambda t: 1.0 + t).attach(never)
-    handles = _run(never, [Request(p, NEW) for p in case.prompts])
-    assert [h.tokens for h in handles] == case.reference
-    s = never.speculation
-    assert s.calls == 0 and s.declined > 0 and s.drafted == 0
-    assert "tessera_speculative_declined_steps_total" in never.metrics.render()
-    assert "adaptive" in never.describe()
-    always = Engine(case.model, max_batch=4, prefill_chunk=8)
+    for model in (case.model, case.short):
+        never = Engine(model, max_batch=4, prefill_chunk=8)
+        _priced(lambda n: 0.001 * n, lambda t: 1.0 + t).attach(never)
+        handles = _run(never, [Request(p, NEW) for p in case.prompts])
+        assert [h.tokens for h in handles] == case.reference
+        s = never.speculation
+        assert s.calls == 0 and s.declined > 0 and s.drafted == 0
+        assert "tessera_speculative_declined_steps_total" in never.metrics.render()
+        assert "adaptive" in never.describe()
+        # the short-call variant: the iterations that prefill beside decoding rows are combined calls
+        assert (never.combined_calls > 0) == (model is case.short)
+    always = Engine(case.short, max_batch=4, prefill_chunk=8)
     _priced(lambda n: 1.0, lambda t: 0.001).attach(always)
     handles = _run(always, [Request(p, NEW) for p in case.prompts])
     assert [h.tokens for h in handles] == case.reference

@@ -56,6 +56,9 @@ from tessera.compiler.backends.onnx.half_cache import new_columns, to_half
 POSITIONS = "position_ids"  # the cached graph's input (compiler/passes/kv_cache.py)
 
 COMBINED_KEY = "tessera.combined_call"  # the model's metadata entry saying it has the combined call
+# the metadata entry giving settle_mixed's short_logits: calls not combined of at most that many tokens get every
+# position's logits
+SHORT_LOGITS_KEY = "tessera.short_call_logits"
 LAST_SLICE = "cache/last"  # the IR node passes/kv_cache.py LastPositionLogits puts before the head
 
 
@@ -281,12 +284,20 @@ def _block_shapes(b, chunk: dict, kv: int, rep: int) -> tuple[str, str]:
     return b.shared[key]
 
 
-def settle_mixed(model) -> bool:
+def settle_mixed(model, short_logits: int = 0) -> bool:
     """After export, for a graph with the combined call: take the logits at the row tokens and the
     chunk's last token (the last-position Slice before the head becomes a Gather of positions [0, n)
     and N - 1, n the view's rows in a combined call and 0 in any other, so every other call gets its
     last position as before), and say so in the metadata (``COMBINED_KEY``). Returns whether the
-    graph has the combined call."""
+    graph has the combined call.
+
+    ``short_logits`` > 0: a call that is not combined and has at most that many tokens gets every
+    position's logits ([B, T, vocab]; longer ones the last position's, as before), said in the
+    metadata (``SHORT_LOGITS_KEY``). Why: serve --speculative checks each row's drafts in one call of
+    T = drafts + 1 tokens and needs every position's logits there, and with last-position logits
+    for everything else its engine keeps the combined call (bench/serve_adaptive.py: without it the
+    speculating engine lost 0.80x at 16 streams). The engine reads the last position of a prompt chunk
+    whatever comes back (``[:, -1]``), so only the head's cost of a short chunk changes."""
     graph = model.graph
     marker = next((n for n in graph.node if n.output and n.output[0] == "mixed/is_combined"), None)
     if marker is None:
@@ -330,7 +341,9 @@ def settle_mixed(model) -> bool:
         helper.make_node("Range", [const("zero0", 0), "mixed/token_count_scalar", const("one0", 1)],
                          ["mixed/token_index"]),
         helper.make_node("GreaterOrEqual", ["mixed/token_index", "mixed/n_scalar"], ["mixed/in_chunk"]),
-        helper.make_node("And", ["mixed/ends_here", "mixed/in_chunk"], ["mixed/segment_ends"]),
+        helper.make_node("And", ["mixed/ends_here", "mixed/in_chunk"], ["mixed/segment_ends" if not short_logits
+                                                                        else "mixed/segment_ends_only"]),
+        *(_every_short_position(const, short_logits) if short_logits else []),
         helper.make_node("NonZero", ["mixed/segment_ends"], ["mixed/segment_end_index"]),
         helper.make_node("Reshape", ["mixed/segment_end_index", const("flat1", [-1])], ["mixed/last"]),
         helper.make_node("Concat", ["mixed/row_positions", "mixed/last"], ["mixed/positions"], axis=0),
@@ -345,4 +358,20 @@ def settle_mixed(model) -> bool:
     logits.dim_param = "logit_positions"
     entry = model.metadata_props.add()
     entry.key, entry.value = COMBINED_KEY, "1"
+    if short_logits:
+        entry = model.metadata_props.add()
+        entry.key, entry.value = SHORT_LOGITS_KEY, str(int(short_logits))
     return True
+
+
+def _every_short_position(const, short_logits: int) -> list:
+    """The nodes that mark every token of a call that is not combined and has at most ``short_logits``
+    tokens (``mixed/segment_ends`` from ``mixed/segment_ends_only``, settle_mixed's): such a call's
+    logits are every position's."""
+    return [
+        helper.make_node("LessOrEqual", ["mixed/token_count_scalar", const("short_logits", short_logits)],
+                         ["mixed/is_short"]),
+        helper.make_node("Not", ["mixed/is_combined"], ["mixed/not_combined"]),
+        helper.make_node("And", ["mixed/is_short", "mixed/not_combined"], ["mixed/every_position"]),
+        helper.make_node("Or", ["mixed/segment_ends_only", "mixed/every_position"], ["mixed/segment_ends"]),
+    ]
