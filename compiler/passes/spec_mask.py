@@ -68,11 +68,12 @@ def token_and_masks(g: Graph) -> tuple[str, list[str]]:
     ids = [i for i in g.inputs if g.type_of(i).dtype in ("i64", "i32") and g.type_of(i).rank == 2
            and any(u.op == "embedding" and u.inputs[0] == i for u in g.consumers(i))]
     if len(ids) != 1:
-        raise CacheError(f"generation needs a decoder-only model whose inputs are token ids [B, T] (read by an "
-                         f"embedding) and, beside them, only key padding masks; {g.name} takes "
-                         + ", ".join(f"{i}: {g.type_of(i)}" for i in g.inputs)
-                         + (f" ({len(ids)} of them read by an embedding as ids)" if ids else
-                            " (none read by an embedding as ids)"))
+        why = (f"the inputs {', '.join(ids)} are all read by an embedding as ids, and the runtime feeds one input of "
+               f"token ids (and the cache's attention mask), nothing to the others" if ids else
+               "no input is read by an embedding as token ids")
+        raise CacheError(f"generation needs a decoder-only model whose inputs are token ids [B, T] and, beside them, "
+                         f"only key padding masks; {g.name} takes "
+                         + ", ".join(f"{i}: {g.type_of(i)}" for i in g.inputs) + f": {why}")
     tokens = ids[0]
     t_dim = g.type_of(tokens).shape[1]
     masks = []

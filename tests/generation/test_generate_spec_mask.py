@@ -157,3 +157,70 @@ def test_serving_engine_gives_the_same_tokens(cases, family):
         assert engine.step()
     alone = [hf_greedy(case.hf, [p], 12)[0] for p in case.prompts]
     assert [h.tokens for h in handles] == alone
+
+
+# ---- refusals: a spec's extra per-token input that is not a key padding mask the cache can replace
+REFUSED = """
+model Refused(vocab = 50, d = 16, heads = 2) {
+  in ids: i64[B, N]
+  in mask: INPUT_TYPE
+  out logits: f32[B, N, vocab]
+
+  h = embedding(ids, vocab, d, name="embed")
+  EXTRA
+  h += attention(layernorm(h, 1e-5, name="ln"), heads, causal=true, ATTENTION name="attn")
+  logits = linear(h, vocab, name="head")
+}
+"""
+
+REFUSALS = {
+    # a query mask: the padding multiplied into the activations
+    "query mask": ("i64[B, N]", 'h = h * cast(reshape(mask, [B, N, 1]), "f32")', "mask=mask,",
+                   r"the input mask of Refused has no cached form: reshape at .* reads it as its operand, not as a "
+                   r"key padding mask"),
+    # positions counted over the real tokens (OPT's): the cache's positions are not derived from it here
+    "positions": ("i64[B, N]", 'h = h + embedding(mask_positions(mask) + 2, 66, d, name="pos")', "mask=mask,",
+                  r"the input mask of Refused has no cached form: cumsum at .*mask_positions.* reads it as its "
+                  r"operand"),
+    # the padding as an additive score bias built by the spec (not the attention's mask)
+    "additive bias": ("i64[B, N]", 'bias = (1.0 - cast(reshape(mask, [B, 1, 1, N]), "f32")) * -1e9', "score_bias=bias,",
+                      r"the input mask of Refused has no cached form: reshape at .* reads it as its operand"),
+    # a per-token input of another kind: floats
+    "per-token floats": ("f32[B, N]", 'h = h * reshape(mask, [B, N, 1])', "",
+                         r"the input mask of Refused has no cached form: it is f32\[B, N\], not a mask \[B, N\]"),
+    # a second token input (segment ids) read by an embedding: the runtime has nothing to feed it from
+    "second ids": ("i64[B, N]", 'h = h + embedding(mask, 2, d, name="segment")', "",
+                   r"Refused takes ids: i64\[B, N\], mask: i64\[B, N\]: the inputs ids, mask are all read by an "
+                   r"embedding as ids"),
+}
+
+
+@pytest.mark.parametrize("case", list(REFUSALS))
+def test_refusals_name_the_input_and_the_reason(case, tmp_path, capsys):
+    """Every use of the extra input but the key padding of a fused causal attention is refused, naming the
+    input and the node that reads it otherwise, with `tessera generate` (status 2, no traceback) and the API;
+    the same spec runs uncached (the refusal is the cache's, not the spec's)."""
+    input_type, extra, attention, message = REFUSALS[case]
+    spec = tmp_path / "refused.tsr"
+    spec.write_text(REFUSED.replace("INPUT_TYPE", input_type).replace("EXTRA", extra)
+                    .replace("ATTENTION", attention))
+    model = tessera.load(str(spec))
+    ids = np.array([[0, 1, 2, 3]], dtype=np.int64)
+    extra_value = np.ones((1, 4), dtype=np.float32 if input_type.startswith("f32") else np.int64)
+    assert model.run(ids=ids, mask=extra_value)["logits"].shape == (1, 4, 50)
+    with pytest.raises(Exception, match=message):
+        model.generate([[1, 2, 3]], max_new_tokens=2)
+    rc, out, err = cli(capsys, "generate", str(spec), "--input", "ids=[[1, 2, 3]]", "--max-new-tokens", 2)
+    assert rc == 2 and "Traceback" not in err
+    assert __import__("re").search(message, err), err
+
+
+def test_mask_of_an_attention_that_is_not_causal_is_refused(tmp_path):
+    """A bidirectional attention with the spec's mask is no cache site: refused as before, saying so."""
+    spec = tmp_path / "bidirectional.tsr"
+    spec.write_text(REFUSED.replace("INPUT_TYPE", "i64[B, N]").replace("EXTRA", "")
+                    .replace("causal=true, ATTENTION", "mask=mask,"))
+    with pytest.raises(Exception, match=r"the attention at attn.* is not causal"):
+        tessera.load(str(spec)).generate([[1, 2, 3]], max_new_tokens=2)
+
+
