@@ -39,7 +39,9 @@ positions and T the number of new ones (the prompt at prefill, 1 when decoding):
   these three is refused with the reason;
 - masks: every attention keeps its causal flag and window (the queries are the
   last T of the P+T keys) and takes ``attention_mask`` as its key padding, which
-  also hides a buffer's unfilled slots;
+  also hides a buffer's unfilled slots; a spec's own key padding mask input (``in mask: i64[B, T]``
+  handed to its attention as ``mask=``) is replaced by it and dropped (passes/spec_mask.py, which
+  refuses any other use of an extra input, naming the node);
 - ``last_only``: the output head is applied to the last position only (logits
   [B, 1, vocab]), which is all a decoding step needs.
 

@@ -20,7 +20,6 @@ import pytest
 
 from conftest import MODELS, cli, hf_greedy, tiny_hf
 import tessera
-from tessera.compiler.passes.cache_parts import CacheError
 from tessera.runtime.serving import model as serving_model
 from tessera.runtime.serving.engine import Engine, Request
 
@@ -137,10 +136,13 @@ def test_generate_api_equals_transformers_greedy(cases, family):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_generate_cli_equals_transformers_greedy(cases, family, capsys):
+@pytest.mark.parametrize("speculative", [(), ("--speculative", "ngram", "--draft-tokens", 3)])
+def test_generate_cli_equals_transformers_greedy(cases, family, speculative, capsys):
+    """`tessera generate` with --input ids=... (the mask is the runtime's), plainly and with speculative
+    decoding (n-gram drafts, verified by the target over the same left-padded batch)."""
     case = cases(family)
     rc, out, err = cli(capsys, "generate", str(case.spec), "--weights", str(case.weights), "--input",
-                       f"ids={case.prompts}", "--max-new-tokens", 12, "--format", "json")
+                       f"ids={case.prompts}", "--max-new-tokens", 12, "--format", "json", *speculative)
     assert rc == 0, err
     assert [row["tokens"] for row in json.loads(out)["outputs"]] == case.reference
 
