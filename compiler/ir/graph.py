@@ -161,6 +161,14 @@ class Graph:
         self.inputs.append(name)
         return v
 
+    def remove_input(self, name: str) -> None:
+        """Drop an input no node reads any more (a rewrite gave its readers another value)."""
+        if self.nx.out_degree(("v", name)) or name in self.outputs:
+            raise ValueError(f"cannot remove input {name}: it is still read")
+        self.inputs.remove(name)
+        del self.values[name]
+        self.nx.remove_node(("v", name))
+
     def add_param(self, param: Param) -> Value:
         self.params[param.path] = param
         return self._add_value(Value(param.path, TensorType(param.dtype, dims.shape(param.shape)), "param"))

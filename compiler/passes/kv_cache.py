@@ -39,7 +39,9 @@ positions and T the number of new ones (the prompt at prefill, 1 when decoding):
   these three is refused with the reason;
 - masks: every attention keeps its causal flag and window (the queries are the
   last T of the P+T keys) and takes ``attention_mask`` as its key padding, which
-  also hides a buffer's unfilled slots;
+  also hides a buffer's unfilled slots; a spec's own key padding mask input (``in mask: i64[B, T]``
+  handed to its attention as ``mask=``) is replaced by it and dropped (passes/spec_mask.py, which
+  refuses any other use of an extra input, naming the node);
 - ``last_only``: the output head is applied to the last position only (logits
   [B, 1, vocab]), which is all a decoding step needs.
 
@@ -70,7 +72,7 @@ from tessera.compiler.passes.attention_kernels import Target, cached_prefill, ch
 from tessera.compiler.patterns.positions import NotAffine, affine_reads, positions_reached
 from tessera.compiler.reference.numerics import longrope_parts, sinusoidal_table
 from tessera.compiler.passes.base import Pass, PassError, PassManager, PassResult, PipelineResult
-from tessera.compiler.passes import cache_schema
+from tessera.compiler.passes import cache_schema, spec_mask
 from tessera.compiler.passes.cache_parts import CACHE_DTYPES, CacheError, CacheState, insert_before as _insert_before
 from tessera.compiler.passes.cache_schema import Kind, json
 from tessera.compiler.passes.position_bias import CachedPositionBiasPass, grid_or_refuse
@@ -286,12 +288,12 @@ class CacheOptions:
 def _token_input(g: Graph, tokens: str | None) -> str:
     if tokens is not None:
         return tokens
-    # a decoder-only model: its one input is the token ids
+    # a decoder-only model: its one input is the token ids, or the token ids and key padding masks
+    # (passes/spec_mask.py: the cache's attention_mask takes their place)
     int_inputs = [i for i in g.inputs if g.type_of(i).dtype in ("i64", "i32") and g.type_of(i).rank == 2]
-    if len(g.inputs) != 1 or len(int_inputs) != 1:
-        raise CacheError(f"generation needs a decoder-only model whose only input is token ids [B, T]; "
-                         f"{g.name} takes " + ", ".join(f"{i}: {g.type_of(i)}" for i in g.inputs))
-    return int_inputs[0]
+    if len(g.inputs) == 1 and len(int_inputs) == 1:
+        return int_inputs[0]
+    return spec_mask.token_and_masks(g)[0]
 
 
 def _over_time(g: Graph, value: str, t_dim) -> bool:
@@ -387,7 +389,8 @@ class AddCacheInputs(Pass):
         if not sites and not carries_state(g, t_dim):
             raise CacheError(f"model {g.name} has no fused attention and no recurrence over time to cache (is "
                              f"attention fused? --no-fuse leaves nothing to cache)")
-        bad = [n for n in sites if not n.attrs["causal"] or n.attrs["padding"]]
+        masks = [] if self.options.tokens is not None or len(g.inputs) == 1 else spec_mask.token_and_masks(g)[1]
+        bad = [n for n in sites if not n.attrs["causal"] or (n.attrs["padding"] and n.inputs[3] not in masks)]
         if bad:
             n = bad[0]
             why = "not causal (an encoder or cross-attention)" if not n.attrs["causal"] else \
@@ -552,7 +555,10 @@ class AddCacheLayers(Pass):
     def run(self, g: Graph) -> PassResult:
         b_dim, t_dim = _batch_and_time(g)
         sites = _self_attention(g, t_dim)
+        masks = spec_mask.spec_masks(g, sites)  # the spec's own key padding: attention_mask replaces it
         layers = self._attention_layers(g, sites, b_dim, t_dim) if sites else []
+        if masks:
+            spec_mask.drop_spec_masks(g, masks, next(i for i in g.inputs if i not in masks))
         states = carry_state(g, t_dim, MASK if sites else None)  # a hybrid: the mask keeps padding out
         _settle(g)
         return PassResult(g, True, layers + states)

@@ -40,7 +40,11 @@ def target_input(graph) -> str | None:
         return None
     hits = [i for i in graph.inputs if graph.type_of(i).dtype in ("i64", "i32") and graph.type_of(i).rank == 2
             and dims.equal(graph.type_of(i).shape[1], t)]
-    return hits[0] if len(hits) == 1 else None
+    # a source laid over the target's own positions is no source: a decoder's extra per-token input (which
+    # the cached decoder refuses, naming it, unless it is a key padding mask: compiler/passes/spec_mask.py)
+    if len(hits) != 1 or any(dims.equal(d, t) for i in graph.inputs if i != hits[0] for d in graph.type_of(i).shape):
+        return None
+    return hits[0]
 
 
 class EncoderDecoder:
