@@ -35,9 +35,10 @@ from tessera.runtime import compile_cache, embedding as embeddings, pipeline
 from tessera.runtime.files import stat_or_raise
 from tessera.runtime.generation import cached as gen, loop
 from tessera.runtime.generation.loop import EncoderDecoder, compile_decoder, target_input
-from tessera.runtime.io import (checkpoint, generation_config, gguf_file, image, inputs as inputs_mod,
+from tessera.runtime.io import (checkpoint, generation_config, gguf_file, image, inputs as inputs_mod, mxfp4,
                                 outputs as outputs_mod, text, text as text_mod)
 from tessera.runtime.io.inputs import to_array
+from tessera.runtime.io.weights import Checkpoint, WeightsError
 from tessera.runtime.onnx_skeleton import skeleton_of
 from tessera.runtime.report import alignment, alignment_plot, measure
 from tessera.runtime.report.build import build_report
@@ -58,11 +59,27 @@ def from_checkpoint(ref: ModelRef, o=None, wants_tokenizer: bool = False):
         for line in filter(None, (gguf_file.explain(ref.spec, mode), gguf_file.explain(ref.weights, mode))):
             print(line, file=sys.stderr)
     ref = checkpoint.resolve(ref)
+    if getattr(o, "explain", False):  # a folder of MXFP4 experts (gpt-oss): which tensors are dequantised
+        line = mxfp4_explain(ref.weights)
+        if line:
+            print(line, file=sys.stderr)
     if o is not None and wants_tokenizer and tokenizer is not None and not getattr(o, "tokenizer", None):
         api = o.api
         o = replace(o, tokenizer=str(tokenizer))
         o.api = api
     return ref, o
+
+
+def mxfp4_explain(weights) -> str | None:
+    """--explain's line for a checkpoint folder of MXFP4 tensors (None otherwise, or when its headers do
+    not read: the load then says why)."""
+    if not weights or mxfp4.quant_method(weights) != mxfp4.QUANT_METHOD:
+        return None
+    try:
+        packed = Checkpoint(Path(weights)).packed
+    except WeightsError:
+        return None
+    return mxfp4.explain(Path(weights), sorted(packed))
 
 
 # ------------------------------------------------------------------ compile

@@ -11,7 +11,8 @@ them: plain renames with ``{i}`` placeholders, plus splits (a fused QKV
 matrix, side by side or laid out per head: ``groups``), transposes (GPT-2's
 Conv1D layout) and unstacking (a 3-D ``[experts, ...]`` tensor, gpt-oss's and
 Llama 4's, into one parameter per expert: ``unstack = "e"``). Its ``[config]`` table maps a checkpoint folder's config.json to
-hyperparameters (runtime/io/checkpoint_config.py). Any mismatch is reported as one
+hyperparameters (runtime/io/checkpoint_config.py). A folder of MXFP4 tensors (gpt-oss's released
+experts) shows each blocks/scales pair as the float tensor it dequantises to (runtime/io/mxfp4.py). Any mismatch is reported as one
 error listing the missing, unexpected and mis-shaped tensors.
 """
 
@@ -31,6 +32,7 @@ import numpy as np
 from tessera.compiler.ir.graph import Graph, numpy_dtype
 
 from tessera.runtime.files import stat_or_raise
+from tessera.runtime.io import mxfp4
 
 
 class WeightsError(Exception):
@@ -472,7 +474,10 @@ def _shard_files(path: Path) -> list[Path]:
 class Checkpoint:
     """A .safetensors file or a folder of shards (never pickle), opened lazily: names, shapes and
     dtypes come from the headers, a tensor's values are read (from the memory-mapped file) only
-    when asked for. A tensor name found in two shards is an error rather than last-one-wins."""
+    when asked for. A tensor name found in two shards is an error rather than last-one-wins. In a folder
+    whose config.json says ``quantization_config.quant_method = "mxfp4"``, each ``NAME_blocks`` /
+    ``NAME_scales`` pair is the float tensor ``NAME`` it dequantises to (runtime/io/mxfp4.py), dtype
+    "MXFP4" in ``dtypes``, listed in ``packed``."""
 
     def __init__(self, path: Path):
         from safetensors import safe_open
@@ -499,8 +504,43 @@ class Checkpoint:
                 self.where[n], self.shapes[n], self.dtypes[n] = f, shapes[n], dtypes[n]
         if duplicates:
             raise WeightsError(f"tensors found in more than one shard of {path}: " + _listing(duplicates))
+        # name -> (blocks, scales): MXFP4 pairs read as the float tensor they dequantise to (runtime/io/mxfp4.py)
+        self.packed: dict[str, tuple[str, str]] = {}
+        if mxfp4.quant_method(self.path) == mxfp4.QUANT_METHOD:
+            self._pack()
+
+    def _pack(self) -> None:
+        """Each ``NAME_blocks`` / ``NAME_scales`` pair replaced by ``NAME``, dtype "MXFP4", of the shape
+        it dequantises to; the pair's own names are then not the checkpoint's."""
+        try:
+            found = mxfp4.pairs(self.shapes, self.dtypes)
+        except mxfp4.Mxfp4Error as e:
+            raise WeightsError(f"{self.path}: {e}") from None
+        self._raw = {}
+        for name, (blocks, scales, shape) in found.items():
+            for raw in (blocks, scales):
+                self._raw[raw] = self.where.pop(raw)
+                del self.shapes[raw], self.dtypes[raw]
+            self.packed[name] = (blocks, scales)
+            self.where[name], self.shapes[name], self.dtypes[name] = self._raw[blocks], shape, "MXFP4"
+
+    def _dequantised(self, name: str, item: int | None) -> np.ndarray:
+        blocks, scales = self.packed[name]
+        parts = []
+        for raw in (blocks, scales):
+            f = self._raw[raw]
+            try:
+                parts.append(self._handles[f].get_tensor(raw) if item is None else self._handles[f].get_slice(raw)[item])
+            except Exception as e:
+                raise WeightsError(f"cannot read tensor {raw} from {f}: {e}") from None
+        try:
+            return mxfp4.decode(*parts)
+        except mxfp4.Mxfp4Error as e:
+            raise WeightsError(f"{blocks} and {scales} in {self.path}: {e}") from None
 
     def read(self, name: str) -> np.ndarray:
+        if name in self.packed:
+            return self._dequantised(name, None)
         f = self.where[name]
         try:
             return self._handles[f].get_tensor(name)
@@ -510,11 +550,20 @@ class Checkpoint:
     def read_item(self, name: str, item: int) -> np.ndarray:
         """Item ``item`` of the tensor's first axis, read alone (an unstacked expert of a [E, ...] tensor:
         the whole tensor is not read once per expert)."""
+        if name in self.packed:
+            return self._dequantised(name, item)
         f = self.where[name]
         try:
             return self._handles[f].get_slice(name)[item]
         except Exception as e:
             raise WeightsError(f"cannot read item {item} of tensor {name} from {f}: {e}") from None
+
+    def finite(self, name: str) -> bool:
+        """Whether every value is finite: an MXFP4 tensor's are unless a scale is NaN (only its scales read)."""
+        if name in self.packed:
+            scales = self.packed[name][1]
+            return not (self._handles[self._raw[scales]].get_tensor(scales) == mxfp4.E8M0_NAN).any()
+        return bool(np.isfinite(self.read(name)).all())
 
 
 def read_safetensors(path: Path) -> dict[str, np.ndarray]:
@@ -523,7 +572,7 @@ def read_safetensors(path: Path) -> dict[str, np.ndarray]:
     return {name: ckpt.read(name) for name in ckpt.shapes}
 
 
-_FLOAT_DTYPES = {"F16", "BF16", "F32", "F64", "F8_E4M3", "F8_E5M2"}
+_FLOAT_DTYPES = {"F16", "BF16", "F32", "F64", "F8_E4M3", "F8_E5M2", "MXFP4"}  # MXFP4: dequantised when read
 
 
 class CheckpointWeights(Mapping):
@@ -581,7 +630,7 @@ def load_weights(graph: Graph, path: Path, name_map: NameMap | None = None,
                  if ckpt.dtypes[pieces[p].source] not in _FLOAT_DTYPES]
     if bad_dtype:
         raise WeightsError(f"weights in {path}: float parameters given non-float tensors: " + _listing(bad_dtype))
-    not_finite = {name for name in sources if not np.isfinite(ckpt.read(name)).all()}  # one tensor at a time
+    not_finite = {name for name in sources if not ckpt.finite(name)}  # one tensor at a time
     not_finite = [p for p in graph.params if pieces[p].source in not_finite]
     if not_finite:
         raise WeightsError(f"weights in {path}: tensors holding NaN or infinity: " + _listing(not_finite))

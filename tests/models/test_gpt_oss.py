@@ -116,19 +116,20 @@ def test_the_folder_alone_is_the_model(case, tmp_path, capsys):
 
 
 def test_quantised_checkpoints_are_refused_by_their_config(case, tmp_path):
-    """The released checkpoints' MXFP4 experts (quantization_config) are refused up front, by name."""
+    """A quantization_config other than MXFP4 (tests/models/test_gpt_oss_mxfp4.py: the released checkpoints')
+    is refused up front, by name."""
     import json
     import shutil
 
     _, folder = case
-    copy = tmp_path / "mxfp4"
+    copy = tmp_path / "bnb"
     shutil.copytree(folder, copy)
     cfg = json.loads((copy / "config.json").read_text())
-    cfg["quantization_config"] = {"quant_method": "mxfp4"}
+    cfg["quantization_config"] = {"quant_method": "bitsandbytes_4bit"}
     (copy / "config.json").write_text(json.dumps(cfg))
     from tessera.runtime.io.weights import WeightsError
 
-    with pytest.raises(WeightsError, match=r'quantization_config.quant_method = "mxfp4" is not supported'):
+    with pytest.raises(WeightsError, match=r'quantization_config.quant_method = "bitsandbytes_4bit" is not supported'):
         pipeline.build(SPEC, weights=str(copy))
 
 
