@@ -201,4 +201,6 @@ def _speculative_stats(stats) -> dict:
     if stats.drafted is None:
         return {}
     return {"drafted_tokens": stats.drafted, "accepted_tokens": stats.accepted, "verify_calls": stats.rounds,
-            "acceptance_rate": round(stats.accepted / stats.drafted, 4) if stats.drafted else 0.0}
+            "acceptance_rate": round(stats.accepted / stats.drafted, 4) if stats.drafted else 0.0,
+            **({"replayed_rows": stats.replayed_rows, "replay_calls": stats.replays}
+               if stats.replays is not None else {})}

@@ -70,6 +70,8 @@ class Stats:
     accepted: int | None = None      # of those, tokens the target agreed with
     rounds: int | None = None        # verifying calls of the target
     round_tokens: int | None = None  # tokens those calls emitted (accepted drafts and the target's own)
+    replays: int | None = None       # recurrent state: the calls that ran kept tokens again (rollback.replay)
+    replayed_rows: int | None = None  # and the rows they ran
 
     @property
     def decode_tokens_per_s(self) -> float:

@@ -13,6 +13,11 @@ tokens and texts. Only the attention kernel differs (the tiled prompt kernel for
 instead of the single-token one), so logits agree to rounding, as a prompt's last logits agree
 with a decoding step's.
 
+A model with recurrent state (Mamba, Jamba) gets the same loop: its rows' chunks are made one
+length (``_filled``), and a row that kept fewer tokens than it fed has its state put back and its
+kept tokens run again (rollback.py's ``replay``: its docstring says why a replay and not per-position
+states), so its state is always the state after the tokens it emitted.
+
 Sampling (temperature > 0) is refused: the rejection-sampling acceptance rule that keeps the
 sampled distribution exact is not implemented (options.GenerateOptions.check says so).
 
@@ -40,7 +45,7 @@ def check_target(model: CachedModel) -> None:
         raise UsageError("speculative decoding needs the target's logits at every position of a chunk; this model "
                          "was compiled with the logits of the last position only (compile --kv-cache does that): "
                          "generate from the .tsr spec or checkpoint folder instead")
-    check(model, "the target model")
+    check(model, "the target model", states_ok=True)
 
 
 def steps(model: CachedModel, prompts: list[list[int]], max_new_tokens: int, sampling: Sampling, drafter,
@@ -56,6 +61,7 @@ def steps(model: CachedModel, prompts: list[list[int]], max_new_tokens: int, sam
     check_target(model)
     stats = stats if stats is not None else Stats()
     stats.drafted = stats.accepted = stats.rounds = stats.round_tokens = 0
+    stats.replays = stats.replayed_rows = 0
     stats.prompt_tokens = sum(len(p) for p in prompts)
     rng = np.random.default_rng(sampling.seed)  # unused by greedy choice; choose() takes one
     stop = {int(t) for t in stop_tokens}
@@ -93,20 +99,29 @@ def steps(model: CachedModel, prompts: list[list[int]], max_new_tokens: int, sam
         budgets = [0 if done[r] else min(draft_tokens, max_new_tokens - len(generated[r]) - 1) for r in range(b)]
         drafts = drafter.propose(history, budgets)
         chunks = [[] if done[r] else [history[r][-1]] + drafts[r] for r in range(b)]
-        logits = cache.feed(chunks)
+        fed = _filled(chunks, history) if model.info.states else chunks
+        logits = cache.feed(fed)
         t = logits.shape[1]
         emitted: list[list[int]] = [[] for _ in range(b)]
         accepted = [0] * b
+        replay = {}
         for r in range(b):
-            n = len(chunks[r])
+            n, at = len(chunks[r]), t - len(fed[r])  # the row's chunk starts at column `at`
+            was_done = done[r]
             for j in range(n):  # position j's scores choose the token after chunk[j]
-                tok = int(choose(logits[r:r + 1, t - n + j], None if seen is None else seen[r:r + 1],
+                tok = int(choose(logits[r:r + 1, at + j], None if seen is None else seen[r:r + 1],
                                  sampling, rng)[0])
                 emitted[r].append(tok)
                 if take(r, tok) or j == n - 1 or tok != drafts[r][j]:
                     break
                 accepted[r] += 1
-            cache.rollback(r, max(n - 1 - accepted[r], 0))  # keep the last token and the accepted drafts
+            kept = accepted[r] + 1 if n else 0  # the last token and the accepted drafts
+            cache.rollback(r, len(fed[r]) - kept)
+            if model.info.states and not was_done and not done[r] and kept < len(fed[r]):
+                replay[r] = fed[r][:kept]
+        if replay:  # recurrent state: back to the state after the kept tokens (rollback.py's docstring)
+            stats.replays += cache.replay(replay)
+            stats.replayed_rows += len(replay)
         drafter.accepted(accepted)
         stats.rounds += 1
         stats.drafted += sum(len(d) for d in drafts)
@@ -120,10 +135,21 @@ def steps(model: CachedModel, prompts: list[list[int]], max_new_tokens: int, sam
             yield [e[j] if j < len(e) else None for e in emitted]
 
 
+def _filled(chunks: list[list[int]], history: list[list[int]]) -> list[list[int]]:
+    """Every row's chunk brought to the longest one's length, for a model with recurrent state (no
+    padding inside a chunk: rollback.py): a shorter chunk is followed by copies of its last token
+    (a finished row's: of its last token), filler that is never taken as a draft (the accepting loop
+    reads only the chunk's own positions) and always replayed away or forgotten."""
+    t = max(len(c) for c in chunks)
+    return [c + [c[-1] if c else h[-1]] * (t - len(c)) for c, h in zip(chunks, history)]
+
+
 def explain(stats: Stats, drafter_name: str, draft_tokens: int) -> str:
     """--explain's line: how many drafted tokens the target accepted."""
     rate = stats.accepted / stats.drafted if stats.drafted else 0.0
     per_round = stats.round_tokens / stats.rounds if stats.rounds else 0.0
     return (f"speculative decoding ({drafter_name}, up to {draft_tokens} drafted tokens a round): "
             f"{stats.accepted} of {stats.drafted} drafted tokens accepted ({rate:.1%}), {stats.rounds} verifying "
-            f"calls, {per_round:.2f} new tokens per call (all rows)")
+            f"calls, {per_round:.2f} new tokens per call (all rows)"
+            + (f"; recurrent state replayed after a rejection: {stats.replayed_rows} row(s) in {stats.replays} more "
+               f"call(s)" if stats.replays else ""))

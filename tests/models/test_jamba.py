@@ -115,11 +115,26 @@ def test_a_decoder_that_lets_padding_into_its_state_is_refused_for_uneven_prompt
     assert rc == 0, err
 
 
-def test_speculative_decoding_refuses_recurrent_state_clearly(folder, capsys):
-    """Its rollback of rejected drafts masks cache columns; a scan's state has no such way back."""
-    err = cli_error(capsys, "generate", folder, "--input", f"tokens={json.dumps(PROMPTS)}", "--max-new-tokens", 4,
-                    "--speculative", "ngram")
-    assert "recurrent state cannot" in err and "decode without --speculative" in err
+def test_fp16_left_padded_batch_gives_fp32_tokens_and_each_prompt_its_own(hf, folder, capsys):
+    """--dtype fp16: the padding gates (a where on each conv1d input and each scan's carried state,
+    compiler/passes/state_padding.py) run at fp16 too; the batch's tokens are fp32's and transformers'
+    for each prompt alone."""
+    got = {}
+    for dtype in ("fp32", "fp16"):
+        rc, out, err = cli(capsys, "generate", folder, "--input", f"tokens={json.dumps(PROMPTS)}", "--max-new-tokens",
+                           NEW, "--dtype", dtype, "--format", "json", "-q")
+        assert rc == 0, err
+        got[dtype] = [o["tokens"] for o in json.loads(out)["outputs"]]
+    assert got["fp16"] == got["fp32"] == [_alone(hf, p) for p in PROMPTS]
+
+
+def test_speculative_decoding_of_uneven_prompts_gives_each_prompt_its_own_tokens(hf, folder, capsys):
+    """The state after rejected drafts is replayed (generation/rollback.py; drafts accepted and
+    rejected are counted in tests/generation/test_speculative_state.py)."""
+    rc, out, err = cli(capsys, "generate", folder, "--input", f"tokens={json.dumps(PROMPTS)}", "--max-new-tokens",
+                       NEW, "--speculative", "ngram", "--format", "json", "-q")
+    assert rc == 0, err
+    assert [o["tokens"] for o in json.loads(out)["outputs"]] == [_alone(hf, p) for p in PROMPTS]
 
 
 # ---- the mixture of experts (num_experts > 1) ------------------------------------------------------
