@@ -226,10 +226,13 @@ class NameMap:
         hyperparameter name."""
         out, unmatched = {}, []
         for name, shape in shapes.items():
-            if any(p.fullmatch(name) for p in self.ignore):
-                continue
+            # a name that is a parameter of this model is used even when `ignore` names it: one mapping
+            # serves a spec whose choice adds the parameter (T5's lm_head.weight: v1.1's own head, and a
+            # copy of the shared table in v1.0's checkpoints, where the spec has no such parameter)
             if name in native:  # already a Tessera path
                 out[name] = Piece(name, tuple(shape))
+                continue
+            if any(p.fullmatch(name) for p in self.ignore):
                 continue
             if len(name) > MAX_NAME:  # matched against patterns, a hostile name would cost quadratic time
                 unmatched.append(name[:80] + "...")

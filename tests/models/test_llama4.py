@@ -147,3 +147,70 @@ def test_the_default_count_equals_transformers_on_the_meta_device():
     per_expert = (experts.gate_up_proj.numel() + experts.down_proj.numel()) // cfg.num_local_experts
     idle = len(cfg.moe_layers) * (cfg.num_local_experts - cfg.num_experts_per_tok) * per_expert
     assert rep["active_per_token"] == rep["total"] - idle
+
+
+# The released models' text_config (config.json of meta-llama/Llama-4-Scout-17B-16E and
+# meta-llama/Llama-4-Maverick-17B-128E); the sizes not given are Llama4TextConfig's defaults (48 layers,
+# d 5120, 40 / 8 heads of 128, experts of 8192, dense layers of 16384, vocab 202048)
+RELEASED = {
+    "scout": dict(num_local_experts=16, interleave_moe_layer_step=1, max_position_embeddings=10485760,
+                  rope_parameters={"rope_type": "llama3", "factor": 16.0, "low_freq_factor": 1.0,
+                                   "high_freq_factor": 1.0, "original_max_position_embeddings": 8192,
+                                   "rope_theta": 500000.0}),
+    "maverick": dict(num_local_experts=128, interleave_moe_layer_step=2, use_qk_norm=False,
+                     max_position_embeddings=1048576),
+}
+# published totals and active parameters per token (the Hugging Face release post and transformers' Llama 4
+# page: "~109B" and "~400B", "17B active"; the totals include the vision tower, which is not modelled here)
+PUBLISHED = {"scout": (109e9, 17e9), "maverick": (400e9, 17e9)}
+
+
+@pytest.mark.parametrize("variant", list(RELEASED))
+def test_released_variant_counts_equal_transformers_on_the_meta_device(capsys, variant):
+    """`tessera report llama4 --variant scout|maverick`: the text model's total and active parameters per token
+    equal transformers' Llama4ForCausalLM built on the meta device from the same config; both near the
+    published figures (the text model alone: 1.1% under Scout's ~109B, which counts the vision tower)."""
+    import json
+
+    from conftest import cli
+
+    cfg = transformers.Llama4TextConfig(**RELEASED[variant])
+    with torch.device("meta"):
+        model = transformers.Llama4ForCausalLM(cfg)
+    rc, out, err = cli(capsys, "report", "llama4", "--variant", variant, "--format", "json")
+    assert rc == 0, err
+    params = json.loads(out)["params"]
+    assert params["total"] == sum(p.numel() for p in model.parameters())
+    moe = [i for i, layer in enumerate(model.model.layers) if hasattr(layer.feed_forward, "experts")]
+    assert moe == cfg.moe_layers and len(moe) == {"scout": 48, "maverick": 24}[variant]
+    experts = model.model.layers[moe[0]].feed_forward.experts
+    per_expert = (experts.gate_up_proj.numel() + experts.down_proj.numel()) // cfg.num_local_experts
+    idle = len(moe) * (cfg.num_local_experts - cfg.num_experts_per_tok) * per_expert
+    assert params["active_per_token"] == params["total"] - idle
+    total, active = PUBLISHED[variant]
+    assert abs(params["total"] - total) / total < 0.02
+    assert round(params["active_per_token"] / 1e9) == active / 1e9
+
+
+def test_llama3_rope_scaling_with_equal_bounds_loads_and_equals_transformers(tmp_path):
+    """Scout's rope_scaling (llama3, low_freq_factor = high_freq_factor = 1: no frequency smoothed, those of
+    wavelengths past original_max_position_embeddings divided by the factor) read from config.json: logits
+    equal transformers' over 13 tokens, where the scaling moves them (original context 4)."""
+    scaled = {"rope_type": "llama3", "factor": 16.0, "low_freq_factor": 1.0, "high_freq_factor": 1.0,
+              "original_max_position_embeddings": 4, "rope_theta": 10000.0}
+    torch.manual_seed(1)
+    model = transformers.Llama4ForCausalLM(tiny_config(rope_parameters=scaled)).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    model.save_pretrained(tmp_path)
+    built = pipeline.build(SPEC, weights=str(tmp_path))
+    assert built.info.hyperparams["rope_type"] == "llama3" and built.info.hyperparams["rope_high_freq"] == 1.0
+    weights = pipeline.weights_for(built, str(tmp_path), 0)
+    tokens = _tokens()
+    with torch.no_grad():
+        ref = model(input_ids=torch.from_numpy(tokens)).logits.numpy()
+        plain = transformers.Llama4ForCausalLM(tiny_config()).eval()
+        plain.load_state_dict(model.state_dict())
+        assert np.abs(plain(input_ids=torch.from_numpy(tokens)).logits.numpy() - ref).max() > 1e-2
+    assert np.abs(interpret.run(built.graph, weights, {"tokens": tokens})["logits"] - ref).max() <= TOL
