@@ -508,8 +508,8 @@ def serve_model(ref: ModelRef, o: EngineOptions, decode: str = DECODE, last_only
             return read[0]
 
         if _carries_state(built.graph):  # the RowEngine's per-slot state; no buffer cache to fit
-            return compile_decoder(built, ref, o, o.engine_pipeline_options(state=True), "row engine's decoder",
-                                   "cpu", o.threads, read_weights)
+            return compile_decoder(built, ref, o, o.engine_pipeline_options(state=True, check_tokens=check_tokens),
+                                   "row engine's decoder", "cpu", o.threads, read_weights)
         try:
             # the engine's variant: with the combined call (last-position logits, and every position's in the short
             # calls that check drafts: check_tokens)

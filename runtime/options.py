@@ -1140,7 +1140,8 @@ class EngineOptions(BuildOptions, ModelRef):
         ``decode``'s kernels, the last position's logits (``last_only=False``: every position's, which
         serve --speculative checks drafts with) and with them the combined call (``mixed``: the engine's
         variant, compiler/backends/onnx/mixed_attention.py); ``state``: a decoder carrying recurrent
-        state (the row engine's), or an encoder-decoder, compiled as ``generate`` compiles it.
+        state (the row engine's), or an encoder-decoder, compiled as ``generate`` compiles it (with
+        ``check_tokens``: every position's logits in every call, as generate compiles --speculative's target).
         ``prefix_keys``: the gqa decoding step without its mask (passes/kv_cache.py CacheOptions.prefix_keys:
         seqlens_k alone, which assumes each row's keys are its columns 0..cache_length, none hidden -- true of
         the engine, whose rows fill their columns from 0, and of no left-padded batch); None: on CUDA, where it
@@ -1154,8 +1155,8 @@ class EngineOptions(BuildOptions, ModelRef):
         from tessera.compiler.passes.pipeline import PipelineOptions
 
         target = Target(self.device, self.dtype)
-        if state:
-            return PipelineOptions(target, **self.build_fields())
+        if state:  # the row engine's: every position's logits when it checks drafts (serving/row_speculation.py)
+            return PipelineOptions(target, last_only=not check_tokens, **self.build_fields())
         # the combined call's CUDA lowering is not built (mixed_attention.py): on CUDA a chunk and a step are two calls
         if prefix_keys is None:
             prefix_keys = target.device == "cuda"

@@ -20,6 +20,10 @@ control, metrics and token choice (it is an ``Engine`` with its own slots and st
   step's weights are read once per row, not once per step. A decoder-only model with attention AND
   recurrent state (a hybrid) is served the same way, one call per row.
 
+With ``serve --speculative ngram`` a decoder-only model's greedy rows check prompt-lookup drafts in
+their steps, the state from before the checking call put back and the kept tokens run again after a
+rejection (row_speculation.py, ``self.speculation``); encoder-decoders refuse it.
+
 Sources the HTTP API cannot carry are refused when the server starts (``served_sources``): the API
 takes text or token ids, so an encoder whose input is float features (Whisper's log-mel spectrogram)
 is a UsageError saying to use ``tessera generate --input features=FILE.npy``. A source that is too long
@@ -133,7 +137,7 @@ class RowEngine(Engine):
                 f"memory budget: {self.row_bytes / 2**10:.1f} KiB of state and cache per running row, allocated "
                 f"when it is admitted (at most {self.max_batch * self.row_bytes / 2**20:.2f} MiB)"
                 + (", plus each row's encoder outputs (their size follows its source length)" if self.seq2seq else "")
-                + f"\n{how}")
+                + f"\n{how}" + (f"\n{self.speculation.describe()}" if self.speculation is not None else ""))
 
     # ------------------------------------------------------------------ requests
     def check(self, req: Request) -> None:
@@ -217,13 +221,20 @@ class RowEngine(Engine):
                 prompt = [self.start_token]
             else:
                 fixed, prompt = None, list(req.prompt)
-            row.decoder = CachedDecoder(self.model, [prompt], req.max_tokens, 0, Stats(), fixed)
+            # serve --speculative: a greedy row's decoder rolls back (row_speculation.py)
+            row.decoder = self.speculation.decoder(self, row, prompt) if self.speculation is not None else None
+            if row.decoder is None:
+                row.decoder = CachedDecoder(self.model, [prompt], req.max_tokens, 0, Stats(), fixed)
             logits = row.decoder.step(None)
         self.metrics.prompt_tokens += len(req.prompt)
         self._take(row, logits)
 
     def _decode(self, rows: list[_Row]) -> None:
         self.steps += 1
+        if self.speculation is not None:  # serve --speculative: rows with drafts checked (row_speculation.py)
+            rows = self.speculation.decode(self, rows)
+            if not rows:
+                return
         if not self.batched:
             for row in rows:
                 self._take(row, row.decoder.step(np.array([row.next_token], dtype=np.int64)))

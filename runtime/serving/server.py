@@ -82,6 +82,7 @@ def build_server(opts: ServeOptions):
     from .embeddings import EmbeddingEngine
     from .model import ChatTemplate, ChatTemplateError
     from .row_engine import RowEngine, engine_for
+    from .row_speculation import RowSpeculation
     from .speculation import Speculation
 
     tokenizer, template, template_error = None, None, None
@@ -108,10 +109,10 @@ def build_server(opts: ServeOptions):
     engine = engine_for(model, opts.max_batch, opts.max_queue, opts.max_context, opts.prefill_chunk,
                         tokenizer, serving_model.eos_ids(tokenizer, tokenizer_path, opts.spec, opts.weights), start,
                         prefix_cache_mb=opts.prefix_cache_mb)
-    if opts.speculative:
-        if isinstance(engine, RowEngine):  # its steps are its own: no drafts checked in them
-            raise UsageError("--speculative serves decoder-only models with a KV cache; this model is served by "
-                             "the row engine (recurrent state or an encoder-decoder): drop --speculative")
+    if opts.speculative and isinstance(engine, RowEngine):  # recurrent state: replayed after a rejection
+        RowSpeculation.check(engine, draft_tokens)
+        RowSpeculation(draft_tokens).attach(engine)
+    elif opts.speculative:
         Speculation.check(model, draft_tokens)
         Speculation(draft_tokens).attach(engine)
     return engine, Server(engine, opts.served_name, tokenizer, template, template_error)
