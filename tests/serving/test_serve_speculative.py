@@ -272,10 +272,14 @@ def test_bad_options(capsys, args, message):
     assert rc == 2 and message in err
 
 
-def test_row_engine_model_is_refused(capsys):
-    """A recurrent-state decoder is served by the row engine, whose steps check no drafts: refused, not ignored."""
-    rc, _, err = cli(capsys, "serve", "mamba", "--variant", "tiny", "--speculative", "ngram", "--explain")
-    assert rc == 2 and "served by the row engine" in err and "drop --speculative" in err
+def test_row_engine_model_takes_speculation(capsys):
+    """A recurrent-state decoder is served by the row engine, which checks drafts with its state replayed
+    after a rejection (tests/serving/test_serve_row_speculative.py holds its tokens to transformers; an
+    encoder-decoder is refused there)."""
+    rc, _, err = cli(capsys, "serve", "mamba", "--variant", "tiny", "--speculative", "ngram", "--draft-tokens", "3",
+                     "--explain")
+    assert rc == 0 and "RowEngine" in err and "up to 3 drafted tokens per greedy request" in err
+    assert "runs the kept tokens again after a rejection" in err
 
 
 def test_explain_names_speculation(capsys):
