@@ -158,3 +158,16 @@ def test_a_serve_process_answers_concurrent_requests_as_tessera_generate(case, c
     accepted = _metric(metrics, "tessera_speculative_accepted_tokens_total")
     assert drafted > 0 and 0 < accepted <= drafted
     assert _metric(metrics, "tessera_speculative_replayed_rows_total") > 0
+
+
+def test_a_stop_token_and_a_short_budget_end_a_row_inside_its_drafts(case):
+    """A stop token the model emits mid-way, and max_tokens shorter than the drafts: the output is the
+    reference cut there (tokens after the end are never emitted, whatever the drafts held)."""
+    name, _, model, want = case
+    stop = want[0][12]
+    engine = _speculating(model)
+    handles = _run(engine, [Request(PROMPTS[0], NEW, stop_tokens=(stop,)), Request(PROMPTS[2], 3),
+                            Request(PROMPTS[1], NEW)])
+    assert handles[0].tokens == want[0][:want[0].index(stop) + 1] and handles[0].finish_reason == "stop", name
+    assert handles[1].tokens == want[2][:3] and handles[1].finish_reason == "length"
+    assert handles[2].tokens == want[1]
