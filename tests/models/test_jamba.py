@@ -46,10 +46,10 @@ def folder(hf, tmp_path_factory):
     return path
 
 
-def _alone(hf, prompt: list[int], new: int = NEW) -> list[int]:
+def _alone(hf, prompt: list[int], new: int = NEW, **kw) -> list[int]:
     with torch.no_grad():
         out = hf.generate(torch.tensor([prompt]), max_new_tokens=new, min_new_tokens=new, do_sample=False,
-                          eos_token_id=None, pad_token_id=0)
+                          eos_token_id=None, pad_token_id=0, **kw)
     return out[0, len(prompt):].tolist()
 
 
@@ -64,15 +64,19 @@ def test_logits_and_parameter_count_equal_transformers(hf, folder):
     assert sum(int(np.prod(w.shape)) for w in m.weights.values()) == sum(p.numel() for p in hf.parameters())
 
 
-def test_uneven_prompts_in_one_batch_give_each_prompt_its_own_tokens(hf, folder, capsys):
+@pytest.mark.parametrize("penalty", [1.0, 1.3])
+def test_uneven_prompts_in_one_batch_give_each_prompt_its_own_tokens(hf, folder, capsys, penalty):
     """`tessera generate FOLDER` with three prompts of different lengths: every row's tokens are the
-    ones transformers gives that prompt alone, and the ones transformers' left-padded batch gives."""
+    ones transformers gives that prompt alone, and the ones transformers' left-padded batch gives;
+    with and without a repetition penalty."""
     rc, out, err = cli(capsys, "generate", folder, "--input", f"tokens={json.dumps(PROMPTS)}",
-                       "--max-new-tokens", NEW, "--format", "json", "-q")
+                       "--max-new-tokens", NEW, "--repetition-penalty", penalty, "--format", "json", "-q")
     assert rc == 0, err
     got = [o["tokens"] for o in json.loads(out)["outputs"]]
-    assert got == [_alone(hf, p) for p in PROMPTS]
-    assert got == hf_greedy(hf, PROMPTS, NEW)
+    assert got == [_alone(hf, p, repetition_penalty=penalty) for p in PROMPTS]
+    assert got == hf_greedy(hf, PROMPTS, NEW, repetition_penalty=penalty)
+    if penalty != 1.0:  # the penalty changed the tokens: its path was taken
+        assert got != hf_greedy(hf, PROMPTS, NEW)
     assert len({tuple(g) for g in got}) == 3 and len({t for g in got for t in g}) > 4, got
 
 

@@ -98,15 +98,20 @@ def _prompts():
     return [rng.integers(1, VOCAB, 11).tolist(), rng.integers(1, VOCAB, 4).tolist()]
 
 
+@pytest.mark.parametrize("penalty", [1.0, 1.3])
 @pytest.mark.parametrize("row", [0, 1])
-def test_cached_greedy_generation_equals_transformers(case, cached, row):
-    """One prompt (of 11, or 4 tokens), 14 new tokens: past several chunks of 4 and temperature steps."""
+def test_cached_greedy_generation_equals_transformers(case, cached, row, penalty):
+    """One prompt (of 11, or 4 tokens), 14 new tokens: past several chunks of 4 and temperature steps;
+    with and without a repetition penalty."""
     from tessera.runtime.generation.cached import generate
+    from tessera.runtime.generation.sampling import Sampling
 
     model, _ = case
     prompt = [_prompts()[row]]
-    ours = generate(cached, prompt, 14).tokens
-    assert ours == hf_greedy(model, prompt, 14)
+    ours = generate(cached, prompt, 14, Sampling(repetition_penalty=penalty)).tokens
+    assert ours == hf_greedy(model, prompt, 14, repetition_penalty=penalty)
+    if penalty != 1.0:  # the penalty changed the tokens: its path was taken
+        assert ours != hf_greedy(model, prompt, 14)
     assert len(set(ours[0])) > 3, "degenerate: the model repeats one token"
 
 

@@ -53,8 +53,10 @@ def test_logits_and_count_equal_transformers(case):
         assert np.abs(got - ref).max() <= TOL
 
 
-def test_cached_greedy_generation_of_a_left_padded_batch_equals_transformers(case):
+@pytest.mark.parametrize("penalty", [1.0, 1.3])
+def test_cached_greedy_generation_of_a_left_padded_batch_equals_transformers(case, penalty):
     from tessera.runtime.generation.cached import CachedModel, compile_cached, generate
+    from tessera.runtime.generation.sampling import Sampling
 
     model, folder = case
     built = pipeline.build(SPEC, weights=str(folder))
@@ -64,8 +66,10 @@ def test_cached_greedy_generation_of_a_left_padded_batch_equals_transformers(cas
     rng = np.random.default_rng(3)
     prompts = [rng.integers(1, 200, 11).tolist(), rng.integers(1, 200, 5).tolist()]
     new = 12
-    ours = generate(cached, prompts, new).tokens
-    assert ours == hf_greedy(model, prompts, new)
+    ours = generate(cached, prompts, new, Sampling(repetition_penalty=penalty)).tokens
+    assert ours == hf_greedy(model, prompts, new, repetition_penalty=penalty)
+    if penalty != 1.0:  # the penalty changed the tokens: its path was taken
+        assert ours != hf_greedy(model, prompts, new)
     assert len({t for row in ours for t in row}) > 4, "degenerate: the model repeats one token"
 
 
