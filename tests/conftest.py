@@ -6,6 +6,15 @@ import os
 import sys
 from pathlib import Path
 
+# One thread for numpy's BLAS and PyTorch's OpenMP pool (the references, the numpy interpreter), set before
+# either is imported: the suite's matrices are small, and on CI's two shared cores a pool waiting at its
+# barrier for a descheduled thread is far slower than one thread (timed under load: a 60 x 256 x 1000 numpy
+# matmul 20-33 ms on two threads, 3.1-3.2 ms on one; a 2 x 30 x 64 by 64 x 200 torch linear 1.1-3.5 ms against
+# 0.12-0.3 ms).
+# onnxruntime ignores the variable (each session says its threads); a value already set is kept. Subprocesses
+# the tests start (servers, the recipes' pytest) inherit it.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 import numpy as np
 import pytest
 
