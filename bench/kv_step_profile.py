@@ -3,6 +3,7 @@ run GroupQueryAttention against every other node, per cache dtype and context.
 
     python bench/kv_step_profile.py $GGUF --positions 1024,4096 --steps 10 --rounds 3 --threads 2
     python bench/kv_step_profile.py $GGUF --positions 4096 --grouped      # + the grouped attention form, standalone
+    python bench/kv_step_profile.py $GGUF --check-grouped codes-fp32      # the grouped form's logits on a real cache
 
 Why (issue 40 item 2): the engine's step of SmolLM2-135M cost about 4x more at 4,096 positions than at
 1,024 (docs/benchmarks/log.md kc2) while one GroupQueryAttention call alone (bench/kv_fp16_gqa_probe.py)
@@ -20,7 +21,9 @@ over caches of committed random values (the memory a step reads; np.zeros pages 
 zero page and stay in the CPU's cache), as compiled and with every GroupQueryAttention in the grouped
 form of bench/gqa_grouped_probe.py (each key/value head's queries as rows; the bias padded with G - 1
 hidden columns); per-node minimum sums and run times, alternating. A prototype rewrite for measuring:
-its batch dimension is 1, and it is not what the compiler emits.
+its batch dimension is 1, and it is not what the compiler emits. ``--check-grouped W``: its logits against
+the compiled form's on an engine's real cache (W: the --gguf-weights to compile with; with ``codes`` the
+products quantise their activations to int8, which turns rounding differences into larger ones).
 """
 
 from __future__ import annotations
@@ -277,6 +280,54 @@ def standalone(sources: dict, positions, rounds: int, threads: int, tmp: str, sp
     return out
 
 
+def check_grouped(model_path: str, sets, kv: str, gguf_weights: str, prompt: int = 600) -> float:
+    """The grouped form's logits against the compiled form's on a real cache: an engine prefilled with
+    ``prompt`` seeded tokens and two decoding steps, then the bound step run once in each form on copies
+    of its cache (batch 1, the engine's mask and length). Returns max |logit difference|."""
+    import onnxruntime as ort
+
+    from tessera.runtime.generation import loop
+    from tessera.runtime.io import checkpoint
+    from tessera.runtime.options import GenerateOptions, ModelRef
+    from tessera.runtime.serving.engine import Engine, Request
+
+    opened = profiled_sessions(tempfile.mkdtemp())
+    o = GenerateOptions(threads=2, kv_cache_dtype=kv, provider="cpu", no_compile_cache=True,
+                        gguf_weights=gguf_weights).for_api()
+    o.check()
+    m = loop.load_model(checkpoint.resolve(ModelRef(spec=model_path, sets=list(sets))), o)
+    source, dtype = opened[-1], (np.float16 if kv == "fp16" else np.float32)
+    engine = Engine(m, max_batch=1, capacity=prompt + 64, prefill_chunk=512)
+    handle = engine.submit(Request(kv_cache_dtype._tokens(model_path, None, prompt), 8))
+    while len(handle.tokens) < 3:
+        engine.step()
+    seq, width, views = engine.rows[0], engine.width, engine._views()
+    logits = []
+    for form in (source, grouped_form(source, dtype)):
+        s = ort.InferenceSession(form, providers=["CPUExecutionProvider"])
+        io, keep = s.io_binding(), []
+        io.bind_output("logits", "cpu")
+        for name, view in views.items():
+            a = view[:1].copy()
+            keep.append(a)
+            io.bind_input(name, "cpu", 0, a.dtype, list(a.shape), a.ctypes.data)
+            io.bind_output("cache_" + name[len("past_"):], "cpu", 0, a.dtype, list(a.shape), a.ctypes.data)
+        flag = ort.OrtValue.ortvalue_from_numpy(np.array(False))
+        keep.append(flag)
+        io.bind_ortvalue_input("cache_columns", flag)
+        mask = np.concatenate([engine.slots[:1, :width], np.ones((1, 1), np.int64)], axis=1)
+        mask[0, seq.filled] = 1
+        for name, v in (("tokens", [[seq.next_token]]), ("attention_mask", mask), ("position_ids", [[seq.filled]]),
+                        ("cache_length", [seq.filled])):
+            io.bind_cpu_input(name, np.asarray(v, np.int64))
+        s.run_with_iobinding(io)
+        logits.append(io.get_outputs()[0].numpy()[0, -1].astype(np.float64))
+    diff = float(np.abs(logits[0] - logits[1]).max())
+    print(f"check {kv} --gguf-weights {gguf_weights}, {seq.filled} positions: max |logit grouped - compiled| "
+          f"{diff:.3g} of the range {np.ptp(logits[0]):.3g}; argmax equal {logits[0].argmax() == logits[1].argmax()}")
+    return diff
+
+
 def main(argv=None) -> dict:
     a = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     a.add_argument("model", nargs="?", default=os.environ.get("TESSERA_SMOLLM2_GGUF"),
@@ -287,10 +338,15 @@ def main(argv=None) -> dict:
     a.add_argument("--rounds", type=int, default=3)
     a.add_argument("--threads", type=int, default=2)
     a.add_argument("--grouped", action="store_true", help="also the bound step standalone, compiled and grouped")
+    a.add_argument("--check-grouped", metavar="GGUF_WEIGHTS",
+                   help="only compare the grouped form's logits with the compiled form's, each cache dtype, the model "
+                        "compiled with this --gguf-weights (codes, codes-fp32, dequantize)")
     a.add_argument("--json", help="write the results here")
     o = a.parse_args(argv)
     if not o.model:
         a.error("give the model (or set TESSERA_SMOLLM2_GGUF)")
+    if o.check_grouped:
+        return {kv: check_grouped(o.model, o.set, kv, o.check_grouped) for kv in ("fp32", "fp16")}
     positions = [int(x) for x in o.positions.split(",")]
     with tempfile.TemporaryDirectory() as tmp:
         result, sources = engine_steps(o.model, o.set, positions, o.steps, o.rounds, o.threads, tmp)
