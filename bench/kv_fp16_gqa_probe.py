@@ -1,6 +1,6 @@
 """onnxruntime's CPU GroupQueryAttention decoding over an fp16 cache against fp32, the kernel alone.
 
-    python bench/kv_fp16_gqa_probe.py [--positions 4096] [--rounds 3] [--threads 2]
+    python bench/kv_fp16_gqa_probe.py [--positions 4096] [--rounds 3] [--threads 2] [--buffers 30]
 
 Why (``--kv-cache-dtype fp16``, compiler/passes/kv_cache_dtype.py): the decoding step runs this kernel
 in fp16 over the fp16 buffer. One com.microsoft.GroupQueryAttention node at SmolLM2-135M's shape (9 query
@@ -10,6 +10,11 @@ buffer (the new column written in place, as the engine binds them); with and wit
 8,192 positions); fp32 and fp16 throughout (``f16``), and fp32 queries over an fp16 cache (``mixed``:
 T float, T_CACHE float16, which the schema allows). Each configuration is a fresh session, the
 configurations alternating, --rounds times; min and median ms per call over every call.
+
+``--buffers N`` (default 1): the calls cycle over N caches of their own, as a decoding step's N layers
+do. With one, the cache (6 MiB at 4,096 positions in fp32) stays in the CPU's last-level cache from call
+to call, which a model's step never sees: SmolLM2's 30 layers hold 190 MB at 4,096 positions (fp32),
+read from memory each step. ``--buffers 30`` measures the kernel as the step runs it.
 """
 
 import argparse
@@ -51,20 +56,21 @@ def main(argv=None):
     a.add_argument("--positions", type=int, default=4096)
     a.add_argument("--rounds", type=int, default=3)
     a.add_argument("--threads", type=int, default=2)
+    a.add_argument("--buffers", type=int, default=1, help="caches the calls cycle over (a step's layers)")
+    a.add_argument("--only", choices=["packed-bias"], help="only the engine's CPU configuration")
     o = a.parse_args(argv)
     S = o.positions
     res = {}
     for _ in range(o.rounds):
-        for bias in (False, True):
-            for rot in (False, True):
-                for dt, mixed in ((np.float32, False), (np.float16, False), (np.float32, True)):
+        for bias in ((True,) if o.only else (False, True)):
+            for rot in ((True,) if o.only else (False, True)):
+                for dt, mixed in ((np.float32, False), (np.float16, False)) + (() if o.only else ((np.float32, True),)):
                     so = ort.SessionOptions()
                     so.intra_op_num_threads = o.threads
                     s = ort.InferenceSession(model(dt, S, bias, rot, mixed), so, providers=['CPUExecutionProvider'])
                     r = np.random.default_rng(0)
                     cdt = np.float16 if mixed else dt
                     feed = dict(q=r.standard_normal((1, 1, (576 + 384) if rot else 576)).astype(dt),
-                                pk=r.standard_normal((1, 3, S, 64)).astype(cdt), pv=r.standard_normal((1, 3, S, 64)).astype(cdt),
                                 sl=np.array([S - 2], np.int32), tl=np.array(S - 1, np.int32))
                     if not rot:
                         feed.update(k=r.standard_normal((1, 1, 192)).astype(dt), v=r.standard_normal((1, 1, 192)).astype(dt))
@@ -73,23 +79,27 @@ def main(argv=None):
                                     pos=np.array([[S - 2]]))
                     if bias:
                         feed['bias'] = np.zeros((1, 1, 1, S - 1), dt)
-                    io = s.io_binding()
-                    for k, v in feed.items():
-                        io.bind_cpu_input(k, v)
-                    io.bind_output('o')
-                    io.bind_ortvalue_output('ok', ort.OrtValue.ortvalue_from_numpy(feed['pk']))
-                    io.bind_ortvalue_output('ov', ort.OrtValue.ortvalue_from_numpy(feed['pv']))
-                    for _ in range(3):
-                        s.run_with_iobinding(io)
+                    ios = []
+                    for _ in range(o.buffers):  # each its own cache, as each layer of a step
+                        caches = {k: r.standard_normal((1, 3, S, 64)).astype(cdt) for k in ("pk", "pv")}
+                        io = s.io_binding()
+                        for k, v in {**feed, **caches}.items():
+                            io.bind_cpu_input(k, v)
+                        io.bind_output('o')
+                        io.bind_ortvalue_output('ok', ort.OrtValue.ortvalue_from_numpy(caches['pk']))
+                        io.bind_ortvalue_output('ov', ort.OrtValue.ortvalue_from_numpy(caches['pv']))
+                        ios.append((io, caches))
+                    for i in range(3 * o.buffers):
+                        s.run_with_iobinding(ios[i % o.buffers][0])
                     ts = []
-                    for _ in range(40):
+                    for i in range(max(40, 2 * o.buffers)):
                         t = time.perf_counter()
-                        s.run_with_iobinding(io)
+                        s.run_with_iobinding(ios[i % o.buffers][0])
                         ts.append(time.perf_counter() - t)
                     name = "mixed" if mixed else "f16" if dt == np.float16 else "f32"
                     res.setdefault((("bias" if bias else "no bias"), ("packed" if rot else "unpacked"), name), []).extend(ts)
     for k, ts in sorted(res.items()):
-        print(f"P={S} {k[0]:8s} {k[1]:9s} {k[2]:6s} min {min(ts) * 1e3:.3f} med {np.median(ts) * 1e3:.3f} ms")
+        print(f"P={S} buffers={o.buffers} threads={o.threads} {k[0]:8s} {k[1]:9s} {k[2]:6s} min {min(ts) * 1e3:.3f} med {np.median(ts) * 1e3:.3f} ms")
 
 
 if __name__ == "__main__":
