@@ -11,10 +11,10 @@ Bytes a token, counted from the files:
 
 - a compiled Tessera file (``--onnx NAME=FILE``; a graph's nodes are counted before its subgraphs', so a
   Transpose of an initializer must sit in the same or an enclosing graph): every MatMulNBits as onnxruntime 1.31's MLAS packs it for its
-  int8-activation kernels (accuracy_level 4, the CompInt8 layout, ``SQ4BitGemmPackQuantBDataSize`` and its 8-bit
-  counterpart): per block of ``block_size`` weights, the codes (bits x block / 8 bytes), one fp32 scale and one
-  fp32 block sum (the zero point folded in) -- 6 bits a weight at 4 bits and block 32, 10 at 8 bits -- whether the
-  file stores zero points or not; every fp32 MatMul weight at 4 bytes a value; gathers (the embedding) read one
+  int8-activation kernels (accuracy_level 4, the CompInt8 layout of ``SQ4BitGemmPackQuantBDataSize``): per block
+  of ``block_size`` weights, the codes (bits x block / 8 bytes), one fp32 scale and one fp32 block sum (the zero
+  point folded in) -- 6 bits a weight at 4 bits and block 32 -- whether the file stores zero points or not; the
+  same layout is assumed at 8 bits (10 bits a weight at block 32: not read from MLAS's source here); every fp32 MatMul weight at 4 bytes a value; gathers (the embedding) read one
   row a token and are left out;
 - a GGUF file (``--gguf NAME=FILE``): each tensor's stored bytes (its type's block layout: Q4_0 4.5 bits a
   weight, Q8_0 8.5, Q6_K 6.56) for every tensor a token reads: all but ``token_embd`` (gathered by row), unless
