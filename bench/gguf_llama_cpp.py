@@ -22,7 +22,10 @@ Two measurements on the same file:
 ``vendor/llama.cpp`` folder of llama-cpp-python's source distribution: ``pip download --no-deps
 --no-binary :all: llama-cpp-python``, then ``cmake -B build -DLLAMA_CURL=OFF && cmake --build build
 --target llama-perplexity llama-bench``). Each ``--tessera NAME=ARGS`` is one Tessera configuration
-(its extra ``generate``/``perplexity`` arguments; empty for the file as read).
+(its extra ``generate``/``perplexity`` arguments; empty for the file as read). Each ``--llama NAME=FILE`` is one
+llama.cpp case decoding FILE (default: the model itself, named ``llama.cpp``): llama.cpp's Q4_0 and Q8_0 files made
+by ``llama-quantize`` from an f32 GGUF of the same weights, beside Tessera's ``--quantize`` of the model, time the
+issue's comparison (each Tessera configuration's ratio is printed against every llama.cpp case).
 """
 
 from __future__ import annotations
@@ -100,9 +103,15 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2, help="threads for both (default 2)")
     p.add_argument("--tessera", action="append", default=[], metavar="NAME=ARGS",
                    help="a Tessera configuration: its name and extra arguments (repeatable; default fp32=)")
+    p.add_argument("--llama", action="append", default=[], metavar="NAME=FILE",
+                   help="a llama.cpp decoding case: its name and GGUF file (repeatable; default llama.cpp=MODEL)")
     p.add_argument("--skip-decode", action="store_true", help="perplexity only")
     a = p.parse_args()
     configs = [(c.split("=", 1)[0], shlex.split(c.split("=", 1)[1] if "=" in c else "")) for c in a.tessera or ["fp32="]]
+    llamas = [tuple(c.split("=", 1)) for c in a.llama] or [("llama.cpp", a.model)]
+    for name, file in llamas:
+        if not Path(file).is_file():
+            sys.exit(f"--llama {name}={file}: no such file")
     result = {"model": a.model, "threads": a.threads}
     if a.text:
         with tempfile.TemporaryDirectory() as tmp:
@@ -117,22 +126,27 @@ def main() -> None:
     if not a.skip_decode:
         for name, extra in configs:  # compile once before timing (the compile cache keeps it)
             tessera_decode(a.model, 8, 2, a.threads, extra)
-        rates: dict[str, list[float]] = {"llama.cpp": []} | {name: [] for name, _ in configs}
+        cases = [(name, ("llama", file)) for name, file in llamas] + [(name, ("tessera", extra)) for name, extra in configs]
+        rates: dict[str, list[float]] = {name: [] for name, _ in cases}
         load: dict[str, list[float]] = {k: [] for k in rates}
         for r in range(a.rounds):
-            order = [("llama.cpp", None)] + configs
-            for name, extra in (order if r % 2 == 0 else order[::-1]):
-                ts, ratio = (llama_decode(a.llama_cpp_bin, a.model, a.prompt, a.new, a.threads) if extra is None
-                             else tessera_decode(a.model, a.prompt, a.new, a.threads, extra))
+            for name, (engine, arg) in (cases if r % 2 == 0 else cases[::-1]):
+                ts, ratio = (llama_decode(a.llama_cpp_bin, arg, a.prompt, a.new, a.threads) if engine == "llama"
+                             else tessera_decode(a.model, a.prompt, a.new, a.threads, arg))
                 rates[name].append(ts)
                 load[name].append(ratio)
-                print(f"round {r + 1}: {name} {ts:.2f} tokens/s (CPU/wall {ratio:.2f})", flush=True)
+                print(f"round {r + 1}: {name} {ts:.2f} tokens/s, {1000 / ts:.2f} ms a token (CPU/wall {ratio:.2f})",
+                      flush=True)
         result["decode_tokens_per_s"] = rates
         result["cpu_per_wall"] = load
-        print(f"decode tokens/s, llama.cpp: {summary(rates['llama.cpp'])}")
+        for name, _ in cases:
+            ms = [1000 / t for t in rates[name]]
+            print(f"decode, {name}: tokens/s {summary(rates[name])}; ms a token {summary(ms)}")
         for name, _ in configs:
-            ratios = [t / l for t, l in zip(rates[name], rates["llama.cpp"])]
-            print(f"decode tokens/s, Tessera {name}: {summary(rates[name])}; x llama.cpp {summary(ratios)}")
+            for lname, _ in llamas:
+                ratios = [t / l for t, l in zip(rates[name], rates[lname])]
+                print(f"decode tokens/s, Tessera {name} / {lname}: round by round {summary(ratios)}; "
+                      f"of the medians {statistics.median(rates[name]) / statistics.median(rates[lname]):.3f}")
     print(json.dumps(result))
 
 

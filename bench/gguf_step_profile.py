@@ -11,6 +11,12 @@ by operator type and by node: a step's time (``model_run``), its nodes, and the 
 adds its own cost to every node (a step here takes 1.5x its unprofiled time): read the shares, not the
 milliseconds. An ``If``'s time holds its branch's nodes (the decoding branch of the cached graph), which are also
 listed by their own types; the shares are of the kernels' sum, the ``If`` itself left out.
+
+Where the rest of a step goes (issue 42 item 3): the step's wall time a token (``generate``'s decoding rate) is
+split into onnxruntime's run (``model_run``), the kernels inside it (their sum), the run's time outside its
+kernels divided by the nodes a step (what onnxruntime spends per node between kernels: scheduling, allocation,
+the If), and the time outside the run (the Python loop: sampling, binding, the next step's inputs); and the nodes
+a step per layer.
 """
 
 from __future__ import annotations
@@ -51,8 +57,14 @@ def profile(path: str, threads: int, prompt: int, steps: int) -> dict:
         count[op] += 1
         by_node[e["name"].removesuffix("_kernel_time")] += e["dur"]
     inner = sum(us for op, us in by_op.items() if op != "If")
-    return {"steps": n, "step_ms": sum(r["dur"] for r in runs[1:]) / n / 1000,
-            "nodes_per_step": sum(c for op, c in count.items() if op != "If") // n,
+    step_ms = sum(r["dur"] for r in runs[1:]) / n / 1000
+    nodes_per_step = sum(c for op, c in count.items() if op != "If") // n
+    token_ms = 1000 / result.stats.decode_tokens_per_s
+    layers = count["GroupQueryAttention"] // n or 1  # one attention node a layer in the decoding branch
+    return {"token_ms": token_ms, "kernels_ms": inner / n / 1000, "outside_run_ms": token_ms - step_ms,
+            "per_node_us": (step_ms - inner / n / 1000) * 1000 / max(nodes_per_step, 1),
+            "nodes_per_layer": nodes_per_step / layers, "layers": layers,
+            "steps": n, "step_ms": step_ms, "nodes_per_step": nodes_per_step,
             "tokens_per_s": result.stats.decode_tokens_per_s,
             "ops": [(op, us / n / 1000, us / inner, count[op] // n) for op, us in by_op.most_common() if op != "If"],
             "nodes": [(name, us / n / 1000) for name, us in by_node.most_common(8) if not name.endswith("/If")]}
@@ -71,6 +83,10 @@ def main() -> None:
     print("| operator | ms a step | share of the kernels | nodes a step |\n| --- | ---: | ---: | ---: |")
     for op, ms, share, c in r["ops"][:12]:
         print(f"| {op} | {ms:.3f} | {100 * share:.1f} % | {c} |")
+    print(f"a token {r['token_ms']:.2f} ms (profiled): onnxruntime's run {r['step_ms']:.2f} ms, of which its kernels "
+          f"{r['kernels_ms']:.2f} ms and {r['per_node_us']:.1f} us a node between them ({r['nodes_per_step']} nodes, "
+          f"{r['nodes_per_layer']:.1f} a layer over {r['layers']} layers); outside the run (the Python loop) "
+          f"{r['outside_run_ms']:.2f} ms")
     print("heaviest nodes: " + "; ".join(f"{name} {ms:.3f} ms" for name, ms in r["nodes"][:5]))
 
 

@@ -15,7 +15,8 @@ float``, as these rows were first measured), and ``+head`` after one quantises t
 scheme's head bits (the old ``--quantize-head``: ``int4+head`` 4 bits, ``int4-asym+head`` 8), ``+head8``
 or ``+head4`` at those bits (``int4+head8``: ``--quantize int4``'s default now); ``+embfloat`` or ``+emb8``
 after those sets ``--quantize-embedding`` (without it, the rows before the 8-bit embedding keep the
-table float, as they were measured: ``int4+head8+emb8`` is ``--quantize int4``'s default now); ``llama.cpp-q4_0`` and ``llama.cpp-q4_1`` are
+table float, as they were measured: ``int4+head8+emb8`` is ``--quantize int4``'s default now); ``+blockN`` sets
+``--quantize-block N`` (``int8+head8+emb8+block128``); ``llama.cpp-q4_0`` and ``llama.cpp-q4_1`` are
 llama.cpp's reference quantisers (quantize_row_q4_0_ref, quantize_row_q4_1_ref, written here) applied
 to the same linears as Tessera's schemes (the embedding and the head kept in float), the model then
 run in fp32 on the weights they dequantise to: their rounding, not llama.cpp's kernels (which also
@@ -143,6 +144,8 @@ def main(argv=None) -> int:
             head = (heads[0] or True) if heads else False  # "8", "4", True (the scheme's) or float
             embeddings = [x[len("emb"):] for x in extras if x.startswith("emb")]
             embedding = embeddings[0] if embeddings else "float"
+            blocks = [int(x[len("block"):]) for x in extras if x.startswith("block")]
+            block = blocks[0] if blocks else None  # --quantize-block (None: the scheme's default, 32)
             t0 = time.perf_counter()
             if name in SIMULATED:
                 sim = tessera.load(simulated_folder(folder, SIMULATED[name], Path(tmp) / name))
@@ -152,6 +155,7 @@ def main(argv=None) -> int:
                 # (--gguf-weights codes) and leave the scheme nothing to quantise
                 r = model.perplexity(text_file, context=a.context, provider="cpu", gguf_weights="dequantize",
                                      quantize="none" if name == "fp32" else name, quantize_head=head,
+                                     quantize_block=block,
                                      quantize_embedding="auto" if name == "fp32" else embedding)
             base = base or r["perplexity"]
             rows.append({"scheme": scheme, "perplexity": r["perplexity"], "ratio": r["perplexity"] / base,
