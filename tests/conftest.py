@@ -269,6 +269,26 @@ def tiny_hf(family: str, vocab: int = 300):
     return model.eval()
 
 
+def tiny_recurrent_hf(family: str, vocab: int):
+    """A seeded, perturbed transformers model with recurrent state (``family`` "jamba": 4 layers, Mamba
+    mixers with attention at every second, one expert; else "mamba": 2 layers), width 32, the slow
+    (non-kernel) Mamba path: the reference of the recurrent-state generation and serving tests."""
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    if family == "jamba":
+        cfg = transformers.JambaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=48, num_hidden_layers=4,
+                                       num_attention_heads=4, num_key_value_heads=2, attn_layer_period=2,
+                                       attn_layer_offset=1, num_experts=1, mamba_d_state=8, mamba_d_conv=4,
+                                       mamba_expand=2, mamba_dt_rank=4, use_mamba_kernels=False, bos_token_id=1,
+                                       eos_token_id=None, pad_token_id=0)
+        return perturbed(transformers.JambaForCausalLM(cfg), 0.3)
+    cfg = transformers.MambaConfig(vocab_size=vocab, hidden_size=32, num_hidden_layers=2, state_size=8, expand=2,
+                                   conv_kernel=4, time_step_rank=4, bos_token_id=1, eos_token_id=None, pad_token_id=0)
+    return perturbed(transformers.MambaForCausalLM(cfg), 0.5)
+
+
 @pytest.fixture(scope="session")
 def cuda_stub(tmp_path_factory):
     """onnxruntime-gpu's CUDA provider under stub CUDA libraries built for this session

@@ -15,7 +15,7 @@ import json
 
 import pytest
 
-from conftest import cli, cli_error, hf_greedy, perturbed
+from conftest import cli, cli_error, hf_greedy, tiny_recurrent_hf
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -26,20 +26,11 @@ PROMPTS = [PASSAGE * 3 + [3, 7], [5, 2, 8] * 2]
 
 
 def _jamba():
-    torch.manual_seed(0)
-    cfg = transformers.JambaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=4,
-                                   num_attention_heads=4, num_key_value_heads=2, attn_layer_period=2,
-                                   attn_layer_offset=1, num_experts=1, mamba_d_state=8, mamba_d_conv=4,
-                                   mamba_expand=2, mamba_dt_rank=4, use_mamba_kernels=False, bos_token_id=1,
-                                   eos_token_id=None, pad_token_id=0)
-    return perturbed(transformers.JambaForCausalLM(cfg), 0.3)
+    return tiny_recurrent_hf("jamba", VOCAB)
 
 
 def _mamba():
-    torch.manual_seed(0)
-    cfg = transformers.MambaConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, state_size=8, expand=2,
-                                   conv_kernel=4, time_step_rank=4, bos_token_id=1, eos_token_id=None, pad_token_id=0)
-    return perturbed(transformers.MambaForCausalLM(cfg), 0.5)
+    return tiny_recurrent_hf("mamba", VOCAB)
 
 
 @pytest.fixture(scope="module", params=["jamba", "mamba"])

@@ -21,7 +21,7 @@ httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 
-from conftest import cli, perturbed  # noqa: E402
+from conftest import cli, perturbed, tiny_recurrent_hf  # noqa: E402
 
 NEW = 8
 PROMPTS = [[5, 17, 42, 99, 3, 7, 8], [9, 8], [61, 2, 33, 4], [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21]]
@@ -29,20 +29,11 @@ T5_START, T5_EOS = 0, 1
 
 
 def _jamba():
-    torch.manual_seed(0)
-    cfg = transformers.JambaConfig(vocab_size=128, hidden_size=32, intermediate_size=48, num_hidden_layers=4,
-                                   num_attention_heads=4, num_key_value_heads=2, attn_layer_period=2,
-                                   attn_layer_offset=1, num_experts=1, mamba_d_state=8, mamba_d_conv=4,
-                                   mamba_expand=2, mamba_dt_rank=4, use_mamba_kernels=False, bos_token_id=1,
-                                   eos_token_id=None, pad_token_id=0)
-    return perturbed(transformers.JambaForCausalLM(cfg), 0.3)
+    return tiny_recurrent_hf("jamba", 128)
 
 
 def _mamba():
-    torch.manual_seed(0)
-    cfg = transformers.MambaConfig(vocab_size=128, hidden_size=32, num_hidden_layers=2, state_size=8, expand=2,
-                                   conv_kernel=4, time_step_rank=4, bos_token_id=1, eos_token_id=None, pad_token_id=0)
-    return perturbed(transformers.MambaForCausalLM(cfg), 0.5)
+    return tiny_recurrent_hf("mamba", 128)
 
 
 def _t5():
