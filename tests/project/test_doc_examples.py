@@ -57,12 +57,23 @@ def workdir(tmp_path_factory):
     tok.train_from_iterator(text, trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>"],
                                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
     tok.save(str(d / "tokenizer.json"))
-    Path("/tmp/tessera-docs").mkdir(exist_ok=True)
+    for shared, own in SHARED_FOLDERS.items():  # this run's own folder where a page writes under /tmp
+        LOCAL[shared] = str(d / own)
+    Path(LOCAL["/tmp/tessera-docs"]).mkdir(exist_ok=True)
     yield d
-    import shutil
 
-    for made in ("/tmp/tessera-docs", "/tmp/tfd"):  # the folders the pages write to (the disk is shared)
-        shutil.rmtree(made, ignore_errors=True)
+
+# The folders the pages write to, as a reader would type them: each run of the examples writes to its own
+# (the test's temporary folder) instead, so two runs on one machine do not read or remove each other's files.
+SHARED_FOLDERS = {"/tmp/tessera-docs": "tessera-docs", "/tmp/tfd": "tfd"}
+LOCAL: dict[str, str] = {}
+
+
+def _local(text: str) -> str:
+    """``text`` (a block, a command, an expected line) with the pages' /tmp folders made this run's own."""
+    for shared, own in LOCAL.items():
+        text = text.replace(shared, own)
+    return text
 
 
 def _fails(following: list[str]) -> str | None:
@@ -104,7 +115,7 @@ def _transcript(path: Path, block, variables: dict) -> None:
         if m:
             variables[m.group(1)] = m.group(2).strip('"')
             continue
-        command = re.sub(r"\$([A-Z_]+)", lambda v: variables.get(v.group(1), v.group(0)), command)
+        command = _local(re.sub(r"\$([A-Z_]+)", lambda v: variables.get(v.group(1), v.group(0)), command))
         where = f"{path.relative_to(ROOT)}:{block.line}: `{command}`"
         if command.strip() == "echo $?":
             continue  # the status of the command before, checked with it
@@ -115,7 +126,7 @@ def _transcript(path: Path, block, variables: dict) -> None:
             status = part.rstrip().endswith('echo "exit status $?"')
             lines = _run(part if status else part + '; echo "exit status $?"')
             rc = int(lines[-1].split()[-1])
-            expected = _fails(following)
+            expected = _fails([_local(line) for line in following])
             if expected is None:
                 assert rc == 0, f"{where} failed:\n" + "\n".join(lines)
             else:
@@ -134,12 +145,13 @@ def test_doc_example(path, block, workdir, monkeypatch):
     if reason is not None:
         assert reason.strip(), f"{path.relative_to(ROOT)}:{block.line}: 'not checked' needs a reason"
         pytest.skip(f"not checked: {reason}")
-    if block.lang == "python" and SCRIPT.match(block.text):
-        target = Path(SCRIPT.match(block.text).group(1))  # written now, run by the transcript after it
+    text = _local(block.text)
+    if block.lang == "python" and SCRIPT.match(text):
+        target = Path(SCRIPT.match(text).group(1))  # written now, run by the transcript after it
         target.parent.mkdir(parents=True, exist_ok=True)
-        target.write_text(block.text)
+        target.write_text(text)
     elif block.lang == "python":
-        code = compile(block.text, f"{path.name}:{block.line}", "exec")
+        code = compile(text, f"{path.name}:{block.line}", "exec")
         exec(code, NAMESPACES.setdefault(path, {"__name__": "__doc_example__"}))
     elif block.text.startswith("$ "):
         _transcript(path, block, dict(SHELL_VARS))
