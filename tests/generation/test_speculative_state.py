@@ -25,17 +25,9 @@ PASSAGE = [3, 7, 1, 9, 4, 10]
 PROMPTS = [PASSAGE * 3 + [3, 7], [5, 2, 8] * 2]
 
 
-def _jamba():
-    return tiny_recurrent_hf("jamba", VOCAB)
-
-
-def _mamba():
-    return tiny_recurrent_hf("mamba", VOCAB)
-
-
 @pytest.fixture(scope="module", params=["jamba", "mamba"])
 def model(request, tmp_path_factory):
-    hf = {"jamba": _jamba, "mamba": _mamba}[request.param]()
+    hf = tiny_recurrent_hf(request.param, VOCAB)
     folder = tmp_path_factory.mktemp(request.param) / "ckpt"
     hf.save_pretrained(folder, safe_serialization=True)
     return hf, folder

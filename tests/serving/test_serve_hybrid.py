@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 
 import pytest
 
@@ -28,14 +29,6 @@ PROMPTS = [[5, 17, 42, 99, 3, 7, 8], [9, 8], [61, 2, 33, 4], [11, 12, 13, 14, 15
 T5_START, T5_EOS = 0, 1
 
 
-def _jamba():
-    return tiny_recurrent_hf("jamba", 128)
-
-
-def _mamba():
-    return tiny_recurrent_hf("mamba", 128)
-
-
 def _t5():
     torch.manual_seed(1)
     cfg = transformers.T5Config(vocab_size=128, d_model=32, d_kv=8, d_ff=48, num_layers=2, num_decoder_layers=2,
@@ -48,7 +41,8 @@ def _t5():
     return model
 
 
-MODELS = {"jamba": _jamba, "mamba": _mamba, "t5": _t5}
+MODELS = {"jamba": partial(tiny_recurrent_hf, "jamba", 128), "mamba": partial(tiny_recurrent_hf, "mamba", 128),
+          "t5": _t5}
 
 
 @pytest.fixture(scope="module", params=sorted(MODELS))
