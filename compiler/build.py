@@ -36,15 +36,19 @@ def jsonable(value):
     return value.block.name if isinstance(value, BlockRef) else value
 
 
-def model_metadata(info: ModelInfo, quantize=None, cache: CacheInfo | None = None) -> dict:
+def model_metadata(info: ModelInfo, quantize=None, cache: CacheInfo | None = None, graph: Graph | None = None
+                   ) -> dict:
     """The model file's metadata: model, variant, hyperparameters, the quantisation if any (a
-    QuantConfig), and the KV cache's interface for a cached decoder."""
+    QuantConfig), and the KV cache's interface for a cached decoder. With the quantised ``graph``,
+    ``embedding_bits`` says what its tables are stored at (0 where every one stayed float: int8's
+    default keeps an untied table float although its config's bits are 8), not only what was asked."""
     meta = {"tessera.model": info.model, "tessera.variant": info.variant or "",
             "tessera.hyperparams": {k: jsonable(v) for k, v in info.hyperparams.items()}}
     if quantize is not None:  # runtime/metadata.py ``quantization`` reads it back
         meta["tessera.quantize"] = {"scheme": quantize.scheme, "block_size": quantize.block_size,
                                     "head": quantize.head_bits is not None, "head_bits": quantize.head_bits or 0,
-                                    "embedding_bits": quantize.embedding_bits or 0,
+                                    "embedding_bits": (quantize.embedding_bits or 0) if graph is None or any(
+                                        n.op == "embedding_nbits" for n in graph.nodes.values()) else 0,
                                     "activations": quantize.activations}
     if cache is not None:
         meta[CacheInfo.METADATA_KEY] = cache.to_json()
@@ -103,7 +107,7 @@ def compile_cached(graph: Graph, weights, model: ModelInfo, options: PipelineOpt
     result = manager(graph)
     info = cache_info(result)
     _note_packed(result.graph, info)
-    onnx_model = _export(result.graph, weights, model_metadata(model, options.quantize, info))
+    onnx_model = _export(result.graph, weights, model_metadata(model, options.quantize, info, result.graph))
     exported = Exported(onnx_model, result.graph, info)
     manager.after_export(exported)
     info.notes += exported.notes
@@ -119,8 +123,10 @@ def compile_seq2seq(graph: Graph, weights, options: PipelineOptions, model: Mode
     result = manager(graph)
     (part,) = result.notes(SplitEncoder.name)  # an EncoderPart
     info = cache_info(result)
-    encoder = _export(part.graph, weights, None if model is None else model_metadata(model, options.quantize))
-    decoder = _export(result.graph, weights, None if model is None else model_metadata(model, options.quantize, info))
+    encoder = _export(part.graph, weights, None if model is None else model_metadata(model, options.quantize,
+                                                                                       graph=part.graph))
+    decoder = _export(result.graph, weights, None if model is None else model_metadata(model, options.quantize, info,
+                                                                                        result.graph))
     manager.after_export(Exported(decoder, result.graph, info))
     return EncoderDecoder(encoder, decoder, info, list(part.boundary), result)
 

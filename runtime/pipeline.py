@@ -306,7 +306,7 @@ def metadata(built: Built) -> dict:
     """The model file's metadata (compiler/build.py's model_metadata, the one place it is built)."""
     from tessera.compiler.build import model_metadata  # every pass (~0.2 s): not for `tessera ir`
 
-    return model_metadata(built.info, built.quantize)
+    return model_metadata(built.info, built.quantize, graph=built.graph)
 
 
 def export(built: Built, weights, out: str | Path, check: bool = True, progress=None) -> list[Path]:

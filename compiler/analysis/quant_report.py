@@ -20,7 +20,7 @@ def describe_quantization(config, float_bytes: int, quantized_bytes: int, notes:
             "granularity": config.granularity, "head": config.head_bits is not None, "head_bits": config.head_bits,
             "head_tied_float_table": any(n.reason == "tied" for n in heads) and not any(
                 n.quantized and n.reason in ("shared", "stored") for n in tables),
-            "embedding_bits": config.embedding_bits,
+            "embedding_bits": config.embedding_bits if not tables or any(n.quantized for n in tables) else None,
             "quantized_embeddings": sum(n.quantized for n in tables),
             "embedding_shares_head_codes": any(n.quantized and n.reason in ("shared", "stored") for n in tables),
             "embeddings_in_float": [{"node": n.node, "table": n.weight, "reason": n.reason}

@@ -21,12 +21,14 @@ MatMulNBits' per block of 32.
 
 The output head (a linear whose result is a model output, through views or not, or whose weight is
 also an embedding table, GPT-2's tied head) has bits of its own (``head``, --quantize-head): its
-errors go straight into the logits. Under the 4-bit schemes it is quantised at 8 bits by default
-(``auto``), llama.cpp's layout (its Q4_0/Q4_1/Q4_K_M files keep the output at Q6_K or Q8_0): for
-SmolLM2-135M, whose tied head is two thirds of the bytes a decoding step reads at int4, a float head
-kept decoding slow and a 4-bit one cost a third more perplexity (issue 42). 8 bits: symmetric under
-``int4`` (max|w| / 127 per block), with zero points under ``int4-asym``. Under ``int8`` and ``w8a8``
-``auto`` keeps it float, as before (the body's bits are already the head's 8). ``float``, ``8``
+errors go straight into the logits. Under ``int4``, ``int4-asym`` and ``int8`` it is quantised at 8
+bits by default (``auto``), llama.cpp's layout (its Q4_0/Q4_1/Q4_K_M files keep the output at Q6_K or
+Q8_0, its Q8_0 files at Q8_0): for SmolLM2-135M, whose tied head is two thirds of the bytes a decoding
+step reads at int4, a float head kept decoding slow and a 4-bit one cost a third more perplexity
+(issue 42); under int8 the 8-bit head decodes 1.24-1.29x faster than a float one for +0.25 % perplexity
+(x1.0048 of fp32's on the file's weights, x1.0012 off their grid: docs/benchmarks/log.md run qs4).
+8 bits: symmetric under ``int4`` and ``int8`` (max|w| / 127 per block), with zero points under
+``int4-asym``. Under ``w8a8`` ``auto`` keeps it float, as before. ``float``, ``8``
 and ``4`` ask for one; ``on`` (the old ``--quantize-head`` alone) is the scheme's head bits
 (``HEAD_BITS``: int4 4, the others 8).
 
@@ -41,7 +43,9 @@ same bits reads the same codes (one set of parameters: the recipe, hence the nam
 the float table is gone; where the tied head reads a GGUF file's own 8-bit codes (Q8_0, Q5_0:
 compiler/passes/stored_codes.py) the embedding gathers those, the file's values exactly. A tied head
 left float keeps the table float under ``auto`` too (codes beside it would only add bytes; ``8``
-stores them anyway). ``float`` keeps the table; under ``int8`` ``auto`` keeps it float as before;
+stores them anyway). ``float`` keeps the table; under ``int8`` ``auto`` stores a table at 8 bits
+only where the 8-bit head is tied to it (one set of codes, llama.cpp's Q8_0 layout) and keeps any
+other table float, as before (an encoder's table: codes would save bytes, not time);
 ``w8a8`` takes no ``8`` (its codes are int8 with one scale per row, a layout GatherBlockQuantized
 does not read). Position tables (an embedding of computed ids, GPT-2's ``wpe``) stay float: the
 KV-cache pass re-indexes them, and they are small.
@@ -71,9 +75,10 @@ SCHEMES = {"int8": 8, "int4": 4, "w8a8": 8, "int4-asym": 4}
 ROW_SCHEMES = ("w8a8",)  # one scale per output row and per activation row (linear_int8)
 ZERO_POINT_SCHEMES = ("int4-asym",)  # asymmetric blocks with zero points, the scale searched (quantize_zp)
 HEAD_BITS = {"int4-asym": 8}  # the output head's bits under head "on" (the old --quantize-head), where not the scheme's
-# --quantize-head: auto (8 bits under int4 and int4-asym, float under int8 and w8a8), float, 8, 4, or on (HEAD_BITS)
+# --quantize-head: auto (8 bits under int4, int4-asym and int8, float under w8a8), float, 8, 4, or on (HEAD_BITS)
 HEADS = ("auto", "float", "8", "4", "on")
-# --quantize-embedding: auto (8 bits under int4 and int4-asym, float under int8 and w8a8), float or 8
+# --quantize-embedding: auto (8 bits under int4 and int4-asym; under int8 where a tied 8-bit head shares the
+# codes; float under w8a8), float or 8
 EMBEDDINGS = ("auto", "float", "8")
 EMBEDDING_BITS = 8  # the one width embedding_nbits stores
 # MatMulNBits' accuracy_level: 0 computes in fp32 from dequantised weights; 4 quantises each block
@@ -121,7 +126,7 @@ class QuantConfig:
     def head_bits(self) -> int | None:
         """The output head's bits, None for float."""
         if self.head == "auto":
-            return 8 if self.bits == 4 else None
+            return None if self.per_row else 8
         if self.head == "on":
             return HEAD_BITS.get(self.scheme, self.bits)
         return None if self.head == "float" else int(self.head)
@@ -130,7 +135,7 @@ class QuantConfig:
     def embedding_bits(self) -> int | None:
         """The token embedding tables' bits, None for float."""
         if self.embedding == "auto":
-            return EMBEDDING_BITS if self.bits == 4 else None
+            return None if self.per_row else EMBEDDING_BITS
         return None if self.embedding == "float" else int(self.embedding)
 
     def describe(self) -> str:
@@ -142,6 +147,9 @@ class QuantConfig:
         if self.embedding_bits is None:
             return "the embedding float, " + ("as --quantize-embedding float asks" if self.embedding == "float" else
                                               f"{self.scheme}'s default (--quantize-embedding 8 quantises it)")
+        if self.embedding == "auto" and self.bits == 8:
+            return "the embedding at 8 bits where the 8-bit head is tied to it (one set of codes), else float: " \
+                   "int8's default"
         return f"the embedding at {self.embedding_bits} bits" + (
             ", the 4-bit schemes' default" if self.embedding == "auto" else
             f" as --quantize-embedding {self.embedding} asks")
@@ -152,7 +160,7 @@ class QuantConfig:
         if bits is None:
             return "the output head float, " + ("as --quantize-head float asks" if self.head == "float" else
                                                 f"{self.scheme}'s default (--quantize-head 8 quantises it)")
-        how = {"auto": ", the 4-bit schemes' default", "on": ", the scheme's (--quantize-head alone)"}
+        how = {"auto": ", the default of int4, int4-asym and int8", "on": ", the scheme's (--quantize-head alone)"}
         return f"the output head at {bits} bits" + how.get(self.head, f" as --quantize-head {self.head} asks")
 
     @property
@@ -214,6 +222,7 @@ class QuantizeWeights(Pass):
     def __init__(self, config: QuantConfig):
         config.check()
         self.config = config
+        self._tied_heads: set[str] = set()
 
     def requires(self, graph: Graph) -> None:
         done = next((n.name for n in graph.nodes.values() if ops.has_trait(n.op, "quantized")
@@ -302,6 +311,9 @@ class QuantizeWeights(Pass):
         if self.config.embedding == "auto" and any(c.op != "embedding" for c in graph.consumers(table)):
             return "tied to the float output head, which keeps the float table: codes beside it would add " \
                    "bytes (--quantize-embedding 8 stores them anyway)"
+        if self.config.embedding == "auto" and self.config.bits == 8 and table not in self._tied_heads:
+            return "int8's default keeps a table no 8-bit head shares float (a gather reads one row a token: " \
+                   "codes would save bytes, not time; --quantize-embedding 8 stores them)"
         return None
 
     def _quantize_table(self, graph: Graph, node) -> QuantNote:
@@ -328,6 +340,7 @@ class QuantizeWeights(Pass):
     def run(self, graph: Graph) -> PassResult:
         assert self.config.bits in BITS
         notes = []
+        self._tied_heads = set()  # tables whose tied head now reads codes (int8's auto table follows them)
         for node in list(graph.nodes.values()):
             if node.op != "linear":
                 continue
@@ -342,6 +355,8 @@ class QuantizeWeights(Pass):
             if not graph.consumers(w):
                 graph.remove_param(w)
             tied = head and w in graph.params and any(c.op == "embedding" for c in graph.consumers(w))
+            if tied:
+                self._tied_heads.add(w)
             notes.append(QuantNote(node.name, w, True, "tied" if tied else "",
                                    bits=self.config.head_bits if head else self.config.bits, head=head))
         for node in list(graph.nodes.values()):  # after the linears: a tied head's codes are declared

@@ -72,12 +72,15 @@ def _quantized(spec="gpt2", config=QuantConfig("int8"), **sets):
     return graph, weights, result
 
 
-def test_the_pass_replaces_linears_and_keeps_the_head_by_default():
-    graph, _, result = _quantized()
+def test_the_pass_replaces_linears_and_keeps_the_head_float_when_asked():
+    graph, _, result = _quantized(config=QuantConfig("int8", head="float"))
     kinds = [n.op for n in graph.nodes.values() if n.op in ("linear", "linear_nbits")]
     assert kinds.count("linear") == 1 and kinds.count("linear_nbits") == 12  # 2 layers x (q, k, v, o, fc, proj)
     head = next(n for n in result.notes if not n.quantized)
     assert head.weight == "wte.weight" and "tied" in head.reason
+    # int8's default: the tied head at 8 bits too, and the table gathers its codes
+    graph8, _, _ = _quantized()
+    assert not any(n.op == "linear" for n in graph8.nodes.values()) and "wte.weight" not in graph8.params
     assert "layers.0.attn.q.weight" not in graph.params  # replaced by its packed form
     p = graph.params["layers.0.attn.q.weight.int8_packed"]
     assert p.dtype == "u8" and p.shape == (64, 2, 32)
@@ -179,9 +182,12 @@ def test_mixtral_router_stays_float_and_llama_head_is_a_model_output():
     graph, _, result = _quantized("mixtral", layers=1, d=64, heads=4, kv_heads=2, vocab=100, d_ff=64, experts=4, top=2)
     kept = {n.weight: n.reason for n in result.notes if not n.quantized}
     assert any("router" in w and "outputs, fewer than 16" in r for w, r in kept.items()), kept
-    graph, _, result = _quantized("llama", layers=1, d=64, heads=4, kv_heads=2, vocab=100, d_ff=64)
+    llama = dict(layers=1, d=64, heads=4, kv_heads=2, vocab=100, d_ff=64)
+    graph, _, result = _quantized("llama", config=QuantConfig("int8", head="float"), **llama)
     kept = {n.weight: n.reason for n in result.notes if not n.quantized and not n.embedding}
-    assert list(kept.values()) == ["the output head (--quantize-head 8 quantises it)"]  # int8: float by default
+    assert list(kept.values()) == ["the output head (--quantize-head float)"]
+    graph, _, result = _quantized("llama", **llama)  # int8's default: the head at 8 bits
+    assert [n.bits for n in result.notes if n.head and n.quantized] == [8]
 
 
 # ---------------------------------------------------------------- generation with a KV cache

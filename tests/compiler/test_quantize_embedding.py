@@ -196,9 +196,54 @@ def test_an_untied_table_stores_codes_and_scales(capsys):
     assert got["float"] - got["8"] == 4 * vocab * d - (vocab * d + 4 * vocab * (d // 32))
 
 
-def test_int8_keeps_the_table_float_by_default_and_position_tables_stay_float():
-    q = QuantConfig("int8")
-    assert q.embedding_bits is None and QuantConfig("int4").embedding_bits == 8
+@pytest.mark.parametrize("tied", [False, True])
+def test_int8_by_default_the_head_at_8_bits_and_the_table_only_where_that_head_is_tied(tied):
+    """int8's defaults (llama.cpp's Q8_0 layout): the head at 8 bits; a table tied to it gathers the
+    head's codes (one set, the float table gone); an untied table stays float. Logits against the
+    float model whose weights are replaced here by their numpy dequantisation."""
+    graph = build("llama", tied=tied, **LLAMA)
+    weights = {p: np.array(v) for p, v in SeededWeights(graph, 0).items()}
+    tokens = np.random.default_rng(1).integers(0, LLAMA["vocab"], (2, 11)).astype(np.int64)
+    result = QuantizeWeights(QuantConfig("int8", activations="float"))(graph)
+    (table,) = [n for n in result.notes if n.embedding]
+    head = next(n for n in result.notes if n.head)
+    assert head.quantized and head.bits == 8
+    assert table.quantized == tied and (table.reason == "shared" if tied else "int8's default" in table.reason)
+    assert ("embed.weight" in graph.params) == (not tied)
+    got = _logits(graph, weights, tokens)
+
+    ref = {p: (dequantised_rows(w, 8) if w.ndim == 2 and p != "embed.weight" else w) for p, w in weights.items()}
+    ref["head.weight"] = dequantised_rows(weights["embed.weight" if tied else "head.weight"], 8)
+    if tied:
+        ref["embed.weight"] = dequantised_rows(weights["embed.weight"], 8)
+    np.testing.assert_allclose(got, _logits(build("llama", tied=False, **LLAMA), ref, tokens), atol=1e-4, rtol=0)
+    # the head's 8 bits are seen: against the same model with the float head the logits move
+    ref["head.weight"] = weights["embed.weight" if tied else "head.weight"]
+    assert np.abs(_logits(build("llama", tied=False, **LLAMA), ref, tokens) - got).max() > 1e-5
+
+
+def test_int8_says_its_untied_table_stayed_float_in_the_file_and_the_report(capsys, tmp_path):
+    """The metadata and the report state what the file stores (the table float: embedding_bits 0 / null),
+    not int8's 8 bits for a tied table; with the table tied they say 8."""
+    for tied, bits in (("false", 0), ("true", 8)):
+        out = tmp_path / f"int8-{tied}.onnx"
+        rc, _, err = cli(capsys, "compile", MODELS / "llama.tsr", *SETS, "--set", f"tied={tied}", "--quantize", "int8",
+                         "-o", out)
+        assert rc == 0, err
+        meta = {e.key: e.value for e in onnx.load(str(out), load_external_data=False).metadata_props}
+        q = json.loads(meta["tessera.quantize"])
+        assert (q["head_bits"], q["embedding_bits"]) == (8, bits), q
+        rc, out_json, err = cli(capsys, "report", MODELS / "llama.tsr", *SETS, "--set", f"tied={tied}",
+                                "--quantize", "int8", "--format", "json")
+        assert rc == 0, err
+        report = json.loads(out_json)["quantization"]
+        assert report["embedding_bits"] == (bits or None) and report["quantized_embeddings"] == (1 if bits else 0)
+        if not bits:
+            assert ["int8's default" in e["reason"] for e in report["embeddings_in_float"]] == [True]
+
+
+def test_w8a8_keeps_the_table_float_by_default_and_position_tables_stay_float():
+    assert QuantConfig("w8a8", 0).embedding_bits is None and QuantConfig("int4").embedding_bits == 8
     graph = build("gpt2", "small", layers=1, d=64, heads=2, vocab=100, ctx=32)
     notes = [n for n in QuantizeWeights(QuantConfig("int4"))(graph).notes if n.embedding]
     by_table = {n.weight: n for n in notes}

@@ -75,7 +75,7 @@ def test_the_head_choices_and_the_old_flag():
         return n.bits if n.quantized else None
 
     assert head_of(QuantConfig("int4")) == 8 and head_of(QuantConfig("int4-asym")) == 8
-    assert head_of(QuantConfig("int8")) is None and head_of(QuantConfig("w8a8", 0)) is None  # float, as before
+    assert head_of(QuantConfig("int8")) == 8 and head_of(QuantConfig("w8a8", 0)) is None  # w8a8: float, as before
     assert head_of(QuantConfig("int4", head="float")) is None and head_of(QuantConfig("int4", head="4")) == 4
     assert head_of(QuantConfig("int8", head="8")) == 8 and head_of(QuantConfig("int4-asym", head="4")) == 4
     # the old --quantize-head (True in the API): the scheme's head bits
@@ -103,7 +103,7 @@ def test_the_default_int4_graph_has_the_head_as_matmulnbits_at_8_bits(capsys, tm
         assert json.loads(meta["tessera.quantize"])["head_bits"] == (bits or 0)
     rc, _, err = cli(capsys, "compile", MODELS / "llama.tsr", *SETS, "--quantize", "int4", "--explain",
                      "-o", tmp_path / "full.onnx")
-    assert rc == 0 and "the output head at 8 bits, the 4-bit schemes' default" in err, err
+    assert rc == 0 and "the output head at 8 bits, the default of int4, int4-asym and int8" in err, err
 
 
 def test_a_bad_head_choice_is_a_clear_error(capsys, tmp_path):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 
 import json
+import re
 import time
 
 from conftest import cli
@@ -97,9 +98,12 @@ def test_a_probe_taken_on_a_busy_machine_is_not_kept(capsys, tmp_path, monkeypat
 def test_a_quiet_probe_is_kept_and_says_so(capsys, tmp_path, monkeypatch):
     from tessera.compiler.analysis import roofline
 
-    monkeypatch.setattr(roofline, "_cpu_time", time.perf_counter)  # the copies got a whole core
+    # the copies got a whole core: the stand-in CPU clock is the wall clock, read just after it, so a
+    # preemption between the two reads (a loaded machine) shows as a share a little under 1.00
+    monkeypatch.setattr(roofline, "_cpu_time", time.perf_counter)
     cal = tmp_path / "calibration.json"
     _measure(capsys, cal)
     (machine,) = json.loads(cal.read_text())["machines"].values()
-    assert "quiet (the copies got 1.00 of a core)" in machine["device"]["source"]
+    share = re.search(r"quiet \(the copies got (\d\.\d\d) of a core\)", machine["device"]["source"])
+    assert share and roofline.QUIET_SHARE <= float(share.group(1)) <= 1.01, machine["device"]["source"]
     assert set(machine["phases"]) == {"prefill", "decode"}
