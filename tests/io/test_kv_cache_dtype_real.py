@@ -4,6 +4,12 @@ the file, or TESSERA_REAL_MODELS=1 downloads it: tests/io/test_gguf.py ``_packag
 The reference is the same model with the fp32 cache. Stated tolerance (measured: docs/serve.md, 8.0e-4 of
 the range at most over 576 decoded tokens of real text): every greedy step's logits within 2e-3 of the
 fp32 logits' range, and the tokens equal unless a step's top two fp32 logits lie within twice that.
+
+The file's codes run with fp32 products (``--gguf-weights codes-fp32``), so that what differs is the cache
+alone. Under the default ``codes`` MatMulNBits quantises each block of activations to int8, and the cache's
+rounding-level difference moves some activations across a rounding step that 30 layers amplify (3.9 % of
+the logits' range at the second step here; docs/benchmarks/log.md kp7 saw the same with the grouped
+attention form): that is the int8 activations' sensitivity, not the cache's.
 """
 
 from __future__ import annotations
@@ -27,7 +33,8 @@ def test_smollm2_with_an_fp16_cache_decodes_as_with_fp32(tmp_path_factory):
     prompt = tok.encode("The history of the printing press in Europe begins with").ids
     runs = {}
     for kv in ("auto", "fp16"):
-        o = GenerateOptions(threads=2, kv_cache_dtype=kv, provider="cpu", no_compile_cache=True).for_api()
+        o = GenerateOptions(threads=2, kv_cache_dtype=kv, provider="cpu", no_compile_cache=True,
+                            gguf_weights="codes-fp32").for_api()
         o.check()
         model = loop.load_model(checkpoint.resolve(ModelRef(spec=path)), o)
         assert model.info.dtype == ("f16" if kv == "fp16" else "f32")
