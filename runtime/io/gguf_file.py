@@ -48,8 +48,8 @@ import numpy as np
 from tessera.runtime.io import gguf_codes, gguf_tokenizer
 from tessera.runtime.io.weights import WeightsError
 
-VERSION = 4  # of the conversion: a change here converts every file again (2: the note by type; 3: SentencePiece;
-# 4: the codes kept)
+VERSION = 5  # of the conversion: a change here converts every file again (2: the note by type; 3: SentencePiece;
+# 4: the codes kept; 5: the shards named as transformers names them)
 SUFFIX = ".gguf"
 MAGIC = b"GGUF"
 SHARD_BYTES = 2 * 1024 ** 3
@@ -643,11 +643,13 @@ def convert(path: Path, folder: Path, final: Path | None = None) -> str:
 
     shard: dict[str, np.ndarray] = {}
     size, index = 0, 0
+    shard_keys: list[list[str]] = []
 
     def flush():
         nonlocal shard, size, index
         if shard:
             save_file(shard, str(folder / f"model-{index:05d}.safetensors"), metadata={"format": "pt"})
+            shard_keys.append(list(shard))
             shard, size, index = {}, 0, index + 1
 
     for name in m.tensors:
@@ -665,6 +667,7 @@ def convert(path: Path, folder: Path, final: Path | None = None) -> str:
             if size >= SHARD_BYTES:
                 flush()
     flush()
+    _name_shards(folder, shard_keys)
     kept, inexact = gguf_codes.write(folder, _kept_items(m, names, config))
     (folder / "config.json").write_text(json.dumps(config, indent=1))
     (folder / "generation_config.json").write_text(json.dumps(_generation_config(m), indent=1))
@@ -680,6 +683,25 @@ def convert(path: Path, folder: Path, final: Path | None = None) -> str:
         note += f"; no tokenizer read: {why} (give --tokenizer)"
     (folder / "gguf_source.json").write_text(json.dumps({"source": str(path), "version": VERSION, "note": note}))
     return note
+
+
+def _name_shards(folder: Path, shard_keys: list[list[str]]) -> None:
+    """Rename the shards as transformers' save_pretrained names them -- ``model.safetensors`` alone, or
+    ``model-0000i-of-0000n.safetensors`` with ``model.safetensors.index.json`` -- so that the folder is a
+    checkpoint transformers (and tools built on it, onnxruntime-genai's model builder, optimum) loads too,
+    not only Tessera (which reads every ``*.safetensors``)."""
+    n = len(shard_keys)
+    if n == 1:
+        (folder / "model-00000.safetensors").rename(folder / "model.safetensors")
+        return
+    weight_map, total = {}, 0
+    for i, keys in enumerate(shard_keys):
+        name = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+        (folder / f"model-{i:05d}.safetensors").rename(folder / name)
+        total += (folder / name).stat().st_size
+        weight_map.update(dict.fromkeys(keys, name))
+    (folder / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
 
 
 def _rows(m: GGUFModel, hf_name: str, config: dict, n: int) -> np.ndarray | None:

@@ -242,8 +242,35 @@ def test_a_tiny_gguf_llama_gives_the_logits_of_its_checkpoint_folder(kind, tied,
     np.testing.assert_allclose(runs["gguf"], runs["folder"], atol=1e-5, rtol=0)
     np.testing.assert_allclose(runs["codes"], runs["folder"], atol=2e-5, rtol=0)  # accumulation order only
     np.testing.assert_allclose(runs["gguf"], want, atol=1e-4, rtol=0)
-    config = json.loads(next((tmp_path / "cache" / "gguf").glob("tiny-*/config.json")).read_text())
+    converted = next((tmp_path / "cache" / "gguf").glob("tiny-*"))
+    config = json.loads((converted / "config.json").read_text())
     assert config["tie_word_embeddings"] is tied and config["num_key_value_heads"] == KV
+    # the converted folder is a checkpoint transformers loads too (its shard named as save_pretrained names it)
+    assert [f.name for f in converted.glob("*.safetensors")] == ["model.safetensors"]
+    with torch.no_grad():
+        again = transformers.LlamaForCausalLM.from_pretrained(converted).eval()(input_ids=torch.tensor([IDS])).logits
+    np.testing.assert_allclose(again.numpy(), want, atol=1e-5, rtol=0)
+
+
+def test_a_converted_folder_of_several_shards_has_transformers_index(tmp_path, monkeypatch):
+    """A model past one shard is written as save_pretrained writes it: model-0000i-of-0000n.safetensors and
+    model.safetensors.index.json mapping each tensor to its shard; transformers loads it."""
+    from tessera.runtime.io import gguf_file
+
+    monkeypatch.setenv("TESSERA_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(gguf_file, "SHARD_BYTES", 4096)  # a tiny model in many shards
+    model = _tiny(False)
+    _gguf_of(model, tmp_path / "tiny.gguf", "F32")
+    folder = gguf_file.folder_for(tmp_path / "tiny.gguf")
+    shards = sorted(f.name for f in folder.glob("*.safetensors"))
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    assert len(shards) > 1 and shards[0] == f"model-00001-of-{len(shards):05d}.safetensors"
+    assert sorted(set(index["weight_map"].values())) == shards
+    assert set(index["weight_map"]) == {k for k in model.state_dict() if "rotary" not in k}
+    with torch.no_grad():
+        again = transformers.LlamaForCausalLM.from_pretrained(folder).eval()(input_ids=torch.tensor([IDS])).logits
+        want = model(input_ids=torch.tensor([IDS])).logits
+    np.testing.assert_allclose(again.numpy(), want.numpy(), atol=1e-5, rtol=0)
 
 
 def test_the_gguf_tokenizer_chat_template_and_end_token(tmp_path, capsys, monkeypatch):
