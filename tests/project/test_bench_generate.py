@@ -45,7 +45,7 @@ def _tied_llama(folder, vocab: int = 300, added: tuple[int, ...] = (0, 1, 2)):
     cfg = transformers.LlamaConfig(vocab_size=vocab, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                                    num_key_value_heads=2, intermediate_size=96, rms_norm_eps=1e-5,
                                    max_position_embeddings=256, tie_word_embeddings=True)
-    hf = perturbed(transformers.LlamaForCausalLM(cfg), 0.08)
+    hf = perturbed(transformers.LlamaForCausalLM(cfg), 0.3)  # 0.08 leaves it repeating one token
     hf.save_pretrained(folder, safe_serialization=True)
     tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(vocab)}, unk_token="w0"))
     tok.add_special_tokens([AddedToken(f"w{i}", special=True) for i in added])
@@ -96,4 +96,5 @@ def test_a_tied_checkpoint_generates_transformers_tokens(tmp_path):
     assert compiled["weights_read_bytes"] == sum(p.numel() * 4 for p in hf.parameters())  # the tied table once
     prompt = bench.prompt_ids(12, "llama", str(tmp_path / "ckpt"))
     got = bench.run_tessera(out, "llama", "buffer", 12, 10, 0, 1, str(tmp_path / "ckpt"))["tokens"]
-    assert got == hf_greedy(hf, [prompt], 10)[0]
+    want = hf_greedy(hf, [prompt], 10)[0]
+    assert len(set(want)) > 3 and got == want  # a reference that moves, as Tessera's must
