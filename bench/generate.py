@@ -7,8 +7,7 @@ same weights, same thread count.
     python bench/generate.py --cases tessera --new 512 --rounds 1     # peak memory over 512 new tokens
     python bench/generate.py --model llama --cases tessera llama-cpp \
         --llama-cpp-python /path/to/venv/bin/python --llama-cpp-tools /path/to/llama.cpp
-    python bench/generate.py --checkpoint DIR --cases tessera ort-genai --genai-python /path/to/venv/bin/python \
-        --quantize int4-asym                                  # a real checkpoint folder, int4 on both sides
+    python bench/generate.py --checkpoint DIR --cases tessera ort-genai --quantize int4-asym --genai-python PYTHON
 
 Models (weights seeded with transformers' own initialisation, saved once as safetensors, read by
 every case): ``gpt2``, GPT-2 small (124 M); ``llama``, a Llama-shaped model (hidden 768, 12 layers,
@@ -38,7 +37,8 @@ the path it takes for models without one): token ids are fed directly, so the vo
 never used. n_threads and n_threads_batch = ``--threads``).
 
 Every case runs in its own process and the cases alternate (round 1: each case once, round 2: ...);
-each process times ``--repeat`` generations after one warm-up. Per case: prefill (the prompt's forward
+each process times ``--repeat`` generations after one warm-up (``--json`` also keeps each case's
+last greedy tokens, for a check against another reference). Per case: prefill (the prompt's forward
 pass up to the first new token) and decode (the mean time per later token), minimum and median over all
 runs; CPU time / wall time of the whole generation (how many cores were busy); memory: RSS before
 loading (the interpreter and libraries), after loading (the model is compiled beforehand in another
