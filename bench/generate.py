@@ -541,8 +541,9 @@ def main() -> None:
         if readers and not any((Path(args.checkpoint) / f).is_file() for f in HF_WEIGHTS):
             sys.exit(f"--checkpoint {args.checkpoint}: no {', '.join(HF_WEIGHTS)}: transformers (and through it "
                      f"onnxruntime-genai's builder, for {', '.join(readers)}) reads none of its weights (a folder "
-                     f"Tessera converted a GGUF file into names its shards model-00000.safetensors...: give a "
-                     f"folder linking the single shard as model.safetensors, docs/benchmarks/log.md gs1)")
+                     f"Tessera converted a GGUF file into before its conversion version 5 named its shards "
+                     f"model-00000.safetensors...: convert the file again, or link the single shard as "
+                     f"model.safetensors, docs/benchmarks/log.md gs1)")
     if "ort-genai" in cases and (not args.genai_python or (args.model != "llama" and not args.checkpoint)):
         sys.exit("the ort-genai case needs --model llama (its builder has no GPT-2) or --checkpoint, and "
                  "--genai-python")
