@@ -10,14 +10,25 @@ a step, and the fp16 cache decodes slower than fp32 at long contexts. Given each
 as rows, the kernel converts and reads each cache once (2.0x faster a call at 4,096 positions, fp16). An
 fp32 cache gains nothing (bound by memory reads: kp4, kp5), so only fp16 caches are rewritten.
 
-The rewritten bound branch: the lengths' nodes (seqlens_k, total_sequence_length and what computes them),
-then ``If(room)``: then the grouped step, else the step as compiled. ``room``: total_sequence_length + G - 1
-<= the narrowest past buffer's width (every past input the kernels read), since the grouped kernel writes
-each row's G new columns at cache_length[b] .. cache_length[b] + G - 1, the last of the longest row at
-total_sequence_length + G - 2. Where a row is at its buffer's end the compiled form runs: the kernel never
-writes past a buffer. (The alternative, a runtime that always keeps G - 1 columns of room, would bind every
-caller -- generate, the serving engine, speculation's rollback, a bench -- to a rule the graph cannot check;
-the If costs one node a step.)
+Where it runs: the bound branch becomes the grouped step, and the top-level If's condition (bound_step.py)
+becomes ``Or(condition, Not(room))``, computed in the main graph (copies of the nodes that compute
+total_sequence_length from cache_length):
+
+- ``room``: total_sequence_length + G - 1 <= the narrowest past buffer's width (every past the kernels
+  read), since the grouped kernel writes each row's G new columns at cache_length[b] .. cache_length[b] +
+  G - 1, the longest row's last at total + G - 2. At a buffer's end the kernel therefore never writes past it;
+- and ONE row: onnxruntime 1.31's CPU kernel refuses a sequence length > 1 after a past at batch > 1
+  (group_query_attention_helper.h: "batch_size must be 1 when sequence_length > 1 and past context is
+  given"). The graph is built for any batch (Reshapes over 0, the bias per row), the test keeps it to one.
+
+Otherwise the general branch runs: the graph as it was, whose per-layer Ifs' decoding branches are the
+compiled step (correct for any decoding step; it also gathers the cache columns the bound step skips: about
+30 us a layer more, bound_step.py). So with an fp16 cache a decoding step of more than one row costs what it
+did before the bound step was split. Not a nested If in the bound branch (grouped / compiled): onnxruntime
+does not prepack the weights of nodes two subgraph levels below the main graph (SmolLM2-135M's MatMulNBits:
+1.5 s a step against 68 ms, measured), and not a runtime that always keeps G - 1 columns of room: that
+would bind every caller (generate, the serving engine, speculation's rollback, a bench) to a rule the
+graph cannot check, and the batch test is needed anyway.
 
 The grouped step, per GroupQueryAttention (row b of the batch, row j = 0..G-1 of the G; head h = g*G + j):
 - the queries [B, 1, H*hd] as [B, G, kv*hd] (Reshape [0, kv, G, hd], Transpose, Reshape [0, G, kv*hd]:
@@ -51,7 +62,7 @@ records it in its note, shown by --explain):
 - the columns of a row past its cache_length hold nothing a later call reads before rewriting them (the
   compiled kernel already writes a riding-along prefilling row's ignored column there: serving/engine.py
   ``_decode_step``; the G - 1 spare columns are overwritten by later steps and chunks before any mask
-  shows them);
+  shows them, and a row's slots are marked filled only where its own calls wrote them);
 - the attention's value for a query row does not depend on the other rows (the kernel's rows are
   independent given the bias), so the grouped output equals the compiled one up to the order of the
   products' summation (rounding: tests/generation/test_grouped_decode.py).
