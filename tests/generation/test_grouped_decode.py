@@ -273,3 +273,46 @@ def test_serving_engine_gives_transformers_greedy_tokens(checkpoint, monkeypatch
         assert [h.tokens for h in handles] == want, slots
         if slots == 1:
             assert profile.grouped() > 0
+
+
+@pytest.mark.parametrize("edit,reason", [
+    (lambda n: n.attribute.append(helper.make_attribute("softcap", 30.0)), "softcap"),
+    (lambda n: n.attribute.append(helper.make_attribute("local_window_size", 8)), "local_window_size"),
+    (lambda n: n.attribute.append(helper.make_attribute("smooth_softmax", 1)), "smooth_softmax"),
+    (lambda n: n.input.extend([""] * (11 - len(n.input)) + ["sinks"]), "head_sink"),
+    (lambda n: n.input.__setitem__(9, ""), "rotary without position_ids"),
+])
+def test_refused_where_the_semantics_are_not_kept(models, edit, reason):
+    """The compiled fp16 step with one kernel edited as a model using that feature would be: left as it is,
+    the reason returned (the pass puts it in --explain's note)."""
+    import copy
+
+    from tessera.compiler.backends.onnx.grouped_decode import group_bound_step
+
+    model = copy.deepcopy(models(False)[0])
+    branch = next(a.g for n in model.graph.node if n.name == "bound_step/If" for a in n.attribute
+                  if a.name == "else_branch")
+    edit(next(n for n in branch.node if n.op_type == "GroupQueryAttention"))
+    before = model.SerializeToString()
+    got = group_bound_step(model)
+    assert isinstance(got, str) and reason in got, got
+    assert model.SerializeToString() == before
+
+
+@pytest.mark.parametrize("sets,kv,reason", [
+    (SETS, "auto", "is FLOAT, not FLOAT16"),                                   # an fp32 cache
+    (["layers=1", "d=64", "heads=4", "kv_heads=4", "vocab=50"], "fp16", "G == 1"),  # one query head per kv head
+])
+def test_refused_for_fp32_caches_and_one_query_head_per_group(sets, kv, reason):
+    built = rt.build("llama", None, sets)
+    model, info = gen.compile_cached(built, rt.weights_for(built, None, 0), kv_cache_dtype=kv, grouped_decode=True)
+    assert grouped_branch(model) is None and reason in info.explain(), info.explain()
+
+
+def test_the_compile_cache_keys_the_option(monkeypatch):
+    from tessera.compiler.passes.pipeline import PipelineOptions
+    from tessera.runtime.compile_cache import options_fingerprint
+
+    assert options_fingerprint(PipelineOptions())["grouped_decode"] is True
+    monkeypatch.setenv("TESSERA_GROUPED_DECODE", "0")
+    assert options_fingerprint(PipelineOptions())["grouped_decode"] is False
