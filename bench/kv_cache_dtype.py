@@ -14,8 +14,9 @@ contexts, sequences that fit a fixed memory, and the quality on real text.
   from its buffers (``Engine.cache_bytes``: their nbytes); sequences at the largest --positions that fit
   --memory-gib GiB = floor(GiB / bytes per slot).
 - quality (--text): the text's first --quality-tokens tokens, the first quarter as the prompt and each
-  later token fed one at a time (teacher forcing) through the decoding step over the cache, so every
-  scored token is predicted by the step that reads the cache: the perplexity of those tokens, the largest
+  later token fed one at a time (teacher forcing) through the decoding step over the cache (the bound
+  step, as the engine runs it: with an fp16 cache the grouped form, compiler/backends/onnx/grouped_decode.py,
+  but at the buffer's last G - 1 columns), so every scored token is predicted by the step that reads the cache: the perplexity of those tokens, the largest
   |logits(fp16) - logits(fp32)| over the fp32 logits' range, and the steps whose argmax differs.
 ``tessera perplexity`` scores windows with the full model (no cache), so it cannot say this.
 """
@@ -108,7 +109,12 @@ def memory(models: dict, context: int, gib: float) -> dict:
 
 def _teacher_forced(m, ids: list[int], prompt: int) -> tuple[np.ndarray, np.ndarray]:
     """(log-probabilities of ids[prompt:], the logits [steps, vocab]) with ids[:prompt] as the prompt and
-    each later token fed through a decoding step over the cache (numpy feeds; the new columns written back)."""
+    each later token fed through a decoding step over the cache: the bound step where the graph has one (the
+    buffers bound in place, the kernel writing each new column, as the engine decodes: with an fp16 cache the
+    grouped form, compiler/backends/onnx/grouped_decode.py, but at the buffer's last columns), else numpy feeds
+    with the new columns written back."""
+    from tessera.runtime.generation.cached import BoundStep
+
     info = m.info
     capacity = len(ids)
     cache = {}
@@ -129,14 +135,18 @@ def _teacher_forced(m, ids: list[int], prompt: int) -> tuple[np.ndarray, np.ndar
     write(out, prompt)
     filled = prompt
     logits.append(out[info.logits][0, -1].astype(np.float64))
+    bound = BoundStep(m, cache) if info.length_input and all(layer.buffer_key for layer in info.layers) else None
     for tok in ids[prompt:-1]:
         mask = np.zeros((1, capacity + 1), np.int64)
         mask[0, :filled] = 1
         mask[0, -1] = 1
-        out = m.run({info.tokens: np.array([[tok]], np.int64), "attention_mask": mask,
-                     "position_ids": np.array([[filled]], np.int64), info.length_input: np.array([filled], np.int64),
-                     **cache})
-        write(out, 1)
+        feeds = {info.tokens: np.array([[tok]], np.int64), "attention_mask": mask,
+                 "position_ids": np.array([[filled]], np.int64), info.length_input: np.array([filled], np.int64)}
+        if bound is not None:
+            out = bound.run(feeds)
+        else:
+            out = m.run({**feeds, **cache})
+            write(out, 1)
         filled += 1
         logits.append(out[info.logits][0, -1].astype(np.float64))
     lg = np.stack(logits)

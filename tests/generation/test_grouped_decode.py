@@ -21,7 +21,7 @@ import os
 import numpy as np
 import onnxruntime as ort
 import pytest
-from onnx import TensorProto, helper, numpy_helper
+from onnx import TensorProto, helper
 
 from conftest import hf_greedy
 from tessera.compiler.backends.onnx.bound_step import _ancestors
