@@ -46,12 +46,13 @@ def _tokens(model_path: str, text: str | None, n: int) -> list[int]:
     return (ids * (n // len(ids) + 1))[:n]
 
 
-def _load(model_path: str, kv: str, threads: int, sets=()):
+def _load(model_path: str, kv: str, threads: int, sets=(), gguf_weights: str = "codes"):
     from tessera.runtime.generation import loop
     from tessera.runtime.io import checkpoint
     from tessera.runtime.options import GenerateOptions, ModelRef
 
-    o = GenerateOptions(threads=threads, kv_cache_dtype=kv, provider="cpu", no_compile_cache=True).for_api()
+    o = GenerateOptions(threads=threads, kv_cache_dtype=kv, provider="cpu", no_compile_cache=True,
+                        gguf_weights=gguf_weights).for_api()
     o.check()
     ref = checkpoint.resolve(ModelRef(spec=model_path, sets=list(sets)))  # a GGUF file or folder: its spec
     return loop.load_model(ref, o)
@@ -186,6 +187,8 @@ def main(argv=None) -> dict:
     p.add_argument("--text", help="a text file: the prompts' tokens, and --quality's")
     p.add_argument("--quality-tokens", type=int, default=768)
     p.add_argument("--skip", default="", help="comma-separated parts to skip: speed, memory, quality")
+    p.add_argument("--gguf-weights", default="codes", choices=["codes", "codes-fp32", "dequantize"],
+                   help="a GGUF file's weights as MatMulNBits over its codes (default), or dequantised to fp32")
     p.add_argument("--json", help="write the results here")
     a = p.parse_args(argv)
     if not a.model:
@@ -193,9 +196,9 @@ def main(argv=None) -> dict:
     skip = set(filter(None, a.skip.split(",")))
     positions = [int(x) for x in a.positions.split(",")]
     t0 = time.perf_counter()
-    models = {kv: _load(a.model, kv, a.threads, a.set) for kv in ("fp32", "fp16")}
+    models = {kv: _load(a.model, kv, a.threads, a.set, a.gguf_weights) for kv in ("fp32", "fp16")}
     print(f"loaded both in {time.perf_counter() - t0:.0f} s; threads {a.threads}", flush=True)
-    result = {"model": str(a.model), "threads": a.threads}
+    result = {"model": str(a.model), "threads": a.threads, "gguf_weights": a.gguf_weights}
     if "memory" not in skip:
         result["memory"] = memory(models, max(positions), a.memory_gib)
     if "quality" not in skip and a.text:
