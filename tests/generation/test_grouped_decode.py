@@ -64,6 +64,7 @@ def _step(model, info, cache: dict, filled: np.ndarray, width: int):
     step = gen.BoundStep(gen.CachedModel(model.SerializeToString(), info, threads=1), bufs)
     feeds = {info.tokens: (np.arange(b)[:, None] * 7 + 3) % 50, "position_ids": filled[:, None],
              "attention_mask": mask, info.length_input: filled}
+    feeds = {k: v for k, v in feeds.items() if k in step.model.input_names}
     return step.run(feeds)[info.logits], bufs
 
 
@@ -316,3 +317,31 @@ def test_the_compile_cache_keys_the_option(monkeypatch):
     assert options_fingerprint(PipelineOptions())["grouped_decode"] is True
     monkeypatch.setenv("TESSERA_GROUPED_DECODE", "0")
     assert options_fingerprint(PipelineOptions())["grouped_decode"] is False
+
+
+def test_the_engines_variant_without_a_mask(models):
+    """The serving engine's ``prefix_keys`` variant (its step has no attention_bias: each row's keys are its
+    columns 0..cache_length): the grouped step builds a bias of its own, hiding the spare columns; one row
+    against the compiled step, where the grouped branch runs and where it has no room."""
+    import dataclasses
+
+    made = {}
+    for grouped in (False, True):
+        built = rt.build("llama", None, SETS)
+        options = dataclasses.replace(gen.cached_options(kv_cache_dtype="fp16", grouped_decode=grouped),
+                                      prefix_keys=True)
+        made[grouped] = gen.compile_cached(built, rt.weights_for(built, None, 0), options)
+    branch = grouped_branch(made[True][0])
+    assert branch is not None
+    gqa = next(n for n in branch.node if n.op_type == "GroupQueryAttention")
+    assert gqa.input[10].startswith("grouped_decode/")  # a bias of its own: the compiled step has none
+    compiled = next(a.g for n in made[False][0].graph.node if n.name == "bound_step/If" for a in n.attribute
+                    if a.name == "else_branch")
+    assert all(len(n.input) < 11 or not n.input[10] for n in compiled.node if n.op_type == "GroupQueryAttention")
+    for filled, width, ran in ((10, 20, True), (18, 20, False)):
+        ref, cache_ref = _step(*made[False], _caches(made[False][1], 1, width), np.array([filled]), width)
+        got, cache_got = _step(*made[True], _caches(made[True][1], 1, width), np.array([filled]), width)
+        assert np.abs(got - ref).max() <= TOL * np.ptp(ref), (filled, np.abs(got - ref).max())
+        k = made[True][1].layers[0].past_key
+        assert np.array_equal(cache_got[k][:, :, filled], cache_ref[k][:, :, filled])
+        assert np.array_equal(cache_got[k][:, :, filled + 1], cache_ref[k][:, :, filled]) == ran
