@@ -14,8 +14,9 @@ contexts, sequences that fit a fixed memory, and the quality on real text.
   from its buffers (``Engine.cache_bytes``: their nbytes); sequences at the largest --positions that fit
   --memory-gib GiB = floor(GiB / bytes per slot).
 - quality (--text): the text's first --quality-tokens tokens, the first quarter as the prompt and each
-  later token fed one at a time (teacher forcing) through the decoding step over the cache, so every
-  scored token is predicted by the step that reads the cache: the perplexity of those tokens, the largest
+  later token fed one at a time (teacher forcing) through the decoding step over the cache (the bound
+  step, as the engine runs it: with an fp16 cache the grouped form, compiler/backends/onnx/grouped_decode.py,
+  but at the buffer's last G - 1 columns), so every scored token is predicted by the step that reads the cache: the perplexity of those tokens, the largest
   |logits(fp16) - logits(fp32)| over the fp32 logits' range, and the steps whose argmax differs.
 ``tessera perplexity`` scores windows with the full model (no cache), so it cannot say this.
 """
@@ -45,12 +46,13 @@ def _tokens(model_path: str, text: str | None, n: int) -> list[int]:
     return (ids * (n // len(ids) + 1))[:n]
 
 
-def _load(model_path: str, kv: str, threads: int, sets=()):
+def _load(model_path: str, kv: str, threads: int, sets=(), gguf_weights: str = "codes"):
     from tessera.runtime.generation import loop
     from tessera.runtime.io import checkpoint
     from tessera.runtime.options import GenerateOptions, ModelRef
 
-    o = GenerateOptions(threads=threads, kv_cache_dtype=kv, provider="cpu", no_compile_cache=True).for_api()
+    o = GenerateOptions(threads=threads, kv_cache_dtype=kv, provider="cpu", no_compile_cache=True,
+                        gguf_weights=gguf_weights).for_api()
     o.check()
     ref = checkpoint.resolve(ModelRef(spec=model_path, sets=list(sets)))  # a GGUF file or folder: its spec
     return loop.load_model(ref, o)
@@ -108,7 +110,12 @@ def memory(models: dict, context: int, gib: float) -> dict:
 
 def _teacher_forced(m, ids: list[int], prompt: int) -> tuple[np.ndarray, np.ndarray]:
     """(log-probabilities of ids[prompt:], the logits [steps, vocab]) with ids[:prompt] as the prompt and
-    each later token fed through a decoding step over the cache (numpy feeds; the new columns written back)."""
+    each later token fed through a decoding step over the cache: the bound step where the graph has one (the
+    buffers bound in place, the kernel writing each new column, as the engine decodes: with an fp16 cache the
+    grouped form, compiler/backends/onnx/grouped_decode.py, but at the buffer's last columns), else numpy feeds
+    with the new columns written back."""
+    from tessera.runtime.generation.cached import BoundStep
+
     info = m.info
     capacity = len(ids)
     cache = {}
@@ -129,14 +136,18 @@ def _teacher_forced(m, ids: list[int], prompt: int) -> tuple[np.ndarray, np.ndar
     write(out, prompt)
     filled = prompt
     logits.append(out[info.logits][0, -1].astype(np.float64))
+    bound = BoundStep(m, cache) if info.length_input and all(layer.buffer_key for layer in info.layers) else None
     for tok in ids[prompt:-1]:
         mask = np.zeros((1, capacity + 1), np.int64)
         mask[0, :filled] = 1
         mask[0, -1] = 1
-        out = m.run({info.tokens: np.array([[tok]], np.int64), "attention_mask": mask,
-                     "position_ids": np.array([[filled]], np.int64), info.length_input: np.array([filled], np.int64),
-                     **cache})
-        write(out, 1)
+        feeds = {info.tokens: np.array([[tok]], np.int64), "attention_mask": mask,
+                 "position_ids": np.array([[filled]], np.int64), info.length_input: np.array([filled], np.int64)}
+        if bound is not None:
+            out = bound.run(feeds)
+        else:
+            out = m.run({**feeds, **cache})
+            write(out, 1)
         filled += 1
         logits.append(out[info.logits][0, -1].astype(np.float64))
     lg = np.stack(logits)
@@ -176,6 +187,8 @@ def main(argv=None) -> dict:
     p.add_argument("--text", help="a text file: the prompts' tokens, and --quality's")
     p.add_argument("--quality-tokens", type=int, default=768)
     p.add_argument("--skip", default="", help="comma-separated parts to skip: speed, memory, quality")
+    p.add_argument("--gguf-weights", default="codes", choices=["codes", "codes-fp32", "dequantize"],
+                   help="a GGUF file's weights as MatMulNBits over its codes (default), or dequantised to fp32")
     p.add_argument("--json", help="write the results here")
     a = p.parse_args(argv)
     if not a.model:
@@ -183,9 +196,9 @@ def main(argv=None) -> dict:
     skip = set(filter(None, a.skip.split(",")))
     positions = [int(x) for x in a.positions.split(",")]
     t0 = time.perf_counter()
-    models = {kv: _load(a.model, kv, a.threads, a.set) for kv in ("fp32", "fp16")}
+    models = {kv: _load(a.model, kv, a.threads, a.set, a.gguf_weights) for kv in ("fp32", "fp16")}
     print(f"loaded both in {time.perf_counter() - t0:.0f} s; threads {a.threads}", flush=True)
-    result = {"model": str(a.model), "threads": a.threads}
+    result = {"model": str(a.model), "threads": a.threads, "gguf_weights": a.gguf_weights}
     if "memory" not in skip:
         result["memory"] = memory(models, max(positions), a.memory_gib)
     if "quality" not in skip and a.text:

@@ -176,11 +176,29 @@ class FuseSkipNorms(ModelPass):
         return PassResult(exported.graph, bool(report.fused), [note])
 
 
+def grouped_note(model, on: bool) -> str:
+    """The grouped form's line of SplitBoundStep's note (backends/onnx/grouped_decode.py)."""
+    if not on:
+        return "GroupQueryAttention not grouped (off: grouped_decode / TESSERA_GROUPED_DECODE=0)"
+    from tessera.compiler.backends.onnx.grouped_decode import group_bound_step
+
+    done = group_bound_step(model)
+    if isinstance(done, int):
+        return (f"{done} GroupQueryAttention grouped (each key/value head's queries as rows: the fp16 cache "
+                f"converted once a step), the compiled form where a buffer has no room for the spare columns")
+    return f"GroupQueryAttention not grouped ({done})"
+
+
 class SplitBoundStep(ModelPass):
     """The bound decoding step as a branch of its own under one If (backends/onnx/bound_step.py); a graph
-    it does not fit is left as it is, and the note says why."""
+    it does not fit is left as it is, and the note says why. With ``grouped`` (PipelineOptions.grouped_decode),
+    then its GroupQueryAttention over an fp16 cache in the grouped form (backends/onnx/grouped_decode.py), or
+    the reason it is left as compiled, in the same note."""
 
     name = "split-bound-step"
+
+    def __init__(self, grouped: bool = True):
+        self.grouped = grouped
 
     def requires(self, exported: Exported) -> None:
         if exported.info is None:
@@ -194,4 +212,6 @@ class SplitBoundStep(ModelPass):
         done = split_bound_step(exported.model, columns)
         note = (f"decoding step bound in place: one If, a branch of its own ({done} nodes; no per-layer If, no cache "
                 "columns)" if isinstance(done, int) else f"decoding step bound in place: as above ({done})")
+        if isinstance(done, int):  # an fp16 cache's kernels grouped, or why not
+            note += "; " + grouped_note(exported.model, self.grouped)
         return PassResult(exported.graph, isinstance(done, int), [note])

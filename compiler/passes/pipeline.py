@@ -25,6 +25,7 @@ pass to the next; so is the CacheInfo (kv_cache.cache_info) and the encoder (Enc
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass
 from typing import Callable
 
@@ -47,6 +48,15 @@ from tessera.compiler.passes.site_groups import grouped_lines
 from tessera.compiler.passes.sparse_moe import SparseExperts
 
 ATTENTION_CHOICES = ("auto", "gqa", "mha", "block", "portable", "unfused")
+
+
+GROUPED_DECODE_ENV = "TESSERA_GROUPED_DECODE"  # "0": the bound step's grouped form off (backends/onnx/grouped_decode.py)
+
+
+def grouped_decode_default() -> bool:
+    """PipelineOptions.grouped_decode's default: on, unless the environment sets TESSERA_GROUPED_DECODE=0 (read
+    when the options are made, so the compile cache's key holds the value used)."""
+    return os.environ.get(GROUPED_DECODE_ENV, "1").strip() != "0"
 
 
 @dataclass(frozen=True)
@@ -84,6 +94,9 @@ class PipelineOptions:
     # the cached decoder's two ONNX-level passes after export (compiler/build.py); off only to measure them
     skip_norm: bool = True  # residual Add + norm as Skip(Simplified)LayerNormalization (backends/onnx/skip_norm.py)
     bound_step: bool = True  # the bound decoding step as a branch of its own (backends/onnx/bound_step.py)
+    # its GroupQueryAttention over an fp16 cache with each key/value head's queries as rows (backends/onnx/
+    # grouped_decode.py); the default reads TESSERA_GROUPED_DECODE ("0": off), keyed by the compile cache as given
+    grouped_decode: bool = dataclasses.field(default_factory=grouped_decode_default)
     # weights the checkpoint holds block-quantised (Param.stored, a GGUF file's codes): "codes" and
     # "codes-fp32" read them as MatMulNBits (passes/stored_codes.py), "dequantize" as the fp32 weights
     gguf_weights: str = "codes"
@@ -197,7 +210,7 @@ def cached_decoder_after_export(o: PipelineOptions) -> list[ModelPass]:
     if o.skip_norm:
         passes.append(FuseSkipNorms())
     if o.bound_step and o.target.device == "cpu":  # on CUDA its If would hold shape arithmetic on the device
-        passes.append(SplitBoundStep())
+        passes.append(SplitBoundStep(grouped=o.grouped_decode))
     return passes
 
 

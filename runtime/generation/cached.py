@@ -212,14 +212,18 @@ class CachedModel:
 
 def cached_options(mode: str = "auto", dtype: str = "fp32", target=None, sparse_moe: bool = True,
                    fuse_linears: bool = True, decode: str = "auto", last_only: bool = True, quantize=None,
-                   mixed: bool = False, skip_norm: bool = True, bound_step: bool = True, kv_cache_dtype: str = "auto"):
+                   mixed: bool = False, skip_norm: bool = True, bound_step: bool = True, kv_cache_dtype: str = "auto",
+                   grouped_decode: bool | None = None):
     """The cached_decoder pipeline's PipelineOptions from the keyword choices tests and benches name
     (``mode``: the cache, buffer or concat; ``target`` a passes.attention_kernels.Target, else the CPU
     at ``dtype``; ``quantize`` a QuantConfig; ``mixed`` the serving engine's combined call; ``skip_norm`` and ``bound_step`` the two passes after
-    export, off only to measure them; ``kv_cache_dtype`` the cache's precision, passes/kv_cache_dtype.py)."""
+    export, off only to measure them; ``kv_cache_dtype`` the cache's precision, passes/kv_cache_dtype.py;
+    ``grouped_decode`` the bound step's grouped form over an fp16 cache, backends/onnx/grouped_decode.py: None,
+    PipelineOptions' default)."""
+    grouped = {} if grouped_decode is None else {"grouped_decode": grouped_decode}
     return PipelineOptions(target or Target("cpu", dtype), quantize=quantize, sparse_moe=sparse_moe, cache=mode,
                            decode=decode, last_only=last_only, fuse_linears=fuse_linears, mixed=mixed,
-                           skip_norm=skip_norm, bound_step=bound_step, kv_cache_dtype=kv_cache_dtype)
+                           skip_norm=skip_norm, bound_step=bound_step, kv_cache_dtype=kv_cache_dtype, **grouped)
 
 
 def compile_cached(built, weights, options=None, **choices):
