@@ -185,7 +185,10 @@ def grouped_note(model, on: bool) -> str:
     done = group_bound_step(model)
     if isinstance(done, int):
         return (f"{done} GroupQueryAttention grouped (each key/value head's queries as rows: the fp16 cache "
-                f"converted once a step), the compiled form where a buffer has no room for the spare columns")
+                f"converted once a step), the compiled form for a step of several rows or where a buffer has no room "
+                f"for the spare columns")
+    if "not FLOAT16" in done and "is FLOAT," in done:  # an fp32 cache: nothing to say (the form is for fp16 only)
+        return ""
     return f"GroupQueryAttention not grouped ({done})"
 
 
@@ -212,6 +215,8 @@ class SplitBoundStep(ModelPass):
         done = split_bound_step(exported.model, columns)
         note = (f"decoding step bound in place: one If, a branch of its own ({done} nodes; no per-layer If, no cache "
                 "columns)" if isinstance(done, int) else f"decoding step bound in place: as above ({done})")
-        if isinstance(done, int):  # an fp16 cache's kernels grouped, or why not
-            note += "; " + grouped_note(exported.model, self.grouped)
+        grouped = grouped_note(exported.model, self.grouped) if isinstance(done, int) else ""
+        if grouped:  # an fp16 (or bf16) cache's kernels grouped, or why not; an fp32 cache says nothing
+            note += "; " + grouped
+
         return PassResult(exported.graph, isinstance(done, int), [note])
