@@ -26,6 +26,8 @@ q, k and v share one kind (and gate and up), so the linears that fusion joins sh
 
 from __future__ import annotations
 
+from tessera.compiler import ops
+
 KINDS = ("qkv", "o", "gate-up", "down", "head", "other")
 LEVELS = {"int8": 4, "float": 0}  # MatMulNBits accuracy_level
 NAME_KINDS = {"q": "qkv", "k": "qkv", "v": "qkv", "q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "qkv": "qkv",
@@ -68,3 +70,24 @@ def describe(levels: dict[str, int]) -> str:
     by = {lv: sorted({k for k, v in levels.items() if v == lv}, key=KINDS.index) for lv in set(levels.values())}
     words = {4: "int8 activations", 0: "fp32 activations"}
     return "; ".join(f"{words.get(lv, f'accuracy_level {lv}')}: {', '.join(ks)}" for lv, ks in sorted(by.items(), reverse=True))
+
+
+def is_output(graph, value: str) -> bool:
+    """Whether ``value`` is a model output, directly or through views and casts (``logits = head``
+    is an identity node)."""
+    seen, stack = set(), [value]
+    while stack:
+        v = stack.pop()
+        if v in graph.outputs:
+            return True
+        for c in graph.consumers(v):
+            if (c.op in ("identity", "cast") or ops.has_trait(c.op, "alias")) and c.outputs[0] not in seen:
+                seen.add(c.outputs[0])
+                stack.append(c.outputs[0])
+    return False
+
+
+def is_head(graph, node) -> bool:
+    """Whether the linear ``node`` is the output head: a model output (through views) or tied to an
+    embedding table (the rule compiler/passes/quantize.py gives the head its own bits by)."""
+    return is_output(graph, node.outputs[0]) or any(c.op == "embedding" for c in graph.consumers(node.inputs[1]))

@@ -67,6 +67,7 @@ import numpy as np
 
 from tessera.compiler import ops
 from tessera.compiler.passes import activations as act
+from tessera.compiler.passes.activations import is_output as _is_output
 from tessera.compiler.ir.graph import DTYPES, Graph, Param
 from tessera.compiler.passes.base import Pass, PassError, PassResult
 from tessera.compiler.passes.stored_codes import TAG as STORED, is_stored
@@ -429,21 +430,6 @@ def _stored_codes(graph: Graph, table: str, bits: int) -> dict[str, str] | None:
     if f"{table}.{STORED}_zeros" in graph.params or graph.params[names["packed"]].derive[2] != bits:
         return None
     return names
-
-
-def _is_output(graph: Graph, value: str) -> bool:
-    """Whether ``value`` is a model output, directly or through views and casts (``logits = head``
-    is an identity node)."""
-    seen, stack = set(), [value]
-    while stack:
-        v = stack.pop()
-        if v in graph.outputs:
-            return True
-        for c in graph.consumers(v):
-            if (c.op in ("identity", "cast") or ops.has_trait(c.op, "alias")) and c.outputs[0] not in seen:
-                seen.add(c.outputs[0])
-                stack.append(c.outputs[0])
-    return False
 
 
 def quantized_bytes(graph: Graph) -> int:

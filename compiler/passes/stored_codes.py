@@ -80,7 +80,7 @@ class KeepStoredCodes(Pass):
             if p is None or p.stored is None or p.dtype != "f32" or len(p.shape) != 2:
                 continue
             bits, block, kind, mins = p.stored
-            head = _is_head(graph, node)
+            head = act.is_head(graph, node)
             if bits == 8 and act.level(self.activations, node.name, head) == 0:
                 # no fast fp32 path for 8 bits: read as fp32, exactly
                 notes.append(StoredNote(node.name, w, kind, kept=False, level=0, product=act.kind(node.name, head)))
@@ -108,10 +108,3 @@ class KeepStoredCodes(Pass):
             notes.append(StoredNote(node.name, w, kind, level=level, product=product))
         return PassResult(graph, any(n.kept for n in notes), notes)
 
-
-def _is_head(graph: Graph, node) -> bool:
-    """Whether the linear ``node`` is the output head: a model output (through views) or tied to an
-    embedding table (quantize.py's rule)."""
-    from tessera.compiler.passes.quantize import _is_output
-
-    return _is_output(graph, node.outputs[0]) or any(c.op == "embedding" for c in graph.consumers(node.inputs[1]))
