@@ -92,3 +92,15 @@ def test_a_bad_value_is_a_clear_error(bad, capsys, tmp_path):
     assert "activations must be int8, float or float:KIND[,KIND...]" in err and "Traceback" not in err
     with pytest.raises(PassError, match="qkv, o, gate-up, down, head, other"):
         QuantConfig("int4", activations=bad).check()
+
+
+def test_the_report_says_which_products_run_which_way(capsys):
+    import json
+
+    rc, out, err = cli(capsys, "report", MODELS / "llama.tsr", *SETS, "--quantize", "int4", "--quantize-activations",
+                       "float:down,head", "--format", "json")
+    assert rc == 0, err
+    q = json.loads(out)["quantization"]
+    assert q["activations"] == "float:down,head"
+    assert q["activations_in_words"] == ("fp32 activations in down, head (--quantize-activations float:down,head), "
+                                         "int8 in the rest")
