@@ -104,3 +104,10 @@ def test_the_report_says_which_products_run_which_way(capsys):
     assert q["activations"] == "float:down,head"
     assert q["activations_in_words"] == ("fp32 activations in down, head (--quantize-activations float:down,head), "
                                          "int8 in the rest")
+
+
+def test_serve_explains_the_activations_the_file_records(capsys):
+    rc, _, err = cli(capsys, "serve", MODELS / "llama.tsr", *SETS, "--quantize", "int4", "--quantize-activations",
+                     "float:down", "--explain")
+    assert rc == 0, err
+    assert "one scale per 32 input features, activations fp32 in down, int8 in the rest;" in err, err
