@@ -23,6 +23,7 @@ from tessera.compiler.passes.kv_cache import CacheInfo, cache_info
 from tessera.compiler.passes.model_passes import Exported
 from tessera.compiler.passes.pipeline import PipelineOptions, attention_sites, expert_sites, explain as explain_sites, \
     explain_experts, pipeline
+from tessera.compiler.passes.activations import describe as describe_levels
 from tessera.compiler.passes.quantize import QuantizeWeights, embedding_line, head_line, linear_notes
 from tessera.compiler.passes.stored_codes import KeepStoredCodes
 from tessera.compiler.passes.recurrence import ChooseRecurrenceLowering, explain as explain_scans
@@ -154,6 +155,8 @@ class FullCompile:
             lines.append(f"quantised linears: {done} of {len(linears)} ({self.quantize.scheme}, "
                          f"{self.quantize.granularity}; {head_line(self.quantize, notes)})")
             lines += [f"  {n.describe()}" for n in linears if not n.quantized]
+            if not self.quantize.per_row:
+                lines.append(f"  activations: {self.quantize.activation_words()} (--quantize-activations)")
             lines.append(embedding_line(self.quantize, notes))
         stored = explain_stored(self.result)
         if stored:
@@ -176,8 +179,12 @@ def explain_stored(result: PipelineResult) -> str:
         kinds: dict[str, int] = {}
         for n in kept:
             kinds[n.kind] = kinds.get(n.kind, 0) + 1
+        levels: dict[str, int] = {}
+        for n in notes:  # a kind whose linears differ in level (none do: one level per kind) shows its last
+            levels[n.product] = n.level
         line = (f"linears reading the GGUF file's own codes (MatMulNBits, no requantisation): {len(kept)} ("
-                + ", ".join(f"{k}: {v}" for k, v in kinds.items()) + ")")
+                + ", ".join(f"{k}: {v}" for k, v in kinds.items()) + ")"
+                + f"\n  activations: {describe_levels(levels)}")
     if len(kept) < len(notes):
         line += ("\n" if line else "") + (f"linears over 8-bit codes read as fp32 (--gguf-weights codes-fp32: "
                                           f"onnxruntime has no fast fp32 path for 8 bits): {len(notes) - len(kept)}")

@@ -48,7 +48,6 @@ CACHES = ("auto", "buffer", "concat")
 KV_CACHE_DTYPES = ("auto", "fp32", "fp16", "int8", "int4")
 DECODES = ("auto", "gqa", "gqa-unpacked", "plain")
 PROVIDERS = ("auto", "cpu", "cuda")
-QUANT_ACTIVATIONS = ("int8", "float")
 QUANT_HEADS = ("auto", "float", "8", "4", "on")  # --quantize-head: compiler/passes/quantize.py HEADS
 QUANT_EMBEDDINGS = ("auto", "float", "8")  # --quantize-embedding: compiler/passes/quantize.py EMBEDDINGS
 GGUF_WEIGHTS = ("codes", "codes-fp32", "dequantize")  # runtime/io/gguf_codes.py MODES
@@ -296,10 +295,15 @@ class QuantOptions(Options):
                                            "larger is faster and less accurate (int4 at 128: about 1.3x faster "
                                            "decoding, a larger error; docs/benchmarks/table.md Q8) (default 32; int8 and "
                                            "int4)")
-    quantize_activations: str | None = flag(None, choices=list(QUANT_ACTIVATIONS),
-                                            help="int8: MatMulNBits quantises the activations to int8 inside each "
-                                                 "product (accuracy_level 4, faster); float: the product runs in fp32 "
-                                                 "(accuracy_level 0) (default int8)")
+    quantize_activations: str | None = flag(
+        None, metavar="{int8,float,float:KIND[,KIND]}",
+        help="which products round their activations to int8 inside MatMulNBits (accuracy_level 4) and which keep "
+             "them in fp32 (accuracy_level 0): int8 (every product, the default), float (every product), or "
+             "float:KIND[,KIND...] with KIND one of qkv, o, gate-up, down, head, other (the rest int8). Measured on "
+             "an AVX2 CPU without VNNI (bench/matmul_nbits_choice.py): at one token fp32 activations make a 4-bit "
+             "product 3-4x slower and an 8-bit one 10-100x (SmolLM2-135M's down projections in fp32 alone: +30 x "
+             "0.15 ms a token); int8 activations cost SmolLM2-135M's GGUF codes +0.3 %% perplexity against "
+             "llama.cpp's (docs/benchmarks/log.md). With --quantize, it applies to a GGUF file's own codes too")
     quantize_head: str | bool = flag(
         "auto", nargs="?", const="on", choices=list(QUANT_HEADS), metavar="{float,8,4}",
         help="the output head's bits (its errors go straight into the logits): float, 8 or 4. By default (auto) 8 "
@@ -322,7 +326,9 @@ class QuantOptions(Options):
         check_int(self.label("quantize_block"), self.quantize_block, optional=True)
         if not isinstance(self.quantize_head, bool):  # the API takes True / False too (quant_config says how)
             check_choice(self.label("quantize_head"), str(self.quantize_head), QUANT_HEADS)
-        check_choice(self.label("quantize_activations"), self.quantize_activations, QUANT_ACTIVATIONS, optional=True)
+        if self.quantize_activations is not None and not isinstance(self.quantize_activations, str):
+            raise UsageError(f"{self.label('quantize_activations')} must be a string (int8, float or "
+                             f"float:KIND[,KIND...]), got {self.quantize_activations!r}")  # the values: quant_config
         check_choice(self.label("quantize_embedding"), str(self.quantize_embedding), QUANT_EMBEDDINGS)
         self.quant_config()  # the rules between them (--quantize-block needs --quantize, a power of two...)
 

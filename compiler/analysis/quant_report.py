@@ -25,7 +25,7 @@ def describe_quantization(config, float_bytes: int, quantized_bytes: int, notes:
             "embedding_shares_head_codes": any(n.quantized and n.reason in ("shared", "stored") for n in tables),
             "embeddings_in_float": [{"node": n.node, "table": n.weight, "reason": n.reason}
                                     for n in tables if not n.quantized],
-            "activations": config.activations,
+            "activations": config.activations, "activations_in_words": config.activation_words(),
             "weights_bytes": quantized_bytes, "float_weights_bytes": float_bytes,
             "ratio": float_bytes / quantized_bytes if quantized_bytes else None,
             "quantized_linears": len(notes) - len(kept), "float_linears": len(kept),
@@ -45,6 +45,7 @@ def describe_stored(mode: str, graph, notes: list, float_bytes: int, stored_byte
     for n in kept:
         by_type[n.kind] = by_type.get(n.kind, 0) + 1
     return {"mode": mode, "held": held, "codes_linears": len(kept), "by_type": by_type,
-            "linears": [{"node": n.node, "weight": n.weight, "type": n.kind} for n in kept],
+            "linears": [{"node": n.node, "weight": n.weight, "type": n.kind, "product": n.product,
+                         "activations": "int8" if n.level == 4 else "fp32"} for n in kept],
             "read_as_fp32": [{"node": n.node, "weight": n.weight, "type": n.kind} for n in notes if not n.kept],
             "weights_bytes": stored_bytes, "float_weights_bytes": float_bytes}

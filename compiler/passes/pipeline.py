@@ -151,7 +151,11 @@ def sparse_moe_impl(target) -> str | None:
 
 def _stored(o: PipelineOptions) -> list[Pass]:
     """The checkpoint's own block-quantised weights, first (before any --quantize)."""
-    return [] if o.gguf_weights == "dequantize" else [KeepStoredCodes(o.gguf_weights)]
+    if o.gguf_weights == "dequantize":
+        return []
+    # --quantize-activations, where given with --quantize, chooses the codes' products' activations too
+    floats = o.quantize.activations if o.quantize is not None and not o.quantize.per_row else None
+    return [KeepStoredCodes(o.gguf_weights, floats)]
 
 
 def full(o: PipelineOptions) -> list[Pass]:

@@ -66,6 +66,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from tessera.compiler import ops
+from tessera.compiler.passes import activations as act
+from tessera.compiler.passes.activations import is_output as _is_output
 from tessera.compiler.ir.graph import DTYPES, Graph, Param
 from tessera.compiler.passes.base import Pass, PassError, PassResult
 from tessera.compiler.passes.stored_codes import TAG as STORED, is_stored
@@ -81,10 +83,9 @@ HEADS = ("auto", "float", "8", "4", "on")
 # codes; float under w8a8), float or 8
 EMBEDDINGS = ("auto", "float", "8")
 EMBEDDING_BITS = 8  # the one width embedding_nbits stores
-# MatMulNBits' accuracy_level: 0 computes in fp32 from dequantised weights; 4 quantises each block
-# of activations to int8 at run time and uses onnxruntime's integer kernels (several times faster
-# for one token at a time on this CPU: docs/benchmarks/log.md).
-ACTIVATIONS = {"int8": 4, "float": 0}
+# MatMulNBits' accuracy_level per kind of linear (--quantize-activations: compiler/passes/activations.py):
+# 0 computes in fp32 from dequantised weights; 4 quantises each block of activations to int8 at run time
+# and uses onnxruntime's integer kernels (3-4x faster for one token at a time on this CPU: docs/benchmarks/log.md).
 DEFAULT_BLOCK = 32
 MIN_OUTPUTS = 16
 
@@ -97,7 +98,7 @@ class QuantConfig:
     scheme: str
     block_size: int = DEFAULT_BLOCK
     head: str = "auto"
-    activations: str = "int8"  # "int8": MatMulNBits quantises activations at run time (accuracy_level 4)
+    activations: str = "int8"  # int8, float or float:KIND[,KIND] (compiler/passes/activations.py): accuracy_level per kind
     embedding: str = "auto"  # the token embedding tables' bits (EMBEDDINGS: embedding_bits)
 
     def __post_init__(self):
@@ -140,7 +141,18 @@ class QuantConfig:
 
     def describe(self) -> str:
         """The quantisation in words (generate's --explain: what the compiled decoder holds, hit or miss)."""
-        return f"{self.scheme}, {self.granularity}; {self.head_words()}; {self.embedding_words()}"
+        return f"{self.scheme}, {self.granularity}; {self.head_words()}; {self.embedding_words()}" + \
+            ("" if self.per_row else f"; {self.activation_words()}")
+
+    def activation_words(self) -> str:
+        """Which products round their activations to int8, in words (--quantize-activations)."""
+        floats = act.float_kinds(self.activations)
+        if not floats:
+            return "int8 activations in every product"
+        if floats == frozenset(act.KINDS):
+            return "fp32 activations in every product (--quantize-activations float)"
+        return (f"fp32 activations in {', '.join(k for k in act.KINDS if k in floats)} (--quantize-activations "
+                f"{self.activations}), int8 in the rest")
 
     def embedding_words(self) -> str:
         """The embedding tables' treatment in words, for --explain and the report."""
@@ -192,8 +204,10 @@ class QuantConfig:
         if isinstance(b, bool) or not isinstance(b, int) or b < 16 or b & (b - 1):
             raise PassError(f"the quantisation block size must be a power of two of at least 16 "
                             f"(MatMulNBits' rule), got {b!r}")
-        if self.activations not in ACTIVATIONS:
-            raise PassError(f"quantize activations must be one of {', '.join(ACTIVATIONS)}, got {self.activations!r}")
+        try:
+            act.check(self.activations)
+        except ValueError as e:
+            raise PassError(f"quantize {e}") from None
 
 
 @dataclass(frozen=True)
@@ -262,7 +276,7 @@ class QuantizeWeights(Pass):
         else:
             op = "linear_nbits"
             attrs = {"bits": bits, "block_size": self.config.block_size, "K": k, "N": n,
-                     "accuracy_level": ACTIVATIONS[self.config.activations]}
+                     "accuracy_level": act.level(self.config.activations, node.name, head)}
             if self.config.zero_points:
                 attrs["zero_points"] = 1
         names = self._codes(graph, w, bits)
@@ -416,21 +430,6 @@ def _stored_codes(graph: Graph, table: str, bits: int) -> dict[str, str] | None:
     if f"{table}.{STORED}_zeros" in graph.params or graph.params[names["packed"]].derive[2] != bits:
         return None
     return names
-
-
-def _is_output(graph: Graph, value: str) -> bool:
-    """Whether ``value`` is a model output, directly or through views and casts (``logits = head``
-    is an identity node)."""
-    seen, stack = set(), [value]
-    while stack:
-        v = stack.pop()
-        if v in graph.outputs:
-            return True
-        for c in graph.consumers(v):
-            if (c.op in ("identity", "cast") or ops.has_trait(c.op, "alias")) and c.outputs[0] not in seen:
-                seen.add(c.outputs[0])
-                stack.append(c.outputs[0])
-    return False
 
 
 def quantized_bytes(graph: Graph) -> int:

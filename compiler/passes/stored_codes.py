@@ -31,6 +31,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tessera.compiler.ir.graph import Graph, Param
+from tessera.compiler.passes import activations as act
 from tessera.compiler.passes.base import Pass, PassResult
 from tessera.compiler.reference.quant import blocks, packed_shape, zeros_shape
 
@@ -44,6 +45,8 @@ class StoredNote:
     weight: str
     kind: str  # the source type (Q4_0 ...)
     kept: bool = True  # False: 8-bit codes under codes-fp32, read as the fp32 weight instead
+    level: int = 4  # MatMulNBits' accuracy_level (4: int8 activations, 0: fp32)
+    product: str = "other"  # the linear's kind (compiler/passes/activations.py)
 
     def describe(self) -> str:
         return f"{self.node} ({self.weight}): " + (f"the file's {self.kind} codes" if self.kept else
@@ -59,10 +62,13 @@ def is_stored(graph: Graph, value: str) -> bool:
 class KeepStoredCodes(Pass):
     name = "stored-codes"
 
-    def __init__(self, mode: str = "codes"):
+    def __init__(self, mode: str = "codes", activations: str | None = None):
+        """``activations``: under ``codes``, the kinds kept in fp32 (--quantize-activations' values,
+        compiler/passes/activations.py; None: int8 in every product). ``codes-fp32`` is fp32 in all."""
         if mode not in ACCURACY:
             raise ValueError(f"stored codes mode must be one of {', '.join(ACCURACY)}, got {mode!r}")
-        self.mode = mode
+        act.check(activations)
+        self.mode, self.activations = mode, "float" if mode == "codes-fp32" else activations
 
     def run(self, graph: Graph) -> PassResult:
         notes = []
@@ -74,24 +80,31 @@ class KeepStoredCodes(Pass):
             if p is None or p.stored is None or p.dtype != "f32" or len(p.shape) != 2:
                 continue
             bits, block, kind, mins = p.stored
-            if bits == 8 and self.mode == "codes-fp32":  # no fast fp32 path for 8 bits: read as fp32, exactly
-                notes.append(StoredNote(node.name, w, kind, kept=False))
+            head = act.is_head(graph, node)
+            if bits == 8 and act.level(self.activations, node.name, head) == 0:
+                # no fast fp32 path for 8 bits: read as fp32, exactly
+                notes.append(StoredNote(node.name, w, kind, kept=False, level=0, product=act.kind(node.name, head)))
                 continue
             n, k = p.shape
             names = {}
             parts = [("packed", packed_shape(n, k, bits, block), "u8"), ("scales", (n, blocks(k, block)), "f32")]
             if mins:  # zero points 0 and an offset per block: w = scale * u + offset
                 parts += [("zeros", zeros_shape(n, k, bits, block), "u8"), ("mins", (n, blocks(k, block)), "f32")]
+            product = act.kind(node.name, head)
+            level = act.level(self.activations, node.name, head)
             for part, shape, dtype in parts:
                 path = f"{w}.{TAG}_{part}"
+                # int8 activations: the zero points nearest each block's offset (quant.py centre_zero_points)
+                recipe = f"centred_{part}" if level == 4 and part in ("zeros", "mins") else part
                 if path not in graph.params:
-                    graph.add_param(Param(path, shape, dtype, "derived", 0.0, p.pos, (TAG, w, bits, block, part)))
+                    graph.add_param(Param(path, shape, dtype, "derived", 0.0, p.pos, (TAG, w, bits, block, recipe)))
                 names[part] = path
-            attrs = {"bits": bits, "block_size": block, "K": k, "N": n, "accuracy_level": ACCURACY[self.mode]}
+            attrs = {"bits": bits, "block_size": block, "K": k, "N": n, "accuracy_level": level}
             if mins:
                 attrs.update(zero_points=1, block_mins=1)
             graph.replace_node(node.name, "linear_nbits", [node.inputs[0], *names.values(), *node.inputs[2:]], attrs)
             if not graph.consumers(w):
                 graph.remove_param(w)
-            notes.append(StoredNote(node.name, w, kind))
+            notes.append(StoredNote(node.name, w, kind, level=level, product=product))
         return PassResult(graph, any(n.kept for n in notes), notes)
+

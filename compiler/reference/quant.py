@@ -95,6 +95,25 @@ def pack_zeros(zp: np.ndarray, bits: int) -> np.ndarray:
     return np.ascontiguousarray(zp[:, 0::2] | (zp[:, 1::2] << 4))
 
 
+def centre_zero_points(scales: np.ndarray, mins: np.ndarray, bits: int) -> tuple[np.ndarray, np.ndarray]:
+    """A block-with-offset weight w = scale * u + offset (a GGUF file's Q4_1, Q5_1, Q4_K, Q5_K: zero point
+    0, u in [0, 2^bits)) rewritten with the integer zero point nearest -offset / scale (clipped to the
+    codes' range) and the offset left over: w = scale * (u - zp) + (offset + zp * scale), the same weight
+    to one rounding of the fp32 offset. Returns (zero points [N, blocks] uint8, offsets [N, blocks] f32).
+
+    Why: MatMulNBits' int8 activations (accuracy_level 4) round x per block; the kernel multiplies the
+    rounded x by (u - zp) and the offsets are added from x's exact block sums (compiler/ops/linalg.py
+    ``block_mins``), so the rounding's error is scale * sum((x_rounded - x) * (u - zp)). With zp 0 every
+    u - zp is >= 0 (7.5 on average at 4 bits) and the errors of a block add up instead of cancelling;
+    centred, (u - zp) has about the weights' own sign and size, as in llama.cpp's dot products, where the
+    rounded x multiplies the whole weight (docs/benchmarks/log.md, "One row, one kernel")."""
+    scales = np.asarray(scales, np.float32)
+    mins = np.asarray(mins, np.float32)
+    safe = np.where(scales == 0, np.float32(1), scales)
+    zp = np.where(scales == 0, 0, np.clip(np.rint(-mins / safe), 0, 2 ** bits - 1)).astype(np.uint8)
+    return zp, (mins + zp.astype(np.float32) * scales).astype(np.float32)
+
+
 def unpack_zeros(packed: np.ndarray, bits: int, nb: int) -> np.ndarray:
     if bits == 8:
         return packed[:, :nb]
@@ -193,6 +212,7 @@ def int8_product(x: np.ndarray, q: np.ndarray, scales: np.ndarray) -> np.ndarray
     return (acc.astype(np.float32) * scales.astype(np.float32)) * xs
 
 
+CENTRED = ("centred_zeros", "centred_mins")  # a stored code's parts with its zero points centred (centre_zero_points)
 RECENT = 4  # quantised weights ParamValues keeps: a fused q/k/v reads each part of its three weights in turn
 
 
@@ -224,6 +244,9 @@ class ParamValues(Mapping):
             read = getattr(self.weights, "stored", None)
             if read is None:
                 raise ValueError(f"{path} is a stored code of {source}, and these weights hold none")
+            if part in CENTRED:  # zero points nearest the block's offset (int8 activations): centre_zero_points
+                zp, offsets = centre_zero_points(read(source, "scales"), read(source, "mins"), bits)
+                return pack_zeros(zp, bits) if part == "centred_zeros" else offsets
             return read(source, part)
         if kind not in ("quantize", "quantize_zp") or part not in ("packed", "scales", "zeros") or \
                 (part == "zeros" and kind != "quantize_zp"):

@@ -250,6 +250,8 @@ def _quantization(rep: dict) -> list[Rows]:
     if q.get("quantized_embeddings"):
         rows.append([f"  {q['quantized_embeddings']} embedding table(s) stored at {q['embedding_bits']} bits", "", ""])
     rows += [[f"  kept: {e['node']} (embedding): {e['reason']}", "", ""] for e in q.get("embeddings_in_float", [])]
+    if q.get("activations_in_words"):
+        rows.append([f"  activations: {q['activations_in_words']}", "", ""])
     embedding = f"embedding at {q['embedding_bits']} bits" if q.get("embedding_bits") else "embedding float"
     return [(f"Quantisation ({q['scheme']}, {q['granularity']}, {head}, {embedding})", ["", "bytes", ""], rows)]
 
@@ -266,7 +268,9 @@ def _gguf_codes(rep: dict) -> list[Rows]:
         by = ", ".join(f"{k}: {v}" for k, v in g["by_type"].items())
         rows.append([f"linears reading the file's own codes (MatMulNBits, no requantisation): "
                      f"{g['codes_linears']}" + (f" ({by})" if by else ""), "", ""])
-        rows += [[f"  {x['node']} ({x['weight']}): {x['type']}", "", ""] for x in g["linears"][:8]]
+        rows += [[f"  {x['node']} ({x['weight']}): {x['type']}" + (f", {x['activations']} activations"
+                                                                  if x.get("activations") else ""), "", ""]
+                 for x in g["linears"][:8]]
         if len(g["linears"]) > 8:
             rows.append([f"  ... and {len(g['linears']) - 8} more", "", ""])
         if g["read_as_fp32"]:

@@ -83,6 +83,14 @@ def short_call_logits(model) -> int:
     return int(value) if value.isdigit() else 0
 
 
+def _activations_words(value: str) -> str:
+    """--quantize-activations' value as the file records it, in words: ``float:down`` (fp32 in the MLP's down
+    projection: compiler/passes/activations.py) as "activations fp32 in down, int8 in the rest"."""
+    if value.startswith("float:"):
+        return f"activations fp32 in {value[len('float:'):].replace(',', ', ')}, int8 in the rest"
+    return f"activations {value} in the product"
+
+
 def weights_line(model) -> str:
     """The --explain line on the served weights: float, or the quantisation the file records
     (compiler/build.py's ``tessera.quantize`` metadata, read as untrusted input by runtime/metadata.py)."""
@@ -92,7 +100,7 @@ def weights_line(model) -> str:
         return "weights: float (no --quantize)"
     q = metadata.quantization(meta[metadata.QUANTIZE_KEY], "the served model")
     how = "one scale per output row, each activation row quantised at run time" if q["block_size"] == ROWS \
-        else f"one scale per {q['block_size']} input features, activations {q['activations']} in the product"
+        else f"one scale per {q['block_size']} input features, {_activations_words(q['activations'])}"
     head = (f"at {q['head_bits']} bits" if q.get("head_bits") else "quantised") if q["head"] else "in float"
     embedding = f"at {q['embedding_bits']} bits" if q.get("embedding_bits") else "float"
     return f"weights: {q['scheme']} ({how}; the output head {head}; the embedding {embedding})"
