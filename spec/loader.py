@@ -11,11 +11,12 @@ from __future__ import annotations
 import os
 import stat
 from dataclasses import dataclass, field
+from functools import lru_cache
 from importlib import resources
 from pathlib import Path
 
 from . import ast
-from .diagnostics import SpecError
+from .diagnostics import SpecError, register_source
 from .ast_cache import parse as parse_text  # lark only when the cache misses
 
 
@@ -38,6 +39,16 @@ def _stdlib_files() -> list[tuple[str, str]]:
         if entry.name.endswith(".tsr"):
             out.append((f"<stdlib>/{entry.name}", entry.read_text()))
     return out
+
+
+@lru_cache(maxsize=4)
+def _stdlib_blocks(files: tuple[tuple[str, str], ...]) -> tuple[ast.BlockDef, ...]:
+    """The standard library's blocks, parsed once a process for each text of its files (keyed by the
+    texts, so an edited file is parsed afresh). Why: every ``load_program`` needs them, and even a hit
+    of the AST cache costs an unpickle of the whole library (about 6 ms of the 6.5 ms a small spec's
+    load took, measured), once per model built: thousands of times in the test suite. Sharing is safe:
+    the AST is frozen dataclasses and tuples (spec/ast.py), which the elaborator only reads."""
+    return tuple(b for name, text in files for b in parse_text(text, name).blocks)
 
 
 # A spec is a page or two of text; a bigger file is a mistake (and slow to parse).
@@ -81,10 +92,11 @@ def load_program(path: str | Path) -> Program:
     path = Path(path)
     display = str(path)
     prog = Program(display)
-    for name, text in _stdlib_files():
-        spec = parse_text(text, name)
-        for b in spec.blocks:
-            prog.blocks[b.name] = b
+    files = tuple(_stdlib_files())
+    for name, text in files:
+        register_source(name, text)  # diagnostics quote the library's source, as parse_text does
+    for b in _stdlib_blocks(files):
+        prog.blocks[b.name] = b
     stdlib_names = set(prog.blocks)
     seen_files: dict[Path, str] = {}
     text = read_spec_text(path, display)

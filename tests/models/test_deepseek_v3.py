@@ -83,23 +83,33 @@ def test_logits_and_count_equal_transformers(case):
         assert np.abs(got - ref).max() <= TOL
 
 
+@pytest.fixture(scope="module")
+def compiled(case):
+    """The case's cached decoder, compiled once for both penalties (as test_llama4.py's ``cached``):
+    (weights, compile info, CachedModel)."""
+    from tessera.runtime.generation.cached import CachedModel, compile_cached
+
+    _, folder = case
+    built = pipeline.build(SPEC, weights=str(folder))
+    weights = pipeline.weights_for(built, str(folder), 0)
+    compiled, info = compile_cached(pipeline.build(SPEC, weights=str(folder)), weights)
+    return weights, info, CachedModel(compiled.SerializeToString(), info)
+
+
 @pytest.mark.parametrize("penalty", [1.0, 1.3])
-def test_cached_greedy_generation_of_a_left_padded_batch_equals_transformers(case, penalty):
+def test_cached_greedy_generation_of_a_left_padded_batch_equals_transformers(case, compiled, penalty):
     import onnxruntime as ort
 
     from tessera.compiler.backends.onnx import export as onnx_export
     from tessera.compiler.passes.pipeline import PipelineOptions
     from tessera.compiler.passes.pipeline import pipeline as named_pipeline
-    from tessera.runtime.generation.cached import CachedModel, compile_cached, generate
+    from tessera.runtime.generation.cached import generate
     from tessera.runtime.generation.sampling import Sampling
 
     model, folder = case
-    built = pipeline.build(SPEC, weights=str(folder))
-    weights = pipeline.weights_for(built, str(folder), 0)
-    compiled, info = compile_cached(pipeline.build(SPEC, weights=str(folder)), weights)
+    weights, info, cached = compiled
     # every layer caches its full keys (nope + rope = 12 per head) and its narrower values (6)
     assert [(layer.kv_heads, layer.head_size, layer.value_size) for layer in info.layers] == [(4, 12, 6)] * 3
-    cached = CachedModel(compiled.SerializeToString(), info)
     rng = np.random.default_rng(3)
     prompts = [rng.integers(1, VOCAB, 11).tolist(), rng.integers(1, VOCAB, 5).tolist()]
     new = 12

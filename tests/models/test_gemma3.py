@@ -83,16 +83,24 @@ def test_the_layer_kinds_and_the_two_bases_matter(case):
         assert np.abs(interpret.run(g, weights, {"tokens": tokens})["logits"] - ref).max() > 100 * TOL, change
 
 
-@pytest.mark.parametrize("penalty", [1.0, 1.3])
-def test_cached_greedy_generation_of_a_left_padded_batch_equals_transformers(case, penalty):
-    from tessera.runtime.generation.cached import CachedModel, compile_cached, generate
-    from tessera.runtime.generation.sampling import Sampling
+@pytest.fixture(scope="module")
+def cached(case):
+    """The case's cached decoder, compiled once for both penalties (as test_llama4.py's)."""
+    from tessera.runtime.generation.cached import CachedModel, compile_cached
 
     name, model, folder = case
     built = pipeline.build(SPEC, weights=str(folder))
     weights = pipeline.weights_for(built, str(folder), 0)
     compiled, info = compile_cached(pipeline.build(SPEC, weights=str(folder)), weights)
-    cached = CachedModel(compiled.SerializeToString(), info)
+    return CachedModel(compiled.SerializeToString(), info)
+
+
+@pytest.mark.parametrize("penalty", [1.0, 1.3])
+def test_cached_greedy_generation_of_a_left_padded_batch_equals_transformers(case, cached, penalty):
+    from tessera.runtime.generation.cached import generate
+    from tessera.runtime.generation.sampling import Sampling
+
+    name, model, folder = case
     rng = np.random.default_rng(3)
     prompts = [rng.integers(3, 200, 11).tolist(), rng.integers(3, 200, 5).tolist()]
     new = 14   # past the window of 6 while decoding

@@ -93,14 +93,43 @@ SCRIPT = re.compile(r"# (/\S+\.py)\b")  # a python block that is a file the page
 
 def _shell(command: str, where: str) -> None:
     """A transcript's other commands: ``python FILE`` (a script the page showed) or ``python -c CODE``,
-    run with this interpreter; they must succeed."""
+    run with this interpreter; they must succeed. A script runs in this process (``_script``); ``-c``
+    code in a subprocess (the one real ``python`` process of the pages)."""
     import subprocess
     import sys
 
     argv = shlex.split(command)
     assert Path(argv[0]).name == "python", f"{where}: only tessera and python commands run here"
+    if len(argv) == 2 and argv[1].endswith(".py"):
+        _script(argv[1], where)
+        return
     done = subprocess.run([sys.executable, *argv[1:]], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, f"{where} failed:\n{done.stderr[-3000:]}"
+
+
+def _script(path: str, where: str) -> None:
+    """``python FILE`` in this process, as ``__main__`` with its own argv: the families' scripts build
+    small checkpoints with torch and transformers, whose import alone cost a subprocess several seconds
+    (7 scripts). It must finish without an exception or a non-zero exit. torch's global RNG, which the
+    scripts seed, is put back afterwards (when torch was loaded before) so that no later test sees their seed."""
+    import runpy
+    import sys
+    import traceback
+
+    torch = sys.modules.get("torch")
+    rng = torch.random.get_rng_state() if torch is not None else None
+    argv = sys.argv
+    sys.argv = [path]
+    try:
+        runpy.run_path(path, run_name="__main__")
+    except SystemExit as e:
+        assert e.code in (None, 0), f"{where} failed: exit status {e.code}"
+    except Exception:  # noqa: BLE001 - any failure of the page's script fails the example, with its traceback
+        pytest.fail(f"{where} failed:\n{traceback.format_exc()[-3000:]}")
+    finally:
+        sys.argv = argv
+        if rng is not None:
+            torch.random.set_rng_state(rng)
 
 
 def _transcript(path: Path, block, variables: dict) -> None:
