@@ -338,7 +338,10 @@ def test_the_packaged_smollm2_chats_and_reads_as_llama_cpp_does(tmp_path_factory
     # llama.cpp's smollm pre-tokenizer: digits one by one, then GPT-2's split ("\n\n" one token before a digit)
     assert [tok.decode([i]) for i in tok.encode("in 2024.\n\n1. Text").ids] == \
         ["in", " ", "2", "0", "2", "4", ".", "\n\n", "1", ".", " Text"]
-    rc, out, err = cli(capsys, "generate", path, "--chat", "--prompt", "What is the capital of France?",
+    # "What is the capital of France?" alone starts its answer with a near tie ("The" over "L'" by 0.08 nats in
+    # fp32), which the default's int8 activations flip; asked for one sentence, the first token leads by 1.6
+    rc, out, err = cli(capsys, "generate", path, "--chat", "--prompt",
+                       "What is the capital of France? Answer in one sentence.",
                        "--max-new-tokens", 12, "--format", "json", "-q")
     assert rc == 0, err
     assert "Paris" in json.loads(out)["outputs"][0]["text"]
