@@ -78,6 +78,13 @@ class ServerProcess:
                 raise RuntimeError(f"the server did not start: {self.output()}")
             time.sleep(0.1)
 
+    def greedy_token_ids(self, prompt, max_tokens: int) -> list[int]:
+        """One greedy /v1/completions request's token ids (asserts a 200)."""
+        r = httpx.post(self.url + "/v1/completions", timeout=120,
+                       json={"prompt": prompt, "max_tokens": max_tokens, "temperature": 0})
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["token_ids"]
+
     def output(self) -> str:
         self.log.flush()
         return open(self.log.name).read()

@@ -83,14 +83,8 @@ def test_a_serve_process_answers_concurrent_requests_with_transformers_tokens(se
     name, _, folder, want = served
     server = ServerProcess([folder, "--max-batch", 3], tmp_path / "server.log")
     try:
-        def ask(prompt):
-            r = httpx.post(server.url + "/v1/completions", timeout=120,
-                           json={"prompt": prompt, "max_tokens": NEW, "temperature": 0})
-            assert r.status_code == 200, r.text
-            return r.json()["choices"][0]["token_ids"]
-
         with ThreadPoolExecutor(len(PROMPTS)) as pool:  # four requests at once, three slots: one joins later
-            got = list(pool.map(ask, PROMPTS))
+            got = list(pool.map(lambda p: server.greedy_token_ids(p, NEW), PROMPTS))
     finally:
         assert server.stop() == 0, server.output()
     assert got == want, (name, server.output())

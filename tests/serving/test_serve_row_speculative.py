@@ -125,14 +125,8 @@ def test_a_serve_process_answers_concurrent_requests_as_tessera_generate(case, c
     server = ServerProcess([folder, "--max-batch", 3, "--speculative", "ngram", "--draft-tokens", K],
                            tmp_path / "server.log")
     try:
-        def ask(prompt):
-            r = httpx.post(server.url + "/v1/completions", timeout=120,
-                           json={"prompt": prompt, "max_tokens": NEW, "temperature": 0})
-            assert r.status_code == 200, r.text
-            return r.json()["choices"][0]["token_ids"]
-
         with ThreadPoolExecutor(len(PROMPTS)) as pool:
-            got = list(pool.map(ask, PROMPTS))
+            got = list(pool.map(lambda p: server.greedy_token_ids(p, NEW), PROMPTS))
         metrics = httpx.get(server.url + "/metrics", timeout=10).text
     finally:
         assert server.stop() == 0, server.output()
